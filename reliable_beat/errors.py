@@ -1,0 +1,131 @@
+"""The whole exception tree of reliable_beat.
+
+Every error the library raises on purpose derives from :class:`ReliableBeatError`,
+and also from the builtin that fits, so ``except ValueError`` keeps working::
+
+    ReliableBeatError
+    ├── ConfigurationError (ValueError)      bad settings, bad entry definitions
+    │   ├── InvalidScheduleError              cron string / interval / one-off that cannot be read
+    │   ├── UnknownTimezoneError              not an IANA zone name zoneinfo knows
+    │   └── EntryValidationError              one or more entries are invalid (lists all problems)
+    ├── EntryNotFoundError (LookupError)     no entry with that name
+    ├── SchemaError (RuntimeError)           the database schema is missing or behind
+    ├── StoreUnavailableError (ConnectionError)  the database cannot be reached
+    ├── IdempotencyKeyError (ValueError)     an ad-hoc call has no derivable idempotency key
+    ├── StaleFenceToken (RuntimeError)       a runner's fence token was superseded; its writes were rolled back
+    ├── LeaseHeldError (RuntimeError)        another runner holds a live lease on the run
+    ├── PermanentError                       raise from a task body: no retry, dead letter at once
+    └── DeliveryError                        an outbox handler failed to deliver
+        └── PermanentDeliveryError           ... and retrying cannot help (dead letter at once)
+
+Original exceptions are kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "ConfigurationError",
+    "DeliveryError",
+    "EntryNotFoundError",
+    "EntryValidationError",
+    "IdempotencyKeyError",
+    "InvalidScheduleError",
+    "LeaseHeldError",
+    "PermanentDeliveryError",
+    "PermanentError",
+    "ReliableBeatError",
+    "SchemaError",
+    "StaleFenceToken",
+    "StoreUnavailableError",
+    "UnknownTimezoneError",
+]
+
+
+class ReliableBeatError(Exception):
+    """Base class of every error raised on purpose by reliable_beat."""
+
+
+class ConfigurationError(ReliableBeatError, ValueError):
+    """A setting or an entry definition is invalid. The message names it and the fix."""
+
+
+class InvalidScheduleError(ConfigurationError):
+    """A schedule (cron string, interval, one-off instant) cannot be read."""
+
+
+class UnknownTimezoneError(ConfigurationError):
+    """A time zone name is not an IANA zone known to :mod:`zoneinfo`."""
+
+
+class EntryValidationError(ConfigurationError):
+    """One or more entries are invalid.
+
+    Attributes:
+        problems: one ``"entry 'name': what is wrong; how to fix"`` string per problem,
+            all of them, not just the first.
+    """
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} invalid entr{'y' if len(self.problems) == 1 else 'ies'}:\n{lines}")
+
+
+class EntryNotFoundError(ReliableBeatError, LookupError):
+    """No entry with the given name exists."""
+
+
+class SchemaError(ReliableBeatError, RuntimeError):
+    """The reliable_beat tables are missing or behind the package's migrations.
+
+    Fix: run ``reliable-beat db upgrade`` (or set ``reliable_beat_run_migrations = True``).
+    """
+
+
+class StoreUnavailableError(ReliableBeatError, ConnectionError):
+    """The database cannot be reached; the operation can be retried later."""
+
+
+class IdempotencyKeyError(ReliableBeatError, ValueError):
+    """An ad-hoc call of an ``IdempotentTask`` has no derivable idempotency key.
+
+    Fix: pass ``idempotency_key=`` in the call's headers, or override
+    ``IdempotentTask.idempotency_key_for(*args, **kwargs)``.
+    """
+
+
+class StaleFenceToken(ReliableBeatError, RuntimeError):
+    """The run's fence token moved on: another runner claimed it after us.
+
+    Everything the stale runner wrote in its transaction was rolled back.
+
+    Attributes:
+        idempotency_key: the run's key.
+        fence_token: the token this runner held.
+    """
+
+    def __init__(self, idempotency_key: str, fence_token: int) -> None:
+        self.idempotency_key = idempotency_key
+        self.fence_token = fence_token
+        super().__init__(
+            f"run {idempotency_key!r}: fence token {fence_token} is stale (another runner "
+            "claimed the run after this one); this runner's writes were rolled back"
+        )
+
+
+class LeaseHeldError(ReliableBeatError, RuntimeError):
+    """Another runner holds a live lease on the run; try again after it expires."""
+
+
+class PermanentError(ReliableBeatError):
+    """Raise from a task body to fail permanently: no retry, the run is dead-lettered."""
+
+
+class DeliveryError(ReliableBeatError):
+    """An outbox handler could not deliver a message; it will be retried with backoff."""
+
+
+class PermanentDeliveryError(DeliveryError):
+    """An outbox handler failed in a way retrying cannot fix; dead-letter at once."""

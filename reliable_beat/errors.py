@@ -12,7 +12,7 @@ and also from the builtin that fits, so ``except ValueError`` keeps working::
     ├── SchemaError (RuntimeError)           the database schema is missing or behind
     ├── StoreUnavailableError (ConnectionError)  the database cannot be reached
     ├── IdempotencyKeyError (ValueError)     an ad-hoc call has no derivable idempotency key
-    ├── StaleFenceToken (RuntimeError)       a runner's fence token was superseded; its writes were rolled back
+    ├── StaleFenceToken (RuntimeError)       a newer claim superseded this runner; writes rolled back
     ├── LeaseHeldError (RuntimeError)        another runner holds a live lease on the run
     ├── PermanentError                       raise from a task body: no retry, dead letter at once
     └── DeliveryError                        an outbox handler failed to deliver
@@ -70,7 +70,8 @@ class EntryValidationError(ConfigurationError):
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} invalid entr{'y' if len(self.problems) == 1 else 'ies'}:\n{lines}")
+        noun = "entry" if len(self.problems) == 1 else "entries"
+        super().__init__(f"{len(self.problems)} invalid {noun}:\n{lines}")
 
 
 class EntryNotFoundError(ReliableBeatError, LookupError):

@@ -1,0 +1,50 @@
+# The two commands a newcomer needs:   make demo   and   make test
+# Everything installs into ./.venv from this project's own files.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint type wheel-check docs bench faults clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev,docs]"
+	touch $@
+
+# Runs the payouts example on the embedded default (SQLite store, SQLite broker): two beats,
+# a worker and a relay for a bounded time, then prints the report.
+demo: $(VENV)/.installed
+	$(PY) -m examples.payouts --seconds 40
+
+# Unit, integration (real PostgreSQL + Redis started by the tests) and acceptance tests.
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check reliable_beat tests examples benchmarks
+
+type: $(VENV)/.installed
+	$(VENV)/bin/mypy
+
+# Build the wheel, install it in a clean venv and prove it finds its migrations.
+wheel-check: $(VENV)/.installed
+	rm -rf dist .venv-wheel
+	$(PY) -m pip wheel -q --no-deps -w dist .
+	$(PYTHON) -m venv .venv-wheel
+	.venv-wheel/bin/pip install -q dist/*.whl
+	cd /tmp && RELIABLE_BEAT_DATABASE_URL=sqlite:////tmp/rb-wheel-check.sqlite3 $(CURDIR)/.venv-wheel/bin/reliable-beat db upgrade
+	cd /tmp && RELIABLE_BEAT_DATABASE_URL=sqlite:////tmp/rb-wheel-check.sqlite3 $(CURDIR)/.venv-wheel/bin/reliable-beat db check
+	rm -f /tmp/rb-wheel-check.sqlite3*
+
+docs: $(VENV)/.installed
+	$(VENV)/bin/sphinx-build -W -q -b html docs docs/_build/html
+
+bench: $(VENV)/.installed
+	$(PY) -m benchmarks
+
+faults: $(VENV)/.installed
+	$(PY) -m reliable_beat.testing.faults --minutes 30
+
+clean:
+	rm -rf $(VENV) .venv-wheel dist build *.egg-info .tox

@@ -1,0 +1,1 @@
+"""SQL store: tables, dialect quirks, hot statements and migrations."""

@@ -1,0 +1,206 @@
+"""Per-dialect choices, made once per engine: locking, upserts, the clock, connection setup.
+
+* PostgreSQL: ``FOR UPDATE SKIP LOCKED``, ``ON CONFLICT DO NOTHING``, ``RETURNING``,
+  ``clock_timestamp()``; each role's connections get server-side bounds
+  (``idle_in_transaction_session_timeout``, ``lock_timeout``) so a frozen process cannot hold
+  rows hostage.
+* SQLite: every write transaction is ``BEGIN IMMEDIATE`` (serialised writers, the
+  single-writer equivalent of SKIP LOCKED), WAL journal, a busy timeout; ``ON CONFLICT DO
+  NOTHING``; the clock is the single host's clock (there is no server).
+* MySQL 8 / MariaDB 10.6+: left possible (SKIP LOCKED exists there); not tested yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Engine, Select, Table, create_engine, event, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.sql.dml import Insert
+
+from reliable_beat.errors import ConfigurationError, StoreUnavailableError
+
+__all__ = ["ROLE_TIMEOUTS_MS", "Store", "redact_url"]
+
+#: Server-side bounds per process role, in milliseconds: (idle in transaction, lock wait).
+#: The beat's claim transactions are short, so a beat frozen inside one (GC pause, SIGSTOP)
+#: loses its transaction after 5 s and other beats take its entries over.
+#: Workers run user bodies inside a transaction, so they get no idle bound by default.
+ROLE_TIMEOUTS_MS: dict[str, tuple[int, int]] = {
+    "beat": (5_000, 5_000),
+    "relay": (30_000, 5_000),
+    "worker": (0, 30_000),
+    "cli": (0, 30_000),
+}
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with its password replaced by ``***`` (safe for logs and banners)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL at all: show nothing secret
+        return "<unparseable database URL>"
+
+
+@dataclass
+class Store:
+    """A database engine plus the dialect choices reliable_beat makes for it.
+
+    Safe to share between threads; create one per process (engines do not survive ``fork``).
+
+    Attributes:
+        engine: the SQLAlchemy engine.
+        url: the database URL (contains the password; use :attr:`safe_url` for display).
+    """
+
+    engine: Engine
+    url: str
+
+    @classmethod
+    def from_url(cls, url: str, *, role: str = "cli", echo: bool = False) -> Store:
+        """Create the engine for ``url`` with the connection setup of ``role``.
+
+        Args:
+            url: SQLAlchemy URL, e.g. ``postgresql+psycopg://u:p@host/db`` or
+                ``sqlite:///reliable_beat.sqlite3``.
+            role: ``beat``, ``worker``, ``relay`` or ``cli``; picks the server-side timeouts.
+
+        Raises:
+            ConfigurationError: the URL cannot be parsed or names an unsupported dialect.
+        """
+        try:
+            parsed = make_url(url)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"reliable_beat_database_url {redact_url(url)!r} is not a SQLAlchemy URL; "
+                "expected e.g. 'postgresql+psycopg://user:pass@host/db' or 'sqlite:///file.sqlite3'"
+            ) from exc
+        backend = parsed.get_backend_name()
+        kwargs: dict[str, Any] = {"echo": echo, "future": True}
+        if backend == "sqlite":
+            kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
+        elif backend == "postgresql":
+            idle_ms, lock_ms = ROLE_TIMEOUTS_MS.get(role, ROLE_TIMEOUTS_MS["cli"])
+            opts = f"-c lock_timeout={lock_ms} -c idle_in_transaction_session_timeout={idle_ms}"
+            kwargs["connect_args"] = {
+                "options": opts,
+                "application_name": f"reliable_beat:{role}",
+                "connect_timeout": 10,
+            }
+            kwargs["pool_pre_ping"] = True
+        elif backend not in ("mysql", "mariadb"):
+            raise ConfigurationError(
+                f"reliable_beat_database_url uses {backend!r}; supported: postgresql, sqlite "
+                "(mysql/mariadb 10.6+ planned)"
+            )
+        engine = create_engine(parsed, **kwargs)
+        if backend == "sqlite":
+            _setup_sqlite(engine)
+        return cls(engine=engine, url=url)
+
+    @property
+    def dialect(self) -> str:
+        """The dialect name: ``postgresql``, ``sqlite``, ``mysql`` or ``mariadb``."""
+        return self.engine.dialect.name
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with its password hidden."""
+        return redact_url(self.url)
+
+    @property
+    def has_skip_locked(self) -> bool:
+        """True where ``FOR UPDATE SKIP LOCKED`` exists (PostgreSQL, MySQL 8, MariaDB 10.6+)."""
+        return self.dialect in ("postgresql", "mysql", "mariadb")
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A connection inside one transaction; commits on success, rolls back on error.
+
+        On SQLite the transaction is ``BEGIN IMMEDIATE`` (it takes the write lock at once).
+
+        Raises:
+            StoreUnavailableError: the database cannot be reached (``__cause__`` holds why).
+        """
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except OperationalError as exc:
+            if _is_disconnect(exc):
+                raise StoreUnavailableError(
+                    f"database {self.safe_url} is unavailable: {exc.orig!s}"
+                ) from exc
+            raise
+
+    def now(self, conn: Connection) -> datetime:
+        """The store's clock as a UTC-aware ``datetime`` (design.md invariant 4).
+
+        PostgreSQL: ``clock_timestamp()`` of the server. SQLite: this host's clock (a SQLite
+        store is single-host, so the host clock is the one clock).
+        """
+        if self.dialect == "postgresql":
+            value = conn.execute(select(func.clock_timestamp())).scalar_one()
+            return value.astimezone(timezone.utc)  # type: ignore[no-any-return]
+        if self.dialect in ("mysql", "mariadb"):
+            value = conn.execute(select(func.utc_timestamp(6))).scalar_one()
+            return value.replace(tzinfo=timezone.utc)  # type: ignore[no-any-return]
+        return datetime.now(timezone.utc)
+
+    def for_update_skip_locked(self, stmt: Select[Any]) -> Select[Any]:
+        """Add ``FOR UPDATE SKIP LOCKED`` where the dialect has it; SQLite serialises instead."""
+        if self.has_skip_locked:
+            return stmt.with_for_update(skip_locked=True)
+        return stmt
+
+    def insert_ignore(self, table: Table) -> Insert:
+        """``INSERT ... ON CONFLICT DO NOTHING``: a duplicate is a no-op, not an error."""
+        if self.dialect == "postgresql":
+            return postgresql.insert(table).on_conflict_do_nothing()
+        if self.dialect == "sqlite":
+            return sqlite.insert(table).on_conflict_do_nothing()
+        return table.insert().prefix_with("IGNORE")
+
+    def dispose(self) -> None:
+        """Close all pooled connections (call after ``fork`` in the child, or at shutdown)."""
+        self.engine.dispose()
+
+
+def _is_disconnect(exc: DBAPIError) -> bool:
+    if exc.connection_invalidated:
+        return True
+    text = str(exc.orig).lower()
+    return any(
+        s in text
+        for s in (
+            "connection refused",
+            "could not connect",
+            "server closed the connection",
+            "terminating connection",
+            "connection is closed",
+            "the database system is",
+            "consuming input failed",
+            "no connection to the server",
+        )
+    )
+
+
+def _setup_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")

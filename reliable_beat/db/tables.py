@@ -1,0 +1,201 @@
+"""SQLAlchemy Core tables of the reliable_beat store.
+
+All tables are prefixed ``reliable_beat_`` and live on one :data:`metadata` with a naming
+convention, so migrations name constraints predictably. They must live in the same database
+as the effects the tasks write (design.md §3), or effect and idempotency key cannot commit
+together. JSON columns are JSONB on PostgreSQL; instants are ``timestamptz`` (UTC text on
+SQLite, see :class:`~reliable_beat.db.types.UTCDateTime`).
+
+Run states (``reliable_beat_runs.state``)::
+
+    scheduled -> dispatched -> running -> succeeded
+                                  |   \\-> retrying -> running ...
+                                  \\-> dead
+    skipped   (a slot the misfire / overlap policy decided not to fire; recorded, never sent)
+
+Attempt outcomes: ``running``, ``succeeded``, ``failed``, ``retrying``, ``deduplicated``,
+``fenced_out``, ``dead``, ``busy`` (another runner held a live lease).
+Outbox states: ``pending``, ``sent``, ``dead``.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    false,
+    text,
+)
+
+from reliable_beat.db.types import JSONType, UTCDateTime
+
+__all__ = [
+    "attempts",
+    "dead_letters",
+    "entries",
+    "metadata",
+    "outbox",
+    "runs",
+]
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+# BIGINT ids on server databases; SQLite needs INTEGER PRIMARY KEY for rowid aliasing.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+entries = Table(
+    "reliable_beat_entries",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("name", String(200), nullable=False, unique=True),
+    Column("task", String(255), nullable=False),
+    Column("args", JSONType, nullable=False, default=list),
+    Column("kwargs", JSONType, nullable=False, default=dict),
+    # Celery publish options: queue, routing_key, priority, expires (seconds), headers.
+    Column("options", JSONType, nullable=False, default=dict),
+    Column("schedule_kind", String(16), nullable=False),  # cron | interval | once
+    Column("schedule", JSONType, nullable=False),  # Schedule.to_spec()
+    Column("timezone", String(64), nullable=False, server_default="UTC"),
+    Column("misfire_policy", String(16), nullable=False, server_default="fire_once"),
+    Column("misfire_grace_seconds", Float, nullable=False, server_default="60"),
+    Column("catch_up_limit", Integer, nullable=False, server_default="100"),
+    Column("catch_up_window_seconds", Float, nullable=True),
+    Column("overlap_policy", String(16), nullable=False, server_default="allow"),
+    Column("enabled", Boolean, nullable=False, server_default=text("true")),
+    Column("paused", Boolean, nullable=False, server_default=false()),
+    Column("paused_at", UTCDateTime, nullable=True),
+    Column("origin", String(16), nullable=False, server_default="runtime"),  # config | runtime
+    Column("config_hash", String(64), nullable=True),
+    Column("start_at", UTCDateTime, nullable=True),
+    Column("end_at", UTCDateTime, nullable=True),
+    Column("next_fire_at", UTCDateTime, nullable=True),
+    Column("last_fire_at", UTCDateTime, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Index(
+        "ix_reliable_beat_entries_due",
+        "next_fire_at",
+        postgresql_where=text("enabled AND NOT paused AND next_fire_at IS NOT NULL"),
+        sqlite_where=text("enabled AND NOT paused AND next_fire_at IS NOT NULL"),
+    ),
+)
+
+runs = Table(
+    "reliable_beat_runs",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("idempotency_key", String(400), nullable=False, unique=True),
+    Column("entry_name", String(200), nullable=True),
+    Column("fire_at", UTCDateTime, nullable=True),
+    # schedule | catch_up | manual | backfill | adhoc
+    Column("trigger", String(16), nullable=False, server_default="schedule"),
+    Column("task", String(255), nullable=False),
+    Column("args", JSONType, nullable=False, default=list),
+    Column("kwargs", JSONType, nullable=False, default=dict),
+    Column("state", String(16), nullable=False),
+    Column("fence_token", BigInteger, nullable=False, server_default="0"),
+    Column("leased_by", String(200), nullable=True),
+    Column("lease_expires_at", UTCDateTime, nullable=True),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("result", JSONType, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("reason", Text, nullable=True),  # why skipped / why dead
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Column("dispatched_at", UTCDateTime, nullable=True),
+    Column("started_at", UTCDateTime, nullable=True),
+    Column("finished_at", UTCDateTime, nullable=True),
+    UniqueConstraint("entry_name", "fire_at"),
+    Index("ix_reliable_beat_runs_state", "state"),
+    Index("ix_reliable_beat_runs_entry_name_created_at", "entry_name", "created_at"),
+)
+
+attempts = Table(
+    "reliable_beat_attempts",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column(
+        "run_id",
+        BigId,
+        ForeignKey("reliable_beat_runs.id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    Column("attempt", Integer, nullable=False),
+    Column("fence_token", BigInteger, nullable=False),
+    Column("worker", String(200), nullable=True),
+    Column("task_id", String(64), nullable=True),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("finished_at", UTCDateTime, nullable=True),
+    Column("outcome", String(16), nullable=False),
+    Column("error", Text, nullable=True),
+    Column("retry_in_seconds", Float, nullable=True),
+)
+
+outbox = Table(
+    "reliable_beat_outbox",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    # Stable message id / idempotency key, derived from the row's origin; the far end dedupes on it.
+    Column("message_id", String(400), nullable=False, unique=True),
+    Column("destination", String(200), nullable=False),
+    Column("payload", JSONType, nullable=False),
+    Column("headers", JSONType, nullable=False, default=dict),
+    Column("ordering_key", String(200), nullable=True),
+    Column("run_id", BigId, nullable=True),
+    Column("state", String(16), nullable=False, server_default="pending"),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("available_at", UTCDateTime, nullable=False),
+    Column("claimed_by", String(200), nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("sent_at", UTCDateTime, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Index(
+        "ix_reliable_beat_outbox_pending",
+        "available_at",
+        postgresql_where=text("state = 'pending'"),
+        sqlite_where=text("state = 'pending'"),
+    ),
+    Index("ix_reliable_beat_outbox_ordering_key_id", "ordering_key", "id"),
+    Index("ix_reliable_beat_outbox_state_sent_at", "state", "sent_at"),
+)
+
+dead_letters = Table(
+    "reliable_beat_dead_letters",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("kind", String(16), nullable=False),  # run | outbox
+    Column("run_id", BigId, nullable=True),
+    Column("outbox_id", BigId, nullable=True),
+    Column("key", String(400), nullable=False),  # idempotency key or outbox message id
+    Column("entry_name", String(200), nullable=True),
+    Column("task", String(255), nullable=True),
+    Column("destination", String(200), nullable=True),
+    # What is needed to replay it: {"task", "args", "kwargs"} or the outbox row.
+    Column("payload", JSONType, nullable=False),
+    Column("reason", String(32), nullable=False),  # permanent | exhausted | undeliverable
+    Column("error", Text, nullable=True),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("requeued_at", UTCDateTime, nullable=True),
+    Column("requeued_by", String(200), nullable=True),
+    Index("ix_reliable_beat_dead_letters_created_at", "created_at"),
+)

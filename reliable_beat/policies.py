@@ -1,0 +1,95 @@
+"""Misfire, overlap and retry policies, and the full-jitter backoff formula.
+
+Misfire and overlap semantics follow design.md §6; the retry backoff is "full jitter" from
+Marc Brooker, *Exponential Backoff And Jitter* (AWS Architecture Blog, 2015):
+https://aws.amazon.com/blogs/architecture/exponential-backoff-and-jitter/
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass
+
+__all__ = ["MisfirePolicy", "OverlapPolicy", "RetryPolicy", "backoff_delay"]
+
+
+class MisfirePolicy(str, enum.Enum):
+    """What slots found late by more than ``misfire_grace`` get (e.g. after downtime).
+
+    * ``CATCH_UP``: every missed slot fires, oldest first, at most ``catch_up_limit`` of them
+      (and only those inside the catch-up window); older ones are recorded as skipped.
+    * ``FIRE_ONCE`` (default, what stock beat users expect): one run, labelled with the
+      latest missed slot; the others are recorded as skipped.
+    * ``SKIP``: none fire; every missed slot is recorded as skipped.
+
+    A slot late by at most ``misfire_grace`` is not a misfire under any policy: it fires.
+    """
+
+    CATCH_UP = "catch_up"
+    FIRE_ONCE = "fire_once"
+    SKIP = "skip"
+
+
+class OverlapPolicy(str, enum.Enum):
+    """What a slot gets while the entry's previous run is still unfinished.
+
+    * ``ALLOW`` (default): fire anyway.
+    * ``SKIP``: record the slot as skipped.
+    * ``BUFFER_ONE``: keep the slot waiting (state ``scheduled``, not sent) until the running
+      one finishes; at most one slot is buffered, later ones are skipped.
+
+    ``SKIP`` and ``BUFFER_ONE`` decide from run state, which only ``IdempotentTask`` keeps.
+    """
+
+    ALLOW = "allow"
+    SKIP = "skip"
+    BUFFER_ONE = "buffer_one"
+
+
+def backoff_delay(
+    attempt: int,
+    *,
+    base: float = 1.0,
+    cap: float = 600.0,
+    rng: random.Random | None = None,
+) -> float:
+    """Full-jitter exponential backoff: ``uniform(0, min(cap, base * 2**attempt))``.
+
+    Args:
+        attempt: 0 for the first retry, 1 for the second, ... (any size: the power is capped
+            before it can overflow a float, so ``attempt=2000`` is fine).
+        base: seconds, > 0.
+        cap: seconds, the largest possible delay.
+        rng: a ``random.Random`` for reproducible draws; the module RNG by default.
+
+    Returns:
+        The delay in seconds (``float``), in ``[0, min(cap, base * 2**attempt)]``.
+
+    Raises:
+        ValueError: ``attempt`` < 0, ``base`` <= 0 or ``cap`` < 0.
+    """
+    if attempt < 0 or base <= 0 or cap < 0:
+        raise ValueError(f"backoff_delay(attempt={attempt}, base={base}, cap={cap}): bad arguments")
+    # 2**attempt overflows a float at 1024; once base*2**attempt passes cap, cap binds anyway.
+    ceiling = cap if attempt >= 1023 else min(cap, base * 2.0**attempt)
+    return (rng or random).uniform(0.0, ceiling)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a failing run is retried.
+
+    Attributes:
+        max_attempts: tries in all, the first included (``max_retries + 1``); then dead letter.
+        base_seconds: backoff base (see :func:`backoff_delay`).
+        cap_seconds: the largest delay between two attempts.
+    """
+
+    max_attempts: int = 6
+    base_seconds: float = 1.0
+    cap_seconds: float = 600.0
+
+    def delay(self, retry_number: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before retry ``retry_number`` (0 for the first retry)."""
+        return backoff_delay(retry_number, base=self.base_seconds, cap=self.cap_seconds, rng=rng)

@@ -1,0 +1,150 @@
+"""All ``reliable_beat_*`` settings, read once into one :class:`Settings` object.
+
+Settings come from the Celery configuration (``app.conf.reliable_beat_database_url = ...``)
+or any mapping. An unknown ``reliable_beat_*`` key is an error listing the valid ones, so a
+typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from reliable_beat.errors import ConfigurationError
+from reliable_beat.policies import MisfirePolicy, OverlapPolicy, RetryPolicy
+
+__all__ = ["DEFAULT_DATABASE_URL", "PREFIX", "Settings"]
+
+PREFIX = "reliable_beat_"
+#: The embedded default store: a SQLite file in the working directory.
+DEFAULT_DATABASE_URL = "sqlite:///reliable_beat.sqlite3"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, with its unit in its name. Celery key = ``reliable_beat_`` + field name.
+
+    Attributes:
+        database_url: SQLAlchemy URL of the store. Default: ``$RELIABLE_BEAT_DATABASE_URL``,
+            else :data:`DEFAULT_DATABASE_URL`.
+        run_migrations: upgrade a server database's schema on start (SQLite always is).
+        batch_size: entries claimed per tick transaction.
+        misfire_policy / misfire_grace_seconds / catch_up_limit / catch_up_window_seconds /
+            overlap_policy: defaults for entries that do not set their own.
+        lease_seconds: how long a worker's claim on a run lasts without renewal.
+        retry_max_attempts / retry_base_seconds / retry_cap_seconds: task retry defaults.
+        outbox_handlers: destination name -> dotted path of a handler callable.
+        outbox_max_attempts / outbox_retry_base_seconds / outbox_retry_cap_seconds: relay retry.
+        outbox_retention_seconds: sent outbox rows older than this are purged (7 days).
+        outbox_batch_size: rows claimed per relay transaction.
+        relay_poll_seconds: relay idle poll period when no NOTIFY arrives.
+        backfill_limit: most slots one backfill creates unless forced.
+        metrics_port: serve Prometheus metrics on this port (None: off).
+        owner_id: name of this process in leases and logs (default: host:pid).
+    """
+
+    database_url: str = field(
+        default_factory=lambda: os.environ.get("RELIABLE_BEAT_DATABASE_URL", DEFAULT_DATABASE_URL)
+    )
+    run_migrations: bool = False
+    batch_size: int = 500
+    misfire_policy: str = MisfirePolicy.FIRE_ONCE.value
+    misfire_grace_seconds: float = 60.0
+    catch_up_limit: int = 100
+    catch_up_window_seconds: float | None = None
+    overlap_policy: str = OverlapPolicy.ALLOW.value
+    lease_seconds: float = 60.0
+    retry_max_attempts: int = RetryPolicy.max_attempts
+    retry_base_seconds: float = RetryPolicy.base_seconds
+    retry_cap_seconds: float = RetryPolicy.cap_seconds
+    outbox_handlers: Mapping[str, str] = field(default_factory=dict)
+    outbox_max_attempts: int = 10
+    outbox_retry_base_seconds: float = 1.0
+    outbox_retry_cap_seconds: float = 300.0
+    outbox_retention_seconds: float = 7 * 24 * 3600.0
+    outbox_batch_size: int = 200
+    relay_poll_seconds: float = 1.0
+    backfill_limit: int = 1000
+    metrics_port: int | None = None
+    owner_id: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.misfire_policy not in {p.value for p in MisfirePolicy}:
+            problems.append(
+                f"reliable_beat_misfire_policy={self.misfire_policy!r}: expected one of "
+                + ", ".join(p.value for p in MisfirePolicy)
+            )
+        if self.overlap_policy not in {p.value for p in OverlapPolicy}:
+            problems.append(
+                f"reliable_beat_overlap_policy={self.overlap_policy!r}: expected one of "
+                + ", ".join(p.value for p in OverlapPolicy)
+            )
+        for name in ("batch_size", "outbox_batch_size", "retry_max_attempts", "lease_seconds"):
+            if getattr(self, name) <= 0:
+                problems.append(f"reliable_beat_{name} must be > 0")
+        if problems:
+            raise ConfigurationError("; ".join(problems))
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        """Every accepted configuration key, prefixed."""
+        return [PREFIX + f.name for f in fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, conf: Mapping[str, Any]) -> Settings:
+        """Read the ``reliable_beat_*`` keys of ``conf`` (other keys are ignored).
+
+        Raises:
+            ConfigurationError: an unknown ``reliable_beat_*`` key (the message lists the
+                valid ones) or an invalid value.
+        """
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        unknown = []
+        for key in list(conf.keys()):
+            if not isinstance(key, str) or not key.lower().startswith(PREFIX):
+                continue
+            name = key.lower()[len(PREFIX) :]
+            if name not in known:
+                unknown.append(key)
+                continue
+            value = conf[key]
+            if value is not None or name in ("catch_up_window_seconds", "metrics_port"):
+                values[name] = value
+        if unknown:
+            raise ConfigurationError(
+                f"unknown setting(s) {', '.join(sorted(unknown))}; valid reliable_beat settings: "
+                + ", ".join(cls.valid_keys())
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_celery(cls, app_or_conf: Any) -> Settings:
+        """Read settings from a Celery app or its ``app.conf``."""
+        conf = getattr(app_or_conf, "conf", app_or_conf)
+        try:
+            items = dict(conf.items())
+        except AttributeError:
+            items = dict(conf)
+        return cls.from_mapping(items)
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """The task retry defaults as a :class:`RetryPolicy`."""
+        return RetryPolicy(
+            max_attempts=self.retry_max_attempts,
+            base_seconds=self.retry_base_seconds,
+            cap_seconds=self.retry_cap_seconds,
+        )
+
+    @property
+    def owner(self) -> str:
+        """This process's owner id: ``owner_id`` or ``hostname:pid``."""
+        if self.owner_id:
+            return self.owner_id
+        import socket
+
+        return f"{socket.gethostname()}:{os.getpid()}"

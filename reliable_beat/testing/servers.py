@@ -1,0 +1,198 @@
+"""Throwaway PostgreSQL and Redis servers started from the local binaries.
+
+Used by the test suite, the fault-injection harness, the benchmarks and the examples.
+pytest-postgresql's executor runs ``pg_ctl`` as the current user, and PostgreSQL refuses to
+run as root (which CI is), so this module starts it as the ``postgres`` system user with
+``runuser`` when running as root, in a data directory that user owns.
+
+Environment:
+    RELIABLE_BEAT_TEST_POSTGRES_URL / RELIABLE_BEAT_TEST_REDIS_URL: use these servers instead.
+    RELIABLE_BEAT_PG_BIN: directory of ``initdb``/``pg_ctl`` (default: found on PATH or in
+    ``/usr/lib/postgresql/*/bin``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["PostgresServer", "RedisServer", "find_pg_bin", "free_port"]
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_pg_bin() -> Path | None:
+    """The directory holding ``initdb`` and ``pg_ctl``, or None when PostgreSQL is absent."""
+    env = os.environ.get("RELIABLE_BEAT_PG_BIN")
+    if env:
+        return Path(env)
+    for cand in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
+        if os.path.exists(os.path.join(cand, "pg_ctl")):
+            return Path(cand)
+    found = shutil.which("pg_ctl")
+    return Path(found).resolve().parent if found else None
+
+
+def _wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+
+
+@dataclass
+class PostgresServer:
+    """A private PostgreSQL cluster on 127.0.0.1 (trust auth, fsync off: tests only).
+
+    Use as a context manager; :attr:`url` is a ``postgresql+psycopg://`` URL of database
+    ``reliable_beat``. :meth:`restart` and :meth:`stop`/:meth:`start` support fault tests.
+    """
+
+    port: int = field(default_factory=free_port)
+    datadir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rb-pg-")))
+    dbname: str = "reliable_beat"
+    extra_conf: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bindir = find_pg_bin()
+        if bindir is None:
+            raise FileNotFoundError("PostgreSQL server binaries (initdb, pg_ctl) not found")
+        self.bindir = bindir
+        self._as_root = os.geteuid() == 0
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{self.dbname}"
+
+    @property
+    def psycopg_dsn(self) -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname={self.dbname}"
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bindir / args[0]), *args[1:]]
+        if self._as_root:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=120)
+
+    def __enter__(self) -> PostgresServer:
+        self.start(init=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(mode="immediate")
+        shutil.rmtree(self.datadir, ignore_errors=True)
+
+    def start(self, *, init: bool = False) -> None:
+        data = self.datadir / "data"
+        if init:
+            if self._as_root:
+                shutil.chown(self.datadir, "postgres", "postgres")
+            self._run("initdb", "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
+                      "--no-sync")
+            conf = {
+                "listen_addresses": "'127.0.0.1'",
+                "port": str(self.port),
+                "unix_socket_directories": f"'{self.datadir}'",
+                "fsync": "off",
+                "synchronous_commit": "off",
+                "full_page_writes": "off",
+                "max_connections": "200",
+                "shared_buffers": "128MB",
+                "timezone": "'UTC'",
+                **self.extra_conf,
+            }
+            with open(data / "postgresql.conf", "a") as fh:
+                for k, v in conf.items():
+                    fh.write(f"{k} = {v}\n")
+        self._run("pg_ctl", "-D", str(data), "-l", str(self.datadir / "log"), "-w", "-t", "60",
+                  "start")
+        _wait_port(self.port, 30)
+        if init:
+            self._run("psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                      "-d", "postgres", "-c", f"CREATE DATABASE {self.dbname}")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run("pg_ctl", "-D", str(self.datadir / "data"), "-m", mode, "-w", "stop",
+                  check=False)
+
+    def restart(self, mode: str = "fast") -> None:
+        """``pg_ctl restart -m fast``: every client connection is dropped."""
+        self._run("pg_ctl", "-D", str(self.datadir / "data"), "-m", mode, "-w", "-t", "60",
+                  "-l", str(self.datadir / "log"), "restart")
+        _wait_port(self.port, 30)
+
+    def psql(self, sql: str) -> str:
+        """Run ``sql`` with psql as the superuser; returns stdout."""
+        return self._run("psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                         "-d", self.dbname, "-At", "-c", sql).stdout
+
+
+@dataclass
+class RedisServer:
+    """A private ``redis-server`` on 127.0.0.1 with persistence off. Context manager."""
+
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not os.path.exists(exe):
+            raise FileNotFoundError("redis-server not found (apt-get install redis-server)")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _wait_port(self.port, 30)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP the server (clients hang until :meth:`resume`)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)

@@ -1,0 +1,49 @@
+"""``reliable-beat db upgrade|check|current``: the schema, through Alembic."""
+
+from __future__ import annotations
+
+import click
+
+from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.db import migrate
+
+
+@click.group("db")
+def db() -> None:
+    """Create and upgrade the reliable_beat schema (needs DDL rights)."""
+
+
+@db.command("upgrade")
+@click.option("--sql", is_flag=True, help="Print the SQL instead of running it (offline mode).")
+@click.option("--revision", default="head", show_default=True)
+@pass_cli
+def upgrade(cli: CliContext, sql: bool, revision: str) -> None:
+    """Upgrade the schema to REVISION (safe while other processes run or upgrade)."""
+    if sql:
+        click.echo(migrate.upgrade_sql(cli.settings.database_url, revision))
+        return
+    migrate.upgrade(cli.store, revision)
+    click.echo(f"{cli.store.safe_url}: schema at {migrate.current(cli.store)}")
+
+
+@db.command("check")
+@pass_cli
+def check(cli: CliContext) -> None:
+    """Exit 0 when the schema is at head, 1 when behind (a readiness probe)."""
+    at = migrate.current(cli.store)
+    if at != migrate.head():
+        click.echo(f"behind: at {at or '(none)'}, head is {migrate.head()}; "
+                   "run `reliable-beat db upgrade`", err=True)
+        raise SystemExit(1)
+    click.echo(f"up to date ({at})")
+
+
+@db.command("current")
+@pass_cli
+def current(cli: CliContext) -> None:
+    """Print the schema revision of the database."""
+    click.echo(migrate.current(cli.store) or "(none)")
+
+
+def register(group: click.Group) -> None:
+    group.add_command(db)

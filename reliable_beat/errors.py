@@ -12,7 +12,7 @@ and also from the builtin that fits, so ``except ValueError`` keeps working::
     ├── SchemaError (RuntimeError)           the database schema is missing or behind
     ├── StoreUnavailableError (ConnectionError)  the database cannot be reached
     ├── IdempotencyKeyError (ValueError)     an ad-hoc call has no derivable idempotency key
-    ├── StaleFenceToken (RuntimeError)       a newer claim superseded this runner; writes rolled back
+    ├── StaleFenceToken (RuntimeError)       a newer claim superseded this runner
     ├── LeaseHeldError (RuntimeError)        another runner holds a live lease on the run
     ├── PermanentError                       raise from a task body: no retry, dead letter at once
     └── DeliveryError                        an outbox handler failed to deliver

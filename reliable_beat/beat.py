@@ -208,7 +208,7 @@ class Beat:
             rows = conn.execute(self.store.for_update_skip_locked(stmt)).all()
             result.claimed = len(rows)
             if rows:
-                self._fire(conn, rows, now, result)
+                self._fire(conn, list(rows), now, result)
             self._release_buffered(conn, now, result)
             result.next_fire_at = conn.execute(
                 select(func.min(entries.c.next_fire_at)).where(due_clause())

@@ -184,7 +184,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             result = self._beat.tick()
         except (StoreUnavailableError, DBAPIError) as exc:
             self._failures += 1
-            wait = min(30.0, 0.5 * 2 ** min(self._failures, 6))
+            wait: float = min(30.0, 0.5 * 2.0 ** min(self._failures, 6))
             log.error("tick failed: database %s unavailable (%s); retrying in %.1f s. "
                       "Slots due meanwhile are decided by the misfire policy when it returns.",
                       self.store.safe_url, exc, wait)

@@ -540,11 +540,13 @@ class CronSchedule(Schedule):
         zone = self._zone
         if start_u >= end_u:
             return
-        # Wall times before start's wall time can map into the window only after a
-        # fall-back within 3 h of start (and symmetrically at the end): widen the walk
-        # by exactly the offset drop there, usually zero.
-        lookback = max(_offset(start_u, zone) - _offset(start_u + _MARGIN, zone), _ZERO)
-        lookahead = max(_offset(end_u - _MARGIN, zone) - _offset(end_u, zone), _ZERO)
+        # A wall time w maps to w - o for an offset o in force within 3 h (a gap wall
+        # read with the pre-gap offset included), so the walk is widened by the
+        # offset change near start and end; usually zero.
+        around_start = (_offset(start_u - _MARGIN, zone), _offset(start_u + _MARGIN, zone))
+        around_end = (_offset(end_u - _MARGIN, zone), _offset(end_u + _MARGIN, zone))
+        lookback = max(_offset(start_u, zone) - min(around_start), _ZERO)
+        lookahead = max(max(around_end) - _offset(end_u, zone), _ZERO)
         first_wall = _local_wall(truncate(start_u), zone) - lookback - _ONE_SECOND
         end_wall = _local_wall(truncate(end_u), zone) + lookahead + _ONE_SECOND
         pending: list[datetime] = []

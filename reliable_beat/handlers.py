@@ -37,6 +37,7 @@ is used as the handler; a class is instantiated with no arguments first.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -135,10 +136,8 @@ def _connection_errors(producer: Any) -> tuple[type[BaseException], ...]:
     from kombu.exceptions import OperationalError
 
     errors: tuple[type[BaseException], ...] = (OperationalError, OSError, ConnectionError)
-    try:
+    with contextlib.suppress(Exception):  # a transport without the attribute
         errors += tuple(producer.connection.connection_errors)
-    except Exception:  # pragma: no cover - transport without the attribute
-        pass
     return errors
 
 
@@ -262,9 +261,10 @@ class KombuHandler:
 
         results: list[Result] = []
         try:
-            conn = self.app.connection_for_write() if self.app is not None else kombu.Connection(
-                self.url
-            )
+            if self.app is not None:
+                conn = self.app.connection_for_write()
+            else:
+                conn = kombu.Connection(self.url)  # type: ignore[attr-defined,no-untyped-call]
             with conn, conn.Producer() as producer:
                 conn_errors = _connection_errors(producer)
                 for index, message in enumerate(messages):

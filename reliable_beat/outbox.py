@@ -90,7 +90,7 @@ class OutboxMessage:
     @classmethod
     def from_row(cls, row: Row[Any] | Mapping[str, Any]) -> OutboxMessage:
         """Build from a result row (or mapping) of ``reliable_beat_outbox``."""
-        m: Mapping[str, Any] = row._mapping if isinstance(row, Row) else row
+        m: Mapping[str, Any] = row._mapping if isinstance(row, Row) else row  # type: ignore[assignment]
         return cls(
             id=int(m["id"]),
             message_id=m["message_id"],

@@ -40,6 +40,7 @@ the claim runs under ``BEGIN IMMEDIATE``, which serialises claimers on the one h
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -403,7 +404,7 @@ class Relay:
             groups.setdefault(m.destination, []).append(m)
         for destination, group in groups.items():
             results = self._deliver_group(destination, group)
-            for m, err in zip(group, results):
+            for m, err in zip(group, results, strict=True):
                 if err is None:
                     outcome.sent.append(m.id)
                 elif isinstance(err, MessageExpiredError):
@@ -424,13 +425,13 @@ class Relay:
         batch = getattr(handler, "deliver_batch", None)
         if batch is not None:
             try:
-                results = list(batch(group))
-                if len(results) != len(group):
+                batch_results = list(batch(group))
+                if len(batch_results) != len(group):
                     raise RuntimeError(
-                        f"handler {destination!r}.deliver_batch returned {len(results)} "
+                        f"handler {destination!r}.deliver_batch returned {len(batch_results)} "
                         f"results for {len(group)} messages"
                     )
-                return results
+                return batch_results
             except Exception as exc:
                 log.exception("outbox handler %r failed on a batch of %d", destination, len(group))
                 return [exc] * len(group)
@@ -640,10 +641,8 @@ class _Listener:
 
     def close(self) -> None:
         if self.conn is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.conn.close()
-            except Exception:  # pragma: no cover
-                pass
             self.conn = None
 
 

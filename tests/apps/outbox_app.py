@@ -36,7 +36,7 @@ class SlowCeleryHandler(CeleryHandler):
         marker = os.environ.get("RB_TEST_DELIVERED_FILE")
         if marker:
             with open(marker, "a") as fh:
-                for m, err in zip(messages, results):
+                for m, err in zip(messages, results, strict=True):
                     if err is None:
                         fh.write(m.message_id + "\n")
         time.sleep(float(os.environ.get("RB_TEST_SLEEP_AFTER_DELIVER", "0")))

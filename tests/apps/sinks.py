@@ -32,7 +32,7 @@ class HttpRecorder:
         recorder = self
 
         class _H(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
                 raw = self.rfile.read(length)
                 with recorder.lock:

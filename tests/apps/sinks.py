@@ -36,9 +36,9 @@ class HttpRecorder:
                 length = int(self.headers.get("Content-Length", "0"))
                 raw = self.rfile.read(length)
                 with recorder.lock:
-                    recorder.requests.append(
-                        HttpRecord(self.path, dict(self.headers.items()), json.loads(raw or b"null"))
-                    )
+                    body = json.loads(raw or b"null")
+                    headers = dict(self.headers.items())
+                    recorder.requests.append(HttpRecord(self.path, headers, body))
                     queue = recorder.statuses.get(self.path, [])
                     status = queue.pop(0) if queue else 200
                 self.send_response(status)

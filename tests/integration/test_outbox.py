@@ -269,7 +269,7 @@ def test_run_forever_wakes_on_notify(pg_store: Store) -> None:
         t.join(5)
 
 
-# --------------------------------------------------------------------------- case enqueue-before-commit
+# ---------------------------------------------------------------- case enqueue-before-commit
 
 
 effects = sa.Table(
@@ -347,7 +347,7 @@ def test_case_a_publish_never_before_commit(case_env: tuple[Store, str, Celery])
         relay_thread.join(5)
         worker_thread.join(5)
     assert len(seen) == 1  # publications: 1
-    at, task_id, row_found = seen[0]
+    at, _task_id, row_found = seen[0]
     assert at >= commit_started  # published_not_before_commit
     assert row_found  # task_finds_row
     assert rows(store)[0]["state"] == "sent"
@@ -366,7 +366,9 @@ def test_case_b_rollback_leaves_nothing(case_env: tuple[Store, str, Celery]) -> 
     assert redis_queue.task_ids(redis_url) == []  # publications: 0
 
 
-def _relay_process(store: Store, redis_url: str, tmp: Path, sleep_after: float) -> subprocess.Popen[bytes]:
+def _relay_process(
+    store: Store, redis_url: str, tmp: Path, sleep_after: float
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=f"{WORKTREE}{os.pathsep}{APPS}",
                RB_TEST_REDIS_URL=redis_url, RELIABLE_BEAT_DATABASE_URL=store.url,
                RB_TEST_SLEEP_AFTER_DELIVER=str(sleep_after),

@@ -29,12 +29,13 @@ transaction that creates the entity), because a second call adds a second messag
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Table, func, select, text
+from sqlalchemy import Interval, Table, bindparam, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.sql.dml import Insert
@@ -137,6 +138,25 @@ def insert_ignore(conn: Connection, table: Table) -> Insert:
     return table.insert().prefix_with("IGNORE")
 
 
+def _notify_once(conn: Connection, destination: str) -> None:
+    """``NOTIFY`` once per transaction and destination (relays need one wake-up, not n)."""
+    # a SAVEPOINT that rolls back drops its NOTIFY: key on the innermost transaction
+    tx = conn.get_nested_transaction() or conn.get_transaction()
+    if tx is None:  # autocommit-style use: notify every time
+        conn.execute(text("SELECT pg_notify(:c, :d)"), {"c": NOTIFY_CHANNEL, "d": destination})
+        return
+    ref = conn.info.get("reliable_beat_notified")
+    sent: set[str]
+    if ref is not None and ref[0]() is tx:
+        sent = ref[1]
+    else:
+        sent = set()
+        conn.info["reliable_beat_notified"] = (weakref.ref(tx), sent)
+    if destination not in sent:
+        conn.execute(text("SELECT pg_notify(:c, :d)"), {"c": NOTIFY_CHANNEL, "d": destination})
+        sent.add(destination)
+
+
 def add(
     conn: Connection,
     destination: str,
@@ -189,7 +209,15 @@ def add(
     if delay is not None and delay < timedelta(0):
         raise ValueError(f"outbox delay must be >= 0, got {delay!r}")
     message_id = key if key is not None else new_message_id()
-    now = db_now(conn)
+    pg = conn.dialect.name == "postgresql"
+    created_at: Any
+    available_at: Any
+    if pg:  # the server's clock inside the INSERT: one round trip instead of two
+        created_at = func.clock_timestamp()
+        available_at = created_at + bindparam("rb_delay", delay or timedelta(0), type_=Interval())
+    else:
+        created_at = db_now(conn)
+        available_at = created_at + (delay or timedelta(0))
     conn.execute(
         insert_ignore(conn, outbox).values(
             message_id=message_id,
@@ -200,11 +228,10 @@ def add(
             run_id=run_id,
             state="pending",
             attempts=0,
-            available_at=now + (delay or timedelta(0)),
-            created_at=now,
+            available_at=available_at,
+            created_at=created_at,
         )
     )
-    if conn.dialect.name == "postgresql":
-        conn.execute(text("SELECT pg_notify(:channel, :dest)"),
-                     {"channel": NOTIFY_CHANNEL, "dest": destination})
+    if pg:
+        _notify_once(conn, destination)
     return message_id

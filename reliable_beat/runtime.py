@@ -47,6 +47,7 @@ from reliable_beat.slots import idempotency_key
 __all__ = [
     "BackfillLimitError",
     "BackfillResult",
+    "answer_questions",
     "backfill",
     "describe",
     "manual_key",
@@ -386,54 +387,37 @@ def _duration_stats(conn: Connection, name: str) -> tuple[int, float | None]:
     return len(durations), (max(durations) if durations else None)
 
 
-def describe(store: Store, app: Any, name: str) -> dict[str, Any]:
-    """Answer the five questions an operator asks of one entry, from its configuration, its
-    task class and its recent runs.
-
-    The questions (keys of ``"questions"``): ``run_twice`` (can one slot's work run twice?),
-    ``overlap`` (can a run overlap the previous one?), ``machine_dies`` (what if the machine
-    dies mid-run?), ``retry`` (can it retry safely?), ``idempotent`` (is its effect
-    idempotent?). Each answer is ``{"answer": "no" | "yes" | "depends" | ..., "why": str}``.
+def answer_questions(
+    *,
+    kind: str,
+    overlap_policy: str,
+    period_seconds: float | None,
+    longest_run_seconds: float | None = None,
+    finished_runs: int = 0,
+    active_runs: int = 0,
+    lease_seconds: float = 60.0,
+) -> dict[str, dict[str, str]]:
+    """The five answers of :func:`describe`, from facts already read (pure, no I/O).
 
     Args:
-        store: the store.
-        app: the Celery app that registers the entry's task, or None (task kind ``unknown``:
-            the answers then cover both cases).
-        name: the entry name.
+        kind: ``idempotent``, ``plain`` or ``unknown`` (see :func:`task_kind`).
+        overlap_policy: the entry's overlap policy.
+        period_seconds: the schedule's nominal period in seconds (None for a one-off).
+        longest_run_seconds: longest ``finished_at - started_at`` of recent runs, seconds.
+        finished_runs: how many finished runs that figure was taken from.
+        active_runs: runs of the entry now scheduled, dispatched, running or retrying.
+        lease_seconds: the task's run lease in seconds.
 
     Returns:
-        ``{"entry", "task", "task_kind" ("idempotent" | "plain" | "unknown"), "schedule"
-        (spec dict), "timezone", "misfire_policy", "overlap_policy", "period_seconds" (float |
-        None), "longest_recent_run_seconds" (float | None), "questions": {...}}``.
-
-    Raises:
-        EntryNotFoundError: no such entry.
+        ``{"run_twice" | "overlap" | "machine_dies" | "retry" | "idempotent":
+        {"answer": str, "why": str}}``.
     """
-    with store.engine.connect() as conn:
-        row = _require(conn, name)
-        finished, longest = _duration_stats(conn, name)
-        active = conn.execute(
-            select(func.count()).select_from(runs).where(
-                runs.c.entry_name == name, runs.c.state.in_(ACTIVE_RUN_STATES)
-            )
-        ).scalar_one()
-    kind = task_kind(app, row.task)
-    try:
-        period = sch.schedule_from_spec(row.schedule).nominal_period
-    except ConfigurationError:
-        period = None
-    period_s = period.total_seconds() if period is not None else None
-    lease_s: float | None = None
-    if kind == "idempotent":
-        lease_s = getattr(app.tasks[row.task], "lease_seconds", None)
-    if lease_s is None:
-        from reliable_beat.settings import Settings
-
-        try:
-            lease_s = Settings.from_celery(app).lease_seconds if app is not None else None
-        except ConfigurationError:
-            lease_s = None
-        lease_s = lease_s if lease_s is not None else Settings().lease_seconds
+    longest = longest_run_seconds
+    period_s = period_seconds
+    finished = finished_runs
+    active = active_runs
+    lease_s = lease_seconds
+    policy = overlap_policy
     idem = kind == "idempotent"
     plain = kind == "plain"
 
@@ -464,7 +448,6 @@ def describe(store: Store, app: Any, name: str) -> dict[str, Any]:
             data += " That is close to or beyond the period: runs will overlap under 'allow'."
     elif period_s is None:
         data = " One-off schedule: it cannot overlap itself."
-    policy = row.overlap_policy
     if policy == "allow":
         overlap = _answer(
             "yes", "overlap_policy='allow': a slot fires even while the previous run is still "
@@ -531,20 +514,75 @@ def describe(store: Store, app: Any, name: str) -> dict[str, Any]:
         idempotent = _answer("unknown", "Give -A APP so the task class can be inspected.")
 
     return {
+        "run_twice": run_twice,
+        "overlap": overlap,
+        "machine_dies": dies,
+        "retry": retry,
+        "idempotent": idempotent,
+    }
+
+
+def describe(store: Store, app: Any, name: str) -> dict[str, Any]:
+    """Answer the five questions an operator asks of one entry, from its configuration, its
+    task class and its recent runs.
+
+    The questions (keys of ``"questions"``): ``run_twice`` (can one slot's work run twice?),
+    ``overlap`` (can a run overlap the previous one?), ``machine_dies`` (what if the machine
+    dies mid-run?), ``retry`` (can it retry safely?), ``idempotent`` (is its effect
+    idempotent?). Each answer is ``{"answer": "no" | "yes" | "depends" | ..., "why": str}``.
+
+    Args:
+        store: the store.
+        app: the Celery app that registers the entry's task, or None (task kind ``unknown``:
+            the answers then cover both cases).
+        name: the entry name.
+
+    Returns:
+        ``{"entry", "task", "task_kind" ("idempotent" | "plain" | "unknown"), "schedule"
+        (spec dict), "timezone", "misfire_policy", "overlap_policy", "period_seconds" (float |
+        None), "longest_recent_run_seconds" (float | None), "questions": {...}}``.
+
+    Raises:
+        EntryNotFoundError: no such entry.
+    """
+    with store.engine.connect() as conn:
+        row = _require(conn, name)
+        finished, longest = _duration_stats(conn, name)
+        active = conn.execute(
+            select(func.count()).select_from(runs).where(
+                runs.c.entry_name == name, runs.c.state.in_(ACTIVE_RUN_STATES)
+            )
+        ).scalar_one()
+    kind = task_kind(app, row.task)
+    try:
+        period = sch.schedule_from_spec(row.schedule).nominal_period
+    except ConfigurationError:
+        period = None
+    period_s = period.total_seconds() if period is not None else None
+    lease_s: float | None = None
+    if kind == "idempotent":
+        lease_s = getattr(app.tasks[row.task], "lease_seconds", None)
+    if lease_s is None:
+        from reliable_beat.settings import Settings
+
+        try:
+            lease_s = Settings.from_celery(app).lease_seconds if app is not None else None
+        except ConfigurationError:
+            lease_s = None
+        lease_s = lease_s if lease_s is not None else Settings().lease_seconds
+    return {
         "entry": name,
         "task": row.task,
         "task_kind": kind,
         "schedule": row.schedule,
         "timezone": row.timezone,
         "misfire_policy": row.misfire_policy,
-        "overlap_policy": policy,
+        "overlap_policy": row.overlap_policy,
         "period_seconds": period_s,
         "longest_recent_run_seconds": longest,
-        "questions": {
-            "run_twice": run_twice,
-            "overlap": overlap,
-            "machine_dies": dies,
-            "retry": retry,
-            "idempotent": idempotent,
-        },
+        "questions": answer_questions(
+            kind=kind, overlap_policy=row.overlap_policy, period_seconds=period_s,
+            longest_run_seconds=longest, finished_runs=finished, active_runs=active,
+            lease_seconds=lease_s,
+        ),
     }

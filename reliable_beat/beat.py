@@ -391,6 +391,7 @@ class Beat:
             )
             if not done.rowcount:
                 continue
+            still_active.add(b.entry_name)  # one released run per entry at a time
             payload = build_trigger_payload(
                 task=b.task, args=b.args, kwargs=b.kwargs, options=options.get(b.entry_name, {}),
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,

@@ -1,0 +1,946 @@
+"""Fault-injection harness: real beats, workers and relays killed, paused and restarted, with a
+ledger that proves every slot's effect happened exactly once.
+
+    python -m reliable_beat.testing.faults --minutes 2.5 --seed 7          # the CI run
+    python -m reliable_beat.testing.faults --minutes 30 --seed 20260101    # the long run
+    python -m reliable_beat.testing.faults --minutes 3 --compare stock,redbeat
+
+What it does (see ``docs/reliability.md``):
+
+1. Starts a private PostgreSQL and Redis (Redis with an fsync-always AOF, so a restart keeps
+   queued messages, as a production broker would), or uses ``--postgres-url`` /
+   ``--redis-url``; an in-process HTTP sink that records every request with its
+   ``Idempotency-Key``; then K beats, W workers (``--pool solo``) and R relays as real
+   subprocesses of :mod:`reliable_beat.testing.faultapp`, on E entries mixing 6-field cron
+   (every 1-5 s) and intervals across time zones, all ``catch_up`` with a large limit, so
+   every slot of the checked window must produce its effect.
+2. Injects faults on a seeded random timeline; every kind at least once: SIGKILL of a beat,
+   a worker, a relay (restarted after a delay); a worker SIGSTOPped *inside its body* past
+   its lease, then SIGCONTed (the zombie: its commit must be fenced out); ``pg_ctl restart
+   -m fast``; a Redis restart; a paused Redis (SIGSTOP); a beat restarted with its clock
+   skewed by +-300 s. The app injects transient failures (a deterministic subset of slots
+   fails attempt 1) and permanent failures (a tiny deterministic subset -> dead letters).
+3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
+   the ledger, prints a markdown table and exits non-zero on any missing or duplicated
+   effect or failed check.
+
+``--compare stock,redbeat`` then runs the same entries (as Celery intervals) under two stock
+``celery beat`` processes (PersistentScheduler, one schedule file each) and two RedBeat
+beats, with beat SIGKILL / SIGSTOP faults, and counts duplicate and missing triggers from
+what a plain task executed (``reliable`` adds the same measurement for ReliableScheduler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.engine import Engine
+
+from reliable_beat.schedules import CronSchedule, IntervalSchedule, Schedule
+from reliable_beat.testing.servers import PostgresServer, RedisServer, _wait_port
+
+__all__ = ["FAULT_KINDS", "Harness", "main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "reliable_beat.testing.faultapp"
+ZONES = ["UTC", "Europe/Berlin", "America/New_York", "Asia/Kolkata"]
+
+#: Fault kinds of the timeline (the harness injects them) and of the app (deterministic
+#: subsets of slots); each appears in the table.
+FAULT_KINDS = [
+    "kill_beat",
+    "kill_worker",
+    "kill_relay",
+    "zombie_worker",
+    "pg_restart",
+    "redis_restart",
+    "redis_pause",
+    "skewed_beat",
+]
+APP_FAULT_KINDS = ["transient_failure", "permanent_failure"]
+COMPARE_FAULT_KINDS = ["kill_beat", "pause_beat"]
+
+ACTIVE = ("scheduled", "dispatched", "running", "retrying", "buffered")
+
+
+def log(msg: str) -> None:
+    print(f"[faults {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- servers ----
+
+
+@dataclass
+class DurableRedis(RedisServer):
+    """A private Redis with an fsync-always AOF: a restart keeps queued and unacked messages."""
+
+    datadir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rb-redis-")))
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not os.path.exists(exe):
+            raise FileNotFoundError("redis-server not found (apt-get install redis-server)")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.datadir),
+             "--daemonize", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _wait_port(self.port, 30)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self.datadir, ignore_errors=True)
+
+
+class Sink:
+    """A local HTTP endpoint recording ``(Idempotency-Key, body, time)`` of every request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, Any], float]] = []
+        self.lock = threading.Lock()
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with sink.lock:
+                    sink.requests.append(
+                        (self.headers.get("Idempotency-Key", ""), json.loads(body), time.time())
+                    )
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ------------------------------------------------------------------------- processes ----
+
+
+class Procs:
+    """Named subprocesses (own process groups) with kill / pause / restart."""
+
+    def __init__(self, env: dict[str, str], logdir: Path) -> None:
+        self.env = env
+        self.logdir = logdir
+        self.cmds: dict[str, list[str]] = {}
+        self.extra_env: dict[str, dict[str, str]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.lock = threading.RLock()
+
+    def start(self, name: str, cmd: list[str] | None = None,
+              extra_env: dict[str, str] | None = None) -> None:
+        with self.lock:
+            if cmd is not None:
+                self.cmds[name] = cmd
+            if extra_env is not None:
+                self.extra_env[name] = extra_env
+            env = {**self.env, **self.extra_env.get(name, {})}
+            logf = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+            self.procs[name] = subprocess.Popen(
+                self.cmds[name], env=env, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            logf.close()
+
+    def alive(self, name: str) -> bool:
+        p = self.procs.get(name)
+        return p is not None and p.poll() is None
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        p = self.procs.get(name)
+        if p is not None and p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self, name: str) -> None:
+        self.signal(name, signal.SIGKILL)
+        p = self.procs.get(name)
+        if p is not None:
+            p.wait()
+
+    def stop(self, name: str, timeout: float = 20) -> None:
+        p = self.procs.get(name)
+        if p is None or p.poll() is not None:
+            return
+        self.signal(name, signal.SIGCONT)
+        self.signal(name, signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(name)
+
+    def names(self, prefix: str) -> list[str]:
+        return sorted(n for n in self.cmds if n.startswith(prefix))
+
+    def by_pid(self, pid: int) -> str | None:
+        for name, p in self.procs.items():
+            if p.pid == pid and p.poll() is None:
+                return name
+        return None
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name, timeout=10)
+
+
+def celery_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", APP, *args]
+
+
+def worker_cmd(i: int) -> list[str]:
+    return celery_cmd("worker", "--pool", "solo", "-l", "warning", "-n", f"w{i}@%h",
+                      "--without-gossip", "--without-mingle", "--without-heartbeat")
+
+
+def beat_cmd(schedule_file: Path) -> list[str]:
+    return celery_cmd("beat", "-l", "warning", "-s", str(schedule_file))
+
+
+def relay_cmd() -> list[str]:
+    return [sys.executable, "-m", "reliable_beat.cli", "-A", APP, "relay", "--loglevel",
+            "WARNING", "--claim-lease-seconds", "10"]
+
+
+# --------------------------------------------------------------------------- entries ----
+
+
+def make_entries(n: int, rng: random.Random, anchor: datetime) -> list[dict[str, Any]]:
+    """``n`` entries: alternately 6-field cron (seconds LAST) and intervals, 1-5 s, in zones."""
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        every = rng.randint(1, 5)
+        zone = ZONES[i % len(ZONES)]
+        if i % 2 == 0:
+            out.append({"name": f"cron{i}", "kind": "cron", "every": every,
+                        "expr": f"* * * * * */{every}", "timezone": zone})
+        else:
+            out.append({"name": f"every{i}", "kind": "interval", "every": every,
+                        "timezone": zone, "anchor": f"{anchor:%Y-%m-%dT%H:%M:%SZ}"})
+    return out
+
+
+def schedule_of(e: dict[str, Any]) -> Schedule:
+    if e["kind"] == "cron":
+        return CronSchedule(e["expr"], timezone=e["timezone"])
+    anchor = datetime.fromisoformat(e["anchor"].replace("Z", "+00:00"))
+    return IntervalSchedule(timedelta(seconds=int(e["every"])), anchor, e["timezone"])
+
+
+def fmt(at: datetime) -> str:
+    return f"{at.astimezone(timezone.utc):%Y-%m-%dT%H:%M:%SZ}"
+
+
+# --------------------------------------------------------------------------- harness ----
+
+
+@dataclass
+class Options:
+    minutes: float = 2.5
+    seed: int = 7
+    beats: int = 3
+    workers: int = 3
+    relays: int = 2
+    entries: int = 6
+    postgres_url: str | None = None
+    redis_url: str | None = None
+    compare: list[str] = field(default_factory=list)
+    compare_minutes: float | None = None
+    workdir: Path | None = None
+    keep_workdir: bool = False
+    lease_seconds: float = 3.0
+    warmup_seconds: float = 12.0
+    quiet_seconds: float = 20.0
+    margin_seconds: float = 3.0
+    drain_seconds: float = 120.0
+    transient_every: int = 7
+    permanent_every: int = 60
+
+
+@dataclass
+class Result:
+    faults: Counter[str] = field(default_factory=Counter)
+    stats: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    compare: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Harness:
+    """One fault-injection run. Use :meth:`run`."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.rng = random.Random(opts.seed)
+        self.result = Result()
+        self.stack = ExitStack()
+        self.pg: PostgresServer | None = None
+        self.redis: DurableRedis | None = None
+        self.restart_timers: list[threading.Timer] = []
+        self.stop_faults = threading.Event()
+
+    # -- setup ---------------------------------------------------------------------------
+    def _servers(self) -> tuple[str, str]:
+        o = self.opts
+        if o.postgres_url:
+            db_url = o.postgres_url
+        else:
+            self.pg = self.stack.enter_context(PostgresServer())
+            db_url = self.pg.url
+        if o.redis_url:
+            broker = o.redis_url
+        else:
+            self.redis = self.stack.enter_context(DurableRedis())
+            broker = self.redis.url
+        return db_url, broker
+
+    def _write_config(self, path: Path, **extra: Any) -> None:
+        cfg = {
+            "mode": "reliable",
+            "database_url": self.db_url,
+            "broker_url": self.broker_url,
+            "sink_url": self.sink.url,
+            "dir": str(self.workdir),
+            "lease_seconds": self.opts.lease_seconds,
+            "slow_seconds": 10,
+            "transient_every": self.opts.transient_every,
+            "permanent_every": self.opts.permanent_every,
+            "entries": self.entries,
+            **extra,
+        }
+        path.write_text(json.dumps(cfg, indent=1))
+
+    def _prepare_db(self) -> Engine:
+        from reliable_beat.db.dialects import Store
+        from reliable_beat.db.migrate import upgrade
+        from reliable_beat.testing import faultapp
+
+        store = Store.from_url(self.db_url, role="cli")
+        upgrade(store)
+        store.dispose()
+        engine = create_engine(self.db_url, pool_pre_ping=True)
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE IF EXISTS faults_effects, faults_triggers"))
+        faultapp.metadata.create_all(engine)
+        return engine
+
+    def db_now(self) -> datetime:
+        for _ in range(100):
+            try:
+                with self.engine.connect() as conn:
+                    value: datetime = conn.execute(select(func.clock_timestamp())).scalar_one()
+                    return value.astimezone(timezone.utc)
+            except Exception:
+                time.sleep(0.3)
+        raise RuntimeError("database unreachable")
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self) -> int:
+        o = self.opts
+        self.workdir = Path(o.workdir or tempfile.mkdtemp(prefix="rb-faults-"))
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        (self.workdir / "logs").mkdir(parents=True)
+        try:
+            with self.stack:
+                self.sink = Sink()
+                self.stack.callback(self.sink.close)
+                self.db_url, self.broker_url = self._servers()
+                self.engine = self._prepare_db()
+                self.stack.callback(self.engine.dispose)
+                anchor = self.db_now().replace(microsecond=0)
+                self.entries = make_entries(o.entries, self.rng, anchor)
+                code = self._main_run()
+                for mode in o.compare:
+                    self.result.compare.append(self._compare_run(mode))
+                print(self.report())
+                return code
+        finally:
+            if not o.keep_workdir and self.result.failures == []:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            else:
+                log(f"logs kept in {self.workdir / 'logs'}")
+
+    def _main_run(self) -> int:
+        o = self.opts
+        cfg = self.workdir / "faults.json"
+        self._write_config(cfg)
+        env = dict(os.environ)
+        env.update(RB_FAULTS_CONFIG=str(cfg), PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+        env.pop("RB_FAULTS_CLOCK_SKEW", None)
+        self.procs = Procs(env, self.workdir / "logs")
+        self.stack.callback(self.procs.stop_all)
+        for i in range(o.workers):
+            self.procs.start(f"worker{i}", worker_cmd(i))
+        for i in range(o.relays):
+            self.procs.start(f"relay{i}", relay_cmd())
+        self.t_start = self.db_now()
+        for i in range(o.beats):
+            self.procs.start(f"beat{i}", beat_cmd(self.workdir / f"beat{i}.schedule"))
+        total = o.minutes * 60
+        log(f"seed {o.seed}: {o.beats} beats, {o.workers} workers, {o.relays} relays, "
+            f"{len(self.entries)} entries for {total:.0f} s; work dir {self.workdir}")
+        started = time.monotonic()
+        fault_end = started + total - o.quiet_seconds
+        timeline = threading.Thread(target=self._timeline, args=(started + o.warmup_seconds * 0.5,
+                                                                fault_end), daemon=True)
+        timeline.start()
+        while time.monotonic() < started + total:
+            time.sleep(0.5)
+            if not timeline.is_alive() and time.monotonic() < fault_end - 5:
+                pass
+        self.stop_faults.set()
+        timeline.join(60)
+        self._heal()
+        self.t_end = self.db_now()
+        for name in self.procs.names("beat"):
+            self.procs.stop(name)
+        drained = self._drain(o.drain_seconds)
+        if not drained:
+            self.result.failures.append(f"not drained within {o.drain_seconds:.0f} s")
+        self._check()
+        for name in list(self.procs.procs):
+            self.procs.stop(name)
+        return 1 if self.result.failures else 0
+
+    # -- faults --------------------------------------------------------------------------
+    def _timeline(self, begin: float, end: float) -> None:
+        """Every kind once (random order), then random kinds, until ``end``."""
+        kinds = list(FAULT_KINDS)
+        self.rng.shuffle(kinds)
+        while time.monotonic() < begin:
+            time.sleep(0.2)
+        while time.monotonic() < end - 15 and not self.stop_faults.is_set():
+            kind = kinds.pop(0) if kinds else self.rng.choice(FAULT_KINDS)
+            try:
+                self._inject(kind, end)
+            except Exception as exc:  # a fault that could not be injected is a failure
+                self.result.failures.append(f"fault {kind} could not be injected: {exc!r}")
+                log(f"fault {kind} failed: {exc!r}")
+            time.sleep(self.rng.uniform(1.0, 4.0))
+        if kinds:
+            self.result.failures.append(f"fault kinds never injected (run too short): {kinds}")
+
+    def _inject(self, kind: str, end: float) -> None:
+        rng = self.rng
+        p = self.procs
+        if kind in ("kill_beat", "kill_worker", "kill_relay"):
+            role = kind.split("_")[1]
+            victim = rng.choice([n for n in p.names(role) if p.alive(n)] or p.names(role))
+            log(f"SIGKILL {victim}")
+            p.kill(victim)
+            self.result.faults[kind] += 1
+            delay = rng.uniform(1.0, 6.0)
+            self._restart_later(victim, delay)
+        elif kind == "zombie_worker":
+            self._zombie()
+        elif kind == "pg_restart":
+            if self.pg is None:
+                log("pg_restart skipped: --postgres-url given")
+                return
+            log("pg_ctl restart -m fast")
+            self.pg.restart(mode="fast")
+            self.result.faults[kind] += 1
+        elif kind == "redis_restart":
+            if self.redis is None:
+                log("redis_restart skipped: --redis-url given")
+                return
+            log("redis restart")
+            self.redis.stop()
+            time.sleep(rng.uniform(0.5, 2.0))
+            self.redis.start()
+            self.result.faults[kind] += 1
+        elif kind == "redis_pause":
+            if self.redis is None:
+                return
+            secs = rng.uniform(2.0, 6.0)
+            log(f"redis SIGSTOP for {secs:.1f} s")
+            self.redis.pause()
+            self.result.faults[kind] += 1
+            time.sleep(secs)
+            self.redis.resume()
+        elif kind == "skewed_beat":
+            victim = rng.choice(p.names("beat"))
+            skew = rng.choice([-300, 300])
+            log(f"restart {victim} with its clock skewed by {skew:+d} s")
+            p.kill(victim)
+            p.start(victim, extra_env={"RB_FAULTS_CLOCK_SKEW": str(skew)})
+            self.result.faults[kind] += 1
+        else:
+            raise ValueError(kind)
+
+    def _restart_later(self, name: str, delay: float) -> None:
+        def restart() -> None:
+            if not self.procs.alive(name):
+                self.procs.start(name)
+
+        t = threading.Timer(delay, restart)
+        t.daemon = True
+        t.start()
+        self.restart_timers.append(t)
+
+    def _zombie(self) -> None:
+        """SIGSTOP a worker inside its body (after its writes) past its lease, then SIGCONT
+        once another worker has taken the run over (fence moved): its commit must fail."""
+        from reliable_beat.db.tables import outbox, runs
+
+        for stale in self.workdir.glob("slow.*"):
+            stale.unlink(missing_ok=True)
+        flag = self.workdir / "slow.flag"
+        flag.write_text("take me")
+        deadline = time.monotonic() + 20
+        info: dict[str, Any] | None = None
+        while time.monotonic() < deadline and info is None:
+            for f in self.workdir.glob("slow.taken.*.json"):
+                info = json.loads(f.read_text())
+                f.unlink()
+            time.sleep(0.05)
+        if info is None:
+            flag.unlink(missing_ok=True)
+            raise RuntimeError("no worker took the slow flag within 20 s")
+        key, pid, token = info["key"], int(info["pid"]), int(info["fence_token"])
+        name = self.procs.by_pid(pid)
+        if name is None:
+            raise RuntimeError(f"slow run {key}: pid {pid} is not a live worker")
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(runs.c.state, runs.c.fence_token).where(runs.c.idempotency_key == key)
+            ).one()
+        if row.state != "running" or row.fence_token != token:
+            raise RuntimeError(f"slow run {key} is {row.state}/fence {row.fence_token}, "
+                               f"expected running/fence {token}")
+        self.procs.signal(name, signal.SIGSTOP)
+        t0 = time.monotonic()
+        log(f"SIGSTOP {name} inside {key} (fence {token})")
+        self.result.faults["zombie_worker"] += 1
+        time.sleep(self.opts.lease_seconds + 1.0)
+        republished = False
+        moved = False
+        while time.monotonic() - t0 < 40:
+            with self.engine.connect() as conn:
+                fence = conn.execute(
+                    select(runs.c.fence_token).where(runs.c.idempotency_key == key)
+                ).scalar_one()
+                if fence > token:
+                    moved = True
+                    break
+                if not republished and time.monotonic() - t0 > self.opts.lease_seconds + 2:
+                    # A redelivery, as the broker's visibility timeout would make later.
+                    payload = conn.execute(
+                        select(outbox.c.payload).where(outbox.c.message_id == "trigger:" + key)
+                    ).scalar_one_or_none()
+                    if payload is not None:
+                        self._republish(payload)
+                        republished = True
+            time.sleep(0.2)
+        time.sleep(0.5)
+        log(f"SIGCONT {name} after {time.monotonic() - t0:.1f} s (fence moved: {moved})")
+        self.procs.signal(name, signal.SIGCONT)
+        if not moved:
+            self.result.failures.append(f"zombie {key}: no other worker took the run over")
+
+    def _republish(self, payload: dict[str, Any]) -> None:
+        from celery import Celery
+
+        app = Celery("faults-harness", broker=self.broker_url)
+        try:
+            app.send_task(payload["task"], args=payload["args"], kwargs=payload["kwargs"],
+                          task_id=payload["task_id"], headers=payload["headers"],
+                          **payload.get("options", {}))
+        finally:
+            app.close()
+
+    def _heal(self) -> None:
+        """Undo every lasting fault: all processes running, nothing paused, clocks true."""
+        for t in self.restart_timers:
+            t.cancel()
+        if self.redis is not None and self.redis.proc is not None:
+            self.redis.resume()
+        for name in list(self.procs.cmds):
+            self.procs.signal(name, signal.SIGCONT)
+            if self.procs.extra_env.get(name):
+                self.procs.kill(name)
+                self.procs.extra_env[name] = {}
+            if not self.procs.alive(name):
+                self.procs.start(name)
+        time.sleep(self.opts.quiet_seconds / 2)
+
+    # -- quiesce and check -----------------------------------------------------------------
+    def _drain(self, timeout: float) -> bool:
+        from reliable_beat.db.tables import outbox, runs
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.engine.connect() as conn:
+                active = conn.execute(
+                    select(func.count()).where(runs.c.state.in_(ACTIVE),
+                                               runs.c.fire_at <= self.t_end)
+                ).scalar_one()
+                pending = conn.execute(
+                    select(func.count()).where(outbox.c.state == "pending",
+                                               outbox.c.destination != "celery")
+                ).scalar_one()
+            if not active and not pending:
+                log("drained")
+                return True
+            time.sleep(1.0)
+        log(f"drain timed out: {active} runs active, {pending} outbox rows pending")
+        return False
+
+    def _check(self) -> None:
+        from reliable_beat.db.tables import attempts, dead_letters, outbox, runs
+        from reliable_beat.testing.faultapp import effects, is_permanent, is_transient
+
+        o = self.opts
+        r = self.result
+        win_start = self.t_start + timedelta(seconds=o.warmup_seconds)
+        win_end = self.t_end - timedelta(seconds=o.margin_seconds)
+        expected: dict[tuple[str, str], bool] = {}  # (entry, slot) -> permanent
+        for e in self.entries:
+            for s in schedule_of(e).slots_between(win_start, win_end):
+                expected[(e["name"], fmt(s))] = is_permanent(e["name"], fmt(s),
+                                                             o.permanent_every)
+        with self.engine.connect() as conn:
+            per = Counter(
+                (en, sl) for en, sl in conn.execute(select(effects.c.entry, effects.c.slot))
+            )
+            outcomes = Counter(o_ for (o_,) in conn.execute(select(attempts.c.outcome)))
+            dead = conn.execute(
+                select(dead_letters.c.kind, dead_letters.c.key, dead_letters.c.reason)
+            ).all()
+            stuck = conn.execute(
+                select(func.count()).where(runs.c.state == "running",
+                                           runs.c.lease_expires_at < func.now())
+            ).scalar_one()
+            lateness = conn.execute(
+                select(func.max(runs.c.dispatched_at - runs.c.fire_at)).where(
+                    runs.c.fire_at >= win_start, runs.c.fire_at <= win_end)
+            ).scalar_one()
+            msgs = conn.execute(
+                select(outbox.c.message_id, outbox.c.payload, outbox.c.state).where(
+                    outbox.c.destination == "sink")
+            ).all()
+            run_states = Counter(
+                s for (s,) in conn.execute(
+                    select(runs.c.state).where(runs.c.fire_at >= win_start,
+                                               runs.c.fire_at <= win_end))
+            )
+        missing = [k for k, perm in expected.items() if not perm and per[k] == 0]
+        duplicated = [k for k in expected if per[k] > 1]
+        duplicated_anywhere = [k for k, n in per.items() if n > 1]
+        perm_slots = {k for k, perm in expected.items() if perm}
+        perm_with_effect = [k for k in perm_slots if per[k] > 0]
+        dead_keys = {key for kind, key, _ in dead if kind == "run"}
+        perm_keys = {f"{en}@{sl}" for en, sl in perm_slots}
+        perm_without_dl = sorted(perm_keys - dead_keys)
+        names = {e["name"] for e in self.entries}
+        unexpected_dl = sorted(
+            key for kind, key, _ in dead
+            if kind != "run" or not is_permanent(*key.rsplit("@", 1), o.permanent_every)
+            or key.rsplit("@", 1)[0] not in names
+        )
+        # Outbox: every logical message reached the sink; all deliveries share one key.
+        with self.sink.lock:
+            reqs = list(self.sink.requests)
+        keys_by_body: dict[tuple[str, str], set[str]] = defaultdict(set)
+        deliveries = Counter()
+        for key, body, _t in reqs:
+            keys_by_body[(body["entry"], body["slot"])].add(key)
+            deliveries[key] += 1
+        undelivered = [m.message_id for m in msgs if deliveries[m.message_id] == 0]
+        not_sent = [m.message_id for m in msgs if m.state != "sent"]
+        mixed_keys = [b for b, ks in keys_by_body.items() if len(ks) > 1]
+        effect_without_msg = [
+            k for k in expected if per[k] == 1 and not keys_by_body.get(k)
+        ]
+        transient_slots = sum(
+            1 for (en, sl), perm in expected.items()
+            if not perm and is_transient(en, sl, o.transient_every)
+        )
+        r.faults["transient_failure"] = transient_slots
+        r.faults["permanent_failure"] = len(perm_slots)
+        r.stats.update(
+            window=f"{fmt(win_start)} .. {fmt(win_end)}",
+            slots_checked=len(expected),
+            missing=len(missing),
+            duplicated=len(duplicated),
+            duplicated_anywhere=len(duplicated_anywhere),
+            fenced_out=outcomes["fenced_out"],
+            deduplicated=outcomes["deduplicated"],
+            busy=outcomes["busy"],
+            retries=outcomes["retrying"],
+            dead_letters=len(dead),
+            expected_dead=len(perm_slots),
+            max_lateness=lateness.total_seconds() if lateness is not None else None,
+            stuck_running=stuck,
+            outbox_messages=len(msgs),
+            sink_requests=len(reqs),
+            sink_redeliveries=len(reqs) - len(deliveries),
+            undelivered=len(undelivered),
+            mixed_keys=len(mixed_keys),
+            run_states=dict(run_states),
+            attempts=dict(outcomes),
+        )
+        checks = [
+            (missing, "slots without an effect"),
+            (duplicated, "slots with more than one effect"),
+            (duplicated_anywhere, "(entry, slot) pairs with more than one effect (any time)"),
+            (perm_with_effect, "permanent-failure slots with an effect"),
+            (perm_without_dl, "permanent-failure slots without a dead letter"),
+            (unexpected_dl, "dead letters where no permanent failure was injected"),
+            (undelivered, "outbox messages never delivered to the sink"),
+            (not_sent, "outbox messages not in state sent"),
+            (mixed_keys, "messages delivered under more than one Idempotency-Key"),
+            (effect_without_msg, "effects whose message never reached the sink"),
+        ]
+        for bad, what in checks:
+            if bad:
+                r.failures.append(f"{len(bad)} {what}: {sorted(bad)[:5]}")
+        if stuck:
+            r.failures.append(f"{stuck} runs left running with an expired lease")
+        if not expected:
+            r.failures.append("no slot in the checked window")
+        if r.faults["zombie_worker"] and not outcomes["fenced_out"]:
+            r.failures.append("zombie faults injected but no fenced_out attempt recorded")
+
+    # -- comparison ----------------------------------------------------------------------
+    def _compare_run(self, mode: str) -> dict[str, Any]:
+        """Two beats of ``mode`` + two workers running a plain task that records triggers."""
+        from reliable_beat.testing.faultapp import triggers
+
+        o = self.opts
+        minutes = o.compare_minutes if o.compare_minutes is not None else min(o.minutes, 3.0)
+        cfg = self.workdir / f"compare-{mode}.json"
+        self._write_config(cfg, mode="reliable" if mode == "reliable" else mode,
+                           compare_task=True)
+        import redis
+
+        client = redis.Redis.from_url(self.broker_url)
+        client.flushall()
+        client.close()
+        if mode == "reliable":
+            with self.engine.begin() as conn:
+                conn.execute(text("DELETE FROM reliable_beat_entries"))
+        env = dict(os.environ)
+        env.update(RB_FAULTS_CONFIG=str(cfg), PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+        procs = Procs(env, self.workdir / "logs")
+        faults: Counter[str] = Counter()
+        try:
+            for i in range(2):
+                procs.start(f"{mode}-worker{i}", worker_cmd(10 + i))
+            if mode == "reliable":
+                procs.start(f"{mode}-relay", relay_cmd())
+            t0 = time.time()
+            for i in range(2):
+                procs.start(f"{mode}-beat{i}",
+                            beat_cmd(self.workdir / f"{mode}-beat{i}.schedule"))
+            log(f"compare {mode}: 2 beats for {minutes * 60:.0f} s")
+            rng = random.Random(o.seed)
+            end = time.monotonic() + minutes * 60
+            time.sleep(10)
+            kinds = list(COMPARE_FAULT_KINDS)
+            while time.monotonic() < end - 20:
+                kind = kinds.pop(0) if kinds else rng.choice(COMPARE_FAULT_KINDS)
+                victim = rng.choice(procs.names(f"{mode}-beat"))
+                if kind == "kill_beat":
+                    procs.kill(victim)
+                    time.sleep(rng.uniform(2.0, 8.0))
+                    procs.start(victim)
+                else:
+                    procs.signal(victim, signal.SIGSTOP)
+                    time.sleep(rng.uniform(5.0, 15.0))
+                    procs.signal(victim, signal.SIGCONT)
+                faults[kind] += 1
+                time.sleep(rng.uniform(2.0, 6.0))
+            while time.monotonic() < end:
+                time.sleep(0.5)
+            t1 = time.time()
+            for n in procs.names(f"{mode}-beat"):
+                procs.stop(n)
+            time.sleep(8)  # let the workers finish what was sent
+        finally:
+            procs.stop_all()
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                select(triggers.c.entry, triggers.c.at).where(triggers.c.mode == mode)
+            ).all()
+            conn.execute(triggers.delete().where(triggers.c.mode == mode))
+        lo, hi = t0 + o.warmup_seconds, t1 - o.margin_seconds
+        counts = count_triggers(
+            {e["name"]: int(e["every"]) for e in self.entries},
+            [(en, at) for en, at in rows],
+            lo, hi,
+        )
+        counts.update(mode=mode, seconds=round(t1 - t0), faults=dict(faults))
+        return counts
+
+    # -- report --------------------------------------------------------------------------
+    def report(self) -> str:
+        r, s, o = self.result, self.result.stats, self.opts
+        lines = [
+            "",
+            f"## Fault-injection run: seed {o.seed}, {o.minutes:g} min, {o.beats} beats, "
+            f"{o.workers} workers, {o.relays} relays, {len(self.entries)} entries",
+            "",
+            "| fault | injected |",
+            "|---|---|",
+        ]
+        for kind in FAULT_KINDS + APP_FAULT_KINDS:
+            lines.append(f"| {kind} | {r.faults[kind]} |")
+        late = s.get("max_lateness")
+        lines += [
+            "",
+            "| ledger | value |",
+            "|---|---|",
+            f"| checked window (UTC) | {s.get('window')} |",
+            f"| slots checked | {s.get('slots_checked')} |",
+            f"| missing effects | {s.get('missing')} |",
+            f"| duplicated effects | {s.get('duplicated')} |",
+            f"| fence rejections (fenced_out attempts) | {s.get('fenced_out')} |",
+            f"| deduplicated attempts | {s.get('deduplicated')} |",
+            f"| busy attempts (live lease elsewhere) | {s.get('busy')} |",
+            f"| retries | {s.get('retries')} |",
+            f"| dead letters (expected) | {s.get('dead_letters')} ({s.get('expected_dead')}) |",
+            f"| runs left running with an expired lease | {s.get('stuck_running')} |",
+            f"| outbox messages / sink requests / redeliveries | {s.get('outbox_messages')} / "
+            f"{s.get('sink_requests')} / {s.get('sink_redeliveries')} |",
+            f"| messages never delivered / with mixed keys | {s.get('undelivered')} / "
+            f"{s.get('mixed_keys')} |",
+            f"| max fire lateness (dispatched_at - fire_at) | "
+            f"{'-' if late is None else f'{late:.2f} s'} |",
+        ]
+        if r.compare:
+            lines += [
+                "",
+                "| scheduler (2 beats) | run | beat faults | expected triggers | executed | "
+                "duplicate | missing |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for c in r.compare:
+                fl = ", ".join(f"{k} {v}" for k, v in sorted(c["faults"].items()))
+                lines.append(
+                    f"| {c['mode']} | {c['seconds']} s | {fl} | {c['expected']} | "
+                    f"{c['executed']} | {c['duplicate']} | {c['missing']} |"
+                )
+        lines.append("")
+        if r.failures:
+            lines.append("RESULT: FAILED")
+            lines += [f"- {f}" for f in r.failures]
+        else:
+            lines.append("RESULT: OK: every checked slot has exactly one effect")
+        return "\n".join(lines)
+
+
+def count_triggers(
+    periods: dict[str, int], rows: list[tuple[str, float]], lo: float, hi: float
+) -> dict[str, Any]:
+    """Duplicate and missing triggers per entry, without assuming a grid.
+
+    Executions of one entry are sorted by time (the slot where the scheduler says it, else
+    the publish time) and clustered: an execution less than half a period after the first of
+    the current cluster belongs to it (a duplicate). Consecutive clusters ``g`` seconds apart
+    mean ``round(g / period) - 1`` missing triggers; so do the window's edges.
+    """
+    out = {"expected": 0, "executed": 0, "duplicate": 0, "missing": 0}
+    by_entry: dict[str, list[float]] = defaultdict(list)
+    for entry, at in rows:
+        if lo <= at <= hi:
+            by_entry[entry].append(at)
+    for entry, period in periods.items():
+        times = sorted(by_entry.get(entry, []))
+        out["expected"] += int((hi - lo) // period)
+        out["executed"] += len(times)
+        clusters: list[float] = []
+        for t in times:
+            if clusters and t - clusters[-1] < period / 2:
+                out["duplicate"] += 1
+            else:
+                clusters.append(t)
+        edges = [lo - period / 2, *clusters, hi + period / 2]
+        for a, b in zip(edges, edges[1:]):
+            out["missing"] += max(0, round((b - a) / period) - 1)
+    return out
+
+
+def _parse(argv: list[str] | None) -> Options:
+    ap = argparse.ArgumentParser(prog="python -m reliable_beat.testing.faults",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=2.5)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--beats", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--relays", type=int, default=2)
+    ap.add_argument("--entries", type=int, default=6)
+    ap.add_argument("--postgres-url", default=None,
+                    help="use this database (PostgreSQL restarts are then skipped)")
+    ap.add_argument("--redis-url", default=None,
+                    help="use this broker (Redis restarts and pauses are then skipped)")
+    ap.add_argument("--compare", default="",
+                    help="comma-separated: stock, redbeat, reliable (trigger counting)")
+    ap.add_argument("--compare-minutes", type=float, default=None)
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--keep-workdir", action="store_true")
+    a = ap.parse_args(argv)
+    compare = [m.strip() for m in a.compare.split(",") if m.strip()]
+    for m in compare:
+        if m not in ("stock", "redbeat", "reliable"):
+            ap.error(f"--compare: unknown scheduler {m!r} (stock, redbeat, reliable)")
+    return Options(
+        minutes=a.minutes, seed=a.seed, beats=a.beats, workers=a.workers, relays=a.relays,
+        entries=a.entries, postgres_url=a.postgres_url, redis_url=a.redis_url,
+        compare=compare, compare_minutes=a.compare_minutes, workdir=a.workdir,
+        keep_workdir=a.keep_workdir,
+    )
+
+
+@contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(143)
+
+    old: Callable[..., Any] | int | None = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = _parse(argv)
+    with _sigterm_as_exit():
+        return Harness(opts).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,6 +40,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from celery import Celery
+from celery.signals import before_task_publish
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -54,8 +56,6 @@ from sqlalchemy import (
     insert,
 )
 
-from celery import Celery
-from celery.signals import before_task_publish
 from reliable_beat.errors import PermanentDeliveryError, PermanentError
 
 __all__ = [
@@ -145,7 +145,9 @@ app.conf.update(
 if MODE == "reliable":
     app.conf.update(
         beat_scheduler="reliable_beat.celery:ReliableScheduler",
-        reliable_beat_database_url=CONFIG["database_url"],
+        reliable_beat_database_url=CONFIG.get(
+            "database_url", os.environ.get("RELIABLE_BEAT_DATABASE_URL", "sqlite:///faults.sqlite3")
+        ),
         reliable_beat_lease_seconds=float(CONFIG.get("lease_seconds", 3)),
         reliable_beat_retry_base_seconds=0.5,
         reliable_beat_retry_cap_seconds=3.0,
@@ -265,19 +267,19 @@ def _record_body(task: Any, entry: str) -> None:
 if MODE == "reliable" and not _compare:
     from reliable_beat.celery.task import IdempotentTask
 
-    @app.task(base=IdempotentTask, bind=True, name="faultapp.effect")
+    @app.task(base=IdempotentTask, bind=True, name="faultapp.effect")  # type: ignore[untyped-decorator]
     def effect(self: Any, entry: str) -> dict[str, Any]:
         """The effect of one slot: an effect row + an outbox message, in one transaction."""
         return _effect_body(self, entry)
 
 
-@app.task(bind=True, name="faultapp.record")
+@app.task(bind=True, name="faultapp.record")  # type: ignore[untyped-decorator]
 def record(self: Any, entry: str) -> None:
     """Comparison mode: record one executed trigger of ``entry``."""
     _record_body(self, entry)
 
 
-@before_task_publish.connect
+@before_task_publish.connect  # type: ignore[untyped-decorator]
 def _stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """Stamp every published message with the publisher's send time (comparison modes)."""
     if headers is not None:

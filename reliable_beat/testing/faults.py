@@ -33,6 +33,7 @@ what a plain task executed (``reliable`` adds the same measurement for ReliableS
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -45,7 +46,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -155,6 +156,34 @@ class Procs:
         self.extra_env: dict[str, dict[str, str]] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.lock = threading.RLock()
+        #: Killed on purpose, restart pending: the supervisor leaves them alone.
+        self.down: set[str] = set()
+        #: Exits nobody asked for (restarted by the supervisor, as systemd would).
+        self.crashes: Counter[str] = Counter()
+        self._supervising = threading.Event()
+
+    def supervise(self) -> None:
+        """Restart, like a process supervisor, any process that exited on its own."""
+        self._supervising.set()
+
+        def loop() -> None:
+            while self._supervising.is_set():
+                time.sleep(1.0)
+                with self.lock:
+                    if not self._supervising.is_set():
+                        return
+                    for name in list(self.cmds):
+                        if name not in self.down and not self.alive(name):
+                            log(f"{name} exited on its own (rc {self.procs[name].returncode}); "
+                                "restarting it")
+                            self.crashes[name.rstrip("0123456789")] += 1
+                            self.start(name)
+
+        threading.Thread(target=loop, daemon=True).start()
+
+    def unsupervise(self) -> None:
+        with self.lock:
+            self._supervising.clear()
 
     def start(self, name: str, cmd: list[str] | None = None,
               extra_env: dict[str, str] | None = None) -> None:
@@ -178,10 +207,8 @@ class Procs:
     def signal(self, name: str, sig: signal.Signals) -> None:
         p = self.procs.get(name)
         if p is not None and p.poll() is None:
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def kill(self, name: str) -> None:
         self.signal(name, signal.SIGKILL)
@@ -319,8 +346,10 @@ class Harness:
         if o.redis_url:
             broker = o.redis_url
         else:
-            self.redis = self.stack.enter_context(DurableRedis())
-            broker = self.redis.url
+            redis_server = DurableRedis()
+            self.stack.enter_context(redis_server)
+            self.redis = redis_server
+            broker = redis_server.url
         return db_url, broker
 
     def _write_config(self, path: Path, **extra: Any) -> None:
@@ -411,17 +440,17 @@ class Harness:
             f"{len(self.entries)} entries for {total:.0f} s; work dir {self.workdir}")
         started = time.monotonic()
         fault_end = started + total - o.quiet_seconds
-        timeline = threading.Thread(target=self._timeline, args=(started + o.warmup_seconds * 0.5,
+        self.procs.supervise()
+        timeline = threading.Thread(target=self._timeline, args=(started + o.warmup_seconds,
                                                                 fault_end), daemon=True)
         timeline.start()
-        while time.monotonic() < started + total:
+        while time.monotonic() < started + total - o.quiet_seconds / 2:
             time.sleep(0.5)
-            if not timeline.is_alive() and time.monotonic() < fault_end - 5:
-                pass
         self.stop_faults.set()
         timeline.join(60)
         self._heal()
         self.t_end = self.db_now()
+        self.procs.unsupervise()
         for name in self.procs.names("beat"):
             self.procs.stop(name)
         drained = self._drain(o.drain_seconds)
@@ -439,7 +468,7 @@ class Harness:
         self.rng.shuffle(kinds)
         while time.monotonic() < begin:
             time.sleep(0.2)
-        while time.monotonic() < end - 15 and not self.stop_faults.is_set():
+        while time.monotonic() < end - 5 and not self.stop_faults.is_set():
             kind = kinds.pop(0) if kinds else self.rng.choice(FAULT_KINDS)
             try:
                 self._inject(kind, end)
@@ -457,7 +486,9 @@ class Harness:
             role = kind.split("_")[1]
             victim = rng.choice([n for n in p.names(role) if p.alive(n)] or p.names(role))
             log(f"SIGKILL {victim}")
-            p.kill(victim)
+            with p.lock:
+                p.down.add(victim)
+                p.kill(victim)
             self.result.faults[kind] += 1
             delay = rng.uniform(1.0, 6.0)
             self._restart_later(victim, delay)
@@ -492,16 +523,19 @@ class Harness:
             victim = rng.choice(p.names("beat"))
             skew = rng.choice([-300, 300])
             log(f"restart {victim} with its clock skewed by {skew:+d} s")
-            p.kill(victim)
-            p.start(victim, extra_env={"RB_FAULTS_CLOCK_SKEW": str(skew)})
+            with p.lock:
+                p.kill(victim)
+                p.start(victim, extra_env={"RB_FAULTS_CLOCK_SKEW": str(skew)})
             self.result.faults[kind] += 1
         else:
             raise ValueError(kind)
 
     def _restart_later(self, name: str, delay: float) -> None:
         def restart() -> None:
-            if not self.procs.alive(name):
-                self.procs.start(name)
+            with self.procs.lock:
+                self.procs.down.discard(name)
+                if not self.procs.alive(name):
+                    self.procs.start(name)
 
         t = threading.Timer(delay, restart)
         t.daemon = True
@@ -517,7 +551,7 @@ class Harness:
             stale.unlink(missing_ok=True)
         flag = self.workdir / "slow.flag"
         flag.write_text("take me")
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         info: dict[str, Any] | None = None
         while time.monotonic() < deadline and info is None:
             for f in self.workdir.glob("slow.taken.*.json"):
@@ -526,7 +560,7 @@ class Harness:
             time.sleep(0.05)
         if info is None:
             flag.unlink(missing_ok=True)
-            raise RuntimeError("no worker took the slow flag within 20 s")
+            raise RuntimeError("no worker took the slow flag within 30 s")
         key, pid, token = info["key"], int(info["pid"]), int(info["fence_token"])
         name = self.procs.by_pid(pid)
         if name is None:
@@ -585,13 +619,15 @@ class Harness:
             t.cancel()
         if self.redis is not None and self.redis.proc is not None:
             self.redis.resume()
-        for name in list(self.procs.cmds):
-            self.procs.signal(name, signal.SIGCONT)
-            if self.procs.extra_env.get(name):
-                self.procs.kill(name)
-                self.procs.extra_env[name] = {}
-            if not self.procs.alive(name):
-                self.procs.start(name)
+        with self.procs.lock:
+            self.procs.down.clear()
+            for name in list(self.procs.cmds):
+                self.procs.signal(name, signal.SIGCONT)
+                if self.procs.extra_env.get(name):
+                    self.procs.kill(name)
+                    self.procs.extra_env[name] = {}
+                if not self.procs.alive(name):
+                    self.procs.start(name)
         time.sleep(self.opts.quiet_seconds / 2)
 
     # -- quiesce and check -----------------------------------------------------------------
@@ -665,14 +701,14 @@ class Harness:
         names = {e["name"] for e in self.entries}
         unexpected_dl = sorted(
             key for kind, key, _ in dead
-            if kind != "run" or not is_permanent(*key.rsplit("@", 1), o.permanent_every)
-            or key.rsplit("@", 1)[0] not in names
+            if kind != "run" or key.rsplit("@", 1)[0] not in names
+            or not is_permanent(key.rsplit("@", 1)[0], key.rsplit("@", 1)[-1], o.permanent_every)
         )
         # Outbox: every logical message reached the sink; all deliveries share one key.
         with self.sink.lock:
             reqs = list(self.sink.requests)
         keys_by_body: dict[tuple[str, str], set[str]] = defaultdict(set)
-        deliveries = Counter()
+        deliveries: Counter[str] = Counter()
         for key, body, _t in reqs:
             keys_by_body[(body["entry"], body["slot"])].add(key)
             deliveries[key] += 1
@@ -709,8 +745,9 @@ class Harness:
             mixed_keys=len(mixed_keys),
             run_states=dict(run_states),
             attempts=dict(outcomes),
+            crashes=dict(self.procs.crashes),
         )
-        checks = [
+        checks: list[tuple[list[Any], str]] = [
             (missing, "slots without an effect"),
             (duplicated, "slots with more than one effect"),
             (duplicated_anywhere, "(entry, slot) pairs with more than one effect (any time)"),
@@ -836,6 +873,8 @@ class Harness:
             f"{s.get('sink_requests')} / {s.get('sink_redeliveries')} |",
             f"| messages never delivered / with mixed keys | {s.get('undelivered')} / "
             f"{s.get('mixed_keys')} |",
+            f"| processes that exited on their own (restarted) | "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(s.get('crashes', {}).items())) or 0} |",
             f"| max fire lateness (dispatched_at - fire_at) | "
             f"{'-' if late is None else f'{late:.2f} s'} |",
         ]
@@ -887,7 +926,7 @@ def count_triggers(
             else:
                 clusters.append(t)
         edges = [lo - period / 2, *clusters, hi + period / 2]
-        for a, b in zip(edges, edges[1:]):
+        for a, b in itertools.pairwise(edges):
             out["missing"] += max(0, round((b - a) / period) - 1)
     return out
 

@@ -408,9 +408,17 @@ class Harness:
                 anchor = self.db_now().replace(microsecond=0)
                 self.entries = make_entries(o.entries, self.rng, anchor)
                 code = self._main_run()
+                print(self.report(), flush=True)
                 for mode in o.compare:
-                    self.result.compare.append(self._compare_run(mode))
-                print(self.report())
+                    try:
+                        self.result.compare.append(self._compare_run(mode))
+                    except Exception as exc:
+                        log(f"compare {mode} failed: {exc!r}")
+                        self.result.compare.append(
+                            {"mode": mode, "seconds": 0, "faults": {}, "expected": "-",
+                             "executed": "-", "duplicate": "-", "missing": f"error: {exc!r}"})
+                if o.compare:
+                    print(self.report(compare_only=True))
                 return code
         finally:
             if not o.keep_workdir and self.result.failures == []:
@@ -842,8 +850,10 @@ class Harness:
         return counts
 
     # -- report --------------------------------------------------------------------------
-    def report(self) -> str:
+    def report(self, *, compare_only: bool = False) -> str:
         r, s, o = self.result, self.result.stats, self.opts
+        if compare_only:
+            return self._compare_table()
         lines = [
             "",
             f"## Fault-injection run: seed {o.seed}, {o.minutes:g} min, {o.beats} beats, "
@@ -867,7 +877,8 @@ class Harness:
             f"| deduplicated attempts | {s.get('deduplicated')} |",
             f"| busy attempts (live lease elsewhere) | {s.get('busy')} |",
             f"| retries | {s.get('retries')} |",
-            f"| dead letters (expected) | {s.get('dead_letters')} ({s.get('expected_dead')}) |",
+            f"| dead letters (all / permanent-failure slots in window) | "
+            f"{s.get('dead_letters')} / {s.get('expected_dead')} |",
             f"| runs left running with an expired lease | {s.get('stuck_running')} |",
             f"| outbox messages / sink requests / redeliveries | {s.get('outbox_messages')} / "
             f"{s.get('sink_requests')} / {s.get('sink_redeliveries')} |",
@@ -878,6 +889,17 @@ class Harness:
             f"| max fire lateness (dispatched_at - fire_at) | "
             f"{'-' if late is None else f'{late:.2f} s'} |",
         ]
+        lines.append("")
+        if r.failures:
+            lines.append("RESULT: FAILED")
+            lines += [f"- {f}" for f in r.failures]
+        else:
+            lines.append("RESULT: OK: every checked slot has exactly one effect")
+        return "\n".join(lines)
+
+    def _compare_table(self) -> str:
+        r = self.result
+        lines: list[str] = []
         if r.compare:
             lines += [
                 "",
@@ -891,13 +913,7 @@ class Harness:
                     f"| {c['mode']} | {c['seconds']} s | {fl} | {c['expected']} | "
                     f"{c['executed']} | {c['duplicate']} | {c['missing']} |"
                 )
-        lines.append("")
-        if r.failures:
-            lines.append("RESULT: FAILED")
-            lines += [f"- {f}" for f in r.failures]
-        else:
-            lines.append("RESULT: OK: every checked slot has exactly one effect")
-        return "\n".join(lines)
+        return "\n".join(["", "## Side by side: triggers executed per slot", *lines])
 
 
 def count_triggers(

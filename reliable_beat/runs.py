@@ -212,8 +212,9 @@ def claim_run(
                 created_at=now,
                 updated_at=now,
             )
+            .returning(runs.c.id)
         )
-        fresh = inserted.rowcount == 1
+        fresh = inserted.first() is not None
         stmt = select(runs).where(runs.c.idempotency_key == key)
         if store.dialect != "sqlite":
             stmt = stmt.with_for_update()

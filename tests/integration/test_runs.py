@@ -41,7 +41,8 @@ def claim(store: Store, key: str = "k1", owner: str = "w1") -> runs.Claim:
 
 
 def outcomes(store: Store, run_id: int) -> list[tuple[int, int, str]]:
-    return [(a["attempt"], a["fence_token"], a["outcome"]) for a in runs.list_attempts(store, run_id)]
+    rows = runs.list_attempts(store, run_id)
+    return [(a["attempt"], a["fence_token"], a["outcome"]) for a in rows]
 
 
 def count(store: Store, table: sa.Table) -> int:

@@ -142,9 +142,11 @@ def dl_show(cli: CliContext, dead_letter_id: int) -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--force", is_flag=True, help="Requeue even if it was requeued before.")
 @click.option("--by", default=None, help="Who decided (default: the current user).")
+@click.option("--queue", default=None,
+              help="Send to this queue (default: the queue the task died on, else the app's).")
 @pass_cli
 def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
-               by: str | None) -> None:
+               by: str | None, queue: str | None) -> None:
     """Run a dead run again under the SAME idempotency key (needs -A APP)."""
     if cli.app is None:
         raise click.UsageError("requeue sends the task through the Celery app: pass -A APP")
@@ -170,7 +172,7 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
     try:
         cli.app.send_task(payload["task"], args=payload.get("args") or [],
                           kwargs=payload.get("kwargs") or {}, headers=headers,
-                          task_id=str(uuid.uuid4()))
+                          task_id=str(uuid.uuid4()), queue=queue or payload.get("queue"))
     except Exception as exc:
         runs.undo_requeue(cli.store, dead_letter_id)
         raise click.ClickException(f"could not send the task ({exc}); the run stays dead") from exc

@@ -621,6 +621,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "kwargs": dict(claim.kwargs or {}),
             "key": claim.key,
             "headers": self._key_headers(claim.key),
+            # Where the message came from, so a requeue goes back to the same queue.
+            "queue": (self.request.delivery_info or {}).get("routing_key"),
         }
 
     def _renew_loop(self, state: _RunState) -> None:

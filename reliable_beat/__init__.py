@@ -1,0 +1,83 @@
+"""reliable_beat: effectively-once periodic tasks for Celery.
+
+Change one setting and subclass one base class::
+
+    app.conf.beat_scheduler = "reliable_beat.ReliableScheduler"
+    app.conf.reliable_beat_database_url = "postgresql+psycopg://..."   # default: SQLite file
+
+    @app.task(base=IdempotentTask, bind=True)
+    def pay_merchants(self):
+        with self.transaction() as tx:
+            ...
+
+then run ``celery beat`` (as many as you like), workers, and ``reliable-beat relay``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reliable_beat.errors import (
+    ConfigurationError,
+    DeliveryError,
+    EntryNotFoundError,
+    EntryValidationError,
+    IdempotencyKeyError,
+    InvalidScheduleError,
+    LeaseHeldError,
+    PermanentDeliveryError,
+    PermanentError,
+    ReliableBeatError,
+    SchemaError,
+    StaleFenceToken,
+    StoreUnavailableError,
+    UnknownTimezoneError,
+)
+from reliable_beat.policies import MisfirePolicy, OverlapPolicy, RetryPolicy, backoff_delay
+from reliable_beat.schedules import CronSchedule, IntervalSchedule, OneOffSchedule
+from reliable_beat.settings import Settings
+from reliable_beat.slots import idempotency_key
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "CronSchedule",
+    "DeliveryError",
+    "EntryNotFoundError",
+    "EntryValidationError",
+    "IdempotencyKeyError",
+    "IdempotentTask",
+    "IntervalSchedule",
+    "InvalidScheduleError",
+    "LeaseHeldError",
+    "MisfirePolicy",
+    "OneOffSchedule",
+    "OverlapPolicy",
+    "PermanentDeliveryError",
+    "PermanentError",
+    "ReliableBeatError",
+    "ReliableScheduler",
+    "RetryPolicy",
+    "SchemaError",
+    "Settings",
+    "StaleFenceToken",
+    "StoreUnavailableError",
+    "UnknownTimezoneError",
+    "__version__",
+    "backoff_delay",
+    "idempotency_key",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the Celery adapter pulls in celery.beat / the worker task machinery.
+    if name == "ReliableScheduler":
+        from reliable_beat.celery.scheduler import ReliableScheduler
+
+        return ReliableScheduler
+    if name == "IdempotentTask":
+        from reliable_beat.celery.task import IdempotentTask
+
+        return IdempotentTask
+    raise AttributeError(f"module 'reliable_beat' has no attribute {name!r}")

@@ -1,0 +1,403 @@
+"""One beat tick: claim due entries, plan their slots, write runs + triggers, advance.
+
+Everything that decides *whether* a slot fires happens in **one** transaction (invariant 2):
+
+1. ``SELECT ... FROM reliable_beat_entries WHERE <due> AND next_fire_at <= now ORDER BY
+   next_fire_at LIMIT n FOR UPDATE SKIP LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``);
+2. plan each entry's due slots (:func:`reliable_beat.planner.plan_entry`, misfire policy),
+   then the overlap policy from run state;
+3. ``INSERT`` the runs (``ON CONFLICT DO NOTHING`` on UNIQUE(entry, fire_at) and on the
+   idempotency key: a slot already fired is a no-op, whatever the clocks said) and a trigger
+   outbox row for each run actually inserted and fired;
+4. advance ``next_fire_at`` on the grid; commit.
+
+Only after the commit are the triggers published (fast path, by the caller); a trigger row
+is written with ``available_at = now + sweep_delay`` so a relay sweeps it only if the fast
+path did not mark it sent in time (a crash between commit and publish).
+
+"now" is always the database's clock (invariant 4). This module knows nothing of Celery.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, bindparam, func, select, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat import schedules as sch
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.planner import plan_entry
+from reliable_beat.slots import format_fire_at, idempotency_key
+
+__all__ = [
+    "ACTIVE_RUN_STATES",
+    "Beat",
+    "TickResult",
+    "Trigger",
+    "due_clause",
+    "task_id_for",
+    "trigger_message_id",
+]
+
+log = logging.getLogger("reliable_beat.beat")
+
+#: Run states that mean "not finished yet" for the overlap policy.
+ACTIVE_RUN_STATES = ("scheduled", "dispatched", "running", "retrying")
+TRIGGER_DESTINATION = "celery"
+
+
+def due_clause() -> Any:
+    """The partial-index predicate of entries that can be due."""
+    return and_(
+        entries.c.enabled.is_(True),
+        entries.c.paused.is_(False),
+        entries.c.next_fire_at.is_not(None),
+    )
+
+
+def task_id_for(key: str) -> str:
+    """The Celery task id of a run: ``uuid5(NAMESPACE_URL, "reliable_beat:" + key)``.
+
+    Deterministic, so a duplicate trigger of one slot shows up under the same task id in
+    Flower and result backends.
+    """
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "reliable_beat:" + key))
+
+
+def trigger_message_id(key: str) -> str:
+    """The outbox message id of a run's trigger."""
+    return "trigger:" + key
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A committed trigger to publish: one outbox row of destination ``celery``.
+
+    Attributes:
+        outbox_id / run_id: row ids.
+        payload: the outbox payload (task, args, kwargs, task_id, headers, options, expires_at).
+        fire_at: the slot (UTC), or the request time for a manual trigger.
+    """
+
+    outbox_id: int
+    run_id: int
+    key: str
+    payload: dict[str, Any]
+    fire_at: datetime
+
+
+@dataclass
+class TickResult:
+    """What one tick did.
+
+    Attributes:
+        triggers: committed triggers to publish now.
+        skipped: slots recorded as skipped.
+        claimed: entries claimed.
+        duplicates: slots another process had already fired (insert was a no-op).
+        next_fire_at: the earliest ``next_fire_at`` of any due-able entry after the tick.
+        now: the database clock at the tick.
+    """
+
+    triggers: list[Trigger] = field(default_factory=list)
+    skipped: int = 0
+    claimed: int = 0
+    duplicates: int = 0
+    next_fire_at: datetime | None = None
+    now: datetime | None = None
+
+
+def build_trigger_payload(
+    *,
+    task: str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    key: str,
+    entry: str | None,
+    fire_at: datetime,
+    trigger: str,
+) -> dict[str, Any]:
+    """The outbox payload of a trigger (JSON): an ordinary Celery task message description.
+
+    Headers carry the entry, the fire time (ISO 8601 UTC) and the idempotency key; the task
+    id is :func:`task_id_for`; ``expires_at`` = slot + ``options["expires"]`` seconds.
+    """
+    publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
+    headers = dict(options.get("headers") or {})
+    headers.update(
+        reliable_beat_key=key,
+        reliable_beat_entry=entry,
+        reliable_beat_fire_at=format_fire_at(fire_at),
+        reliable_beat_trigger=trigger,
+    )
+    expires = options.get("expires")
+    expires_at = (
+        format_fire_at(fire_at + timedelta(seconds=float(expires))) if expires else None
+    )
+    return {
+        "task": task,
+        "args": args,
+        "kwargs": kwargs,
+        "task_id": task_id_for(key),
+        "headers": headers,
+        "options": publish,
+        "expires_at": expires_at,
+    }
+
+
+@dataclass
+class Beat:
+    """The framework-neutral beat: :meth:`tick` does one claim transaction.
+
+    Safe to run in any number of processes against one store.
+
+    Args:
+        store: the store.
+        owner: this process's id (``host:pid``), recorded on the trigger rows.
+        batch_size: entries claimed per tick transaction.
+        is_tracked: task name -> True when the task keeps run state (``IdempotentTask``);
+            overlap policies other than ``allow`` are only applied to tracked tasks.
+        sweep_delay: how long the fast path has to publish before a relay may sweep.
+    """
+
+    store: Store
+    owner: str
+    batch_size: int = 500
+    is_tracked: Callable[[str], bool] = lambda _task: True
+    sweep_delay: timedelta = timedelta(seconds=10)
+    _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
+
+    def _schedule(self, name: str, spec: dict[str, Any]) -> sch.Schedule:
+        cached = self._schedules.get(name)
+        if cached is not None and cached[0] == spec:
+            return cached[1]
+        schedule = sch.schedule_from_spec(spec)
+        if len(self._schedules) > 10_000:  # bounded: memory must not grow with entries
+            self._schedules.clear()
+        self._schedules[name] = (spec, schedule)
+        return schedule
+
+    def tick(self) -> TickResult:
+        """Claim up to ``batch_size`` due entries and fire their slots, in one transaction.
+
+        Returns:
+            The committed triggers (publish them, then :func:`mark_sent`), counts, and the
+            earliest next fire time.
+
+        Raises:
+            StoreUnavailableError: the database is down (nothing was written).
+        """
+        result = TickResult()
+        with self.store.begin() as conn:
+            now = self.store.now(conn)
+            result.now = now
+            stmt = (
+                select(entries)
+                .where(due_clause(), entries.c.next_fire_at <= now)
+                .order_by(entries.c.next_fire_at)
+                .limit(self.batch_size)
+            )
+            rows = conn.execute(self.store.for_update_skip_locked(stmt)).all()
+            result.claimed = len(rows)
+            if rows:
+                self._fire(conn, list(rows), now, result)
+            self._release_buffered(conn, now, result)
+            result.next_fire_at = conn.execute(
+                select(func.min(entries.c.next_fire_at)).where(due_clause())
+            ).scalar_one_or_none()
+        return result
+
+    def _fire(self, conn: Connection, rows: list[Any], now: datetime, result: TickResult) -> None:
+        run_rows: list[dict[str, Any]] = []
+        entry_updates: list[dict[str, Any]] = []
+        overlap_entries = [
+            r.name for r in rows if r.overlap_policy != "allow" and self.is_tracked(r.task)
+        ]
+        active: dict[str, set[str]] = {}
+        if overlap_entries:
+            for name, state in conn.execute(
+                select(runs.c.entry_name, runs.c.state).where(
+                    runs.c.entry_name.in_(overlap_entries),
+                    runs.c.state.in_((*ACTIVE_RUN_STATES, "buffered")),
+                )
+            ):
+                active.setdefault(name, set()).add(state)
+        for row in rows:
+            try:
+                schedule = self._schedule(row.name, row.schedule)
+                plan = plan_entry(
+                    next_fire_at=row.next_fire_at,
+                    now=now,
+                    next_after=schedule.next_after,
+                    misfire_policy=row.misfire_policy,
+                    misfire_grace=timedelta(seconds=row.misfire_grace_seconds),
+                    catch_up_limit=row.catch_up_limit,
+                    catch_up_window=(
+                        timedelta(seconds=row.catch_up_window_seconds)
+                        if row.catch_up_window_seconds is not None
+                        else None
+                    ),
+                    end_at=row.end_at,
+                )
+            except Exception:
+                # One bad entry never stops the tick: log it and push it back a minute.
+                log.exception("entry %r: cannot plan its slots; retrying in 60 s", row.name)
+                entry_updates.append(
+                    {"b_id": row.id, "b_next": now + timedelta(seconds=60),
+                     "b_last": row.last_fire_at, "b_now": now}
+                )
+                continue
+            if plan.unrecorded:
+                log.warning(
+                    "entry %r: %d missed slots older than the newest %d were dropped unrecorded",
+                    row.name, plan.unrecorded, len(plan.decisions),
+                )
+            states = active.get(row.name, set())
+            tracked = row.overlap_policy != "allow" and self.is_tracked(row.task)
+            for d in plan.decisions:
+                key = idempotency_key(row.name, d.fire_at)
+                state, reason = "scheduled", None
+                if not d.fire:
+                    state, reason = "skipped", d.reason
+                elif tracked and states & set(ACTIVE_RUN_STATES):
+                    if row.overlap_policy == "buffer_one" and "buffered" not in states:
+                        state, reason = "buffered", "overlap:buffer_one"
+                        states.add("buffered")
+                    else:
+                        state, reason = "skipped", "overlap:skip"
+                elif tracked:
+                    states.add("scheduled")
+                run_rows.append(
+                    {
+                        "idempotency_key": key,
+                        "entry_name": row.name,
+                        "fire_at": d.fire_at,
+                        "trigger": d.trigger,
+                        "task": row.task,
+                        "args": row.args,
+                        "kwargs": row.kwargs,
+                        "state": state,
+                        "reason": reason,
+                        "created_at": now,
+                        "updated_at": now,
+                        "_options": row.options,
+                    }
+                )
+            last = plan.decisions[-1].fire_at if plan.decisions else row.last_fire_at
+            entry_updates.append(
+                {"b_id": row.id, "b_next": plan.next_fire_at, "b_last": last, "b_now": now}
+            )
+
+        if run_rows:
+            options_by_key = {r["idempotency_key"]: r.pop("_options") for r in run_rows}
+            by_key = {r["idempotency_key"]: r for r in run_rows}
+            inserted = conn.execute(
+                self.store.insert_ignore(runs).returning(runs.c.id, runs.c.idempotency_key),
+                run_rows,
+            ).all()
+            result.duplicates += len(run_rows) - len(inserted)
+            outbox_rows: list[dict[str, Any]] = []
+            pending: list[tuple[int, str, dict[str, Any], datetime]] = []
+            for run_id, key in inserted:
+                r = by_key[key]
+                if r["state"] == "skipped":
+                    result.skipped += 1
+                    continue
+                if r["state"] != "scheduled":
+                    continue
+                payload = build_trigger_payload(
+                    task=r["task"], args=r["args"], kwargs=r["kwargs"],
+                    options=options_by_key[key], key=key, entry=r["entry_name"],
+                    fire_at=r["fire_at"], trigger=r["trigger"],
+                )
+                outbox_rows.append(self._outbox_row(key, run_id, payload, now))
+                pending.append((run_id, key, payload, r["fire_at"]))
+            if outbox_rows:
+                ids = conn.execute(
+                    outbox.insert().returning(outbox.c.id, outbox.c.message_id), outbox_rows
+                ).all()
+                id_by_mid = {mid: oid for oid, mid in ids}
+                for run_id, key, payload, fire_at in pending:
+                    result.triggers.append(
+                        Trigger(id_by_mid[trigger_message_id(key)], run_id, key, payload, fire_at)
+                    )
+        if entry_updates:
+            conn.execute(
+                update(entries)
+                .where(entries.c.id == bindparam("b_id"))
+                .values(
+                    next_fire_at=bindparam("b_next"),
+                    last_fire_at=bindparam("b_last"),
+                    updated_at=bindparam("b_now"),
+                ),
+                entry_updates,
+            )
+
+    def _outbox_row(
+        self, key: str, run_id: int, payload: dict[str, Any], now: datetime
+    ) -> dict[str, Any]:
+        return {
+            "message_id": trigger_message_id(key),
+            "destination": TRIGGER_DESTINATION,
+            "payload": payload,
+            "headers": {},
+            "run_id": run_id,
+            "state": "pending",
+            "attempts": 0,
+            "available_at": now + self.sweep_delay,
+            "claimed_by": self.owner,
+            "created_at": now,
+        }
+
+    def _release_buffered(self, conn: Connection, now: datetime, result: TickResult) -> None:
+        """Turn a ``buffered`` run into a trigger once its entry has no active run."""
+        buffered = conn.execute(
+            select(runs.c.id, runs.c.idempotency_key, runs.c.entry_name, runs.c.fire_at,
+                   runs.c.task, runs.c.args, runs.c.kwargs, runs.c.trigger)
+            .where(runs.c.state == "buffered")
+            .order_by(runs.c.id)
+            .limit(self.batch_size)
+        ).all()
+        if not buffered:
+            return
+        names = {b.entry_name for b in buffered}
+        still_active = set(
+            conn.execute(
+                select(runs.c.entry_name).where(
+                    runs.c.entry_name.in_(names), runs.c.state.in_(ACTIVE_RUN_STATES)
+                )
+            ).scalars()
+        )
+        options = dict(
+            conn.execute(
+                select(entries.c.name, entries.c.options).where(entries.c.name.in_(names))
+            ).all()
+        )
+        for b in buffered:
+            if b.entry_name in still_active:
+                continue
+            done = conn.execute(
+                update(runs)
+                .where(runs.c.id == b.id, runs.c.state == "buffered")
+                .values(state="scheduled", updated_at=now)
+            )
+            if not done.rowcount:
+                continue
+            still_active.add(b.entry_name)  # one released run per entry at a time
+            payload = build_trigger_payload(
+                task=b.task, args=b.args, kwargs=b.kwargs, options=options.get(b.entry_name, {}),
+                key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
+            )
+            oid = conn.execute(
+                outbox.insert().returning(outbox.c.id),
+                [self._outbox_row(b.idempotency_key, b.id, payload, now)],
+            ).scalar_one()
+            result.triggers.append(Trigger(oid, b.id, b.idempotency_key, payload, b.fire_at))

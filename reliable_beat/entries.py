@@ -1,0 +1,581 @@
+"""Entries: definitions, validation, the config sync, and the runtime API.
+
+An *entry* is a named recurring definition (Celery's word): a task, its arguments, publish
+options, a schedule, and per-entry policies. Entries live in ``reliable_beat_entries``; the
+beat never holds them all in memory.
+
+Per-entry settings in a Celery ``beat_schedule`` entry go under ``options["reliable_beat"]``
+(portable: stock beat ignores unknown options) or a top-level ``"reliable_beat"`` key::
+
+    "pay-merchants": {
+        "task": "shop.pay_merchants",
+        "schedule": crontab(minute=0, hour=2),
+        "options": {"queue": "payouts", "expires": 3600,
+                    "reliable_beat": {"misfire_policy": "catch_up", "catch_up_limit": 3,
+                                      "timezone": "Europe/Berlin", "overlap_policy": "skip"}},
+    }
+
+Keys: ``misfire_policy``, ``misfire_grace`` (seconds or ``timedelta``), ``catch_up_limit``,
+``catch_up_window`` (seconds or ``timedelta``), ``overlap_policy``, ``timezone`` (IANA),
+``dst_nonexistent`` (``shift``, ``gap_end``, ``skip``), ``dst_repeated`` (``first``, ``last``,
+``both``), ``start_at`` / ``end_at`` (tz-aware ``datetime`` or ISO 8601), ``anchor`` (interval
+grid anchor; default: when the entry is first stored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import and_, select, text, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat import schedules as sch
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries, runs
+from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
+from reliable_beat.policies import MisfirePolicy, OverlapPolicy
+from reliable_beat.settings import Settings
+
+__all__ = [
+    "ENTRY_OPTION_KEYS",
+    "EntryDefinition",
+    "definition_from_celery",
+    "get_entry",
+    "list_entries",
+    "notify_entries_changed",
+    "pause",
+    "remove",
+    "resume",
+    "save_runtime_entry",
+    "sync_config_entries",
+]
+
+ENTRY_OPTION_KEYS = frozenset(
+    {
+        "misfire_policy",
+        "misfire_grace",
+        "catch_up_limit",
+        "catch_up_window",
+        "overlap_policy",
+        "timezone",
+        "dst_nonexistent",
+        "dst_repeated",
+        "start_at",
+        "end_at",
+        "anchor",
+    }
+)
+#: Celery publish options an entry may carry (``expires`` counts from the slot).
+PUBLISH_OPTION_KEYS = frozenset(
+    {"queue", "routing_key", "exchange", "priority", "expires", "headers", "serializer"}
+)
+NOTIFY_CHANNEL = "reliable_beat_entries"
+
+
+@dataclass
+class EntryDefinition:
+    """One entry as the user defines it (config or runtime).
+
+    Attributes:
+        name: unique name.
+        task: registered Celery task name.
+        schedule: when it fires (its ``timezone`` is the entry's zone).
+        args / kwargs: JSON-serialisable call arguments.
+        options: publish options (queue, routing_key, exchange, priority, headers, serializer,
+            expires in seconds counted from the slot).
+        misfire_policy / misfire_grace / catch_up_limit / catch_up_window / overlap_policy: see
+            :mod:`reliable_beat.policies`.
+        start_at / end_at: UTC-aware bounds of the slots, or None.
+        origin: ``config`` (from ``beat_schedule``) or ``runtime`` (API / CLI).
+    """
+
+    name: str
+    task: str
+    schedule: sch.Schedule
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    misfire_policy: str = MisfirePolicy.FIRE_ONCE.value
+    misfire_grace: timedelta = timedelta(seconds=60)
+    catch_up_limit: int = 100
+    catch_up_window: timedelta | None = None
+    overlap_policy: str = OverlapPolicy.ALLOW.value
+    start_at: datetime | None = None
+    end_at: datetime | None = None
+    origin: str = "runtime"
+
+    def config_hash(self) -> str:
+        """A digest of what the user defined (an interval's stored anchor excluded)."""
+        spec = self.schedule.to_spec()
+        if spec.get("kind") == "interval" and not getattr(self, "_explicit_anchor", False):
+            spec = {k: v for k, v in spec.items() if k != "anchor"}
+        body = {
+            "task": self.task,
+            "schedule": spec,
+            "args": self.args,
+            "kwargs": self.kwargs,
+            "options": self.options,
+            "misfire_policy": self.misfire_policy,
+            "misfire_grace": self.misfire_grace.total_seconds(),
+            "catch_up_limit": self.catch_up_limit,
+            "catch_up_window": (
+                self.catch_up_window.total_seconds() if self.catch_up_window else None
+            ),
+            "overlap_policy": self.overlap_policy,
+            "start_at": self.start_at.isoformat() if self.start_at else None,
+            "end_at": self.end_at.isoformat() if self.end_at else None,
+        }
+        raw = json.dumps(body, sort_keys=True, default=str).encode()
+        return hashlib.sha256(raw).hexdigest()
+
+    def first_fire_at(self, now: datetime) -> datetime | None:
+        """The first slot of a new (or changed) entry: strictly after ``now`` and at or after
+        ``start_at``. Nothing between ``start_at`` and creation is treated as missed."""
+        base = now
+        if self.start_at is not None and self.start_at - timedelta(seconds=1) > base:
+            base = self.start_at - timedelta(seconds=1)
+        nxt = self.schedule.next_after(base)
+        if nxt is not None and self.end_at is not None and nxt > self.end_at:
+            return None
+        return nxt
+
+    def row_values(self) -> dict[str, Any]:
+        """Column values of ``reliable_beat_entries`` for this definition."""
+        return {
+            "name": self.name,
+            "task": self.task,
+            "args": list(self.args),
+            "kwargs": dict(self.kwargs),
+            "options": dict(self.options),
+            "schedule_kind": self.schedule.kind,
+            "schedule": self.schedule.to_spec(),
+            "timezone": self.schedule.timezone,
+            "misfire_policy": self.misfire_policy,
+            "misfire_grace_seconds": self.misfire_grace.total_seconds(),
+            "catch_up_limit": self.catch_up_limit,
+            "catch_up_window_seconds": (
+                self.catch_up_window.total_seconds() if self.catch_up_window else None
+            ),
+            "overlap_policy": self.overlap_policy,
+            "origin": self.origin,
+            "config_hash": self.config_hash(),
+            "start_at": self.start_at,
+            "end_at": self.end_at,
+        }
+
+
+def _seconds(value: Any, what: str) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return timedelta(seconds=float(value))
+    raise ConfigurationError(f"{what}={value!r}: expected seconds (number >= 0) or a timedelta")
+
+
+def _instant(value: Any, what: str) -> datetime:
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError as exc:
+            raise ConfigurationError(f"{what}={value!r}: not an ISO 8601 instant") from exc
+    if not isinstance(value, datetime):
+        raise ConfigurationError(f"{what}={value!r}: expected a tz-aware datetime")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ConfigurationError(
+            f"{what}={value.isoformat()!r} is naive: give a tz-aware datetime (UTC offset)"
+        )
+    return value.astimezone(timezone.utc)
+
+
+def definition_from_celery(
+    name: str,
+    raw: Mapping[str, Any],
+    *,
+    default_timezone: str,
+    settings: Settings,
+    now: datetime,
+    origin: str = "config",
+    is_idempotent: Callable[[str], bool | None] | None = None,
+) -> EntryDefinition:
+    """Build an :class:`EntryDefinition` from one ``beat_schedule`` item.
+
+    Args:
+        name: the entry name (the ``beat_schedule`` key).
+        raw: the item: ``task``, ``schedule`` (crontab / schedule / seconds / timedelta / cron
+            string / a :class:`~reliable_beat.schedules.Schedule`), ``args``, ``kwargs``,
+            ``options`` (with optional ``options["reliable_beat"]``), optional top-level
+            ``reliable_beat``.
+        default_timezone: the zone for entries that set none (Celery's ``timezone`` or UTC).
+        settings: policy defaults.
+        now: UTC-aware instant used as the default interval anchor.
+        is_idempotent: task name -> True (IdempotentTask), False (plain task), None (unknown);
+            used to refuse overlap policies that need run tracking on plain tasks.
+
+    Raises:
+        EntryValidationError: every problem of this entry, each naming the entry and the fix.
+    """
+    problems: list[str] = []
+
+    def bad(msg: str) -> None:
+        problems.append(f"entry {name!r}: {msg}")
+
+    if not isinstance(raw, Mapping):
+        raise EntryValidationError([f"entry {name!r}: expected a dict, got {type(raw).__name__}"])
+    task = raw.get("task")
+    if not isinstance(task, str) or not task:
+        bad("'task' must be the registered task name (a non-empty string)")
+        task = "?"
+    options = dict(raw.get("options") or {})
+    rb = dict(options.pop("reliable_beat", None) or {})
+    rb.update(raw.get("reliable_beat") or {})
+    for key in sorted(set(rb) - ENTRY_OPTION_KEYS):
+        bad(f"unknown reliable_beat option {key!r}; valid: {', '.join(sorted(ENTRY_OPTION_KEYS))}")
+    for key in sorted(set(options) - PUBLISH_OPTION_KEYS):
+        supported = ", ".join(sorted(PUBLISH_OPTION_KEYS))
+        bad(f"unsupported publish option {key!r}; supported: {supported}")
+    args = list(raw.get("args") or [])
+    kwargs = dict(raw.get("kwargs") or {})
+    for what, value in (("args", args), ("kwargs", kwargs), ("options", options)):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            bad(f"{what} are not JSON-serialisable ({exc}); pass plain JSON values")
+    if raw.get("relative"):
+        bad("'relative=True' is not supported: slots sit on a fixed grid")
+    if "expires" in options:
+        exp = options["expires"]
+        if isinstance(exp, timedelta):
+            options["expires"] = exp.total_seconds()
+        elif not isinstance(exp, (int, float)) or isinstance(exp, bool) or exp <= 0:
+            bad(f"options['expires']={exp!r}: give seconds (> 0) counted from the slot")
+
+    tz = rb.get("timezone") or default_timezone
+    try:
+        tz = sch.validate_timezone(tz)
+    except ConfigurationError as exc:
+        bad(str(exc))
+        tz = "UTC"
+    anchor = now.replace(microsecond=0)
+    explicit_anchor = False
+    if "anchor" in rb:
+        try:
+            anchor = _instant(rb["anchor"], "anchor")
+            explicit_anchor = True
+        except ConfigurationError as exc:
+            bad(str(exc))
+    schedule: sch.Schedule | None = None
+    if "schedule" not in raw:
+        bad("'schedule' is missing")
+    else:
+        try:
+            schedule = sch.from_celery(raw["schedule"], timezone=tz, anchor=anchor, entry=name)
+            if schedule.kind == "cron" and (rb.get("dst_nonexistent") or rb.get("dst_repeated")):
+                spec = schedule.to_spec()
+                spec["nonexistent"] = rb.get("dst_nonexistent") or spec.get("nonexistent")
+                spec["repeated"] = rb.get("dst_repeated") or spec.get("repeated")
+                schedule = sch.schedule_from_spec(spec)
+            elif rb.get("dst_nonexistent") or rb.get("dst_repeated"):
+                bad("dst_nonexistent / dst_repeated apply to cron schedules only")
+        except ConfigurationError as exc:
+            bad(str(exc).replace(f"entry {name!r}: ", ""))
+
+    misfire = rb.get("misfire_policy", settings.misfire_policy)
+    if misfire not in {p.value for p in MisfirePolicy}:
+        bad(f"misfire_policy={misfire!r}: expected one of catch_up, fire_once, skip")
+    overlap = rb.get("overlap_policy", settings.overlap_policy)
+    if overlap not in {p.value for p in OverlapPolicy}:
+        bad(f"overlap_policy={overlap!r}: expected one of allow, skip, buffer_one")
+    elif overlap != "allow" and is_idempotent is not None and is_idempotent(task) is False:
+        bad(
+            f"overlap_policy={overlap!r} needs run tracking, which only IdempotentTask keeps; "
+            f"task {task!r} is a plain Celery task: use base=IdempotentTask or overlap 'allow'"
+        )
+    grace = timedelta(seconds=settings.misfire_grace_seconds)
+    window = (
+        timedelta(seconds=settings.catch_up_window_seconds)
+        if settings.catch_up_window_seconds is not None
+        else None
+    )
+    limit = settings.catch_up_limit
+    try:
+        if "misfire_grace" in rb:
+            grace = _seconds(rb["misfire_grace"], "misfire_grace")
+        if rb.get("catch_up_window") is not None:
+            window = _seconds(rb["catch_up_window"], "catch_up_window")
+    except ConfigurationError as exc:
+        bad(str(exc))
+    if "catch_up_limit" in rb:
+        limit = rb["catch_up_limit"]
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            bad(f"catch_up_limit={limit!r}: expected an integer >= 0")
+            limit = 0
+    start_at = end_at = None
+    try:
+        start_at = _instant(rb["start_at"], "start_at") if rb.get("start_at") else None
+        end_at = _instant(rb["end_at"], "end_at") if rb.get("end_at") else None
+    except ConfigurationError as exc:
+        bad(str(exc))
+    if problems or schedule is None:
+        raise EntryValidationError(problems)
+    definition = EntryDefinition(
+        name=name,
+        task=task,
+        schedule=schedule,
+        args=args,
+        kwargs=kwargs,
+        options=options,
+        misfire_policy=misfire,
+        misfire_grace=grace,
+        catch_up_limit=limit,
+        catch_up_window=window,
+        overlap_policy=overlap,
+        start_at=start_at,
+        end_at=end_at,
+        origin=origin,
+    )
+    object.__setattr__(definition, "_explicit_anchor", explicit_anchor)
+    return definition
+
+
+def definitions_from_beat_schedule(
+    beat_schedule: Mapping[str, Any],
+    *,
+    default_timezone: str,
+    settings: Settings,
+    now: datetime,
+    is_idempotent: Callable[[str], bool | None] | None = None,
+) -> list[EntryDefinition]:
+    """Validate every ``beat_schedule`` item; all problems of all entries in one error.
+
+    Raises:
+        EntryValidationError: lists every problem, each naming its entry.
+    """
+    problems: list[str] = []
+    out: list[EntryDefinition] = []
+    for name, raw in beat_schedule.items():
+        try:
+            out.append(
+                definition_from_celery(
+                    name, raw, default_timezone=default_timezone, settings=settings, now=now,
+                    is_idempotent=is_idempotent,
+                )
+            )
+        except EntryValidationError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise EntryValidationError(problems)
+    return out
+
+
+def notify_entries_changed(conn: Connection, store: Store) -> None:
+    """Wake sleeping beats (PostgreSQL ``NOTIFY``, delivered at commit); no-op elsewhere."""
+    if store.dialect == "postgresql":
+        conn.execute(text(f"NOTIFY {NOTIFY_CHANNEL}"))
+
+
+def _lock_for_sync(conn: Connection, store: Store) -> None:
+    if store.dialect == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(7262656175)"))
+
+
+def _upsert(
+    conn: Connection, store: Store, definition: EntryDefinition, now: datetime
+) -> str:
+    """Insert or update one entry. Returns ``inserted``, ``updated`` or ``unchanged``."""
+    row = conn.execute(
+        select(
+            entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
+            entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at, entries.c.paused,
+        ).where(entries.c.name == definition.name)
+    ).first()
+    values = definition.row_values()
+    if row is None:
+        values.update(
+            next_fire_at=definition.first_fire_at(now), created_at=now, updated_at=now,
+            enabled=True, paused=False,
+        )
+        conn.execute(entries.insert().values(**values))
+        return "inserted"
+    if row.config_hash == values["config_hash"] and row.enabled:
+        return "unchanged"
+    if definition.schedule.kind == "interval" and not getattr(
+        definition, "_explicit_anchor", False
+    ):
+        old = row.schedule or {}
+        new = values["schedule"]
+        if old.get("kind") == "interval" and old.get("every_seconds") == new.get("every_seconds"):
+            values["schedule"] = dict(new, anchor=old["anchor"])  # keep the grid
+            definition = replace(definition, schedule=sch.schedule_from_spec(values["schedule"]))
+    same_schedule = row.schedule == values["schedule"]
+    if same_schedule and row.enabled and row.next_fire_at is not None:
+        next_fire_at = row.next_fire_at
+    else:
+        base = max(now, row.last_fire_at) if row.last_fire_at else now
+        next_fire_at = definition.first_fire_at(base)
+    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True)
+    del values["name"]
+    conn.execute(update(entries).where(entries.c.id == row.id).values(**values))
+    return "updated"
+
+
+def sync_config_entries(store: Store, definitions: Iterable[EntryDefinition]) -> dict[str, int]:
+    """Make the stored ``config`` entries match ``beat_schedule``, in one transaction.
+
+    New entries are inserted, changed ones updated (a changed schedule recomputes
+    ``next_fire_at`` on the new grid), config entries gone from the config are disabled
+    (never deleted: their history stays). Runtime entries are never touched. Safe when several
+    beats sync at once (PostgreSQL advisory lock; SQLite write lock).
+
+    Returns:
+        Counts: ``{"inserted": n, "updated": n, "unchanged": n, "disabled": n}``.
+
+    Raises:
+        ConfigurationError: a config entry has the name of an existing runtime entry.
+    """
+    counts = {"inserted": 0, "updated": 0, "unchanged": 0, "disabled": 0}
+    defs = list(definitions)
+    with store.begin() as conn:
+        _lock_for_sync(conn, store)
+        now = store.now(conn)
+        names = [d.name for d in defs]
+        clash = conn.execute(
+            select(entries.c.name).where(
+                entries.c.name.in_(names), entries.c.origin == "runtime"
+            )
+        ).scalars().all() if names else []
+        if clash:
+            raise ConfigurationError(
+                f"beat_schedule entries {sorted(clash)} clash with runtime entries of the same "
+                "name; rename them or remove the runtime entries (`reliable-beat entries remove`)"
+            )
+        for d in defs:
+            d.origin = "config"
+            counts[_upsert(conn, store, d, now)] += 1
+        stale = update(entries).where(
+            and_(entries.c.origin == "config", entries.c.enabled.is_(True))
+        )
+        if names:
+            stale = stale.where(entries.c.name.not_in(names))
+        result = conn.execute(stale.values(enabled=False, updated_at=now))
+        counts["disabled"] = result.rowcount or 0
+        if counts["inserted"] or counts["updated"] or counts["disabled"]:
+            notify_entries_changed(conn, store)
+    return counts
+
+
+def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: bool) -> str:
+    """Add (``create=True``) or update a runtime entry.
+
+    Raises:
+        ConfigurationError: adding a name that exists, or updating a config entry.
+        EntryNotFoundError: updating a name that does not exist.
+    """
+    definition.origin = "runtime"
+    with store.begin() as conn:
+        now = store.now(conn)
+        row = conn.execute(
+            select(entries.c.origin).where(entries.c.name == definition.name)
+        ).first()
+        if create and row is not None:
+            raise ConfigurationError(
+                f"entry {definition.name!r} already exists; use `entries update` to change it"
+            )
+        if not create and row is None:
+            raise EntryNotFoundError(f"no entry named {definition.name!r}")
+        if row is not None and row.origin == "config":
+            raise ConfigurationError(
+                f"entry {definition.name!r} comes from beat_schedule; change it there"
+            )
+        outcome = _upsert(conn, store, definition, now)
+        notify_entries_changed(conn, store)
+    return outcome
+
+
+def _require(conn: Connection, name: str) -> Any:
+    row = conn.execute(select(entries).where(entries.c.name == name)).first()
+    if row is None:
+        raise EntryNotFoundError(
+            f"no entry named {name!r} (see `reliable-beat entries list`)"
+        )
+    return row
+
+
+def get_entry(store: Store, name: str) -> dict[str, Any]:
+    """The stored entry as a dict of its columns.
+
+    Raises:
+        EntryNotFoundError: no such entry.
+    """
+    with store.engine.connect() as conn:
+        return dict(_require(conn, name)._mapping)
+
+
+def list_entries(store: Store, *, include_disabled: bool = False) -> list[dict[str, Any]]:
+    """All entries (one query, ordered by name), each with its last run's state."""
+    last_state = (
+        select(runs.c.state)
+        .where(runs.c.entry_name == entries.c.name, runs.c.fire_at == entries.c.last_fire_at)
+        .correlate(entries)
+        .scalar_subquery()
+    )
+    stmt = select(entries, last_state.label("last_state")).order_by(entries.c.name)
+    if not include_disabled:
+        stmt = stmt.where(entries.c.enabled.is_(True))
+    with store.engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(stmt)]
+
+
+def pause(store: Store, name: str) -> None:
+    """Pause an entry: it stops firing; its grid (``next_fire_at``) is kept.
+
+    Raises:
+        EntryNotFoundError: no such entry.
+    """
+    with store.begin() as conn:
+        _require(conn, name)
+        now = store.now(conn)
+        conn.execute(
+            update(entries)
+            .where(entries.c.name == name, entries.c.paused.is_(False))
+            .values(paused=True, paused_at=now, updated_at=now)
+        )
+
+
+def resume(store: Store, name: str) -> None:
+    """Resume a paused entry. Slots missed while paused go through the entry's misfire policy
+    on the next tick, exactly like downtime (``skip`` records them, ``fire_once`` fires the
+    latest, ``catch_up`` fires them): re-enabling never fires a surprise extra run.
+
+    Raises:
+        EntryNotFoundError: no such entry.
+    """
+    with store.begin() as conn:
+        _require(conn, name)
+        now = store.now(conn)
+        conn.execute(
+            update(entries)
+            .where(entries.c.name == name)
+            .values(paused=False, paused_at=None, updated_at=now)
+        )
+        notify_entries_changed(conn, store)
+
+
+def remove(store: Store, name: str) -> None:
+    """Remove a runtime entry (its runs stay as history). Config entries are refused.
+
+    Raises:
+        EntryNotFoundError: no such entry.
+        ConfigurationError: the entry comes from ``beat_schedule``.
+    """
+    with store.begin() as conn:
+        row = _require(conn, name)
+        if row.origin == "config":
+            raise ConfigurationError(
+                f"entry {name!r} comes from beat_schedule; remove it there (it will be disabled)"
+            )
+        conn.execute(entries.delete().where(entries.c.name == name))

@@ -1,0 +1,869 @@
+"""Schedules: cron, interval and one-off timing rules, and their slots.
+
+A :class:`Schedule` turns time into *slots*: whole-second UTC instants at which an
+entry is due. Every method takes tz-aware datetimes in any offset (naive input
+raises :class:`ValueError`, never guessed) and returns tz-aware UTC datetimes
+(:data:`datetime.timezone.utc`) with ``microsecond == 0``.
+
+Cron entries are evaluated on the *wall clock* of the entry's IANA zone, then each
+wall time is mapped to UTC instants with :mod:`zoneinfo` by one rule
+(:func:`_wall_to_instants`; see ``docs/dst.md``), the Vixie/ISC cron policy with
+RFC 5545 §3.3.5 / PEP 495 for the exact instant:
+
+* **fixed-time** entries (neither the minute nor the hour field starts with ``*``):
+  a wall time inside a spring-forward gap fires once, read with the offset in force
+  before the gap (``nonexistent="shift"``: Europe/Berlin 2026-03-29 02:30 → 01:30Z);
+  a repeated wall time fires once, at its first occurrence (``repeated="first"``).
+* **wildcard** entries: nothing inside a gap (``"skip"``), both passes of a repeated
+  hour (``"both"``).
+* two wall times mapping to the same instant are one slot.
+
+Cron strings use croniter's syntax: a 6-field string has its **seconds field
+LAST** (``"* * * * * */15"`` = every 15 s). Other tools put seconds first; a
+6-field string whose last field is ``*`` is rejected as that mistake (except
+``"* * * * * *"``).
+
+Interval entries are elapsed time: ``anchor + k * every`` in UTC for every integer
+``k``; the zone only changes how slots are shown.
+"""
+
+from __future__ import annotations
+
+import abc
+import heapq
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any, ClassVar
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import CroniterBadDateError, CroniterError, croniter
+
+from reliable_beat.errors import InvalidScheduleError, UnknownTimezoneError
+from reliable_beat.slots import format_fire_at, truncate
+
+__all__ = [
+    "NONEXISTENT_RULES",
+    "REPEATED_RULES",
+    "CronSchedule",
+    "IntervalSchedule",
+    "OneOffSchedule",
+    "Schedule",
+    "from_celery",
+    "schedule_from_spec",
+    "validate_timezone",
+]
+
+UTC = timezone.utc
+
+#: Allowed values of ``CronSchedule(nonexistent=...)`` (wall time inside a DST gap).
+NONEXISTENT_RULES = ("shift", "gap_end", "skip")
+#: Allowed values of ``CronSchedule(repeated=...)`` (wall time occurring twice).
+REPEATED_RULES = ("first", "last", "both")
+
+_ALIASES = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+
+#: Wall-clock margin around a DST transition: larger than any real offset change
+#: in tzdata except Samoa/Tokelau's 2011 date-line jump (24 h), which is unsupported.
+_MARGIN = timedelta(hours=3)
+_ONE_SECOND = timedelta(seconds=1)
+_ZERO = timedelta(0)
+#: slots_between releases an instant once the wall clock is this far past it.
+_RELEASE_LAG = timedelta(hours=14) + _MARGIN
+#: croniter gives up after this many years without a match (``15 22 29 2 *`` needs 8).
+_MAX_YEARS = 30
+#: Fixed reference for construction checks and ``nominal_period`` (a Monday, UTC).
+_REFERENCE = datetime(2001, 1, 1, tzinfo=UTC)
+
+
+def validate_timezone(name: str) -> str:
+    """Check that ``name`` is an IANA zone known to :mod:`zoneinfo`.
+
+    Args:
+        name: an IANA zone name such as ``"Europe/Berlin"`` or ``"UTC"``.
+
+    Returns:
+        ``name`` unchanged.
+
+    Raises:
+        UnknownTimezoneError: the zone is unknown; the message names it and the fix.
+    """
+    try:
+        if not isinstance(name, str) or not name:
+            raise ValueError("empty or not a string")
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
+        raise UnknownTimezoneError(
+            f"unknown time zone {name!r}: use an IANA zone name such as 'Europe/Berlin' "
+            "or 'UTC' (install the 'tzdata' package if the system has no zone database)"
+        ) from exc
+    return name
+
+
+def _local_wall(at: datetime, zone: ZoneInfo) -> datetime:
+    """Naive wall-clock time of the instant ``at`` in ``zone``."""
+    return at.astimezone(zone).replace(tzinfo=None)
+
+
+def _offset(at: datetime, zone: ZoneInfo) -> timedelta:
+    off = at.astimezone(zone).utcoffset()
+    assert off is not None
+    return off
+
+
+def _offset_of_wall(wall: datetime, zone: ZoneInfo) -> timedelta:
+    """UTC offset of a naive wall time (``fold=0``), so ``wall - offset`` is UTC-naive."""
+    off = zone.utcoffset(wall)
+    assert off is not None
+    return off
+
+
+def _transition_instant(lo: datetime, hi: datetime, zone: ZoneInfo) -> datetime:
+    """First instant in ``(lo, hi]`` (UTC, whole seconds) whose offset differs from ``lo``'s."""
+    before = _offset(lo, zone)
+    lo_s, hi_s = 0, int((hi - lo).total_seconds())
+    while hi_s - lo_s > 1:
+        mid = (lo_s + hi_s) // 2
+        if _offset(lo + timedelta(seconds=mid), zone) == before:
+            lo_s = mid
+        else:
+            hi_s = mid
+    return lo + timedelta(seconds=hi_s)
+
+
+def _wall_to_instants(
+    wall: datetime, zone: ZoneInfo, nonexistent: str, repeated: str
+) -> list[datetime]:
+    """Map one naive wall time of ``zone`` to the UTC instants it fires at (the DST rule).
+
+    This is the only place the DST rule lives.
+
+    * ordinary wall time: one instant.
+    * wall time in a spring-forward gap (PEP 495: ``fold=0`` and ``fold=1`` give
+      different offsets and the post-transition offset is larger):
+      ``"shift"`` → read with the pre-gap offset (``fold=0``, RFC 5545 §3.3.5);
+      ``"gap_end"`` → the transition instant (first instant after the gap);
+      ``"skip"`` → none.
+    * repeated wall time (fall-back, post-transition offset is smaller):
+      ``"first"`` → the earlier instant, ``"last"`` → the later one, ``"both"`` → both.
+
+    Args:
+        wall: naive local wall-clock time (whole seconds).
+        zone: the entry's zone.
+        nonexistent: one of :data:`NONEXISTENT_RULES`.
+        repeated: one of :data:`REPEATED_RULES`.
+
+    Returns:
+        0, 1 or 2 UTC instants, ascending.
+    """
+    off0 = zone.utcoffset(wall.replace(fold=0))
+    off1 = zone.utcoffset(wall.replace(fold=1))
+    assert off0 is not None and off1 is not None
+    naive0 = (wall - off0).replace(tzinfo=UTC)
+    if off0 == off1:
+        return [naive0]
+    naive1 = (wall - off1).replace(tzinfo=UTC)
+    if off1 > off0:  # gap: clocks jumped forward over this wall time
+        if nonexistent == "shift":
+            return [naive0]
+        if nonexistent == "gap_end":
+            return [_transition_instant(naive1, naive0, zone)]
+        return []
+    # repeated: naive0 (pre-transition offset, larger) is the earlier instant
+    if repeated == "first":
+        return [naive0]
+    if repeated == "last":
+        return [naive1]
+    return [naive0, naive1]
+
+
+class Schedule(abc.ABC):
+    """The timing rule of an entry: which UTC instants (slots) it is due at.
+
+    Attributes:
+        kind: ``"cron"``, ``"interval"`` or ``"once"``.
+        timezone: IANA zone name the entry is evaluated (cron) or shown (others) in.
+
+    Every method accepts tz-aware datetimes in any offset and raises
+    :class:`ValueError` on naive ones; results are UTC, whole seconds.
+    Instances are immutable, hashable and compare equal when their specs do.
+    """
+
+    kind: ClassVar[str]
+    timezone: str
+
+    @abc.abstractmethod
+    def next_after(self, after: datetime) -> datetime | None:
+        """Return the first slot strictly after ``after``, or None if there is none ever.
+
+        Raises:
+            ValueError: ``after`` is naive.
+        """
+
+    @abc.abstractmethod
+    def previous_at_or_before(self, at: datetime) -> datetime | None:
+        """Return the latest slot at or before ``at``, or None if there is none.
+
+        Raises:
+            ValueError: ``at`` is naive.
+        """
+
+    @abc.abstractmethod
+    def slots_between(self, start: datetime, end: datetime) -> Iterator[datetime]:
+        """Yield the slots in the half-open window ``[start, end)``, ascending, unique.
+
+        Raises:
+            ValueError: ``start`` or ``end`` is naive.
+        """
+
+    @abc.abstractmethod
+    def to_spec(self) -> dict[str, Any]:
+        """Return a JSON-serialisable dict (with ``"kind"`` and ``"timezone"``).
+
+        :func:`schedule_from_spec` is its exact inverse.
+        """
+
+    @property
+    @abc.abstractmethod
+    def nominal_period(self) -> timedelta | None:
+        """Rough spacing between slots, for warnings only (None for a one-off)."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return self.to_spec() == other.to_spec()
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, str(v)) for k, v in self.to_spec().items())))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.to_spec().items() if k != "kind")
+        return f"{type(self).__name__}({args})"
+
+
+def _split_fields(expr: str) -> list[str]:
+    text = expr.strip()
+    return _ALIASES.get(text.lower(), text).split()
+
+
+class CronSchedule(Schedule):
+    """A cron expression evaluated on the wall clock of an IANA zone.
+
+    Syntax is croniter's: 5 fields (minute hour day-of-month month day-of-week), or 6
+    with the **seconds field last**; ``@hourly``, ``@daily``, ``@midnight``,
+    ``@weekly``, ``@monthly``, ``@yearly``/``@annually``; names (``mon``, ``jan``),
+    ``L``, ``W`` and ``#``.
+
+    Args:
+        expr: the cron string.
+        timezone: IANA zone whose wall clock the expression reads.
+        day_or: POSIX cron (True): when both day-of-month and day-of-week are
+            restricted, a day matching *either* fires. False: both must match
+            (Celery ``crontab`` meaning).
+        nonexistent: wall time inside a DST gap: ``"shift"`` (pre-gap offset),
+            ``"gap_end"`` (the transition instant) or ``"skip"``; None = default
+            (``"shift"`` for fixed-time entries, ``"skip"`` for wildcard ones).
+        repeated: wall time occurring twice: ``"first"``, ``"last"`` or ``"both"``;
+            None = default (``"first"`` fixed-time, ``"both"`` wildcard).
+
+    Raises:
+        InvalidScheduleError: unreadable expression (croniter's error as
+            ``__cause__``), seconds-first 6-field string, an expression that never
+            matches (none within 30 years), or an unknown rule name.
+        UnknownTimezoneError: unknown zone.
+    """
+
+    kind: ClassVar[str] = "cron"
+
+    def __init__(
+        self,
+        expr: str,
+        timezone: str = "UTC",
+        *,
+        day_or: bool = True,
+        nonexistent: str | None = None,
+        repeated: str | None = None,
+    ) -> None:
+        if not isinstance(expr, str):
+            raise InvalidScheduleError(f"cron expression must be a string, got {expr!r}")
+        self.expr = expr
+        self.timezone = validate_timezone(timezone)
+        self.day_or = bool(day_or)
+        self.nonexistent = nonexistent
+        self.repeated = repeated
+        self._zone = ZoneInfo(timezone)
+        fields = _split_fields(expr)
+        self._croniter_expr = " ".join(fields)
+        self._check_syntax(fields)
+        self.fixed_time = not fields[0].startswith("*") and not fields[1].startswith("*")
+        if nonexistent is not None and nonexistent not in NONEXISTENT_RULES:
+            raise InvalidScheduleError(
+                f"cron {expr!r}: nonexistent={nonexistent!r} is not one of "
+                f"{', '.join(NONEXISTENT_RULES)} (or None for the default)"
+            )
+        if repeated is not None and repeated not in REPEATED_RULES:
+            raise InvalidScheduleError(
+                f"cron {expr!r}: repeated={repeated!r} is not one of "
+                f"{', '.join(REPEATED_RULES)} (or None for the default)"
+            )
+        self._nonexistent = nonexistent or ("shift" if self.fixed_time else "skip")
+        self._repeated = repeated or ("first" if self.fixed_time else "both")
+        self._period: timedelta | None = None
+        if self.next_after(_REFERENCE) is None:
+            raise InvalidScheduleError(
+                f"cron {expr!r} never matches (no slot within {_MAX_YEARS} years of "
+                f"{_REFERENCE:%Y-%m-%d}), e.g. a day that does not exist in that month"
+            )
+
+    def _check_syntax(self, fields: list[str]) -> None:
+        hint = (
+            "croniter syntax: 5 fields 'minute hour day-of-month month day-of-week', "
+            "or 6 with the seconds field LAST ('* * * * * */15' = every 15 seconds)"
+        )
+        if len(fields) not in (5, 6):
+            raise InvalidScheduleError(
+                f"cron {self.expr!r} has {len(fields)} fields; expected {hint}"
+            )
+        if len(fields) == 6 and fields[5] == "*" and fields != ["*"] * 6:
+            raise InvalidScheduleError(
+                f"cron {self.expr!r}: a 6-field string has its seconds field LAST, so this "
+                "means 'every second' of the matching minutes; that is almost always the "
+                "seconds-first mistake. Put seconds last, e.g. '* * * * * */15' for every "
+                "15 seconds (or use '* * * * * *' for every second)"
+            )
+        try:
+            croniter(self._croniter_expr, _REFERENCE.replace(tzinfo=None), day_or=self.day_or)
+        except (CroniterError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidScheduleError(
+                f"cron {self.expr!r} is not valid: {exc}; expected {hint}"
+            ) from exc
+
+    # -- wall-clock iteration -------------------------------------------------------
+
+    def _iter(self, wall: datetime) -> croniter:
+        return croniter(
+            self._croniter_expr,
+            wall,
+            day_or=self.day_or,
+            max_years_between_matches=_MAX_YEARS,
+        )
+
+    def _instants(self, wall: datetime) -> list[datetime]:
+        return _wall_to_instants(wall, self._zone, self._nonexistent, self._repeated)
+
+    def _walls_forward(self, after_wall: datetime) -> Iterator[datetime]:
+        """Matching naive wall times strictly after ``after_wall``, ascending."""
+        it = self._iter(after_wall)
+        while True:
+            try:
+                yield it.get_next(datetime)
+            except CroniterBadDateError:
+                return
+
+    def _wall_after(self, wall: datetime) -> datetime | None:
+        """First matching naive wall time strictly after ``wall`` (one croniter step)."""
+        try:
+            result: datetime = self._iter(wall).get_next(datetime)
+        except CroniterBadDateError:
+            return None
+        return result
+
+    def _wall_before(self, wall: datetime) -> datetime | None:
+        """Last matching naive wall time strictly before ``wall`` (one croniter step)."""
+        try:
+            result: datetime = self._iter(wall).get_prev(datetime)
+        except CroniterBadDateError:
+            return None
+        return result
+
+    def _transition_around(self, at: datetime) -> datetime | None:
+        """The DST transition instant within ±3 h of ``at`` (UTC), or None."""
+        lo, hi = at - _MARGIN, at + _MARGIN
+        if _offset(lo, self._zone) == _offset(hi, self._zone):
+            return None
+        return _transition_instant(lo, hi, self._zone)
+
+    def _pieces(self, transition: datetime) -> tuple[timedelta, timedelta, datetime, datetime]:
+        """Offsets before/after ``transition`` and the wall times where pieces change.
+
+        Around one transition the wall clock splits into three pieces, each with a
+        fixed, monotone wall → instant map (``instant = wall - offset``): before the
+        gap/repeated range (offset before), inside it (by the rule), after it (offset
+        after). Returns ``(offset_before, offset_after, p1, p2)`` with ``p1 <= p2`` the
+        naive wall times where the middle piece starts and ends.
+        """
+        before = _offset(transition - _ONE_SECOND, self._zone)
+        after = _offset(transition, self._zone)
+        at = transition.replace(tzinfo=None)
+        return before, after, at + min(before, after), at + max(before, after)
+
+    def _candidates_after(self, t: datetime, transition: datetime) -> list[datetime]:
+        """Slots > ``t`` containing the smallest one whose wall time is near ``transition``.
+
+        Within a piece with offset ``o`` the smallest slot > t comes from the first
+        matching wall time after ``max(piece start, t + o)``; so one croniter step
+        from each of four wall times suffices.
+        """
+        before, after, p1, p2 = self._pieces(transition)
+        tn = t.replace(tzinfo=None)
+        out: list[datetime] = []
+        for start in {tn + before, tn + after, p1 - _ONE_SECOND, p2 - _ONE_SECOND}:
+            wall = self._wall_after(start)
+            if wall is not None:
+                out.extend(i for i in self._instants(wall) if i > t)
+        return out
+
+    def _candidates_at_or_before(self, t: datetime, transition: datetime) -> list[datetime]:
+        """Mirror of :meth:`_candidates_after`: slots <= ``t`` containing the largest."""
+        before, after, p1, p2 = self._pieces(transition)
+        tn = t.replace(tzinfo=None) + _ONE_SECOND
+        out: list[datetime] = []
+        for start in {tn + before, tn + after, p1, p2}:
+            wall = self._wall_before(start)
+            if wall is not None:
+                out.extend(i for i in self._instants(wall) if i <= t)
+        return out
+
+    # -- public API -----------------------------------------------------------------
+
+    def next_after(self, after: datetime) -> datetime | None:
+        """Return the first slot strictly after ``after`` (UTC), or None if none ever.
+
+        Common case (no offset change within ±3 h of ``after`` and of the result):
+        one croniter step on the wall clock. Near a DST transition, wall-time order
+        is not UTC order; then the wall clock is cut into pieces around the
+        transition and one croniter step per piece finds the answer (at most four
+        steps, whatever the cron's frequency).
+
+        Args:
+            after: tz-aware instant, any offset.
+
+        Raises:
+            ValueError: ``after`` is naive.
+        """
+        t = truncate(after)
+        transition = self._transition_around(t)
+        if transition is None:
+            wall = self._wall_after(_local_wall(t, self._zone))
+            if wall is None:
+                return None
+            later = [i for i in self._instants(wall) if i > t]
+            probe = (
+                later[0]
+                if later
+                else (wall - _offset_of_wall(wall, self._zone)).replace(tzinfo=UTC)
+            )
+            if later and self._transition_around(probe) is None:
+                return later[0]
+            transition = self._transition_around(probe)
+            if transition is None:  # pragma: no cover - a skipped wall is at a transition
+                return later[0] if later else None
+        seen: set[datetime] = set()
+        best: datetime | None = None
+        while transition is not None and transition not in seen:
+            seen.add(transition)
+            found = self._candidates_after(t, transition)
+            if best is not None:
+                found.append(best)
+            if not found:
+                return None
+            best = min(found)
+            transition = self._transition_around(best)
+        return best
+
+    def previous_at_or_before(self, at: datetime) -> datetime | None:
+        """Return the latest slot at or before ``at`` (UTC), or None if none.
+
+        Mirror image of :meth:`next_after` (same fast path, same pieces).
+
+        Args:
+            at: tz-aware instant, any offset.
+
+        Raises:
+            ValueError: ``at`` is naive.
+        """
+        t = truncate(at)
+        transition = self._transition_around(t)
+        if transition is None:
+            wall = self._wall_before(_local_wall(t, self._zone) + _ONE_SECOND)
+            if wall is None:
+                return None
+            earlier = [i for i in self._instants(wall) if i <= t]
+            probe = (
+                earlier[-1]
+                if earlier
+                else (wall - _offset_of_wall(wall, self._zone)).replace(tzinfo=UTC)
+            )
+            if earlier and self._transition_around(probe) is None:
+                return earlier[-1]
+            transition = self._transition_around(probe)
+            if transition is None:  # pragma: no cover
+                return earlier[-1] if earlier else None
+        seen: set[datetime] = set()
+        best: datetime | None = None
+        while transition is not None and transition not in seen:
+            seen.add(transition)
+            found = self._candidates_at_or_before(t, transition)
+            if best is not None:
+                found.append(best)
+            if not found:
+                return None
+            best = max(found)
+            transition = self._transition_around(best)
+        return best
+
+    def slots_between(self, start: datetime, end: datetime) -> Iterator[datetime]:
+        """Yield the slots in ``[start, end)`` (UTC, ascending, unique), in one pass.
+
+        Wall times are walked once (widened by the offset drop when a fall-back is
+        within 3 h of ``start`` or ``end``); instants are buffered in a heap and
+        released once no later wall time can map before them, so the window may be
+        long.
+
+        Args:
+            start: tz-aware, inclusive.
+            end: tz-aware, exclusive.
+
+        Raises:
+            ValueError: ``start`` or ``end`` is naive.
+        """
+        truncate(start)  # rejects naive
+        truncate(end)
+        start_u, end_u = start.astimezone(UTC), end.astimezone(UTC)
+        zone = self._zone
+        if start_u >= end_u:
+            return
+        # A wall time w maps to w - o for an offset o in force within 3 h (a gap wall
+        # read with the pre-gap offset included), so the walk is widened by the
+        # offset change near start and end; usually zero.
+        around_start = (_offset(start_u - _MARGIN, zone), _offset(start_u + _MARGIN, zone))
+        around_end = (_offset(end_u - _MARGIN, zone), _offset(end_u + _MARGIN, zone))
+        lookback = max(_offset(start_u, zone) - min(around_start), _ZERO)
+        lookahead = max(max(around_end) - _offset(end_u, zone), _ZERO)
+        first_wall = _local_wall(truncate(start_u), zone) - lookback - _ONE_SECOND
+        end_wall = _local_wall(truncate(end_u), zone) + lookahead + _ONE_SECOND
+        pending: list[datetime] = []
+        last: datetime | None = None
+        for wall in self._walls_forward(first_wall):
+            if wall > end_wall:
+                break
+            for instant in self._instants(wall):
+                if start_u <= instant < end_u:
+                    heapq.heappush(pending, instant)
+            # a later wall time w' maps to w' - offset >= wall - 14 h (largest offset) - margin
+            floor = wall.replace(tzinfo=UTC) - _RELEASE_LAG
+            while pending and pending[0] < floor:
+                instant = heapq.heappop(pending)
+                if instant != last:
+                    last = instant
+                    yield instant
+        while pending:
+            instant = heapq.heappop(pending)
+            if instant != last:
+                last = instant
+                yield instant
+
+    def to_spec(self) -> dict[str, Any]:
+        """Return ``{"kind": "cron", "expr", "timezone", "day_or", "nonexistent", "repeated"}``.
+
+        ``nonexistent``/``repeated`` are the overrides as given (None = default rule).
+        """
+        return {
+            "kind": "cron",
+            "expr": self.expr,
+            "timezone": self.timezone,
+            "day_or": self.day_or,
+            "nonexistent": self.nonexistent,
+            "repeated": self.repeated,
+        }
+
+    @property
+    def nominal_period(self) -> timedelta:
+        """Gap between the first two slots after 2001-01-01T00:00Z (for warnings only)."""
+        if self._period is None:
+            first = self.next_after(_REFERENCE)
+            second = self.next_after(first) if first is not None else None
+            self._period = (
+                second - first if first is not None and second is not None else timedelta(0)
+            )
+        return self._period
+
+
+def _whole_seconds(every: timedelta, what: str) -> int:
+    if not isinstance(every, timedelta):
+        raise InvalidScheduleError(f"{what}: interval must be a timedelta, got {every!r}")
+    if every.microseconds or every < timedelta(seconds=1):
+        raise InvalidScheduleError(
+            f"{what}: interval {every!r} must be a whole number of seconds, at least 1 s"
+        )
+    return every.days * 86400 + every.seconds
+
+
+def _micros(delta: timedelta) -> int:
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def _parse_instant(text: str, what: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        return truncate(value)
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise InvalidScheduleError(
+            f"{what}: {text!r} is not a tz-aware ISO 8601 instant such as '2026-01-10T10:05:00Z'"
+        ) from exc
+
+
+class IntervalSchedule(Schedule):
+    """Every ``every`` of elapsed time on a grid anchored at ``anchor``.
+
+    Slots are ``anchor + k * every`` (UTC) for every integer ``k``, computed with
+    integer arithmetic (no float drift); DST never moves them. The zone only changes
+    how slots are shown.
+
+    Args:
+        every: whole number of seconds, at least 1 s.
+        anchor: tz-aware instant on the grid (truncated to whole seconds); persist it
+            with the entry and never reset it on restart.
+        timezone: IANA zone for display.
+
+    Raises:
+        InvalidScheduleError: ``every`` is not a whole number of seconds ≥ 1 s.
+        UnknownTimezoneError: unknown zone.
+        ValueError: ``anchor`` is naive.
+    """
+
+    kind: ClassVar[str] = "interval"
+
+    def __init__(self, every: timedelta, anchor: datetime, timezone: str = "UTC") -> None:
+        self.every_seconds = _whole_seconds(every, "interval schedule")
+        self.every = timedelta(seconds=self.every_seconds)
+        self.anchor = truncate(anchor)
+        self.timezone = validate_timezone(timezone)
+
+    def _k_floor(self, at: datetime) -> int:
+        """Largest k with ``anchor + k * every <= at``."""
+        return _micros(at.astimezone(UTC) - self.anchor) // (self.every_seconds * 1_000_000)
+
+    def _slot(self, k: int) -> datetime:
+        return self.anchor + timedelta(seconds=k * self.every_seconds)
+
+    def next_after(self, after: datetime) -> datetime:
+        """Return the smallest grid point strictly after ``after`` (UTC).
+
+        Raises:
+            ValueError: ``after`` is naive.
+        """
+        truncate(after)
+        return self._slot(self._k_floor(after) + 1)
+
+    def previous_at_or_before(self, at: datetime) -> datetime:
+        """Return the largest grid point at or before ``at`` (UTC).
+
+        Raises:
+            ValueError: ``at`` is naive.
+        """
+        truncate(at)
+        return self._slot(self._k_floor(at))
+
+    def slots_between(self, start: datetime, end: datetime) -> Iterator[datetime]:
+        """Yield the grid points in ``[start, end)`` (UTC, ascending).
+
+        Raises:
+            ValueError: ``start`` or ``end`` is naive.
+        """
+        truncate(start)
+        truncate(end)
+        k = self._k_floor(start)
+        if self._slot(k) < start:
+            k += 1
+        while (slot := self._slot(k)) < end:
+            yield slot
+            k += 1
+
+    def to_spec(self) -> dict[str, Any]:
+        """Return ``{"kind": "interval", "every_seconds": int, "anchor": "ISO Z", "timezone"}``."""
+        return {
+            "kind": "interval",
+            "every_seconds": self.every_seconds,
+            "anchor": format_fire_at(self.anchor),
+            "timezone": self.timezone,
+        }
+
+    @property
+    def nominal_period(self) -> timedelta:
+        """``every``."""
+        return self.every
+
+
+class OneOffSchedule(Schedule):
+    """A single slot at ``at`` (truncated to whole seconds).
+
+    Args:
+        at: tz-aware instant, any offset.
+        timezone: IANA zone for display.
+
+    Raises:
+        ValueError: ``at`` is naive.
+        UnknownTimezoneError: unknown zone.
+    """
+
+    kind: ClassVar[str] = "once"
+
+    def __init__(self, at: datetime, timezone: str = "UTC") -> None:
+        self.at = truncate(at)
+        self.timezone = validate_timezone(timezone)
+
+    def next_after(self, after: datetime) -> datetime | None:
+        """Return ``at`` if it is strictly after ``after``, else None."""
+        return self.at if self.at > truncate(after) else None
+
+    def previous_at_or_before(self, at: datetime) -> datetime | None:
+        """Return ``self.at`` if it is at or before ``at``, else None."""
+        return self.at if self.at <= truncate(at) else None
+
+    def slots_between(self, start: datetime, end: datetime) -> Iterator[datetime]:
+        """Yield ``at`` if ``start <= at < end``."""
+        truncate(start)
+        truncate(end)
+        if start <= self.at < end:
+            yield self.at
+
+    def to_spec(self) -> dict[str, Any]:
+        """Return ``{"kind": "once", "at": "ISO Z", "timezone"}``."""
+        return {"kind": "once", "at": format_fire_at(self.at), "timezone": self.timezone}
+
+    @property
+    def nominal_period(self) -> None:
+        """None: a one-off has no period."""
+        return None
+
+
+def schedule_from_spec(spec: Mapping[str, Any]) -> Schedule:
+    """Rebuild a schedule from :meth:`Schedule.to_spec` output (its exact inverse).
+
+    Args:
+        spec: a mapping with ``"kind"`` in ``{"cron", "interval", "once"}``.
+
+    Raises:
+        InvalidScheduleError: unknown kind, missing or malformed fields.
+        UnknownTimezoneError: unknown zone.
+    """
+    try:
+        kind = spec["kind"]
+        tz = spec.get("timezone", "UTC")
+        if kind == "cron":
+            return CronSchedule(
+                spec["expr"],
+                tz,
+                day_or=spec.get("day_or", True),
+                nonexistent=spec.get("nonexistent"),
+                repeated=spec.get("repeated"),
+            )
+        if kind == "interval":
+            seconds = spec["every_seconds"]
+            if not isinstance(seconds, int) or isinstance(seconds, bool):
+                raise InvalidScheduleError(
+                    f"interval spec: every_seconds must be an int, got {seconds!r}"
+                )
+            return IntervalSchedule(
+                timedelta(seconds=seconds), _parse_instant(spec["anchor"], "interval anchor"), tz
+            )
+        if kind == "once":
+            return OneOffSchedule(_parse_instant(spec["at"], "one-off 'at'"), tz)
+    except KeyError as exc:
+        raise InvalidScheduleError(f"schedule spec {dict(spec)!r} lacks field {exc}") from exc
+    raise InvalidScheduleError(
+        f"schedule spec {dict(spec)!r}: kind must be 'cron', 'interval' or 'once'"
+    )
+
+
+_CELERY_FIELDS = (
+    # (attribute, original-string attribute, full range)
+    ("minute", "_orig_minute", range(60)),
+    ("hour", "_orig_hour", range(24)),
+    ("day_of_month", "_orig_day_of_month", range(1, 32)),
+    ("month_of_year", "_orig_month_of_year", range(1, 13)),
+    ("day_of_week", "_orig_day_of_week", range(7)),
+)
+
+
+def _crontab_expr(obj: Any) -> str:
+    """Render a Celery ``crontab`` as a 5-field croniter string.
+
+    A field whose original text starts with ``*`` (``"*"``, ``"*/10"``) keeps it, so
+    the fixed-time/wildcard distinction survives; every other field is rendered from
+    Celery's own expanded set (so Celery's parsing of names and ranges is what
+    counts). Day-of-week numbering is the same in both (0 = Sunday).
+    """
+    parts: list[str] = []
+    for attr, orig_attr, full in _CELERY_FIELDS:
+        values = sorted(int(v) for v in getattr(obj, attr))
+        orig = getattr(obj, orig_attr, None)
+        if isinstance(orig, str) and orig.strip().startswith("*"):
+            parts.append(orig.strip().replace(" ", ""))
+        elif values == list(full):
+            parts.append("*")
+        else:
+            parts.append(",".join(str(v) for v in values))
+    return " ".join(parts)
+
+
+def from_celery(obj: object, *, timezone: str, anchor: datetime, entry: str = "?") -> Schedule:
+    """Convert a Celery ``beat_schedule`` value into a :class:`Schedule`.
+
+    * ``celery.schedules.crontab`` → :class:`CronSchedule` with ``day_or=False``
+      (Celery ANDs day_of_month and day_of_week; cron strings OR them).
+    * ``celery.schedules.schedule``, :class:`~datetime.timedelta`, int/float seconds →
+      :class:`IntervalSchedule` anchored at ``anchor``.
+    * a cron string → :class:`CronSchedule` (POSIX ``day_or=True``).
+    * one of our :class:`Schedule` objects → returned as is (its own zone is kept).
+
+    Args:
+        obj: the schedule value.
+        timezone: IANA zone of the entry (Celery's ``timezone`` setting).
+        anchor: tz-aware grid anchor for intervals.
+        entry: entry name, for error messages.
+
+    Raises:
+        InvalidScheduleError: ``solar`` schedules (refused: no stable slots),
+            unsupported types, or invalid values; the message names the entry.
+        UnknownTimezoneError: unknown zone.
+    """
+    if isinstance(obj, Schedule):
+        return obj
+    try:
+        from celery import schedules as celery_schedules
+    except ImportError:  # pragma: no cover - celery is a dependency
+        celery_schedules = None  # type: ignore[assignment]
+    try:
+        if celery_schedules is not None:
+            if isinstance(obj, celery_schedules.solar):
+                raise InvalidScheduleError(
+                    f"entry {entry!r}: celery solar schedules are not supported (their "
+                    "slots move with the sun and cannot be keyed); use a crontab instead"
+                )
+            if isinstance(obj, celery_schedules.crontab):
+                return CronSchedule(_crontab_expr(obj), timezone, day_or=False)
+            if isinstance(obj, celery_schedules.schedule):
+                return IntervalSchedule(obj.run_every, anchor, timezone)
+        if isinstance(obj, timedelta):
+            return IntervalSchedule(obj, anchor, timezone)
+        if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            return IntervalSchedule(timedelta(seconds=obj), anchor, timezone)
+        if isinstance(obj, str):
+            return CronSchedule(obj, timezone)
+    except InvalidScheduleError as exc:
+        if str(exc).startswith(f"entry {entry!r}"):
+            raise
+        raise InvalidScheduleError(f"entry {entry!r}: {exc}") from exc
+    raise InvalidScheduleError(
+        f"entry {entry!r}: unsupported schedule {obj!r} ({type(obj).__name__}); use a "
+        "celery crontab or schedule, a timedelta, seconds, or a cron string"
+    )

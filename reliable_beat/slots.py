@@ -1,0 +1,61 @@
+"""Slot helpers: the whole-second UTC instant an entry is due, and its idempotency key.
+
+A *slot* (fire time) is the nominal instant an entry is due, never the send time.
+Slots are tz-aware UTC :class:`~datetime.datetime` values with ``microsecond == 0``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+__all__ = ["format_fire_at", "idempotency_key", "truncate"]
+
+
+def truncate(at: datetime) -> datetime:
+    """Return ``at`` as a UTC instant truncated to whole seconds.
+
+    Args:
+        at: a tz-aware datetime in any offset or zone.
+
+    Returns:
+        The same instant in :data:`datetime.timezone.utc`, with ``microsecond=0``
+        (truncated toward the past, never rounded).
+
+    Raises:
+        ValueError: ``at`` is naive (no ``tzinfo`` or ``utcoffset()`` is None);
+            naive datetimes are rejected, never guessed.
+    """
+    if at.tzinfo is None or at.utcoffset() is None:
+        raise ValueError(
+            f"naive datetime {at.isoformat()!r}: reliable_beat needs tz-aware datetimes "
+            "(e.g. datetime.now(timezone.utc)); naive values are never guessed"
+        )
+    return at.astimezone(timezone.utc).replace(microsecond=0)
+
+
+def format_fire_at(fire_at: datetime) -> str:
+    """Format a slot as ISO 8601 UTC with a ``Z`` suffix, e.g. ``"2026-01-10T10:05:00Z"``.
+
+    Args:
+        fire_at: tz-aware instant; truncated to whole seconds first.
+
+    Raises:
+        ValueError: ``fire_at`` is naive.
+    """
+    return f"{truncate(fire_at):%Y-%m-%dT%H:%M:%SZ}"
+
+
+def idempotency_key(entry: str, fire_at: datetime) -> str:
+    """Derive the idempotency key of an entry's slot: ``"<entry>@<fire_at ISO Z>"``.
+
+    The key is stable across processes, restarts and time zones: the same entry
+    name and the same instant (in any offset) always give the same key.
+
+    Example:
+        ``idempotency_key("report", datetime(2026, 1, 10, 10, 5, tzinfo=timezone.utc))``
+        is ``"report@2026-01-10T10:05:00Z"``.
+
+    Raises:
+        ValueError: ``fire_at`` is naive.
+    """
+    return f"{entry}@{format_fire_at(fire_at)}"

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
 
+from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from celery import Task
-from celery.exceptions import Ignore, Reject, Retry
 from reliable_beat import runs
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import (
@@ -173,7 +173,7 @@ class _Outbox:
             payload,
             key=message_key,
             headers=headers,
-            delay=delay,
+            delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
             ordering_key=ordering_key,
             run_id=state.claim.run_id,
         )

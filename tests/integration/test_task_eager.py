@@ -227,3 +227,26 @@ def test_describe_task_answers_the_five_questions(app: Celery) -> None:
     assert "at most 3 attempts" in ours["can_it_retry_safely"]
     assert describe_task(plain)["can_it_run_twice"].startswith("yes")
     assert set(ours) == set(describe_task(plain))
+
+
+def test_outbox_rows_commit_with_the_effect_real_outbox(app: Celery, store: Store) -> None:
+    """With the real reliable_beat.outbox: rolled back with a failed try, one row per add."""
+    from reliable_beat.db.tables import outbox
+
+    @app.task(base=IdempotentTask, bind=True, name="e.real_outbox")
+    def sends(self: IdempotentTask) -> None:
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(key=self.idempotency_key, run_id=self.run_id))
+            self.outbox.add(tx, "celery", {"task": "x", "args": [1]}, delay=0.5)
+            self.outbox.add(tx, "celery", {"task": "x", "args": [2]})
+            if self.attempt == 1:
+                raise ConnectionError("flaky")
+
+    sends.apply(headers={KEY_HEADER: "real:1"}).get()
+    sends.apply(headers={KEY_HEADER: "real:1"}).get()  # replay: deduplicated
+    run_id = runs.get_run(store, "real:1")["id"]
+    with store.engine.connect() as conn:
+        rows = conn.execute(sa.select(outbox.c.message_id, outbox.c.run_id)
+                            .order_by(outbox.c.id)).all()
+    assert [tuple(r) for r in rows] == [("real:1#1", run_id), ("real:1#2", run_id)]
+    assert n_effects(store) == 1

@@ -35,7 +35,6 @@ from reliable_beat.beat import (
     TRIGGER_DESTINATION,
     Trigger,
     build_trigger_payload,
-    mark_triggers_sent,
     trigger_message_id,
 )
 from reliable_beat.db.dialects import Store
@@ -155,9 +154,7 @@ def _outbox_row(key: str, run_id: int, payload: dict[str, Any], now: datetime) -
 def _publish(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> int:
     from reliable_beat.celery.scheduler import publish_triggers
 
-    sent, failed = publish_triggers(app, triggers, now)
-    mark_triggers_sent(store, sent, failed)
-    return len(sent)
+    return publish_triggers(store, app, triggers, now)
 
 
 def trigger(store: Store, name: str, *, app: Any = None) -> str:

@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 from sqlalchemy import update
 from sqlalchemy.engine import make_url
 
-from reliable_beat.beat import Beat, mark_triggers_sent
+from reliable_beat.beat import Beat
 from reliable_beat.celery.commands import reliable_beat
 from reliable_beat.cli_status import collect_status, jsonable
 from reliable_beat.db.dialects import Store
@@ -47,8 +47,11 @@ def make_due(store: Store, name: str, ago: timedelta) -> datetime:
 
 def fire(store: Store) -> None:
     """One beat tick, its triggers marked sent (as if published)."""
+    from reliable_beat.relay import mark_sent
+
     result = Beat(store, owner="test").tick()
-    mark_triggers_sent(store, result.triggers, [])
+    with store.begin() as conn:
+        mark_sent(conn, [t.outbox_id for t in result.triggers], store.now(conn))
 
 
 @pytest.fixture

@@ -57,10 +57,11 @@ class Env:
     def queue(self, name: str) -> str:
         return f"q-{self.tag}-{name}"
 
-    def worker(self, name: str) -> subprocess.Popen[bytes]:
+    def worker(self, name: str, pool: str = "solo", concurrency: int = 1
+               ) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"worker-{name}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
-            [str(CELERY), "-A", "rb_task_app", "worker", "--pool", "solo", "-c", "1",
+            [str(CELERY), "-A", "rb_task_app", "worker", "--pool", pool, "-c", str(concurrency),
              "-Q", self.queue(name), "-n", f"{name}-{self.tag}@%h", "--without-gossip",
              "--without-mingle", "--without-heartbeat", "-l", "INFO"],
             env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
@@ -69,10 +70,11 @@ class Env:
         return proc
 
     def send(self, task: str, args: list[Any], queue: str, key: str | None = None,
+             headers: dict[str, Any] | None = None, task_id: str | None = None,
              **kwargs: Any) -> None:
-        headers = {KEY_HEADER: key} if key else {}
+        headers = {**({KEY_HEADER: key} if key else {}), **(headers or {})}
         self.client.send_task(task, args=args, kwargs=kwargs, queue=self.queue(queue),
-                              headers=headers)
+                              headers=headers, task_id=task_id)
 
     def cli(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -283,3 +285,49 @@ def test_replay_of_completed_key_only_adds_a_deduplicated_attempt(env: Env) -> N
     assert len(env.progress(key)) == n_progress  # the body did not run
     assert env.scalar(sa.select(sa.func.count()).select_from(attempts)) == n_attempts + 1
     assert outcomes(env.attempts(key)) == ["succeeded", "deduplicated"]
+
+
+def test_prefork_children_each_get_their_own_store(env: Env) -> None:
+    env.worker("fork", pool="prefork", concurrency=2)
+    names = [f"fork{i}" for i in range(6)]
+    for name in names:
+        env.send("rb.write_effect", [name], "fork", sleep_first_attempt=0.3)
+    env.send("rb.write_effect", ["fork0"], "fork")  # a duplicate of the first
+    env.wait("all succeeded", lambda: all(env.state(f"effect:{n}") == "succeeded"
+                                          for n in names), 60)
+    pids = {e["pid"] for n in names for e in env.effects(f"effect:{n}")}
+    assert len(pids) == 2  # both children did work, each through its own engine
+    env.wait("duplicate handled", lambda: len(env.attempts("effect:fork0")) >= 2, 20)
+    assert all(len(env.effects(f"effect:{n}")) == 1 for n in names)
+
+
+def test_scheduled_run_from_the_beat_headers(env: Env) -> None:
+    """A run row as the beat writes it + a message as it publishes it: the row is reused."""
+    from datetime import datetime, timezone
+
+    from reliable_beat.beat import task_id_for
+    from reliable_beat.db.tables import runs as runs_t
+
+    env.worker("beat")
+    fire_at = datetime(2026, 1, 10, 12, 0, tzinfo=timezone.utc)
+    key = "nightly@2026-01-10T12:00:00Z"
+    with env.store.begin() as conn:
+        now = env.store.now(conn)
+        conn.execute(runs_t.insert().values(
+            idempotency_key=key, entry_name="nightly", fire_at=fire_at, trigger="catch_up",
+            task="rb.write_effect", args=["nightly"], kwargs={}, state="dispatched",
+            created_at=now, updated_at=now, dispatched_at=now))
+    headers = {"reliable_beat_key": key, "reliable_beat_entry": "nightly",
+               "reliable_beat_fire_at": "2026-01-10T12:00:00Z",
+               "reliable_beat_trigger": "catch_up"}
+    for _ in range(2):  # at-least-once trigger delivery: the same message twice
+        env.send("rb.write_effect", ["nightly"], "beat", headers=headers,
+                 task_id=task_id_for(key))
+    env.wait("succeeded + deduplicated", lambda: sorted(outcomes(env.attempts(key)))
+             == ["deduplicated", "succeeded"])
+    [run] = runs.list_runs(env.store, entry="nightly")
+    assert run["idempotency_key"] == key and run["fire_at"] == fire_at
+    assert run["trigger"] == "catch_up" and run["dispatched_at"] is not None
+    assert [a["task_id"] for a in env.attempts(key)] == [task_id_for(key)] * 2
+    assert len(env.effects(key)) == 1
+    assert not env.effects("effect:nightly")  # the header key wins over idempotency_key_for

@@ -122,6 +122,9 @@ def _store_for(url: str) -> Store:
 
 # ------------------------------------------------------------ per-execution state ----
 
+#: ``_current.states``: id(task) -> the _RunState of the execution running in this thread.
+_current = threading.local()
+
 
 @dataclass
 class _RunState:
@@ -330,7 +333,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # ------------------------------------------------------- run-time accessors ----
 
     def _state(self) -> _RunState:
-        state = getattr(self.request, "_reliable_beat_state", None)
+        # Kept per thread, not on self.request: Celery < 5.7 pushes a fresh request context
+        # (without our attributes) when Task.__call__ runs outside a worker (eager apply).
+        state = getattr(_current, "states", {}).get(id(self))
         if not isinstance(state, _RunState):
             raise RuntimeError(
                 f"{self.name}: not inside an IdempotentTask execution (no claimed run)"
@@ -518,7 +523,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         kwargs: dict[str, Any],
     ) -> Any:
         state = _RunState(claim=claim, store=store, lease=lease)
-        self.request._reliable_beat_state = state
+        states: dict[int, _RunState] = _current.__dict__.setdefault("states", {})
+        previous = states.get(id(self))
+        states[id(self)] = state
         renewer = threading.Thread(
             target=self._renew_loop, args=(state,), name=f"rb-lease-{claim.run_id}", daemon=True
         )
@@ -556,7 +563,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise  # the effect committed; an error after it is not retried
             return self._on_body_error(exc, claim, store)
         finally:
-            self.request._reliable_beat_state = None
+            if previous is None:
+                states.pop(id(self), None)
+            else:
+                states[id(self)] = previous
 
     def _on_body_error(self, exc: Exception, claim: runs.Claim, store: Store) -> Any:
         error = runs.format_error(exc)

@@ -250,3 +250,21 @@ def test_outbox_rows_commit_with_the_effect_real_outbox(app: Celery, store: Stor
                             .order_by(outbox.c.id)).all()
     assert [tuple(r) for r in rows] == [("real:1#1", run_id), ("real:1#2", run_id)]
     assert n_effects(store) == 1
+
+
+def test_state_survives_a_fresh_request_context(
+    app: Celery, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery < 5.7 pushes a request context without the outer one's attributes."""
+    from celery.app.task import Context, Task
+
+    def old_push_request(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.request_stack.push(Context(*args, **kwargs))
+
+    monkeypatch.setattr(Task, "push_request", old_push_request)
+
+    @app.task(base=IdempotentTask, bind=True, name="e.old_celery")
+    def old(self: IdempotentTask) -> list[Any]:
+        return [self.idempotency_key, self.fence_token, self.attempt]
+
+    assert old.apply(headers={KEY_HEADER: "old:1"}).get() == ["old:1", 1, 1]

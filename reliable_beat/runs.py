@@ -415,6 +415,7 @@ def record_failure(
     retry_in_seconds: float | None = None,
     dead_reason: str | None = None,
     payload: Mapping[str, Any] | None = None,
+    from_states: Sequence[str] = ("running",),
 ) -> str:
     """Record a failed try: ``retrying`` (a retry follows) or ``dead`` (+ dead letter).
 
@@ -431,6 +432,8 @@ def record_failure(
         retry_in_seconds: the countdown of the retry about to be sent.
         dead_reason: ``permanent`` or ``exhausted`` to dead-letter instead of retrying.
         payload: replay payload for the dead letter; defaults to the claim's call.
+        from_states: states the run may be in (``running``; ``retrying`` to dead-letter a
+            run whose retry message could not be published).
 
     Returns:
         ``retrying``, ``dead``, or ``fenced_out`` when the fence moved (then nothing else is
@@ -453,7 +456,7 @@ def record_failure(
             .where(
                 runs.c.id == claim.run_id,
                 runs.c.fence_token == claim.fence_token,
-                runs.c.state == "running",
+                runs.c.state.in_(list(from_states)),
             )
             .values(**values)
         )

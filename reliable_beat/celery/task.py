@@ -584,7 +584,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "%s: %s attempt %d failed (%s); retry in %.2fs",
                 self.name, claim.key, claim.attempt, type(exc).__name__, delay,
             )
-            raise self.retry(exc=exc, countdown=delay, headers=self._key_headers(claim.key))
+            try:
+                raise self.retry(exc=exc, countdown=delay, headers=self._key_headers(claim.key))
+            except Retry:
+                raise
+            except Exception as publish_exc:
+                # The retry message could not be published (broker down after kombu's own
+                # retries). Never drop the work silently (invariant 8): dead-letter it.
+                log.exception("%s: could not send the retry of %s", self.name, claim.key)
+                runs.record_failure(
+                    store, claim, f"{error}\nretry not sent: {publish_exc!r}",
+                    dead_reason="retry_unsent", payload=self._payload(claim),
+                    from_states=("retrying", "running"),
+                )
+                raise exc from publish_exc
         reason = "permanent" if kind == "permanent" else "exhausted"
         try:
             outcome = runs.record_failure(

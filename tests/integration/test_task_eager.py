@@ -268,3 +268,24 @@ def test_state_survives_a_fresh_request_context(
         return [self.idempotency_key, self.fence_token, self.attempt]
 
     assert old.apply(headers={KEY_HEADER: "old:1"}).get() == ["old:1", 1, 1]
+
+
+def test_retry_that_cannot_be_sent_is_dead_lettered(
+    app: Celery, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kombu.exceptions import OperationalError as BrokerDown
+
+    @app.task(base=IdempotentTask, bind=True, name="e.unsent")
+    def unsent(self: IdempotentTask) -> None:
+        raise TimeoutError("upstream slow")
+
+    def broken_retry(*args: Any, **kwargs: Any) -> None:
+        raise BrokerDown("broker unreachable")
+
+    monkeypatch.setattr(unsent, "retry", broken_retry)
+    r = unsent.apply(headers={KEY_HEADER: "unsent:1"})
+    assert isinstance(r.result, TimeoutError)
+    run = runs.get_run(store, "unsent:1")
+    assert run["state"] == "dead" and run["reason"] == "retry_unsent"
+    [dl] = runs.list_dead_letters(store)
+    assert dl["reason"] == "retry_unsent" and "broker unreachable" in dl["error"]

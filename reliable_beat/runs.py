@@ -170,7 +170,8 @@ def claim_run(
       (Any live lease counts, also one held under the same owner id: two threads of one
       worker process share it.)
     * otherwise (``scheduled``, ``dispatched``, ``retrying``, or ``running`` with an expired
-      lease, e.g. after a worker crash) -> ``acquired``: ``fence_token += 1``,
+      lease, e.g. after a worker crash; the old holder's ``running`` attempt row then
+      becomes ``failed``) -> ``acquired``: ``fence_token += 1``,
       ``attempts += 1``, state ``running``, ``leased_by = owner``,
       ``lease_expires_at = now + lease``, and a ``running`` attempt row.
 
@@ -275,6 +276,19 @@ def claim_run(
         fence = row["fence_token"] + 1
         number = row["attempts"] + 1
         lease_end = now + lease
+        if state == "running":
+            # Taking over an expired lease: the holder crashed or is paused. Close its
+            # attempt row; if it wakes up, its commit is fenced out (and says so).
+            conn.execute(
+                update(attempts)
+                .where(attempts.c.run_id == row["id"], attempts.c.outcome == "running")
+                .values(
+                    outcome="failed",
+                    finished_at=now,
+                    error=f"lease of {row['leased_by']} expired at {expires}; "
+                    f"taken over with fence {fence}",
+                )
+            )
         conn.execute(
             update(runs)
             .where(runs.c.id == row["id"])

@@ -186,9 +186,10 @@ def test_sigkill_mid_body_redelivers_and_makes_one_effect(env: Env) -> None:
     env.worker("k")  # same queue: gets the message back after the visibility timeout
     env.wait("run succeeded after redelivery", lambda: env.state(key) == "succeeded", 60)
     rows = env.attempts(key)
-    fences = [r["fence_token"] for r in rows if r["outcome"] in ("running", "succeeded")]
+    fences = [r["fence_token"] for r in rows if r["outcome"] in ("failed", "succeeded")]
     assert fences == [1, 2], rows
-    assert rows[0]["outcome"] == "running"  # the killed try never finished
+    assert rows[0]["outcome"] == "failed"  # the killed try, closed by the takeover
+    assert "expired" in rows[0]["error"]
     eff = env.effects(key)
     assert len(eff) == 1 and eff[0]["fence"] == 2
 

@@ -38,6 +38,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.errors import (
     ConfigurationError,
     IdempotencyKeyError,
+    LeaseHeldError,
     PermanentError,
     StaleFenceToken,
 )
@@ -503,6 +504,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # holder succeeds, the retry finds 'succeeded' and deduplicates; if it died, the
             # retry takes the run over with a new fence.
             wait = (claim.retry_after or lease).total_seconds() + 0.5
+            if request.is_eager:  # an eager retry would run again at once, in a loop
+                raise LeaseHeldError(
+                    f"run {key!r} is leased by another runner for {wait:.1f}s more"
+                )
             log.info("%s: %s is busy (leased); retrying in %.1fs", self.name, key, wait)
             raise self.retry(countdown=wait, headers=self._key_headers(key))
         if claim.attempt > self._max_attempts():

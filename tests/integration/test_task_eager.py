@@ -289,3 +289,18 @@ def test_retry_that_cannot_be_sent_is_dead_lettered(
     assert run["state"] == "dead" and run["reason"] == "retry_unsent"
     [dl] = runs.list_dead_letters(store)
     assert dl["reason"] == "retry_unsent" and "broker unreachable" in dl["error"]
+
+
+def test_eager_call_on_a_leased_run_raises_lease_held(app: Celery, store: Store) -> None:
+    from datetime import timedelta
+
+    from reliable_beat.errors import LeaseHeldError
+
+    @app.task(base=IdempotentTask, bind=True, name="e.leased")
+    def leased(self: IdempotentTask) -> None: ...
+
+    runs.claim_run(store, "leased:1", owner="elsewhere", lease=timedelta(seconds=60), task="x")
+    r = leased.apply(headers={KEY_HEADER: "leased:1"})
+    assert isinstance(r.result, LeaseHeldError)
+    rows = runs.list_attempts(store, runs.get_run(store, "leased:1")["id"])
+    assert [a["outcome"] for a in rows] == ["running", "busy"]

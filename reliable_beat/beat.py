@@ -42,6 +42,7 @@ __all__ = [
     "TickResult",
     "Trigger",
     "due_clause",
+    "sweep_unsent_triggers",
     "task_id_for",
     "trigger_message_id",
 ]
@@ -400,6 +401,45 @@ class Beat:
                 [self._outbox_row(b.idempotency_key, b.id, payload, now)],
             ).scalar_one()
             result.triggers.append(Trigger(oid, b.id, b.idempotency_key, payload, b.fire_at))
+
+
+def sweep_unsent_triggers(store: Store, owner: str, *, limit: int = 200,
+                          sweep_delay: timedelta = timedelta(seconds=10)) -> list[Trigger]:
+    """Claim trigger rows a crashed beat committed but never published (``pending`` and past
+    their ``available_at``), for this beat to publish until the outbox relay exists.
+
+    Each claimed row's ``available_at`` moves ``sweep_delay`` ahead, so concurrent sweepers
+    (``SKIP LOCKED``) do not publish it twice while this one publishes. At least once: a beat
+    that published but died before marking sends it again, under the same task id.
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        stmt = (
+            select(outbox.c.id, outbox.c.run_id, outbox.c.message_id, outbox.c.payload)
+            .where(
+                outbox.c.destination == TRIGGER_DESTINATION,
+                outbox.c.state == "pending",
+                outbox.c.available_at <= now,
+            )
+            .order_by(outbox.c.available_at)
+            .limit(limit)
+        )
+        rows = conn.execute(store.for_update_skip_locked(stmt)).all()
+        if not rows:
+            return []
+        conn.execute(
+            update(outbox)
+            .where(outbox.c.id.in_([r.id for r in rows]))
+            .values(available_at=now + sweep_delay, claimed_by=owner)
+        )
+    out = []
+    for r in rows:
+        key = r.payload["headers"]["reliable_beat_key"]
+        fire_at = datetime.fromisoformat(
+            r.payload["headers"]["reliable_beat_fire_at"].replace("Z", "+00:00")
+        )
+        out.append(Trigger(r.id, r.run_id, key, r.payload, fire_at))
+    return out
 
 
 def mark_triggers_sent(store: Store, sent: list[Trigger], failed: list[Trigger]) -> None:

@@ -22,7 +22,13 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from celery.beat import Scheduler
-from reliable_beat.beat import Beat, TickResult, Trigger, mark_triggers_sent
+from reliable_beat.beat import (
+    Beat,
+    TickResult,
+    Trigger,
+    mark_triggers_sent,
+    sweep_unsent_triggers,
+)
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.entries import (
@@ -42,6 +48,8 @@ FAST_PATH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, 
 #: Default wait bound on SQLite, which has no NOTIFY: entries added at runtime are seen
 #: within this many seconds.
 SQLITE_MAX_WAIT_SECONDS = 1.0
+#: How often a beat looks for triggers a crashed beat committed but never published.
+SWEEP_EVERY_SECONDS = 5.0
 
 
 def publish_triggers(
@@ -108,6 +116,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self._listen: Any = None
         self._failures = 0
+        self._next_sweep = 0.0
         self.app = app
         self._beat = Beat(
             self.store, owner=self.settings.owner, batch_size=self.settings.batch_size,
@@ -192,7 +201,26 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._failures = 0
         if result.triggers:
             self._publish(result)
+        self._sweep(result)
         return self._wait(result)
+
+    def _sweep(self, result: TickResult) -> None:
+        """Publish triggers a crashed beat left unsent (until the outbox relay exists)."""
+        import time
+
+        if time.monotonic() < self._next_sweep:
+            return
+        self._next_sweep = time.monotonic() + SWEEP_EVERY_SECONDS
+        try:
+            stale = sweep_unsent_triggers(self.store, self.settings.owner,
+                                          sweep_delay=self._beat.sweep_delay)
+        except (StoreUnavailableError, DBAPIError) as exc:
+            log.error("sweep of unsent triggers failed (%s)", exc)
+            return
+        if stale:
+            log.warning("publishing %d triggers another beat committed but did not send",
+                        len(stale))
+            self._publish(TickResult(triggers=stale, now=result.now))
 
     def _publish(self, result: TickResult) -> None:
         assert result.now is not None

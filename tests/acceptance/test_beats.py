@@ -7,9 +7,11 @@ Set ``RELIABLE_BEAT_ACCEPT_SECONDS=60`` for the full-length 3-beat run (CI defau
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -187,3 +189,227 @@ def test_three_beats_fifty_entries_every_second(h: Harness) -> None:
     assert len(owners) == 3, owners
     print(f"[3 beats x 50 entries] triggers per beat: {dict(owners)}")
     assert figures["duplicates"] == 0 and figures["missing_messages"] == 0
+
+
+# -- SIGKILL one beat mid-run, start it again ------------------------------------------------
+def test_sigkill_and_restart_one_beat(h: Harness) -> None:
+    spec = every_second(10, 10, misfire_policy="catch_up")
+    h.schedule(spec)
+    beats = [h.procs.start(f"beat{i}") for i in range(3)]
+    t0 = wait_running(h, 20) + 3 * SECOND
+    procs_mod.wait_for(lambda: h.now() > t0 + 5 * SECOND, 20, "running")
+    h.procs.kill(beats[0])
+    procs_mod.wait_for(lambda: h.now() > t0 + 9 * SECOND, 20, "running without it")
+    h.procs.start("beat0-again")
+    procs_mod.wait_for(lambda: h.now() > t0 + 17 * SECOND, 30, "running again")
+    t1 = h.now() - 3 * SECOND
+    # a trigger the SIGKILL left committed-but-unsent is swept (sweep delay 10 s)
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                    and o.created_at <= t1 + SECOND], 30, "unsent triggers")
+    stop_all(h)
+    check_window(h, sorted(spec), t0, t1, "SIGKILL + restart")
+
+
+# -- SIGSTOP for 15 s, one of them frozen inside its claim transaction -----------------------
+def test_sigstop_inside_claim_transaction(h: Harness, tmp_path: Path) -> None:
+    spec = every_second(10, 10, misfire_policy="catch_up")
+    h.schedule(spec)
+    flag = tmp_path / "freeze-now"
+    frozen = h.procs.start("frozen", RB_FREEZE_FLAG=str(flag))
+    stopped = h.procs.start("stopped")
+    h.procs.start("healthy")
+    t0 = wait_running(h, 20) + 3 * SECOND
+    procs_mod.wait_for(lambda: h.now() > t0 + 2 * SECOND, 20, "running")
+    flag.touch()
+    procs_mod.wait_for(lambda: "FROZEN inside the claim" in frozen.output(), 15,
+                       "the beat to freeze inside its claim transaction")
+    h.procs.stop(stopped)  # the other one frozen at an arbitrary point
+    frozen_at = h.now()
+    procs_mod.wait_for(lambda: h.now() > frozen_at + 15 * SECOND, 30, "15 s of freeze")
+    h.procs.cont(frozen)
+    h.procs.cont(stopped)
+    thawed_at = h.now()
+    procs_mod.wait_for(lambda: h.now() > thawed_at + 8 * SECOND, 30, "running after thaw")
+    t1 = h.now() - 3 * SECOND
+    assert frozen.alive() and stopped.alive(), h.logs()
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                    and o.created_at <= t1 + SECOND], 30, "unsent triggers")
+    stop_all(h)
+    figures = check_window(h, sorted(spec), t0, t1, "SIGSTOP 15 s (one inside its claim)")
+    # the others took the frozen beat's entries over within the bound
+    # (idle_in_transaction_session_timeout = lock_timeout = 5 s), not after the 15 s pause
+    late = [(r.idempotency_key, (r.created_at - r.fire_at).total_seconds())
+            for r in h.runs() if frozen_at <= r.fire_at <= thawed_at]
+    worst = max(s for _, s in late)
+    print(f"[SIGSTOP] slots during freeze {len(late)}, worst lateness {worst:.1f} s "
+          f"(bound 5 s + tick), {figures['slots_checked']} slots checked")
+    assert worst < 8.0, sorted(late, key=lambda x: -x[1])[:5]
+    assert "THAWED" in frozen.output()
+    # the thawed beats go on firing (no crash, no stuck state)
+    owners_after = {o.claimed_by for o in h.outbox() if o.created_at > thawed_at + 2 * SECOND}
+    assert len(owners_after) >= 2, owners_after
+
+
+# -- a beat with a wrong local clock ---------------------------------------------------------
+def test_local_clock_off_by_five_minutes(h: Harness) -> None:
+    spec = every_second(5, 5, misfire_policy="catch_up")
+    h.schedule(spec)
+    lib = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1")
+                 + glob.glob("/usr/lib/faketime/libfaketimeMT.so.1"))
+    if lib:  # the whole process's clock (time, datetime, C calls) is off by +-5 min
+        skew = [{"LD_PRELOAD": lib[0], "FAKETIME": off, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+                 "FAKETIME_DONT_RESET": "1"} for off in ("+5m", "-5m")]
+    else:  # fallback: only time.time is skewed
+        skew = [{"RB_CLOCK_OFFSET": off} for off in ("300", "-300")]
+    fast = h.procs.start("fast", **skew[0])
+    slow = h.procs.start("slow", **skew[1])
+    t0 = wait_running(h, 10) + 3 * SECOND
+    procs_mod.wait_for(lambda: h.now() > t0 + 12 * SECOND, 30, "running")
+    t1 = h.now() - 3 * SECOND
+    if lib:
+        for beat, sign in ((fast, 1), (slow, -1)):
+            line = [x for x in beat.output().splitlines() if "local now" in x][0]
+            local = datetime.fromisoformat(line.split("local now ")[1].strip())
+            # the beat started < 60 s ago by the database clock; its own clock says +-5 min
+            assert abs((local - h.now()).total_seconds() - sign * 300) < 60, line
+            print(f"[clock] {beat.name}: {line.split('beatapp: ')[1]}")
+    else:
+        assert "skewed by +300" in fast.output() and "skewed by -300" in slow.output()
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                    and o.created_at <= t1 + SECOND], 15, "publishes")
+    stop_all(h)
+    check_window(h, sorted(spec), t0, t1, "clock +-5 min")
+    rows = [r for r in h.runs() if r.fire_at >= t0]
+    early = [r.idempotency_key for r in rows if r.created_at < r.fire_at]
+    assert early == [], f"fired before its slot: {early[:5]}"
+    lateness = [(r.created_at - r.fire_at).total_seconds() for r in rows]
+    assert max(lateness) < 2.0, max(lateness)
+    owners = Counter(o.claimed_by for o in h.outbox())
+    assert len(owners) == 2, owners  # both skewed beats fired, neither early nor twice
+
+
+# -- downtime: all beats stopped, one comes back ---------------------------------------------
+def test_downtime_misfire_policies(h: Harness) -> None:
+    spec = {p: {"every": 1, "reliable_beat": {"misfire_policy": p, "misfire_grace": 2}}
+            for p in ("catch_up", "fire_once", "skip")}
+    h.schedule(spec)
+    first = h.procs.start("before")
+    wait_running(h, 3)
+    procs_mod.wait_for(lambda: len(h.runs()) >= 9, 20, "some slots")
+    assert h.procs.terminate(first) == 0, first.output()
+    down_at = h.now()
+    procs_mod.wait_for(lambda: h.now() > down_at + 10 * SECOND, 20, "10 s of downtime")
+    h.procs.start("after")
+    procs_mod.wait_for(lambda: h.now() > down_at + 15 * SECOND, 20, "running after")
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"], 15,
+                       "publishes")
+    stop_all(h)
+    rows = h.runs()
+    msgs = Counter(m["reliable_beat_key"] for m in h.messages())
+    missed_counts = {}
+    for policy in spec:
+        mine = [r for r in rows if r.entry_name == policy]
+        slots = [r.fire_at for r in mine]
+        assert slots == [slots[0] + k * SECOND for k in range(len(slots))], f"{policy}: gap"
+        missed = [r for r in mine if r.state == "skipped" or r.trigger == "catch_up"]
+        fired_missed = [r for r in missed if r.state != "skipped"]
+        skipped = [r for r in missed if r.state == "skipped"]
+        assert len(missed) >= 7, (policy, len(missed))  # 10 s down, 2 s grace
+        assert missed == mine[mine.index(missed[0]):mine.index(missed[-1]) + 1]  # one block
+        if policy == "catch_up":
+            assert skipped == [] and all(r.state == "dispatched" for r in fired_missed)
+        elif policy == "fire_once":
+            assert [r.fire_at for r in fired_missed] == [missed[-1].fire_at]
+            assert {r.reason for r in skipped} == {"misfire:fire_once"}
+            assert len(skipped) == len(missed) - 1
+        else:
+            assert fired_missed == [] and {r.reason for r in skipped} == {"misfire:skip"}
+        for r in mine:  # exactly one message per fired slot, none for a skipped one
+            assert msgs.get(r.idempotency_key, 0) == (0 if r.state == "skipped" else 1), r
+        missed_counts[policy] = (len(missed), len(fired_missed), len(skipped))
+    print(f"\n[downtime] per policy (missed, fired of missed, skipped recorded): {missed_counts}")
+    assert max(m for m, _, _ in missed_counts.values()) - min(
+        m for m, _, _ in missed_counts.values()) <= 1
+
+
+# -- bad input -------------------------------------------------------------------------------
+def test_bad_beat_schedule_refuses_to_start(h: Harness) -> None:
+    h.schedule({
+        "bad_cron": {"cron": "61 * * * *"},
+        "bad_zone": {"every": 5, "reliable_beat": {"timezone": "Mars/Olympus_Mons"}},
+        "bad_policy": {"every": 5, "reliable_beat": {"misfire_policy": "sometimes"}},
+        "fine": {"every": 5},
+    })
+    beat = h.procs.start("bad")
+    procs_mod.wait_for(lambda: not beat.alive(), 30, "beat to exit")
+    out = beat.output()
+    assert beat.proc.returncode != 0, out
+    for name in ("bad_cron", "bad_zone", "bad_policy", "Mars/Olympus_Mons", "61"):
+        assert name in out, out[-3000:]
+    assert "'fine'" not in out
+    assert h.entries() == []  # nothing synced
+
+
+def test_database_down_at_start(redis_url: str, procs: procs_mod.BeatProcs) -> None:
+    from reliable_beat.db.migrate import upgrade
+    from reliable_beat.testing.servers import PostgresServer
+
+    try:
+        server = PostgresServer()
+        server.start(init=True)
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"PostgreSQL not available: {exc}")
+    try:
+        store = Store.from_url(server.url, role="cli")
+        upgrade(store)
+        store.dispose()
+        server.stop()
+        h = Harness(store, redis_url, procs)
+        h.schedule({"e": {"every": 1}})
+        beat = procs.start("early")
+        procs_mod.wait_for(lambda: "unavailable" in beat.output(), 20, "the error log")
+        time.sleep(6)
+        assert beat.alive(), beat.output()
+        retries = beat.output().count("unavailable at start")
+        assert 1 <= retries <= 6, beat.output()  # backoff, not a crash loop
+        server.start()
+        procs_mod.wait_for(lambda: len(h.runs()) >= 3, 45, "slots after the database came up")
+        assert beat.alive()
+        procs_mod.wait_for(lambda: len(h.messages()) >= 3, 15, "messages")
+        print(f"\n[database down at start] {retries} logged retries, then "
+              f"{len(h.runs())} runs / {len(h.messages())} messages")
+        procs.terminate(beat)
+        store.dispose()
+        h.redis.delete(h.queue)
+    finally:
+        procs.cleanup()
+        server.__exit__(None, None, None)
+
+
+def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None:
+    from reliable_beat.testing.servers import free_port
+
+    h.schedule({"a": {"every": 1}, "b": {"cron": "* * * * * */1"}})
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    beat = h.procs.start("nobroker", RB_BROKER_URL=dead)
+    procs_mod.wait_for(lambda: len(h.runs()) >= 8, 40, "runs while the broker is down")
+    assert beat.alive(), beat.output()
+    h.procs.terminate(beat)
+    rows = h.runs()
+    ob = {o.run_id: o for o in h.outbox()}
+    assert rows and all(r.state == "scheduled" for r in rows), [r.state for r in rows]
+    assert all(ob[r.id].state == "pending" for r in rows)
+    assert h.messages() == []
+    for name in ("a", "b"):
+        s = [r.fire_at for r in rows if r.entry_name == name]
+        assert s == [s[0] + k * SECOND for k in range(len(s))]
+    # the broker is back (a beat on the real one): every kept trigger is delivered, once
+    h.schedule({"a": {"every": 1}, "b": {"cron": "* * * * * */1"}})
+    h.procs.start("withbroker")
+    procs_mod.wait_for(lambda: all(o.state == "sent" for o in h.outbox()
+                                   if o.run_id in {r.id for r in rows}), 40,
+                       "the kept triggers to be sent")
+    stop_all(h)
+    keys = Counter(m["reliable_beat_key"] for m in h.messages())
+    assert all(keys[r.idempotency_key] == 1 for r in rows)
+    print(f"\n[broker down] {len(rows)} triggers kept pending, all delivered once afterwards")

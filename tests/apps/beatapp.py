@@ -5,8 +5,8 @@ Configured from the environment so each test can point it at its own servers:
 * RB_BROKER_URL, RELIABLE_BEAT_DATABASE_URL, RB_MAX_LOOP (beat_max_loop_interval);
 * RB_SCHEDULE: JSON name -> {"cron": str | "every": seconds, "task", "reliable_beat": {...}};
 * RB_QUEUE: the default queue (each test its own, so messages can be counted in Redis);
-* RB_CLOCK_OFFSET: seconds added to this process's local clock (``time.time`` and
-  ``datetime.now``/``utcnow``): a beat with a wrong clock. Decisions use the database clock,
+* RB_CLOCK_OFFSET: seconds added to this process's ``time.time`` (fallback when libfaketime
+  is not installed): a beat with a wrong clock. Decisions use the database clock,
   so it must not matter;
 * RB_FREEZE_FLAG: a file path; when it exists, the next claim query (``... FOR UPDATE SKIP
   LOCKED``) removes it and the process SIGSTOPs itself right after the claim, i.e. frozen
@@ -27,28 +27,19 @@ from celery import Celery
 
 _offset = float(os.environ.get("RB_CLOCK_OFFSET", "0") or 0)
 if _offset:
+    # Without libfaketime (which the tests prefer, see test_beats.py) only ``time.time`` can
+    # be skewed in-process: ``datetime`` is a C type whose ``now`` cannot be patched safely.
     _real_time = _time.time
-    _real_datetime = _dt.datetime
 
     def _skewed_time() -> float:
         return _real_time() + _offset
 
-    class _SkewedDatetime(_real_datetime):
-        @classmethod
-        def now(cls, tz=None):  # type: ignore[no-untyped-def,override]
-            return _real_datetime.now(tz) + timedelta(seconds=_offset)
-
-        @classmethod
-        def utcnow(cls):  # type: ignore[no-untyped-def,override]
-            return _real_datetime.utcnow() + timedelta(seconds=_offset)
-
-        @classmethod
-        def today(cls):  # type: ignore[no-untyped-def,override]
-            return cls.now()
-
     _time.time = _skewed_time  # type: ignore[assignment]
-    _dt.datetime = _SkewedDatetime  # type: ignore[misc]
     print(f"beatapp: local clock skewed by {_offset:+.0f} s", file=sys.stderr, flush=True)
+if os.environ.get("FAKETIME"):
+    print(f"beatapp: libfaketime FAKETIME={os.environ['FAKETIME']} "
+          f"local now {_dt.datetime.now(_dt.timezone.utc).isoformat()}",
+          file=sys.stderr, flush=True)
 
 _freeze_flag = os.environ.get("RB_FREEZE_FLAG")
 if _freeze_flag:

@@ -27,7 +27,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
-import procs as procs_mod  # noqa: E402  (tests/apps)
+import procs as procs_mod  # tests/apps
 
 UTC = timezone.utc
 SECOND = timedelta(seconds=1)
@@ -268,7 +268,7 @@ def test_local_clock_off_by_five_minutes(h: Harness) -> None:
     t1 = h.now() - 3 * SECOND
     if lib:
         for beat, sign in ((fast, 1), (slow, -1)):
-            line = [x for x in beat.output().splitlines() if "local now" in x][0]
+            line = next(x for x in beat.output().splitlines() if "local now" in x)
             local = datetime.fromisoformat(line.split("local now ")[1].strip())
             # the beat started < 60 s ago by the database clock; its own clock says +-5 min
             assert abs((local - h.now()).total_seconds() - sign * 300) < 60, line

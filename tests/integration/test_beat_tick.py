@@ -191,8 +191,9 @@ def test_multiple_beats_duplicate(store: Store, beats: int) -> None:
         assert s[-1] >= end - timedelta(seconds=3), f"live{i:02d} fell behind"
     assert sum(o["fired"] for o in outs) == len(ob)
     assert all(o["ticks"] > 0 for o in outs)
+    dup = sum(o["duplicates"] for o in outs)
     print(f"\n{store.dialect} {beats} beats: {len(rows)} slots, "
-          f"per process {[o['fired'] for o in outs]}, duplicates seen {sum(o['duplicates'] for o in outs)}")
+          f"per process {[o['fired'] for o in outs]}, duplicate inserts seen {dup}")
 
 
 # -- overlap --------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def test_overlap_skip(store: Store) -> None:
     _running_run(store, "o", anchor - timedelta(hours=1))
     result = Beat(store, owner="t:1").tick()
     assert not result.triggers and result.skipped == 1
-    r = [r for r in run_rows(store, "o") if r.fire_at == anchor][0]
+    r = next(r for r in run_rows(store, "o") if r.fire_at == anchor)
     assert (r.state, r.reason) == ("skipped", "overlap:skip")
     assert outbox_rows(store) == []
 
@@ -406,7 +407,7 @@ def test_paperless_schedule_slots_for_dst_days() -> None:
         y, m, dd = map(int, day.split("-"))
         start = datetime(y, m, dd, tzinfo=berlin).astimezone(UTC)
         end = datetime(y, m, dd + 1, tzinfo=berlin).astimezone(UTC)
-        for d, (name, expr, exp), count in zip(defs, PAPERLESS, counts):
+        for d, (name, expr, exp), count in zip(defs, PAPERLESS, counts, strict=True):
             assert d.name == name and d.schedule.timezone == "Europe/Berlin"
             assert d.options == {"expires": exp}
             engine = list(sch.CronSchedule(expr, "Europe/Berlin", day_or=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import select as _select
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -23,7 +24,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from reliable_beat.beat import Beat, TickResult, Trigger, trigger_message_id
+from reliable_beat.beat import TRIGGER_DESTINATION, Beat, TickResult, Trigger, trigger_message_id
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
@@ -35,13 +36,15 @@ from reliable_beat.entries import (
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
 from reliable_beat.outbox import OutboxMessage
-from reliable_beat.relay import mark_expired, mark_sent
+from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
 from reliable_beat.settings import Settings
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
 
 log = logging.getLogger("reliable_beat.scheduler")
 
+#: How often a beat sweeps trigger rows the fast path left unsent (seconds).
+SWEEP_SECONDS = 5.0
 #: Default wait bound on SQLite, which has no NOTIFY: entries added at runtime are seen
 #: within this many seconds.
 SQLITE_MAX_WAIT_SECONDS = 1.0
@@ -65,6 +68,12 @@ def publish_triggers(store: Store, app: Any, triggers: list[Trigger], now: datet
         )
         for t in triggers
     ]
+    return publish_messages(store, app, messages, now)
+
+
+def publish_messages(store: Store, app: Any, messages: list[OutboxMessage], now: datetime) -> int:
+    """Publish ``celery`` outbox rows over one producer and mark the outcome (see
+    :func:`publish_triggers`). Returns how many were published."""
     outcomes = publish_celery_batch(app, messages, now=now)
     sent = [i for i, err in outcomes if err is None]
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
@@ -106,6 +115,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self._listen: Any = None
         self._failures = 0
+        self._last_sweep = 0.0
         self.app = app
         self._beat = Beat(
             self.store, owner=self.settings.owner, batch_size=self.settings.batch_size,
@@ -154,8 +164,6 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         log.info("reliable_beat: synced beat_schedule into %s: %s", self.store.safe_url, counts)
 
     def _sleep(self, seconds: float) -> None:
-        import time
-
         time.sleep(seconds)
 
     @property
@@ -190,11 +198,34 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._failures = 0
         if result.triggers:
             self._publish(result)
+        try:
+            self._sweep()
+        except (StoreUnavailableError, DBAPIError) as exc:
+            log.error("trigger sweep failed (%s); retrying on a later tick", exc)
         return self._wait(result)
 
     def _publish(self, result: TickResult) -> None:
         assert result.now is not None
         publish_triggers(self.store, self.app, result.triggers, result.now)
+
+    def _sweep(self) -> None:
+        """Publish trigger rows whose fast path never happened (a beat died between commit
+        and publish, or the broker was down). A relay does the same; the beat does it too so
+        plain-task users without a relay lose nothing. At most every ``SWEEP_SECONDS``."""
+        now_mono = time.monotonic()
+        if now_mono - self._last_sweep < SWEEP_SECONDS:
+            return
+        self._last_sweep = now_mono
+        with self.store.begin() as conn:
+            now = self.store.now(conn)
+            messages = claim_outbox_batch(
+                self.store, conn, owner=self.settings.owner, now=now,
+                lease=timedelta(seconds=60), limit=self.settings.batch_size,
+                destinations=[TRIGGER_DESTINATION],
+            )
+        if messages:
+            log.warning("sweeping %d unsent triggers", len(messages))
+            publish_messages(self.store, self.app, messages, now)
 
     def _wait(self, result: TickResult) -> float:
         assert result.now is not None

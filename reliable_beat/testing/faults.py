@@ -767,6 +767,22 @@ class Harness:
             (mixed_keys, "messages delivered under more than one Idempotency-Key"),
             (effect_without_msg, "effects whose message never reached the sink"),
         ]
+        if missing:
+            keys = [f"{en}@{sl}" for en, sl in missing]
+            with self.engine.connect() as conn:
+                found = conn.execute(
+                    select(runs.c.idempotency_key, runs.c.state, runs.c.attempts).where(
+                        runs.c.idempotency_key.in_(keys))
+                ).all()
+            why = Counter(f"run {st}, {n} attempts" for _k, st, n in found)
+            why["no run row"] = len(keys) - len(found)
+            lost = [k for k, st, n in found if st == "dispatched" and n == 0]
+            r.stats["missing_why"] = {k: v for k, v in why.items() if v}
+            if lost:
+                r.failures.append(
+                    f"{len(lost)} triggers published and marked dispatched but never executed by "
+                    f"any worker (lost by the broker; never re-sent): {lost[:5]}"
+                )
         for bad, what in checks:
             if bad:
                 r.failures.append(f"{len(bad)} {what}: {sorted(bad)[:5]}")
@@ -871,7 +887,8 @@ class Harness:
             "|---|---|",
             f"| checked window (UTC) | {s.get('window')} |",
             f"| slots checked | {s.get('slots_checked')} |",
-            f"| missing effects | {s.get('missing')} |",
+            f"| missing effects | {s.get('missing')} "
+            f"{'(' + str(s['missing_why']) + ')' if s.get('missing_why') else ''}|",
             f"| duplicated effects | {s.get('duplicated')} |",
             f"| fence rejections (fenced_out attempts) | {s.get('fenced_out')} |",
             f"| deduplicated attempts | {s.get('deduplicated')} |",

@@ -40,6 +40,7 @@ class Sizes:
     name: str
     dispatch_n: int
     dispatch_batch: int
+    dispatch_procs: tuple[int, ...]
     scale_sizes: list[int]
     stock_sizes: list[int]
     redbeat_sizes: list[int]
@@ -50,9 +51,9 @@ class Sizes:
 
 
 SIZES = {
-    "smoke": Sizes("smoke", 1_000, 500, [1_000, 10_000], [1_000, 10_000], [1_000, 10_000],
+    "smoke": Sizes("smoke", 1_000, 500, (1, 2), [1_000, 10_000], [1_000, 10_000], [1_000, 10_000],
                    10, 5.0, 200, 1_000),
-    "full": Sizes("full", 20_000, 500, [1_000, 100_000, 1_000_000, 10_000_000],
+    "full": Sizes("full", 20_000, 500, (1, 2, 4), [1_000, 100_000, 1_000_000, 10_000_000],
                   [1_000, 100_000], [1_000, 100_000, 1_000_000], 100, 30.0, 2_000, 20_000),
 }
 
@@ -118,11 +119,12 @@ def psycopg_dsn(url: str) -> str:
 
 
 def seed_entries(url: str, start: int, stop: int, *, due_in: str, every: int = 1,
-                 spread: str = "0 seconds") -> float:
+                 spread: str = "0 seconds", grace: float = 1.0) -> float:
     """Insert entries ``bench-<start>`` .. ``bench-<stop-1>`` straight into the table.
 
     One ``INSERT ... SELECT generate_series`` (server-side, no Python per row): interval
-    schedule every ``every`` s, ``next_fire_at = now() + due_in + random() * spread``.
+    schedule every ``every`` s, ``next_fire_at = now() + due_in + random() * spread``,
+    misfire policy ``fire_once`` with ``grace`` s (so a backlog fires one slot per entry).
     Returns the seconds it took.
     """
     import psycopg
@@ -139,14 +141,14 @@ def seed_entries(url: str, start: int, stop: int, *, due_in: str, every: int = 1
                misfire_policy, misfire_grace_seconds, catch_up_limit, overlap_policy,
                enabled, paused, origin, next_fire_at, created_at, updated_at)
             SELECT 'bench-' || g, 'bench.noop', '[]'::jsonb, '{}'::jsonb, '{}'::jsonb,
-                   'interval', %(spec)s::jsonb, 'UTC', 'fire_once', 3600, 100, 'allow',
+                   'interval', %(spec)s::jsonb, 'UTC', 'fire_once', %(grace)s, 100, 'allow',
                    true, false, 'runtime',
                    date_trunc('second', now() + %(due)s::interval
                                         + random() * %(spread)s::interval),
                    now(), now()
             FROM generate_series(%(a)s::bigint, %(b)s::bigint) AS g
             """,
-            {"spec": spec, "due": due_in, "spread": spread, "a": start, "b": stop - 1},
+            {"spec": spec, "grace": grace, "due": due_in, "spread": spread, "a": start, "b": stop - 1},
         )
         conn.execute("ANALYZE reliable_beat_entries")
     return time.perf_counter() - t0

@@ -182,7 +182,7 @@ def run(env: Env) -> str:
     rows = []
     ratios: list[tuple[int, float, str, bool]] = []
     with env.database("dispatch") as db_url:
-        for procs in (1, 2, 4):
+        for procs in env.size.dispatch_procs:
             rates: dict[str, float] = {}
             for kind in ("ours", "sql", "kombu", "pipeline"):
                 _reset(env, db_url, n)

@@ -391,6 +391,7 @@ class Beat:
             )
             if not done.rowcount:
                 continue
+            still_active.add(b.entry_name)  # one released run per entry at a time
             payload = build_trigger_payload(
                 task=b.task, args=b.args, kwargs=b.kwargs, options=options.get(b.entry_name, {}),
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
@@ -400,29 +401,3 @@ class Beat:
                 [self._outbox_row(b.idempotency_key, b.id, payload, now)],
             ).scalar_one()
             result.triggers.append(Trigger(oid, b.id, b.idempotency_key, payload, b.fire_at))
-
-
-def mark_triggers_sent(store: Store, sent: list[Trigger], failed: list[Trigger]) -> None:
-    """After publishing: mark sent rows ``sent`` and their runs ``dispatched``; hand failed
-    ones to the relay at once (``available_at = now``, ``claimed_by`` cleared)."""
-    if not sent and not failed:
-        return
-    with store.begin() as conn:
-        now = store.now(conn)
-        if sent:
-            conn.execute(
-                update(outbox)
-                .where(outbox.c.id.in_([t.outbox_id for t in sent]), outbox.c.state == "pending")
-                .values(state="sent", sent_at=now, attempts=outbox.c.attempts + 1)
-            )
-            conn.execute(
-                update(runs)
-                .where(runs.c.id.in_([t.run_id for t in sent]), runs.c.state == "scheduled")
-                .values(state="dispatched", dispatched_at=now, updated_at=now)
-            )
-        if failed:
-            conn.execute(
-                update(outbox)
-                .where(outbox.c.id.in_([t.outbox_id for t in failed]))
-                .values(available_at=now, claimed_by=None, attempts=outbox.c.attempts + 1)
-            )

@@ -118,9 +118,11 @@ def _offset(at: datetime, zone: ZoneInfo) -> timedelta:
     return off
 
 
-def _near_transition(at: datetime, zone: ZoneInfo) -> bool:
-    """True when the zone's UTC offset differs between ``at - 3 h`` and ``at + 3 h``."""
-    return _offset(at - _MARGIN, zone) != _offset(at + _MARGIN, zone)
+def _offset_of_wall(wall: datetime, zone: ZoneInfo) -> timedelta:
+    """UTC offset of a naive wall time (``fold=0``), so ``wall - offset`` is UTC-naive."""
+    off = zone.utcoffset(wall)
+    assert off is not None
+    return off
 
 
 def _transition_instant(lo: datetime, hi: datetime, zone: ZoneInfo) -> datetime:
@@ -365,24 +367,80 @@ class CronSchedule(Schedule):
             except CroniterBadDateError:
                 return
 
-    def _walls_backward(self, before_wall: datetime) -> Iterator[datetime]:
-        """Matching naive wall times strictly before ``before_wall``, descending."""
-        it = self._iter(before_wall)
-        while True:
-            try:
-                yield it.get_prev(datetime)
-            except CroniterBadDateError:
-                return
+    def _wall_after(self, wall: datetime) -> datetime | None:
+        """First matching naive wall time strictly after ``wall`` (one croniter step)."""
+        try:
+            result: datetime = self._iter(wall).get_next(datetime)
+        except CroniterBadDateError:
+            return None
+        return result
+
+    def _wall_before(self, wall: datetime) -> datetime | None:
+        """Last matching naive wall time strictly before ``wall`` (one croniter step)."""
+        try:
+            result: datetime = self._iter(wall).get_prev(datetime)
+        except CroniterBadDateError:
+            return None
+        return result
+
+    def _transition_around(self, at: datetime) -> datetime | None:
+        """The DST transition instant within ±3 h of ``at`` (UTC), or None."""
+        lo, hi = at - _MARGIN, at + _MARGIN
+        if _offset(lo, self._zone) == _offset(hi, self._zone):
+            return None
+        return _transition_instant(lo, hi, self._zone)
+
+    def _pieces(self, transition: datetime) -> tuple[timedelta, timedelta, datetime, datetime]:
+        """Offsets before/after ``transition`` and the wall times where pieces change.
+
+        Around one transition the wall clock splits into three pieces, each with a
+        fixed, monotone wall → instant map (``instant = wall - offset``): before the
+        gap/repeated range (offset before), inside it (by the rule), after it (offset
+        after). Returns ``(offset_before, offset_after, p1, p2)`` with ``p1 <= p2`` the
+        naive wall times where the middle piece starts and ends.
+        """
+        before = _offset(transition - _ONE_SECOND, self._zone)
+        after = _offset(transition, self._zone)
+        at = transition.replace(tzinfo=None)
+        return before, after, at + min(before, after), at + max(before, after)
+
+    def _candidates_after(self, t: datetime, transition: datetime) -> list[datetime]:
+        """Slots > ``t`` containing the smallest one whose wall time is near ``transition``.
+
+        Within a piece with offset ``o`` the smallest slot > t comes from the first
+        matching wall time after ``max(piece start, t + o)``; so one croniter step
+        from each of four wall times suffices.
+        """
+        before, after, p1, p2 = self._pieces(transition)
+        tn = t.replace(tzinfo=None)
+        out: list[datetime] = []
+        for start in {tn + before, tn + after, p1 - _ONE_SECOND, p2 - _ONE_SECOND}:
+            wall = self._wall_after(start)
+            if wall is not None:
+                out.extend(i for i in self._instants(wall) if i > t)
+        return out
+
+    def _candidates_at_or_before(self, t: datetime, transition: datetime) -> list[datetime]:
+        """Mirror of :meth:`_candidates_after`: slots <= ``t`` containing the largest."""
+        before, after, p1, p2 = self._pieces(transition)
+        tn = t.replace(tzinfo=None) + _ONE_SECOND
+        out: list[datetime] = []
+        for start in {tn + before, tn + after, p1, p2}:
+            wall = self._wall_before(start)
+            if wall is not None:
+                out.extend(i for i in self._instants(wall) if i <= t)
+        return out
 
     # -- public API -----------------------------------------------------------------
 
     def next_after(self, after: datetime) -> datetime | None:
         """Return the first slot strictly after ``after`` (UTC), or None if none ever.
 
-        Fast path (no offset change within ±3 h of ``after`` and of the result): one
-        croniter step. Near a transition the wall clock is searched from 3 h before
-        ``after``'s wall time, because around a fall-back wall-time order is not
-        UTC order.
+        Common case (no offset change within ±3 h of ``after`` and of the result):
+        one croniter step on the wall clock. Near a DST transition, wall-time order
+        is not UTC order; then the wall clock is cut into pieces around the
+        transition and one croniter step per piece finds the answer (at most four
+        steps, whatever the cron's frequency).
 
         Args:
             after: tz-aware instant, any offset.
@@ -391,29 +449,39 @@ class CronSchedule(Schedule):
             ValueError: ``after`` is naive.
         """
         t = truncate(after)
-        zone = self._zone
-        if not _near_transition(t, zone):
-            for wall in self._walls_forward(_local_wall(t, zone)):
-                later = [i for i in self._instants(wall) if i > t]
-                if later and not _near_transition(later[0], zone):
-                    return later[0]
-                break  # gap skipped or result near a transition: slow path
-            else:
+        transition = self._transition_around(t)
+        if transition is None:
+            wall = self._wall_after(_local_wall(t, self._zone))
+            if wall is None:
                 return None
+            later = [i for i in self._instants(wall) if i > t]
+            probe = (
+                later[0]
+                if later
+                else (wall - _offset_of_wall(wall, self._zone)).replace(tzinfo=UTC)
+            )
+            if later and self._transition_around(probe) is None:
+                return later[0]
+            transition = self._transition_around(probe)
+            if transition is None:  # pragma: no cover - a skipped wall is at a transition
+                return later[0] if later else None
+        seen: set[datetime] = set()
         best: datetime | None = None
-        best_wall: datetime | None = None
-        for wall in self._walls_forward(_local_wall(t, zone) - _MARGIN):
-            if best_wall is not None and wall > best_wall + _MARGIN:
-                break
-            for instant in self._instants(wall):
-                if instant > t and (best is None or instant < best):
-                    best, best_wall = instant, _local_wall(instant, zone)
+        while transition is not None and transition not in seen:
+            seen.add(transition)
+            found = self._candidates_after(t, transition)
+            if best is not None:
+                found.append(best)
+            if not found:
+                return None
+            best = min(found)
+            transition = self._transition_around(best)
         return best
 
     def previous_at_or_before(self, at: datetime) -> datetime | None:
         """Return the latest slot at or before ``at`` (UTC), or None if none.
 
-        Mirror image of :meth:`next_after` (same fast path and slow path).
+        Mirror image of :meth:`next_after` (same fast path, same pieces).
 
         Args:
             at: tz-aware instant, any offset.
@@ -422,23 +490,33 @@ class CronSchedule(Schedule):
             ValueError: ``at`` is naive.
         """
         t = truncate(at)
-        zone = self._zone
-        if not _near_transition(t, zone):
-            for wall in self._walls_backward(_local_wall(t, zone) + _ONE_SECOND):
-                earlier = [i for i in self._instants(wall) if i <= t]
-                if earlier and not _near_transition(earlier[-1], zone):
-                    return earlier[-1]
-                break
-            else:
+        transition = self._transition_around(t)
+        if transition is None:
+            wall = self._wall_before(_local_wall(t, self._zone) + _ONE_SECOND)
+            if wall is None:
                 return None
+            earlier = [i for i in self._instants(wall) if i <= t]
+            probe = (
+                earlier[-1]
+                if earlier
+                else (wall - _offset_of_wall(wall, self._zone)).replace(tzinfo=UTC)
+            )
+            if earlier and self._transition_around(probe) is None:
+                return earlier[-1]
+            transition = self._transition_around(probe)
+            if transition is None:  # pragma: no cover
+                return earlier[-1] if earlier else None
+        seen: set[datetime] = set()
         best: datetime | None = None
-        best_wall: datetime | None = None
-        for wall in self._walls_backward(_local_wall(t, zone) + _MARGIN + _ONE_SECOND):
-            if best_wall is not None and wall < best_wall - _MARGIN:
-                break
-            for instant in self._instants(wall):
-                if instant <= t and (best is None or instant > best):
-                    best, best_wall = instant, _local_wall(instant, zone)
+        while transition is not None and transition not in seen:
+            seen.add(transition)
+            found = self._candidates_at_or_before(t, transition)
+            if best is not None:
+                found.append(best)
+            if not found:
+                return None
+            best = max(found)
+            transition = self._transition_around(best)
         return best
 
     def slots_between(self, start: datetime, end: datetime) -> Iterator[datetime]:
@@ -462,11 +540,13 @@ class CronSchedule(Schedule):
         zone = self._zone
         if start_u >= end_u:
             return
-        # Wall times before start's wall time can map into the window only after a
-        # fall-back within 3 h of start (and symmetrically at the end): widen the walk
-        # by exactly the offset drop there, usually zero.
-        lookback = max(_offset(start_u, zone) - _offset(start_u + _MARGIN, zone), _ZERO)
-        lookahead = max(_offset(end_u - _MARGIN, zone) - _offset(end_u, zone), _ZERO)
+        # A wall time w maps to w - o for an offset o in force within 3 h (a gap wall
+        # read with the pre-gap offset included), so the walk is widened by the
+        # offset change near start and end; usually zero.
+        around_start = (_offset(start_u - _MARGIN, zone), _offset(start_u + _MARGIN, zone))
+        around_end = (_offset(end_u - _MARGIN, zone), _offset(end_u + _MARGIN, zone))
+        lookback = max(_offset(start_u, zone) - min(around_start), _ZERO)
+        lookahead = max(max(around_end) - _offset(end_u, zone), _ZERO)
         first_wall = _local_wall(truncate(start_u), zone) - lookback - _ONE_SECOND
         end_wall = _local_wall(truncate(end_u), zone) + lookahead + _ONE_SECOND
         pending: list[datetime] = []
@@ -536,8 +616,7 @@ def _parse_instant(text: str, what: str) -> datetime:
         return truncate(value)
     except (ValueError, AttributeError, TypeError) as exc:
         raise InvalidScheduleError(
-            f"{what}: {text!r} is not a tz-aware ISO 8601 instant such as "
-            "'2026-01-10T10:05:00Z'"
+            f"{what}: {text!r} is not a tz-aware ISO 8601 instant such as '2026-01-10T10:05:00Z'"
         ) from exc
 
 
@@ -788,4 +867,3 @@ def from_celery(obj: object, *, timezone: str, anchor: datetime, entry: str = "?
         f"entry {entry!r}: unsupported schedule {obj!r} ({type(obj).__name__}); use a "
         "celery crontab or schedule, a timedelta, seconds, or a cron string"
     )
-

@@ -25,6 +25,10 @@ __all__ = ["COMMAND_MODULES", "CliContext", "pass_cli", "reliable_beat"]
 #: Modules whose import adds commands to :func:`reliable_beat` (each defines ``register(group)``).
 COMMAND_MODULES = [
     "reliable_beat.cli_db",
+    "reliable_beat.cli_entries",
+    "reliable_beat.cli_relay",
+    "reliable_beat.cli_status",
+    "reliable_beat.metrics",
 ]
 
 

@@ -15,79 +15,86 @@ from __future__ import annotations
 import contextlib
 import logging
 import select as _select
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
+from celery.beat import Scheduler
+from sqlalchemy import update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from celery.beat import Scheduler
-from reliable_beat.beat import Beat, TickResult, Trigger, mark_triggers_sent
+from reliable_beat.beat import TRIGGER_DESTINATION, Beat, TickResult, Trigger, trigger_message_id
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import outbox
 from reliable_beat.entries import (
     NOTIFY_CHANNEL,
     definitions_from_beat_schedule,
     sync_config_entries,
 )
 from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
+from reliable_beat.outbox import OutboxMessage
+from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
 from reliable_beat.settings import Settings
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
 
 log = logging.getLogger("reliable_beat.scheduler")
 
-#: Publish retry policy of the fast path: fail fast, the outbox keeps what was not sent.
-FAST_PATH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
+#: How often a beat sweeps trigger rows the fast path left unsent (seconds).
+SWEEP_SECONDS = 5.0
 #: Default wait bound on SQLite, which has no NOTIFY: entries added at runtime are seen
 #: within this many seconds.
 SQLITE_MAX_WAIT_SECONDS = 1.0
 
 
-def publish_triggers(
-    app: Any, triggers: list[Trigger], now: datetime
-) -> tuple[list[Trigger], list[Trigger]]:
-    """Publish trigger messages over one producer connection.
+def publish_triggers(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> int:
+    """The fast path: publish committed triggers over one producer, then mark them.
 
-    A trigger whose ``expires_at`` has passed is not published (it counts as sent; the
-    worker would discard it anyway).
+    Sent rows become ``sent`` (their runs ``dispatched``); expired ones are retired
+    (:func:`~reliable_beat.relay.mark_expired`); rows that could not be published are handed
+    to the relay at once (``available_at = now``). Nothing is lost if this process dies at
+    any point: a row not marked sent is swept by a relay after ``available_at``.
 
     Returns:
-        ``(sent, failed)``: failed ones stay pending in the outbox for the relay.
+        How many triggers were published.
     """
-    sent: list[Trigger] = []
-    failed: list[Trigger] = []
-    if not triggers:
-        return sent, failed
+    messages = [
+        OutboxMessage(
+            id=t.outbox_id, message_id=trigger_message_id(t.key), destination="celery",
+            payload=t.payload, run_id=t.run_id,
+        )
+        for t in triggers
+    ]
+    return publish_messages(store, app, messages, now)
+
+
+def publish_messages(store: Store, app: Any, messages: list[OutboxMessage], now: datetime) -> int:
+    """Publish ``celery`` outbox rows over one producer and mark the outcome (see
+    :func:`publish_triggers`). Returns how many were published."""
+    outcomes = publish_celery_batch(app, messages, now=now)
+    sent = [i for i, err in outcomes if err is None]
+    expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
+    failed = [i for i, err in outcomes if err is not None and i not in expired]
+    if failed:
+        log.warning("%d triggers not published (%s); they stay in the outbox for the relay",
+                    len(failed), next(err for _, err in outcomes if err is not None))
     try:
-        with app.producer_or_acquire() as producer:
-            for t in triggers:
-                p = t.payload
-                expires = (
-                    datetime.fromisoformat(p["expires_at"].replace("Z", "+00:00"))
-                    if p.get("expires_at")
-                    else None
+        with store.begin() as conn:
+            at = store.now(conn)
+            mark_sent(conn, sent, at)
+            mark_expired(conn, expired, at)
+            if failed:
+                conn.execute(
+                    update(outbox).where(outbox.c.id.in_(failed), outbox.c.state == "pending")
+                    .values(available_at=at, claimed_by=None)
                 )
-                if expires is not None and expires <= now:
-                    log.warning("trigger %s expired before publish (expires_at %s)", t.key,
-                                p["expires_at"])
-                    sent.append(t)
-                    continue
-                try:
-                    app.send_task(
-                        p["task"], args=p["args"], kwargs=p["kwargs"], task_id=p["task_id"],
-                        headers=p["headers"], producer=producer, expires=expires,
-                        retry=True, retry_policy=FAST_PATH_RETRY, **p["options"],
-                    )
-                    sent.append(t)
-                except Exception as exc:
-                    log.warning("trigger %s not published (%s); the relay will retry", t.key, exc)
-                    failed.append(t)
-    except Exception as exc:  # no broker connection at all
-        log.warning("broker unavailable (%s): %d triggers stay in the outbox", exc,
-                    len(triggers) - len(sent))
-        failed.extend(t for t in triggers if t not in sent)
-    return sent, failed
+    except (StoreUnavailableError, DBAPIError) as exc:
+        # Published but not marked: a relay re-sends them later (at least once, same task id).
+        log.error("could not mark %d triggers sent (%s)", len(sent), exc)
+    return len(sent)
 
 
 class ReliableScheduler(Scheduler):  # type: ignore[misc]
@@ -108,6 +115,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self._listen: Any = None
         self._failures = 0
+        self._last_sweep = 0.0
         self.app = app
         self._beat = Beat(
             self.store, owner=self.settings.owner, batch_size=self.settings.batch_size,
@@ -156,8 +164,6 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         log.info("reliable_beat: synced beat_schedule into %s: %s", self.store.safe_url, counts)
 
     def _sleep(self, seconds: float) -> None:
-        import time
-
         time.sleep(seconds)
 
     @property
@@ -192,18 +198,34 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._failures = 0
         if result.triggers:
             self._publish(result)
+        try:
+            self._sweep()
+        except (StoreUnavailableError, DBAPIError) as exc:
+            log.error("trigger sweep failed (%s); retrying on a later tick", exc)
         return self._wait(result)
 
     def _publish(self, result: TickResult) -> None:
         assert result.now is not None
-        sent, failed = publish_triggers(self.app, result.triggers, result.now)
-        try:
-            mark_triggers_sent(self.store, sent, failed)
-        except (StoreUnavailableError, DBAPIError) as exc:
-            # Published but not marked: the relay re-sends them later (at least once).
-            log.error("could not mark %d triggers sent (%s)", len(sent), exc)
-        for t in sent:
-            log.debug("fired %s (fire_at %s)", t.key, t.fire_at.isoformat())
+        publish_triggers(self.store, self.app, result.triggers, result.now)
+
+    def _sweep(self) -> None:
+        """Publish trigger rows whose fast path never happened (a beat died between commit
+        and publish, or the broker was down). A relay does the same; the beat does it too so
+        plain-task users without a relay lose nothing. At most every ``SWEEP_SECONDS``."""
+        now_mono = time.monotonic()
+        if now_mono - self._last_sweep < SWEEP_SECONDS:
+            return
+        self._last_sweep = now_mono
+        with self.store.begin() as conn:
+            now = self.store.now(conn)
+            messages = claim_outbox_batch(
+                self.store, conn, owner=self.settings.owner, now=now,
+                lease=timedelta(seconds=60), limit=self.settings.batch_size,
+                destinations=[TRIGGER_DESTINATION],
+            )
+        if messages:
+            log.warning("sweeping %d unsent triggers", len(messages))
+            publish_messages(self.store, self.app, messages, now)
 
     def _wait(self, result: TickResult) -> float:
         assert result.now is not None

@@ -1,0 +1,474 @@
+"""``reliable-beat entries ...``: list, show, add, update, remove, pause, resume, trigger,
+backfill and describe entries.
+
+Runtime entries (``origin='runtime'``) are created and changed here; config entries come from
+``beat_schedule`` and can only be paused, resumed, triggered, backfilled and described.
+
+Exit codes: 0 done; 1 no such entry or the database is unavailable; 2 bad input (the same
+message the beat gives at start, naming the entry and the fix; nothing is written).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import datetime, timezone
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+
+from reliable_beat import runtime
+from reliable_beat import schedules as sch
+from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.cli_status import jsonable
+from reliable_beat.entries import (
+    EntryDefinition,
+    definition_from_celery,
+    get_entry,
+    list_entries,
+    pause,
+    remove,
+    resume,
+    save_runtime_entry,
+)
+from reliable_beat.errors import (
+    ConfigurationError,
+    EntryNotFoundError,
+    EntryValidationError,
+    StoreUnavailableError,
+)
+
+__all__ = ["build_definition", "entries", "register"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Options of ``add`` / ``update`` that land in ``options["reliable_beat"]``.
+_POLICY_OPTIONS = (
+    "misfire_policy", "misfire_grace", "catch_up_limit", "overlap_policy", "dst_nonexistent",
+    "dst_repeated",
+)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(message, err=True)
+    raise SystemExit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Map library errors to exit codes: bad input 2, not found / database down 1."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except EntryNotFoundError as exc:
+            _fail(f"error: {exc}", 1)
+        except ConfigurationError as exc:
+            _fail(f"error: {exc}", 2)
+        except StoreUnavailableError as exc:
+            _fail(f"error: {exc}", 1)
+        return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _fmt(at: datetime | None) -> str:
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
+
+
+def schedule_text(spec: dict[str, Any]) -> str:
+    """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``."""
+    kind = spec.get("kind")
+    tz = spec.get("timezone", "UTC")
+    if kind == "cron":
+        return f"cron '{spec.get('expr')}' {tz}"
+    if kind == "interval":
+        return f"every {spec.get('every_seconds')}s"
+    if kind == "once":
+        return f"once at {spec.get('at')}"
+    return json.dumps(spec)
+
+
+def _status(row: dict[str, Any]) -> str:
+    if not row["enabled"]:
+        return "disabled"
+    if row["paused"]:
+        return "paused"
+    return "active" if row["next_fire_at"] is not None else "ended"
+
+
+def _public(row: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in row.items() if k not in ("id", "config_hash")}
+    out["status"] = _status(row)
+    return out
+
+
+def _parse_json(value: str | None, what: str, kind: type, problems: list[str], name: str) -> Any:
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        example = '[1, "a"]' if kind is list else '{"day": "mon"}'
+        problems.append(f"entry {name!r}: --{what} is not JSON ({exc.msg} at column "
+                        f"{exc.colno}); e.g. --{what} '{example}'")
+        return None
+    if not isinstance(parsed, kind):
+        problems.append(f"entry {name!r}: --{what} must be a JSON "
+                        f"{'array' if kind is list else 'object'}, got {type(parsed).__name__}")
+        return None
+    return parsed
+
+
+def _parse_instant(value: str, what: str, problems: list[str], name: str) -> datetime | None:
+    try:
+        at = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        problems.append(f"entry {name!r}: {what}={value!r} is not an ISO 8601 instant; "
+                        "e.g. 2026-05-01T02:00:00+02:00")
+        return None
+    if at.tzinfo is None or at.utcoffset() is None:
+        problems.append(f"entry {name!r}: {what}={value!r} has no UTC offset; naive times are "
+                        "never guessed: add Z or +HH:MM")
+        return None
+    return at
+
+
+def _task_checker(app: Any) -> Callable[[str], bool | None] | None:
+    if app is None:
+        return None
+
+    def is_idempotent(task: str) -> bool | None:
+        kind = runtime.task_kind(app, task)
+        return None if kind == "unknown" else kind == "idempotent"
+
+    return is_idempotent
+
+
+def build_definition(
+    cli: CliContext,
+    name: str,
+    params: dict[str, Any],
+    *,
+    existing: dict[str, Any] | None = None,
+) -> EntryDefinition:
+    """Validate command-line options into an :class:`EntryDefinition`, like the beat does.
+
+    Args:
+        cli: the command context (settings, store, optional app).
+        name: the entry name.
+        params: the click parameters of ``add`` / ``update`` (None = not given).
+        existing: for ``update``, the stored entry: values not given are kept.
+
+    Raises:
+        EntryValidationError: every problem found (parsing and the beat's own validation),
+            each naming the entry and the fix.
+    """
+    problems: list[str] = []
+    raw: dict[str, Any] = {}
+    rb: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    if existing is not None:
+        raw["task"] = existing["task"]
+        raw["args"] = existing["args"]
+        raw["kwargs"] = existing["kwargs"]
+        options = dict(existing["options"] or {})
+        rb = {
+            "misfire_policy": existing["misfire_policy"],
+            "misfire_grace": existing["misfire_grace_seconds"],
+            "catch_up_limit": existing["catch_up_limit"],
+            "overlap_policy": existing["overlap_policy"],
+            "timezone": existing["timezone"],
+        }
+        if existing["catch_up_window_seconds"] is not None:
+            rb["catch_up_window"] = existing["catch_up_window_seconds"]
+        for key in ("start_at", "end_at"):
+            if existing[key] is not None:
+                rb[key] = existing[key]
+    if params.get("task") is not None:
+        raw["task"] = params["task"]
+    args = _parse_json(params.get("args"), "args", list, problems, name)
+    if args is not None:
+        raw["args"] = args
+    kwargs = _parse_json(params.get("kwargs"), "kwargs", dict, problems, name)
+    if kwargs is not None:
+        raw["kwargs"] = kwargs
+    if params.get("queue") is not None:
+        options["queue"] = params["queue"]
+    for key in _POLICY_OPTIONS:
+        if params.get(key) is not None:
+            rb[key] = params[key]
+    if params.get("timezone") is not None:
+        rb["timezone"] = params["timezone"]
+    tz = rb.get("timezone") or "UTC"
+
+    given = [k for k in ("cron", "every", "at") if params.get(k) is not None]
+    if len(given) > 1:
+        problems.append(f"entry {name!r}: give one of --cron, --every, --at (got "
+                        f"{', '.join('--' + g for g in given)})")
+    elif given == ["cron"]:
+        raw["schedule"] = params["cron"]
+    elif given == ["every"]:
+        raw["schedule"] = params["every"]
+    elif given == ["at"]:
+        at = _parse_instant(params["at"], "--at", problems, name)
+        if at is not None:
+            try:
+                raw["schedule"] = sch.OneOffSchedule(at, sch.validate_timezone(tz))
+            except ConfigurationError:
+                raw["schedule"] = sch.OneOffSchedule(at)  # the zone problem is reported below
+    elif existing is not None:
+        spec = dict(existing["schedule"])
+        spec["timezone"] = tz
+        try:
+            raw["schedule"] = sch.schedule_from_spec(spec)
+        except ConfigurationError:
+            raw["schedule"] = sch.schedule_from_spec(existing["schedule"])
+    else:
+        problems.append(f"entry {name!r}: no schedule: give --cron EXPR, --every SECONDS or "
+                        "--at ISO-INSTANT")
+    if options:
+        raw["options"] = dict(options, reliable_beat=rb)
+    else:
+        raw["options"] = {"reliable_beat": rb}
+
+    app = cli.app
+    if (
+        app is not None
+        and isinstance(raw.get("task"), str)
+        and runtime.task_kind(app, raw["task"]) == "unknown"
+    ):
+        problems.append(
+            f"entry {name!r}: task {raw['task']!r} is not registered in app "
+            f"{getattr(app, 'main', app)!r}; check the name (see `celery -A APP inspect "
+            "registered`) or import the module that defines it"
+        )
+    with cli.store.engine.connect() as conn:
+        now = cli.store.now(conn)
+    definition: EntryDefinition | None = None
+    try:
+        definition = definition_from_celery(
+            name, raw, default_timezone="UTC", settings=cli.settings, now=now,
+            origin="runtime", is_idempotent=_task_checker(app),
+        )
+    except EntryValidationError as exc:
+        problems.extend(p for p in exc.problems if p not in problems)
+    if problems or definition is None:
+        raise EntryValidationError(problems)
+    return definition
+
+
+def _schedule_options(fn: F) -> F:
+    opts = [
+        click.option("--task", help="Registered Celery task name."),
+        click.option("--cron", help="Cron string (croniter syntax; 6 fields = seconds LAST)."),
+        click.option("--every", type=click.IntRange(min=1), help="Interval in whole seconds."),
+        click.option("--at", help="One-off instant, ISO 8601 with offset (e.g. ...T02:00:00Z)."),
+        click.option("--timezone", help="IANA zone the cron is evaluated in (default UTC)."),
+        click.option("--args", help="Positional arguments as a JSON array."),
+        click.option("--kwargs", help="Keyword arguments as a JSON object."),
+        click.option("--queue", help="Queue to publish the trigger to."),
+        click.option("--misfire-policy", type=click.Choice(["skip", "fire_once", "catch_up"])),
+        click.option("--misfire-grace", type=click.FloatRange(min=0),
+                     help="Seconds a slot may be late and still count as on time."),
+        click.option("--catch-up-limit", type=click.IntRange(min=0),
+                     help="Most missed slots catch_up fires."),
+        click.option("--overlap-policy", type=click.Choice(["allow", "skip", "buffer_one"])),
+        click.option("--dst-nonexistent", type=click.Choice(["shift", "gap_end", "skip"]),
+                     help="Cron only: what a local time inside a DST gap gets."),
+        click.option("--dst-repeated", type=click.Choice(["first", "last", "both"]),
+                     help="Cron only: what a local time that occurs twice gets."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+@click.group("entries")
+def entries() -> None:
+    """List, add, change, pause, trigger and backfill entries."""
+
+
+@entries.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--all", "show_all", is_flag=True, help="Include disabled entries.")
+@pass_cli
+@handle_errors
+def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
+    """List entries with their schedule, next and last slot (UTC) and last run state."""
+    rows = list_entries(cli.store, include_disabled=show_all)
+    if as_json:
+        cli.echo_json(jsonable([_public(r) for r in rows]))
+        return
+    if not rows:
+        click.echo("no entries")
+        return
+    header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "NEXT (UTC)", "LAST SLOT", "LAST STATE")
+    table = [header] + [
+        (r["name"], r["origin"], _status(r), schedule_text(r["schedule"]),
+         _fmt(r["next_fire_at"]), _fmt(r["last_fire_at"]), r["last_state"] or "-")
+        for r in rows
+    ]
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
+    for line in table:
+        click.echo("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+
+
+@entries.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_cli
+@handle_errors
+def show_cmd(cli: CliContext, name: str, as_json: bool) -> None:
+    """Show one entry's full definition and state."""
+    row = _public(get_entry(cli.store, name))
+    if as_json:
+        cli.echo_json(jsonable(row))
+        return
+    for key in sorted(row):
+        value = row[key]
+        if isinstance(value, datetime):
+            value = _fmt(value)
+        elif isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True)
+        click.echo(f"{key:24} {value}")
+
+
+@entries.command("add")
+@click.argument("name")
+@_schedule_options
+@pass_cli
+@handle_errors
+def add_cmd(cli: CliContext, /, name: str, **params: Any) -> None:
+    """Add a runtime entry NAME (validated exactly like a beat_schedule entry)."""
+    if params.get("task") is None:
+        raise EntryValidationError([f"entry {name!r}: --task is required"])
+    definition = build_definition(cli, name, params)
+    save_runtime_entry(cli.store, definition, create=True)
+    row = get_entry(cli.store, name)
+    click.echo(f"added {name}: {schedule_text(row['schedule'])}, next {_fmt(row['next_fire_at'])}")
+
+
+@entries.command("update")
+@click.argument("name")
+@_schedule_options
+@pass_cli
+@handle_errors
+def update_cmd(cli: CliContext, /, name: str, **params: Any) -> None:
+    """Change a runtime entry: only the options given change."""
+    existing = get_entry(cli.store, name)
+    if existing["origin"] == "config":
+        raise ConfigurationError(f"entry {name!r} comes from beat_schedule; change it there")
+    definition = build_definition(cli, name, params, existing=existing)
+    outcome = save_runtime_entry(cli.store, definition, create=False)
+    row = get_entry(cli.store, name)
+    click.echo(f"{outcome} {name}: {schedule_text(row['schedule'])}, "
+               f"next {_fmt(row['next_fire_at'])}")
+
+
+@entries.command("remove")
+@click.argument("name")
+@pass_cli
+@handle_errors
+def remove_cmd(cli: CliContext, name: str) -> None:
+    """Remove a runtime entry (its runs stay as history)."""
+    remove(cli.store, name)
+    click.echo(f"removed {name}")
+
+
+@entries.command("pause")
+@click.argument("name")
+@pass_cli
+@handle_errors
+def pause_cmd(cli: CliContext, name: str) -> None:
+    """Pause an entry: it stops firing; its grid is kept."""
+    pause(cli.store, name)
+    click.echo(f"paused {name}")
+
+
+@entries.command("resume")
+@click.argument("name")
+@pass_cli
+@handle_errors
+def resume_cmd(cli: CliContext, name: str) -> None:
+    """Resume an entry; slots missed while paused go through its misfire policy."""
+    resume(cli.store, name)
+    row = get_entry(cli.store, name)
+    click.echo(f"resumed {name} (misfire policy {row['misfire_policy']}; "
+               f"next {_fmt(row['next_fire_at'])})")
+
+
+@entries.command("trigger")
+@click.argument("name")
+@pass_cli
+@handle_errors
+def trigger_cmd(cli: CliContext, name: str) -> None:
+    """Fire NAME once now, under its own key (recorded as a manual run)."""
+    key = runtime.trigger(cli.store, name, app=cli.app)
+    how = "published" if cli.app is not None else "queued in the outbox (the relay sends it)"
+    click.echo(f"triggered {name}: key {key}, {how}")
+
+
+@entries.command("backfill")
+@click.argument("name")
+@click.argument("start")
+@click.argument("end")
+@click.option("--force", is_flag=True, help="Allow more slots than reliable_beat_backfill_limit.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_cli
+@handle_errors
+def backfill_cmd(
+    cli: CliContext, name: str, start: str, end: str, force: bool, as_json: bool
+) -> None:
+    """Create runs for every slot of NAME in [START, END) that has none (ISO 8601 instants
+    with offsets; slots after now are left to the beat)."""
+    problems: list[str] = []
+    s = _parse_instant(start, "START", problems, name)
+    e = _parse_instant(end, "END", problems, name)
+    if problems or s is None or e is None:
+        raise EntryValidationError(problems)
+    result = runtime.backfill(
+        cli.store, name, s, e, limit=cli.settings.backfill_limit, force=force, app=cli.app
+    )
+    if as_json:
+        cli.echo_json(jsonable(result.as_dict()))
+        return
+    click.echo(
+        f"backfill {name}: {result.slots} slots in window, {result.created} runs created, "
+        f"{result.existing} already had a run"
+        + (f", {result.buffered} buffered (released one at a time)" if result.buffered else "")
+        + (f", {result.future} future slots left to the beat" if result.future else "")
+    )
+
+
+@entries.command("describe")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_cli
+@handle_errors
+def describe_cmd(cli: CliContext, name: str, as_json: bool) -> None:
+    """Answer the five questions for NAME: run twice? overlap? machine dies? retry? idempotent?"""
+    info = runtime.describe(cli.store, cli.app, name)
+    if as_json:
+        cli.echo_json(jsonable(info))
+        return
+    titles = {
+        "run_twice": "Can it run twice?",
+        "overlap": "Can it overlap itself?",
+        "machine_dies": "What if the machine dies mid-run?",
+        "retry": "Can it retry safely?",
+        "idempotent": "Is it idempotent?",
+    }
+    click.echo(f"{name}: task {info['task']} ({info['task_kind']}), "
+               f"{schedule_text(info['schedule'])}, misfire {info['misfire_policy']}, "
+               f"overlap {info['overlap_policy']}")
+    for key, title in titles.items():
+        q = info["questions"][key]
+        click.echo(f"\n{title} {q['answer'].upper()}")
+        click.echo(f"  {q['why']}")
+
+
+def register(group: click.Group) -> None:
+    """Add ``entries`` to the ``reliable-beat`` group."""
+    group.add_command(entries)

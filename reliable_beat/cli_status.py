@@ -1,0 +1,283 @@
+"""``reliable-beat status``: what an operator needs at 02:00, in one screen (or ``--json``).
+
+Per entry: next fire time, last slot and its run state, lag (how late the last slot was
+dispatched: ``dispatched_at - fire_at``), failing (``retrying``) and dead counts. Then the
+outbox backlog per destination, dead letters, and the **missed slots** check: an enabled,
+unpaused entry whose ``next_fire_at`` is older than ``now - misfire_grace - margin`` means no
+beat is claiming entries (none running, or all stuck). ``--check`` exits 1 when something
+needs a person (missed slots, dead letters), so the command doubles as a probe.
+
+All instants are UTC and measured on the store's clock; the store URL is shown with its
+password hidden.
+"""
+
+from __future__ import annotations
+
+import importlib
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import click
+from sqlalchemy import and_, case, func, select
+from sqlalchemy.engine import Connection
+
+from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import dead_letters, entries, outbox, runs
+from reliable_beat.errors import StoreUnavailableError
+
+__all__ = [
+    "DEFAULT_MARGIN_SECONDS",
+    "collect_status",
+    "jsonable",
+    "outbox_backlog",
+    "register",
+    "status",
+]
+
+#: Extra slack (seconds) on top of an entry's ``misfire_grace`` before a due entry counts as
+#: missed: a beat sleeps at most ``beat_max_loop_interval`` (default 300 s on stock Celery,
+#: usually far less with NOTIFY) and a tick takes a moment.
+DEFAULT_MARGIN_SECONDS = 60.0
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with every ``datetime`` as ISO 8601 UTC (``...Z``, microseconds kept when
+    non-zero), for ``--json`` output."""
+    if isinstance(value, datetime):
+        at = value.astimezone(timezone.utc)
+        fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if at.microsecond else "%Y-%m-%dT%H:%M:%SZ"
+        return at.strftime(fmt)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def _utc(value: Any) -> datetime | None:
+    """Aggregates come back untyped on SQLite (ISO text); make them UTC datetimes."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)  # type: ignore[no-any-return]
+
+
+def outbox_backlog(conn: Connection, now: datetime) -> list[dict[str, Any]]:
+    """The outbox backlog per destination.
+
+    Uses ``reliable_beat.relay.outbox_status`` when the relay module is installed, else an
+    equivalent query.
+
+    Args:
+        conn: a connection to the store.
+        now: the store's clock (UTC).
+
+    Returns:
+        One dict per destination with pending or dead rows, sorted by destination:
+        ``{"destination", "pending" (int), "oldest_pending_at" (datetime | None),
+        "oldest_pending_age_seconds" (float | None), "dead" (int)}`` (the relay's version
+        adds ``"due"``).
+    """
+    try:
+        relay = importlib.import_module("reliable_beat.relay")
+    except ImportError:  # the relay is not installed in this build: same query, here
+        relay = None
+    outbox_status = getattr(relay, "outbox_status", None)
+    if outbox_status is not None:
+        return list(outbox_status(conn))
+    pending = outbox.c.state == "pending"
+    stmt = (
+        select(
+            outbox.c.destination,
+            func.sum(case((pending, 1), else_=0)).label("pending"),
+            func.min(case((pending, outbox.c.created_at), else_=None)).label("oldest"),
+            func.sum(case((outbox.c.state == "dead", 1), else_=0)).label("dead"),
+        )
+        .where(outbox.c.state.in_(("pending", "dead")))
+        .group_by(outbox.c.destination)
+        .order_by(outbox.c.destination)
+    )
+    out = []
+    for row in conn.execute(stmt):
+        oldest = _utc(row.oldest)
+        out.append({
+            "destination": row.destination,
+            "pending": int(row.pending or 0),
+            "oldest_pending_at": oldest,
+            "oldest_pending_age_seconds": (
+                max(0.0, (now - oldest).total_seconds()) if oldest else None
+            ),
+            "dead": int(row.dead or 0),
+        })
+    return out
+
+
+def collect_status(
+    store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS
+) -> dict[str, Any]:
+    """Read everything ``status`` shows, in a few queries on one connection.
+
+    Args:
+        store: the store.
+        margin_seconds: slack added to each entry's ``misfire_grace`` before its overdue
+            ``next_fire_at`` counts as a missed slot.
+
+    Returns:
+        ``{"store" (URL, password hidden), "now" (UTC), "entries": [...], "missed": [names],
+        "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
+        "problems": [str], "ok" (bool)}``. Each entry: ``{"name", "task", "origin",
+        "status" (active | paused | disabled | ended), "next_fire_at", "last_fire_at",
+        "last_state", "lag_seconds" (float | None), "overdue_seconds" (float | None),
+        "missed" (bool), "failing" (retrying runs), "dead" (dead letters not requeued)}``.
+
+    Raises:
+        StoreUnavailableError: the database cannot be reached.
+    """
+    with store.engine.connect() as conn:
+        now = store.now(conn)
+        last = runs.alias("last_run")
+        rows = conn.execute(
+            select(
+                entries.c.name, entries.c.task, entries.c.origin, entries.c.enabled,
+                entries.c.paused, entries.c.next_fire_at, entries.c.last_fire_at,
+                entries.c.misfire_grace_seconds, last.c.state.label("last_state"),
+                last.c.dispatched_at.label("last_dispatched_at"),
+            )
+            .select_from(
+                entries.outerjoin(
+                    last,
+                    and_(last.c.entry_name == entries.c.name,
+                         last.c.fire_at == entries.c.last_fire_at),
+                )
+            )
+            .order_by(entries.c.name)
+        ).all()
+        failing: dict[str, int] = dict(
+            conn.execute(
+                select(runs.c.entry_name, func.count())
+                .where(runs.c.state == "retrying", runs.c.entry_name.is_not(None))
+                .group_by(runs.c.entry_name)
+            ).all()
+        )
+        dead: dict[str, int] = dict(
+            conn.execute(
+                select(dead_letters.c.entry_name, func.count())
+                .where(dead_letters.c.requeued_at.is_(None), dead_letters.c.kind == "run",
+                       dead_letters.c.entry_name.is_not(None))
+                .group_by(dead_letters.c.entry_name)
+            ).all()
+        )
+        dead_total = conn.execute(
+            select(func.count()).select_from(dead_letters)
+            .where(dead_letters.c.requeued_at.is_(None))
+        ).scalar_one()
+        backlog = outbox_backlog(conn, now)
+
+    out_entries: list[dict[str, Any]] = []
+    missed: list[str] = []
+    for r in rows:
+        status = ("disabled" if not r.enabled else "paused" if r.paused
+                  else "active" if r.next_fire_at is not None else "ended")
+        lag = None
+        if r.last_dispatched_at is not None and r.last_fire_at is not None:
+            lag = round((r.last_dispatched_at - r.last_fire_at).total_seconds(), 3)
+        overdue = None
+        is_missed = False
+        if status == "active" and r.next_fire_at is not None and r.next_fire_at <= now:
+            overdue = round((now - r.next_fire_at).total_seconds(), 3)
+            limit = timedelta(seconds=r.misfire_grace_seconds + margin_seconds)
+            is_missed = now - r.next_fire_at > limit
+        if is_missed:
+            missed.append(r.name)
+        out_entries.append({
+            "name": r.name, "task": r.task, "origin": r.origin, "status": status,
+            "next_fire_at": r.next_fire_at, "last_fire_at": r.last_fire_at,
+            "last_state": r.last_state, "lag_seconds": lag, "overdue_seconds": overdue,
+            "missed": is_missed, "failing": int(failing.get(r.name, 0)),
+            "dead": int(dead.get(r.name, 0)),
+        })
+    problems: list[str] = []
+    if missed:
+        problems.append(
+            f"MISSED SLOTS: {len(missed)} enabled entries are overdue by more than their "
+            f"misfire_grace + {margin_seconds:.0f} s ({', '.join(missed[:10])}"
+            f"{', ...' if len(missed) > 10 else ''}): no beat is claiming entries. Start "
+            "`celery -A APP beat` (any number may run) or check the beats' logs."
+        )
+    if dead_total:
+        problems.append(
+            f"{dead_total} dead letters wait for a person: `reliable-beat dead-letters list`"
+        )
+    return {
+        "store": store.safe_url,
+        "now": now,
+        "entries": out_entries,
+        "missed": missed,
+        "outbox": backlog,
+        "dead_letters": int(dead_total),
+        "problems": problems,
+        "ok": not problems,
+    }
+
+
+def _fmt(at: datetime | None) -> str:
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--check", is_flag=True,
+              help="Exit 1 when something needs a person (missed slots, dead letters).")
+@click.option("--margin", type=click.FloatRange(min=0), default=DEFAULT_MARGIN_SECONDS,
+              show_default=True,
+              help="Seconds beyond an entry's misfire_grace before an overdue slot is 'missed'.")
+@click.option("--all", "show_all", is_flag=True, help="Include disabled entries.")
+@pass_cli
+def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all: bool) -> None:
+    """Entries (next fire, last slot, state, lag, failing/dead), outbox backlog, alarms."""
+    try:
+        info = collect_status(cli.store, margin_seconds=margin)
+    except StoreUnavailableError as exc:
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(1) from exc
+    if not show_all:
+        info["entries"] = [e for e in info["entries"] if e["status"] != "disabled"]
+    if as_json:
+        cli.echo_json(jsonable(info))
+    else:
+        click.echo(f"store {info['store']}  now {_fmt(info['now'])} (store clock, UTC)")
+        for problem in info["problems"]:
+            click.secho(f"!! {problem}", fg="red", bold=True)
+        header = ("ENTRY", "STATUS", "NEXT", "LAST SLOT", "STATE", "LAG", "FAILING", "DEAD")
+        table = [header] + [
+            (e["name"] + (" (MISSED)" if e["missed"] else ""), e["status"],
+             _fmt(e["next_fire_at"]), _fmt(e["last_fire_at"]), e["last_state"] or "-",
+             _secs(e["lag_seconds"]), str(e["failing"]), str(e["dead"]))
+            for e in info["entries"]
+        ]
+        widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+        for line in table:
+            click.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+        if info["outbox"]:
+            click.echo("\noutbox:")
+            for o in info["outbox"]:
+                click.echo(f"  {o['destination']}: {o['pending']} pending, oldest "
+                           f"{_secs(o['oldest_pending_age_seconds'])}, {o['dead']} dead")
+        else:
+            click.echo("\noutbox: empty")
+        click.echo(f"dead letters: {info['dead_letters']}")
+    if check and not info["ok"]:
+        raise SystemExit(1)
+
+
+def register(group: click.Group) -> None:
+    """Add ``status`` to the ``reliable-beat`` group."""
+    group.add_command(status)

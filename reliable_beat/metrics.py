@@ -1,0 +1,329 @@
+"""Prometheus metrics read from the store on each scrape (optional ``metrics`` extra).
+
+Install with ``pip install reliable-beat[metrics]`` (``prometheus_client``). The collector
+holds no state of its own: every scrape runs a few cheap queries, so any number of
+processes may serve it and they all report the same numbers. Metrics (all gauges, because
+they are read from the database, not counted in one process):
+
+=================================================  ===========================================
+``reliable_beat_up``                               1 when the store answered the scrape, else 0
+``reliable_beat_entries{status}``                  entries by active / paused / disabled / ended
+``reliable_beat_entries_late``                     enabled entries overdue by more than their
+                                                   misfire_grace + margin: **no beat running**
+``reliable_beat_runs{state}``                      runs by state
+``reliable_beat_dead_letters{kind}``               dead letters not requeued (run / outbox)
+``reliable_beat_outbox_pending{destination}``      outbox rows waiting for the relay
+``reliable_beat_outbox_oldest_pending_age_seconds``  age of the oldest pending row, per
+                                                   destination (store clock)
+``reliable_beat_outbox_dead{destination}``         outbox rows given up on
+``reliable_beat_fire_lateness_seconds``            gauge histogram of ``dispatched_at - fire_at``
+                                                   over scheduled runs dispatched in the last
+                                                   ``window_seconds`` (default 1 h)
+=================================================  ===========================================
+
+Alert on ``reliable_beat_entries_late > 0`` (the "missed slot" alarm),
+``reliable_beat_dead_letters > 0`` and a growing
+``reliable_beat_outbox_oldest_pending_age_seconds``.
+
+Serve them with :func:`serve`, ``reliable-beat metrics serve --port 9808``, or write a
+node-exporter textfile with ``reliable-beat metrics textfile PATH``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import click
+from sqlalchemy import func, select
+
+from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import dead_letters, entries, runs
+
+__all__ = [
+    "LATENESS_BUCKETS",
+    "MetricsServer",
+    "StoreCollector",
+    "make_registry",
+    "register",
+    "serve",
+    "write_textfile",
+]
+
+log = logging.getLogger("reliable_beat.metrics")
+
+#: Upper bounds (seconds) of the fire lateness histogram buckets.
+LATENESS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: Most recent runs one scrape reads for the lateness histogram.
+LATENESS_SAMPLE = 10_000
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ImportError(
+            "reliable_beat metrics need prometheus_client: pip install 'reliable-beat[metrics]'"
+        ) from exc
+    return prometheus_client
+
+
+class StoreCollector:
+    """A Prometheus collector that reads the store on every scrape.
+
+    Args:
+        store: the store.
+        margin_seconds: slack beyond an entry's ``misfire_grace`` before it counts as late.
+        window_seconds: how far back the lateness histogram looks (dispatch time).
+
+    A scrape never raises: if the database is down it reports ``reliable_beat_up 0``.
+    """
+
+    def __init__(
+        self, store: Store, *, margin_seconds: float = 60.0, window_seconds: float = 3600.0
+    ) -> None:
+        self.store = store
+        self.margin_seconds = margin_seconds
+        self.window_seconds = window_seconds
+
+    def describe(self) -> list[Any]:
+        """Nothing up front: the registry then does not scrape at registration time."""
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        """Yield the metric families (called by ``prometheus_client`` on each scrape)."""
+        from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
+
+        up = GaugeMetricFamily("reliable_beat_up", "1 when the reliable_beat store answered")
+        try:
+            data = self._read()
+        except Exception as exc:
+            log.warning("metrics scrape: store %s unavailable (%s)", self.store.safe_url, exc)
+            up.add_metric([], 0.0)
+            yield up
+            return
+        up.add_metric([], 1.0)
+        yield up
+
+        fam = GaugeMetricFamily("reliable_beat_entries", "Entries by status", labels=["status"])
+        for status in ("active", "paused", "disabled", "ended"):
+            fam.add_metric([status], float(data["entries"].get(status, 0)))
+        yield fam
+        yield GaugeMetricFamily(
+            "reliable_beat_entries_late",
+            "Enabled entries overdue by more than misfire_grace + margin (no beat claiming)",
+            value=float(data["late"]),
+        )
+        fam = GaugeMetricFamily("reliable_beat_runs", "Runs by state", labels=["state"])
+        for state, n in sorted(data["runs"].items()):
+            fam.add_metric([state], float(n))
+        yield fam
+        fam = GaugeMetricFamily(
+            "reliable_beat_dead_letters", "Dead letters not requeued", labels=["kind"]
+        )
+        for kind in ("run", "outbox"):
+            fam.add_metric([kind], float(data["dead"].get(kind, 0)))
+        yield fam
+        pending = GaugeMetricFamily(
+            "reliable_beat_outbox_pending", "Pending outbox rows", labels=["destination"]
+        )
+        oldest = GaugeMetricFamily(
+            "reliable_beat_outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending outbox row (store clock)", labels=["destination"],
+        )
+        dead = GaugeMetricFamily(
+            "reliable_beat_outbox_dead", "Outbox rows given up on", labels=["destination"]
+        )
+        for o in data["outbox"]:
+            pending.add_metric([o["destination"]], float(o["pending"]))
+            oldest.add_metric([o["destination"]], float(o["oldest_pending_age_seconds"] or 0.0))
+            dead.add_metric([o["destination"]], float(o["dead"]))
+        yield pending
+        yield oldest
+        yield dead
+        lateness = data["lateness"]
+        buckets = [(str(b), float(sum(1 for v in lateness if v <= b))) for b in LATENESS_BUCKETS]
+        buckets.append(("+Inf", float(len(lateness))))
+        yield GaugeHistogramMetricFamily(
+            "reliable_beat_fire_lateness_seconds",
+            "dispatched_at - fire_at of scheduled runs dispatched in the recent window",
+            buckets=buckets, gsum_value=float(sum(lateness)),
+        )
+
+    def _read(self) -> dict[str, Any]:
+        from reliable_beat.cli_status import outbox_backlog
+
+        with self.store.engine.connect() as conn:
+            now = self.store.now(conn)
+            counts: dict[str, int] = {}
+            for enabled, paused, has_next, n in conn.execute(
+                select(entries.c.enabled, entries.c.paused,
+                       entries.c.next_fire_at.is_not(None), func.count())
+                .group_by(entries.c.enabled, entries.c.paused,
+                          entries.c.next_fire_at.is_not(None))
+            ):
+                status = ("disabled" if not enabled else "paused" if paused
+                          else "active" if has_next else "ended")
+                counts[status] = counts.get(status, 0) + int(n)
+            margin = timedelta(seconds=self.margin_seconds)
+            late = sum(
+                1
+                for nfa, grace in conn.execute(
+                    select(entries.c.next_fire_at, entries.c.misfire_grace_seconds).where(
+                        entries.c.enabled.is_(True), entries.c.paused.is_(False),
+                        entries.c.next_fire_at < now - margin,
+                    )
+                )
+                if now - nfa > margin + timedelta(seconds=grace)
+            )
+            by_state = {
+                str(s): int(n)
+                for s, n in conn.execute(
+                    select(runs.c.state, func.count()).group_by(runs.c.state)
+                )
+            }
+            dead = {
+                str(k): int(n)
+                for k, n in conn.execute(
+                    select(dead_letters.c.kind, func.count())
+                    .where(dead_letters.c.requeued_at.is_(None))
+                    .group_by(dead_letters.c.kind)
+                )
+            }
+            backlog = outbox_backlog(conn, now)
+            since = now - timedelta(seconds=self.window_seconds)
+            lateness = [
+                max(0.0, (d - f).total_seconds())
+                for f, d in conn.execute(
+                    select(runs.c.fire_at, runs.c.dispatched_at)
+                    .where(runs.c.dispatched_at >= since, runs.c.fire_at.is_not(None),
+                           runs.c.trigger.in_(("schedule", "catch_up")))
+                    .order_by(runs.c.id.desc())
+                    .limit(LATENESS_SAMPLE)
+                )
+            ]
+        return {"entries": counts, "late": late, "runs": by_state, "dead": dead,
+                "outbox": backlog, "lateness": lateness}
+
+
+def make_registry(store: Store, **kwargs: Any) -> Any:
+    """A fresh ``CollectorRegistry`` holding only a :class:`StoreCollector` for ``store``.
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (the message names the extra).
+    """
+    prom = _prometheus()
+    registry = prom.CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(store, **kwargs))
+    return registry
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("metrics: " + format, *args)
+
+
+@dataclass
+class MetricsServer:
+    """A running metrics HTTP server (``GET /metrics``) in a daemon thread.
+
+    Attributes:
+        port: the bound TCP port (useful when started with port 0).
+    """
+
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return int(self.server.server_port)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def serve(port: int, store: Store, *, addr: str = "0.0.0.0", **kwargs: Any) -> MetricsServer:
+    """Serve the store's metrics over HTTP at ``http://addr:port/metrics``, in a thread.
+
+    Args:
+        port: TCP port (0 picks a free one; read :attr:`MetricsServer.port`).
+        store: the store to read on each scrape.
+        addr: the address to bind.
+        **kwargs: passed to :class:`StoreCollector` (``margin_seconds``, ``window_seconds``).
+
+    Returns:
+        The running server; call :meth:`MetricsServer.stop` to end it.
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed.
+        OSError: the port is taken.
+    """
+    prom = _prometheus()
+    app = prom.make_wsgi_app(make_registry(store, **kwargs))
+    server = make_server(addr, port, app, WSGIServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="rb-metrics", daemon=True)
+    thread.start()
+    return MetricsServer(server, thread)
+
+
+def write_textfile(path: str, store: Store, **kwargs: Any) -> None:
+    """Write the metrics once to ``path`` (node-exporter textfile format, atomic rename).
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed.
+    """
+    prom = _prometheus()
+    prom.write_to_textfile(path, make_registry(store, **kwargs))
+
+
+@click.group("metrics")
+def metrics() -> None:
+    """Prometheus metrics read from the store (needs the 'metrics' extra)."""
+
+
+@metrics.command("serve")
+@click.option("--port", type=int, default=9808, show_default=True)
+@click.option("--addr", default="0.0.0.0", show_default=True)
+@pass_cli
+def serve_cmd(cli: CliContext, port: int, addr: str) -> None:
+    """Serve /metrics over HTTP until interrupted."""
+    try:
+        server = serve(port, cli.store, addr=addr)
+    except ImportError as exc:
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from exc
+    click.echo(f"serving metrics of {cli.store.safe_url} on http://{addr}:{server.port}/metrics")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()
+
+
+@metrics.command("textfile")
+@click.argument("path")
+@pass_cli
+def textfile_cmd(cli: CliContext, path: str) -> None:
+    """Write the metrics once to PATH (for node-exporter's textfile collector; run from cron)."""
+    try:
+        write_textfile(path, cli.store)
+    except ImportError as exc:
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from exc
+    click.echo(f"wrote {path}")
+
+
+def register(group: click.Group) -> None:
+    """Add ``metrics`` to the ``reliable-beat`` group."""
+    group.add_command(metrics)

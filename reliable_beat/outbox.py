@@ -1,0 +1,237 @@
+"""The transactional outbox: external effects written in the effect's own transaction.
+
+A task (or any application code) that commits an effect and must tell the outside world
+about it (a broker message, a webhook, an e-mail) writes the *intent* as an outbox row in the
+same transaction with :func:`add`. If the transaction rolls back, the intent disappears with
+the effect; if it commits, a :class:`~reliable_beat.relay.Relay` delivers the row at least
+once, carrying the row's stable ``message_id`` so the far end can deduplicate
+(design.md invariant 7)::
+
+    app transaction                          relay (any number of them)
+    ---------------                          ---------------------------
+    BEGIN
+      INSERT effect
+      outbox.add(conn, "webhook", {...})  -> reliable_beat_outbox (state=pending)
+      [PG: NOTIFY reliable_beat_outbox]
+    COMMIT  ------------- wakes ----------->  claim batch (SKIP LOCKED, short txn)
+                                              deliver outside any transaction
+                                              mark sent / back off / dead-letter
+
+Message ids: pass ``key=`` whenever the code that adds the row can run more than once for
+the same logical message (a retried task, a re-delivered request): the same key collapses
+onto the same row (``INSERT ... ON CONFLICT (message_id) DO NOTHING``), so the message is
+sent once. ``IdempotentTask.outbox.add`` derives the key from the run's idempotency key and
+the row's position in the task body. Without a key, a random ``uuid4``-based id is generated:
+that is right only for code that runs once per logical message (e.g. inside the web request
+transaction that creates the entity), because a second call adds a second message.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import Interval, Table, bindparam, func, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Row
+from sqlalchemy.sql.dml import Insert
+
+from reliable_beat.db.tables import outbox
+
+__all__ = [
+    "MAX_MESSAGE_ID_LENGTH",
+    "NOTIFY_CHANNEL",
+    "OutboxMessage",
+    "add",
+    "db_now",
+    "new_message_id",
+]
+
+#: PostgreSQL channel the inserting transaction notifies; relays ``LISTEN`` on it.
+NOTIFY_CHANNEL = "reliable_beat_outbox"
+#: Length of the ``message_id`` column.
+MAX_MESSAGE_ID_LENGTH = 400
+
+
+@dataclass(frozen=True)
+class OutboxMessage:
+    """One outbox row, as handlers see it.
+
+    Attributes:
+        id: the row's primary key (insertion order).
+        message_id: the stable message id / idempotency key; the far end dedupes on it.
+        destination: the handler name (``celery``, ``kombu``, ``webhook``, ``smtp`` or a user
+            handler name).
+        payload: the JSON payload; its shape is defined by the destination's handler.
+        headers: JSON object of handler options / message headers (may be empty).
+        ordering_key: rows sharing it are delivered in id order, or None.
+        run_id: the ``reliable_beat_runs`` row this message belongs to, or None.
+        attempts: delivery attempts so far, this one included once claimed.
+        available_at: UTC instant before which the row is not claimed.
+        created_at: UTC instant of the insert (store clock).
+        state: ``pending``, ``sent`` or ``dead``.
+    """
+
+    id: int
+    message_id: str
+    destination: str
+    payload: Any
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    ordering_key: str | None = None
+    run_id: int | None = None
+    attempts: int = 0
+    available_at: datetime | None = None
+    created_at: datetime | None = None
+    state: str = "pending"
+
+    @classmethod
+    def from_row(cls, row: Row[Any] | Mapping[str, Any]) -> OutboxMessage:
+        """Build from a result row (or mapping) of ``reliable_beat_outbox``."""
+        m: Mapping[str, Any] = row._mapping if isinstance(row, Row) else row  # type: ignore[assignment]
+        return cls(
+            id=int(m["id"]),
+            message_id=m["message_id"],
+            destination=m["destination"],
+            payload=m["payload"],
+            headers=m.get("headers") or {},
+            ordering_key=m.get("ordering_key"),
+            run_id=m.get("run_id"),
+            attempts=int(m.get("attempts") or 0),
+            available_at=m.get("available_at"),
+            created_at=m.get("created_at"),
+            state=m.get("state") or "pending",
+        )
+
+
+def db_now(conn: Connection) -> datetime:
+    """The store's clock as a UTC-aware ``datetime``, read on ``conn``.
+
+    PostgreSQL: ``clock_timestamp()`` of the server; SQLite: this host's clock (a SQLite store
+    is single-host). Same rule as :meth:`reliable_beat.db.dialects.Store.now`.
+    """
+    name = conn.dialect.name
+    if name == "postgresql":
+        value = conn.execute(select(func.clock_timestamp())).scalar_one()
+        return value.astimezone(timezone.utc)  # type: ignore[no-any-return]
+    if name in ("mysql", "mariadb"):
+        value = conn.execute(select(func.utc_timestamp(6))).scalar_one()
+        return value.replace(tzinfo=timezone.utc)  # type: ignore[no-any-return]
+    return datetime.now(timezone.utc)
+
+
+def new_message_id() -> str:
+    """A fresh random message id, ``"msg:" + uuid4().hex`` (for run-once code only)."""
+    return f"msg:{uuid.uuid4().hex}"
+
+
+def insert_ignore(conn: Connection, table: Table) -> Insert:
+    """``INSERT ... ON CONFLICT DO NOTHING`` for the dialect of ``conn``."""
+    name = conn.dialect.name
+    if name == "postgresql":
+        return postgresql.insert(table).on_conflict_do_nothing()
+    if name == "sqlite":
+        return sqlite.insert(table).on_conflict_do_nothing()
+    return table.insert().prefix_with("IGNORE")
+
+
+def _notify_once(conn: Connection, destination: str) -> None:
+    """``NOTIFY`` once per transaction and destination (relays need one wake-up, not n)."""
+    # a SAVEPOINT that rolls back drops its NOTIFY: key on the innermost transaction
+    tx = conn.get_nested_transaction() or conn.get_transaction()
+    if tx is None:  # autocommit-style use: notify every time
+        conn.execute(text("SELECT pg_notify(:c, :d)"), {"c": NOTIFY_CHANNEL, "d": destination})
+        return
+    ref = conn.info.get("reliable_beat_notified")
+    sent: set[str]
+    if ref is not None and ref[0]() is tx:
+        sent = ref[1]
+    else:
+        sent = set()
+        conn.info["reliable_beat_notified"] = (weakref.ref(tx), sent)
+    if destination not in sent:
+        conn.execute(text("SELECT pg_notify(:c, :d)"), {"c": NOTIFY_CHANNEL, "d": destination})
+        sent.add(destination)
+
+
+def add(
+    conn: Connection,
+    destination: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    delay: timedelta | None = None,
+    ordering_key: str | None = None,
+    run_id: int | None = None,
+) -> str:
+    """Add one message to the outbox inside the caller's transaction.
+
+    Joins the caller's transaction and never commits or rolls back: the row becomes visible
+    to relays when, and only if, the caller commits. On PostgreSQL a ``NOTIFY
+    reliable_beat_outbox`` is issued in the same transaction, which PostgreSQL delivers on
+    commit only (and drops on rollback), so idle relays wake without polling.
+
+    Idempotent on ``key``: adding a message whose id already exists (committed, or earlier in
+    this transaction) is a no-op, whatever its state (even ``sent``: a sent message is not
+    sent again; nor is its payload updated).
+
+    Args:
+        conn: a connection inside an open transaction on the reliable_beat store (the
+            database that also holds the effect).
+        destination: handler name: ``celery``, ``kombu``, ``webhook``, ``smtp`` or one
+            registered in ``reliable_beat_outbox_handlers`` / the entry point group
+            ``reliable_beat.outbox_handlers``.
+        payload: JSON-serialisable payload whose shape the handler defines (see
+            :mod:`reliable_beat.handlers`).
+        key: the stable message id (at most 400 characters). Without it a random
+            ``msg:<uuid4 hex>`` id is generated, which is right only for code that runs once
+            per logical message; tasks must pass a key (``IdempotentTask.outbox`` does).
+        headers: JSON object of handler options (e.g. ``smtp_host``); default ``{}``.
+        delay: deliver no earlier than the store's clock + ``delay`` (``timedelta`` >= 0).
+        ordering_key: messages with the same ordering key are delivered in id order; a later
+            one is never delivered before an earlier one is sent or dead.
+        run_id: the ``reliable_beat_runs`` row this message belongs to, if any.
+
+    Returns:
+        The message id (``key`` or the generated one), whether or not a row was inserted.
+
+    Raises:
+        ValueError: ``key`` is empty or longer than 400 characters, or ``delay`` is negative.
+        sqlalchemy.exc.DBAPIError: the insert failed (the caller's transaction is then
+            unusable and should be rolled back).
+    """
+    if key is not None and not (0 < len(key) <= MAX_MESSAGE_ID_LENGTH):
+        raise ValueError(f"outbox key must be 1..{MAX_MESSAGE_ID_LENGTH} characters, got {key!r}")
+    if delay is not None and delay < timedelta(0):
+        raise ValueError(f"outbox delay must be >= 0, got {delay!r}")
+    message_id = key if key is not None else new_message_id()
+    pg = conn.dialect.name == "postgresql"
+    created_at: Any
+    available_at: Any
+    if pg:  # the server's clock inside the INSERT: one round trip instead of two
+        created_at = func.clock_timestamp()
+        available_at = created_at + bindparam("rb_delay", delay or timedelta(0), type_=Interval())
+    else:
+        created_at = db_now(conn)
+        available_at = created_at + (delay or timedelta(0))
+    conn.execute(
+        insert_ignore(conn, outbox).values(
+            message_id=message_id,
+            destination=destination,
+            payload=payload,
+            headers=dict(headers or {}),
+            ordering_key=ordering_key,
+            run_id=run_id,
+            state="pending",
+            attempts=0,
+            available_at=available_at,
+            created_at=created_at,
+        )
+    )
+    if pg:
+        _notify_once(conn, destination)
+    return message_id

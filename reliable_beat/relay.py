@@ -1,0 +1,651 @@
+"""The outbox relay: claim due rows, deliver them, mark them sent / back off / dead-letter.
+
+One cycle (:meth:`Relay.run_once`)::
+
+    1. claim   (short txn)  UPDATE outbox SET claimed_by, attempts = attempts + 1,
+                                   available_at = now + claim lease
+                            WHERE id IN (SELECT id ... pending, due, ordering rule,
+                                         ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED)
+                            RETURNING *
+    2. deliver (no txn)     per destination; batches over one connection where the handler can
+    3. settle  (short txns) sent -> state sent (+ the trigger's run scheduled -> dispatched)
+                            failed -> available_at = now + full-jitter backoff
+                            permanent / attempts exhausted -> dead + dead-letter row
+
+Guarantees (safe with any number of relays, threads or processes, on PostgreSQL; on SQLite
+the claim runs under ``BEGIN IMMEDIATE``, which serialises claimers on the one host):
+
+* **At least once.** A row leaves ``pending`` only after its handler returned. A relay that
+  dies between delivery and step 3 leaves the row claimed; when the claim lease expires
+  (``claim_lease_seconds``) another relay claims and delivers it again, with the same
+  ``message_id``. Deduplication is the far end's job (Celery task ids, ``Idempotency-Key``,
+  ``Message-ID``); at least once + a stable key = effectively once there.
+* **No duplicates from claiming.** ``FOR UPDATE SKIP LOCKED`` plus the lease: two live relays
+  never hold the same row at once.
+* **Ordering keys.** A row is not claimable while a row with the same ``ordering_key`` and a
+  lower id is still ``pending`` (claimed, backing off or due), so at most one row per key
+  is in flight and a later one never goes before an earlier one is ``sent`` or ``dead``.
+  Rows inserted by concurrent, still-uncommitted transactions have no defined order.
+* **One poison row never blocks the others** (except its own ordering-key successors): it
+  backs off alone, then is dead-lettered.
+* **A destination outage never dead-letters.** :class:`~reliable_beat.handlers.
+  DestinationUnavailableError` releases the batch with a per-destination backoff and gives
+  the attempt back.
+* **Expired triggers.** A ``celery`` row whose payload ``expires_at`` passed is not
+  published: it is marked ``sent`` with ``last_error = "expired before publish"`` and its run
+  goes ``scheduled -> skipped`` with reason ``expired``.
+* **Retention.** ``sent`` rows older than ``outbox_retention_seconds`` are deleted, at most
+  1000 per pass and one pass a minute per relay; ``dead`` rows are kept until a person acts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, bindparam, case, delete, func, literal, or_, select, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import dead_letters, outbox, runs
+from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
+from reliable_beat.handlers import (
+    DestinationUnavailableError,
+    MessageExpiredError,
+    load_handlers,
+    publish_celery_batch,
+)
+from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
+from reliable_beat.policies import backoff_delay
+from reliable_beat.settings import Settings
+
+__all__ = [
+    "EXPIRED_ERROR",
+    "Relay",
+    "claim_outbox_batch",
+    "mark_expired",
+    "mark_sent",
+    "outbox_status",
+    "publish_celery_batch",
+    "purge_sent",
+]
+
+log = logging.getLogger(__name__)
+
+#: ``last_error`` of a trigger row not published because its ``expires_at`` had passed.
+EXPIRED_ERROR = "expired before publish"
+_MAX_ERROR_CHARS = 2000
+Handler = Callable[[OutboxMessage], None]
+
+
+# --------------------------------------------------------------------------- statements
+
+
+def claim_outbox_batch(
+    store: Store,
+    conn: Connection,
+    *,
+    owner: str,
+    now: datetime,
+    lease: timedelta,
+    limit: int,
+    destinations: Iterable[str] | None = None,
+) -> list[OutboxMessage]:
+    """Claim up to ``limit`` due pending rows, lowest id first; run inside a short transaction.
+
+    Joins the caller's transaction (commit it at once: the claim is the lease, not the lock).
+    Each claimed row gets ``claimed_by = owner``, ``attempts + 1`` and ``available_at = now +
+    lease``, so no other relay claims it until the lease expires. Rows locked by a concurrent
+    claim are skipped (``SKIP LOCKED``; SQLite serialises writers instead). The ordering rule
+    (module docstring) excludes rows with an earlier pending row of the same ordering key.
+
+    Args:
+        store: the store (picks the locking clause).
+        conn: a connection inside a transaction.
+        owner: this relay's id, recorded in ``claimed_by``.
+        now: the store's clock, UTC.
+        lease: how long the claim lasts (``timedelta``).
+        limit: most rows to claim.
+        destinations: only claim rows for these destinations (the relay's handlers); None:
+            any destination.
+
+    Returns:
+        The claimed rows as :class:`OutboxMessage`, sorted by id.
+    """
+    o = outbox
+    earlier = outbox.alias("earlier")
+    earlier_pending = (
+        select(literal(1))
+        .select_from(earlier)
+        .where(
+            earlier.c.ordering_key == o.c.ordering_key,
+            earlier.c.state == "pending",
+            earlier.c.id < o.c.id,
+        )
+        .exists()
+    )
+    sel = (
+        select(o.c.id)
+        .where(
+            o.c.state == "pending",
+            o.c.available_at <= now,
+            or_(o.c.ordering_key.is_(None), ~earlier_pending),
+        )
+        .order_by(o.c.id)
+        .limit(limit)
+    )
+    if destinations is not None:
+        sel = sel.where(o.c.destination.in_(sorted(destinations)))
+    claim = store.for_update_skip_locked(sel).cte("claim")
+    stmt = (
+        update(o)
+        .where(o.c.id.in_(select(claim.c.id)))
+        .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
+        .returning(*o.c)
+    )
+    rows = conn.execute(stmt).all()
+    return sorted((OutboxMessage.from_row(r) for r in rows), key=lambda m: m.id)
+
+
+def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
+    """Mark delivered rows ``sent``; move their trigger runs ``scheduled -> dispatched``.
+
+    Joins the caller's transaction. Rows already ``sent`` or ``dead`` are left alone, so it
+    is idempotent. For ``destination == "celery"`` rows with a ``run_id``, the run goes from
+    ``scheduled`` to ``dispatched`` with ``dispatched_at = now`` (a run already past
+    ``scheduled`` is not touched). Used by the relay and by the beat's fast path.
+
+    Args:
+        conn: a connection inside a transaction.
+        ids: outbox row ids that were delivered.
+        now: the store's clock, UTC.
+
+    Returns:
+        How many outbox rows changed to ``sent``.
+    """
+    if not ids:
+        return 0
+    id_list = list(ids)
+    changed = conn.execute(
+        update(outbox)
+        .where(outbox.c.id.in_(id_list), outbox.c.state == "pending")
+        .values(state="sent", sent_at=now, claimed_by=None, last_error=None)
+    ).rowcount
+    _move_runs(conn, id_list, frm="scheduled", to="dispatched", now=now, dispatched=True)
+    return int(changed or 0)
+
+
+def mark_expired(conn: Connection, ids: Sequence[int], now: datetime) -> int:
+    """Retire triggers whose ``expires_at`` passed before publish (they were not published).
+
+    Joins the caller's transaction. The outbox rows become ``sent`` with ``last_error =
+    "expired before publish"``; linked runs go ``scheduled -> skipped`` with reason
+    ``expired``. Not a dead letter: the entry's own expiry asked for exactly this.
+
+    Returns:
+        How many outbox rows changed.
+    """
+    if not ids:
+        return 0
+    id_list = list(ids)
+    changed = conn.execute(
+        update(outbox)
+        .where(outbox.c.id.in_(id_list), outbox.c.state == "pending")
+        .values(state="sent", sent_at=now, claimed_by=None, last_error=EXPIRED_ERROR)
+    ).rowcount
+    _move_runs(conn, id_list, frm="scheduled", to="skipped", now=now, reason="expired")
+    return int(changed or 0)
+
+
+def _move_runs(
+    conn: Connection,
+    outbox_ids: list[int],
+    *,
+    frm: str,
+    to: str,
+    now: datetime,
+    reason: str | None = None,
+    dispatched: bool = False,
+) -> None:
+    run_ids = select(outbox.c.run_id).where(
+        outbox.c.id.in_(outbox_ids),
+        outbox.c.destination == "celery",
+        outbox.c.run_id.is_not(None),
+    )
+    values: dict[str, Any] = {"state": to, "updated_at": now}
+    if dispatched:
+        values["dispatched_at"] = now
+    if reason is not None:
+        values["reason"] = reason
+    if to in ("skipped", "dead"):
+        values["finished_at"] = now
+    conn.execute(
+        update(runs).where(runs.c.id.in_(run_ids.scalar_subquery()), runs.c.state == frm)
+        .values(**values)
+    )
+
+
+def purge_sent(conn: Connection, *, older_than: datetime, limit: int = 1000) -> int:
+    """Delete up to ``limit`` ``sent`` rows whose ``sent_at`` is before ``older_than`` (UTC).
+
+    Joins the caller's transaction. ``dead`` and ``pending`` rows are never deleted.
+
+    Returns:
+        How many rows were deleted.
+    """
+    victims = (
+        select(outbox.c.id)
+        .where(outbox.c.state == "sent", outbox.c.sent_at < older_than)
+        .order_by(outbox.c.id)
+        .limit(limit)
+    )
+    result = conn.execute(delete(outbox).where(outbox.c.id.in_(victims.scalar_subquery())))
+    return int(result.rowcount or 0)
+
+
+def outbox_status(conn: Connection) -> list[dict[str, Any]]:
+    """The outbox backlog per destination (for ``reliable-beat status``).
+
+    Returns:
+        One dict per destination that has pending or dead rows, sorted by destination::
+
+            {"destination": str, "pending": int, "due": int,
+             "oldest_pending_at": datetime (UTC) | None,
+             "oldest_pending_age_seconds": float | None, "dead": int}
+
+        ``due`` counts pending rows whose ``available_at`` has passed (claimable now unless
+        held back by an ordering key); ages are measured on the store's clock from
+        ``created_at``.
+    """
+    now = db_now(conn)
+    pending = outbox.c.state == "pending"
+    stmt = (
+        select(
+            outbox.c.destination,
+            func.sum(case((pending, 1), else_=0)).label("pending"),
+            func.sum(case((and_(pending, outbox.c.available_at <= now), 1), else_=0)).label("due"),
+            func.min(case((pending, outbox.c.created_at), else_=None)).label("oldest"),
+            func.sum(case((outbox.c.state == "dead", 1), else_=0)).label("dead"),
+        )
+        .where(outbox.c.state.in_(("pending", "dead")))
+        .group_by(outbox.c.destination)
+        .order_by(outbox.c.destination)
+    )
+    out = []
+    for row in conn.execute(stmt):
+        oldest = row.oldest
+        if isinstance(oldest, str):  # SQLite aggregate: text, no type processing
+            oldest = datetime.fromisoformat(oldest)
+        if oldest is not None and oldest.tzinfo is None:
+            from datetime import timezone
+
+            oldest = oldest.replace(tzinfo=timezone.utc)
+        out.append(
+            {
+                "destination": row.destination,
+                "pending": int(row.pending or 0),
+                "due": int(row.due or 0),
+                "oldest_pending_at": oldest,
+                "oldest_pending_age_seconds": (
+                    max(0.0, (now - oldest).total_seconds()) if oldest is not None else None
+                ),
+                "dead": int(row.dead or 0),
+            }
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- relay
+
+
+@dataclass
+class _Outcome:
+    sent: list[int]
+    expired: list[int]
+    failed: list[tuple[OutboxMessage, BaseException]]
+    unavailable: dict[str, list[tuple[OutboxMessage, BaseException]]]
+
+
+class Relay:
+    """Delivers outbox rows. Safe to run many at once (threads or processes, any hosts).
+
+    Args:
+        store: the reliable_beat store (create one per process).
+        app: the Celery app for the ``celery`` and ``kombu`` handlers (None: those
+            destinations are not claimed by this relay and stay pending for another).
+        handlers: destination -> handler; default :func:`~reliable_beat.handlers.
+            load_handlers` (built-ins, entry points, ``reliable_beat_outbox_handlers``).
+            Only destinations with a handler are claimed.
+        owner: the relay's id in ``claimed_by`` (default ``settings.owner``).
+        batch_size: rows per claim (default ``settings.outbox_batch_size``).
+        settings: default :meth:`Settings.from_celery(app) <Settings.from_celery>` or
+            ``Settings()``; supplies attempts, backoff, retention and poll period.
+        claim_lease_seconds: how long a claim lasts; a relay that dies after claiming loses
+            its rows to others after this long. Must exceed the time to deliver one batch.
+        purge_interval_seconds: at most one retention pass per this many seconds.
+        rng: random source for the backoff jitter.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        app: Any = None,
+        handlers: Mapping[str, Handler] | None = None,
+        *,
+        owner: str | None = None,
+        batch_size: int | None = None,
+        settings: Settings | None = None,
+        claim_lease_seconds: float = 60.0,
+        purge_interval_seconds: float = 60.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.app = app
+        if settings is None:
+            settings = Settings.from_celery(app) if app is not None else Settings()
+        self.settings = settings
+        self.handlers: dict[str, Handler] = dict(
+            handlers if handlers is not None else load_handlers(app, settings.outbox_handlers)
+        )
+        self.owner = owner or settings.owner
+        self.batch_size = batch_size or settings.outbox_batch_size
+        self.claim_lease = timedelta(seconds=claim_lease_seconds)
+        self.purge_interval_seconds = purge_interval_seconds
+        self._rng = rng or random.Random()
+        self._last_purge = float("-inf")
+        self._down_streak: dict[str, int] = {}
+        self._listener: _Listener | None = None
+
+    # -- one cycle -----------------------------------------------------------------------
+
+    def claim(self) -> list[OutboxMessage]:
+        """Claim one batch in its own short transaction (see :func:`claim_outbox_batch`)."""
+        with self.store.begin() as conn:
+            now = db_now(conn)
+            return claim_outbox_batch(
+                self.store,
+                conn,
+                owner=self.owner,
+                now=now,
+                lease=self.claim_lease,
+                limit=self.batch_size,
+                destinations=self.handlers.keys(),
+            )
+
+    def run_once(self) -> int:
+        """Claim one batch, deliver it, settle it; purge old sent rows when due.
+
+        Returns:
+            How many rows were claimed (0: nothing was due).
+
+        Raises:
+            StoreUnavailableError: the database cannot be reached (nothing was lost: claimed
+                rows are delivered again after their lease).
+        """
+        messages = self.claim()
+        if messages:
+            outcome = self.deliver(messages)
+            self.settle(outcome)
+        self.maybe_purge()
+        return len(messages)
+
+    def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
+        """Deliver claimed rows outside any transaction; never raises for one bad row."""
+        outcome = _Outcome([], [], [], {})
+        groups: dict[str, list[OutboxMessage]] = {}
+        for m in messages:
+            groups.setdefault(m.destination, []).append(m)
+        for destination, group in groups.items():
+            results = self._deliver_group(destination, group)
+            for m, err in zip(group, results, strict=True):
+                if err is None:
+                    outcome.sent.append(m.id)
+                elif isinstance(err, MessageExpiredError):
+                    outcome.expired.append(m.id)
+                elif isinstance(err, DestinationUnavailableError):
+                    outcome.unavailable.setdefault(destination, []).append((m, err))
+                else:
+                    outcome.failed.append((m, err))
+            if destination not in outcome.unavailable:
+                self._down_streak.pop(destination, None)
+        return outcome
+
+    def _deliver_group(self, destination: str, group: list[OutboxMessage]) -> list[Any]:
+        handler = self.handlers.get(destination)
+        if handler is None:  # cannot happen through claim(); kept for direct callers
+            err = PermanentDeliveryError(f"no outbox handler for destination {destination!r}")
+            return [err] * len(group)
+        batch = getattr(handler, "deliver_batch", None)
+        if batch is not None:
+            try:
+                batch_results = list(batch(group))
+                if len(batch_results) != len(group):
+                    raise RuntimeError(
+                        f"handler {destination!r}.deliver_batch returned {len(batch_results)} "
+                        f"results for {len(group)} messages"
+                    )
+                return batch_results
+            except Exception as exc:
+                log.exception("outbox handler %r failed on a batch of %d", destination, len(group))
+                return [exc] * len(group)
+        results: list[Any] = []
+        for m in group:
+            try:
+                handler(m)
+                results.append(None)
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def settle(self, outcome: _Outcome) -> None:
+        """Record the outcome of a delivered batch, in short transactions."""
+        with self.store.begin() as conn:
+            now = db_now(conn)
+            mark_sent(conn, outcome.sent, now)
+            mark_expired(conn, outcome.expired, now)
+        if outcome.failed:
+            with self.store.begin() as conn:
+                self._record_failures(conn, outcome.failed, db_now(conn))
+        for destination, items in outcome.unavailable.items():
+            streak = self._down_streak.get(destination, 0)
+            self._down_streak[destination] = streak + 1
+            delay = max(
+                self.settings.outbox_retry_base_seconds,
+                backoff_delay(
+                    streak,
+                    base=self.settings.outbox_retry_base_seconds,
+                    cap=self.settings.outbox_retry_cap_seconds,
+                    rng=self._rng,
+                ),
+            )
+            log.warning("outbox destination %r unavailable (%s); %d rows back off %.1f s",
+                        destination, items[0][1], len(items), delay)
+            with self.store.begin() as conn:
+                now = db_now(conn)
+                conn.execute(
+                    update(outbox)
+                    .where(outbox.c.id.in_([m.id for m, _ in items]), outbox.c.state == "pending",
+                           outbox.c.claimed_by == self.owner)
+                    .values(available_at=now + timedelta(seconds=delay), claimed_by=None,
+                            attempts=outbox.c.attempts - 1,
+                            last_error=_describe(items[0][1]))
+                )
+
+    def _record_failures(
+        self, conn: Connection, failed: list[tuple[OutboxMessage, BaseException]], now: datetime
+    ) -> None:
+        retries: list[dict[str, Any]] = []
+        for m, err in failed:
+            permanent = isinstance(err, PermanentDeliveryError)
+            if permanent or m.attempts >= self.settings.outbox_max_attempts:
+                self._dead_letter(conn, m, err, now, "permanent" if permanent else "exhausted")
+                continue
+            delay = backoff_delay(
+                m.attempts - 1,
+                base=self.settings.outbox_retry_base_seconds,
+                cap=self.settings.outbox_retry_cap_seconds,
+                rng=self._rng,
+            )
+            log.warning("outbox row %d (%s) to %r failed (attempt %d), retry in %.1f s: %s",
+                        m.id, m.message_id, m.destination, m.attempts, delay, _describe(err))
+            retries.append({"b_id": m.id, "b_attempts": m.attempts, "b_err": _describe(err),
+                            "b_at": now + timedelta(seconds=delay)})
+        if retries:
+            conn.execute(
+                update(outbox)
+                .where(outbox.c.id == bindparam("b_id"),
+                       outbox.c.attempts == bindparam("b_attempts"),
+                       outbox.c.state == "pending")
+                .values(available_at=bindparam("b_at"), last_error=bindparam("b_err"),
+                        claimed_by=None),
+                retries,
+            )
+
+    def _dead_letter(
+        self, conn: Connection, m: OutboxMessage, err: BaseException, now: datetime, reason: str
+    ) -> None:
+        error = _describe(err)
+        changed = conn.execute(
+            update(outbox)
+            .where(outbox.c.id == m.id, outbox.c.attempts == m.attempts,
+                   outbox.c.state == "pending")
+            .values(state="dead", claimed_by=None, last_error=error)
+        ).rowcount
+        if not changed:  # someone else settled it after our lease expired
+            return
+        log.error("outbox row %d (%s) to %r dead-lettered (%s) after %d attempt(s): %s",
+                  m.id, m.message_id, m.destination, reason, m.attempts, error)
+        conn.execute(
+            dead_letters.insert().values(
+                kind="outbox",
+                run_id=m.run_id,
+                outbox_id=m.id,
+                key=m.message_id,
+                destination=m.destination,
+                payload={
+                    "message_id": m.message_id,
+                    "destination": m.destination,
+                    "payload": m.payload,
+                    "headers": dict(m.headers),
+                    "ordering_key": m.ordering_key,
+                    "run_id": m.run_id,
+                },
+                reason=reason,
+                error=error,
+                attempts=m.attempts,
+                created_at=now,
+            )
+        )
+        _move_runs(conn, [m.id], frm="scheduled", to="dead", now=now,
+                   reason=f"trigger undeliverable: {error}"[:_MAX_ERROR_CHARS])
+
+    def maybe_purge(self) -> int:
+        """Run one retention pass if the last one is older than ``purge_interval_seconds``."""
+        if time.monotonic() - self._last_purge < self.purge_interval_seconds:
+            return 0
+        self._last_purge = time.monotonic()
+        with self.store.begin() as conn:
+            cutoff = db_now(conn) - timedelta(seconds=self.settings.outbox_retention_seconds)
+            deleted = purge_sent(conn, older_than=cutoff)
+        if deleted:
+            log.info("outbox retention: purged %d sent rows older than %s", deleted, cutoff)
+        return deleted
+
+    # -- loop ----------------------------------------------------------------------------
+
+    def run_forever(self, stop_event: threading.Event | None = None) -> None:
+        """Run cycles until ``stop_event`` is set; never dies on one bad row or a DB outage.
+
+        After a cycle that claimed rows the next starts at once (sending a row may unblock
+        its ordering-key successor); otherwise it waits up to ``relay_poll_seconds`` for a
+        PostgreSQL ``NOTIFY reliable_beat_outbox`` (or just sleeps on other dialects).
+        """
+        stop = stop_event or threading.Event()
+        poll = self.settings.relay_poll_seconds
+        try:
+            while not stop.is_set():
+                try:
+                    claimed = self.run_once()
+                except StoreUnavailableError as exc:
+                    log.warning("relay: store unavailable, retrying in %.1f s: %s", poll, exc)
+                    stop.wait(poll)
+                    continue
+                except Exception:
+                    log.exception("relay cycle failed; retrying in %.1f s", poll)
+                    stop.wait(poll)
+                    continue
+                if claimed:
+                    continue
+                self._wait(stop, poll)
+        finally:
+            self.close()
+
+    def _wait(self, stop: threading.Event, timeout: float) -> None:
+        if self.store.dialect == "postgresql":
+            if self._listener is None:
+                self._listener = _Listener(self.store)
+            if self._listener.wait(min(timeout, 1.0)):
+                return
+            if timeout > 1.0:
+                stop.wait(timeout - 1.0)
+            return
+        stop.wait(timeout)
+
+    def close(self) -> None:
+        """Close the LISTEN connection and handler resources."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+class _Listener:
+    """A dedicated autocommit psycopg connection ``LISTEN``-ing on the outbox channel."""
+
+    def __init__(self, store: Store) -> None:
+        self.conninfo = store.engine.url.set(drivername="postgresql").render_as_string(
+            hide_password=False
+        )
+        self.conn: Any = None
+
+    def _connect(self) -> None:
+        import psycopg
+
+        self.conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10,
+                                    application_name="reliable_beat:relay-listen")
+        self.conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a notification; True if one arrived."""
+        try:
+            if self.conn is None or self.conn.closed:
+                self._connect()
+            got = False
+            for _ in self.conn.notifies(timeout=timeout, stop_after=1):
+                got = True
+            if got:  # drain the rest: one cycle serves them all
+                for _ in self.conn.notifies(timeout=0.0):
+                    pass
+            return got
+        except Exception as exc:
+            log.warning("relay LISTEN connection failed (%s); polling instead", exc)
+            self.close()
+            time.sleep(timeout)
+            return False
+
+    def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+
+
+def _describe(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}"
+    return text[:_MAX_ERROR_CHARS]

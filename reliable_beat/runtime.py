@@ -1,0 +1,585 @@
+"""Operator actions on one entry: fire it now, backfill a window, describe its guarantees.
+
+These are the verbs behind ``reliable-beat entries trigger|backfill|describe``; they are
+framework-neutral (a Celery app is optional and only used to publish at once and to inspect
+the task class).
+
+* :func:`trigger` fires an entry once, now, under its own key
+  (``"<entry>@manual:<db now, ISO 8601 UTC with microseconds>"``). The run has
+  ``trigger='manual'`` and ``fire_at`` NULL, so it can never collide with a slot's
+  UNIQUE(entry, fire_at) and the schedule is untouched.
+* :func:`backfill` creates the runs of every slot in ``[start, end)`` that has none
+  (``trigger='backfill'``, the slot's own key, so a later backfill or the beat itself is a
+  no-op for it).
+* :func:`describe` answers the five questions an operator asks of a job.
+
+Triggers are written to the outbox in the same transaction as their runs, with
+``available_at = now``: the relay (or a beat's sweep) publishes them; when an app is given
+they are also published at once and marked sent (a crash between the two only means the
+relay sends them again: delivery is at-least-once).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
+
+from reliable_beat import schedules as sch
+from reliable_beat.beat import (
+    ACTIVE_RUN_STATES,
+    TRIGGER_DESTINATION,
+    Trigger,
+    build_trigger_payload,
+    trigger_message_id,
+)
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.entries import notify_entries_changed
+from reliable_beat.errors import ConfigurationError, EntryNotFoundError
+from reliable_beat.slots import idempotency_key
+
+__all__ = [
+    "BackfillLimitError",
+    "BackfillResult",
+    "answer_questions",
+    "backfill",
+    "describe",
+    "manual_key",
+    "task_kind",
+    "trigger",
+]
+
+
+class BackfillLimitError(ConfigurationError):
+    """A backfill window holds more slots than the limit; narrow it or force it.
+
+    Attributes:
+        slots: how many slots were counted (at least ``limit + 1``; counting stops there).
+        limit: the limit in force (``reliable_beat_backfill_limit``).
+    """
+
+    def __init__(self, entry: str, slots: int, limit: int) -> None:
+        self.slots = slots
+        self.limit = limit
+        super().__init__(
+            f"entry {entry!r}: the backfill window holds more than {limit} slots "
+            f"(reliable_beat_backfill_limit); narrow START/END or pass --force"
+        )
+
+
+@dataclass
+class BackfillResult:
+    """What one backfill did.
+
+    Attributes:
+        entry: the entry name.
+        slots: slots of the schedule in the window, up to the database's now.
+        created: runs inserted (each has its trigger: sent now, queued, or buffered).
+        existing: slots that already had a run (untouched; never a second run).
+        buffered: created runs held as ``buffered`` because the entry's overlap policy is
+            ``skip`` or ``buffer_one``: the beat releases them one at a time, oldest first,
+            whenever the entry has no active run.
+        future: slots of the window after the database's now, ignored (the beat fires them).
+        keys: idempotency keys of the created runs, ascending by slot.
+        published: triggers published at once (an app was given).
+    """
+
+    entry: str
+    slots: int = 0
+    created: int = 0
+    existing: int = 0
+    buffered: int = 0
+    future: int = 0
+    keys: list[str] = field(default_factory=list)
+    published: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The result as a JSON-serialisable dict."""
+        return {
+            "entry": self.entry,
+            "slots": self.slots,
+            "created": self.created,
+            "existing": self.existing,
+            "buffered": self.buffered,
+            "future": self.future,
+            "keys": list(self.keys),
+            "published": self.published,
+        }
+
+
+def _require(conn: Connection, name: str) -> Any:
+    row = conn.execute(select(entries).where(entries.c.name == name)).first()
+    if row is None:
+        raise EntryNotFoundError(f"no entry named {name!r} (see `reliable-beat entries list`)")
+    return row
+
+
+def manual_key(name: str, now: datetime) -> str:
+    """The idempotency key of a manual trigger: ``"<name>@manual:<now ISO, µs, Z>"``.
+
+    Args:
+        name: the entry name.
+        now: the database clock at the request (tz-aware; microseconds kept, so two
+            triggers in the same second get two keys).
+
+    Raises:
+        ValueError: ``now`` is naive.
+    """
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise ValueError("manual_key needs a tz-aware instant")
+    return f"{name}@manual:{now.astimezone(timezone.utc):%Y-%m-%dT%H:%M:%S.%fZ}"
+
+
+def _outbox_row(key: str, run_id: int, payload: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """A trigger outbox row (same shape as the beat's), due at once (``available_at = now``)."""
+    return {
+        "message_id": trigger_message_id(key),
+        "destination": TRIGGER_DESTINATION,
+        "payload": payload,
+        "headers": {},
+        "run_id": run_id,
+        "state": "pending",
+        "attempts": 0,
+        "available_at": now,
+        "claimed_by": None,
+        "created_at": now,
+    }
+
+
+def _publish(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> int:
+    from reliable_beat.celery.scheduler import publish_triggers
+
+    return publish_triggers(store, app, triggers, now)
+
+
+def trigger(store: Store, name: str, *, app: Any = None) -> str:
+    """Fire entry ``name`` once, now, outside its schedule.
+
+    In one transaction: insert a run (``trigger='manual'``, ``fire_at`` NULL, state
+    ``scheduled``) under :func:`manual_key` and its trigger outbox row (``available_at`` =
+    the database's now, so the relay delivers it). With ``app``, the trigger is also
+    published at once and marked sent. The schedule (``next_fire_at``) is not touched, and
+    the overlap policy does not apply: a manual trigger is a person's explicit request.
+    Works on paused entries too (pausing stops the schedule, not an operator).
+
+    Args:
+        store: the store.
+        name: the entry name.
+        app: a Celery app to publish with at once (None: leave it to the relay).
+
+    Returns:
+        The run's idempotency key.
+
+    Raises:
+        EntryNotFoundError: no such entry.
+        StoreUnavailableError: the database is down (nothing was written).
+    """
+    with store.begin() as conn:
+        row = _require(conn, name)
+        now = store.now(conn)
+        key = manual_key(name, now)
+        run_id = conn.execute(
+            runs.insert().returning(runs.c.id),
+            [{
+                "idempotency_key": key, "entry_name": name, "fire_at": None,
+                "trigger": "manual", "task": row.task, "args": row.args, "kwargs": row.kwargs,
+                "state": "scheduled", "reason": "manual trigger", "created_at": now,
+                "updated_at": now,
+            }],
+        ).scalar_one()
+        payload = build_trigger_payload(
+            task=row.task, args=row.args, kwargs=row.kwargs, options=row.options, key=key,
+            entry=name, fire_at=now, trigger="manual",
+        )
+        oid = conn.execute(
+            outbox.insert().returning(outbox.c.id), [_outbox_row(key, run_id, payload, now)]
+        ).scalar_one()
+    if app is not None:
+        _publish(store, app, [Trigger(oid, run_id, key, payload, now)], now)
+    return key
+
+
+def _aware(value: datetime, what: str) -> datetime:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ConfigurationError(
+            f"{what}={value.isoformat()!r} is naive: give a UTC offset (e.g. ...Z or +02:00)"
+        )
+    return value.astimezone(timezone.utc)
+
+
+def backfill(
+    store: Store,
+    name: str,
+    start: datetime,
+    end: datetime,
+    *,
+    limit: int,
+    force: bool = False,
+    app: Any = None,
+) -> BackfillResult:
+    """Create the runs of every slot of ``name`` in ``[start, end)`` that has none.
+
+    Slots come from the entry's schedule (its time zone and DST rule), bounded by the
+    database's now: slots still in the future are left to the beat. Each created run has the
+    slot's ordinary idempotency key (``"<entry>@<slot>"``) and ``trigger='backfill'``; the
+    insert is ``ON CONFLICT DO NOTHING``, so a slot that has a run (fired, skipped, or made by
+    an earlier backfill) is never run twice, and backfilling the same window again creates
+    nothing.
+
+    Overlap: for an ``allow`` entry every created run is ``scheduled`` and triggered at once.
+    For ``skip`` and ``buffer_one`` entries the created runs are ``buffered``: the beat releases
+    one at a time, oldest first, whenever the entry has no active run (so a backfill never
+    makes a job overlap itself). The entry's misfire policy does not apply: a backfill is an
+    explicit request for those slots.
+
+    Args:
+        store: the store.
+        name: the entry name.
+        start / end: tz-aware window bounds (any offset; half-open, ``start`` included).
+        limit: most slots one backfill may create (``reliable_beat_backfill_limit``).
+        force: create them even when the window holds more than ``limit`` slots.
+        app: a Celery app to publish the scheduled triggers with at once (None: the relay
+            delivers them).
+
+    Returns:
+        Counts and keys; see :class:`BackfillResult`.
+
+    Raises:
+        EntryNotFoundError: no such entry.
+        ConfigurationError: naive bounds, or ``start >= end``.
+        BackfillLimitError: more than ``limit`` slots in the window and not ``force``.
+        StoreUnavailableError: the database is down (nothing was written).
+    """
+    start = _aware(start, "START")
+    end = _aware(end, "END")
+    if start >= end:
+        raise ConfigurationError(
+            f"entry {name!r}: backfill window is empty: START {start.isoformat()} must be "
+            f"before END {end.isoformat()}"
+        )
+    result = BackfillResult(entry=name)
+    triggers: list[Trigger] = []
+    with store.begin() as conn:
+        row = _require(conn, name)
+        now = store.now(conn)
+        schedule = sch.schedule_from_spec(row.schedule)
+        upto = min(end, now + timedelta(microseconds=1))  # slots at or before now
+        result.future = 0
+        if end > upto:
+            cap = limit + 1
+            result.future = sum(1 for _ in itertools.islice(schedule.slots_between(upto, end), cap))
+        window = schedule.slots_between(start, upto) if start < upto else iter(())
+        slots = list(window if force else itertools.islice(window, limit + 1))
+        if not force and len(slots) > limit:
+            raise BackfillLimitError(name, len(slots), limit)
+        result.slots = len(slots)
+        if not slots:
+            return result
+        existing: set[datetime] = set()
+        for chunk_start in range(0, len(slots), 1000):
+            chunk = slots[chunk_start:chunk_start + 1000]
+            existing.update(
+                conn.execute(
+                    select(runs.c.fire_at).where(
+                        runs.c.entry_name == name, runs.c.fire_at.in_(chunk)
+                    )
+                ).scalars()
+            )
+        buffered = row.overlap_policy != "allow"
+        state = "buffered" if buffered else "scheduled"
+        rows = [
+            {
+                "idempotency_key": idempotency_key(name, slot), "entry_name": name,
+                "fire_at": slot, "trigger": "backfill", "task": row.task, "args": row.args,
+                "kwargs": row.kwargs, "state": state,
+                "reason": f"backfill (overlap:{row.overlap_policy})" if buffered else "backfill",
+                "created_at": now, "updated_at": now,
+            }
+            for slot in slots
+            if slot not in existing
+        ]
+        by_key = {r["idempotency_key"]: r for r in rows}
+        inserted: list[tuple[int, str]] = []
+        for chunk_start in range(0, len(rows), 1000):
+            batch = rows[chunk_start:chunk_start + 1000]
+            inserted.extend(
+                (int(i), str(k))
+                for i, k in conn.execute(
+                    store.insert_ignore(runs).returning(runs.c.id, runs.c.idempotency_key),
+                    batch,
+                ).all()
+            )
+        inserted.sort(key=lambda ik: by_key[ik[1]]["fire_at"])
+        result.created = len(inserted)
+        result.existing = len(slots) - len(inserted)
+        result.keys = [k for _, k in inserted]
+        if buffered:
+            result.buffered = len(inserted)
+            if inserted:
+                notify_entries_changed(conn, store)  # wake a beat to release the first
+        elif inserted:
+            pending: list[tuple[int, str, dict[str, Any], datetime]] = []
+            for run_id, key in inserted:
+                r = by_key[key]
+                payload = build_trigger_payload(
+                    task=row.task, args=row.args, kwargs=row.kwargs, options=row.options,
+                    key=key, entry=name, fire_at=r["fire_at"], trigger="backfill",
+                )
+                pending.append((run_id, key, payload, r["fire_at"]))
+            ids = conn.execute(
+                outbox.insert().returning(outbox.c.id, outbox.c.message_id),
+                [_outbox_row(k, rid, p, now) for rid, k, p, _ in pending],
+            ).all()
+            oid_by_mid = {mid: oid for oid, mid in ids}
+            triggers = [
+                Trigger(oid_by_mid[trigger_message_id(k)], rid, k, p, fa)
+                for rid, k, p, fa in pending
+            ]
+    if app is not None and triggers:
+        result.published = _publish(store, app, triggers, now)
+    return result
+
+
+# -- describe ------------------------------------------------------------------------------
+
+def task_kind(app: Any, task: str) -> str:
+    """How a task is run: ``idempotent`` (an ``IdempotentTask``), ``plain``, or ``unknown``.
+
+    ``unknown`` when no app is given or the app does not register ``task``.
+    """
+    if app is None:
+        return "unknown"
+    registry = getattr(app, "tasks", None)
+    if registry is None or task not in registry:
+        return "unknown"
+    try:
+        from reliable_beat.celery.task import (  # type: ignore[import-not-found]
+            IdempotentTask,
+        )
+    except ImportError:  # the task module is not installed: every task is plain
+        return "plain"
+    return "idempotent" if isinstance(registry[task], IdempotentTask) else "plain"
+
+
+def _answer(answer: str, why: str) -> dict[str, str]:
+    return {"answer": answer, "why": why}
+
+
+def _duration_stats(conn: Connection, name: str) -> tuple[int, float | None]:
+    """(finished runs looked at, longest duration in seconds) over the last 100 runs."""
+    recent = (
+        select(runs.c.started_at, runs.c.finished_at)
+        .where(runs.c.entry_name == name, runs.c.started_at.is_not(None),
+               runs.c.finished_at.is_not(None))
+        .order_by(runs.c.id.desc())
+        .limit(100)
+    )
+    rows = conn.execute(recent).all()
+    durations = [(f - s).total_seconds() for s, f in rows]
+    return len(durations), (max(durations) if durations else None)
+
+
+def answer_questions(
+    *,
+    kind: str,
+    overlap_policy: str,
+    period_seconds: float | None,
+    longest_run_seconds: float | None = None,
+    finished_runs: int = 0,
+    active_runs: int = 0,
+    lease_seconds: float = 60.0,
+) -> dict[str, dict[str, str]]:
+    """The five answers of :func:`describe`, from facts already read (pure, no I/O).
+
+    Args:
+        kind: ``idempotent``, ``plain`` or ``unknown`` (see :func:`task_kind`).
+        overlap_policy: the entry's overlap policy.
+        period_seconds: the schedule's nominal period in seconds (None for a one-off).
+        longest_run_seconds: longest ``finished_at - started_at`` of recent runs, seconds.
+        finished_runs: how many finished runs that figure was taken from.
+        active_runs: runs of the entry now scheduled, dispatched, running or retrying.
+        lease_seconds: the task's run lease in seconds.
+
+    Returns:
+        ``{"run_twice" | "overlap" | "machine_dies" | "retry" | "idempotent":
+        {"answer": str, "why": str}}``.
+    """
+    longest = longest_run_seconds
+    period_s = period_seconds
+    finished = finished_runs
+    active = active_runs
+    lease_s = lease_seconds
+    policy = overlap_policy
+    idem = kind == "idempotent"
+    plain = kind == "plain"
+
+    # 1. Can it run twice?
+    trig = (
+        "The beat writes one run per slot (UNIQUE(entry, fire_at), claimed with SKIP LOCKED), "
+        "so a slot is triggered once; but delivery is at-least-once (a worker crash or a "
+        "publish not yet marked sent means a redelivery). "
+    )
+    if idem:
+        run_twice = _answer("no", trig + "The task is an IdempotentTask: a second delivery "
+                            "finds the slot's key completed and returns the stored result "
+                            "without running the body (recorded as 'deduplicated').")
+    elif plain:
+        run_twice = _answer("yes", trig + "The task is a plain Celery task: a redelivered "
+                            "trigger runs the body again. Its effects are at-least-once.")
+    else:
+        run_twice = _answer("depends", trig + "Task class unknown (give -A APP): an "
+                            "IdempotentTask runs once per slot; a plain task may run twice.")
+
+    # 2. Can it overlap?
+    data = ""
+    if longest is not None and period_s:
+        ratio = longest / period_s
+        data = (f" Data: the longest of the last {finished} finished runs took {longest:.1f} s "
+                f"against a period of {period_s:.0f} s ({ratio:.0%}).")
+        if ratio >= 0.8:
+            data += " That is close to or beyond the period: runs will overlap under 'allow'."
+    elif period_s is None:
+        data = " One-off schedule: it cannot overlap itself."
+    if policy == "allow":
+        overlap = _answer(
+            "yes", "overlap_policy='allow': a slot fires even while the previous run is still "
+            "running." + data + (" Set overlap_policy 'skip' or 'buffer_one' (IdempotentTask "
+                                 "only) to prevent it." if not plain else
+                                 " A plain task cannot use another policy (no run tracking)."))
+    elif plain:
+        overlap = _answer(
+            "yes", f"overlap_policy={policy!r} needs run tracking, which a plain task does not "
+            "keep, so the beat treats it as 'allow'." + data)
+    else:
+        what = ("the slot is recorded as skipped" if policy == "skip" else
+                "one slot is held as 'buffered' and fired when the previous run ends; further "
+                "slots are recorded as skipped")
+        overlap = _answer(
+            "no", f"overlap_policy={policy!r}: while a run of this entry is active "
+            f"(scheduled/dispatched/running/retrying; {active} now), {what}." + data)
+
+    # 3. What if the machine dies mid-run?
+    if idem:
+        dies = _answer(
+            "finishes", f"The run's lease ({lease_s:.0f} s, renewed while it runs) expires; the "
+            "message is redelivered (acks_late, reject_on_worker_lost) and another worker "
+            "claims the run with a higher fence token. Nothing the dead runner did commits "
+            "(its effect and key were one transaction); a stale runner that wakes up is "
+            "fenced out (StaleFenceToken). If the beat dies, another beat claims its entries.")
+    elif plain:
+        dies = _answer(
+            "depends", "Celery decides: with the default (ack early) the message is gone and "
+            "this slot's work is lost; with acks_late the message is redelivered and the body "
+            "runs again from the start (partial effects of the first attempt stay). The slot "
+            "itself is still recorded. If the beat dies, another beat claims its entries.")
+    else:
+        dies = _answer(
+            "depends", "IdempotentTask: the lease expires and another worker finishes the run "
+            "under a new fence token. Plain task: lost (ack early) or re-run (acks_late).")
+
+    # 4. Can it retry safely?
+    if idem:
+        retry = _answer(
+            "yes", "Transient errors retry with full-jitter exponential backoff up to "
+            "max_attempts; each attempt's effect commits with the key or not at all, so a retry "
+            "never doubles what the task wrote through self.transaction() / self.outbox. "
+            "Permanent errors and exhausted retries end in dead letters (reliable-beat "
+            "dead-letters).")
+    elif plain:
+        retry = _answer(
+            "no", "A Celery retry re-runs the whole body, and anything it did before failing "
+            "happens again. Make it an IdempotentTask to retry safely.")
+    else:
+        retry = _answer("depends", "Safe for an IdempotentTask; a plain task repeats effects.")
+
+    # 5. Is it idempotent?
+    if idem:
+        idempotent = _answer(
+            "yes", "Effectively once for what it writes through self.transaction() and for "
+            "outbox messages whose far end honours the message id. Side effects done directly "
+            "in the body (an HTTP call) are not covered: move them to the outbox.")
+    elif plain:
+        idempotent = _answer(
+            "no", "Plain task: one trigger per slot, but effects are only at-least-once. Use "
+            "base=IdempotentTask to record the slot's key with the effect.")
+    else:
+        idempotent = _answer("unknown", "Give -A APP so the task class can be inspected.")
+
+    return {
+        "run_twice": run_twice,
+        "overlap": overlap,
+        "machine_dies": dies,
+        "retry": retry,
+        "idempotent": idempotent,
+    }
+
+
+def describe(store: Store, app: Any, name: str) -> dict[str, Any]:
+    """Answer the five questions an operator asks of one entry, from its configuration, its
+    task class and its recent runs.
+
+    The questions (keys of ``"questions"``): ``run_twice`` (can one slot's work run twice?),
+    ``overlap`` (can a run overlap the previous one?), ``machine_dies`` (what if the machine
+    dies mid-run?), ``retry`` (can it retry safely?), ``idempotent`` (is its effect
+    idempotent?). Each answer is ``{"answer": "no" | "yes" | "depends" | ..., "why": str}``.
+
+    Args:
+        store: the store.
+        app: the Celery app that registers the entry's task, or None (task kind ``unknown``:
+            the answers then cover both cases).
+        name: the entry name.
+
+    Returns:
+        ``{"entry", "task", "task_kind" ("idempotent" | "plain" | "unknown"), "schedule"
+        (spec dict), "timezone", "misfire_policy", "overlap_policy", "period_seconds" (float |
+        None), "longest_recent_run_seconds" (float | None), "questions": {...}}``.
+
+    Raises:
+        EntryNotFoundError: no such entry.
+    """
+    with store.engine.connect() as conn:
+        row = _require(conn, name)
+        finished, longest = _duration_stats(conn, name)
+        active = conn.execute(
+            select(func.count()).select_from(runs).where(
+                runs.c.entry_name == name, runs.c.state.in_(ACTIVE_RUN_STATES)
+            )
+        ).scalar_one()
+    kind = task_kind(app, row.task)
+    try:
+        period = sch.schedule_from_spec(row.schedule).nominal_period
+    except ConfigurationError:
+        period = None
+    period_s = period.total_seconds() if period is not None else None
+    lease_s: float | None = None
+    if kind == "idempotent":
+        lease_s = getattr(app.tasks[row.task], "lease_seconds", None)
+    if lease_s is None:
+        from reliable_beat.settings import Settings
+
+        try:
+            lease_s = Settings.from_celery(app).lease_seconds if app is not None else None
+        except ConfigurationError:
+            lease_s = None
+        lease_s = lease_s if lease_s is not None else Settings().lease_seconds
+    return {
+        "entry": name,
+        "task": row.task,
+        "task_kind": kind,
+        "schedule": row.schedule,
+        "timezone": row.timezone,
+        "misfire_policy": row.misfire_policy,
+        "overlap_policy": row.overlap_policy,
+        "period_seconds": period_s,
+        "longest_recent_run_seconds": longest,
+        "questions": answer_questions(
+            kind=kind, overlap_policy=row.overlap_policy, period_seconds=period_s,
+            longest_run_seconds=longest, finished_runs=finished, active_runs=active,
+            lease_seconds=lease_s,
+        ),
+    }

@@ -1,0 +1,308 @@
+"""`reliable-beat entries ...` against real stores (SQLite and PostgreSQL), through click."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from sqlalchemy import func, select, update
+
+from reliable_beat.beat import Beat
+from reliable_beat.celery.commands import reliable_beat
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.runtime import BackfillLimitError, backfill
+from tests.apps.cliapp import HAS_IDEMPOTENT
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.apps.cliapp"
+
+
+def cli(store: Store, *args: str, app: bool = False) -> Result:
+    base = ["--database-url", store.url]
+    if app:
+        base = ["-A", APP, *base]
+    return CliRunner().invoke(reliable_beat, [*base, *args], catch_exceptions=False)
+
+
+def ok(result: Result) -> str:
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def count(store: Store, table: Any, *where: Any) -> int:
+    with store.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(table).where(*where)).scalar_one())
+
+
+def db_now(store: Store) -> datetime:
+    with store.engine.connect() as conn:
+        return store.now(conn)
+
+
+def iso(at: datetime) -> str:
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_add_list_show_update_pause_resume_remove(store: Store) -> None:
+    out = ok(cli(store, "entries", "add", "nightly", "--task", "shop.pay", "--cron", "0 2 * * *",
+                 "--timezone", "Europe/Berlin", "--args", '[1, "a"]', "--kwargs", '{"k": 2}',
+                 "--queue", "payouts", "--misfire-policy", "catch_up", "--catch-up-limit", "3",
+                 "--misfire-grace", "30", "--dst-nonexistent", "skip", "--dst-repeated", "both"))
+    assert "added nightly" in out
+    ok(cli(store, "entries", "add", "fast", "--task", "shop.tick", "--every", "5"))
+    ok(cli(store, "entries", "add", "once", "--task", "shop.tick",
+           "--at", "2099-01-01T00:00:00+01:00"))
+
+    listed = json.loads(ok(cli(store, "entries", "list", "--json")))
+    assert [e["name"] for e in listed] == ["fast", "nightly", "once"]
+    text = ok(cli(store, "entries", "list"))
+    assert "cron '0 2 * * *' Europe/Berlin" in text and "every 5s" in text
+
+    shown = json.loads(ok(cli(store, "entries", "show", "nightly", "--json")))
+    assert shown["task"] == "shop.pay"
+    assert shown["args"] == [1, "a"] and shown["kwargs"] == {"k": 2}
+    assert shown["options"] == {"queue": "payouts"}
+    assert shown["misfire_policy"] == "catch_up" and shown["catch_up_limit"] == 3
+    assert shown["misfire_grace_seconds"] == 30.0
+    assert shown["schedule"]["nonexistent"] == "skip" and shown["schedule"]["repeated"] == "both"
+    assert shown["timezone"] == "Europe/Berlin" and shown["origin"] == "runtime"
+    assert shown["next_fire_at"].endswith(":00Z")
+    once = json.loads(ok(cli(store, "entries", "show", "once", "--json")))
+    assert once["next_fire_at"] == "2098-12-31T23:00:00Z"
+    assert "task" in ok(cli(store, "entries", "show", "fast"))
+
+    # update changes only what is given
+    ok(cli(store, "entries", "update", "nightly", "--misfire-policy", "skip"))
+    after = json.loads(ok(cli(store, "entries", "show", "nightly", "--json")))
+    assert after["misfire_policy"] == "skip"
+    for key in ("task", "args", "kwargs", "options", "schedule", "timezone", "catch_up_limit",
+                "misfire_grace_seconds", "next_fire_at"):
+        assert after[key] == shown[key], key
+    ok(cli(store, "entries", "update", "nightly", "--timezone", "America/New_York"))
+    moved = json.loads(ok(cli(store, "entries", "show", "nightly", "--json")))
+    assert moved["timezone"] == "America/New_York"
+    assert moved["schedule"]["expr"] == "0 2 * * *"
+    assert moved["next_fire_at"] != shown["next_fire_at"]  # recomputed on the new grid
+    fast = json.loads(ok(cli(store, "entries", "show", "fast", "--json")))
+    ok(cli(store, "entries", "update", "fast", "--args", "[7]"))
+    fast2 = json.loads(ok(cli(store, "entries", "show", "fast", "--json")))
+    assert fast2["args"] == [7] and fast2["schedule"] == fast["schedule"]  # grid kept
+
+    ok(cli(store, "entries", "pause", "fast"))
+    paused = json.loads(ok(cli(store, "entries", "show", "fast", "--json")))
+    assert paused["paused"] is True and paused["status"] == "paused"
+    assert paused["next_fire_at"] == fast2["next_fire_at"]  # the grid is kept
+    assert "resumed fast" in ok(cli(store, "entries", "resume", "fast"))
+    assert json.loads(ok(cli(store, "entries", "show", "fast", "--json")))["paused"] is False
+
+    ok(cli(store, "entries", "remove", "once"))
+    assert [e["name"] for e in json.loads(ok(cli(store, "entries", "list", "--json")))] == [
+        "fast", "nightly"]
+    missing = cli(store, "entries", "show", "once")
+    assert missing.exit_code == 1 and "no entry named 'once'" in missing.output
+
+
+def test_add_twice_and_config_entries_are_refused(store: Store) -> None:
+    ok(cli(store, "entries", "add", "a", "--task", "t", "--every", "60"))
+    again = cli(store, "entries", "add", "a", "--task", "t", "--every", "60")
+    assert again.exit_code == 2 and "already exists" in again.output
+    with store.begin() as conn:
+        conn.execute(update(entries).where(entries.c.name == "a").values(origin="config"))
+    upd = cli(store, "entries", "update", "a", "--every", "30")
+    assert upd.exit_code == 2 and "beat_schedule" in upd.output
+    rm = cli(store, "entries", "remove", "a")
+    assert rm.exit_code == 2 and "beat_schedule" in rm.output
+
+
+def test_invalid_input_exits_2_lists_every_problem_and_writes_nothing(store: Store) -> None:
+    r = cli(store, "entries", "add", "bad", "--task", "t", "--cron", "99 * * *",
+            "--timezone", "Mars/Olympus", "--args", "[1", "--kwargs", "[]")
+    assert r.exit_code == 2
+    assert "4 invalid entries" in r.output
+    for needle in ("--args is not JSON", "--kwargs must be a JSON object",
+                   "unknown time zone 'Mars/Olympus'", "has 4 fields"):
+        assert needle in r.output, needle
+    assert r.output.count("entry 'bad'") == 4
+    assert count(store, entries) == 0
+
+    for args in (["--task", "t"],  # no schedule
+                 ["--task", "t", "--every", "5", "--cron", "* * * * *"],
+                 ["--task", "t", "--at", "2030-01-01T00:00:00"],  # naive
+                 ["--task", "t", "--at", "tomorrow"],
+                 ["--task", "t", "--every", "5", "--dst-repeated", "both"],  # cron only
+                 ["--cron", "* * * * *"]):  # no task
+        r = cli(store, "entries", "add", "bad", *args)
+        assert r.exit_code == 2, (args, r.output)
+        assert "entry 'bad'" in r.output, args
+    assert count(store, entries) == 0
+
+
+def test_unknown_task_and_plain_overlap_refused_when_an_app_is_given(store: Store) -> None:
+    r = cli(store, "entries", "add", "x", "--task", "cliapp.nope", "--every", "5", app=True)
+    assert r.exit_code == 2
+    assert "task 'cliapp.nope' is not registered" in r.output
+    r = cli(store, "entries", "add", "x", "--task", "cliapp.plain", "--every", "5",
+            "--overlap-policy", "skip", app=True)
+    assert r.exit_code == 2 and "plain Celery task" in r.output
+    assert count(store, entries) == 0
+    ok(cli(store, "entries", "add", "x", "--task", "cliapp.plain", "--every", "5", app=True))
+
+
+def test_trigger_fires_once_now_under_its_own_key(store: Store) -> None:
+    ok(cli(store, "entries", "add", "rep", "--task", "cliapp.plain", "--cron", "0 3 * * *",
+           "--args", "[1]"))
+    before = json.loads(ok(cli(store, "entries", "show", "rep", "--json")))
+    out1 = ok(cli(store, "entries", "trigger", "rep"))
+    out2 = ok(cli(store, "entries", "trigger", "rep"))
+    assert "queued in the outbox" in out1
+    k1 = out1.split("key ")[1].split(",")[0]
+    k2 = out2.split("key ")[1].split(",")[0]
+    assert k1 != k2 and k1.startswith("rep@manual:")
+    with store.engine.connect() as conn:
+        rows = conn.execute(select(runs).where(runs.c.entry_name == "rep")).all()
+        assert {r.trigger for r in rows} == {"manual"}
+        assert all(r.fire_at is None and r.state == "scheduled" and r.args == [1] for r in rows)
+        box = conn.execute(select(outbox).order_by(outbox.c.id)).all()
+        now = store.now(conn)
+    assert [b.message_id for b in box] == [f"trigger:{k1}", f"trigger:{k2}"]
+    assert all(b.state == "pending" and b.available_at <= now for b in box)
+    assert box[0].payload["headers"]["reliable_beat_trigger"] == "manual"
+    assert box[0].payload["headers"]["reliable_beat_key"] == k1
+    after = json.loads(ok(cli(store, "entries", "show", "rep", "--json")))
+    assert after["next_fire_at"] == before["next_fire_at"]  # the schedule is untouched
+
+    # With an app, the trigger is published at once (in-memory broker) and marked sent.
+    out3 = ok(cli(store, "entries", "trigger", "rep", app=True))
+    k3 = out3.split("key ")[1].split(",")[0]
+    assert "published" in out3
+    with store.engine.connect() as conn:
+        run = conn.execute(select(runs).where(runs.c.idempotency_key == k3)).one()
+        sent = conn.execute(select(outbox).where(outbox.c.message_id == f"trigger:{k3}")).one()
+    assert run.state == "dispatched" and run.dispatched_at is not None
+    assert sent.state == "sent"
+
+    assert cli(store, "entries", "trigger", "nope").exit_code == 1
+
+
+def test_backfill_creates_missing_slots_once(store: Store) -> None:
+    ok(cli(store, "entries", "add", "min", "--task", "t", "--cron", "* * * * *"))
+    now = db_now(store)
+    end = now.replace(second=0, microsecond=0)
+    start = end - timedelta(minutes=10)
+    # A slot that already ran stays untouched.
+    half = json.loads(ok(cli(store, "entries", "backfill", "min", iso(start),
+                             iso(start + timedelta(minutes=3)), "--json")))
+    assert half["created"] == 3 and half["existing"] == 0
+    res = json.loads(ok(cli(store, "entries", "backfill", "min", iso(start), iso(end), "--json")))
+    assert res["slots"] == 10 and res["created"] == 7 and res["existing"] == 3
+    assert res["keys"][0] == f"min@{iso(start + timedelta(minutes=3))}"
+    again = json.loads(ok(cli(store, "entries", "backfill", "min", iso(start), iso(end),
+                              "--json")))
+    assert again["created"] == 0 and again["existing"] == 10
+    assert count(store, runs, runs.c.entry_name == "min") == 10
+    assert count(store, runs, runs.c.trigger == "backfill", runs.c.state == "scheduled") == 10
+    assert count(store, outbox) == 10
+    with store.engine.connect() as conn:
+        fires = conn.execute(select(runs.c.fire_at).where(runs.c.entry_name == "min")).scalars()
+        assert sorted(fires) == [start + timedelta(minutes=i) for i in range(10)]
+    # Future slots are left to the beat.
+    fut = json.loads(ok(cli(store, "entries", "backfill", "min", iso(end),
+                            iso(end + timedelta(hours=1)), "--json")))
+    assert fut["future"] >= 59 and fut["created"] <= 1
+
+    text = ok(cli(store, "entries", "backfill", "min", iso(start), iso(end)))
+    assert "0 runs created, 10 already had a run" in text
+    bad = cli(store, "entries", "backfill", "min", iso(end), iso(start))
+    assert bad.exit_code == 2 and "window is empty" in bad.output
+    naive = cli(store, "entries", "backfill", "min", "2026-01-01T00:00:00", iso(end))
+    assert naive.exit_code == 2 and "no UTC offset" in naive.output
+
+
+def test_backfill_limit_and_force(store: Store) -> None:
+    ok(cli(store, "entries", "add", "sec", "--task", "t", "--cron", "* * * * * *"))
+    end = db_now(store).replace(microsecond=0) - timedelta(seconds=5)
+    start = end - timedelta(seconds=1500)
+    r = cli(store, "entries", "backfill", "sec", iso(start), iso(end))
+    assert r.exit_code == 2 and "more than 1000 slots" in r.output and "--force" in r.output
+    assert count(store, runs) == 0
+    forced = json.loads(ok(cli(store, "entries", "backfill", "sec", iso(start), iso(end),
+                               "--force", "--json")))
+    assert forced["created"] == 1500
+    assert count(store, runs) == 1500 and count(store, outbox) == 1500
+    # The limit comes from the app's settings (reliable_beat_backfill_limit = 50 there).
+    ok(cli(store, "entries", "add", "min", "--task", "cliapp.plain", "--cron", "* * * * *"))
+    r = cli(store, "entries", "backfill", "min", iso(end - timedelta(hours=2)), iso(end), app=True)
+    assert r.exit_code == 2 and "more than 50 slots" in r.output
+    with pytest.raises(BackfillLimitError):
+        backfill(store, "min", end - timedelta(minutes=6), end, limit=5)
+
+
+def test_backfill_with_overlap_skip_releases_one_run_at_a_time(store: Store) -> None:
+    ok(cli(store, "entries", "add", "job", "--task", "t", "--cron", "* * * * *",
+           "--overlap-policy", "skip"))
+    end = db_now(store).replace(second=0, microsecond=0)
+    res = backfill(store, "job", end - timedelta(minutes=3), end, limit=100)
+    assert res.created == 3 and res.buffered == 3
+    assert count(store, outbox) == 0
+    beat = Beat(store, owner="test")
+    released: list[str] = []
+    for _ in range(3):
+        tick = beat.tick()
+        mine = [t.key for t in tick.triggers if t.key in res.keys]
+        assert len(mine) == 1, mine  # one at a time, oldest first
+        released += mine
+        again = beat.tick()  # the released run is active: nothing more is released
+        assert not [t.key for t in again.triggers if t.key in res.keys]
+        with store.begin() as conn:  # the run finishes
+            conn.execute(update(runs).where(runs.c.idempotency_key == mine[0])
+                         .values(state="succeeded"))
+    assert released == res.keys
+
+
+def test_describe_plain_and_idempotent(store: Store) -> None:
+    ok(cli(store, "entries", "add", "p", "--task", "cliapp.plain", "--every", "60", app=True))
+    text = ok(cli(store, "entries", "describe", "p", app=True))
+    assert "Can it run twice? YES" in text and "Is it idempotent? NO" in text
+    assert "(plain)" in text
+    info = json.loads(ok(cli(store, "entries", "describe", "p", "--json", app=True)))
+    assert info["task_kind"] == "plain" and info["period_seconds"] == 60.0
+    assert set(info["questions"]) == {"run_twice", "overlap", "machine_dies", "retry",
+                                      "idempotent"}
+    unknown = json.loads(ok(cli(store, "entries", "describe", "p", "--json")))
+    assert unknown["task_kind"] == "unknown"
+    if HAS_IDEMPOTENT:
+        ok(cli(store, "entries", "add", "i", "--task", "cliapp.idem", "--every", "60",
+               "--overlap-policy", "skip", app=True))
+        info = json.loads(ok(cli(store, "entries", "describe", "i", "--json", app=True)))
+        assert info["task_kind"] == "idempotent"
+        assert info["questions"]["run_twice"]["answer"] == "no"
+        assert info["questions"]["overlap"]["answer"] == "no"
+        assert info["questions"]["idempotent"]["answer"] == "yes"
+
+
+def test_celery_subcommand_plugin(sqlite_store: Store) -> None:
+    """`celery -A APP reliable-beat ...` reaches the same commands (entry point plug-in)."""
+    store = sqlite_store
+    ok(cli(store, "entries", "add", "viacelery", "--task", "cliapp.plain", "--every", "30"))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    celery = Path(sys.executable).with_name("celery")
+    base = [str(celery), "-A", APP, "reliable-beat", "--database-url", store.url]
+    proc = subprocess.run([*base, "entries", "list", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert [e["name"] for e in json.loads(proc.stdout)] == ["viacelery"]
+    # The app comes from celery's own -A: an unknown task is refused like the beat would.
+    proc = subprocess.run(
+        [*base, "entries", "add", "z", "--task", "cliapp.nope", "--every", "5"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "not registered" in proc.stderr

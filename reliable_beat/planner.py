@@ -122,11 +122,14 @@ def plan_entry(
     fire_missed: set[datetime] = set()
     reasons: dict[datetime, str] = {}
     if policy is MisfirePolicy.CATCH_UP:
+        # sets, not lists: a day of 1 s slots must plan in milliseconds, inside the claim
+        # transaction (idle_in_transaction_session_timeout counts this time)
         eligible = [s for s in missed if catch_up_window is None or now - s <= catch_up_window]
+        eligible_set = set(eligible)
         for s in missed:
-            if s not in eligible:
+            if s not in eligible_set:
                 reasons[s] = "misfire:catch_up_window"
-        keep = eligible[-catch_up_limit:] if catch_up_limit > 0 else []
+        keep = set(eligible[-catch_up_limit:]) if catch_up_limit > 0 else set()
         for s in eligible:
             if s in keep:
                 fire_missed.add(s)

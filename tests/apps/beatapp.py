@@ -1,16 +1,61 @@
 """A test Celery app for real `celery beat` processes (acceptance tests).
 
 Configured from the environment so each test can point it at its own servers:
-RB_BROKER_URL, RELIABLE_BEAT_DATABASE_URL, RB_SCHEDULE (JSON: name -> {"cron"|"every", "task"}).
+
+* RB_BROKER_URL, RELIABLE_BEAT_DATABASE_URL, RB_MAX_LOOP (beat_max_loop_interval);
+* RB_SCHEDULE: JSON name -> {"cron": str | "every": seconds, "task", "reliable_beat": {...}};
+* RB_QUEUE: the default queue (each test its own, so messages can be counted in Redis);
+* RB_CLOCK_OFFSET: seconds added to this process's ``time.time`` (fallback when libfaketime
+  is not installed): a beat with a wrong clock. Decisions use the database clock,
+  so it must not matter;
+* RB_FREEZE_FLAG: a file path; when it exists, the next claim query (``... FOR UPDATE SKIP
+  LOCKED``) removes it and the process SIGSTOPs itself right after the claim, i.e. frozen
+  inside its claim transaction, holding the row locks, until someone sends SIGCONT.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
+import signal
+import sys
+import time as _time
 from datetime import timedelta
 
 from celery import Celery
+
+_offset = float(os.environ.get("RB_CLOCK_OFFSET", "0") or 0)
+if _offset:
+    # Without libfaketime (which the tests prefer, see test_beats.py) only ``time.time`` can
+    # be skewed in-process: ``datetime`` is a C type whose ``now`` cannot be patched safely.
+    _real_time = _time.time
+
+    def _skewed_time() -> float:
+        return _real_time() + _offset
+
+    _time.time = _skewed_time  # type: ignore[assignment]
+    print(f"beatapp: local clock skewed by {_offset:+.0f} s", file=sys.stderr, flush=True)
+if os.environ.get("FAKETIME"):
+    print(f"beatapp: libfaketime FAKETIME={os.environ['FAKETIME']} "
+          f"local now {_dt.datetime.now(_dt.timezone.utc).isoformat()}",
+          file=sys.stderr, flush=True)
+
+_freeze_flag = os.environ.get("RB_FREEZE_FLAG")
+if _freeze_flag:
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    @event.listens_for(Engine, "after_cursor_execute")
+    def _freeze_inside_claim(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
+        if "SKIP LOCKED" in statement and "reliable_beat_entries" in statement and (
+            cursor.rowcount and os.path.exists(_freeze_flag)
+        ):
+            os.unlink(_freeze_flag)
+            print("beatapp: FROZEN inside the claim transaction", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            print("beatapp: THAWED", file=sys.stderr, flush=True)
+
 
 app = Celery("beatapp", broker=os.environ.get("RB_BROKER_URL", "memory://"))
 app.conf.beat_scheduler = "reliable_beat.celery:ReliableScheduler"
@@ -18,6 +63,8 @@ app.conf.reliable_beat_database_url = os.environ["RELIABLE_BEAT_DATABASE_URL"]
 app.conf.beat_max_loop_interval = float(os.environ.get("RB_MAX_LOOP", "5"))
 app.conf.timezone = "UTC"
 app.conf.broker_connection_retry_on_startup = True
+if os.environ.get("RB_QUEUE"):
+    app.conf.task_default_queue = os.environ["RB_QUEUE"]
 
 
 @app.task(name="beatapp.tick")

@@ -1,0 +1,415 @@
+"""Proof of the scheduler: real ``celery beat`` processes, real PostgreSQL and Redis.
+
+Every test bounds its waits, and the ``procs`` fixture kills every beat it started. Each
+prints its figures (slots checked, duplicates, missing, messages) for the closing note.
+Set ``RELIABLE_BEAT_ACCEPT_SECONDS=60`` for the full-length 3-beat run (CI default: 30).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries, outbox, runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
+import procs as procs_mod  # tests/apps
+
+UTC = timezone.utc
+SECOND = timedelta(seconds=1)
+ACCEPT_SECONDS = float(os.environ.get("RELIABLE_BEAT_ACCEPT_SECONDS", "30"))
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[procs_mod.BeatProcs]:
+    manager = procs_mod.BeatProcs(logdir=tmp_path)
+    try:
+        yield manager
+    finally:
+        manager.cleanup()
+
+
+class Harness:
+    def __init__(self, store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> None:
+        self.store = store
+        self.redis = redis.Redis.from_url(redis_url)
+        self.queue = f"rbq_{uuid.uuid4().hex[:10]}"
+        self.procs = procs
+        procs.env.update(RB_BROKER_URL=redis_url, RELIABLE_BEAT_DATABASE_URL=store.url,
+                         RB_QUEUE=self.queue, RB_MAX_LOOP="1")
+
+    def schedule(self, spec: dict[str, Any]) -> None:
+        self.procs.env["RB_SCHEDULE"] = json.dumps(spec)
+
+    def now(self) -> datetime:
+        with self.store.begin() as conn:
+            return self.store.now(conn)
+
+    def runs(self) -> list[Any]:
+        with self.store.engine.connect() as conn:
+            return list(conn.execute(select(runs).order_by(runs.c.entry_name, runs.c.fire_at)))
+
+    def outbox(self) -> list[Any]:
+        with self.store.engine.connect() as conn:
+            return list(conn.execute(select(outbox)))
+
+    def entries(self) -> list[Any]:
+        with self.store.engine.connect() as conn:
+            return list(conn.execute(select(entries)))
+
+    def messages(self) -> list[dict[str, Any]]:
+        raw = self.redis.lrange(self.queue, 0, -1)
+        return [json.loads(m)["headers"] for m in raw]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {b.name} (pid {b.pid}) ---\n{b.output()[-3000:]}"
+                         for b in self.procs.beats)
+
+
+@pytest.fixture
+def h(pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[Harness]:
+    harness = Harness(pg_store, redis_url, procs)
+    yield harness
+    harness.redis.delete(harness.queue)
+    harness.redis.close()
+
+
+def every_second(n_cron: int, n_interval: int, **rb: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    for i in range(n_cron):
+        spec[f"cron{i:02d}"] = {"cron": "* * * * * */1", "reliable_beat": dict(rb)}
+    for i in range(n_interval):
+        spec[f"every{i:02d}"] = {"every": 1, "reliable_beat": dict(rb)}
+    return spec
+
+
+def ceil_s(at: datetime) -> datetime:
+    return at.replace(microsecond=0) + (SECOND if at.microsecond else timedelta(0))
+
+
+def check_window(h: Harness, names: list[str], t0: datetime, t1: datetime,
+                 label: str) -> dict[str, int]:
+    """Every whole-second slot in [t0, t1] of every entry: exactly one run row, dispatched,
+    and exactly one message in the broker. Returns (and prints) the figures."""
+    slots = []
+    s = ceil_s(t0)
+    while s <= t1:
+        slots.append(s)
+        s += SECOND
+    rows = h.runs()
+    row_count = Counter((r.entry_name, r.fire_at) for r in rows)
+    msgs = h.messages()
+    msg_keys = Counter(m.get("reliable_beat_key") for m in msgs)
+    msg_ids = Counter(m.get("id") for m in msgs)
+    missing_rows = missing_msgs = doubled = not_sent = 0
+    problems: list[str] = []
+    by_key = {r.idempotency_key: r for r in rows}
+    for name in names:
+        for slot in slots:
+            key = f"{name}@{slot:%Y-%m-%dT%H:%M:%SZ}"
+            n = row_count.get((name, slot), 0)
+            if n == 0:
+                missing_rows += 1
+                problems.append(f"no run row {key}")
+            elif by_key[key].state not in ("dispatched",):
+                not_sent += 1
+                problems.append(f"{key} state {by_key[key].state} ({by_key[key].reason})")
+            m = msg_keys.get(key, 0)
+            if m == 0:
+                missing_msgs += 1
+                problems.append(f"no message {key}")
+            elif m > 1:
+                doubled += 1
+                problems.append(f"{m} messages {key}")
+    figures = {
+        "entries": len(names),
+        "slots_checked": len(names) * len(slots),
+        "missing_runs": missing_rows,
+        "missing_messages": missing_msgs,
+        "duplicates": doubled + sum(1 for v in row_count.values() if v > 1),
+        "not_dispatched": not_sent,
+        "messages_total": len(msgs),
+        "distinct_keys_total": len(msg_keys),
+        "distinct_task_ids_total": len(msg_ids),
+        "run_rows_total": len(rows),
+    }
+    print(f"\n[{label}] window {t0:%H:%M:%S}..{t1:%H:%M:%S} ({len(slots)} s): {figures}")
+    assert not problems, f"{len(problems)} problems, e.g. {problems[:10]}\n{h.logs()}"
+    # globally: no key was published twice, one task id per key
+    assert [k for k, v in msg_keys.items() if v > 1] == []
+    assert len(msg_ids) == len(msg_keys) == len(msgs)
+    return figures
+
+
+def wait_running(h: Harness, n_entries: int, timeout: float = 30) -> datetime:
+    """Wait until the beats synced and slots fire; returns the DB time then."""
+    procs_mod.wait_for(lambda: len(h.entries()) >= n_entries and h.runs(), timeout,
+                       "beats to sync and fire")
+    return h.now()
+
+
+def stop_all(h: Harness) -> None:
+    for b in h.procs.beats:
+        h.procs.terminate(b)
+
+
+# -- 3 beats, 50 entries every second ---------------------------------------------------------
+def test_three_beats_fifty_entries_every_second(h: Harness) -> None:
+    spec = every_second(25, 25, misfire_policy="catch_up")
+    h.schedule(spec)
+    for i in range(3):
+        h.procs.start(f"beat{i}")
+    start = wait_running(h, 50)
+    t0 = start + 3 * SECOND  # all three are up and synced by then
+    procs_mod.wait_for(lambda: h.now() > t0 + ACCEPT_SECONDS * SECOND, ACCEPT_SECONDS + 30,
+                       "the run to last")
+    t1 = h.now() - 3 * SECOND
+    assert all(b.alive() for b in h.procs.beats), h.logs()
+    # let the last publishes of the window land, then stop
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                    and o.created_at <= t1 + SECOND], 10, "publishes")
+    stop_all(h)
+    figures = check_window(h, sorted(spec), t0, t1, "3 beats x 50 entries")
+    # all three took part
+    owners = Counter(o.claimed_by for o in h.outbox())
+    assert len(owners) == 3, owners
+    print(f"[3 beats x 50 entries] triggers per beat: {dict(owners)}")
+    assert figures["duplicates"] == 0 and figures["missing_messages"] == 0
+
+
+# -- SIGKILL one beat mid-run, start it again ------------------------------------------------
+def test_sigkill_and_restart_one_beat(h: Harness) -> None:
+    spec = every_second(10, 10, misfire_policy="catch_up")
+    h.schedule(spec)
+    beats = [h.procs.start(f"beat{i}") for i in range(3)]
+    t0 = wait_running(h, 20) + 3 * SECOND
+    procs_mod.wait_for(lambda: h.now() > t0 + 5 * SECOND, 20, "running")
+    h.procs.kill(beats[0])
+    procs_mod.wait_for(lambda: h.now() > t0 + 9 * SECOND, 20, "running without it")
+    h.procs.start("beat0-again")
+    procs_mod.wait_for(lambda: h.now() > t0 + 17 * SECOND, 30, "running again")
+    t1 = h.now() - 3 * SECOND
+    # a trigger the SIGKILL left committed-but-unsent is swept (sweep delay 10 s)
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                    and o.created_at <= t1 + SECOND], 30, "unsent triggers")
+    stop_all(h)
+    check_window(h, sorted(spec), t0, t1, "SIGKILL + restart")
+
+
+# -- SIGSTOP for 15 s, one of them frozen inside its claim transaction -----------------------
+def test_sigstop_inside_claim_transaction(h: Harness, tmp_path: Path) -> None:
+    spec = every_second(10, 10, misfire_policy="catch_up")
+    h.schedule(spec)
+    flag = tmp_path / "freeze-now"
+    frozen = h.procs.start("frozen", RB_FREEZE_FLAG=str(flag))
+    stopped = h.procs.start("stopped")
+    h.procs.start("healthy")
+    t0 = wait_running(h, 20) + 3 * SECOND
+    procs_mod.wait_for(lambda: h.now() > t0 + 2 * SECOND, 20, "running")
+    flag.touch()
+    procs_mod.wait_for(lambda: "FROZEN inside the claim" in frozen.output(), 15,
+                       "the beat to freeze inside its claim transaction")
+    h.procs.stop(stopped)  # the other one frozen at an arbitrary point
+    frozen_at = h.now()
+    procs_mod.wait_for(lambda: h.now() > frozen_at + 15 * SECOND, 30, "15 s of freeze")
+    h.procs.cont(frozen)
+    h.procs.cont(stopped)
+    thawed_at = h.now()
+    procs_mod.wait_for(lambda: h.now() > thawed_at + 8 * SECOND, 30, "running after thaw")
+    t1 = h.now() - 3 * SECOND
+    assert frozen.alive() and stopped.alive(), h.logs()
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                    and o.created_at <= t1 + SECOND], 30, "unsent triggers")
+    stop_all(h)
+    figures = check_window(h, sorted(spec), t0, t1, "SIGSTOP 15 s (one inside its claim)")
+    # the others took the frozen beat's entries over within the bound
+    # (idle_in_transaction_session_timeout = lock_timeout = 5 s), not after the 15 s pause
+    late = [(r.idempotency_key, (r.created_at - r.fire_at).total_seconds())
+            for r in h.runs() if frozen_at <= r.fire_at <= thawed_at]
+    worst = max(s for _, s in late)
+    print(f"[SIGSTOP] slots during freeze {len(late)}, worst lateness {worst:.1f} s "
+          f"(bound 5 s + tick), {figures['slots_checked']} slots checked")
+    assert worst < 8.0, sorted(late, key=lambda x: -x[1])[:5]
+    assert "THAWED" in frozen.output()
+    # the thawed beats go on firing (no crash, no stuck state)
+    owners_after = {o.claimed_by for o in h.outbox() if o.created_at > thawed_at + 2 * SECOND}
+    assert len(owners_after) >= 2, owners_after
+
+
+# -- a beat with a wrong local clock ---------------------------------------------------------
+def test_local_clock_off_by_five_minutes(h: Harness) -> None:
+    spec = every_second(5, 5, misfire_policy="catch_up")
+    h.schedule(spec)
+    lib = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1")
+                 + glob.glob("/usr/lib/faketime/libfaketimeMT.so.1"))
+    if lib:  # the whole process's clock (time, datetime, C calls) is off by +-5 min
+        skew = [{"LD_PRELOAD": lib[0], "FAKETIME": off, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+                 "FAKETIME_DONT_RESET": "1"} for off in ("+5m", "-5m")]
+    else:  # fallback: only time.time is skewed
+        skew = [{"RB_CLOCK_OFFSET": off} for off in ("300", "-300")]
+    fast = h.procs.start("fast", **skew[0])
+    slow = h.procs.start("slow", **skew[1])
+    t0 = wait_running(h, 10) + 3 * SECOND
+    procs_mod.wait_for(lambda: h.now() > t0 + 12 * SECOND, 30, "running")
+    t1 = h.now() - 3 * SECOND
+    if lib:
+        for beat, sign in ((fast, 1), (slow, -1)):
+            line = next(x for x in beat.output().splitlines() if "local now" in x)
+            local = datetime.fromisoformat(line.split("local now ")[1].strip())
+            # the beat started < 60 s ago by the database clock; its own clock says +-5 min
+            assert abs((local - h.now()).total_seconds() - sign * 300) < 60, line
+            print(f"[clock] {beat.name}: {line.split('beatapp: ')[1]}")
+    else:
+        assert "skewed by +300" in fast.output() and "skewed by -300" in slow.output()
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                    and o.created_at <= t1 + SECOND], 15, "publishes")
+    stop_all(h)
+    check_window(h, sorted(spec), t0, t1, "clock +-5 min")
+    rows = [r for r in h.runs() if r.fire_at >= t0]
+    early = [r.idempotency_key for r in rows if r.created_at < r.fire_at]
+    assert early == [], f"fired before its slot: {early[:5]}"
+    lateness = [(r.created_at - r.fire_at).total_seconds() for r in rows]
+    assert max(lateness) < 2.0, max(lateness)
+    owners = Counter(o.claimed_by for o in h.outbox())
+    assert len(owners) == 2, owners  # both skewed beats fired, neither early nor twice
+
+
+# -- downtime: all beats stopped, one comes back ---------------------------------------------
+def test_downtime_misfire_policies(h: Harness) -> None:
+    spec = {p: {"every": 1, "reliable_beat": {"misfire_policy": p, "misfire_grace": 2}}
+            for p in ("catch_up", "fire_once", "skip")}
+    h.schedule(spec)
+    first = h.procs.start("before")
+    wait_running(h, 3)
+    procs_mod.wait_for(lambda: len(h.runs()) >= 9, 20, "some slots")
+    assert h.procs.terminate(first) == 0, first.output()
+    down_at = h.now()
+    procs_mod.wait_for(lambda: h.now() > down_at + 10 * SECOND, 20, "10 s of downtime")
+    h.procs.start("after")
+    procs_mod.wait_for(lambda: h.now() > down_at + 15 * SECOND, 20, "running after")
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"], 15,
+                       "publishes")
+    stop_all(h)
+    rows = h.runs()
+    msgs = Counter(m["reliable_beat_key"] for m in h.messages())
+    missed_counts = {}
+    for policy in spec:
+        mine = [r for r in rows if r.entry_name == policy]
+        slots = [r.fire_at for r in mine]
+        assert slots == [slots[0] + k * SECOND for k in range(len(slots))], f"{policy}: gap"
+        missed = [r for r in mine if r.state == "skipped" or r.trigger == "catch_up"]
+        fired_missed = [r for r in missed if r.state != "skipped"]
+        skipped = [r for r in missed if r.state == "skipped"]
+        assert len(missed) >= 7, (policy, len(missed))  # 10 s down, 2 s grace
+        assert missed == mine[mine.index(missed[0]):mine.index(missed[-1]) + 1]  # one block
+        if policy == "catch_up":
+            assert skipped == [] and all(r.state == "dispatched" for r in fired_missed)
+        elif policy == "fire_once":
+            assert [r.fire_at for r in fired_missed] == [missed[-1].fire_at]
+            assert {r.reason for r in skipped} == {"misfire:fire_once"}
+            assert len(skipped) == len(missed) - 1
+        else:
+            assert fired_missed == [] and {r.reason for r in skipped} == {"misfire:skip"}
+        for r in mine:  # exactly one message per fired slot, none for a skipped one
+            assert msgs.get(r.idempotency_key, 0) == (0 if r.state == "skipped" else 1), r
+        missed_counts[policy] = (len(missed), len(fired_missed), len(skipped))
+    print(f"\n[downtime] per policy (missed, fired of missed, skipped recorded): {missed_counts}")
+    assert max(m for m, _, _ in missed_counts.values()) - min(
+        m for m, _, _ in missed_counts.values()) <= 1
+
+
+# -- bad input -------------------------------------------------------------------------------
+def test_bad_beat_schedule_refuses_to_start(h: Harness) -> None:
+    h.schedule({
+        "bad_cron": {"cron": "61 * * * *"},
+        "bad_zone": {"every": 5, "reliable_beat": {"timezone": "Mars/Olympus_Mons"}},
+        "bad_policy": {"every": 5, "reliable_beat": {"misfire_policy": "sometimes"}},
+        "fine": {"every": 5},
+    })
+    beat = h.procs.start("bad")
+    procs_mod.wait_for(lambda: not beat.alive(), 30, "beat to exit")
+    out = beat.output()
+    assert beat.proc.returncode != 0, out
+    for name in ("bad_cron", "bad_zone", "bad_policy", "Mars/Olympus_Mons", "61"):
+        assert name in out, out[-3000:]
+    assert "'fine'" not in out
+    assert h.entries() == []  # nothing synced
+
+
+def test_database_down_at_start(redis_url: str, procs: procs_mod.BeatProcs) -> None:
+    from reliable_beat.db.migrate import upgrade
+    from reliable_beat.testing.servers import PostgresServer
+
+    try:
+        server = PostgresServer()
+        server.start(init=True)
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"PostgreSQL not available: {exc}")
+    try:
+        store = Store.from_url(server.url, role="cli")
+        upgrade(store)
+        store.dispose()
+        server.stop()
+        h = Harness(store, redis_url, procs)
+        h.schedule({"e": {"every": 1}})
+        beat = procs.start("early")
+        procs_mod.wait_for(lambda: "unavailable" in beat.output(), 20, "the error log")
+        time.sleep(6)
+        assert beat.alive(), beat.output()
+        retries = beat.output().count("unavailable at start")
+        assert 1 <= retries <= 6, beat.output()  # backoff, not a crash loop
+        server.start()
+        procs_mod.wait_for(lambda: len(h.runs()) >= 3, 45, "slots after the database came up")
+        assert beat.alive()
+        procs_mod.wait_for(lambda: len(h.messages()) >= 3, 15, "messages")
+        print(f"\n[database down at start] {retries} logged retries, then "
+              f"{len(h.runs())} runs / {len(h.messages())} messages")
+        procs.terminate(beat)
+        store.dispose()
+        h.redis.delete(h.queue)
+    finally:
+        procs.cleanup()
+        server.__exit__(None, None, None)
+
+
+def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None:
+    from reliable_beat.testing.servers import free_port
+
+    h.schedule({"a": {"every": 1}, "b": {"cron": "* * * * * */1"}})
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    beat = h.procs.start("nobroker", RB_BROKER_URL=dead)
+    procs_mod.wait_for(lambda: len(h.runs()) >= 8, 40, "runs while the broker is down")
+    assert beat.alive(), beat.output()
+    h.procs.terminate(beat)
+    rows = h.runs()
+    ob = {o.run_id: o for o in h.outbox()}
+    assert rows and all(r.state == "scheduled" for r in rows), [r.state for r in rows]
+    assert all(ob[r.id].state == "pending" for r in rows)
+    assert h.messages() == []
+    for name in ("a", "b"):
+        s = [r.fire_at for r in rows if r.entry_name == name]
+        assert s == [s[0] + k * SECOND for k in range(len(s))]
+    # the broker is back (a beat on the real one): every kept trigger is delivered, once
+    h.schedule({"a": {"every": 1}, "b": {"cron": "* * * * * */1"}})
+    h.procs.start("withbroker")
+    procs_mod.wait_for(lambda: all(o.state == "sent" for o in h.outbox()
+                                   if o.run_id in {r.id for r in rows}), 40,
+                       "the kept triggers to be sent")
+    stop_all(h)
+    keys = Counter(m["reliable_beat_key"] for m in h.messages())
+    assert all(keys[r.idempotency_key] == 1 for r in rows)
+    print(f"\n[broker down] {len(rows)} triggers kept pending, all delivered once afterwards")

@@ -52,7 +52,7 @@ class Sizes:
 
 SIZES = {
     "smoke": Sizes("smoke", 1_000, 500, (1, 2), [1_000, 10_000], [1_000, 10_000], [1_000, 10_000],
-                   10, 5.0, 200, 1_000),
+                   10, 3.0, 200, 1_000),
     "full": Sizes("full", 20_000, 500, (1, 2, 4), [1_000, 100_000, 1_000_000, 10_000_000],
                   [1_000, 100_000], [1_000, 100_000, 1_000_000], 100, 30.0, 2_000, 20_000),
 }
@@ -148,7 +148,8 @@ def seed_entries(url: str, start: int, stop: int, *, due_in: str, every: int = 1
                    now(), now()
             FROM generate_series(%(a)s::bigint, %(b)s::bigint) AS g
             """,
-            {"spec": spec, "grace": grace, "due": due_in, "spread": spread, "a": start, "b": stop - 1},
+            {"spec": spec, "grace": grace, "due": due_in, "spread": spread, "a": start,
+             "b": stop - 1},
         )
         conn.execute("ANALYZE reliable_beat_entries")
     return time.perf_counter() - t0
@@ -160,7 +161,7 @@ def pct(values: Sequence[float], p: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, round(p / 100 * len(s) + 0.5) - 1))
     return s[k]
 
 
@@ -177,7 +178,7 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:
         if isinstance(v, float):
             if v != v:
-                return "–"
+                return "-"
             return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
         if isinstance(v, int):
             return f"{v:,}"
@@ -210,8 +211,9 @@ def machine(env: Env) -> str:
     rv = r.info("server")["redis_version"]
     r.close()
     try:
-        import redbeat  # noqa: F401
         from importlib.metadata import version
+
+        import redbeat  # noqa: F401
 
         rb = version("celery-redbeat")
     except Exception:

@@ -145,8 +145,8 @@ def seed_redbeat(redis_url: str, start: int, stop: int) -> float:
     pipe = r.pipeline(transaction=False)
     for i in range(start, stop):
         name = f"bench-{i}"
-        definition = ('{"name": "%s", "task": "bench.noop", "args": [], "kwargs": {}, '
-                      '"options": {}, "schedule": %s, "enabled": true}' % (name, sched))
+        definition = (f'{{"name": "{name}", "task": "bench.noop", "args": [], "kwargs": {{}}, '
+                      f'"options": {{}}, "schedule": {sched}, "enabled": true}}')
         last = now + random.random() * 86400
         pipe.hset(f"redbeat:{name}", mapping={
             "definition": definition,
@@ -202,7 +202,7 @@ def run(env: Env) -> str:
     all_n = sorted(set(sizes) | set(size.stock_sizes) | set(size.redbeat_sizes))
 
     def fmt(d: dict[int, dict[str, Any]], n: int, key: str, scale: float = 1.0) -> Any:
-        return d[n][key] / scale if n in d else "–"
+        return d[n][key] / scale if n in d else "-"
 
     for n in all_n:
         rows.append([n, fmt(ours, n, "tick_ms"), fmt(ours, n, "rss_kib", 1024),
@@ -223,7 +223,7 @@ def run(env: Env) -> str:
               rows),
         "",
         table(["ratio", "measured", "target", ""], [
-            [f"idle tick {large:,} / {small:,}", f"{tick_ratio:.2f}×", "≤ 2×",
+            [f"idle tick {large:,} / {small:,}", f"{tick_ratio:.2f}x", "≤ 2x",
              check(tick_ratio <= TARGET_TICK)],
             [f"RSS {large:,} vs {small:,}", f"{rss_ratio:+.1%}", "≤ +10%",
              check(rss_ratio <= TARGET_RSS)],

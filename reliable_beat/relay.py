@@ -176,7 +176,7 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
     changed = conn.execute(
         update(outbox)
         .where(outbox.c.id.in_(id_list), outbox.c.state == "pending")
-        .values(state="sent", sent_at=now, claimed_by=None, last_error=None)
+        .values(state="sent", sent_at=now, last_error=None)
     ).rowcount
     _move_runs(conn, id_list, frm="scheduled", to="dispatched", now=now, dispatched=True)
     return int(changed or 0)

@@ -15,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import select as _select
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -95,6 +98,22 @@ def publish_messages(store: Store, app: Any, messages: list[OutboxMessage], now:
         # Published but not marked: a relay re-sends them later (at least once, same task id).
         log.error("could not mark %d triggers sent (%s)", len(sent), exc)
     return len(sent)
+
+
+@contextlib.contextmanager
+def _deferred_stop_signals() -> Iterator[None]:
+    """Hold SIGTERM/SIGINT back while the block runs (main thread, POSIX); no-op elsewhere."""
+    stop = {signal.SIGTERM, signal.SIGINT}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class ReliableScheduler(Scheduler):  # type: ignore[misc]
@@ -186,7 +205,18 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
 
     # -- the loop --------------------------------------------------------------------------
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """One claim transaction, then publish; returns seconds until the next tick."""
+        """One claim transaction, then publish; returns seconds until the next tick.
+
+        SIGTERM / SIGINT are held back (``pthread_sigmask``) from the claim until the
+        triggers are marked sent, so a graceful stop never splits a commit from its publish;
+        the signal is delivered right after. Only SIGKILL can, and then the sweep (or a relay)
+        publishes the committed triggers later, under the same task ids.
+        """
+        with _deferred_stop_signals():
+            wait = self._tick()
+        return self._wait_after(wait)
+
+    def _tick(self) -> TickResult | float:
         self._tick_started = time.monotonic()
         try:
             result = self._beat.tick()
@@ -204,7 +234,12 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             self._sweep()
         except (StoreUnavailableError, DBAPIError) as exc:
             log.error("trigger sweep failed (%s); retrying on a later tick", exc)
-        return self._wait(result)
+        return result
+
+    def _wait_after(self, outcome: TickResult | float) -> float:
+        if isinstance(outcome, TickResult):
+            return self._wait(outcome)
+        return outcome
 
     def _publish(self, result: TickResult) -> None:
         assert result.now is not None

@@ -29,6 +29,7 @@ COMMAND_MODULES = [
     "reliable_beat.cli_relay",
     "reliable_beat.cli_status",
     "reliable_beat.metrics",
+    "reliable_beat.cli_runs",
 ]
 
 

@@ -1,0 +1,209 @@
+"""``reliable-beat runs``, ``runs show KEY``, ``dead-letters list|show|requeue``, ``lease clear``.
+
+Read commands print a table, or JSON with ``--json``. ``dead-letters requeue`` is a
+person's decision: it asks for confirmation unless ``--yes``, records who requeued
+(``--by``, default ``$USER``), resets the run and sends the task again under the **same**
+idempotency key through the Celery app (``-A`` is required for it).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import click
+
+from reliable_beat import runs
+from reliable_beat.celery.commands import CliContext, pass_cli
+
+__all__ = ["register"]
+
+_KEY_HEADER = "reliable_beat_key"
+
+
+def _parse_since(value: str) -> datetime:
+    """``2026-01-10T12:00:00Z`` (ISO 8601 with offset) or a relative ``15m``/``2h``/``3d``."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if value and value[-1] in units and value[:-1].replace(".", "", 1).isdigit():
+        return datetime.now(timezone.utc) - timedelta(seconds=float(value[:-1]) * units[value[-1]])
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r}: expected ISO 8601 with offset or 15m/2h/3d") from exc
+    if parsed.tzinfo is None:
+        raise click.BadParameter(f"{value!r} has no time zone; add Z or +HH:MM")
+    return parsed.astimezone(timezone.utc)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+    if value is None:
+        return "-"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for row in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+@click.group("runs", invoke_without_command=True)
+@click.option("--entry", default=None, help="Only runs of this entry.")
+@click.option("--state", default=None,
+              type=click.Choice(["scheduled", "dispatched", "running", "succeeded", "retrying",
+                                 "dead", "skipped"]))
+@click.option("--since", default=None, help="Created at/after: ISO 8601 (UTC offset) or 15m/2h/3d.")
+@click.option("--limit", default=50, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def runs_group(ctx: click.Context, entry: str | None, state: str | None, since: str | None,
+               limit: int, as_json: bool) -> None:
+    """List runs, newest first (one row per slot or ad-hoc key)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    cli = ctx.find_object(CliContext)
+    assert cli is not None
+    rows = runs.list_runs(cli.store, entry=entry, state=state,
+                          since=_parse_since(since) if since else None, limit=limit)
+    if as_json:
+        cli.echo_json(rows)
+        return
+    _table(rows, ["idempotency_key", "state", "trigger", "attempts", "fence_token", "leased_by",
+                  "lease_expires_at", "created_at", "finished_at"])
+
+
+@runs_group.command("show")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True)
+@pass_cli
+def runs_show(cli: CliContext, key: str, as_json: bool) -> None:
+    """One run and its attempts (with fence tokens), by idempotency KEY."""
+    try:
+        run = runs.get_run(cli.store, key)
+    except runs.RunNotFound as exc:
+        raise click.ClickException(str(exc)) from exc
+    tries = runs.list_attempts(cli.store, run["id"])
+    if as_json:
+        cli.echo_json({"run": run, "attempts": tries})
+        return
+    for name in ("idempotency_key", "id", "entry_name", "fire_at", "trigger", "task", "state",
+                 "fence_token", "leased_by", "lease_expires_at", "attempts", "result", "reason",
+                 "created_at", "started_at", "finished_at"):
+        click.echo(f"{name:17} {_fmt(run.get(name))}")
+    if run.get("error"):
+        click.echo("error:\n  " + str(run["error"]).strip().replace("\n", "\n  "))
+    click.echo("")
+    _table(tries, ["attempt", "fence_token", "outcome", "worker", "task_id", "started_at",
+                   "finished_at", "retry_in_seconds"])
+
+
+@click.group("dead-letters")
+def dead_letters_group() -> None:
+    """Runs and outbox rows that failed for good; nothing here is deleted automatically."""
+
+
+@dead_letters_group.command("list")
+@click.option("--pending", is_flag=True, help="Only those not requeued yet.")
+@click.option("--limit", default=100, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True)
+@pass_cli
+def dl_list(cli: CliContext, pending: bool, limit: int, as_json: bool) -> None:
+    """List dead letters, newest first."""
+    rows = runs.list_dead_letters(cli.store, include_requeued=not pending, limit=limit)
+    if as_json:
+        cli.echo_json(rows)
+        return
+    _table(rows, ["id", "kind", "key", "task", "reason", "attempts", "created_at",
+                  "requeued_at", "requeued_by"])
+
+
+@dead_letters_group.command("show")
+@click.argument("dead_letter_id", type=int)
+@pass_cli
+def dl_show(cli: CliContext, dead_letter_id: int) -> None:
+    """One dead letter as JSON (payload, error, attempts)."""
+    try:
+        cli.echo_json(runs.get_dead_letter(cli.store, dead_letter_id))
+    except runs.DeadLetterNotFound as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@dead_letters_group.command("requeue")
+@click.argument("dead_letter_id", type=int)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True, help="Requeue even if it was requeued before.")
+@click.option("--by", default=None, help="Who decided (default: the current user).")
+@click.option("--queue", default=None,
+              help="Send to this queue (default: the queue the task died on, else the app's).")
+@pass_cli
+def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
+               by: str | None, queue: str | None) -> None:
+    """Run a dead run again under the SAME idempotency key (needs -A APP)."""
+    if cli.app is None:
+        raise click.UsageError("requeue sends the task through the Celery app: pass -A APP")
+    try:
+        dl = runs.get_dead_letter(cli.store, dead_letter_id)
+    except runs.DeadLetterNotFound as exc:
+        raise click.ClickException(str(exc)) from exc
+    if dl["kind"] != "run":
+        raise click.ClickException(f"dead letter {dead_letter_id} is a {dl['kind']} dead letter; "
+                                   "only run dead letters can be requeued here")
+    payload = dl["payload"]
+    if not yes:
+        click.confirm(
+            f"Requeue {payload['task']} under key {payload['key']!r} "
+            f"(died: {dl['reason']}, {dl['attempts']} attempts)?", abort=True)
+    who = by or getpass.getuser()
+    try:
+        runs.requeue_dead_letter(cli.store, dead_letter_id, by=who, force=force)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    headers = dict(payload.get("headers") or {})
+    headers[_KEY_HEADER] = payload["key"]
+    try:
+        cli.app.send_task(payload["task"], args=payload.get("args") or [],
+                          kwargs=payload.get("kwargs") or {}, headers=headers,
+                          task_id=str(uuid.uuid4()), queue=queue or payload.get("queue"))
+    except Exception as exc:
+        runs.undo_requeue(cli.store, dead_letter_id)
+        raise click.ClickException(f"could not send the task ({exc}); the run stays dead") from exc
+    runs.mark_dispatched(cli.store, payload["key"])
+    click.echo(f"requeued dead letter {dead_letter_id}: {payload['task']} "
+               f"under key {payload['key']!r}")
+
+
+@click.group("lease")
+def lease_group() -> None:
+    """Run leases."""
+
+
+@lease_group.command("clear")
+@click.argument("key")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@pass_cli
+def lease_clear(cli: CliContext, key: str, yes: bool) -> None:
+    """Free the lease on KEY, fencing its holder out (its commit will be rejected)."""
+    if not yes:
+        click.confirm(f"Clear the lease on {key!r}? Its current holder's work will be "
+                      "rolled back when it tries to commit.", abort=True)
+    try:
+        fence = runs.clear_lease(cli.store, key)
+    except runs.RunNotFound as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"lease on {key!r} cleared; fence token is now {fence}")
+
+
+def register(group: click.Group) -> None:
+    """Add ``runs``, ``dead-letters`` and ``lease`` to the ``reliable-beat`` group."""
+    group.add_command(runs_group)
+    group.add_command(dead_letters_group)
+    group.add_command(lease_group)

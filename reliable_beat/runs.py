@@ -1,0 +1,720 @@
+"""Runs: claim (lease + fence), fenced completion, attempts, failures and dead letters.
+
+Framework-neutral: the Celery adapter (:mod:`reliable_beat.celery.task`) and a future
+Dramatiq adapter call these functions; nothing here imports Celery.
+
+Life of a run (``reliable_beat_runs.state``)::
+
+    scheduled -> dispatched -> running -> succeeded
+                                 |  \\-> retrying -> running ...
+                                 \\-> dead  (dead-letter row; requeue -> scheduled -> dispatched)
+
+Every try is a row in ``reliable_beat_attempts``. ``runs.attempts`` counts the tries that
+*ran the body* (claims that took the lease), the first included; it is reset to 0 when a
+person requeues a dead letter, so the requeued run gets a fresh retry budget. Attempt rows
+that did not run the body (``deduplicated``, ``busy``) carry the run's current count.
+
+Fencing (design.md invariant 6): every claim that takes the lease increments
+``fence_token``. Every later write of the runner (renewal, completion, failure) has
+``WHERE fence_token = :mine``; zero rows means a newer claim superseded it.
+
+All instants come from the database clock (:meth:`Store.now`), never the local clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import attempts, dead_letters, runs
+from reliable_beat.errors import StaleFenceToken
+
+__all__ = [
+    "UNFINISHED_STATES",
+    "Claim",
+    "DeadLetterNotFound",
+    "RunNotFound",
+    "claim_run",
+    "clear_lease",
+    "complete",
+    "db_now",
+    "format_error",
+    "get_dead_letter",
+    "get_run",
+    "list_attempts",
+    "list_dead_letters",
+    "list_runs",
+    "mark_dispatched",
+    "record_failure",
+    "record_fenced_out",
+    "renew_lease",
+    "requeue_dead_letter",
+    "set_result",
+    "undo_requeue",
+]
+
+log = logging.getLogger(__name__)
+
+#: States the scheduler's overlap policy treats as "still running".
+UNFINISHED_STATES = ("scheduled", "dispatched", "running", "retrying")
+
+ACQUIRED = "acquired"
+ALREADY_SUCCEEDED = "already_succeeded"
+BUSY = "busy"
+DEAD = "dead"
+
+
+class RunNotFound(LookupError):
+    """No run has the given idempotency key."""
+
+
+class DeadLetterNotFound(LookupError):
+    """No dead letter has the given id."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome of :func:`claim_run`.
+
+    Attributes:
+        outcome: ``acquired`` (run the body), ``already_succeeded`` (return :attr:`result`,
+            do not run), ``busy`` (another runner holds a live lease; try again after
+            :attr:`retry_after`), ``dead`` (the run was dead-lettered; do not run).
+        key: the idempotency key.
+        run_id: ``reliable_beat_runs.id``; stamp it on rows the body writes.
+        fence_token: the run's fence token (this runner's token when ``acquired``).
+        attempt: the run's attempt count; for ``acquired``, this try's number (1 = first).
+        attempt_id: ``reliable_beat_attempts.id`` of the row recorded for this try.
+        fresh: True when this call created the run row (an ad-hoc key seen for the first
+            time, or a message that arrived before / without the scheduler's row).
+        result: the stored JSON result, for ``already_succeeded``.
+        lease_expires_at: UTC, end of the lease (ours when ``acquired``, theirs when busy).
+        retry_after: for ``busy``: the lease's remaining time (>= 0).
+        task / args / kwargs / entry_name / fire_at: the run's stored call, for replay.
+    """
+
+    outcome: str
+    key: str
+    run_id: int
+    fence_token: int
+    attempt: int
+    attempt_id: int
+    fresh: bool = False
+    result: Any = None
+    lease_expires_at: datetime | None = None
+    retry_after: timedelta | None = None
+    task: str = ""
+    args: Sequence[Any] = ()
+    kwargs: Mapping[str, Any] | None = None
+    entry_name: str | None = None
+    fire_at: datetime | None = None
+
+    @property
+    def acquired(self) -> bool:
+        """True when this runner holds the lease and must run the body."""
+        return self.outcome == ACQUIRED
+
+
+def db_now(conn: Connection) -> datetime:
+    """The database clock for ``conn`` (UTC-aware); see :meth:`Store.now`."""
+    return Store(engine=conn.engine, url="").now(conn)
+
+
+def format_error(exc: BaseException, *, limit: int = 8000) -> str:
+    """``Type: message`` plus the traceback, truncated to ``limit`` characters."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return text[-limit:]
+
+
+def _insert_attempt(conn: Connection, **values: Any) -> int:
+    result = conn.execute(attempts.insert().values(**values).returning(attempts.c.id))
+    return int(result.scalar_one())
+
+
+def claim_run(
+    store: Store,
+    key: str,
+    *,
+    owner: str,
+    lease: timedelta,
+    task: str,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    entry: str | None = None,
+    fire_at: datetime | None = None,
+    task_id: str | None = None,
+    trigger: str | None = None,
+) -> Claim:
+    """Find or create the run for ``key`` and try to take its lease, in one short transaction.
+
+    The run row is created with ``INSERT ... ON CONFLICT DO NOTHING`` (state ``scheduled``,
+    ``trigger`` ``adhoc`` unless given / an entry is named), then locked (``SELECT ... FOR
+    UPDATE`` on PostgreSQL; SQLite serialises writers with ``BEGIN IMMEDIATE``), so two
+    claims of one key are ordered: exactly one acquires, the other sees its lease (``busy``)
+    or its result (``already_succeeded``). Safe from any number of processes.
+
+    Decision on the locked row, using the database clock ``now``:
+
+    * ``succeeded`` -> ``already_succeeded`` + a ``deduplicated`` attempt row.
+    * ``dead`` -> ``dead`` + a ``deduplicated`` attempt row whose error says so; the body
+      must not run (only a person's requeue brings a dead run back).
+    * ``running`` with ``lease_expires_at > now`` -> ``busy`` + a ``busy`` attempt row.
+      (Any live lease counts, also one held under the same owner id: two threads of one
+      worker process share it.)
+    * otherwise (``scheduled``, ``dispatched``, ``retrying``, or ``running`` with an expired
+      lease, e.g. after a worker crash; the old holder's ``running`` attempt row then
+      becomes ``failed``) -> ``acquired``: ``fence_token += 1``,
+      ``attempts += 1``, state ``running``, ``leased_by = owner``,
+      ``lease_expires_at = now + lease``, and a ``running`` attempt row.
+
+    Args:
+        store: the reliable_beat store.
+        key: the idempotency key (``entry@2026-01-10T12:00:00Z`` or an ad-hoc key).
+        owner: who takes the lease (``host:pid``); recorded as the attempt's worker.
+        lease: how long the claim lasts without renewal.
+        task: the task name, stored on a new run (for replay from a dead letter).
+        args / kwargs: the call's JSON-serialisable arguments, stored on a new run.
+        entry / fire_at: the entry and slot (UTC) of a scheduled run, when known.
+        task_id: the broker message's task id, recorded on the attempt row.
+        trigger: stored on a new run; default ``schedule`` when ``entry`` is given, else
+            ``adhoc``.
+
+    Returns:
+        The :class:`Claim`. Committed before returning.
+
+    Raises:
+        RunNotFound: the row could not be created because another key already holds the
+            same ``(entry, fire_at)`` slot (a key not derived from the slot).
+        StoreUnavailableError: the database cannot be reached.
+    """
+    kwargs = dict(kwargs or {})
+    with store.begin() as conn:
+        now = store.now(conn)
+        inserted = conn.execute(
+            store.insert_ignore(runs).values(
+                idempotency_key=key,
+                entry_name=entry,
+                fire_at=fire_at,
+                trigger=trigger or ("schedule" if entry else "adhoc"),
+                task=task,
+                args=list(args),
+                kwargs=kwargs,
+                state="scheduled",
+                fence_token=0,
+                attempts=0,
+                created_at=now,
+                updated_at=now,
+            )
+            .returning(runs.c.id)
+        )
+        fresh = inserted.first() is not None
+        stmt = select(runs).where(runs.c.idempotency_key == key)
+        if store.dialect != "sqlite":
+            stmt = stmt.with_for_update()
+        row = conn.execute(stmt).mappings().one_or_none()
+        if row is None:
+            raise RunNotFound(
+                f"no run for key {key!r}: slot ({entry!r}, {fire_at}) is held by another key"
+            )
+        common: dict[str, Any] = {
+            "key": key,
+            "run_id": row["id"],
+            "fresh": fresh,
+            "task": row["task"],
+            "args": tuple(row["args"] or ()),
+            "kwargs": dict(row["kwargs"] or {}),
+            "entry_name": row["entry_name"],
+            "fire_at": row["fire_at"],
+        }
+        attempt_base = {
+            "run_id": row["id"],
+            "fence_token": row["fence_token"],
+            "attempt": row["attempts"],
+            "worker": owner,
+            "task_id": task_id,
+            "started_at": now,
+            "finished_at": now,
+        }
+        state = row["state"]
+        if state == "succeeded":
+            aid = _insert_attempt(conn, outcome="deduplicated", **attempt_base)
+            return Claim(
+                ALREADY_SUCCEEDED, fence_token=row["fence_token"], attempt=row["attempts"],
+                attempt_id=aid, result=row["result"], **common,
+            )
+        if state in ("dead", "skipped"):
+            aid = _insert_attempt(
+                conn,
+                outcome="deduplicated",
+                error=f"run is {state}; not run (requeue its dead letter to run it again)",
+                **attempt_base,
+            )
+            return Claim(
+                DEAD, fence_token=row["fence_token"], attempt=row["attempts"],
+                attempt_id=aid, **common,
+            )
+        expires = row["lease_expires_at"]
+        if state == "running" and expires is not None and expires > now:
+            aid = _insert_attempt(
+                conn,
+                outcome="busy",
+                error=f"lease held by {row['leased_by']} until {expires.isoformat()}",
+                **attempt_base,
+            )
+            return Claim(
+                BUSY, fence_token=row["fence_token"], attempt=row["attempts"],
+                attempt_id=aid, lease_expires_at=expires, retry_after=expires - now, **common,
+            )
+        fence = row["fence_token"] + 1
+        number = row["attempts"] + 1
+        lease_end = now + lease
+        if state == "running":
+            # Taking over an expired lease: the holder crashed or is paused. Close its
+            # attempt row; if it wakes up, its commit is fenced out (and says so).
+            conn.execute(
+                update(attempts)
+                .where(attempts.c.run_id == row["id"], attempts.c.outcome == "running")
+                .values(
+                    outcome="failed",
+                    finished_at=now,
+                    error=f"lease of {row['leased_by']} expired at {expires}; "
+                    f"taken over with fence {fence}",
+                )
+            )
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == row["id"])
+            .values(
+                fence_token=fence,
+                attempts=number,
+                state="running",
+                leased_by=owner,
+                lease_expires_at=lease_end,
+                started_at=now,
+                updated_at=now,
+            )
+        )
+        aid = _insert_attempt(
+            conn,
+            outcome="running",
+            **{**attempt_base, "fence_token": fence, "attempt": number, "finished_at": None},
+        )
+        return Claim(
+            ACQUIRED, fence_token=fence, attempt=number, attempt_id=aid,
+            lease_expires_at=lease_end, **common,
+        )
+
+
+def complete(conn: Connection, claim: Claim, result: Any) -> None:
+    """Record the run as ``succeeded`` with ``result``, fenced, inside the caller's transaction.
+
+    Joins the caller's transaction: the effect the body wrote, the outbox rows, the key's
+    ``succeeded`` state and the result commit together or not at all (invariant 5). Runs
+    ``UPDATE runs SET state='succeeded' ... WHERE id = :id AND fence_token = :mine``; on
+    PostgreSQL this locks the run row until the caller commits, so a concurrent claim waits
+    and then sees ``succeeded``.
+
+    Args:
+        conn: a connection inside the caller's open transaction on the store's database.
+        claim: an ``acquired`` claim.
+        result: JSON-serialisable return value of the body (``None`` is fine).
+
+    Raises:
+        StaleFenceToken: zero rows matched: a newer claim bumped the fence. The caller must
+            roll back (everything the body wrote is then undone) and call
+            :func:`record_fenced_out` in a separate transaction.
+    """
+    now = db_now(conn)
+    done = conn.execute(
+        update(runs)
+        .where(runs.c.id == claim.run_id, runs.c.fence_token == claim.fence_token)
+        .values(
+            state="succeeded",
+            result=result,
+            error=None,
+            reason=None,
+            leased_by=None,
+            lease_expires_at=None,
+            finished_at=now,
+            updated_at=now,
+        )
+    )
+    if done.rowcount != 1:
+        raise StaleFenceToken(claim.key, claim.fence_token)
+    conn.execute(
+        update(attempts)
+        .where(attempts.c.id == claim.attempt_id)
+        .values(outcome="succeeded", finished_at=now)
+    )
+
+
+def set_result(store: Store, claim: Claim, result: Any) -> bool:
+    """Store ``result`` on a run this runner already completed (short fenced transaction).
+
+    Used when the body completed the run inside its own ``with self.transaction()`` block
+    and returned a value afterwards. Best effort: the effect is committed already.
+
+    Returns:
+        True when the row was updated (fence unchanged, state ``succeeded``).
+    """
+    with store.begin() as conn:
+        done = conn.execute(
+            update(runs)
+            .where(
+                runs.c.id == claim.run_id,
+                runs.c.fence_token == claim.fence_token,
+                runs.c.state == "succeeded",
+            )
+            .values(result=result)
+        )
+        return done.rowcount == 1
+
+
+def record_fenced_out(store: Store, claim: Claim, error: str | None = None) -> None:
+    """Mark this runner's attempt ``fenced_out`` (separate short transaction).
+
+    Call after the transaction that raised :class:`StaleFenceToken` was rolled back.
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        conn.execute(
+            update(attempts)
+            .where(attempts.c.id == claim.attempt_id)
+            .values(
+                outcome="fenced_out",
+                finished_at=now,
+                error=error or f"fence token {claim.fence_token} is stale; writes rolled back",
+            )
+        )
+
+
+def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
+    """Extend this runner's lease to ``db now + lease`` (short fenced transaction).
+
+    Returns:
+        True when renewed; False when the fence moved (another runner claimed the run, or
+        ``lease clear`` was used) or the run is no longer ``running``: the caller has lost
+        the lease and its completion will be rejected.
+
+    Raises:
+        StoreUnavailableError: the database cannot be reached (the lease is not lost yet).
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        done = conn.execute(
+            update(runs)
+            .where(
+                runs.c.id == claim.run_id,
+                runs.c.fence_token == claim.fence_token,
+                runs.c.state == "running",
+            )
+            .values(lease_expires_at=now + lease, updated_at=now)
+        )
+        return done.rowcount == 1
+
+
+def record_failure(
+    store: Store,
+    claim: Claim,
+    error: str,
+    *,
+    retry_in_seconds: float | None = None,
+    dead_reason: str | None = None,
+    payload: Mapping[str, Any] | None = None,
+    from_states: Sequence[str] = ("running",),
+) -> str:
+    """Record a failed try: ``retrying`` (a retry follows) or ``dead`` (+ dead letter).
+
+    One short transaction, fenced on the run row (``WHERE fence_token = :mine AND state =
+    'running'``). With ``dead_reason`` the run becomes ``dead`` and a
+    ``reliable_beat_dead_letters`` row is inserted with ``payload`` (what a replay needs:
+    ``{"task", "args", "kwargs", "key", "headers"}``); otherwise the run becomes
+    ``retrying`` with its lease released, and the attempt row records ``retry_in_seconds``.
+
+    Args:
+        store: the store.
+        claim: the ``acquired`` claim that failed.
+        error: the error text (type, message, traceback).
+        retry_in_seconds: the countdown of the retry about to be sent.
+        dead_reason: ``permanent`` or ``exhausted`` to dead-letter instead of retrying.
+        payload: replay payload for the dead letter; defaults to the claim's call.
+        from_states: states the run may be in (``running``; ``retrying`` to dead-letter a
+            run whose retry message could not be published).
+
+    Returns:
+        ``retrying``, ``dead``, or ``fenced_out`` when the fence moved (then nothing else is
+        written: the newer runner owns the run; do not retry and do not dead-letter).
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        state = "dead" if dead_reason else "retrying"
+        values: dict[str, Any] = {
+            "state": state,
+            "error": error,
+            "leased_by": None,
+            "lease_expires_at": None,
+            "updated_at": now,
+        }
+        if dead_reason:
+            values.update(reason=dead_reason, finished_at=now)
+        done = conn.execute(
+            update(runs)
+            .where(
+                runs.c.id == claim.run_id,
+                runs.c.fence_token == claim.fence_token,
+                runs.c.state.in_(list(from_states)),
+            )
+            .values(**values)
+        )
+        if done.rowcount != 1:
+            conn.execute(
+                update(attempts)
+                .where(attempts.c.id == claim.attempt_id)
+                .values(outcome="fenced_out", finished_at=now, error=error)
+            )
+            return "fenced_out"
+        conn.execute(
+            update(attempts)
+            .where(attempts.c.id == claim.attempt_id)
+            .values(
+                outcome=state,
+                finished_at=now,
+                error=error,
+                retry_in_seconds=None if dead_reason else retry_in_seconds,
+            )
+        )
+        if dead_reason:
+            conn.execute(
+                dead_letters.insert().values(
+                    kind="run",
+                    run_id=claim.run_id,
+                    key=claim.key,
+                    entry_name=claim.entry_name,
+                    task=claim.task,
+                    payload=dict(payload) if payload is not None else {
+                        "task": claim.task,
+                        "args": list(claim.args),
+                        "kwargs": dict(claim.kwargs or {}),
+                        "key": claim.key,
+                    },
+                    reason=dead_reason,
+                    error=error,
+                    attempts=claim.attempt,
+                    created_at=now,
+                )
+            )
+        return state
+
+
+def clear_lease(store: Store, key: str) -> int:
+    """Free a stuck lease: bump the fence so the old holder is fenced out.
+
+    The documented way out when a worker holds a lease it will never finish (e.g. a
+    process frozen for hours with a long lease). A ``running`` run becomes ``retrying`` so
+    the next delivery of its message (redelivery, retry, or a requeue) claims it at once.
+    The old holder's renewal then returns False and its commit raises
+    :class:`StaleFenceToken`. One short transaction; idempotent in effect.
+
+    Returns:
+        The new fence token.
+
+    Raises:
+        RunNotFound: no run has ``key``.
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        row = conn.execute(
+            select(runs.c.id, runs.c.state, runs.c.fence_token).where(
+                runs.c.idempotency_key == key
+            )
+        ).one_or_none()
+        if row is None:
+            raise RunNotFound(f"no run with key {key!r}")
+        new_state = "retrying" if row.state == "running" else row.state
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == row.id)
+            .values(
+                fence_token=runs.c.fence_token + 1,
+                leased_by=None,
+                lease_expires_at=None,
+                state=new_state,
+                updated_at=now,
+            )
+        )
+        return int(row.fence_token) + 1
+
+
+def requeue_dead_letter(
+    store: Store, dead_letter_id: int, *, by: str, force: bool = False
+) -> dict[str, Any]:
+    """Reset a dead run so it can run again under the same key (one short transaction).
+
+    The run goes back to ``scheduled`` with ``attempts = 0`` (a fresh retry budget; fence
+    tokens keep increasing, so old and new attempt rows stay distinguishable), its lease,
+    error and reason cleared; the dead letter gets ``requeued_at`` / ``requeued_by`` and is
+    kept (history is never deleted). The caller then sends the task again (the payload says
+    how) and calls :func:`mark_dispatched`; if sending fails, :func:`undo_requeue`.
+
+    Args:
+        store: the store.
+        dead_letter_id: ``reliable_beat_dead_letters.id``.
+        by: who decided (recorded in ``requeued_by``).
+        force: requeue even if this dead letter was requeued before.
+
+    Returns:
+        The dead letter as a dict (``payload`` holds ``task``, ``args``, ``kwargs``, ``key``).
+
+    Raises:
+        DeadLetterNotFound: no such id, or it is not a run dead letter.
+        ValueError: already requeued (without ``force``), or the run is not ``dead``.
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        dl = conn.execute(
+            select(dead_letters).where(dead_letters.c.id == dead_letter_id)
+        ).mappings().one_or_none()
+        if dl is None or dl["kind"] != "run":
+            raise DeadLetterNotFound(f"no run dead letter with id {dead_letter_id}")
+        if dl["requeued_at"] is not None and not force:
+            raise ValueError(
+                f"dead letter {dead_letter_id} was requeued at {dl['requeued_at']} by "
+                f"{dl['requeued_by']}; pass force to requeue again"
+            )
+        done = conn.execute(
+            update(runs)
+            .where(runs.c.id == dl["run_id"], runs.c.state == "dead")
+            .values(
+                state="scheduled",
+                attempts=0,
+                error=None,
+                reason=None,
+                leased_by=None,
+                lease_expires_at=None,
+                finished_at=None,
+                updated_at=now,
+            )
+        )
+        if done.rowcount != 1:
+            raise ValueError(f"run of dead letter {dead_letter_id} is not dead; not requeued")
+        conn.execute(
+            update(dead_letters)
+            .where(dead_letters.c.id == dead_letter_id)
+            .values(requeued_at=now, requeued_by=by)
+        )
+        return dict(dl)
+
+
+def undo_requeue(store: Store, dead_letter_id: int) -> None:
+    """Put a requeued run back to ``dead`` after the re-send failed (short transaction)."""
+    with store.begin() as conn:
+        dl = conn.execute(
+            select(dead_letters.c.run_id).where(dead_letters.c.id == dead_letter_id)
+        ).one()
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == dl.run_id, runs.c.state == "scheduled")
+            .values(state="dead", reason="requeue_failed")
+        )
+        conn.execute(
+            update(dead_letters)
+            .where(dead_letters.c.id == dead_letter_id)
+            .values(requeued_at=None, requeued_by=None)
+        )
+
+
+def mark_dispatched(store: Store, key: str) -> bool:
+    """``scheduled -> dispatched`` after the task message was published (short transaction).
+
+    Returns:
+        True when the state changed (False if a worker already picked the run up).
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        done = conn.execute(
+            update(runs)
+            .where(runs.c.idempotency_key == key, runs.c.state == "scheduled")
+            .values(state="dispatched", dispatched_at=now, updated_at=now)
+        )
+        return done.rowcount == 1
+
+
+# ---------------------------------------------------------------- queries (CLI) ----
+
+
+def list_runs(
+    store: Store,
+    *,
+    entry: str | None = None,
+    state: str | None = None,
+    since: datetime | None = None,
+    limit: int = 50,
+) -> list[dict[str, Any]]:
+    """Runs, newest first (by ``created_at``), as dicts of the row's columns.
+
+    Args:
+        entry / state: exact filters.
+        since: only runs created at or after this UTC instant (tz-aware).
+        limit: most rows returned.
+    """
+    stmt = select(runs).order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit)
+    if entry is not None:
+        stmt = stmt.where(runs.c.entry_name == entry)
+    if state is not None:
+        stmt = stmt.where(runs.c.state == state)
+    if since is not None:
+        stmt = stmt.where(runs.c.created_at >= since)
+    with store.engine.connect() as conn:
+        return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def get_run(store: Store, key: str) -> dict[str, Any]:
+    """The run with ``key`` as a dict. Raises :class:`RunNotFound`."""
+    with store.engine.connect() as conn:
+        row = conn.execute(
+            select(runs).where(runs.c.idempotency_key == key)
+        ).mappings().one_or_none()
+    if row is None:
+        raise RunNotFound(f"no run with key {key!r}")
+    return dict(row)
+
+
+def list_attempts(store: Store, run_id: int) -> list[dict[str, Any]]:
+    """Attempt rows of a run, oldest first, as dicts."""
+    with store.engine.connect() as conn:
+        return [
+            dict(r)
+            for r in conn.execute(
+                select(attempts).where(attempts.c.run_id == run_id).order_by(attempts.c.id)
+            ).mappings()
+        ]
+
+
+def list_dead_letters(
+    store: Store, *, include_requeued: bool = True, limit: int = 100
+) -> list[dict[str, Any]]:
+    """Dead letters, newest first, as dicts."""
+    stmt = select(dead_letters).order_by(dead_letters.c.id.desc()).limit(limit)
+    if not include_requeued:
+        stmt = stmt.where(dead_letters.c.requeued_at.is_(None))
+    with store.engine.connect() as conn:
+        return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def get_dead_letter(store: Store, dead_letter_id: int) -> dict[str, Any]:
+    """One dead letter as a dict. Raises :class:`DeadLetterNotFound`."""
+    with store.engine.connect() as conn:
+        row = conn.execute(
+            select(dead_letters).where(dead_letters.c.id == dead_letter_id)
+        ).mappings().one_or_none()
+    if row is None:
+        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+    return dict(row)

@@ -1,0 +1,122 @@
+"""Celery app used by the acceptance tests' real worker processes.
+
+Configured from the environment (set by the tests):
+
+* ``RB_BROKER_URL``: Redis URL; ``RB_DATABASE_URL``: the PostgreSQL store;
+* ``RB_LEASE_SECONDS``: the lease (default 2 s, so a paused worker loses it quickly).
+
+The Redis ``visibility_timeout`` is 5 s (restores checked every second) so that a message
+whose worker was SIGKILLed is redelivered within seconds instead of the default hour.
+
+Effects go to ``test_effects`` (no unique constraint: only fencing and the key keep them
+single). ``test_progress`` rows are committed at once, outside the body's transaction, so
+a test can see that a body has started (and its fence) while the effect is uncommitted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery
+
+from reliable_beat.celery.task import IdempotentTask
+from reliable_beat.errors import PermanentError
+
+meta = sa.MetaData()
+effects = sa.Table(
+    "test_effects",
+    meta,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("key", sa.String(200), nullable=False),
+    sa.Column("fence", sa.Integer, nullable=False),
+    sa.Column("run_id", sa.Integer, nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+)
+progress = sa.Table(
+    "test_progress",
+    meta,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("key", sa.String(200), nullable=False),
+    sa.Column("fence", sa.Integer, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("what", sa.String(50), nullable=False),
+)
+
+app = Celery("rb_task_app", broker=os.environ.get("RB_BROKER_URL", "memory://"))
+app.conf.update(
+    broker_transport_options={
+        "visibility_timeout": 5,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+    task_ignore_result=True,
+    worker_hijack_root_logger=False,
+    reliable_beat_database_url=os.environ.get("RB_DATABASE_URL", "sqlite:///rb-test.sqlite3"),
+    reliable_beat_lease_seconds=float(os.environ.get("RB_LEASE_SECONDS", "2")),
+    reliable_beat_retry_max_attempts=6,
+    reliable_beat_retry_base_seconds=1.0,
+    reliable_beat_retry_cap_seconds=60.0,
+)
+
+
+def _mark(task: IdempotentTask, what: str) -> None:
+    with task.store.begin() as conn:
+        conn.execute(progress.insert().values(
+            key=task.idempotency_key, fence=task.fence_token, attempt=task.attempt,
+            pid=os.getpid(), what=what))
+
+
+class EffectTask(IdempotentTask):
+    def idempotency_key_for(self, name: str, *args: Any, **kwargs: Any) -> str | None:
+        return f"effect:{name}"
+
+
+@app.task(base=EffectTask, bind=True, name="rb.write_effect")
+def write_effect(
+    self: IdempotentTask, name: str, sleep_first_attempt: float = 0.0, sleep: float = 0.0
+) -> dict[str, Any]:
+    """Insert one effect row in the body's transaction; optionally sleep with it uncommitted."""
+    with self.transaction() as tx:
+        tx.execute(effects.insert().values(
+            key=self.idempotency_key, fence=self.fence_token, run_id=self.run_id,
+            pid=os.getpid()))
+        _mark(self, "in_body")
+        pause = sleep_first_attempt if self.attempt == 1 else sleep
+        deadline = time.monotonic() + pause
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        _mark(self, "leaving_body")
+    return {"name": name, "fence": self.fence_token}
+
+
+@app.task(base=EffectTask, bind=True, name="rb.flaky")
+def flaky(self: IdempotentTask, name: str, fail_times: int) -> str:
+    """ConnectionError on the first ``fail_times`` attempts, then one effect (no explicit tx)."""
+    _mark(self, "in_body")
+    if self.attempt <= fail_times:
+        raise ConnectionError(f"attempt {self.attempt}: upstream refused")
+    with self.transaction() as tx:
+        tx.execute(effects.insert().values(
+            key=self.idempotency_key, fence=self.fence_token, run_id=self.run_id,
+            pid=os.getpid()))
+    return "ok"
+
+
+@app.task(base=EffectTask, bind=True, name="rb.permanent_unless_file_gone")
+def permanent_unless_file_gone(self: IdempotentTask, name: str, flag_file: str) -> str:
+    """PermanentError while ``flag_file`` exists; else one effect (the requeue proof)."""
+    _mark(self, "in_body")
+    if Path(flag_file).exists():
+        raise PermanentError(f"{flag_file} says no")
+    with self.transaction() as tx:
+        tx.execute(effects.insert().values(
+            key=self.idempotency_key, fence=self.fence_token, run_id=self.run_id,
+            pid=os.getpid()))
+    return "ok"

@@ -1,0 +1,225 @@
+"""reliable_beat.runs on both stores: claim, fenced completion, dedupe, lease expiry, races.
+
+Lease expiry is driven by seeding ``lease_expires_at`` in the past (the DB clock decides),
+never by sleeping or patching the clock. The race uses two real connections and a barrier.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from reliable_beat import runs
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import attempts, dead_letters
+from reliable_beat.db.tables import runs as runs_t
+from reliable_beat.errors import StaleFenceToken
+
+LEASE = timedelta(seconds=30)
+effects = sa.Table(
+    "test_effects",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("key", sa.String(200), nullable=False),
+    sa.Column("fence", sa.Integer, nullable=False),
+)
+
+
+@pytest.fixture
+def fx(store: Store) -> Store:
+    effects.create(store.engine)
+    return store
+
+
+def claim(store: Store, key: str = "k1", owner: str = "w1") -> runs.Claim:
+    return runs.claim_run(store, key, owner=owner, lease=LEASE, task="t.x", args=[1],
+                          kwargs={"a": 2}, task_id=f"id-{owner}")
+
+
+def outcomes(store: Store, run_id: int) -> list[tuple[int, int, str]]:
+    rows = runs.list_attempts(store, run_id)
+    return [(a["attempt"], a["fence_token"], a["outcome"]) for a in rows]
+
+
+def count(store: Store, table: sa.Table) -> int:
+    with store.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
+
+
+def expire_lease(store: Store, key: str) -> None:
+    with store.begin() as conn:
+        conn.execute(sa.update(runs_t).where(runs_t.c.idempotency_key == key).values(
+            lease_expires_at=datetime(2000, 1, 1, tzinfo=timezone.utc)))
+
+
+def test_fresh_claim_then_complete_then_dedupe(fx: Store) -> None:
+    c = claim(fx)
+    assert c.acquired and c.fresh and c.fence_token == 1 and c.attempt == 1
+    with fx.begin() as conn:
+        conn.execute(effects.insert().values(key=c.key, fence=c.fence_token))
+        runs.complete(conn, c, {"paid": 3})
+    run = runs.get_run(fx, "k1")
+    assert run["state"] == "succeeded" and run["result"] == {"paid": 3}
+    assert run["lease_expires_at"] is None and run["trigger"] == "adhoc"
+    again = claim(fx, owner="w2")
+    assert again.outcome == "already_succeeded" and again.result == {"paid": 3}
+    assert not again.fresh
+    assert outcomes(fx, c.run_id) == [(1, 1, "succeeded"), (1, 1, "deduplicated")]
+    assert count(fx, effects) == 1
+
+
+def test_claim_uses_scheduler_row_and_keeps_its_fields(fx: Store) -> None:
+    fire_at = datetime(2026, 1, 10, 12, 0, tzinfo=timezone.utc)
+    with fx.begin() as conn:
+        now = fx.now(conn)
+        conn.execute(runs_t.insert().values(
+            idempotency_key="e@2026-01-10T12:00:00Z", entry_name="e", fire_at=fire_at,
+            trigger="catch_up", task="t.x", args=[], kwargs={}, state="dispatched",
+            created_at=now, updated_at=now))
+    c = runs.claim_run(fx, "e@2026-01-10T12:00:00Z", owner="w", lease=LEASE, task="t.x",
+                       entry="e", fire_at=fire_at)
+    assert c.acquired and not c.fresh and c.entry_name == "e" and c.fire_at == fire_at
+    run = runs.get_run(fx, c.key)
+    assert run["state"] == "running" and run["trigger"] == "catch_up"
+
+
+def test_live_lease_is_busy_and_expired_lease_is_taken_over(fx: Store) -> None:
+    a = claim(fx, owner="w1")
+    b = claim(fx, owner="w2")
+    assert b.outcome == "busy" and b.retry_after is not None
+    assert timedelta(seconds=25) < b.retry_after <= LEASE
+    expire_lease(fx, "k1")
+    c = claim(fx, owner="w2")
+    assert c.acquired and c.fence_token == a.fence_token + 1 and c.attempt == 2
+    # The stale holder's commit is rejected and its effect rolled back.
+    with pytest.raises(StaleFenceToken), fx.begin() as conn:
+        conn.execute(effects.insert().values(key="k1", fence=a.fence_token))
+        runs.complete(conn, a, "stale")
+    runs.record_fenced_out(fx, a)
+    assert count(fx, effects) == 0
+    assert runs.renew_lease(fx, a, LEASE) is False
+    assert runs.renew_lease(fx, c, LEASE) is True
+    with fx.begin() as conn:
+        conn.execute(effects.insert().values(key="k1", fence=c.fence_token))
+        runs.complete(conn, c, "fresh")
+    assert count(fx, effects) == 1
+    assert outcomes(fx, a.run_id) == [(1, 1, "fenced_out"), (1, 1, "busy"), (2, 2, "succeeded")]
+
+
+def test_clear_lease_fences_out_the_holder(fx: Store) -> None:
+    a = claim(fx)
+    assert runs.clear_lease(fx, "k1") == a.fence_token + 1
+    assert runs.get_run(fx, "k1")["state"] == "retrying"
+    assert runs.renew_lease(fx, a, LEASE) is False
+    with pytest.raises(StaleFenceToken), fx.begin() as conn:
+        runs.complete(conn, a, None)
+    b = claim(fx, owner="w2")
+    assert b.acquired and b.fence_token == a.fence_token + 2
+    with pytest.raises(runs.RunNotFound):
+        runs.clear_lease(fx, "nope")
+
+
+def test_retry_then_dead_letter_then_requeue(fx: Store) -> None:
+    a = claim(fx)
+    assert runs.record_failure(fx, a, "boom", retry_in_seconds=0.7) == "retrying"
+    run = runs.get_run(fx, "k1")
+    assert run["state"] == "retrying" and run["lease_expires_at"] is None
+    b = claim(fx)
+    assert b.acquired and b.attempt == 2
+    assert runs.record_failure(fx, b, "boom2", dead_reason="exhausted") == "dead"
+    assert claim(fx).outcome == "dead"
+    [dl] = runs.list_dead_letters(fx)
+    assert dl["reason"] == "exhausted" and dl["attempts"] == 2 and dl["key"] == "k1"
+    assert dl["payload"] == {"task": "t.x", "args": [1], "kwargs": {"a": 2}, "key": "k1"}
+    rows = runs.list_attempts(fx, a.run_id)
+    assert [r["outcome"] for r in rows] == ["retrying", "dead", "deduplicated"]
+    assert rows[0]["retry_in_seconds"] == pytest.approx(0.7)
+    got = runs.requeue_dead_letter(fx, dl["id"], by="ops")
+    assert got["payload"]["key"] == "k1"
+    with pytest.raises(ValueError):
+        runs.requeue_dead_letter(fx, dl["id"], by="ops")
+    assert runs.mark_dispatched(fx, "k1")
+    c = claim(fx)
+    assert c.acquired and c.attempt == 1 and c.fence_token == 3
+    assert runs.get_dead_letter(fx, dl["id"])["requeued_by"] == "ops"
+    assert count(fx, dead_letters) == 1
+
+
+def test_failure_of_a_fenced_out_runner_records_nothing_else(fx: Store) -> None:
+    a = claim(fx)
+    expire_lease(fx, "k1")
+    claim(fx, owner="w2")
+    assert runs.record_failure(fx, a, "late", dead_reason="permanent") == "fenced_out"
+    assert count(fx, dead_letters) == 0
+    assert runs.get_run(fx, "k1")["state"] == "running"
+
+
+def test_queries(fx: Store) -> None:
+    for i in range(3):
+        claim(fx, key=f"k{i}")
+    assert len(runs.list_runs(fx)) == 3
+    assert len(runs.list_runs(fx, state="running", limit=2)) == 2
+    assert runs.list_runs(fx, entry="none") == []
+    assert runs.list_runs(fx, since=datetime(2999, 1, 1, tzinfo=timezone.utc)) == []
+
+
+def test_two_connections_racing_for_one_key_make_one_effect(fx: Store) -> None:
+    """Two threads, each with its own connection, claim + write + complete the same key."""
+    barrier = threading.Barrier(2)
+    results: dict[str, Any] = {}
+
+    def worker(name: str) -> None:
+        barrier.wait()
+        c = claim(fx, owner=name)
+        results[name] = c.outcome
+        if not c.acquired:
+            return
+        with fx.begin() as conn:
+            conn.execute(effects.insert().values(key=c.key, fence=c.fence_token))
+            runs.complete(conn, c, name)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("w1", "w2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results.values()) in (
+        ["acquired", "busy"], ["acquired", "already_succeeded"]
+    ), results
+    assert count(fx, effects) == 1
+    run = runs.get_run(fx, "k1")
+    assert run["state"] == "succeeded" and run["fence_token"] == 1
+
+
+def test_racing_claims_after_expiry_get_distinct_fences(fx: Store) -> None:
+    """Many racing claims on an expired lease: exactly one acquires, fences never repeat."""
+    claim(fx)
+    expire_lease(fx, "k1")
+    n = 6
+    barrier = threading.Barrier(n)
+    got: list[runs.Claim] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        c = claim(fx, owner=f"w{i}")
+        with lock:
+            got.append(c)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(got) == n
+    assert [c.outcome for c in got].count("acquired") == 1
+    assert {c.outcome for c in got} == {"acquired", "busy"}
+    with fx.engine.connect() as conn:
+        fences = conn.execute(sa.select(attempts.c.fence_token).where(
+            attempts.c.outcome.in_(["running", "failed"]))).scalars().all()
+    assert sorted(fences) == [1, 2]  # the expired holder's row closed as 'failed'
+    assert runs.list_attempts(fx, got[0].run_id)[0]["outcome"] == "failed"

@@ -221,7 +221,7 @@ def run(env: Env) -> str:
                          binding, f"{ratio:.0%}", f"≥ {target:.0%} of {binding}",
                          check(ok)])
     out = [
-        f"### 1. Dispatch throughput ({n:,} entries due at once, batch {batch})",
+        f"### 1. Dispatch throughput ({n:,} entries due at once, every 1 h, batch {batch})",
         "",
         "Ours = `Beat.tick` + `publish_triggers` (publish + mark sent) looped in k worker "
         "processes (the `ReliableScheduler.tick` path without its sleep), not `celery beat` "

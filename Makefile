@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,docs]"
+	$(PY) -m pip install -q -e ".[dev,docs,bench]"
 	touch $@
 
 # Runs the payouts example on the embedded default (SQLite store, SQLite broker): two beats,

@@ -135,6 +135,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._listen: Any = None
         self._failures = 0
         self._last_sweep = 0.0
+        self._tick_started = time.monotonic()
         self.app = app
         self._beat = Beat(
             self.store, owner=self.settings.owner, batch_size=self.settings.batch_size,
@@ -216,6 +217,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         return self._wait_after(wait)
 
     def _tick(self) -> TickResult | float:
+        self._tick_started = time.monotonic()
         try:
             result = self._beat.tick()
         except (StoreUnavailableError, DBAPIError) as exc:
@@ -272,7 +274,10 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         if result.next_fire_at is None:
             wait = bound
         else:
-            wait = (result.next_fire_at - result.now).total_seconds()
+            # result.now was read at the start of the tick: take off the time the tick, the
+            # publish and the sweep took since, or every slot fires that much late.
+            elapsed = time.monotonic() - self._tick_started
+            wait = (result.next_fire_at - result.now).total_seconds() - elapsed
             wait = max(0.0, min(bound, wait))
         if wait <= 0.0005:
             return 0.0

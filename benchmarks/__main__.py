@@ -1,0 +1,57 @@
+"""``python -m benchmarks``: run every benchmark on private servers and print markdown."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+
+from benchmarks.common import SIZES, machine, servers
+
+#: name -> (module, function returning the part's markdown)
+PARTS = {
+    "dispatch": ("benchmarks.dispatch", "run"),
+    "scale": ("benchmarks.scale", "run"),
+    "lateness": ("benchmarks.lateness", "run"),
+    "task_overhead": ("benchmarks.task_overhead", "run"),
+    "relay": ("benchmarks.dispatch", "run_relay"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--size", choices=sorted(SIZES), default="smoke")
+    parser.add_argument("--only", action="append", choices=sorted(PARTS),
+                        help="run only this part (repeatable)")
+    parser.add_argument("--postgres-url", help="use this PostgreSQL (superuser) instead of a "
+                        "private server; a database is created and dropped per part")
+    parser.add_argument("--redis-url", help="use this Redis (it is FLUSHDB'd!)")
+    args = parser.parse_args(argv)
+    size = SIZES[args.size]
+    started = datetime.now(timezone.utc)
+    failed = False
+    print("# reliable_beat benchmarks\n", flush=True)
+    print(f"- command: `python -m benchmarks {shlex.join(sys.argv[1:])}`".replace(" `", " `")
+          .rstrip())
+    print(f"- date: {started:%Y-%m-%d %H:%M} UTC, size `{size.name}`", flush=True)
+    with servers(args.postgres_url, args.redis_url, size) as env:
+        print(machine(env) + "\n", flush=True)
+        for name in args.only or list(PARTS):
+            t0 = time.perf_counter()
+            try:
+                module, func = PARTS[name]
+                text = getattr(importlib.import_module(module), func)(env)
+            except Exception:
+                failed = True
+                text = f"### {name}: FAILED\n\n```\n{traceback.format_exc()}```"
+            print(text, flush=True)
+            print(f"\n_{name}: {time.perf_counter() - t0:.0f} s_\n", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

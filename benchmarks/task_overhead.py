@@ -1,0 +1,173 @@
+"""4. Task overhead: an ``IdempotentTask`` against a plain task doing the same insert.
+
+Both tasks insert one row into ``bench_effects``: the plain one in its own transaction
+(``store.begin()``), the idempotent one in ``self.transaction()`` (claim: lease + fence in a
+short transaction, then effect + fenced completion in one). N messages are queued first,
+then one real ``celery worker`` (``--pool solo``, then ``--pool prefork -c 2``) drains them;
+the clock runs from the first message taken to the queue empty and every effect committed,
+so worker start-up is left out. The replay row re-sends the same N keys after the
+idempotent run: every execution is a deduplicated no-op (the key is already ``succeeded``).
+
+This module is also the Celery app of the worker (``-A benchmarks.task_overhead:app``),
+configured from ``TO_BROKER`` / ``TO_DB``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.common import PY, ROOT, Env, check, table
+
+QUEUE = "to_q"
+TARGET = 0.5
+
+
+def _make_app() -> Any:
+    import sqlalchemy as sa
+    from celery import Celery
+
+    from reliable_beat.celery.task import IdempotentTask
+    from reliable_beat.db.dialects import Store
+
+    app = Celery("to", broker=os.environ["TO_BROKER"])
+    app.conf.update(
+        broker_connection_retry_on_startup=True, task_ignore_result=True,
+        worker_hijack_root_logger=False, reliable_beat_database_url=os.environ["TO_DB"],
+        task_default_queue=QUEUE,
+    )
+    effects = sa.Table("bench_effects", sa.MetaData(),
+                       sa.Column("id", sa.Integer, primary_key=True),
+                       sa.Column("key", sa.String(200)), sa.Column("n", sa.Integer))
+    stores: dict[int, Store] = {}
+
+    def store() -> Store:
+        pid = os.getpid()
+        if pid not in stores:
+            stores[pid] = Store.from_url(os.environ["TO_DB"], role="worker")
+        return stores[pid]
+
+    @app.task(name="to.plain")
+    def plain(i: int) -> None:
+        with store().begin() as conn:
+            conn.execute(effects.insert().values(key=f"plain:{i}", n=i))
+
+    class Keyed(IdempotentTask):  # type: ignore[misc]
+        def idempotency_key_for(self, i: int, *args: Any, **kwargs: Any) -> str | None:
+            return f"to:{os.environ.get('TO_RUN', '')}:{i}"
+
+    @app.task(base=Keyed, bind=True, name="to.idem")
+    def idem(self: Any, i: int) -> None:
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(key=self.idempotency_key, n=i))
+
+    return app
+
+
+app = _make_app() if os.environ.get("TO_BROKER") else None
+_publishers: dict[tuple[str, str], Any] = {}
+
+
+def _drain(env: Env, db_url: str, task: str, n: int, pool: list[str], run_tag: str,
+           expect_effects: int, tmp: str) -> float:
+    """Queue ``n`` calls of ``task``, start a worker, return calls/s of the drain."""
+    import redis
+    import sqlalchemy as sa
+
+    os.environ["TO_BROKER"], os.environ["TO_DB"], os.environ["TO_RUN"] = (
+        env.redis_url, db_url, run_tag)
+    key = (env.redis_url, db_url)
+    if key not in _publishers:  # one app per servers: tasks register once per process
+        _publishers[key] = _make_app()
+    local = _publishers[key]
+    r = redis.Redis.from_url(env.redis_url)
+    r.delete(QUEUE)
+    with local.producer_or_acquire() as producer:
+        for i in range(n):
+            local.tasks[task].apply_async((i,), producer=producer, queue=QUEUE)
+    eng = sa.create_engine(db_url)
+    log = open(os.path.join(tmp, f"worker-{task}.log"), "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [PY, "-m", "celery", "-A", "benchmarks.task_overhead:app", "worker", "-Q", QUEUE,
+         *pool, "--loglevel=WARNING", "--without-gossip", "--without-mingle",
+         "--without-heartbeat", "-n", f"to{run_tag}@%h"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while r.llen(QUEUE) >= n:
+            if time.time() > deadline:
+                raise RuntimeError(f"worker took nothing from {QUEUE} (log {log.name})")
+            time.sleep(0.002)
+        t0 = time.perf_counter()
+        while True:
+            if time.time() > deadline + 600:
+                raise RuntimeError(f"{task}: queue not drained (log {log.name})")
+            if r.llen(QUEUE) == 0 and r.hlen("unacked") == 0:
+                with eng.connect() as conn:
+                    done = conn.execute(sa.text("SELECT count(*) FROM bench_effects")).scalar()
+                if done is not None and done >= expect_effects:
+                    break
+            time.sleep(0.005)
+        elapsed = time.perf_counter() - t0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        eng.dispose()
+        r.close()
+    return n / elapsed
+
+
+def run(env: Env) -> str:
+    try:
+        from reliable_beat.celery.task import IdempotentTask  # noqa: F401
+    except ImportError:
+        return ("### 4. Task overhead\n\npending: `reliable_beat/celery/task.py` "
+                "(`IdempotentTask`) has not landed on main yet.")
+    import sqlalchemy as sa
+
+    n = env.size.task_n
+    rows = []
+    saved = {k: os.environ.get(k) for k in ("TO_BROKER", "TO_DB", "TO_RUN")}
+    try:
+        with tempfile.TemporaryDirectory() as tmp, env.database("tasks") as db_url:
+            eng = sa.create_engine(db_url)
+            with eng.begin() as conn:
+                conn.execute(sa.text("CREATE TABLE bench_effects (id serial PRIMARY KEY, "
+                                     "key varchar(200), n int)"))
+            pools = [("solo", ["--pool", "solo"]),
+                     ("prefork -c 2", ["--pool", "prefork", "-c", "2"])]
+            for label, pool in pools[:1] if env.size.name == "smoke" else pools:
+                env.flush_redis()
+                with eng.begin() as conn:
+                    conn.execute(sa.text("TRUNCATE bench_effects"))
+                plain = _drain(env, db_url, "to.plain", n, pool, label[:4], n, tmp)
+                with eng.begin() as conn:
+                    conn.execute(sa.text("TRUNCATE bench_effects"))
+                idem = _drain(env, db_url, "to.idem", n, pool, label[:4], n, tmp)
+                replay = _drain(env, db_url, "to.idem", n, pool, label[:4], n, tmp)
+                ratio = idem / plain
+                rows.append([label, plain, idem, replay, f"{ratio:.2f}x", "≥ 0.5x",
+                             check(ratio >= TARGET)])
+            eng.dispose()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return "\n".join([
+        f"### 4. Task overhead ({n:,} queued calls drained by one worker)",
+        "",
+        table(["worker pool", "plain task /s", "IdempotentTask /s",
+               "deduplicated replay /s", "idempotent / plain", "target", ""], rows),
+    ])

@@ -1,0 +1,35 @@
+"""``python -m benchmarks --size smoke`` keeps working: it exits 0 and prints every table.
+
+No timing thresholds: the numbers of a smoke run on a shared CI machine mean nothing; the
+run only proves the benchmark code still drives the library end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORKTREE = Path(__file__).resolve().parents[2]
+
+HEADERS = (
+    "### 1. Dispatch throughput",
+    "### 2. Scale",
+    "### 3. Fire lateness",
+    "### 4. Task overhead",
+    "### 5. Relay throughput",
+)
+
+
+def test_benchmarks_smoke(pg_url: str, redis_url: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(WORKTREE)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--size", "smoke", "--postgres-url", pg_url,
+         "--redis-url", redis_url],
+        cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for header in HEADERS:
+        assert header in proc.stdout, f"{header!r} missing from:\n{proc.stdout}"
+    assert "FAILED" not in proc.stdout

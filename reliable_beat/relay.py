@@ -360,6 +360,7 @@ class Relay:
         self.purge_interval_seconds = purge_interval_seconds
         self._rng = rng or random.Random()
         self._last_purge = float("-inf")
+        self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
         self._listener: _Listener | None = None
 
@@ -394,7 +395,18 @@ class Relay:
             outcome = self.deliver(messages)
             self.settle(outcome)
         self.maybe_purge()
+        self.maybe_redispatch()
         return len(messages)
+
+    def maybe_redispatch(self) -> None:
+        """Every few seconds, with an app: re-send triggers of stuck tracked runs (their
+        message was lost; see :mod:`reliable_beat.redispatch`)."""
+        if self.app is None or time.monotonic() - self._last_redispatch < 5.0:
+            return
+        self._last_redispatch = time.monotonic()
+        from reliable_beat.redispatch import redispatch_stuck_runs
+
+        redispatch_stuck_runs(self.store, self.app, self.settings)
 
     def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
         """Deliver claimed rows outside any transaction; never raises for one bad row."""

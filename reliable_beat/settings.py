@@ -41,6 +41,9 @@ class Settings:
         outbox_batch_size: rows claimed per relay transaction.
         relay_poll_seconds: relay idle poll period when no NOTIFY arrives.
         backfill_limit: most slots one backfill creates unless forced.
+        redispatch_seconds: a tracked run still ``dispatched`` (no worker claimed it) or
+            ``running`` with a lease expired this long has its trigger sent again (its
+            message was lost; see :mod:`reliable_beat.redispatch`).
         metrics_port: serve Prometheus metrics on this port (None: off).
         owner_id: name of this process in leases and logs (default: host:pid).
     """
@@ -67,6 +70,7 @@ class Settings:
     outbox_batch_size: int = 200
     relay_poll_seconds: float = 1.0
     backfill_limit: int = 1000
+    redispatch_seconds: float = 120.0
     metrics_port: int | None = None
     owner_id: str | None = None
 

@@ -48,6 +48,7 @@ app.conf.update(
     beat_scheduler="reliable_beat.ReliableScheduler",
     reliable_beat_database_url=DATABASE_URL,
     reliable_beat_lease_seconds=float(os.environ.get("PAYOUTS_LEASE_SECONDS", "10")),
+    reliable_beat_redispatch_seconds=30.0,  # above the 15 s visibility timeout below
     reliable_beat_outbox_handlers={"merchant-webhook": "examples.payouts.app.notify_merchant"},
     beat_max_loop_interval=5,
     timezone="Europe/Berlin",

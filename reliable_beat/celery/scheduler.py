@@ -39,6 +39,7 @@ from reliable_beat.entries import (
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
 from reliable_beat.settings import Settings
 
@@ -263,6 +264,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         if messages:
             log.warning("sweeping %d unsent triggers", len(messages))
             publish_messages(self.store, self.app, messages, now)
+        redispatch_stuck_runs(self.store, self.app, self.settings)
 
     def _wait(self, result: TickResult) -> float:
         assert result.now is not None

@@ -156,6 +156,9 @@ if MODE == "reliable":
         reliable_beat_outbox_retry_cap_seconds=3.0,
         reliable_beat_outbox_max_attempts=1000,
         reliable_beat_relay_poll_seconds=0.5,
+        # Above the 10 s visibility timeout: the broker redelivers first; what it lost
+        # (a worker killed between BRPOP and recording the message unacked) is re-sent.
+        reliable_beat_redispatch_seconds=float(CONFIG.get("redispatch_seconds", 15)),
         reliable_beat_outbox_handlers={"sink": "reliable_beat.testing.faultapp.deliver"},
     )
 elif MODE == "redbeat":

@@ -1,0 +1,162 @@
+"""Re-send the trigger of a run whose message was lost after it left the outbox.
+
+A broker can lose a delivered message: kombu's Redis transport pops a message (``BRPOP``)
+before it records it as unacknowledged, so a worker SIGKILLed in between loses it for good,
+and ``acks_late`` cannot bring it back. The run then sits in ``dispatched`` with no attempt,
+and its slot would never fire (design.md invariant 8). The fault-injection run found exactly
+this.
+
+The beat therefore looks, every few seconds, for runs of *tracked* tasks
+(``IdempotentTask``, which record every attempt) that are
+
+* ``dispatched`` for longer than ``redispatch_after`` with no worker having claimed them, or
+* ``running`` with a lease that expired more than ``redispatch_after`` ago (the worker died
+  and its message did not come back),
+
+and publishes their trigger again, with the same task id and idempotency key. A duplicate is
+harmless: the task deduplicates it (a second claim of a live or finished run does not run the
+body). Plain Celery tasks are never re-sent: they keep no run state, so "stuck" cannot be told
+from "done".
+
+Pick ``reliable_beat_redispatch_seconds`` above the longest time a trigger may legitimately
+wait in a queue (worker backlog), and above the broker's own redelivery delay if you would
+rather let the broker redeliver first (Redis ``visibility_timeout``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat.beat import TRIGGER_DESTINATION, trigger_message_id
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import outbox, runs
+from reliable_beat.outbox import OutboxMessage
+from reliable_beat.settings import Settings
+
+__all__ = ["claim_stuck_runs", "redispatch_stuck_runs", "tracked_tasks"]
+
+log = logging.getLogger("reliable_beat.redispatch")
+
+
+def claim_stuck_runs(
+    store: Store,
+    conn: Connection,
+    *,
+    now: datetime,
+    after: timedelta,
+    tasks: Collection[str],
+    limit: int = 100,
+) -> list[OutboxMessage]:
+    """Claim stuck runs of ``tasks`` and return their trigger rows, ready to publish again.
+
+    Joins the caller's transaction (``FOR UPDATE SKIP LOCKED`` on the runs, so concurrent
+    beats never pick the same run). Each claimed run's clock is pushed to ``now``
+    (``dispatched_at``, or ``lease_expires_at`` for an expired ``running`` run), so it is not
+    picked again for another ``after``.
+
+    Args:
+        store: the store.
+        conn: a connection inside a transaction.
+        now: the store's clock, UTC.
+        after: how long a run may sit dispatched (or with an expired lease) before its
+            trigger is sent again.
+        tasks: names of tracked tasks (``IdempotentTask``); other runs are never touched.
+        limit: most runs per call.
+
+    Returns:
+        The runs' trigger outbox rows as :class:`~reliable_beat.outbox.OutboxMessage`
+        (destination ``celery``), in run id order. Runs without a trigger row (ad-hoc calls)
+        are skipped.
+    """
+    if not tasks:
+        return []
+    cutoff = now - after
+    stmt = (
+        select(runs.c.id, runs.c.idempotency_key, runs.c.state)
+        .where(
+            runs.c.task.in_(sorted(tasks)),
+            or_(
+                and_(runs.c.state == "dispatched", runs.c.dispatched_at < cutoff),
+                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff),
+            ),
+        )
+        .order_by(runs.c.id)
+        .limit(limit)
+    )
+    stuck = conn.execute(store.for_update_skip_locked(stmt)).all()
+    if not stuck:
+        return []
+    dispatched = [r.id for r in stuck if r.state == "dispatched"]
+    running = [r.id for r in stuck if r.state == "running"]
+    if dispatched:
+        conn.execute(
+            update(runs).where(runs.c.id.in_(dispatched)).values(dispatched_at=now, updated_at=now)
+        )
+    if running:
+        conn.execute(
+            update(runs).where(runs.c.id.in_(running)).values(lease_expires_at=now, updated_at=now)
+        )
+    rows = conn.execute(
+        select(outbox).where(
+            outbox.c.message_id.in_([trigger_message_id(r.idempotency_key) for r in stuck]),
+            outbox.c.destination == TRIGGER_DESTINATION,
+        ).order_by(outbox.c.run_id)
+    ).all()
+    return [OutboxMessage.from_row(r) for r in rows]
+
+
+def tracked_tasks(app: Any) -> list[str]:
+    """Names of the ``IdempotentTask`` tasks registered in ``app`` (they keep run state)."""
+    from reliable_beat.celery.task import IdempotentTask
+
+    return [name for name, task in list(app.tasks.items()) if isinstance(task, IdempotentTask)]
+
+
+def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
+    """Find stuck runs (:func:`claim_stuck_runs`) and publish their triggers again.
+
+    Called every few seconds by beats and relays that have the Celery app. A trigger whose
+    ``expires_at`` has passed is not re-sent: its run becomes ``skipped`` (reason
+    ``expired``).
+
+    Returns:
+        How many triggers were published again.
+    """
+    from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
+
+    tasks = tracked_tasks(app)
+    if not tasks:
+        return 0
+    with store.begin() as conn:
+        now = store.now(conn)
+        stuck = claim_stuck_runs(
+            store, conn, now=now, after=timedelta(seconds=settings.redispatch_seconds),
+            tasks=tasks, limit=settings.batch_size,
+        )
+    if not stuck:
+        return 0
+    log.warning(
+        "re-sending %d triggers whose runs never started or whose worker died (message lost "
+        "by the broker?): %s", len(stuck), ", ".join(m.message_id for m in stuck[:5]),
+    )
+    # Their outbox rows are already `sent`: publish without re-marking them.
+    outcomes = publish_celery_batch(app, stuck, now=now)
+    expired = [
+        m.run_id
+        for m, (_, err) in zip(stuck, outcomes, strict=True)
+        if isinstance(err, MessageExpiredError) and m.run_id is not None
+    ]
+    if expired:
+        with store.begin() as conn:
+            conn.execute(
+                update(runs)
+                .where(runs.c.id.in_(expired), runs.c.state == "dispatched")
+                .values(state="skipped", reason="expired", updated_at=now)
+            )
+    return sum(1 for _, err in outcomes if err is None)

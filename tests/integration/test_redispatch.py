@@ -1,0 +1,89 @@
+"""Lost trigger messages: a tracked run stuck in `dispatched` gets its trigger sent again."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import insert, select, update
+
+from reliable_beat.beat import Beat
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries, runs
+from reliable_beat.redispatch import claim_stuck_runs
+from reliable_beat.relay import mark_sent
+
+
+def _entry(store: Store, name: str, task: str) -> None:
+    with store.begin() as conn:
+        now = store.now(conn)
+        conn.execute(
+            insert(entries).values(
+                name=name, task=task, args=[], kwargs={}, options={}, schedule_kind="interval",
+                schedule={"kind": "interval", "every_seconds": 3600, "timezone": "UTC",
+                          "anchor": "2026-01-01T00:00:00Z"},
+                timezone="UTC", next_fire_at=now - timedelta(seconds=5), created_at=now,
+                updated_at=now,
+            )
+        )
+
+
+def _fire_and_dispatch(store: Store) -> None:
+    result = Beat(store, owner="t").tick()
+    assert result.triggers
+    with store.begin() as conn:
+        mark_sent(conn, [t.outbox_id for t in result.triggers], store.now(conn))
+
+
+def _backdate(store: Store, seconds: float) -> None:
+    with store.begin() as conn:
+        conn.execute(
+            update(runs).values(
+                dispatched_at=datetime.now(timezone.utc) - timedelta(seconds=seconds)
+            )
+        )
+
+
+def test_stuck_tracked_run_is_redispatched_once_per_period(store: Store) -> None:
+    _entry(store, "tracked", "app.tracked")
+    _entry(store, "plain", "app.plain")
+    _fire_and_dispatch(store)
+    with store.begin() as conn:
+        now = store.now(conn)
+        # Not stuck yet: dispatched just now.
+        assert claim_stuck_runs(store, conn, now=now, after=timedelta(seconds=60),
+                                tasks=["app.tracked"]) == []
+    _backdate(store, 120)
+    with store.begin() as conn:
+        now = store.now(conn)
+        stuck = claim_stuck_runs(store, conn, now=now, after=timedelta(seconds=60),
+                                 tasks=["app.tracked"])
+    assert [m.payload["task"] for m in stuck] == ["app.tracked"]
+    assert stuck[0].payload["headers"]["reliable_beat_entry"] == "tracked"
+    assert stuck[0].message_id.startswith("trigger:tracked@")
+    with store.begin() as conn:
+        now = store.now(conn)
+        # Its clock moved on: not picked again within the period; the plain task never is.
+        assert claim_stuck_runs(store, conn, now=now, after=timedelta(seconds=60),
+                                tasks=["app.tracked"]) == []
+
+
+def test_started_and_finished_runs_are_left_alone(store: Store) -> None:
+    _entry(store, "tracked", "app.tracked")
+    _fire_and_dispatch(store)
+    _backdate(store, 120)
+    with store.begin() as conn:
+        now = store.now(conn)
+        conn.execute(update(runs).values(state="running",
+                                         lease_expires_at=now + timedelta(seconds=30)))
+        assert claim_stuck_runs(store, conn, now=now, after=timedelta(seconds=60),
+                                tasks=["app.tracked"]) == []
+        conn.execute(update(runs).values(state="succeeded"))
+        assert claim_stuck_runs(store, conn, now=now, after=timedelta(seconds=60),
+                                tasks=["app.tracked"]) == []
+        # A worker that died mid-body: lease long expired, message never came back.
+        conn.execute(update(runs).values(state="running",
+                                         lease_expires_at=now - timedelta(seconds=300)))
+        again = claim_stuck_runs(store, conn, now=now, after=timedelta(seconds=60),
+                                 tasks=["app.tracked"])
+        assert len(again) == 1
+        assert conn.execute(select(runs.c.lease_expires_at)).scalar_one() == now

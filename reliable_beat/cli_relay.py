@@ -38,6 +38,10 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
                    claim_lease_seconds=claim_lease_seconds)
     click.echo(f"relay {worker.owner} on {cli.store.safe_url}; destinations: "
                + ", ".join(sorted(worker.handlers)), err=True)
+    if cli.settings.metrics_port is not None and not once:
+        from reliable_beat.metrics import serve
+
+        serve(cli.settings.metrics_port, cli.store)
     if once:
         click.echo(f"claimed {worker.run_once()} rows")
         worker.close()

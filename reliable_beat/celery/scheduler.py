@@ -136,6 +136,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._listen: Any = None
         self._failures = 0
         self._last_sweep = 0.0
+        self._metrics: Any = None
         self._tick_started = time.monotonic()
         self.app = app
         self._beat = Beat(
@@ -181,6 +182,11 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             if d.task not in self.app.tasks:
                 log.warning("entry %r: task %r is not registered in this beat's app; workers "
                             "must know it or the trigger is rejected", d.name, d.task)
+        if self.settings.metrics_port is not None and self._metrics is None:
+            from reliable_beat.metrics import serve
+
+            self._metrics = serve(self.settings.metrics_port, self.store)
+            log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
         counts = sync_config_entries(self.store, definitions)
         log.info("reliable_beat: synced beat_schedule into %s: %s", self.store.safe_url, counts)
 

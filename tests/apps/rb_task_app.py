@@ -15,6 +15,7 @@ a test can see that a body has started (and its fence) while the effect is uncom
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -63,6 +64,7 @@ app.conf.update(
     reliable_beat_retry_max_attempts=6,
     reliable_beat_retry_base_seconds=1.0,
     reliable_beat_retry_cap_seconds=60.0,
+    reliable_beat_outbox_handlers={"hook": "rb_task_app.hook"},
 )
 
 
@@ -120,3 +122,43 @@ def permanent_unless_file_gone(self: IdempotentTask, name: str, flag_file: str) 
             key=self.idempotency_key, fence=self.fence_token, run_id=self.run_id,
             pid=os.getpid()))
     return "ok"
+
+
+@app.task(base=EffectTask, bind=True, name="rb.effect_with_webhook")
+def effect_with_webhook(
+    self: IdempotentTask, name: str, url: str, sleep_first_attempt: float = 0.0
+) -> str:
+    """One effect row and one outbox webhook in the same transaction."""
+    with self.transaction() as tx:
+        tx.execute(effects.insert().values(
+            key=self.idempotency_key, fence=self.fence_token, run_id=self.run_id,
+            pid=os.getpid()))
+        self.outbox.add(tx, "hook", {"url": url, "body": {"name": name}})
+        _mark(self, "in_body")
+        if self.attempt == 1 and sleep_first_attempt:
+            time.sleep(sleep_first_attempt)
+    return "ok"
+
+
+def hook(message: Any) -> None:
+    """Outbox handler: POST with ``Idempotency-Key``. ``RB_KILL_POINT`` (``before_delivery``
+    or ``after_delivery``) makes the relay process die there once, while ``RB_KILL_FLAG``
+    (a file) exists."""
+    import urllib.request
+
+    flag = os.environ.get("RB_KILL_FLAG", "")
+    point = os.environ.get("RB_KILL_POINT", "")
+    armed = bool(flag) and Path(flag).exists()
+    if armed and point == "before_delivery":
+        Path(flag).unlink()
+        os._exit(9)
+    req = urllib.request.Request(
+        message.payload["url"], data=json.dumps(message.payload["body"]).encode(),
+        method="POST", headers={"Content-Type": "application/json",
+                                "Idempotency-Key": message.message_id},
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        resp.read()
+    if armed and point == "after_delivery":
+        Path(flag).unlink()
+        os._exit(9)

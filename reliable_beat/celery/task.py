@@ -51,7 +51,6 @@ __all__ = [
     "KEY_HEADER",
     "TRIGGER_HEADER",
     "IdempotentTask",
-    "describe_task",
 ]
 
 log = logging.getLogger(__name__)
@@ -671,47 +670,3 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     )
                 return
 
-
-def describe_task(task: Any) -> dict[str, str]:
-    """Answers to the five questions for a Celery task (for ``entries describe``).
-
-    Args:
-        task: a registered Celery task (``app.tasks[name]``), an ``IdempotentTask`` or not.
-
-    Returns:
-        ``{"can_it_run_twice", "can_it_overlap", "if_the_machine_dies_mid_run",
-        "can_it_retry_safely", "is_it_idempotent"}`` -> one sentence each, derived from the
-        task class and its app's ``reliable_beat_*`` settings.
-    """
-    if not isinstance(task, IdempotentTask):
-        late = bool(getattr(task, "acks_late", False))
-        return {
-            "can_it_run_twice": "yes: triggers are delivered at least once and a plain task "
-            "has no idempotency key (use base=IdempotentTask)",
-            "can_it_overlap": "yes, unless the entry's overlap policy is skip or buffer_one "
-            "(which needs IdempotentTask to keep run state)",
-            "if_the_machine_dies_mid_run": "redelivered (acks_late)" if late
-            else "the run is lost (acks_late is off)",
-            "can_it_retry_safely": "only if the body is idempotent by itself",
-            "is_it_idempotent": "not by reliable_beat: nothing is recorded",
-        }
-    s = task.reliable_beat_settings
-    attempts = task.max_attempts or s.retry_max_attempts
-    base = task.retry_base_seconds or s.retry_base_seconds
-    cap = task.retry_cap_seconds if task.retry_cap_seconds is not None else s.retry_cap_seconds
-    lease = task.lease_seconds or s.lease_seconds
-    return {
-        "can_it_run_twice": "no for effects through self.transaction(): a duplicate trigger "
-        "finds the key succeeded and returns the stored result (attempt 'deduplicated')",
-        "can_it_overlap": f"not for one key (a live lease of {lease:g} s, renewed every "
-        f"{lease / 3:g} s, makes a second delivery wait); different slots follow the "
-        "entry's overlap policy",
-        "if_the_machine_dies_mid_run": "its transaction rolls back; acks_late + "
-        "reject_on_worker_lost redeliver the message, which takes the run over with a new "
-        f"fence once the lease ({lease:g} s) expires; a paused runner is fenced out",
-        "can_it_retry_safely": f"yes: transient errors retry with full jitter (base {base:g} s, "
-        f"cap {cap:g} s), at most {attempts} attempts, then a dead letter; permanent errors "
-        "dead-letter at once",
-        "is_it_idempotent": "effects through the transaction and the outbox: idempotent; "
-        "direct side effects in the body (HTTP calls, e-mail): not covered, at least once",
-    }

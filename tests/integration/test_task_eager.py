@@ -212,23 +212,6 @@ def test_outbox_keys_count_per_attempt(
     assert calls[1]["ordering_key"] == "c1"
 
 
-def test_describe_task_answers_the_five_questions(app: Celery) -> None:
-    from reliable_beat.celery.task import describe_task
-
-    @app.task(base=IdempotentTask, bind=True, name="e.described")
-    def described(self: IdempotentTask) -> None: ...
-
-    @app.task(name="e.plain_described")
-    def plain() -> None: ...
-
-    ours = describe_task(described)
-    assert "direct side effects in the body (HTTP calls, e-mail): not covered" in \
-        ours["is_it_idempotent"]
-    assert "at most 3 attempts" in ours["can_it_retry_safely"]
-    assert describe_task(plain)["can_it_run_twice"].startswith("yes")
-    assert set(ours) == set(describe_task(plain))
-
-
 def test_outbox_rows_commit_with_the_effect_real_outbox(app: Celery, store: Store) -> None:
     """With the real reliable_beat.outbox: rolled back with a failed try, one row per add."""
     from reliable_beat.db.tables import outbox

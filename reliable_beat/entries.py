@@ -240,13 +240,6 @@ def definition_from_celery(
         bad(f"unsupported publish option {key!r}; supported: {supported}")
     args = list(raw.get("args") or [])
     kwargs = dict(raw.get("kwargs") or {})
-    for what, value in (("args", args), ("kwargs", kwargs), ("options", options)):
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            bad(f"{what} are not JSON-serialisable ({exc}); pass plain JSON values")
-    if raw.get("relative"):
-        bad("'relative=True' is not supported: slots sit on a fixed grid")
     if "expires" in options:
         exp = options["expires"]
         if isinstance(exp, timedelta):
@@ -254,6 +247,13 @@ def definition_from_celery(
         elif not isinstance(exp, (int, float)) or isinstance(exp, bool) or exp <= 0:
             bad(f"options['expires']={exp!r}: give seconds (> 0) counted from the slot")
 
+    for what, value in (("args", args), ("kwargs", kwargs), ("options", options)):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            bad(f"{what} are not JSON-serialisable ({exc}); pass plain JSON values")
+    if raw.get("relative"):
+        bad("'relative=True' is not supported: slots sit on a fixed grid")
     tz = rb.get("timezone") or default_timezone
     try:
         tz = sch.validate_timezone(tz)

@@ -276,7 +276,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         assert result.now is not None
         if result.claimed >= self.settings.batch_size:
             return 0.0  # more due entries are waiting
-        bound = float(self.max_interval)
+        # Wake at least every SWEEP_SECONDS so the sweep of unsent triggers and the
+        # re-dispatch of lost ones run even when no entry is due for a long time.
+        bound = min(float(self.max_interval), SWEEP_SECONDS)
         if self.store.dialect != "postgresql":
             bound = min(bound, SQLITE_MAX_WAIT_SECONDS)
         if result.next_fire_at is None:

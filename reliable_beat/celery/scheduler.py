@@ -38,6 +38,7 @@ from reliable_beat.entries import (
 )
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
+from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
@@ -251,6 +252,15 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
     def _publish(self, result: TickResult) -> None:
         assert result.now is not None
         publish_triggers(self.store, self.app, result.triggers, result.now)
+        for t in result.triggers:
+            event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
+                "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
+                key=t.key, task=t.payload["task"],
+                claim_lateness_ms=round((result.now - t.fire_at).total_seconds() * 1000, 1))
+        if result.skipped:
+            event(log, logging.INFO, "slots.skipped", count=result.skipped)
+        if result.duplicates:
+            event(log, logging.INFO, "slots.already_fired", count=result.duplicates)
 
     def _sweep(self) -> None:
         """Publish trigger rows whose fast path never happened (a beat died between commit

@@ -1,0 +1,24 @@
+"""Structured log events carry a stable name and their fields, in the text and the record."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from reliable_beat.logs import event
+
+
+def test_event_fields_in_message_and_record(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("reliable_beat.test")
+    with caplog.at_level(logging.INFO, logger="reliable_beat.test"):
+        event(log, logging.INFO, "slot.fired", entry="pay", fire_at="2026-01-10T10:05:00Z",
+              key="pay@2026-01-10T10:05:00Z", fence_token=None)
+        event(log, logging.DEBUG, "not.shown", entry="x")
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "slot.fired entry=pay fire_at=2026-01-10T10:05:00Z key=pay@2026-01-10T10:05:00Z"
+    )
+    assert record.event == "slot.fired"  # type: ignore[attr-defined]
+    assert record.entry == "pay"  # type: ignore[attr-defined]
+    assert not hasattr(record, "fence_token")

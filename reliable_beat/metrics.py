@@ -16,6 +16,9 @@ they are read from the database, not counted in one process):
 ``reliable_beat_outbox_oldest_pending_age_seconds``  age of the oldest pending row, per
                                                    destination (store clock)
 ``reliable_beat_outbox_dead{destination}``         outbox rows given up on
+``reliable_beat_attempts_recent{outcome}``         attempts started in the window by outcome:
+                                                   deduplicated (duplicates collapsed),
+                                                   fenced_out (fence rejections), retrying
 ``reliable_beat_fire_lateness_seconds``            gauge histogram of ``dispatched_at - fire_at``
                                                    over scheduled runs dispatched in the last
                                                    ``window_seconds`` (default 1 h)
@@ -45,7 +48,7 @@ from sqlalchemy import func, select
 
 from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import dead_letters, entries, runs
+from reliable_beat.db.tables import attempts, dead_letters, entries, runs
 
 __all__ = [
     "LATENESS_BUCKETS",
@@ -148,6 +151,16 @@ class StoreCollector:
         yield pending
         yield oldest
         yield dead
+        fam = GaugeMetricFamily(
+            "reliable_beat_attempts_recent",
+            "Attempts started in the recent window by outcome: deduplicated = duplicates "
+            "collapsed, fenced_out = fence rejections, retrying = retries",
+            labels=["outcome"],
+        )
+        for outcome in ("succeeded", "deduplicated", "fenced_out", "retrying", "failed",
+                        "dead", "busy", "running"):
+            fam.add_metric([outcome], float(data["attempts"].get(outcome, 0)))
+        yield fam
         lateness = data["lateness"]
         buckets = [(str(b), float(sum(1 for v in lateness if v <= b))) for b in LATENESS_BUCKETS]
         buckets.append(("+Inf", float(len(lateness))))
@@ -209,8 +222,16 @@ class StoreCollector:
                     .limit(LATENESS_SAMPLE)
                 )
             ]
+            outcomes = {
+                str(o): int(n)
+                for o, n in conn.execute(
+                    select(attempts.c.outcome, func.count())
+                    .where(attempts.c.started_at >= since)
+                    .group_by(attempts.c.outcome)
+                )
+            }
         return {"entries": counts, "late": late, "runs": by_state, "dead": dead,
-                "outbox": backlog, "lateness": lateness}
+                "outbox": backlog, "lateness": lateness, "attempts": outcomes}
 
 
 def make_registry(store: Store, **kwargs: Any) -> Any:

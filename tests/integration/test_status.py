@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.engine import make_url
 
 from reliable_beat.beat import Beat
 from reliable_beat.celery.commands import reliable_beat
 from reliable_beat.cli_status import collect_status, jsonable
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import dead_letters, entries, runs
+from reliable_beat.db.tables import attempts, dead_letters, entries, runs
 from reliable_beat.metrics import serve
 
 pytest.importorskip("prometheus_client")
@@ -147,6 +147,11 @@ def test_metrics_endpoint_over_http(populated: Store) -> None:
         conn.execute(dead_letters.insert().values(
             kind="outbox", key="m1", destination="email", payload={}, reason="undeliverable",
             attempts=5, created_at=store.now(conn)))
+        run_id = conn.execute(select(runs.c.id)).scalars().first()
+        for n, outcome in enumerate(("succeeded", "deduplicated", "deduplicated", "fenced_out")):
+            conn.execute(attempts.insert().values(
+                run_id=run_id, attempt=n + 1, fence_token=1, worker="w", outcome=outcome,
+                started_at=store.now(conn)))
     server = serve(0, store, addr="127.0.0.1")
     try:
         m = _scrape(server.port)
@@ -156,6 +161,9 @@ def test_metrics_endpoint_over_http(populated: Store) -> None:
     assert m['reliable_beat_entries{status="active"}'] == 2.0
     assert m['reliable_beat_entries{status="paused"}'] == 1.0
     assert m["reliable_beat_entries_late"] == 1.0  # 'stalled': the missed-slot alarm
+    assert m['reliable_beat_attempts_recent{outcome="deduplicated"}'] == 2.0
+    assert m['reliable_beat_attempts_recent{outcome="fenced_out"}'] == 1.0
+    assert m['reliable_beat_attempts_recent{outcome="retrying"}'] == 0.0
     assert m['reliable_beat_runs{state="dispatched"}'] == 1.0
     assert m['reliable_beat_runs{state="scheduled"}'] == 1.0
     assert m['reliable_beat_dead_letters{kind="outbox"}'] == 1.0

@@ -60,7 +60,7 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 @click.option("--entry", default=None, help="Only runs of this entry.")
 @click.option("--state", default=None,
               type=click.Choice(["scheduled", "dispatched", "running", "succeeded", "retrying",
-                                 "dead", "skipped"]))
+                                 "dead", "skipped", "buffered"]))
 @click.option("--since", default=None, help="Created at/after: ISO 8601 (UTC offset) or 15m/2h/3d.")
 @click.option("--limit", default=50, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

@@ -92,7 +92,7 @@ class StoreUnavailableError(ReliableBeatError, ConnectionError):
 class IdempotencyKeyError(ReliableBeatError, ValueError):
     """An ad-hoc call of an ``IdempotentTask`` has no derivable idempotency key.
 
-    Fix: pass ``idempotency_key=`` in the call's headers, or override
+    Fix: pass ``headers={"reliable_beat_key": ...}`` in the call, or override
     ``IdempotentTask.idempotency_key_for(*args, **kwargs)``.
     """
 

@@ -36,7 +36,7 @@ class OverlapPolicy(str, enum.Enum):
 
     * ``ALLOW`` (default): fire anyway.
     * ``SKIP``: record the slot as skipped.
-    * ``BUFFER_ONE``: keep the slot waiting (state ``scheduled``, not sent) until the running
+    * ``BUFFER_ONE``: keep the slot waiting (state ``buffered``, not sent) until the running
       one finishes; at most one slot is buffered, later ones are skipped.
 
     ``SKIP`` and ``BUFFER_ONE`` decide from run state, which only ``IdempotentTask`` keeps.

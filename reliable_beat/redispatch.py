@@ -12,6 +12,8 @@ The beat therefore looks, every few seconds, for runs of *tracked* tasks
 * ``dispatched`` for longer than ``redispatch_after`` with no worker having claimed them, or
 * ``running`` with a lease that expired more than ``redispatch_after`` ago (the worker died
   and its message did not come back),
+* ``retrying`` and untouched for ``redispatch_after`` + the retry cap (a lost retry message,
+  or a lease cleared by a person with ``reliable-beat lease clear``),
 
 and publishes their trigger again, with the same task id and idempotency key. A duplicate is
 harmless: the task deduplicates it (a second claim of a live or finished run does not run the
@@ -52,6 +54,7 @@ def claim_stuck_runs(
     after: timedelta,
     tasks: Collection[str],
     limit: int = 100,
+    retrying_after: timedelta | None = None,
 ) -> list[OutboxMessage]:
     """Claim stuck runs of ``tasks`` and return their trigger rows, ready to publish again.
 
@@ -68,6 +71,9 @@ def claim_stuck_runs(
             trigger is sent again.
         tasks: names of tracked tasks (``IdempotentTask``); other runs are never touched.
         limit: most runs per call.
+        retrying_after: also re-send ``retrying`` runs not updated for this long (a retry
+            message lost, or a lease cleared by a person); None: leave them. Pick it above
+            the retry backoff cap.
 
     Returns:
         The runs' trigger outbox rows as :class:`~reliable_beat.outbox.OutboxMessage`
@@ -77,15 +83,17 @@ def claim_stuck_runs(
     if not tasks:
         return []
     cutoff = now - after
+    stuck_states = [
+        and_(runs.c.state == "dispatched", runs.c.dispatched_at < cutoff),
+        and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff),
+    ]
+    if retrying_after is not None:
+        stuck_states.append(
+            and_(runs.c.state == "retrying", runs.c.updated_at < now - retrying_after)
+        )
     stmt = (
         select(runs.c.id, runs.c.idempotency_key, runs.c.state)
-        .where(
-            runs.c.task.in_(sorted(tasks)),
-            or_(
-                and_(runs.c.state == "dispatched", runs.c.dispatched_at < cutoff),
-                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff),
-            ),
-        )
+        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states))
         .order_by(runs.c.id)
         .limit(limit)
     )
@@ -102,6 +110,9 @@ def claim_stuck_runs(
         conn.execute(
             update(runs).where(runs.c.id.in_(running)).values(lease_expires_at=now, updated_at=now)
         )
+    retrying = [r.id for r in stuck if r.state == "retrying"]
+    if retrying:
+        conn.execute(update(runs).where(runs.c.id.in_(retrying)).values(updated_at=now))
     rows = conn.execute(
         select(outbox).where(
             outbox.c.message_id.in_([trigger_message_id(r.idempotency_key) for r in stuck]),
@@ -138,6 +149,9 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
         stuck = claim_stuck_runs(
             store, conn, now=now, after=timedelta(seconds=settings.redispatch_seconds),
             tasks=tasks, limit=settings.batch_size,
+            retrying_after=timedelta(
+                seconds=settings.redispatch_seconds + settings.retry_cap_seconds
+            ),
         )
     if not stuck:
         return 0

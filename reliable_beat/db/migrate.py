@@ -9,6 +9,7 @@ SQLite under the write lock, so only one applies each revision.
 from __future__ import annotations
 
 import io
+import logging
 from pathlib import Path
 
 from alembic import command
@@ -27,6 +28,7 @@ MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "reliable_beat_alembic_version"
 #: Arbitrary 64-bit key for pg_advisory_xact_lock while migrating ("rbeat").
 _ADVISORY_KEY = 0x7262656174
+log = logging.getLogger("reliable_beat.migrate")
 
 
 def _config(url: str = "", stdout: io.StringIO | None = None) -> Config:
@@ -34,6 +36,14 @@ def _config(url: str = "", stdout: io.StringIO | None = None) -> Config:
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
+
+
+def _known(revision: str) -> bool:
+    """True when ``revision`` is one of this package's migrations."""
+    try:
+        return ScriptDirectory.from_config(_config()).get_revision(revision) is not None
+    except Exception:
+        return False
 
 
 def head() -> str:
@@ -88,6 +98,11 @@ def ensure_schema(store: Store, *, run_migrations: bool) -> None:
     """
     at = current(store)
     if at == head():
+        return
+    if at is not None and not _known(at):
+        # A newer release upgraded the schema (expand/contract): keep running on it.
+        log.warning("database %s is at schema revision %s, newer than this reliable_beat's "
+                    "%s; running on it (upgrade this process soon)", store.safe_url, at, head())
         return
     if run_migrations or store.dialect == "sqlite":
         upgrade(store)

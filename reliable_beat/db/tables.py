@@ -12,6 +12,7 @@ Run states (``reliable_beat_runs.state``)::
                                   |   \\-> retrying -> running ...
                                   \\-> dead
     skipped   (a slot the misfire / overlap policy decided not to fire; recorded, never sent)
+    buffered  (overlap policy buffer_one: waits, unsent, until the entry's active run ends)
 
 Attempt outcomes: ``running``, ``succeeded``, ``failed``, ``retrying``, ``deduplicated``,
 ``fenced_out``, ``dead``, ``busy`` (another runner held a live lease).
@@ -191,7 +192,8 @@ dead_letters = Table(
     Column("destination", String(200), nullable=True),
     # What is needed to replay it: {"task", "args", "kwargs"} or the outbox row.
     Column("payload", JSONType, nullable=False),
-    Column("reason", String(32), nullable=False),  # permanent | exhausted | undeliverable
+    # permanent | exhausted | retry_unsent | undeliverable
+    Column("reason", String(32), nullable=False),
     Column("error", Text, nullable=True),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("created_at", UTCDateTime, nullable=False),

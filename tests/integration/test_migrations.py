@@ -85,3 +85,14 @@ def test_offline_sql_mentions_every_table() -> None:
     for table in metadata.sorted_tables:
         assert f"CREATE TABLE {table.name}" in sql
     assert migrate.VERSION_TABLE in sql
+
+
+def test_newer_schema_revision_is_tolerated(sqlite_store: Store) -> None:
+    """Expand/contract: an older process keeps running after a newer release upgraded."""
+    import sqlalchemy as sa
+
+    with sqlite_store.engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {migrate.VERSION_TABLE} SET version_num = 'f00dfeed'"))
+    migrate.ensure_schema(sqlite_store, run_migrations=False)  # no SchemaError
+    assert migrate.current(sqlite_store) == "f00dfeed"
+    assert not migrate.check(sqlite_store)

@@ -87,3 +87,17 @@ def test_started_and_finished_runs_are_left_alone(store: Store) -> None:
                                  tasks=["app.tracked"])
         assert len(again) == 1
         assert conn.execute(select(runs.c.lease_expires_at)).scalar_one() == now
+
+
+def test_retrying_run_is_redispatched_only_after_the_retry_window(store: Store) -> None:
+    _entry(store, "tracked", "app.tracked")
+    _fire_and_dispatch(store)
+    with store.begin() as conn:
+        now = store.now(conn)
+        conn.execute(update(runs).values(state="retrying", updated_at=now - timedelta(seconds=90)))
+        args = {"now": now, "after": timedelta(seconds=60), "tasks": ["app.tracked"]}
+        assert claim_stuck_runs(store, conn, **args) == []  # retrying not asked for
+        assert claim_stuck_runs(store, conn, retrying_after=timedelta(seconds=120), **args) == []
+        found = claim_stuck_runs(store, conn, retrying_after=timedelta(seconds=80), **args)
+        assert len(found) == 1
+        assert claim_stuck_runs(store, conn, retrying_after=timedelta(seconds=80), **args) == []

@@ -115,6 +115,10 @@ class StaleFenceToken(ReliableBeatError, RuntimeError):
             "claimed the run after this one); this runner's writes were rolled back"
         )
 
+    def __reduce__(self) -> tuple[type[StaleFenceToken], tuple[str, int]]:
+        # Picklable with its own class (Celery result backends and prefork pipes pickle it).
+        return (type(self), (self.idempotency_key, self.fence_token))
+
 
 class LeaseHeldError(ReliableBeatError, RuntimeError):
     """Another runner holds a live lease on the run; try again after it expires."""

@@ -2,7 +2,10 @@
 
 No I/O and no clock: the caller passes the database's ``now``. The rules (design.md §6):
 
-* A slot late by at most ``misfire_grace`` is **on time**: it fires, under every policy.
+* A slot is **on time** when it is late by at most ``misfire_grace`` and is still the
+  latest due slot of its entry: it fires, under every policy. A slot whose successor is
+  already due has been missed, however small the delay (so a 5 s entry resumed after a pause
+  or a downtime is never a burst of "on time" runs).
 * A slot late by more is **missed**; the misfire policy decides:
   ``catch_up`` fires every missed slot inside the catch-up window, oldest first, at most
   ``catch_up_limit`` of them (the most recent ones); ``fire_once`` fires only the latest
@@ -118,7 +121,11 @@ def plan_entry(
     if not due:
         return plan
 
-    missed = [s for s in due if now - s > misfire_grace]
+    # A slot is on time only while it is the latest due one and at most misfire_grace late:
+    # once its successor is due too, it has been missed (whatever the grace), so a
+    # frequent entry found late (after downtime or a pause) is never a burst of "on time"
+    # runs; its policy decides.
+    missed = [s for i, s in enumerate(due) if now - s > misfire_grace or i < len(due) - 1]
     fire_missed: set[datetime] = set()
     reasons: dict[datetime, str] = {}
     if policy is MisfirePolicy.CATCH_UP:

@@ -230,6 +230,14 @@ def _move_runs(
         update(runs).where(runs.c.id.in_(run_ids.scalar_subquery()), runs.c.state == frm)
         .values(**values)
     )
+    if dispatched:
+        # A worker may have claimed the run before this mark (it is already `running` or
+        # done): record when its trigger went out all the same, for lateness figures.
+        conn.execute(
+            update(runs)
+            .where(runs.c.id.in_(run_ids.scalar_subquery()), runs.c.dispatched_at.is_(None))
+            .values(dispatched_at=now)
+        )
 
 
 def purge_sent(conn: Connection, *, older_than: datetime, limit: int = 1000) -> int:

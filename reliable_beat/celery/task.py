@@ -594,13 +594,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise
             except Exception as publish_exc:
                 # The retry message could not be published (broker down after kombu's own
-                # retries). Never drop the work silently (invariant 8): dead-letter it.
-                log.exception("%s: could not send the retry of %s", self.name, claim.key)
-                runs.record_failure(
-                    store, claim, f"{error}\nretry not sent: {publish_exc!r}",
-                    dead_reason="retry_unsent", payload=self._payload(claim),
-                    from_states=("retrying", "running"),
-                )
+                # retries). The run stays `retrying`: a beat's or relay's re-dispatch sweep
+                # sends its trigger again once it is untouched for redispatch_seconds +
+                # retry_cap_seconds (reliable_beat.redispatch), so a broker blip neither
+                # drops the slot nor needs a person.
+                log.error("%s: could not send the retry of %s (%r); the re-dispatch sweep "
+                          "will send it again", self.name, claim.key, publish_exc)
                 raise exc from publish_exc
         reason = "permanent" if kind == "permanent" else "exhausted"
         try:

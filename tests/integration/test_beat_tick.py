@@ -220,9 +220,9 @@ def test_overlap_skip(store: Store) -> None:
 def test_overlap_buffer_one(store: Store) -> None:
     now = db_now(store).replace(microsecond=0)
     anchor = now - timedelta(seconds=10)
-    # two due slots (on time with a large grace): the first is buffered, the second skipped
+    # two due slots, both fired (catch_up): the first is buffered, the second skipped
     d = interval_def("o", 5, anchor, overlap_policy="buffer_one",
-                     misfire_grace=timedelta(seconds=60))
+                     misfire_grace=timedelta(seconds=60), misfire_policy="catch_up")
     seed(store, d, anchor)
     _running_run(store, "o", anchor - timedelta(hours=1))
     beat = Beat(store, owner="t:1")

@@ -22,3 +22,13 @@ def test_event_fields_in_message_and_record(caplog: pytest.LogCaptureFixture) ->
     assert record.event == "slot.fired"  # type: ignore[attr-defined]
     assert record.entry == "pay"  # type: ignore[attr-defined]
     assert not hasattr(record, "fence_token")
+
+
+def test_stale_fence_token_survives_pickling() -> None:
+    import pickle
+
+    from reliable_beat.errors import StaleFenceToken
+
+    err = pickle.loads(pickle.dumps(StaleFenceToken("k@2026-01-01T00:00:00Z", 3)))
+    assert type(err) is StaleFenceToken
+    assert (err.idempotency_key, err.fence_token) == ("k@2026-01-01T00:00:00Z", 3)

@@ -22,6 +22,7 @@ def upgrade(cli: CliContext, sql: bool, revision: str) -> None:
     if sql:
         click.echo(migrate.upgrade_sql(cli.settings.database_url, revision))
         return
+    cli.create_store = True
     migrate.upgrade(cli.store, revision)
     click.echo(f"{cli.store.safe_url}: schema at {migrate.current(cli.store)}")
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import click
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.db.dialects import Store
+from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.settings import Settings
 
 __all__ = ["COMMAND_MODULES", "CliContext", "pass_cli", "reliable_beat"]
@@ -40,6 +44,7 @@ class CliContext:
     app: Any = None
     database_url: str | None = None
     role: str = "cli"
+    create_store: bool = False  # only `db upgrade` may create an embedded SQLite file
     _settings: Settings | None = field(default=None, repr=False)
     _store: Store | None = field(default=None, repr=False)
 
@@ -57,7 +62,14 @@ class CliContext:
     @property
     def store(self) -> Store:
         if self._store is None:
-            self._store = Store.from_url(self.settings.database_url, role=self.role)
+            url = self.settings.database_url
+            path = _sqlite_path(url)
+            if path is not None and not self.create_store and not os.path.exists(path):
+                raise click.ClickException(
+                    f"no reliable_beat store at {path}: start a beat (it creates the embedded "
+                    "store), run `reliable-beat db upgrade`, or pass --database-url / -A"
+                )
+            self._store = Store.from_url(url, role=self.role)
         return self._store
 
     def echo_json(self, value: Any) -> None:
@@ -67,6 +79,37 @@ class CliContext:
 pass_cli = click.make_pass_decorator(CliContext)
 
 
+def _sqlite_path(url: str) -> str | None:
+    """The file of a ``sqlite:///path`` URL (None for other URLs and in-memory SQLite)."""
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return None
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return str(parsed.database)
+
+
+class _Group(click.Group):
+    """Turns store failures into one line and exit code 1, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except StoreUnavailableError as exc:
+            raise click.ClickException(str(exc)) from exc
+        except DBAPIError as exc:
+            text = str(exc.orig)
+            if "no such table" in text or "does not exist" in text:
+                raise click.ClickException(
+                    f"the reliable_beat schema is missing ({text.splitlines()[0]}): run "
+                    "`reliable-beat db upgrade`"
+                ) from exc
+            raise click.ClickException(
+                f"database error: {text.splitlines()[0] if text else exc!r}"
+            ) from exc
+
+
 def _load_app(spec: str) -> Any:
     from celery.app.utils import find_app
 
@@ -74,7 +117,7 @@ def _load_app(spec: str) -> Any:
     return find_app(spec)
 
 
-@click.group(name="reliable-beat")
+@click.group(name="reliable-beat", cls=_Group)
 @click.option("-A", "--app", "app_spec", default=None, envvar="RELIABLE_BEAT_APP",
               help="Celery app (module or module:attr) whose reliable_beat_* settings to use.")
 @click.option("--database-url", default=None, envvar="RELIABLE_BEAT_DATABASE_URL",

@@ -306,3 +306,19 @@ def test_celery_subcommand_plugin(sqlite_store: Store) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "not registered" in proc.stderr
+
+
+def test_cli_without_a_store_or_database_gives_one_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from reliable_beat.celery.commands import reliable_beat as group
+
+    missing = tmp_path / "nothing-here.sqlite3"
+    result = CliRunner().invoke(group, ["--database-url", f"sqlite:///{missing}", "status"])
+    assert result.exit_code == 1
+    assert "no reliable_beat store" in result.output and "db upgrade" in result.output
+    assert not missing.exists()  # a read command never creates the store
+    down = "postgresql+psycopg://postgres@127.0.0.1:1/x"
+    result = CliRunner().invoke(group, ["--database-url", down, "runs"])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output and "database error" in result.output

@@ -86,9 +86,26 @@ class Settings:
                 f"reliable_beat_overlap_policy={self.overlap_policy!r}: expected one of "
                 + ", ".join(p.value for p in OverlapPolicy)
             )
-        for name in ("batch_size", "outbox_batch_size", "retry_max_attempts", "lease_seconds"):
-            if getattr(self, name) <= 0:
-                problems.append(f"reliable_beat_{name} must be > 0")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            key = PREFIX + f.name
+            if value is None and "None" in str(f.type):
+                continue
+            if f.type in ("int", "int | None"):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    problems.append(f"{key}={value!r}: expected a whole number >= 0")
+            elif f.name.endswith("_seconds"):
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                    problems.append(f"{key}={value!r}: expected seconds as a number >= 0")
+            elif f.type == "bool" and not isinstance(value, bool):
+                problems.append(f"{key}={value!r}: expected True or False")
+            elif f.type in ("str", "str | None") and not isinstance(value, str):
+                problems.append(f"{key}={value!r}: expected a string")
+        if not problems:
+            for name in ("batch_size", "outbox_batch_size", "retry_max_attempts",
+                         "lease_seconds", "retry_base_seconds", "outbox_retry_base_seconds"):
+                if getattr(self, name) <= 0:
+                    problems.append(f"{PREFIX}{name} must be > 0")
         if problems:
             raise ConfigurationError("; ".join(problems))
 

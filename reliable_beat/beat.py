@@ -20,15 +20,19 @@ path did not mark it sent in time (a crash between commit and publish).
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import cache
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, not_, select, update
+from sqlalchemy import Table, and_, bindparam, cast, column, func, not_, select, update
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
+from sqlalchemy.types import JSON, BigInteger, DateTime, Text, TypeEngine
 
 from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
@@ -119,6 +123,95 @@ class TickResult:
     duplicates: int = 0
     next_fire_at: datetime | None = None
     now: datetime | None = None
+
+
+# --------------------------------------------------------------------------- PostgreSQL bulk
+#
+# A multi-row ``INSERT ... VALUES`` of 500 runs has ~6,000 bind parameters: SQLAlchemy builds
+# and psycopg re-parses that statement on every batch (about half of a tick's time). On
+# PostgreSQL the rows go instead as ONE JSON parameter, expanded by ``jsonb_to_recordset``:
+# the statement text is short and the same every time (cached by SQLAlchemy and psycopg).
+
+
+def _pg_type(coltype: TypeEngine[Any]) -> TypeEngine[Any]:
+    """The recordset column type standing for a table column's type."""
+    if isinstance(coltype, JSON) or isinstance(getattr(coltype, "impl", None), JSON):
+        return postgresql.JSONB()
+    if isinstance(coltype, BigInteger):
+        return BigInteger()
+    if isinstance(getattr(coltype, "impl", coltype), DateTime):
+        return DateTime(timezone=True)
+    return coltype
+
+
+@cache
+def _pg_insert_stmt(table: Table, names: tuple[str, ...], ignore: bool,
+                    returning: tuple[str, ...]) -> Any:
+    rows = func.jsonb_to_recordset(cast(bindparam("rows", type_=Text), postgresql.JSONB))
+    tv = rows.table_valued(
+        *(column(n, _pg_type(table.c[n].type)) for n in names)
+    ).render_derived(name="r", with_types=True)
+    ins = postgresql.insert(table).from_select(list(names), select(*(tv.c[n] for n in names)))
+    if ignore:
+        ins = ins.on_conflict_do_nothing()
+    return ins.returning(*(table.c[n] for n in returning))
+
+
+@cache
+def _pg_advance_stmt() -> Any:
+    rows = func.jsonb_to_recordset(cast(bindparam("rows", type_=Text), postgresql.JSONB))
+    tv = rows.table_valued(
+        column("b_id", BigInteger()), column("b_next", DateTime(timezone=True)),
+        column("b_last", DateTime(timezone=True)), column("b_now", DateTime(timezone=True)),
+    ).render_derived(name="u", with_types=True)
+    return (
+        update(entries)
+        .where(entries.c.id == tv.c.b_id)
+        .values(next_fire_at=tv.c.b_next, last_fire_at=tv.c.b_last, updated_at=tv.c.b_now)
+    )
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"naive datetime {value!r}: pass a tz-aware UTC datetime")
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _rows_param(rows: Sequence[dict[str, Any]]) -> str:
+    return json.dumps(list(rows), default=_json_default, separators=(",", ":"))
+
+
+def _insert_rows(
+    conn: Connection, store: Store, table: Table, rows: list[dict[str, Any]], *,
+    ignore: bool, returning: tuple[str, ...],
+) -> list[Any]:
+    """Insert ``rows`` (all with the same keys) and return the ``returning`` columns of the
+    rows actually inserted. ``ignore``: a conflicting row is a no-op (``ON CONFLICT DO
+    NOTHING``). PostgreSQL: one statement with one JSON parameter; elsewhere executemany."""
+    if store.dialect == "postgresql":
+        stmt = _pg_insert_stmt(table, tuple(rows[0]), ignore, returning)
+        return list(conn.execute(stmt, {"rows": _rows_param(rows)}).all())
+    base = store.insert_ignore(table) if ignore else table.insert()
+    return list(conn.execute(base.returning(*(table.c[n] for n in returning)), rows).all())
+
+
+def _advance_entries(conn: Connection, store: Store, updates: list[dict[str, Any]]) -> None:
+    """Set ``next_fire_at`` / ``last_fire_at`` / ``updated_at`` of the claimed entries."""
+    if store.dialect == "postgresql":
+        conn.execute(_pg_advance_stmt(), {"rows": _rows_param(updates)})
+        return
+    conn.execute(
+        update(entries)
+        .where(entries.c.id == bindparam("b_id"))
+        .values(
+            next_fire_at=bindparam("b_next"),
+            last_fire_at=bindparam("b_last"),
+            updated_at=bindparam("b_now"),
+        ),
+        updates,
+    )
 
 
 def build_trigger_payload(
@@ -306,10 +399,8 @@ class Beat:
         if run_rows:
             options_by_key = {r["idempotency_key"]: r.pop("_options") for r in run_rows}
             by_key = {r["idempotency_key"]: r for r in run_rows}
-            inserted = conn.execute(
-                self.store.insert_ignore(runs).returning(runs.c.id, runs.c.idempotency_key),
-                run_rows,
-            ).all()
+            inserted = _insert_rows(conn, self.store, runs, run_rows, ignore=True,
+                                    returning=("id", "idempotency_key"))
             result.duplicates += len(run_rows) - len(inserted)
             outbox_rows: list[dict[str, Any]] = []
             pending: list[tuple[int, str, dict[str, Any], datetime]] = []
@@ -328,25 +419,15 @@ class Beat:
                 outbox_rows.append(self._outbox_row(key, run_id, payload, now))
                 pending.append((run_id, key, payload, r["fire_at"]))
             if outbox_rows:
-                ids = conn.execute(
-                    outbox.insert().returning(outbox.c.id, outbox.c.message_id), outbox_rows
-                ).all()
+                ids = _insert_rows(conn, self.store, outbox, outbox_rows, ignore=False,
+                                   returning=("id", "message_id"))
                 id_by_mid = {mid: oid for oid, mid in ids}
                 for run_id, key, payload, fire_at in pending:
                     result.triggers.append(
                         Trigger(id_by_mid[trigger_message_id(key)], run_id, key, payload, fire_at)
                     )
         if entry_updates:
-            conn.execute(
-                update(entries)
-                .where(entries.c.id == bindparam("b_id"))
-                .values(
-                    next_fire_at=bindparam("b_next"),
-                    last_fire_at=bindparam("b_last"),
-                    updated_at=bindparam("b_now"),
-                ),
-                entry_updates,
-            )
+            _advance_entries(conn, self.store, entry_updates)
 
     def _outbox_row(
         self, key: str, run_id: int, payload: dict[str, Any], now: datetime

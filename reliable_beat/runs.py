@@ -155,11 +155,14 @@ def claim_run(
 ) -> Claim:
     """Find or create the run for ``key`` and try to take its lease, in one short transaction.
 
-    The run row is created with ``INSERT ... ON CONFLICT DO NOTHING`` (state ``scheduled``,
-    ``trigger`` ``adhoc`` unless given / an entry is named), then locked (``SELECT ... FOR
-    UPDATE`` on PostgreSQL; SQLite serialises writers with ``BEGIN IMMEDIATE``), so two
-    claims of one key are ordered: exactly one acquires, the other sees its lease (``busy``)
-    or its result (``already_succeeded``). Safe from any number of processes.
+    A new key's run row is created with ``INSERT ... ON CONFLICT DO NOTHING`` already
+    ``acquired`` by this caller (``trigger`` ``adhoc`` unless given / an entry is named; the
+    same row the path below would make of a ``scheduled`` one, in one statement). An
+    existing row is locked (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite serialises
+    writers with ``BEGIN IMMEDIATE``); a concurrent insert of the same key waits on the
+    first one's commit. So two claims of one key are ordered: exactly one acquires, the
+    other sees its lease (``busy``) or its result (``already_succeeded``). Safe from any
+    number of processes.
 
     Decision on the locked row, using the database clock ``now``:
 
@@ -198,6 +201,11 @@ def claim_run(
     kwargs = dict(kwargs or {})
     with store.begin() as conn:
         now = store.now(conn)
+        lease_end = now + lease
+        # A new run is inserted already acquired by us (fence 1, attempt 1, leased): exactly
+        # the state the "scheduled" -> "acquired" path below would give it, in two
+        # statements fewer. The row is invisible to others until the commit; a concurrent
+        # claim of the same key waits on its unique-index entry, then finds it leased.
         inserted = conn.execute(
             store.insert_ignore(runs).values(
                 idempotency_key=key,
@@ -207,15 +215,29 @@ def claim_run(
                 task=task,
                 args=list(args),
                 kwargs=kwargs,
-                state="scheduled",
-                fence_token=0,
-                attempts=0,
+                state="running",
+                fence_token=1,
+                attempts=1,
+                leased_by=owner,
+                lease_expires_at=lease_end,
                 created_at=now,
                 updated_at=now,
+                started_at=now,
             )
-            .returning(runs.c.id)
-        )
-        fresh = inserted.first() is not None
+            .returning(runs.c.id, runs.c.args, runs.c.kwargs, runs.c.fire_at)
+        ).first()
+        if inserted is not None:
+            aid = _insert_attempt(
+                conn, run_id=inserted.id, fence_token=1, attempt=1, worker=owner,
+                task_id=task_id, started_at=now, finished_at=None, outcome="running",
+            )
+            return Claim(
+                ACQUIRED, key=key, run_id=inserted.id, fence_token=1, attempt=1,
+                attempt_id=aid, lease_expires_at=lease_end, fresh=True, task=task,
+                args=tuple(inserted.args or ()), kwargs=dict(inserted.kwargs or {}),
+                entry_name=entry, fire_at=inserted.fire_at,
+            )
+        fresh = False
         stmt = select(runs).where(runs.c.idempotency_key == key)
         if store.dialect != "sqlite":
             stmt = stmt.with_for_update()
@@ -275,7 +297,6 @@ def claim_run(
             )
         fence = row["fence_token"] + 1
         number = row["attempts"] + 1
-        lease_end = now + lease
         if state == "running":
             # Taking over an expired lease: the holder crashed or is paused. Close its
             # attempt row; if it wakes up, its commit is fenced out (and says so).

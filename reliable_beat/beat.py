@@ -48,6 +48,7 @@ __all__ = [
     "due_clause",
     "task_id_for",
     "trigger_message_id",
+    "trigger_outbox_row",
 ]
 
 log = logging.getLogger("reliable_beat.beat")
@@ -85,6 +86,34 @@ def task_id_for(key: str) -> str:
 def trigger_message_id(key: str) -> str:
     """The outbox message id of a run's trigger."""
     return "trigger:" + key
+
+
+def trigger_outbox_row(
+    key: str,
+    run_id: int,
+    payload: dict[str, Any],
+    now: datetime,
+    *,
+    available_at: datetime,
+    claimed_by: str | None,
+) -> dict[str, Any]:
+    """The ``reliable_beat_outbox`` row of a run's trigger (destination ``celery``).
+
+    ``available_at`` is when a relay or a beat's sweep may publish it: the beat gives its own
+    fast path a head start (now + sweep delay); a manual trigger is due at once.
+    """
+    return {
+        "message_id": trigger_message_id(key),
+        "destination": TRIGGER_DESTINATION,
+        "payload": payload,
+        "headers": {},
+        "run_id": run_id,
+        "state": "pending",
+        "attempts": 0,
+        "available_at": available_at,
+        "claimed_by": claimed_by,
+        "created_at": now,
+    }
 
 
 @dataclass(frozen=True)
@@ -432,18 +461,8 @@ class Beat:
     def _outbox_row(
         self, key: str, run_id: int, payload: dict[str, Any], now: datetime
     ) -> dict[str, Any]:
-        return {
-            "message_id": trigger_message_id(key),
-            "destination": TRIGGER_DESTINATION,
-            "payload": payload,
-            "headers": {},
-            "run_id": run_id,
-            "state": "pending",
-            "attempts": 0,
-            "available_at": now + self.sweep_delay,
-            "claimed_by": self.owner,
-            "created_at": now,
-        }
+        return trigger_outbox_row(key, run_id, payload, now, available_at=now + self.sweep_delay,
+                                  claimed_by=self.owner)
 
     def _release_buffered(self, conn: Connection, now: datetime, result: TickResult) -> None:
         """Turn a ``buffered`` run into a trigger once its entry has no active run."""

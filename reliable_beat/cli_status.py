@@ -13,17 +13,16 @@ password hidden.
 
 from __future__ import annotations
 
-import importlib
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import click
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.engine import Connection
 
 from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import dead_letters, entries, outbox, runs
+from reliable_beat.db.tables import dead_letters, entries, runs
 from reliable_beat.errors import StoreUnavailableError
 
 __all__ = [
@@ -67,53 +66,20 @@ def _utc(value: Any) -> datetime | None:
 
 
 def outbox_backlog(conn: Connection, now: datetime) -> list[dict[str, Any]]:
-    """The outbox backlog per destination.
-
-    Uses ``reliable_beat.relay.outbox_status`` when the relay module is installed, else an
-    equivalent query.
+    """The outbox backlog per destination: :func:`reliable_beat.relay.outbox_status`.
 
     Args:
         conn: a connection to the store.
-        now: the store's clock (UTC).
+        now: unused (the relay's query reads the store clock itself); kept for callers.
 
     Returns:
         One dict per destination with pending or dead rows, sorted by destination:
-        ``{"destination", "pending" (int), "oldest_pending_at" (datetime | None),
-        "oldest_pending_age_seconds" (float | None), "dead" (int)}`` (the relay's version
-        adds ``"due"``).
+        ``{"destination", "pending", "due", "oldest_pending_at", "oldest_pending_age_seconds",
+        "dead"}``.
     """
-    try:
-        relay = importlib.import_module("reliable_beat.relay")
-    except ImportError:  # the relay is not installed in this build: same query, here
-        relay = None
-    outbox_status = getattr(relay, "outbox_status", None)
-    if outbox_status is not None:
-        return list(outbox_status(conn))
-    pending = outbox.c.state == "pending"
-    stmt = (
-        select(
-            outbox.c.destination,
-            func.sum(case((pending, 1), else_=0)).label("pending"),
-            func.min(case((pending, outbox.c.created_at), else_=None)).label("oldest"),
-            func.sum(case((outbox.c.state == "dead", 1), else_=0)).label("dead"),
-        )
-        .where(outbox.c.state.in_(("pending", "dead")))
-        .group_by(outbox.c.destination)
-        .order_by(outbox.c.destination)
-    )
-    out = []
-    for row in conn.execute(stmt):
-        oldest = _utc(row.oldest)
-        out.append({
-            "destination": row.destination,
-            "pending": int(row.pending or 0),
-            "oldest_pending_at": oldest,
-            "oldest_pending_age_seconds": (
-                max(0.0, (now - oldest).total_seconds()) if oldest else None
-            ),
-            "dead": int(row.dead or 0),
-        })
-    return out
+    from reliable_beat.relay import outbox_status
+
+    return outbox_status(conn)
 
 
 def collect_status(

@@ -32,10 +32,10 @@ from sqlalchemy.engine import Connection
 from reliable_beat import schedules as sch
 from reliable_beat.beat import (
     ACTIVE_RUN_STATES,
-    TRIGGER_DESTINATION,
     Trigger,
     build_trigger_payload,
     trigger_message_id,
+    trigger_outbox_row,
 )
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
@@ -136,19 +136,8 @@ def manual_key(name: str, now: datetime) -> str:
 
 
 def _outbox_row(key: str, run_id: int, payload: dict[str, Any], now: datetime) -> dict[str, Any]:
-    """A trigger outbox row (same shape as the beat's), due at once (``available_at = now``)."""
-    return {
-        "message_id": trigger_message_id(key),
-        "destination": TRIGGER_DESTINATION,
-        "payload": payload,
-        "headers": {},
-        "run_id": run_id,
-        "state": "pending",
-        "attempts": 0,
-        "available_at": now,
-        "claimed_by": None,
-        "created_at": now,
-    }
+    """A trigger outbox row (the beat's shape), due at once (``available_at = now``)."""
+    return trigger_outbox_row(key, run_id, payload, now, available_at=now, claimed_by=None)
 
 
 def _publish(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> int:

@@ -188,7 +188,7 @@ def test_multiple_beats_duplicate(store: Store, beats: int) -> None:
         s = [r.fire_at for r in rows if r.entry_name == f"live{i:02d}"]
         expected = [live_anchor + timedelta(seconds=k) for k in range(1, len(s) + 1)]
         assert s == expected, f"live{i:02d}: gap or duplicate"
-        assert s[-1] >= end - timedelta(seconds=3), f"live{i:02d} fell behind"
+        assert s[-1] >= end - timedelta(seconds=10), f"live{i:02d} fell behind"
     assert sum(o["fired"] for o in outs) == len(ob)
     assert all(o["ticks"] > 0 for o in outs)
     dup = sum(o["duplicates"] for o in outs)

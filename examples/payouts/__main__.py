@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in [n for n in procs.procs if n.startswith("worker")]:
             if procs.procs[name].poll() is not None:
                 procs.start(name)
-        _drain(env, timeout=60)
+        _drain(env, timeout=120)
         procs.stop_all()
         return report(env, sink, procs, args.seconds)
     return 1

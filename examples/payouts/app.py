@@ -48,14 +48,17 @@ app.conf.update(
     beat_scheduler="reliable_beat.ReliableScheduler",
     reliable_beat_database_url=DATABASE_URL,
     reliable_beat_lease_seconds=float(os.environ.get("PAYOUTS_LEASE_SECONDS", "10")),
-    reliable_beat_redispatch_seconds=30.0,  # above the 15 s visibility timeout below
+    reliable_beat_redispatch_seconds=20.0,  # above the 15 s visibility timeout below
     reliable_beat_outbox_handlers={"merchant-webhook": "examples.payouts.app.notify_merchant"},
     beat_max_loop_interval=5,
     timezone="Europe/Berlin",
     task_acks_late=True,
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
-    broker_transport_options={"visibility_timeout": 15},
+    # Redis: a killed worker's message comes back after 15 s; kombu checks for such
+    # messages every second (its default is about every 100 s).
+    broker_transport_options={"visibility_timeout": 15, "unacked_restore_interval": 1,
+                              "unacked_restore_throttle": 1},
     beat_schedule={
         "pay-merchants": {
             "task": "payouts.pay_merchants",

@@ -13,10 +13,7 @@ Configuration comes from the environment (the runner in ``__main__`` sets it):
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,7 @@ from sqlalchemy import (
     select,
 )
 
-from reliable_beat import IdempotentTask, PermanentDeliveryError
+from reliable_beat import IdempotentTask
 
 WORKDIR = Path(os.environ.get("PAYOUTS_DIR", ".payouts-demo")).resolve()
 DATABASE_URL = os.environ.get(
@@ -42,6 +39,7 @@ DATABASE_URL = os.environ.get(
 )
 BROKER_URL = os.environ.get("PAYOUTS_BROKER_URL", "filesystem://")
 MERCHANTS = ["acme", "globex", "initech"]
+WEBHOOK_URL = os.environ.get("PAYOUTS_WEBHOOK_URL", "http://127.0.0.1:8765/hook")
 
 app = Celery("payouts", broker=BROKER_URL)
 app.conf.update(
@@ -49,7 +47,6 @@ app.conf.update(
     reliable_beat_database_url=DATABASE_URL,
     reliable_beat_lease_seconds=float(os.environ.get("PAYOUTS_LEASE_SECONDS", "10")),
     reliable_beat_redispatch_seconds=20.0,  # above the 15 s visibility timeout below
-    reliable_beat_outbox_handlers={"merchant-webhook": "examples.payouts.app.notify_merchant"},
     beat_max_loop_interval=5,
     timezone="Europe/Berlin",
     task_acks_late=True,
@@ -137,9 +134,12 @@ def pay_merchants(self: Any) -> dict[str, int]:
                      "delta_cents": amount, "run_id": self.run_id},
                 ],
             )
+            # The built-in `webhook` handler POSTs `body` to `url` with an Idempotency-Key
+            # header derived from this outbox row (stable across retries and relays).
             self.outbox.add(
-                tx, "merchant-webhook",
-                {"merchant": merchant, "slot": slot, "amount_cents": amount},
+                tx, "webhook",
+                {"url": WEBHOOK_URL,
+                 "body": {"merchant": merchant, "slot": slot, "amount_cents": amount}},
                 ordering_key=merchant,
             )
             total += amount
@@ -148,26 +148,6 @@ def pay_merchants(self: Any) -> dict[str, int]:
 
             time.sleep(delay)  # "break it" mode: widen the window for kills and pauses
     return {"merchants": len(MERCHANTS), "total_cents": total}
-
-
-def notify_merchant(message: Any) -> None:
-    """Outbox handler: POST the payout notice with ``Idempotency-Key: <message id>``.
-
-    4xx other than 408/429 is permanent (dead letter); anything else is retried.
-    """
-    url = os.environ.get("PAYOUTS_WEBHOOK_URL", "http://127.0.0.1:8765/hook")
-    body = json.dumps(message.payload).encode()
-    req = urllib.request.Request(
-        url, data=body, method="POST",
-        headers={"Content-Type": "application/json", "Idempotency-Key": message.message_id},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            resp.read()
-    except urllib.error.HTTPError as exc:
-        if 400 <= exc.code < 500 and exc.code not in (408, 429):
-            raise PermanentDeliveryError(f"webhook {url} answered {exc.code}") from exc
-        raise
 
 
 def total_paid(conn: Any) -> int:

@@ -53,9 +53,10 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     # Redis: a killed worker's message comes back after 15 s; kombu checks for such
-    # messages every second (its default is about every 100 s).
+    # messages every second (its default is about every 100 s), under a lock that a
+    # worker killed while holding it leaves for 5 s (kombu's default: 300 s).
     broker_transport_options={"visibility_timeout": 15, "unacked_restore_interval": 1,
-                              "unacked_restore_throttle": 1},
+                              "unacked_restore_throttle": 1, "unacked_mutex_expire": 5},
     beat_schedule={
         "pay-merchants": {
             "task": "payouts.pay_merchants",

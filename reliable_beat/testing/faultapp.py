@@ -139,6 +139,9 @@ app.conf.update(
         "visibility_timeout": float(CONFIG.get("visibility_timeout", 10)),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # The restore runs under a Redis lock; a worker SIGKILLed while holding it would
+        # block every restore for kombu's default 300 s.
+        "unacked_mutex_expire": 5,
     },
     worker_hijack_root_logger=False,
 )

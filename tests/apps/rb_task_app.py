@@ -6,7 +6,9 @@ Configured from the environment (set by the tests):
 * ``RB_LEASE_SECONDS``: the lease (default 2 s, so a paused worker loses it quickly).
 
 The Redis ``visibility_timeout`` is 5 s (restores checked every second) so that a message
-whose worker was SIGKILLed is redelivered within seconds instead of the default hour.
+whose worker was SIGKILLed is redelivered within seconds instead of the default hour, and
+kombu's restore lock expires after 3 s (default 300 s) so that a worker killed while holding
+it does not stop redelivery for five minutes.
 
 Effects go to ``test_effects`` (no unique constraint: only fencing and the key keep them
 single). ``test_progress`` rows are committed at once, outside the body's transaction, so
@@ -54,6 +56,9 @@ app.conf.update(
         "visibility_timeout": 5,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # kombu's restore holds a Redis lock (default expiry 300 s); a worker SIGKILLed
+        # while holding it would stop every redelivery on this Redis for five minutes.
+        "unacked_mutex_expire": 3,
     },
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,

@@ -1,5 +1,5 @@
 """``reliable-beat entries ...``: list, show, add, update, remove, pause, resume, trigger,
-backfill and describe entries.
+backfill, describe and import entries.
 
 Runtime entries (``origin='runtime'``) are created and changed here; config entries come from
 ``beat_schedule`` and can only be paused, resumed, triggered, backfilled and described.
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
-from reliable_beat import runtime
+from reliable_beat import importers, runtime
 from reliable_beat import schedules as sch
 from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.cli_status import jsonable
@@ -467,6 +467,57 @@ def describe_cmd(cli: CliContext, name: str, as_json: bool) -> None:
         q = info["questions"][key]
         click.echo(f"\n{title} {q['answer'].upper()}")
         click.echo(f"  {q['why']}")
+
+
+@entries.command("import")
+@click.argument("source", type=click.Choice(["redbeat", "django-celery-beat"]))
+@click.option("--from-url", "from_url", required=True, metavar="URL",
+              help="RedBeat: its Redis URL (redbeat_redis_url). django-celery-beat: the Django "
+                   "database as a SQLAlchemy URL.")
+@click.option("--key-prefix", default="redbeat:", show_default=True,
+              help="RedBeat's redbeat_key_prefix.")
+@click.option("--naive-timezone", default=None, metavar="ZONE",
+              help="django-celery-beat with USE_TZ=False: Django's TIME_ZONE (default: the "
+                   "app's timezone, else UTC).")
+@click.option("--skip-invalid", is_flag=True,
+              help="Import the valid entries and list the others (default: all or nothing).")
+@click.option("--dry-run", is_flag=True, help="Validate and show the outcome; write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_cli
+@handle_errors
+def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
+               naive_timezone: str | None, skip_invalid: bool, dry_run: bool,
+               as_json: bool) -> None:
+    """Import the entries of RedBeat or django-celery-beat as runtime entries.
+
+    Stop the old beat first. Each entry starts at the first slot after the old scheduler's
+    last run: that slot is not sent twice, and one missed at the cutover meets the entry's
+    misfire policy. Disabled entries come in paused; a name that already exists is left alone.
+    """
+    app = cli.app
+    zone = str(getattr(getattr(app, "conf", None), "timezone", None) or "UTC")
+    if source == "redbeat":
+        found = importers.read_redbeat(from_url, key_prefix=key_prefix)
+    else:
+        found = importers.read_django_celery_beat(from_url,
+                                                  naive_timezone=naive_timezone or zone)
+    outcomes = importers.import_entries(
+        cli.store, found, settings=cli.settings, default_timezone=zone,
+        is_idempotent=_task_checker(app),
+        is_registered=(lambda t: runtime.task_kind(app, t) != "unknown") if app else None,
+        skip_invalid=skip_invalid, dry_run=dry_run,
+    )
+    counts = importers.summary(outcomes)
+    if as_json:
+        cli.echo_json(jsonable({"dry_run": dry_run, "counts": counts,
+                                "entries": [vars(o) for o in outcomes]}))
+        return
+    for o in outcomes:
+        state = f"{o.action}{' (paused)' if o.paused else ''}"
+        nxt = f", next {_fmt(o.next_fire_at)}" if o.action == "imported" else ""
+        click.echo(f"{o.name}: {state}{nxt}; {o.detail}")
+    click.echo(", ".join(f"{v} {k}" for k, v in counts.items())
+               + (" (dry run: nothing written)" if dry_run else ""))
 
 
 def register(group: click.Group) -> None:

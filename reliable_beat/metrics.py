@@ -22,6 +22,13 @@ they are read from the database, not counted in one process):
 ``reliable_beat_fire_lateness_seconds``            gauge histogram of ``dispatched_at - fire_at``
                                                    over scheduled runs dispatched in the last
                                                    ``window_seconds`` (default 1 h)
+``reliable_beat_slots_recent{outcome}``            scheduled slots written in the window:
+                                                   fired / skipped (misfire or overlap policy)
+``reliable_beat_claim_batch_slots``                gauge histogram of slots written per claim
+                                                   transaction in the window (the runs of one
+                                                   tick share its ``created_at``)
+``reliable_beat_run_duration_seconds``             gauge histogram of ``finished_at -
+                                                   started_at`` of runs finished in the window
 =================================================  ===========================================
 
 Alert on ``reliable_beat_entries_late > 0`` (the "missed slot" alarm),
@@ -66,6 +73,21 @@ log = logging.getLogger("reliable_beat.metrics")
 LATENESS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 #: Most recent runs one scrape reads for the lateness histogram.
 LATENESS_SAMPLE = 10_000
+#: Upper bounds (slots) of the claim batch histogram buckets.
+BATCH_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 5000)
+#: Upper bounds (seconds) of the run duration histogram buckets.
+DURATION_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+#: Runs written by the scheduler (as opposed to manual triggers and backfills).
+SCHEDULED_TRIGGERS = ("schedule", "catch_up")
+
+
+def _gauge_histogram(name: str, doc: str, values: list[float],
+                     bounds: tuple[float, ...]) -> Any:
+    from prometheus_client.core import GaugeHistogramMetricFamily
+
+    buckets = [(str(float(b)), float(sum(1 for v in values if v <= b))) for b in bounds]
+    buckets.append(("+Inf", float(len(values))))
+    return GaugeHistogramMetricFamily(name, doc, buckets=buckets, gsum_value=float(sum(values)))
 
 
 def _prometheus() -> Any:
@@ -102,7 +124,7 @@ class StoreCollector:
 
     def collect(self) -> Iterator[Any]:
         """Yield the metric families (called by ``prometheus_client`` on each scrape)."""
-        from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import GaugeMetricFamily
 
         up = GaugeMetricFamily("reliable_beat_up", "1 when the reliable_beat store answered")
         try:
@@ -161,13 +183,28 @@ class StoreCollector:
                         "dead", "busy", "running"):
             fam.add_metric([outcome], float(data["attempts"].get(outcome, 0)))
         yield fam
-        lateness = data["lateness"]
-        buckets = [(str(b), float(sum(1 for v in lateness if v <= b))) for b in LATENESS_BUCKETS]
-        buckets.append(("+Inf", float(len(lateness))))
-        yield GaugeHistogramMetricFamily(
+        yield _gauge_histogram(
             "reliable_beat_fire_lateness_seconds",
             "dispatched_at - fire_at of scheduled runs dispatched in the recent window",
-            buckets=buckets, gsum_value=float(sum(lateness)),
+            data["lateness"], LATENESS_BUCKETS,
+        )
+        fam = GaugeMetricFamily(
+            "reliable_beat_slots_recent",
+            "Scheduled slots written in the recent window: fired, or skipped by a policy",
+            labels=["outcome"],
+        )
+        for outcome in ("fired", "skipped"):
+            fam.add_metric([outcome], float(data["slots"].get(outcome, 0)))
+        yield fam
+        yield _gauge_histogram(
+            "reliable_beat_claim_batch_slots",
+            "Slots written per claim transaction in the recent window",
+            data["batches"], BATCH_BUCKETS,
+        )
+        yield _gauge_histogram(
+            "reliable_beat_run_duration_seconds",
+            "finished_at - started_at of runs finished in the recent window",
+            data["durations"], DURATION_BUCKETS,
         )
 
     def _read(self) -> dict[str, Any]:
@@ -230,8 +267,29 @@ class StoreCollector:
                     .group_by(attempts.c.outcome)
                 )
             }
+            slots: dict[str, int] = {}
+            per_claim: dict[Any, int] = {}
+            for created, state, n in conn.execute(
+                select(runs.c.created_at, runs.c.state, func.count())
+                .where(runs.c.created_at >= since, runs.c.trigger.in_(SCHEDULED_TRIGGERS))
+                .group_by(runs.c.created_at, runs.c.state)
+            ):
+                key = "skipped" if state == "skipped" else "fired"
+                slots[key] = slots.get(key, 0) + int(n)
+                per_claim[created] = per_claim.get(created, 0) + int(n)
+            batches = [float(n) for n in per_claim.values()]
+            durations = [
+                max(0.0, (f - s).total_seconds())
+                for s, f in conn.execute(
+                    select(runs.c.started_at, runs.c.finished_at)
+                    .where(runs.c.finished_at >= since, runs.c.started_at.is_not(None))
+                    .order_by(runs.c.id.desc())
+                    .limit(LATENESS_SAMPLE)
+                )
+            ]
         return {"entries": counts, "late": late, "runs": by_state, "dead": dead,
-                "outbox": backlog, "lateness": lateness, "attempts": outcomes}
+                "outbox": backlog, "lateness": lateness, "attempts": outcomes, "slots": slots,
+                "batches": batches, "durations": durations}
 
 
 def make_registry(store: Store, **kwargs: Any) -> Any:

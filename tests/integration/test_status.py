@@ -193,3 +193,43 @@ def test_metrics_textfile(populated: Store, tmp_path: Path) -> None:
     body = path.read_text()
     assert "reliable_beat_entries_late 1.0" in body
     assert "reliable_beat_fire_lateness_seconds_bucket{le=\"+Inf\"} 1.0" in body
+
+
+def test_metrics_slots_claim_batches_and_run_durations(store: Store) -> None:
+    with store.begin() as conn:
+        t0 = store.now(conn) - timedelta(seconds=30)
+    tick_b = t0 + timedelta(seconds=1)
+
+    def run(key: str, created: datetime, state: str, trigger: str = "schedule",
+            took: float | None = None) -> dict[str, object]:
+        return dict(
+            idempotency_key=key, entry_name=f"e-{key}", task="t", state=state,
+            trigger=trigger, fire_at=created, created_at=created, updated_at=created,
+            started_at=created if took is not None else None,
+            finished_at=created + timedelta(seconds=took) if took is not None else None)
+
+    with store.begin() as conn:
+        conn.execute(runs.insert(), [
+            run("a1", t0, "succeeded", took=0.3),  # one claim transaction: 3 slots
+            run("a2", t0, "succeeded", took=20.0),
+            run("a3", t0, "skipped"),
+            run("b1", tick_b, "dispatched", trigger="catch_up"),  # another: 2 slots
+            run("b2", tick_b, "dispatched", trigger="catch_up"),
+            run("m1", tick_b + timedelta(seconds=1), "dispatched", trigger="manual"),
+            run("old", t0 - timedelta(hours=2), "succeeded"),  # outside the 1 h window
+        ])
+    server = serve(0, store, addr="127.0.0.1")
+    try:
+        m = _scrape(server.port)
+    finally:
+        server.stop()
+    assert m['reliable_beat_slots_recent{outcome="fired"}'] == 4.0
+    assert m['reliable_beat_slots_recent{outcome="skipped"}'] == 1.0
+    assert m["reliable_beat_claim_batch_slots_gcount"] == 2.0
+    assert m["reliable_beat_claim_batch_slots_gsum"] == 5.0
+    assert m['reliable_beat_claim_batch_slots_bucket{le="1.0"}'] == 0.0
+    assert m['reliable_beat_claim_batch_slots_bucket{le="10.0"}'] == 2.0
+    assert m["reliable_beat_run_duration_seconds_gcount"] == 2.0
+    assert m['reliable_beat_run_duration_seconds_bucket{le="0.5"}'] == 1.0
+    assert m['reliable_beat_run_duration_seconds_bucket{le="30.0"}'] == 2.0
+    assert abs(m["reliable_beat_run_duration_seconds_gsum"] - 20.3) < 1e-6

@@ -36,7 +36,7 @@ from reliable_beat.entries import (
     definitions_from_beat_schedule,
     sync_config_entries,
 )
-from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.errors import ConfigurationError, SchemaError, StoreUnavailableError
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
 from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
@@ -172,13 +172,26 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                           self.store.safe_url, exc, delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
-        definitions = definitions_from_beat_schedule(
-            self.app.conf.beat_schedule or {},
-            default_timezone=str(self.app.conf.timezone or "UTC"),
-            settings=self.settings,
-            now=now,
-            is_idempotent=self._task_kind,
-        )
+            except SchemaError as exc:
+                # A deploy may start beats before its migration step: wait for the upgrade
+                # rather than exit into a restart loop.
+                log.error("%s; waiting for it (checking again in %.0f s)", exc, delay)
+                self._sleep(delay)
+                delay = min(delay * 2, 30.0)
+        try:
+            definitions = definitions_from_beat_schedule(
+                self.app.conf.beat_schedule or {},
+                default_timezone=str(self.app.conf.timezone or "UTC"),
+                settings=self.settings,
+                now=now,
+                is_idempotent=self._task_kind,
+            )
+        except ConfigurationError as exc:
+            # One message naming every bad entry and its fix, then exit 2: a traceback through
+            # Celery's stderr redirect is hundreds of lines, and restarting cannot fix config.
+            log.critical("reliable_beat: beat_schedule refused; nothing was synced or fired. "
+                         "Fix these and start the beat again.\n%s", exc)
+            raise SystemExit(2) from None
         for d in definitions:
             if d.task not in self.app.tasks:
                 log.warning("entry %r: task %r is not registered in this beat's app; workers "

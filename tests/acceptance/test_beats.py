@@ -347,6 +347,8 @@ def test_bad_beat_schedule_refuses_to_start(h: Harness) -> None:
     for name in ("bad_cron", "bad_zone", "bad_policy", "Mars/Olympus_Mons", "61"):
         assert name in out, out[-3000:]
     assert "'fine'" not in out
+    assert "Traceback" not in out and len(out.splitlines()) < 40, out  # one message, no trace
+    assert beat.proc.returncode == 2
     assert h.entries() == []  # nothing synced
 
 
@@ -384,6 +386,30 @@ def test_database_down_at_start(redis_url: str, procs: procs_mod.BeatProcs) -> N
     finally:
         procs.cleanup()
         server.__exit__(None, None, None)
+
+
+def test_schema_behind_at_start_waits_for_the_upgrade(
+        pg_url: str, redis_url: str, procs: procs_mod.BeatProcs) -> None:
+    from reliable_beat.db.migrate import upgrade
+
+    store = Store.from_url(pg_url, role="cli")  # a server database with no schema yet
+    try:
+        h = Harness(store, redis_url, procs)
+        h.schedule({"e": {"every": 1}})
+        beat = procs.start("noschema")
+        procs_mod.wait_for(lambda: "db upgrade" in beat.output(), 30, "the schema message")
+        time.sleep(3)
+        out = beat.output()
+        assert beat.alive(), out  # waits; no exit into a restart loop
+        assert "Traceback" not in out, out
+        upgrade(store)  # the deploy's migration step runs
+        procs_mod.wait_for(lambda: len(h.runs()) >= 2, 60, "slots after the upgrade")
+        assert beat.alive()
+        procs.terminate(beat)
+        h.redis.delete(h.queue)
+    finally:
+        procs.cleanup()
+        store.dispose()
 
 
 def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None:

@@ -175,17 +175,13 @@ def publish_celery_batch(
         with app.producer_or_acquire() as producer:
             conn_errors = _connection_errors(producer)
             with _publish_batch(producer, len(messages)) as batch_error:
-                # Pipelined: no per-message retry (a buffered LPUSH cannot fail before the
-                # flush, and a failed flush is handled below) and the routed queue bound
-                # once per batch instead of once per message (see _BoundQueueRouter).
-                send_options: dict[str, Any] = (
-                    {"retry": False, "router": _BoundQueueRouter(app.amqp.router, producer)}
-                    if batch_error else {}
-                )
+                send_options: dict[str, Any] = {}
                 for index, message in enumerate(messages):
                     try:
                         _send_one(app, producer, message, now, **send_options)
                         results.append((message.id, None))
+                        if batch_error and not send_options:
+                            send_options = _pipelined_send_options(app, producer)
                     except MessageExpiredError as exc:
                         results.append((message.id, exc))
                     except conn_errors + batch_error as exc:
@@ -233,6 +229,21 @@ def _publish_batch(
     # x-expires: size the buffer so that it only flushes on exit.
     with batch(max_size=max(1000, size * 16)):
         yield (BatchPublishError,)
+
+
+def _pipelined_send_options(app: Any, producer: Any) -> dict[str, Any]:
+    """``send_task`` options for the rest of a pipelined batch, once one message went out.
+
+    The first message of a batch is sent exactly as ``send_task`` would (Celery's publish
+    retry policy connects the producer, so a broker that is down fails as fast as without
+    the batch). After it, the producer's channel exists and every publish only appends to
+    the pipeline, so: no per-message publish retry (a buffered ``LPUSH`` cannot fail before
+    the flush, and a failed flush fails the whole batch, see :func:`publish_celery_batch`;
+    a queue first seen mid-batch is declared without retry: an error there fails the rest of
+    the batch as unavailable, and those rows stay pending for the relay), and the routed
+    queue bound once per batch (:class:`_BoundQueueRouter`).
+    """
+    return {"retry": False, "router": _BoundQueueRouter(app.amqp.router, producer)}
 
 
 class _BoundQueueRouter:

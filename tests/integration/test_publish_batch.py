@@ -246,3 +246,31 @@ def test_bound_queue_router_routes_like_the_app_router(app: Celery) -> None:
     assert first.name == "q2" and first == app.amqp.queues["q2"]
     assert default is explicit and default.name == "celery"
     assert not app.amqp.queues["q2"].is_bound  # the app's own queues are left alone
+
+
+def test_broker_down_costs_the_pipelined_batch_no_more_reconnects_than_send_task(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the broker down and Celery's default publish retry policy, the pipelined batch
+    makes exactly the reconnect attempts (and waits) ``send_task`` makes one by one: the
+    first message connects under that policy, not under kombu's longer default."""
+    from kombu.utils import functional
+
+    waits: list[float] = []
+    monkeypatch.setattr(functional, "sleep", waits.append)
+
+    def publish(pipelined: bool) -> list[float]:
+        waits.clear()
+        app = Celery("down", broker="redis://127.0.0.1:1/0")
+        try:
+            with monkeypatch.context() as m:
+                if not pipelined:
+                    m.setattr(handlers, "_publish_batch",
+                              lambda producer, size: contextlib.nullcontext(()))
+                results = publish_celery_batch(app, [_message(1), _message(2)], now=NOW)
+        finally:
+            app.close()
+        assert all(isinstance(e, DestinationUnavailableError) for _, e in results)
+        return list(waits)
+
+    assert publish(True) == publish(False)

@@ -10,7 +10,12 @@ Ceilings, same servers, same k, same batch:
 * raw SQL: ``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT n) RETURNING``
   advancing ``next_fire_at``, one transaction per batch, no runs/outbox rows;
 * raw kombu: one ``Producer.publish`` per message of a Celery-shaped body over one connection
-  (what ``publish_triggers`` does: kombu's Redis transport sends one LPUSH per message);
+  (kombu's Redis transport sends one LPUSH per message): the ceiling the issue's targets
+  are measured against;
+* raw kombu pipelined: the same publishes inside ``Producer.batch()`` (one Redis pipeline per
+  ``batch`` messages), which is what ``publish_triggers`` does since the pipelined publish
+  landed. Printed next to it so the comparison stays honest: ours is pipelined, the target's
+  ceiling is not;
 * for reference only, raw redis-py LPUSH pipelined ``batch`` messages per round trip.
 
 The clock stops when N messages are in the Redis list (``LLEN``) or N rows were claimed.
@@ -18,6 +23,7 @@ The clock stops when N messages are in the Redis list (``LLEN``) or N rows were 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -119,7 +125,7 @@ def _worker(kind: str, db_url: str, redis_url: str, batch: int, ready: Any, go: 
             else:
                 time.sleep(0.001)
         conn.close()
-    elif kind in ("kombu", "pipeline"):
+    elif kind in ("kombu", "kombu_batch", "pipeline"):
         import redis
         from kombu import Connection
 
@@ -131,19 +137,21 @@ def _worker(kind: str, db_url: str, redis_url: str, batch: int, ready: Any, go: 
         go.wait()
         i = 0
         while not stop.is_set():
-            if kind == "kombu":
-                for _ in range(batch):
-                    i += 1
-                    tid = str(uuid.uuid4())
-                    producer.publish(
-                        [[f"bench-{i}"], {}, {"callbacks": None, "errbacks": None,
-                                               "chain": None, "chord": None}],
-                        exchange="", routing_key="celery", serializer="json",
-                        headers={"lang": "py", "task": "bench.noop", "id": tid,
-                                 "root_id": tid, "parent_id": None, "retries": 0,
-                                 "reliable_beat_key": f"bench-{i}@2026-01-01T00:00:00Z",
-                                 "reliable_beat_fire_at": "2026-01-01T00:00:00Z"},
-                    )
+            if kind in ("kombu", "kombu_batch"):
+                with (producer.batch(max_size=batch * 2) if kind == "kombu_batch"
+                      else contextlib.nullcontext()):
+                    for _ in range(batch):
+                        i += 1
+                        tid = str(uuid.uuid4())
+                        producer.publish(
+                            [[f"bench-{i}"], {}, {"callbacks": None, "errbacks": None,
+                                                   "chain": None, "chord": None}],
+                            exchange="", routing_key="celery", serializer="json",
+                            headers={"lang": "py", "task": "bench.noop", "id": tid,
+                                     "root_id": tid, "parent_id": None, "retries": 0,
+                                     "reliable_beat_key": f"bench-{i}@2026-01-01T00:00:00Z",
+                                     "reliable_beat_fire_at": "2026-01-01T00:00:00Z"},
+                        )
             else:
                 pipe = r.pipeline(transaction=False)
                 for _ in range(batch):
@@ -208,7 +216,7 @@ def run(env: Env) -> str:
     with env.database("dispatch") as db_url:
         for procs in env.size.dispatch_procs:
             rates: dict[str, float] = {}
-            for kind in ("ours", "sql", "kombu", "pipeline"):
+            for kind in ("ours", "sql", "kombu", "kombu_batch", "pipeline"):
                 _reset(env, db_url, n)
                 rates[kind] = _run(kind, procs, env, db_url, n, batch)
             ceiling = min(rates["sql"], rates["kombu"])
@@ -217,19 +225,22 @@ def run(env: Env) -> str:
             ratio = rates["ours"] / ceiling
             ok = ratio >= target
             ratios.append((procs, ratio, binding, ok))
-            rows.append([procs, rates["ours"], rates["sql"], rates["kombu"], rates["pipeline"],
-                         binding, f"{ratio:.0%}", f"≥ {target:.0%} of {binding}",
-                         check(ok)])
+            rows.append([procs, rates["ours"], rates["sql"], rates["kombu"], rates["kombu_batch"],
+                         rates["pipeline"], binding, f"{ratio:.0%}", f"≥ {target:.0%} of {binding}",
+                         check(ok), f"{rates['ours'] / rates['kombu_batch']:.0%}"])
     out = [
         f"### 1. Dispatch throughput ({n:,} entries due at once, every 1 h, batch {batch})",
         "",
         "Ours = `Beat.tick` + `publish_triggers` (publish + mark sent) looped in k worker "
         "processes (the `ReliableScheduler.tick` path without its sleep), not `celery beat` "
-        "processes. Rates are slots (or messages) per second until N are in Redis.",
+        "processes. Rates are slots (or messages) per second until N are in Redis. The "
+        "target is against the raw kombu loop (one LPUSH round trip per message); ours "
+        "publishes through one Redis pipeline per batch, so the last column compares it with "
+        "the same kombu loop pipelined the same way (`Producer.batch()`).",
         "",
         table(["beats (k)", "ours slots/s", "raw SQL claim+advance /s", "raw kombu publish /s",
-               "raw LPUSH pipelined /s (ref.)", "binding ceiling", "ours / min(ceilings)",
-               "target", ""], rows),
+               "raw kombu pipelined /s", "raw LPUSH pipelined /s (ref.)", "binding ceiling",
+               "ours / min(ceilings)", "target", "", "ours / kombu pipelined"], rows),
     ]
     return "\n".join(out)
 
@@ -269,15 +280,19 @@ def run_relay(env: Env) -> str:
             ours = _run("relay", procs, env, db_url, n, batch)
             env.flush_redis()
             raw = _run("kombu", procs, env, db_url, n, batch)
+            env.flush_redis()
+            raw_batch = _run("kombu_batch", procs, env, db_url, n, batch)
             ratio = ours / raw
-            rows.append([procs, ours, raw, f"{ratio:.0%}", "≥ 70%", check(ratio >= 0.7)])
+            rows.append([procs, ours, raw, f"{ratio:.0%}", "≥ 70%", check(ratio >= 0.7),
+                         raw_batch, f"{ours / raw_batch:.0%}"])
     return "\n".join([
         f"### 5. Relay throughput ({n:,} pending `celery` outbox rows, batch {batch})",
         "",
         "`Relay.run_once` looped in k processes (claim SKIP LOCKED → `CeleryHandler` "
         "`send_task` over one producer → mark sent) vs the raw kombu publish loop of part 1 "
-        "with k processes, same Redis.",
+        "with k processes, same Redis (and, last columns, that loop pipelined per batch like "
+        "the relay's publish).",
         "",
-        table(["relays (k)", "relay rows/s", "raw kombu publish /s", "relay / raw", "target", ""],
-              rows),
+        table(["relays (k)", "relay rows/s", "raw kombu publish /s", "relay / raw", "target", "",
+               "raw kombu pipelined /s", "relay / pipelined"], rows),
     ])

@@ -209,7 +209,25 @@ def _json_default(value: Any) -> Any:
 
 
 def _rows_param(rows: Sequence[dict[str, Any]]) -> str:
-    return json.dumps(list(rows), default=_json_default, separators=(",", ":"))
+    """The JSON text of ``rows`` for ``jsonb_to_recordset``; instants as ISO 8601 with offset.
+
+    Top-level ``datetime`` values are formatted here, each distinct instant once (a batch
+    shares ``now`` and often its slots), which is about twice as fast as letting
+    ``json.dumps`` call back for each of them. Naive datetimes raise :class:`ValueError`.
+    """
+    memo: dict[datetime, str] = {}
+    out = []
+    for row in rows:
+        converted = {}
+        for key, value in row.items():
+            if value.__class__ is datetime:
+                text = memo.get(value)
+                if text is None:
+                    text = memo[value] = _json_default(value)
+                value = text
+            converted[key] = value
+        out.append(converted)
+    return json.dumps(out, default=_json_default, separators=(",", ":"))
 
 
 def _insert_rows(

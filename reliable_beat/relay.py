@@ -50,11 +50,25 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, delete, func, literal, or_, select, update
+from sqlalchemy import (
+    BigInteger,
+    and_,
+    any_,
+    bindparam,
+    case,
+    delete,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox, runs
+from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
 from reliable_beat.handlers import (
     DestinationUnavailableError,
@@ -158,9 +172,16 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
     """Mark delivered rows ``sent``; move their trigger runs ``scheduled -> dispatched``.
 
     Joins the caller's transaction. Rows already ``sent`` or ``dead`` are left alone, so it
-    is idempotent. For ``destination == "celery"`` rows with a ``run_id``, the run goes from
-    ``scheduled`` to ``dispatched`` with ``dispatched_at = now`` (a run already past
-    ``scheduled`` is not touched). Used by the relay and by the beat's fast path.
+    is idempotent. For each row this call changes to ``sent`` whose ``destination`` is
+    ``celery`` and that has a ``run_id``, the run goes from ``scheduled`` to ``dispatched``
+    with ``dispatched_at = now``; a run already past ``scheduled`` (a worker claimed it
+    before this mark) keeps its state and only gets ``dispatched_at = now`` if it had none.
+    (A row someone else already marked had its run moved by that mark, in its transaction.)
+    Used by the relay and by the beat's fast path.
+
+    Two statements whatever the batch size, both by primary key: the outbox ``UPDATE ...
+    RETURNING run_id`` and one ``UPDATE`` of those runs. On PostgreSQL the ids go as one
+    array parameter (``id = ANY(:ids)``), so the statement text is the same for every batch.
 
     Args:
         conn: a connection inside a transaction.
@@ -172,14 +193,37 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
     """
     if not ids:
         return 0
-    id_list = list(ids)
     changed = conn.execute(
         update(outbox)
-        .where(outbox.c.id.in_(id_list), outbox.c.state == "pending")
+        .where(_ids_clause(conn, outbox.c.id, [int(i) for i in ids]),
+               outbox.c.state == "pending")
         .values(state="sent", sent_at=now, last_error=None)
-    ).rowcount
-    _move_runs(conn, id_list, frm="scheduled", to="dispatched", now=now, dispatched=True)
-    return int(changed or 0)
+        .returning(outbox.c.destination, outbox.c.run_id)
+    ).all()
+    run_ids = sorted({run_id for destination, run_id in changed
+                      if destination == "celery" and run_id is not None})
+    if run_ids:
+        scheduled = runs.c.state == "scheduled"
+        at = literal(now, UTCDateTime())
+        conn.execute(
+            update(runs)
+            .where(_ids_clause(conn, runs.c.id, run_ids),
+                   or_(scheduled, runs.c.dispatched_at.is_(None)))
+            .values(
+                state=case((scheduled, literal("dispatched")), else_=runs.c.state),
+                updated_at=case((scheduled, at), else_=runs.c.updated_at),
+                dispatched_at=case((scheduled, at),
+                                   else_=func.coalesce(runs.c.dispatched_at, at)),
+            )
+        )
+    return len(changed)
+
+
+def _ids_clause(conn: Connection, col: Any, ids: list[int]) -> Any:
+    """``col = ANY(:ids)`` (one array parameter) on PostgreSQL, ``col IN (...)`` elsewhere."""
+    if conn.dialect.name == "postgresql":
+        return col == any_(bindparam("ids", ids, type_=postgresql.ARRAY(BigInteger())))
+    return col.in_(ids)
 
 
 def mark_expired(conn: Connection, ids: Sequence[int], now: datetime) -> int:
@@ -212,7 +256,6 @@ def _move_runs(
     to: str,
     now: datetime,
     reason: str | None = None,
-    dispatched: bool = False,
 ) -> None:
     run_ids = select(outbox.c.run_id).where(
         outbox.c.id.in_(outbox_ids),
@@ -220,8 +263,6 @@ def _move_runs(
         outbox.c.run_id.is_not(None),
     )
     values: dict[str, Any] = {"state": to, "updated_at": now}
-    if dispatched:
-        values["dispatched_at"] = now
     if reason is not None:
         values["reason"] = reason
     if to in ("skipped", "dead"):
@@ -230,14 +271,6 @@ def _move_runs(
         update(runs).where(runs.c.id.in_(run_ids.scalar_subquery()), runs.c.state == frm)
         .values(**values)
     )
-    if dispatched:
-        # A worker may have claimed the run before this mark (it is already `running` or
-        # done): record when its trigger went out all the same, for lateness figures.
-        conn.execute(
-            update(runs)
-            .where(runs.c.id.in_(run_ids.scalar_subquery()), runs.c.dispatched_at.is_(None))
-            .values(dispatched_at=now)
-        )
 
 
 def purge_sent(conn: Connection, *, older_than: datetime, limit: int = 1000) -> int:

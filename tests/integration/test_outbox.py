@@ -148,6 +148,51 @@ def test_mark_sent_moves_trigger_run_to_dispatched(store: Store) -> None:
         assert mark_sent(conn, [row_id], now) == 0  # idempotent
 
 
+
+def test_mark_sent_moves_each_run_once_in_one_batch(store: Store) -> None:
+    """One batch, every case: a scheduled run is dispatched at ``now``; a run a worker claimed
+    first keeps its state and gets ``dispatched_at`` only if it had none; a non-celery row's
+    run and a run of a row left out are not touched; a second mark changes nothing."""
+    t0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    now = t0 + timedelta(seconds=5)
+    earlier = t0 + timedelta(seconds=1)
+    cases = {  # key: (run state, run dispatched_at, destination, in the batch)
+        "sched": ("scheduled", None, "celery", True),
+        "running": ("running", None, "celery", True),
+        "seen": ("running", earlier, "celery", True),
+        "other": ("scheduled", None, "webhook", True),
+        "left": ("scheduled", None, "celery", False),
+    }
+    ids: dict[str, int] = {}
+    with store.begin() as conn:
+        for key, (state, dispatched_at, destination, _) in cases.items():
+            run_id = conn.execute(
+                runs.insert().values(idempotency_key=key, task="t", args=[], kwargs={},
+                                     state=state, created_at=t0, updated_at=t0,
+                                     dispatched_at=dispatched_at)
+                .returning(runs.c.id)
+            ).scalar_one()
+            outbox.add(conn, destination, {"task": "t"}, key=f"m:{key}", run_id=run_id)
+            ids[key] = conn.execute(sa.select(outbox_t.c.id).where(
+                outbox_t.c.message_id == f"m:{key}")).scalar_one()
+    batch = [ids[k] for k, c in cases.items() if c[3]]
+    with store.begin() as conn:
+        assert mark_sent(conn, batch, now) == 4
+        assert mark_sent(conn, batch, now + timedelta(seconds=1)) == 0
+    with store.begin() as conn:
+        got = {r.idempotency_key: (r.state, r.dispatched_at, r.updated_at)
+               for r in conn.execute(sa.select(runs))}
+        sent = {r.message_id: r.state for r in conn.execute(sa.select(outbox_t))}
+    assert got == {
+        "sched": ("dispatched", now, now),
+        "running": ("running", now, t0),
+        "seen": ("running", earlier, t0),
+        "other": ("scheduled", None, t0),
+        "left": ("scheduled", None, t0),
+    }
+    assert sent == {"m:sched": "sent", "m:running": "sent", "m:seen": "sent",
+                    "m:other": "sent", "m:left": "pending"}
+
 def test_transient_failure_backs_off_then_dead_letters(store: Store) -> None:
     boom = DeliveryError("far end down")
     with store.begin() as conn:

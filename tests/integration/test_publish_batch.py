@@ -195,3 +195,82 @@ def test_failed_flush_publishes_nothing_and_counts_nothing_sent(
     for i in (0, 2, 4):
         assert isinstance(results[i][1], DestinationUnavailableError)
     assert _lists(redis_url) == {}
+
+
+
+def test_pipelined_batch_declares_the_routed_queues_like_send_task(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queue bound once per batch is still declared before its messages are published,
+    the same queues with the same exchange and routing key as ``send_task`` one by one."""
+    import kombu.entity
+
+    declared: list[tuple[str, str, str, bool]] = []
+    real_declare = kombu.entity.Queue.declare
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        declared.append((self.name, self.exchange.name, self.routing_key, self.is_bound))
+        return real_declare(self, *args, **kwargs)
+
+    monkeypatch.setattr(kombu.entity.Queue, "declare", spy)
+
+    def publish(pipelined: bool) -> list[tuple[str, str, str, bool]]:
+        declared.clear()
+        with app.producer_or_acquire() as producer:  # kombu caches declarations per
+            producer.connection.declared_entities.clear()  # connection: start afresh
+        with monkeypatch.context() as m:
+            if not pipelined:
+                m.setattr(handlers, "_publish_batch",
+                          lambda producer, size: contextlib.nullcontext(()))
+            results = publish_celery_batch(
+                app, _messages((NOW + timedelta(hours=1)).isoformat()), now=NOW)
+        assert [e is None for _, e in results] == [True, True, True, False, True]
+        return list(declared)
+
+    pipelined = publish(True)
+    assert sorted(name for name, *_ in pipelined) == ["celery", "q2"]
+    assert pipelined == publish(False)
+
+def test_bound_queue_router_routes_like_the_app_router(app: Celery) -> None:
+    """Every message is routed by the app's own router (task_routes included); the routed
+    queue is swapped for one bound copy per queue and batch."""
+    app.conf.task_routes = {"rb.routed": {"queue": "q2"}}
+    with app.producer_or_acquire() as producer:
+        router = handlers._BoundQueueRouter(app.amqp.router, producer)
+        first = router.route({}, "rb.routed")["queue"]
+        again = router.route({}, "rb.routed")["queue"]
+        default = router.route({}, "rb.other")["queue"]
+        explicit = router.route({"queue": "celery"}, "rb.routed")["queue"]
+        channel = producer.channel
+    assert first is again and first.is_bound and first.channel is channel
+    assert first.name == "q2" and first == app.amqp.queues["q2"]
+    assert default is explicit and default.name == "celery"
+    assert not app.amqp.queues["q2"].is_bound  # the app's own queues are left alone
+
+
+def test_broker_down_costs_the_pipelined_batch_no_more_reconnects_than_send_task(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the broker down and Celery's default publish retry policy, the pipelined batch
+    makes exactly the reconnect attempts (and waits) ``send_task`` makes one by one: the
+    first message connects under that policy, not under kombu's longer default."""
+    from kombu.utils import functional
+
+    waits: list[float] = []
+    monkeypatch.setattr(functional, "sleep", waits.append)
+
+    def publish(pipelined: bool) -> list[float]:
+        waits.clear()
+        app = Celery("down", broker="redis://127.0.0.1:1/0")
+        try:
+            with monkeypatch.context() as m:
+                if not pipelined:
+                    m.setattr(handlers, "_publish_batch",
+                              lambda producer, size: contextlib.nullcontext(()))
+                results = publish_celery_batch(app, [_message(1), _message(2)], now=NOW)
+        finally:
+            app.close()
+        assert all(isinstance(e, DestinationUnavailableError) for _, e in results)
+        return list(waits)
+
+    assert publish(True) == publish(False)

@@ -145,10 +145,17 @@ class PostgresServer:
 
 @dataclass
 class RedisServer:
-    """A private ``redis-server`` on 127.0.0.1 with persistence off. Context manager."""
+    """A private ``redis-server`` on 127.0.0.1 with persistence off. Context manager.
+
+    ``databases`` is Redis's number of logical databases (``--databases``; Redis's default
+    16): the test suite gives every test its own, so kombu's per-database keys (queues,
+    ``unacked``, ``unacked_index``, the ``unacked_mutex`` restore lock) never leak from one
+    test into the next. :attr:`url` is database 0.
+    """
 
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    databases: int = 16
 
     @property
     def url(self) -> str:
@@ -167,7 +174,8 @@ class RedisServer:
             raise FileNotFoundError("redis-server not found (apt-get install redis-server)")
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no"],
+             "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",
+             "--databases", str(self.databases)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         _wait_port(self.port, 30)

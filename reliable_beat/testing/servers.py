@@ -194,7 +194,7 @@ class RedisServer:
             raise FileNotFoundError("redis-server not found (apt-get install redis-server)")
         restart = self._started_once
         self._started_once = True
-        for attempt in range(1 if restart else 3):
+        for _attempt in range(1 if restart else 3):
             self.proc = subprocess.Popen(
                 [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",

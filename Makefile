@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,docs,bench]"
 	touch $@
 
-# Runs the payouts example on the embedded default (SQLite store, SQLite broker): two beats,
+# Runs the payouts example on the embedded default (SQLite store, filesystem broker): two beats,
 # a worker and a relay for a bounded time, then prints the report.
 demo: $(VENV)/.installed
 	$(PY) -m examples.payouts --seconds 40

@@ -4,14 +4,32 @@ Servers come from ``RELIABLE_BEAT_TEST_POSTGRES_URL`` / ``RELIABLE_BEAT_TEST_RED
 set, else are started from the local binaries (:mod:`reliable_beat.testing.servers`).
 Locally, a missing binary skips the tests that need it, with the reason; with ``CI=true`` it
 fails them.
+
+Isolation between tests (the servers are shared by the whole session):
+
+* PostgreSQL: ``pg_url`` is a fresh database per test, dropped afterwards.
+* Redis: ``redis_url`` is a Redis database (``/N``) of the test's own, flushed before and
+  after. kombu keeps its Redis state per database (queues, bindings, ``unacked``,
+  ``unacked_index`` and the ``unacked_mutex`` restore lock, which a worker SIGKILLed while
+  holding it leaves for ``unacked_mutex_expire``, kombu's default 300 s); a later test on
+  the same database would inherit it.
+* Processes: every test runs with ``RB_TEST_PROCESS_MARK`` set to a value of its own in the
+  environment, which every subprocess inherits (the tests pass ``os.environ`` on). After
+  the test (and its own cleanup), any process still carrying the mark, e.g. a grandchild
+  of a process the test killed or the children of a runner that timed out, is SIGKILLed
+  and listed in the session summary. Linux only (``/proc``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import sqlalchemy as sa
@@ -26,10 +44,29 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SHARED_CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
 
 
+#: The environment variable that marks a test's subprocesses (see the module docstring).
+PROCESS_MARK = "RB_TEST_PROCESS_MARK"
+#: Logical databases of the session's private Redis: one per test that uses Redis (reused
+#: round-robin past this many, each flushed before use).
+REDIS_DATABASES = 1024
+_LEFTOVERS: list[str] = []
+
+
 def _unavailable(reason: str) -> None:
     if IN_CI:
         pytest.fail(f"CI=true but {reason}")
     pytest.skip(reason)
+
+
+@contextmanager
+def _unmarked() -> Iterator[None]:
+    """Start session-wide servers without the current test's process mark."""
+    saved = os.environ.pop(PROCESS_MARK, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[PROCESS_MARK] = saved
 
 
 @pytest.fixture(scope="session")
@@ -40,8 +77,9 @@ def postgres_server() -> Iterator[str]:
         yield url
         return
     try:
-        server = PostgresServer()
-        server.__enter__()
+        with _unmarked():
+            server = PostgresServer()
+            server.__enter__()
     except (FileNotFoundError, OSError) as exc:
         _unavailable(f"PostgreSQL not available: {exc}")
         return
@@ -52,22 +90,103 @@ def postgres_server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """URL of a real Redis server (session-wide)."""
+def redis_server() -> Iterator[tuple[str, int]]:
+    """``(url, number of logical databases)`` of a real Redis server (session-wide).
+
+    Tests use :func:`redis_url` (a database of their own), not this.
+    """
     url = os.environ.get("RELIABLE_BEAT_TEST_REDIS_URL")
     if url:
-        yield url
+        import redis
+
+        client = redis.Redis.from_url(url)
+        try:
+            databases = int(client.config_get("databases").get("databases", 16))
+        except redis.RedisError:
+            databases = 16  # CONFIG may be disabled on a managed server
+        finally:
+            client.close()
+        yield url, databases
         return
     try:
-        server = RedisServer()
-        server.__enter__()
+        with _unmarked():
+            server = RedisServer(databases=REDIS_DATABASES)
+            server.__enter__()
     except (FileNotFoundError, OSError) as exc:
         _unavailable(f"Redis not available: {exc}")
         return
     try:
-        yield server.url
+        yield server.url, REDIS_DATABASES
     finally:
         server.__exit__(None, None, None)
+
+
+_redis_db_numbers = itertools.count(1)
+
+
+@pytest.fixture
+def redis_url(redis_server: tuple[str, int]) -> Iterator[str]:
+    """URL of a Redis database of this test's own (``redis://host:port/N``), flushed before
+    and after the test: nothing a killed worker or an earlier test left in Redis (queues,
+    kombu's ``unacked`` keys and restore lock) is seen by this one."""
+    import redis
+
+    base, databases = redis_server
+    number = 1 + (next(_redis_db_numbers) - 1) % max(databases - 1, 1)
+    parts = urlsplit(base)
+    url = urlunsplit(parts._replace(path=f"/{number}"))
+    client = redis.Redis.from_url(url, socket_timeout=30)
+    try:
+        client.flushdb()
+        yield url
+    finally:
+        # the test may have stopped or paused the server: the next user flushes then
+        with suppress(redis.RedisError):
+            client.flushdb()
+        client.close()
+
+
+def _marked_processes(mark: str) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of every process whose environment carries ``mark``."""
+    needle = f"{PROCESS_MARK}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone, or not ours to read
+            continue
+        found.append((int(entry.name), cmd.strip()[:160]))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _reap_leftover_processes(request: pytest.FixtureRequest,
+                             monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Mark this test's subprocesses; after the test, SIGKILL the ones still running."""
+    if not Path("/proc/self/environ").exists():
+        yield
+        return
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(PROCESS_MARK, mark)
+    yield
+    leftovers = _marked_processes(mark)
+    for pid, _ in leftovers:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+    for pid, cmd in leftovers:
+        _LEFTOVERS.append(f"{request.node.nodeid}: pid {pid} {cmd}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _LEFTOVERS:
+        terminalreporter.section("leftover processes killed after their test")
+        for line in _LEFTOVERS:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture

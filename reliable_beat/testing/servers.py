@@ -120,8 +120,20 @@ class PostgresServer:
             with open(data / "postgresql.conf", "a") as fh:
                 for k, v in conf.items():
                     fh.write(f"{k} = {v}\n")
-        self._run("pg_ctl", "-D", str(data), "-l", str(self.datadir / "log"), "-w", "-t", "60",
-                  "start")
+        for attempt in range(3):
+            started = self._run("pg_ctl", "-D", str(data), "-l", str(self.datadir / "log"),
+                                "-w", "-t", "60", "start", check=False)
+            if started.returncode == 0:
+                break
+            log = (self.datadir / "log").read_text(errors="replace")
+            if not init or attempt == 2 or "could not bind" not in log:
+                raise subprocess.CalledProcessError(started.returncode, started.args,
+                                                    started.stdout, started.stderr + log[-2000:])
+            # free_port() is check-then-use: another server (e.g. a concurrent test session)
+            # took the port meanwhile. A fresh cluster may move; the last `port` line wins.
+            self.port = free_port()
+            with open(data / "postgresql.conf", "a") as fh:
+                fh.write(f"port = {self.port}\n")
         _wait_port(self.port, 30)
         if init:
             self._run("psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
@@ -145,10 +157,18 @@ class PostgresServer:
 
 @dataclass
 class RedisServer:
-    """A private ``redis-server`` on 127.0.0.1 with persistence off. Context manager."""
+    """A private ``redis-server`` on 127.0.0.1 with persistence off. Context manager.
+
+    ``databases`` is Redis's number of logical databases (``--databases``; Redis's default
+    16): the test suite gives every test its own, so kombu's per-database keys (queues,
+    ``unacked``, ``unacked_index``, the ``unacked_mutex`` restore lock) never leak from one
+    test into the next. :attr:`url` is database 0.
+    """
 
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    databases: int = 16
+    _started_once: bool = field(default=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -162,15 +182,49 @@ class RedisServer:
         self.stop()
 
     def start(self) -> None:
+        """Start the server and wait until *this* process answers on :attr:`port`.
+
+        ``free_port()`` is check-then-use: if another server took the port meanwhile (a
+        concurrent test session), ours exits and the other one would answer the port
+        check; then a fresh port is tried (up to three), unless this is a restart, which
+        must keep its port.
+        """
         exe = shutil.which("redis-server") or "/usr/bin/redis-server"
         if not os.path.exists(exe):
             raise FileNotFoundError("redis-server not found (apt-get install redis-server)")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        _wait_port(self.port, 30)
+        restart = self._started_once
+        self._started_once = True
+        for _attempt in range(1 if restart else 3):
+            self.proc = subprocess.Popen(
+                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",
+                 "--databases", str(self.databases)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            if self._wait_own_port(30):
+                return
+            if not restart:
+                self.port = free_port()
+        raise OSError(f"redis-server did not start on 127.0.0.1:{self.port}")
+
+    def _wait_own_port(self, timeout: float) -> bool:
+        """True once our process listens on the port; False if it exited first."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False  # e.g. "Address already in use"
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
+                    s.sendall(b"INFO server\r\n")
+                    reply = s.recv(65536).decode(errors="replace")
+                if f"process_id:{self.proc.pid}\r\n" in reply:
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"redis-server not answering on 127.0.0.1:{self.port} "
+                           f"after {timeout} s")
 
     def stop(self) -> None:
         if self.proc is not None:

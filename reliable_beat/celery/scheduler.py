@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select as _select
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import datetime, timedelta, timezone
+from typing import Any, ClassVar
 
 from celery.beat import Scheduler
 from sqlalchemy import update
@@ -33,6 +34,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
 from reliable_beat.entries import (
     NOTIFY_CHANNEL,
+    EntryDefinition,
     definitions_from_beat_schedule,
     sync_config_entries,
 )
@@ -42,6 +44,7 @@ from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
+from reliable_beat.schedules import validate_timezone
 from reliable_beat.settings import Settings
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
@@ -131,7 +134,16 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         SchemaError: the schema is behind.
     """
 
+    #: Instances of this class in this process still inside :meth:`setup_schedule`.
+    _in_setup: ClassVar[int] = 0
+
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        if ReliableScheduler._in_setup:
+            # Celery's SIGTERM / SIGINT handler calls service.sync(), which builds the
+            # scheduler when the first one is still starting (e.g. waiting for the database):
+            # stop here instead of starting a second wait inside the signal handler. Nothing
+            # has been claimed yet.
+            raise SystemExit(0)
         self.settings = Settings.from_celery(app)
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self._listen: Any = None
@@ -160,6 +172,49 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         return self._is_tracked(task)
 
     def setup_schedule(self) -> None:
+        ReliableScheduler._in_setup += 1
+        try:
+            self._setup_schedule()
+        finally:
+            ReliableScheduler._in_setup -= 1
+
+    def _definitions(self, now: datetime) -> list[EntryDefinition]:
+        zone = str(self.app.conf.timezone or "UTC")
+        try:
+            try:
+                validate_timezone(zone)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"Celery's timezone setting: {exc}") from None
+            self._check_sqlite_directory()
+            return definitions_from_beat_schedule(
+                self.app.conf.beat_schedule or {},
+                default_timezone=zone,
+                settings=self.settings,
+                now=now,
+                is_idempotent=self._task_kind,
+            )
+        except ConfigurationError as exc:
+            # One message naming every bad entry and its fix, then exit 2: a traceback through
+            # Celery's stderr redirect is hundreds of lines, and restarting cannot fix config.
+            log.critical("reliable_beat: configuration refused; nothing was synced or fired. "
+                         "Fix this and start the beat again.\n%s", exc)
+            raise SystemExit(2) from None
+
+    def _check_sqlite_directory(self) -> None:
+        if self.store.dialect != "sqlite":
+            return
+        path = make_url(self.settings.database_url).database
+        if path and path != ":memory:" and not os.path.isdir(os.path.dirname(path) or "."):
+            raise ConfigurationError(
+                f"reliable_beat_database_url {self.store.safe_url}: the directory "
+                f"{os.path.dirname(path)!r} does not exist; create it or point the URL at an "
+                "existing one"
+            )
+
+    def _setup_schedule(self) -> None:
+        # Configuration first, on the local clock: a bad entry is reported at once, even while
+        # the database is down. The definitions are rebuilt on the database clock below.
+        self._definitions(datetime.now(timezone.utc))
         delay = 1.0
         while True:
             try:
@@ -178,20 +233,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 log.error("%s; waiting for it (checking again in %.0f s)", exc, delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
-        try:
-            definitions = definitions_from_beat_schedule(
-                self.app.conf.beat_schedule or {},
-                default_timezone=str(self.app.conf.timezone or "UTC"),
-                settings=self.settings,
-                now=now,
-                is_idempotent=self._task_kind,
-            )
-        except ConfigurationError as exc:
-            # One message naming every bad entry and its fix, then exit 2: a traceback through
-            # Celery's stderr redirect is hundreds of lines, and restarting cannot fix config.
-            log.critical("reliable_beat: beat_schedule refused; nothing was synced or fired. "
-                         "Fix these and start the beat again.\n%s", exc)
-            raise SystemExit(2) from None
+        definitions = self._definitions(now)
         for d in definitions:
             if d.task not in self.app.tasks:
                 log.warning("entry %r: task %r is not registered in this beat's app; workers "

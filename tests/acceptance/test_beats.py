@@ -10,6 +10,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -386,6 +388,48 @@ def test_database_down_at_start(redis_url: str, procs: procs_mod.BeatProcs) -> N
     finally:
         procs.cleanup()
         server.__exit__(None, None, None)
+
+
+def _dead_postgres_url() -> str:
+    from reliable_beat.testing.servers import free_port
+
+    return f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nowhere"
+
+
+def test_sigterm_stops_a_beat_waiting_for_the_database(procs: procs_mod.BeatProcs) -> None:
+    procs.env.update(RELIABLE_BEAT_DATABASE_URL=_dead_postgres_url(),
+                     RB_SCHEDULE=json.dumps({"e": {"every": 1}}))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        beat = procs.start(f"waiting-{sig.name}")
+        procs_mod.wait_for(lambda b=beat: "unavailable at start" in b.output(), 30,
+                           "the retry log")
+        os.kill(beat.pid, sig)
+        try:
+            beat.proc.wait(timeout=10)  # Celery's handler must not start a second wait
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"beat still running 10 s after {sig.name}:\n{beat.output()[-2000:]}")
+        assert "Traceback" not in beat.output(), beat.output()
+
+
+def test_bad_config_reported_at_once_while_the_database_is_down(
+        procs: procs_mod.BeatProcs, tmp_path: Path) -> None:
+    procs.env.update(RELIABLE_BEAT_DATABASE_URL=_dead_postgres_url(),
+                     RB_SCHEDULE=json.dumps({"bad_cron": {"cron": "61 * * * *"}}))
+    beat = procs.start("badcfg")
+    procs_mod.wait_for(lambda: not beat.alive(), 30, "beat to exit")
+    out = beat.output()
+    assert beat.proc.returncode == 2, out
+    assert "bad_cron" in out and "unavailable at start" not in out, out
+    # The embedded default pointed at a directory that does not exist: a configuration
+    # error naming the directory, not an endless "database unavailable".
+    missing = tmp_path / "no" / "such" / "dir" / "rb.sqlite3"
+    procs.env.update(RELIABLE_BEAT_DATABASE_URL=f"sqlite:///{missing}",
+                     RB_SCHEDULE=json.dumps({"e": {"every": 1}}))
+    beat = procs.start("nodir")
+    procs_mod.wait_for(lambda: not beat.alive(), 30, "beat to exit")
+    out = beat.output()
+    assert beat.proc.returncode == 2, out
+    assert str(missing.parent) in out and "does not exist" in out, out
 
 
 def test_schema_behind_at_start_waits_for_the_upgrade(

@@ -223,3 +223,45 @@ def test_racing_claims_after_expiry_get_distinct_fences(fx: Store) -> None:
             attempts.c.outcome.in_(["running", "failed"]))).scalars().all()
     assert sorted(fences) == [1, 2]  # the expired holder's row closed as 'failed'
     assert runs.list_attempts(fx, got[0].run_id)[0]["outcome"] == "failed"
+
+
+def test_racing_claims_of_a_dispatched_row_acquire_once(fx: Store) -> None:
+    """The scheduler's row (``dispatched``) claimed by many racers at once: exactly one
+    acquires (fence 1, attempt 1); the others see its lease. On PostgreSQL this is the
+    one-statement claim racing itself."""
+    with fx.begin() as conn:
+        now = fx.now(conn)
+        conn.execute(runs_t.insert().values(
+            idempotency_key="e@1", entry_name="e", trigger="schedule", task="t.x", args=[],
+            kwargs={}, state="dispatched", created_at=now, updated_at=now))
+    n = 6
+    barrier = threading.Barrier(n)
+    got: list[runs.Claim] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        c = claim(fx, key="e@1", owner=f"w{i}")
+        with lock:
+            got.append(c)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(c.outcome for c in got) == ["acquired"] + ["busy"] * (n - 1)
+    [won] = [c for c in got if c.acquired]
+    assert won.fence_token == 1 and won.attempt == 1 and not won.fresh
+    run = runs.get_run(fx, "e@1")
+    assert run["state"] == "running" and run["fence_token"] == 1 and run["attempts"] == 1
+    assert sorted(o for _, _, o in outcomes(fx, won.run_id)) == ["busy"] * (n - 1) + ["running"]
+
+
+def test_claim_of_a_slot_held_by_another_key_is_not_found(fx: Store) -> None:
+    fire_at = datetime(2026, 1, 10, 12, 0, tzinfo=timezone.utc)
+    runs.claim_run(fx, "e@a", owner="w", lease=LEASE, task="t.x", entry="e", fire_at=fire_at)
+    with pytest.raises(runs.RunNotFound):
+        runs.claim_run(fx, "e@b", owner="w", lease=LEASE, task="t.x", entry="e",
+                       fire_at=fire_at)
+    assert count(fx, runs_t) == 1 and count(fx, attempts) == 1

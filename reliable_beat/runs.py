@@ -183,15 +183,16 @@ def _pg_claim_statement() -> Select[Any]:
         WITH clock AS (SELECT clock_timestamp() AS now),
         ins AS (INSERT INTO runs (...) SELECT :key, ..., 'running', 1, 1, :owner,
                 clock.now + :lease, ... FROM clock ON CONFLICT DO NOTHING RETURNING ...),
+        cur AS MATERIALIZED (SELECT id, state FROM runs WHERE idempotency_key = :key),
         upd AS (UPDATE runs SET fence_token = fence_token + 1, attempts = attempts + 1,
                 state = 'running', leased_by = :owner,
                 lease_expires_at = (SELECT now FROM clock) + :lease, ...
-                WHERE idempotency_key = :key
+                WHERE id = (SELECT id FROM cur)
                 AND state IN ('scheduled', 'dispatched', 'retrying') RETURNING ...),
         got AS (SELECT ..., 'acquired' AS outcome FROM ins UNION ALL
                 SELECT ..., 'acquired' FROM upd UNION ALL
                 SELECT ..., 'already_succeeded' FROM runs
-                WHERE idempotency_key = :key AND state = 'succeeded'),
+                WHERE id = (SELECT id FROM cur WHERE state = 'succeeded')),
         att AS (INSERT INTO attempts (...) SELECT ..., CASE got.outcome WHEN 'acquired'
                 THEN 'running' ELSE 'deduplicated' END FROM got RETURNING id, run_id)
         SELECT got.*, att.id AS attempt_id FROM got JOIN att ON att.run_id = got.id
@@ -245,10 +246,19 @@ def _pg_claim_statement() -> Select[Any]:
         .returning(*returned(ACQUIRED, true()))
         .cte("ins")
     )
+    # The run of this key, found through the unique key index only. Materialised, so the
+    # planner cannot push a state test down into it and pick the state index instead (it
+    # did, with stale statistics: a scan of every succeeded run per claim).
+    cur = (
+        select(runs.c.id, runs.c.state)
+        .where(runs.c.idempotency_key == key)
+        .cte("cur")
+        .prefix_with("MATERIALIZED")
+    )
     upd = (
         update(runs)
         .where(
-            runs.c.idempotency_key == key,
+            runs.c.id == select(cur.c.id).scalar_subquery(),
             runs.c.state.in_([literal_column(f"'{s}'") for s in _FREE_STATES]),
         )
         .values(
@@ -264,7 +274,9 @@ def _pg_claim_statement() -> Select[Any]:
         .cte("upd")
     )
     done = select(*returned(ALREADY_SUCCEEDED, false())).where(
-        runs.c.idempotency_key == key, runs.c.state == literal_column("'succeeded'")
+        runs.c.id == select(cur.c.id)
+        .where(cur.c.state == literal_column("'succeeded'"))
+        .scalar_subquery()
     )
     got = union_all(select(ins), select(upd), done).cte("got")
     acquired = got.c.outcome == literal_column(f"'{ACQUIRED}'")

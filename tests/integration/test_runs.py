@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from psycopg.types.json import Jsonb
 
 from reliable_beat import runs
 from reliable_beat.db.dialects import Store
@@ -265,3 +266,28 @@ def test_claim_of_a_slot_held_by_another_key_is_not_found(fx: Store) -> None:
         runs.claim_run(fx, "e@b", owner="w", lease=LEASE, task="t.x", entry="e",
                        fire_at=fire_at)
     assert count(fx, runs_t) == 1 and count(fx, attempts) == 1
+
+
+def test_one_statement_claim_finds_the_run_by_its_key_only(pg_store: Store) -> None:
+    """The PostgreSQL claim's cached (generic) plan reaches the run through the unique key
+    index, never the state index: with statistics taken while the table was small, a plan
+    on ``state = 'succeeded'`` scans every succeeded run on every claim."""
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    with pg_store.begin() as conn:
+        conn.exec_driver_sql("ANALYZE reliable_beat_runs")  # statistics of an empty table
+        conn.execute(runs_t.insert(), [
+            {"idempotency_key": f"old:{i}", "task": "t.x", "args": [], "kwargs": {},
+             "state": "succeeded", "created_at": now, "updated_at": now}
+            for i in range(3000)])
+    with pg_store.engine.connect() as conn:
+        sql = str(runs._pg_claim_statement().compile(dialect=conn.dialect))
+        params = {"p_key": "old:7", "p_entry": None, "p_fire_at": None, "p_trigger": "adhoc",
+                  "p_task": "t.x", "p_args": Jsonb([]), "p_kwargs": Jsonb({}), "p_owner": "w",
+                  "p_lease": LEASE, "p_task_id": None, "fence_token_1": 1, "attempts_1": 1}
+        dbapi = conn.connection.driver_connection
+        assert dbapi is not None
+        dbapi.execute("SET plan_cache_mode = force_generic_plan")  # the plan psycopg caches
+        plan = "\n".join(r[0] for r in dbapi.execute("EXPLAIN " + sql, params, prepare=True))
+        conn.rollback()
+    assert "ix_reliable_beat_runs_state" not in plan, plan
+    assert "uq_reliable_beat_runs_idempotency_key" in plan, plan

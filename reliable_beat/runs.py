@@ -309,11 +309,12 @@ def _claim_in_one_statement(conn: Connection, params: dict[str, Any]) -> Row[Any
     """
     default = conn.default_isolation_level
     conn.execution_options(isolation_level="AUTOCOMMIT")
-    try:
-        row = conn.execute(_pg_claim_statement(), params).first()
-        conn.commit()  # ends SQLAlchemy's logical transaction; no round trip in autocommit
-    finally:
-        conn.execution_options(isolation_level=default)
+    row = conn.execute(_pg_claim_statement(), params).first()
+    conn.commit()  # ends SQLAlchemy's logical transaction; no round trip in autocommit
+    # Back to transactions for the locked path. (On an error the connection goes back to
+    # the pool instead, which restores its isolation level; resetting it here would hide
+    # the error behind "transaction in progress".)
+    conn.execution_options(isolation_level=default)
     return row
 
 

@@ -7,6 +7,7 @@ never by sleeping or patching the clock. The race uses two real connections and 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -18,7 +19,7 @@ from reliable_beat import runs
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters
 from reliable_beat.db.tables import runs as runs_t
-from reliable_beat.errors import StaleFenceToken
+from reliable_beat.errors import StaleFenceToken, StoreUnavailableError
 
 LEASE = timedelta(seconds=30)
 effects = sa.Table(
@@ -291,3 +292,49 @@ def test_one_statement_claim_finds_the_run_by_its_key_only(pg_store: Store) -> N
         conn.rollback()
     assert "ix_reliable_beat_runs_state" not in plan, plan
     assert "uq_reliable_beat_runs_idempotency_key" in plan, plan
+
+
+def test_claim_whose_connection_dies_mid_statement_is_store_unavailable(
+    pg_store: Store,
+) -> None:
+    """The one-statement claim waits on a row lock; its backend is terminated: the caller
+    gets StoreUnavailableError (transient, retried), and the pool's connections are back
+    in transactional mode for the next user."""
+    with pg_store.begin() as conn:
+        now = pg_store.now(conn)
+        conn.execute(runs_t.insert().values(
+            idempotency_key="k1", task="t.x", args=[], kwargs={}, state="dispatched",
+            created_at=now, updated_at=now))
+    other = sa.create_engine(pg_store.engine.url)
+    got: dict[str, Any] = {}
+    with other.connect() as holder:
+        holder.execute(sa.select(runs_t.c.id).where(runs_t.c.idempotency_key == "k1")
+                       .with_for_update())
+
+        def claimer() -> None:
+            try:
+                got["claim"] = claim(pg_store)
+            except BaseException as exc:  # handed to the test thread
+                got["error"] = exc
+
+        t = threading.Thread(target=claimer)
+        t.start()
+        with other.connect() as admin:
+            deadline = time.monotonic() + 10
+            killed = False
+            while not killed and time.monotonic() < deadline:
+                killed = bool(admin.execute(sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )).scalars().all())
+                time.sleep(0.05)
+            admin.commit()
+        t.join(timeout=30)
+        holder.rollback()
+    other.dispose()
+    assert killed
+    assert isinstance(got.get("error"), StoreUnavailableError), got
+    c = claim(pg_store)
+    assert c.acquired and c.fence_token == 1
+    with pg_store.engine.connect() as conn:
+        assert conn.connection.driver_connection.autocommit is False  # type: ignore[union-attr]

@@ -725,6 +725,12 @@ def record_fenced_out(store: Store, claim: Claim, error: str | None = None) -> N
 def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
     """Extend this runner's lease to ``db now + lease`` (short fenced transaction).
 
+    On PostgreSQL the renewal waits at most a sixth of the lease (50 ms .. 5 s) for the run
+    row's lock (``SET LOCAL lock_timeout``), not the role's 30 s: one process renews the
+    leases of all its executions in turn, so a row held by someone else (a claimer frozen
+    inside its transaction) must not hold up the others. The lease is still valid then;
+    the caller tries again at its next interval.
+
     Returns:
         True when renewed; False when the fence moved (another runner claimed the run, or
         ``lease clear`` was used) or the run is no longer ``running``: the caller has lost
@@ -732,9 +738,16 @@ def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
 
     Raises:
         StoreUnavailableError: the database cannot be reached (the lease is not lost yet).
+        sqlalchemy.exc.OperationalError: the row lock was not granted in time (PostgreSQL
+            ``lock_not_available``; the lease is not lost yet).
     """
     with store.begin() as conn:
-        now = store.now(conn)
+        if store.dialect == "postgresql":
+            wait_ms = int(min(max(lease.total_seconds() * 1000 / 6, 50), 5000))
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = {wait_ms}")
+            now: Any = func.clock_timestamp()
+        else:
+            now = store.now(conn)
         done = conn.execute(
             update(runs)
             .where(

@@ -338,3 +338,31 @@ def test_claim_whose_connection_dies_mid_statement_is_store_unavailable(
     assert c.acquired and c.fence_token == 1
     with pg_store.engine.connect() as conn:
         assert conn.connection.driver_connection.autocommit is False  # type: ignore[union-attr]
+
+
+def test_renewal_does_not_wait_long_on_a_locked_run_row(pg_store: Store) -> None:
+    """A renewal of a short lease gives up quickly on a row someone else holds locked (the
+    role's lock_timeout is 30 s); the lease is then still ours and the next renewal works."""
+    lease = timedelta(seconds=0.6)  # waits at most 0.1 s for the lock
+    c = runs.claim_run(pg_store, "k1", owner="w1", lease=lease, task="t.x")
+    other = sa.create_engine(pg_store.engine.url)
+    got: dict[str, Any] = {}
+    with other.connect() as holder:
+        holder.execute(sa.select(runs_t.c.id).where(runs_t.c.id == c.run_id).with_for_update())
+
+        def renew() -> None:
+            try:
+                got["ok"] = runs.renew_lease(pg_store, c, lease)
+            except sa.exc.OperationalError as exc:
+                got["error"] = exc
+
+        t = threading.Thread(target=renew)
+        t.start()
+        t.join(timeout=10)  # generous: the role's own lock wait would be 30 s
+        gave_up = not t.is_alive()
+        holder.rollback()
+        t.join(timeout=60)
+    other.dispose()
+    assert gave_up
+    assert "lock timeout" in str(got["error"])
+    assert runs.renew_lease(pg_store, c, lease) is True

@@ -10,7 +10,8 @@
         # leaving the block committed: effect + outbox rows + run 'succeeded' (fenced)
 
 Each execution: derive the key -> claim the run (short transaction: lease + fence) -> run
-the body while a background thread renews the lease every ``lease/3`` -> commit the
+the body while the process's lease renewer (one thread per process, serving every
+execution in flight) renews the lease every ``lease/3`` -> commit the
 completion fenced in the body's transaction (or, when the body never opened one, in a
 transaction of our own right after it) -> classify failures (retry with full jitter, or
 dead letter). See ``docs/task.md``.
@@ -22,9 +23,10 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
 
@@ -126,16 +128,115 @@ def _store_for(url: str) -> Store:
 _current = threading.local()
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a member of the renewer's set
 class _RunState:
     claim: runs.Claim
     store: Store
     lease: timedelta
+    task_name: str = ""
     lease_lost: bool = False
     completed: bool = False
     transaction_used: bool = False
     outbox_count: int = 0
-    stop: threading.Event = field(default_factory=threading.Event)
+    #: time.monotonic() of the next lease renewal (set by _LeaseRenewer.add).
+    renew_at: float = 0.0
+
+
+def _renew_interval(state: _RunState) -> float:
+    """Seconds between renewals of ``state``'s lease: a third of the lease (>= 0.05 s)."""
+    return max(state.lease.total_seconds() / 3.0, 0.05)
+
+
+class _LeaseRenewer:
+    """One daemon thread per process renewing the lease of every execution in flight.
+
+    An execution is added when its body starts and discarded when its completion begins or
+    the body ends; both are a set operation under a lock. The thread sleeps until the
+    earliest ``renew_at`` and renews each due lease (:func:`runs.renew_lease`, one short
+    fenced transaction each, oldest due first), then schedules the next one a third of the
+    lease later. Adding an execution wakes the thread only when it would otherwise sleep
+    past that execution's first renewal (an idle renewer, or a shorter lease), so a busy
+    worker pays no thread start and no context switch per task. A renewal that finds the
+    fence moved sets the execution's ``lease_lost`` and drops it; one that fails (store
+    unreachable) is tried again an interval later, as the lease is not lost yet.
+
+    Threads do not survive ``fork``: a prefork child gets a fresh renewer on first use.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._states: set[_RunState] = set()
+        #: When the thread will next look (monotonic); None while it waits for work.
+        self._wake_at: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def add(self, state: _RunState) -> None:
+        """Start renewing ``state``'s lease, first after one interval."""
+        state.renew_at = time.monotonic() + _renew_interval(state)
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="rb-lease-renewer", daemon=True
+                )
+                self._thread.start()
+            self._states.add(state)
+            if self._wake_at is None or state.renew_at < self._wake_at:
+                self._cond.notify()
+
+    def discard(self, state: _RunState) -> None:
+        """Stop renewing ``state``'s lease (no-op when it is not renewed)."""
+        with self._cond:
+            self._states.discard(state)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    due = sorted(
+                        (s for s in self._states if s.renew_at <= now),
+                        key=lambda s: s.renew_at,
+                    )
+                    if due:
+                        self._wake_at = now  # awake: add() need not notify
+                        break
+                    self._wake_at = min((s.renew_at for s in self._states), default=None)
+                    self._cond.wait(None if self._wake_at is None else self._wake_at - now)
+            for state in due:
+                self._renew(state)
+
+    def _renew(self, state: _RunState) -> None:
+        try:
+            ok = runs.renew_lease(state.store, state.claim, state.lease)
+        except Exception:  # store briefly unreachable: the lease is not lost yet
+            log.warning("%s: lease renewal failed", state.task_name, exc_info=True)
+            ok = True
+        with self._cond:
+            if state not in self._states:
+                return  # completion began or the body ended meanwhile
+            if ok:
+                state.renew_at = time.monotonic() + _renew_interval(state)
+                return
+            self._states.discard(state)
+        if not state.completed:
+            state.lease_lost = True
+            log.warning(
+                "%s: lease on %s lost (fence %d moved)",
+                state.task_name, state.claim.key, state.claim.fence_token,
+            )
+
+
+_renewer = _LeaseRenewer()
+
+
+def _new_renewer_after_fork() -> None:
+    """In a forked child: the parent's renewer thread does not exist here; start afresh."""
+    global _renewer
+    _renewer = _LeaseRenewer()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_renewer_after_fork)
 
 
 class _Outbox:
@@ -412,6 +513,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             try:
                 yield conn
                 session.flush()
+                _renewer.discard(state)  # see below
                 runs.complete(conn, state.claim, None)
                 session.commit()
             except BaseException as exc:
@@ -424,6 +526,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self._check_same_database(bind.engine, state.store)
             if bind.in_transaction():
                 yield bind
+                _renewer.discard(state)  # see below
                 runs.complete(bind, state.claim, None)  # joins the caller's transaction
                 state.completed = True
                 return
@@ -439,6 +542,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             with cm as entered:
                 tx = conn if conn is not None else entered
                 yield tx
+                # The completion locks the run row until the commit: a renewal now would
+                # wait on our own lock (and hold up the leases of other executions the
+                # renewer serves). The fence is checked inside this transaction, so no
+                # takeover can slip in before the commit; the lease is no longer needed.
+                _renewer.discard(state)
                 runs.complete(tx, state.claim, None)
         except BaseException as exc:
             self._after_rollback(state, exc)
@@ -460,6 +568,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             log.warning("%s: %s", self.name, exc)
             runs.record_fenced_out(state.store, state.claim)
             state.completed = True  # nothing more to record for this attempt
+        else:
+            # Rolled back without completing: the body may go on, so keep the lease alive.
+            _renewer.add(state)
 
     # -------------------------------------------------------------- execution ----
 
@@ -526,20 +637,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        state = _RunState(claim=claim, store=store, lease=lease)
+        state = _RunState(claim=claim, store=store, lease=lease, task_name=self.name)
         states: dict[int, _RunState] = _current.__dict__.setdefault("states", {})
         previous = states.get(id(self))
         states[id(self)] = state
-        renewer = threading.Thread(
-            target=self._renew_loop, args=(state,), name=f"rb-lease-{claim.run_id}", daemon=True
-        )
-        renewer.start()
+        _renewer.add(state)
         try:
             try:
                 result = super().__call__(*args, **kwargs)
             finally:
-                state.stop.set()
-                renewer.join(timeout=5)
+                _renewer.discard(state)
             if state.completed:
                 if state.transaction_used and result is not None:
                     runs.set_result(store, claim, result)
@@ -651,21 +758,3 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Where the message came from, so a requeue goes back to the same queue.
             "queue": (self.request.delivery_info or {}).get("routing_key"),
         }
-
-    def _renew_loop(self, state: _RunState) -> None:
-        interval = max(state.lease.total_seconds() / 3.0, 0.05)
-        while not state.stop.wait(interval):
-            try:
-                ok = runs.renew_lease(state.store, state.claim, state.lease)
-            except Exception:  # store briefly unreachable: the lease is not lost yet
-                log.warning("%s: lease renewal failed", self.name, exc_info=True)
-                continue
-            if not ok:
-                if not state.completed:
-                    state.lease_lost = True
-                    log.warning(
-                        "%s: lease on %s lost (fence %d moved)",
-                        self.name, state.claim.key, state.claim.fence_token,
-                    )
-                return
-

@@ -7,17 +7,19 @@ never by sleeping or patching the clock. The race uses two real connections and 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from psycopg.types.json import Jsonb
 
 from reliable_beat import runs
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters
 from reliable_beat.db.tables import runs as runs_t
-from reliable_beat.errors import StaleFenceToken
+from reliable_beat.errors import StaleFenceToken, StoreUnavailableError
 
 LEASE = timedelta(seconds=30)
 effects = sa.Table(
@@ -223,3 +225,144 @@ def test_racing_claims_after_expiry_get_distinct_fences(fx: Store) -> None:
             attempts.c.outcome.in_(["running", "failed"]))).scalars().all()
     assert sorted(fences) == [1, 2]  # the expired holder's row closed as 'failed'
     assert runs.list_attempts(fx, got[0].run_id)[0]["outcome"] == "failed"
+
+
+def test_racing_claims_of_a_dispatched_row_acquire_once(fx: Store) -> None:
+    """The scheduler's row (``dispatched``) claimed by many racers at once: exactly one
+    acquires (fence 1, attempt 1); the others see its lease. On PostgreSQL this is the
+    one-statement claim racing itself."""
+    with fx.begin() as conn:
+        now = fx.now(conn)
+        conn.execute(runs_t.insert().values(
+            idempotency_key="e@1", entry_name="e", trigger="schedule", task="t.x", args=[],
+            kwargs={}, state="dispatched", created_at=now, updated_at=now))
+    n = 6
+    barrier = threading.Barrier(n)
+    got: list[runs.Claim] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        c = claim(fx, key="e@1", owner=f"w{i}")
+        with lock:
+            got.append(c)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(c.outcome for c in got) == ["acquired"] + ["busy"] * (n - 1)
+    [won] = [c for c in got if c.acquired]
+    assert won.fence_token == 1 and won.attempt == 1 and not won.fresh
+    run = runs.get_run(fx, "e@1")
+    assert run["state"] == "running" and run["fence_token"] == 1 and run["attempts"] == 1
+    assert sorted(o for _, _, o in outcomes(fx, won.run_id)) == ["busy"] * (n - 1) + ["running"]
+
+
+def test_claim_of_a_slot_held_by_another_key_is_not_found(fx: Store) -> None:
+    fire_at = datetime(2026, 1, 10, 12, 0, tzinfo=timezone.utc)
+    runs.claim_run(fx, "e@a", owner="w", lease=LEASE, task="t.x", entry="e", fire_at=fire_at)
+    with pytest.raises(runs.RunNotFound):
+        runs.claim_run(fx, "e@b", owner="w", lease=LEASE, task="t.x", entry="e",
+                       fire_at=fire_at)
+    assert count(fx, runs_t) == 1 and count(fx, attempts) == 1
+
+
+def test_one_statement_claim_finds_the_run_by_its_key_only(pg_store: Store) -> None:
+    """The PostgreSQL claim's cached (generic) plan reaches the run through the unique key
+    index, never the state index: with statistics taken while the table was small, a plan
+    on ``state = 'succeeded'`` scans every succeeded run on every claim."""
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    with pg_store.begin() as conn:
+        conn.exec_driver_sql("ANALYZE reliable_beat_runs")  # statistics of an empty table
+        conn.execute(runs_t.insert(), [
+            {"idempotency_key": f"old:{i}", "task": "t.x", "args": [], "kwargs": {},
+             "state": "succeeded", "created_at": now, "updated_at": now}
+            for i in range(3000)])
+    with pg_store.engine.connect() as conn:
+        sql = str(runs._pg_claim_statement().compile(dialect=conn.dialect))
+        params = {"p_key": "old:7", "p_entry": None, "p_fire_at": None, "p_trigger": "adhoc",
+                  "p_task": "t.x", "p_args": Jsonb([]), "p_kwargs": Jsonb({}), "p_owner": "w",
+                  "p_lease": LEASE, "p_task_id": None, "fence_token_1": 1, "attempts_1": 1}
+        dbapi = conn.connection.driver_connection
+        assert dbapi is not None
+        dbapi.execute("SET plan_cache_mode = force_generic_plan")  # the plan psycopg caches
+        plan = "\n".join(r[0] for r in dbapi.execute("EXPLAIN " + sql, params, prepare=True))
+        conn.rollback()
+    assert "ix_reliable_beat_runs_state" not in plan, plan
+    assert "uq_reliable_beat_runs_idempotency_key" in plan, plan
+
+
+def test_claim_whose_connection_dies_mid_statement_is_store_unavailable(
+    pg_store: Store,
+) -> None:
+    """The one-statement claim waits on a row lock; its backend is terminated: the caller
+    gets StoreUnavailableError (transient, retried), and the pool's connections are back
+    in transactional mode for the next user."""
+    with pg_store.begin() as conn:
+        now = pg_store.now(conn)
+        conn.execute(runs_t.insert().values(
+            idempotency_key="k1", task="t.x", args=[], kwargs={}, state="dispatched",
+            created_at=now, updated_at=now))
+    other = sa.create_engine(pg_store.engine.url)
+    got: dict[str, Any] = {}
+    with other.connect() as holder:
+        holder.execute(sa.select(runs_t.c.id).where(runs_t.c.idempotency_key == "k1")
+                       .with_for_update())
+
+        def claimer() -> None:
+            try:
+                got["claim"] = claim(pg_store)
+            except BaseException as exc:  # handed to the test thread
+                got["error"] = exc
+
+        t = threading.Thread(target=claimer)
+        t.start()
+        with other.connect() as admin:
+            deadline = time.monotonic() + 10
+            killed = False
+            while not killed and time.monotonic() < deadline:
+                killed = bool(admin.execute(sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )).scalars().all())
+                time.sleep(0.05)
+            admin.commit()
+        t.join(timeout=30)
+        holder.rollback()
+    other.dispose()
+    assert killed
+    assert isinstance(got.get("error"), StoreUnavailableError), got
+    c = claim(pg_store)
+    assert c.acquired and c.fence_token == 1
+    with pg_store.engine.connect() as conn:
+        assert conn.connection.driver_connection.autocommit is False  # type: ignore[union-attr]
+
+
+def test_renewal_does_not_wait_long_on_a_locked_run_row(pg_store: Store) -> None:
+    """A renewal of a short lease gives up quickly on a row someone else holds locked (the
+    role's lock_timeout is 30 s); the lease is then still ours and the next renewal works."""
+    lease = timedelta(seconds=0.6)  # waits at most 0.1 s for the lock
+    c = runs.claim_run(pg_store, "k1", owner="w1", lease=lease, task="t.x")
+    other = sa.create_engine(pg_store.engine.url)
+    got: dict[str, Any] = {}
+    with other.connect() as holder:
+        holder.execute(sa.select(runs_t.c.id).where(runs_t.c.id == c.run_id).with_for_update())
+
+        def renew() -> None:
+            try:
+                got["ok"] = runs.renew_lease(pg_store, c, lease)
+            except sa.exc.OperationalError as exc:
+                got["error"] = exc
+
+        t = threading.Thread(target=renew)
+        t.start()
+        t.join(timeout=10)  # generous: the role's own lock wait would be 30 s
+        gave_up = not t.is_alive()
+        holder.rollback()
+        t.join(timeout=60)
+    other.dispose()
+    assert gave_up
+    assert "lock timeout" in str(got["error"])
+    assert runs.renew_lease(pg_store, c, lease) is True

@@ -6,6 +6,7 @@ lease renewal, outbox keys, failure classification. The real-worker proofs live 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -179,6 +180,34 @@ def test_lease_lost_flag(app: Celery, store: Store) -> None:
     assert r.failed()  # the fenced completion was rejected
     assert [a["outcome"] for a in runs.list_attempts(store, runs.get_run(store, "lost:1")["id"])
             ] == ["fenced_out"]
+
+
+def test_one_renewer_thread_serves_concurrent_executions(app: Celery, store: Store) -> None:
+    """Two bodies in flight at once (two threads), each outliving 2.5 leases: both stay
+    leased, renewed by the process's one renewer thread, and no thread is started per task."""
+    seen: dict[str, Any] = {}
+    barrier = threading.Barrier(2)
+
+    @app.task(base=IdempotentTask, bind=True, name="e.slow2")
+    def slow2(self: IdempotentTask, name: str) -> None:
+        barrier.wait(timeout=10)
+        time.sleep(1.5)  # 2.5 leases of 0.6 s
+        expires = runs.get_run(store, self.idempotency_key)["lease_expires_at"]
+        with store.engine.connect() as conn:
+            seen[name] = (expires > store.now(conn), self.lease_lost)
+        seen[f"{name}-threads"] = [t.name for t in threading.enumerate()
+                                   if t.name.startswith("rb-lease")]
+
+    callers = [threading.Thread(target=lambda n=n: slow2.apply((n,), headers={
+        KEY_HEADER: f"slow2:{n}"}).get()) for n in ("a", "b")]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=30)
+    assert seen["a"] == seen["b"] == (True, False)
+    assert seen["a-threads"] == seen["b-threads"] == ["rb-lease-renewer"]
+    for n in ("a", "b"):
+        assert runs.get_run(store, f"slow2:{n}")["state"] == "succeeded"
 
 
 def test_outbox_keys_count_per_attempt(

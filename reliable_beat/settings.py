@@ -59,7 +59,7 @@ class Settings:
     )
     run_migrations: bool = False
     batch_size: int = 500
-    claim_ahead_seconds: float = 1.0
+    claim_ahead_seconds: float = 0.5
     misfire_policy: str = MisfirePolicy.FIRE_ONCE.value
     misfire_grace_seconds: float = 60.0
     catch_up_limit: int = 100

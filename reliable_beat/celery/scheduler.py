@@ -8,7 +8,7 @@ and when a beat dies the others carry on. There is no leader and no lock to wait
 The scheduler holds no entries in memory; the database is the state. It sleeps until the
 next claim moment (measured on the database clock, bounded by ``beat_max_loop_interval``)
 and wakes early on PostgreSQL ``NOTIFY reliable_beat_entries``. With
-``reliable_beat_claim_ahead_seconds`` > 0 (default 1) it claims slots that short a time
+``reliable_beat_claim_ahead_seconds`` > 0 (default 0.5) it claims slots that short a time
 before they are due, commits their runs and triggers, and holds the triggers in memory until
 the slot's instant, when it publishes each slot's messages at once (one Redis pipeline).
 """

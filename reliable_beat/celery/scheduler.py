@@ -68,6 +68,14 @@ BUILD_LEAD_SECONDS = 0.002
 SPIN_SECONDS = 0.002
 
 
+class _HoldOverran(BaseException):
+    """Raised inside a publish to abandon a held batch whose instant is long past.
+
+    A ``BaseException`` so the publish helpers' ``except Exception`` do not turn it into a
+    broker failure: it unwinds the kombu batch (which discards the buffered messages).
+    """
+
+
 @dataclass
 class _Held:
     """Committed triggers of one slot, claimed ahead, waiting for the slot's instant.
@@ -149,7 +157,9 @@ def _sleep_until(at: float) -> None:
     a CPU; one that is already running does not)."""
     left = at - time.monotonic()
     if left > SPIN_SECONDS:
-        time.sleep(left - SPIN_SECONDS)
+        # select(), not time.sleep(): Python 3.11's sleep is an absolute clock_nanosleep,
+        # which libfaketime-style clock shims (used to test skewed clocks) break with EINVAL.
+        _select.select([], [], [], left - SPIN_SECONDS)
     while time.monotonic() < at:
         pass
 
@@ -421,31 +431,78 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._held.clear()
 
     def _publish_group(self, group: _Held) -> None:
+        """Publish one held slot: build its messages, flush them at its instant, mark sent.
+
+        A hold that overran (this process was paused or starved for longer than half the
+        sweep delay, e.g. SIGSTOP) does not publish blindly: another beat's sweep may have
+        published those rows already. It first takes back, in one statement, the rows still
+        pending under its own name (pushing their ``available_at`` a sweep delay on, so no
+        sweep takes them meanwhile) and publishes only those.
+        """
         started = time.monotonic()
         built: list[float] = []
+        overrun = self._beat.sweep_delay.total_seconds() / 2
 
         def at_instant() -> None:
             built.append(time.monotonic())
             _sleep_until(group.at)
+            if time.monotonic() - group.at > overrun:
+                raise _HoldOverran  # the buffered batch is discarded: nothing was sent
 
-        assert self._clock is not None
-        now, mono = self._clock
-        at_now = max(group.fire_at, now + timedelta(seconds=time.monotonic() - mono))
-        publish_triggers(self.store, self.app, group.triggers, at_now, wait=at_instant)
+        triggers = group.triggers
+        try:
+            if time.monotonic() - group.at > overrun:
+                raise _HoldOverran
+            publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at),
+                             wait=at_instant)
+        except _HoldOverran:
+            triggers = self._take_back(triggers)
+            log.warning("held triggers of %s published %.1f s late (this process was "
+                        "paused); %d of %d still pending under this beat",
+                        format_fire_at(group.fire_at), time.monotonic() - group.at,
+                        len(triggers), len(group.triggers))
+            built.clear()
+            if triggers:
+                publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at))
         if built:
-            per = (built[0] - started) / max(1, len(group.triggers))
+            per = (built[0] - started) / max(1, len(triggers))
             self._build_seconds_per_message += 0.2 * (per - self._build_seconds_per_message)
         done = time.monotonic()
-        for t in group.triggers:
+        for t in triggers:
             event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
                 "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
                 key=t.key, task=t.payload["task"], claimed_ahead=True)
         # built_ms < 0: the messages were ready before the instant (they left at it);
         # marked_ms: the instant to the rows marked sent.
         event(log, logging.INFO, "slots.published", fire_at=format_fire_at(group.fire_at),
-              count=len(group.triggers),
+              count=len(triggers),
               built_ms=round((built[0] - group.at) * 1000, 2) if built else None,
               marked_ms=round((done - group.at) * 1000, 2))
+
+    def _db_now(self, at_least: datetime) -> datetime:
+        """The database clock estimated from the last claim (never behind ``at_least``)."""
+        assert self._clock is not None
+        now, mono = self._clock
+        return max(at_least, now + timedelta(seconds=time.monotonic() - mono))
+
+    def _take_back(self, triggers: list[Trigger]) -> list[Trigger]:
+        """The triggers whose rows are still pending and claimed by this beat, re-leased for a
+        sweep delay (one ``UPDATE ... RETURNING``); the others were swept meanwhile."""
+        try:
+            with self.store.begin() as conn:
+                now = self.store.now(conn)
+                ids = set(conn.execute(
+                    update(outbox)
+                    .where(outbox.c.id.in_([t.outbox_id for t in triggers]),
+                           outbox.c.state == "pending",
+                           outbox.c.claimed_by == self.settings.owner)
+                    .values(available_at=now + self._beat.sweep_delay)
+                    .returning(outbox.c.id)
+                ).scalars())
+        except (StoreUnavailableError, DBAPIError) as exc:
+            log.error("could not take back overran triggers (%s); the sweep sends them", exc)
+            return []
+        return [t for t in triggers if t.outbox_id in ids]
 
     def _publish(self, result: TickResult) -> None:
         assert result.now is not None

@@ -592,6 +592,11 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         """Nothing to write back: every decision was committed when it was made."""
 
     def close(self) -> None:
+        """Publish any triggers still held (each at its slot, at most the claim-ahead away),
+        then release the LISTEN connection and the pool."""
+        if self._held:
+            with _deferred_stop_signals():
+                self._drain_held()
         if self._listen is not None:
             with contextlib.suppress(Exception):
                 self._listen.close()

@@ -100,3 +100,15 @@ def test_hold_publishes_at_the_instant(scheduler: Any, pg_store: Store,
     assert _queued(redis_url) == ["a", "b"]
     with pg_store.begin() as conn:
         assert pg_store.now(conn) >= group.fire_at
+
+
+def test_close_publishes_what_is_held_at_its_slot(scheduler: Any, pg_store: Store,
+                                                  redis_url: str) -> None:
+    _seed(pg_store, ["c"], 2)
+    scheduler._claim()
+    [group] = scheduler._held.values()
+    assert _queued(redis_url) == []
+    scheduler.close()  # Celery's stop path: held triggers go out at their slot first
+    assert time.monotonic() >= group.at
+    assert _queued(redis_url) == ["c"]
+    assert scheduler._held == {}

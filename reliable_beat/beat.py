@@ -3,17 +3,23 @@
 Everything that decides *whether* a slot fires happens in **one** transaction (invariant 2):
 
 1. ``SELECT ... FROM reliable_beat_entries WHERE <due> AND next_fire_at <= now ORDER BY
-   next_fire_at LIMIT n FOR UPDATE SKIP LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``);
-2. plan each entry's due slots (:func:`reliable_beat.planner.plan_entry`, misfire policy),
-   then the overlap policy from run state;
+   next_fire_at LIMIT n FOR UPDATE SKIP LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``); with
+   a claim-ahead ``A`` > 0 also the entries of overlap policy ``allow`` whose next slot is
+   at most ``now + A`` (``next_fire_at <= now + A AND (next_fire_at <= now OR
+   overlap_policy = 'allow')``);
+2. plan each entry's due slots (:func:`reliable_beat.planner.plan_entry`, misfire policy,
+   decided against the real ``now``; an entry not due yet gets its one future slot, on
+   time), then the overlap policy from run state;
 3. ``INSERT`` the runs (``ON CONFLICT DO NOTHING`` on UNIQUE(entry, fire_at) and on the
    idempotency key: a slot already fired is a no-op, whatever the clocks said) and a trigger
    outbox row for each run actually inserted and fired;
 4. advance ``next_fire_at`` on the grid; commit.
 
-Only after the commit are the triggers published (fast path, by the caller); a trigger row
-is written with ``available_at = now + sweep_delay`` so a relay sweeps it only if the fast
-path did not mark it sent in time (a crash between commit and publish).
+Only after the commit are the triggers published (fast path, by the caller), and never
+before their slot: a trigger claimed ahead is held by the caller until ``fire_at``. A trigger
+row is written with ``available_at = max(now, fire_at) + sweep_delay`` so a relay sweeps it
+only if the fast path did not mark it sent in time (a crash between commit and publish), and
+never before its slot.
 
 "now" is always the database's clock (invariant 4). This module knows nothing of Celery.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +36,7 @@ from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
 
-from sqlalchemy import Table, and_, bindparam, cast, column, func, not_, select, update
+from sqlalchemy import Table, and_, bindparam, cast, column, func, not_, or_, select, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 from sqlalchemy.types import JSON, BigInteger, DateTime, Text, TypeEngine
@@ -143,7 +150,13 @@ class TickResult:
         claimed: entries claimed.
         duplicates: slots another process had already fired (insert was a no-op).
         next_fire_at: the earliest ``next_fire_at`` of any due-able entry after the tick.
-        now: the database clock at the tick.
+        next_claim_at: the earliest database instant at which a claim can find an entry
+            (``next_fire_at`` less the claim-ahead for an ``allow`` entry); None: none.
+        now: the database clock at the tick (``clock_timestamp()`` of the claim transaction's
+            first statement).
+        monotonic: ``time.monotonic()`` of this process taken right after ``now`` was read,
+            so ``now + (time.monotonic() - monotonic)`` never runs ahead of the database
+            clock (a trigger held until its ``fire_at`` on that estimate is never early).
     """
 
     triggers: list[Trigger] = field(default_factory=list)
@@ -151,7 +164,16 @@ class TickResult:
     claimed: int = 0
     duplicates: int = 0
     next_fire_at: datetime | None = None
+    next_claim_at: datetime | None = None
     now: datetime | None = None
+    monotonic: float = 0.0
+
+    @property
+    def ahead(self) -> list[Trigger]:
+        """The triggers whose slot is still after :attr:`now` (claimed ahead: hold them)."""
+        assert self.now is not None
+        now = self.now
+        return [t for t in self.triggers if t.fire_at > now]
 
 
 # --------------------------------------------------------------------------- PostgreSQL bulk
@@ -312,7 +334,11 @@ class Beat:
         batch_size: entries claimed per tick transaction.
         is_tracked: task name -> True when the task keeps run state (``IdempotentTask``);
             overlap policies other than ``allow`` are only applied to tracked tasks.
-        sweep_delay: how long the fast path has to publish before a relay may sweep.
+        sweep_delay: how long the fast path has to publish before a relay may sweep; counted
+            from the slot when the slot is still in the future.
+        claim_ahead: also claim entries of overlap policy ``allow`` whose next slot is at most
+            this far after ``now``; their triggers come back with ``fire_at > now`` and the
+            caller must hold them until then. ``timedelta(0)``: claim only due entries.
     """
 
     store: Store
@@ -320,6 +346,7 @@ class Beat:
     batch_size: int = 500
     is_tracked: Callable[[str], bool] = lambda _task: True
     sweep_delay: timedelta = timedelta(seconds=10)
+    claim_ahead: timedelta = timedelta(0)
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
 
     def _schedule(self, name: str, spec: dict[str, Any]) -> sch.Schedule:
@@ -335,9 +362,12 @@ class Beat:
     def tick(self) -> TickResult:
         """Claim up to ``batch_size`` due entries and fire their slots, in one transaction.
 
+        With ``claim_ahead`` > 0 some triggers are for slots after ``result.now``
+        (:attr:`TickResult.ahead`): publish each no earlier than its ``fire_at``.
+
         Returns:
             The committed triggers (publish them, then :func:`mark_sent`), counts, and the
-            earliest next fire time.
+            earliest next fire / claim time.
 
         Raises:
             StoreUnavailableError: the database is down (nothing was written).
@@ -345,10 +375,17 @@ class Beat:
         result = TickResult()
         with self.store.begin() as conn:
             now = self.store.now(conn)
+            result.monotonic = time.monotonic()
             result.now = now
+            ahead = self.claim_ahead > timedelta(0)
+            claimable = (
+                and_(entries.c.next_fire_at <= now + self.claim_ahead,
+                     or_(entries.c.next_fire_at <= now, entries.c.overlap_policy == "allow"))
+                if ahead else entries.c.next_fire_at <= now
+            )
             stmt = (
                 select(entries)
-                .where(due_clause(), entries.c.next_fire_at <= now)
+                .where(due_clause(), claimable)
                 .order_by(entries.c.next_fire_at)
                 .limit(self.batch_size)
             )
@@ -360,6 +397,19 @@ class Beat:
             result.next_fire_at = conn.execute(
                 select(func.min(entries.c.next_fire_at)).where(due_clause())
             ).scalar_one_or_none()
+            result.next_claim_at = result.next_fire_at
+            if ahead and result.next_fire_at is not None:
+                # The earliest `allow` entry in the window [next_fire_at, + claim_ahead] can
+                # be claimed claim_ahead before its slot (an index range scan of that window).
+                first_allow = conn.execute(
+                    select(func.min(entries.c.next_fire_at)).where(
+                        due_clause(), entries.c.overlap_policy == "allow",
+                        entries.c.next_fire_at <= result.next_fire_at + self.claim_ahead,
+                    )
+                ).scalar_one_or_none()
+                if first_allow is not None:
+                    result.next_claim_at = min(result.next_fire_at,
+                                               first_allow - self.claim_ahead)
         return result
 
     def _fire(self, conn: Connection, rows: list[Any], now: datetime, result: TickResult) -> None:
@@ -380,6 +430,7 @@ class Beat:
         for row in rows:
             try:
                 schedule = self._schedule(row.name, row.schedule)
+                ahead_ok = self.claim_ahead > timedelta(0) and row.overlap_policy == "allow"
                 plan = plan_entry(
                     next_fire_at=row.next_fire_at,
                     now=now,
@@ -393,6 +444,7 @@ class Beat:
                         else None
                     ),
                     end_at=row.end_at,
+                    claim_until=now + self.claim_ahead if ahead_ok else None,
                 )
             except Exception:
                 # One bad entry never stops the tick: log it and push it back a minute.
@@ -463,7 +515,9 @@ class Beat:
                     options=options_by_key[key], key=key, entry=r["entry_name"],
                     fire_at=r["fire_at"], trigger=r["trigger"],
                 )
-                outbox_rows.append(self._outbox_row(key, run_id, payload, now))
+                outbox_rows.append(
+                    self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"])
+                )
                 pending.append((run_id, key, payload, r["fire_at"]))
             if outbox_rows:
                 ids = _insert_rows(conn, self.store, outbox, outbox_rows, ignore=False,
@@ -477,10 +531,14 @@ class Beat:
             _advance_entries(conn, self.store, entry_updates)
 
     def _outbox_row(
-        self, key: str, run_id: int, payload: dict[str, Any], now: datetime
+        self, key: str, run_id: int, payload: dict[str, Any], now: datetime,
+        fire_at: datetime | None = None,
     ) -> dict[str, Any]:
-        return trigger_outbox_row(key, run_id, payload, now, available_at=now + self.sweep_delay,
-                                  claimed_by=self.owner)
+        # A slot claimed ahead is swept no earlier than slot + sweep delay: a beat that dies
+        # holding it never lets a relay publish it before its instant.
+        start = max(now, fire_at) if fire_at is not None else now
+        return trigger_outbox_row(key, run_id, payload, now,
+                                  available_at=start + self.sweep_delay, claimed_by=self.owner)
 
     def _release_buffered(self, conn: Connection, now: datetime, result: TickResult) -> None:
         """Turn a ``buffered`` run into a trigger once its entry has no active run."""

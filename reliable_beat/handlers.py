@@ -146,6 +146,7 @@ def publish_celery_batch(
     messages: Sequence[OutboxMessage],
     *,
     now: datetime | None = None,
+    wait: Callable[[], None] | None = None,
 ) -> list[tuple[int, Result]]:
     """Publish Celery trigger rows with ``send_task``, all over ONE producer / connection.
 
@@ -160,6 +161,11 @@ def publish_celery_batch(
         app: the Celery app whose broker to publish to.
         messages: rows with ``destination == "celery"`` (payload shape: module docstring).
         now: the store's clock (UTC) for the ``expires_at`` check; default the host clock.
+        wait: called once, right before the first message can reach the broker: after every
+            message of the batch is built and buffered on a batching transport (the flush
+            that follows is the publish), before the first ``send_task`` otherwise. The
+            beat's claim-ahead sleeps there until the slot's instant, so the messages are
+            built before it and leave together at it, never earlier.
 
     Returns:
         ``[(row id, None | exception)]`` in the order of ``messages``. A row whose
@@ -176,6 +182,8 @@ def publish_celery_batch(
             conn_errors = _connection_errors(producer)
             with _publish_batch(producer, len(messages)) as batch_error:
                 send_options: dict[str, Any] = {}
+                if wait is not None and not batch_error:
+                    wait()  # no buffering: every send_task below reaches the broker at once
                 for index, message in enumerate(messages):
                     try:
                         _send_one(app, producer, message, now, **send_options)
@@ -191,6 +199,8 @@ def publish_celery_batch(
                         break
                     except Exception as exc:
                         results.append((message.id, exc))
+                if wait is not None and batch_error:
+                    wait()  # buffered: leaving the batch flushes, i.e. publishes
     except Exception as exc:  # flushing the batch, or acquiring / releasing the producer
         down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
         down.__cause__ = exc

@@ -14,6 +14,11 @@ No I/O and no clock: the caller passes the database's ``now``. The rules (design
   "did 10:15 run?" is answered from data.
 * The next slot is computed from the last *slot* (grid anchoring, invariant 3), never from
   ``now`` or from when a run finished.
+* **Claim ahead** (``claim_until``): an entry whose next slot is still in the future but at
+  most ``claim_until`` gets exactly that one slot, on time (it cannot be late: it has not
+  happened yet), and advances one step on the grid. Due entries are planned against the
+  real ``now`` exactly as without it, so looking ahead never makes an upcoming slot "missed"
+  nor makes the earlier of two slots lose the "latest due slot" rule.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ def plan_entry(
     catch_up_limit: int,
     catch_up_window: timedelta | None = None,
     end_at: datetime | None = None,
+    claim_until: datetime | None = None,
 ) -> Plan:
     """Decide the due slots of one entry.
 
@@ -95,6 +101,10 @@ def plan_entry(
         catch_up_limit: most missed slots ``catch_up`` fires in one plan (the newest ones).
         catch_up_window: ``catch_up`` only fires missed slots at most this old (None: no bound).
         end_at: no slot after this instant fires; the schedule ends there.
+        claim_until: the look-ahead bound (UTC-aware, ``now + claim ahead``). When
+            ``now < next_fire_at <= claim_until`` the plan fires that one slot with trigger
+            ``schedule`` and ``next_fire_at`` becomes the following slot; the caller must
+            not publish it before its instant. None (or a slot after it): nothing is due.
 
     Returns:
         A :class:`Plan`. Deterministic: the same inputs always give the same plan.
@@ -102,11 +112,22 @@ def plan_entry(
     Raises:
         ValueError: a naive datetime.
     """
-    for value in (next_fire_at, now):
-        if value.tzinfo is None:
+    for value in (next_fire_at, now, claim_until):
+        if value is not None and value.tzinfo is None:
             raise ValueError(f"naive datetime {value!r}: pass UTC-aware datetimes")
     policy = MisfirePolicy(misfire_policy)
     plan = Plan(next_fire_at=next_fire_at)
+    if next_fire_at > now:
+        if end_at is not None and next_fire_at > end_at:
+            plan.next_fire_at = None  # the schedule has ended
+        elif claim_until is not None and next_fire_at <= claim_until:
+            # A future slot, claimed ahead: on time by definition, one slot only.
+            plan.decisions.append(SlotDecision(next_fire_at, True, "schedule"))
+            following = next_after(next_fire_at)
+            if following is not None and end_at is not None and following > end_at:
+                following = None
+            plan.next_fire_at = following
+        return plan
     due: list[datetime] = []
     slot: datetime | None = next_fire_at
     while slot is not None and slot <= now and (end_at is None or slot <= end_at):

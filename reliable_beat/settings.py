@@ -15,11 +15,13 @@ from typing import Any
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy, RetryPolicy
 
-__all__ = ["DEFAULT_DATABASE_URL", "PREFIX", "Settings"]
+__all__ = ["DEFAULT_DATABASE_URL", "MAX_CLAIM_AHEAD_SECONDS", "PREFIX", "Settings"]
 
 PREFIX = "reliable_beat_"
 #: The embedded default store: a SQLite file in the working directory.
 DEFAULT_DATABASE_URL = "sqlite:///reliable_beat.sqlite3"
+#: Upper bound of ``reliable_beat_claim_ahead_seconds``.
+MAX_CLAIM_AHEAD_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class Settings:
             else :data:`DEFAULT_DATABASE_URL`.
         run_migrations: upgrade a server database's schema on start (SQLite always is).
         batch_size: entries claimed per tick transaction.
+        claim_ahead_seconds: a beat claims an entry whose next slot is at most this far in
+            the future (only entries with overlap policy ``allow``), commits its run and
+            trigger ahead of the slot, and publishes the trigger at the slot's instant.
+            0 turns it off (claim only when due). At most 60.
         misfire_policy / misfire_grace_seconds / catch_up_limit / catch_up_window_seconds /
             overlap_policy: defaults for entries that do not set their own.
         lease_seconds: how long a worker's claim on a run lasts without renewal.
@@ -53,6 +59,7 @@ class Settings:
     )
     run_migrations: bool = False
     batch_size: int = 500
+    claim_ahead_seconds: float = 0.5
     misfire_policy: str = MisfirePolicy.FIRE_ONCE.value
     misfire_grace_seconds: float = 60.0
     catch_up_limit: int = 100
@@ -106,6 +113,12 @@ class Settings:
                          "lease_seconds", "retry_base_seconds", "outbox_retry_base_seconds"):
                 if getattr(self, name) <= 0:
                     problems.append(f"{PREFIX}{name} must be > 0")
+            if self.claim_ahead_seconds > MAX_CLAIM_AHEAD_SECONDS:
+                problems.append(
+                    f"{PREFIX}claim_ahead_seconds={self.claim_ahead_seconds!r}: at most "
+                    f"{MAX_CLAIM_AHEAD_SECONDS:.0f} (a beat holds claimed triggers in memory "
+                    "that long, and a graceful stop waits for them)"
+                )
         if problems:
             raise ConfigurationError("; ".join(problems))
 

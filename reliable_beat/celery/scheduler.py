@@ -6,8 +6,11 @@ like: each tick claims due entries with ``FOR UPDATE SKIP LOCKED``, so every slo
 and when a beat dies the others carry on. There is no leader and no lock to wait for.
 
 The scheduler holds no entries in memory; the database is the state. It sleeps until the
-earliest ``next_fire_at`` (measured on the database clock, bounded by
-``beat_max_loop_interval``) and wakes early on PostgreSQL ``NOTIFY reliable_beat_entries``.
+next claim moment (measured on the database clock, bounded by ``beat_max_loop_interval``)
+and wakes early on PostgreSQL ``NOTIFY reliable_beat_entries``. With
+``reliable_beat_claim_ahead_seconds`` > 0 (default 0.5) it claims slots that short a time
+before they are due, commits their runs and triggers, and holds the triggers in memory until
+the slot's instant, when it publishes each slot's messages at once (one Redis pipeline).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import select as _select
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
 
@@ -46,6 +50,7 @@ from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
 from reliable_beat.schedules import validate_timezone
 from reliable_beat.settings import Settings
+from reliable_beat.slots import format_fire_at
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
 
@@ -56,15 +61,56 @@ SWEEP_SECONDS = 5.0
 #: Default wait bound on SQLite, which has no NOTIFY: entries added at runtime are seen
 #: within this many seconds.
 SQLITE_MAX_WAIT_SECONDS = 1.0
+#: A claim found entries claimable by the clock but took none (another beat holds their
+#: row locks and commits in a moment): look again after this many seconds, do not spin.
+LOCKED_RETRY_SECONDS = 0.005
+#: A held slot's messages start being built this long (plus twice the measured build time
+#: per message) before its instant, so the pipeline is ready to flush at the instant.
+BUILD_LEAD_SECONDS = 0.002
+#: The last this-many seconds before a held slot's instant are spent spinning, not asleep.
+SPIN_SECONDS = 0.002
 
 
-def publish_triggers(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> int:
+class _HoldOverran(BaseException):
+    """Raised inside a publish to abandon a held batch whose instant is long past.
+
+    A ``BaseException`` so the publish helpers' ``except Exception`` do not turn it into a
+    broker failure: it unwinds the kombu batch (which discards the buffered messages).
+    """
+
+
+@dataclass
+class _Held:
+    """Committed triggers of one slot, claimed ahead, waiting for the slot's instant.
+
+    Attributes:
+        fire_at: the slot (UTC, database clock).
+        at: ``time.monotonic()`` of this process at which the database clock reaches
+            ``fire_at`` (never before it: see :attr:`TickResult.monotonic`).
+        triggers: the committed triggers of that slot.
+    """
+
+    fire_at: datetime
+    at: float
+    triggers: list[Trigger]
+
+
+def publish_triggers(
+    store: Store, app: Any, triggers: list[Trigger], now: datetime, *,
+    wait: Callable[[], None] | None = None,
+) -> int:
     """The fast path: publish committed triggers over one producer, then mark them.
 
     Sent rows become ``sent`` (their runs ``dispatched``); expired ones are retired
     (:func:`~reliable_beat.relay.mark_expired`); rows that could not be published are handed
     to the relay at once (``available_at = now``). Nothing is lost if this process dies at
     any point: a row not marked sent is swept by a relay after ``available_at``.
+
+    Args:
+        now: the store's clock at the publish (UTC), for the ``expires_at`` check.
+        wait: called right before the first message can reach the broker (see
+            :func:`~reliable_beat.handlers.publish_celery_batch`): the beat sleeps there until
+            the slot of triggers it claimed ahead.
 
     Returns:
         How many triggers were published.
@@ -76,13 +122,16 @@ def publish_triggers(store: Store, app: Any, triggers: list[Trigger], now: datet
         )
         for t in triggers
     ]
-    return publish_messages(store, app, messages, now)
+    return publish_messages(store, app, messages, now, wait=wait)
 
 
-def publish_messages(store: Store, app: Any, messages: list[OutboxMessage], now: datetime) -> int:
+def publish_messages(
+    store: Store, app: Any, messages: list[OutboxMessage], now: datetime, *,
+    wait: Callable[[], None] | None = None,
+) -> int:
     """Publish ``celery`` outbox rows over one producer and mark the outcome (see
     :func:`publish_triggers`). Returns how many were published."""
-    outcomes = publish_celery_batch(app, messages, now=now)
+    outcomes = publish_celery_batch(app, messages, now=now, wait=wait)
     sent = [i for i, err in outcomes if err is None]
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
     failed = [i for i, err in outcomes if err is not None and i not in expired]
@@ -103,6 +152,19 @@ def publish_messages(store: Store, app: Any, messages: list[OutboxMessage], now:
         # Published but not marked: a relay re-sends them later (at least once, same task id).
         log.error("could not mark %d triggers sent (%s)", len(sent), exc)
     return len(sent)
+
+
+def _sleep_until(at: float) -> None:
+    """Return once ``time.monotonic() >= at``: sleep, then spin the last
+    :data:`SPIN_SECONDS` (a process woken from sleep on a busy machine can wait a few ms for
+    a CPU; one that is already running does not)."""
+    left = at - time.monotonic()
+    if left > SPIN_SECONDS:
+        # select(), not time.sleep(): Python 3.11's sleep is an absolute clock_nanosleep,
+        # which libfaketime-style clock shims (used to test skewed clocks) break with EINVAL.
+        _select.select([], [], [], left - SPIN_SECONDS)
+    while time.monotonic() < at:
+        pass
 
 
 @contextlib.contextmanager
@@ -151,10 +213,15 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._last_sweep = 0.0
         self._metrics: Any = None
         self._tick_started = time.monotonic()
+        self._claim_at = 0.0  # monotonic instant of the next claim
+        self._held: dict[datetime, _Held] = {}
+        self._clock: tuple[datetime, float] | None = None  # (database now, monotonic)
+        self._build_seconds_per_message = 0.0005
         self.app = app
         self._beat = Beat(
             self.store, owner=self.settings.owner, batch_size=self.settings.batch_size,
             is_tracked=self._is_tracked,
+            claim_ahead=timedelta(seconds=self.settings.claim_ahead_seconds),
         )
         super().__init__(app, *args, **kwargs)
 
@@ -267,19 +334,65 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         )
 
     # -- the loop --------------------------------------------------------------------------
+    #
+    # Each call of tick() does what is due, then waits (on LISTEN, or by sleeping) until the
+    # next thing to do, bounded by beat_max_loop_interval and SWEEP_SECONDS:
+    #
+    # * publish the held triggers whose instant has come (claimed ahead, see below);
+    # * claim, once the earliest claimable entry's claim moment has come (``next_claim_at``
+    #   of the last tick, on the database clock), a NOTIFY arrived, or the last claim took a
+    #   full batch;
+    # * sweep unsent triggers and re-dispatch lost runs, every SWEEP_SECONDS.
+    #
+    # Claim ahead: with ``reliable_beat_claim_ahead_seconds`` A > 0, a claim also takes the
+    # ``allow`` entries whose next slot is at most A away and commits their runs and trigger
+    # rows at once (the triggers' ``available_at`` is slot + sweep delay). The triggers are
+    # held in memory, grouped by slot, each with the monotonic instant at which the database
+    # clock reaches the slot (``TickResult.monotonic`` is taken after the clock was read, so
+    # that instant is never early). A moment before it the group's messages are built into
+    # one Redis pipeline; at it the pipeline is flushed: every message of the slot leaves at
+    # once, none before the slot.
+
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """One claim transaction, then publish; returns seconds until the next tick.
+        """Publish held triggers that are due, claim if it is time, sweep; then wait.
 
-        SIGTERM / SIGINT are held back (``pthread_sigmask``) from the claim until the
-        triggers are marked sent, so a graceful stop never splits a commit from its publish;
-        the signal is delivered right after. Only SIGKILL can, and then the sweep (or a relay)
-        publishes the committed triggers later, under the same task ids.
+        Returns seconds for Celery to sleep (0 when this call already waited).
+
+        SIGTERM / SIGINT are held back (``pthread_sigmask``) from a claim until its triggers
+        are marked sent, so a graceful stop never splits a commit from its publish; the signal
+        is delivered right after. A stop that arrives while triggers claimed ahead are held
+        publishes each group at its slot's instant (at most the claim-ahead away), then lets
+        the process exit. Only SIGKILL can leave committed triggers unsent, and then the sweep
+        of another beat (or a relay) publishes them after slot + sweep delay, under the same
+        task ids.
         """
-        with _deferred_stop_signals():
-            wait = self._tick()
-        return self._wait_after(wait)
+        try:
+            with _deferred_stop_signals():
+                self._step()
+            return self._idle()
+        except BaseException:
+            if self._held:
+                with _deferred_stop_signals():
+                    self._drain_held()
+            raise
 
-    def _tick(self) -> TickResult | float:
+    def _step(self) -> None:
+        self._publish_held(drain=False)
+        claims = 0
+        while time.monotonic() >= self._claim_at and claims < 10:
+            claims += 1
+            outcome = self._claim()
+            if isinstance(outcome, float):  # the store is down: retry later
+                self._claim_at = time.monotonic() + outcome
+                break
+            self._publish_held(drain=False)
+        try:
+            self._sweep()
+        except (StoreUnavailableError, DBAPIError) as exc:
+            log.error("trigger sweep failed (%s); retrying on a later tick", exc)
+
+    def _claim(self) -> TickResult | float:
+        """One claim transaction; publish the triggers already due, hold the others."""
         self._tick_started = time.monotonic()
         try:
             result = self._beat.tick()
@@ -291,22 +404,152 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                       self.store.safe_url, exc, wait)
             return wait
         self._failures = 0
-        if result.triggers:
+        assert result.now is not None
+        self._clock = (result.now, result.monotonic)
+        ahead = result.ahead
+        if ahead:
+            ids = {t.outbox_id for t in ahead}
+            for t in ahead:
+                group = self._held.get(t.fire_at)
+                if group is None:
+                    at = result.monotonic + (t.fire_at - result.now).total_seconds()
+                    group = self._held[t.fire_at] = _Held(t.fire_at, at, [])
+                group.triggers.append(t)
+            due = [t for t in result.triggers if t.outbox_id not in ids]
+            result = replace(result, triggers=due)
+        if result.triggers or result.skipped or result.duplicates:
             self._publish(result)
-        try:
-            self._sweep()
-        except (StoreUnavailableError, DBAPIError) as exc:
-            log.error("trigger sweep failed (%s); retrying on a later tick", exc)
+        self._claim_at = self._next_claim(result)
         return result
 
-    def _wait_after(self, outcome: TickResult | float) -> float:
-        if isinstance(outcome, TickResult):
-            return self._wait(outcome)
-        return outcome
+    def _bound(self) -> float:
+        """Longest wait between two claims: runtime entries and buffered runs are found at
+        least this often even without a NOTIFY (always on SQLite, which has none)."""
+        bound = min(float(self.max_interval), SWEEP_SECONDS)
+        if self.store.dialect != "postgresql":
+            bound = min(bound, SQLITE_MAX_WAIT_SECONDS)
+        return bound
+
+    def _next_claim(self, result: TickResult) -> float:
+        """The monotonic instant of the next claim."""
+        now = time.monotonic()
+        if result.claimed >= self.settings.batch_size:
+            return now  # more claimable entries are waiting
+        latest = now + self._bound()
+        if result.next_claim_at is None:
+            return latest
+        assert result.now is not None
+        at = result.monotonic + (result.next_claim_at - result.now).total_seconds()
+        if at <= now and not result.claimed:
+            # Claimable by the clock but nothing was claimed: another beat holds those rows
+            # (SKIP LOCKED) and commits in a moment. Look again shortly instead of spinning.
+            return now + LOCKED_RETRY_SECONDS
+        return min(at, latest)
+
+    def _build_lead(self, group: _Held) -> float:
+        """Seconds before its instant to start building a held group's messages."""
+        return BUILD_LEAD_SECONDS + 2.0 * self._build_seconds_per_message * len(group.triggers)
+
+    def _publish_held(self, *, drain: bool) -> None:
+        """Publish the held groups whose build moment has come (``drain``: every group), each
+        flushed at its instant, oldest first."""
+        while self._held:
+            group = min(self._held.values(), key=lambda g: g.at)
+            if not drain and time.monotonic() < group.at - self._build_lead(group):
+                return
+            del self._held[group.fire_at]
+            self._publish_group(group)
+
+    def _drain_held(self) -> None:
+        """On the way out: every held group, each at its instant (the hold is at most the
+        claim-ahead); a failure leaves the rest to the sweep."""
+        log.info("reliable_beat: stopping; publishing %d held triggers at their slots",
+                 sum(len(g.triggers) for g in self._held.values()))
+        try:
+            self._publish_held(drain=True)
+        except Exception as exc:
+            log.error("could not publish held triggers on stop (%s); the sweep sends them "
+                      "after their slot + %s", exc, self._beat.sweep_delay)
+        self._held.clear()
+
+    def _publish_group(self, group: _Held) -> None:
+        """Publish one held slot: build its messages, flush them at its instant, mark sent.
+
+        A hold that overran (this process was paused or starved for longer than half the
+        sweep delay, e.g. SIGSTOP) does not publish blindly: another beat's sweep may have
+        published those rows already. It first takes back, in one statement, the rows still
+        pending under its own name (pushing their ``available_at`` a sweep delay on, so no
+        sweep takes them meanwhile) and publishes only those.
+        """
+        started = time.monotonic()
+        built: list[float] = []
+        overrun = self._beat.sweep_delay.total_seconds() / 2
+
+        def at_instant() -> None:
+            built.append(time.monotonic())
+            _sleep_until(group.at)
+            if time.monotonic() - group.at > overrun:
+                raise _HoldOverran  # the buffered batch is discarded: nothing was sent
+
+        triggers = group.triggers
+        try:
+            if time.monotonic() - group.at > overrun:
+                raise _HoldOverran
+            publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at),
+                             wait=at_instant)
+        except _HoldOverran:
+            triggers = self._take_back(triggers)
+            log.warning("held triggers of %s published %.1f s late (this process was "
+                        "paused); %d of %d still pending under this beat",
+                        format_fire_at(group.fire_at), time.monotonic() - group.at,
+                        len(triggers), len(group.triggers))
+            built.clear()
+            if triggers:
+                publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at))
+        if built:
+            per = (built[0] - started) / max(1, len(triggers))
+            self._build_seconds_per_message += 0.2 * (per - self._build_seconds_per_message)
+        done = time.monotonic()
+        for t in triggers:
+            event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
+                "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
+                key=t.key, task=t.payload["task"], claimed_ahead=True)
+        # built_ms < 0: the messages were ready before the instant (they left at it);
+        # marked_ms: the instant to the rows marked sent.
+        event(log, logging.INFO, "slots.published", fire_at=format_fire_at(group.fire_at),
+              count=len(triggers),
+              built_ms=round((built[0] - group.at) * 1000, 2) if built else None,
+              marked_ms=round((done - group.at) * 1000, 2))
+
+    def _db_now(self, at_least: datetime) -> datetime:
+        """The database clock estimated from the last claim (never behind ``at_least``)."""
+        assert self._clock is not None
+        now, mono = self._clock
+        return max(at_least, now + timedelta(seconds=time.monotonic() - mono))
+
+    def _take_back(self, triggers: list[Trigger]) -> list[Trigger]:
+        """The triggers whose rows are still pending and claimed by this beat, re-leased for a
+        sweep delay (one ``UPDATE ... RETURNING``); the others were swept meanwhile."""
+        try:
+            with self.store.begin() as conn:
+                now = self.store.now(conn)
+                ids = set(conn.execute(
+                    update(outbox)
+                    .where(outbox.c.id.in_([t.outbox_id for t in triggers]),
+                           outbox.c.state == "pending",
+                           outbox.c.claimed_by == self.settings.owner)
+                    .values(available_at=now + self._beat.sweep_delay)
+                    .returning(outbox.c.id)
+                ).scalars())
+        except (StoreUnavailableError, DBAPIError) as exc:
+            log.error("could not take back overran triggers (%s); the sweep sends them", exc)
+            return []
+        return [t for t in triggers if t.outbox_id in ids]
 
     def _publish(self, result: TickResult) -> None:
         assert result.now is not None
-        publish_triggers(self.store, self.app, result.triggers, result.now)
+        if result.triggers:
+            publish_triggers(self.store, self.app, result.triggers, result.now)
         for t in result.triggers:
             event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
                 "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
@@ -337,32 +580,29 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             publish_messages(self.store, self.app, messages, now)
         redispatch_stuck_runs(self.store, self.app, self.settings)
 
-    def _wait(self, result: TickResult) -> float:
-        assert result.now is not None
-        if result.claimed >= self.settings.batch_size:
-            return 0.0  # more due entries are waiting
+    def _idle(self) -> float:
+        """Wait until the next thing to do; returns what is left for Celery to sleep."""
+        now = time.monotonic()
         # Wake at least every SWEEP_SECONDS so the sweep of unsent triggers and the
         # re-dispatch of lost ones run even when no entry is due for a long time.
-        bound = min(float(self.max_interval), SWEEP_SECONDS)
-        if self.store.dialect != "postgresql":
-            bound = min(bound, SQLITE_MAX_WAIT_SECONDS)
-        if result.next_fire_at is None:
-            wait = bound
-        else:
-            # result.now was read at the start of the tick: take off the time the tick, the
-            # publish and the sweep took since, or every slot fires that much late.
-            elapsed = time.monotonic() - self._tick_started
-            wait = (result.next_fire_at - result.now).total_seconds() - elapsed
-            wait = max(0.0, min(bound, wait))
+        wake = min(self._claim_at, now + self._bound())
+        for group in self._held.values():
+            wake = min(wake, group.at - self._build_lead(group))
+        wait = wake - now
         if wait <= 0.0005:
             return 0.0
-        if self.store.dialect == "postgresql" and self._wait_for_notify(wait):
+        if self.store.dialect == "postgresql":
+            if self._wait_for_notify(wait):
+                self._claim_at = 0.0  # entries changed: claim at once
             return 0.0
-        return wait if self.store.dialect != "postgresql" else 0.0
+        if self._held:
+            self._sleep(wait)  # here, not in Celery's loop: a stop must find the held ones
+            return 0.0
+        return wait
 
     def _wait_for_notify(self, timeout: float) -> bool:
-        """Block up to ``timeout`` s on ``LISTEN reliable_beat_entries``. True: it waited
-        (woken by a NOTIFY or the timeout); False: no LISTEN connection (caller sleeps)."""
+        """Block up to ``timeout`` s on ``LISTEN reliable_beat_entries`` (or sleep when that
+        connection cannot be had). True: woken by a NOTIFY."""
         import psycopg
 
         try:
@@ -375,10 +615,11 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 self._listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
             conn = self._listen
             ready, _, _ = _select.select([conn.fileno()], [], [], timeout)
+            notified = False
             if ready:
                 for _ in conn.notifies(timeout=0):
-                    pass
-            return True
+                    notified = True
+            return notified
         except Exception as exc:
             log.debug("LISTEN unavailable (%s); sleeping instead", exc)
             with contextlib.suppress(Exception):
@@ -386,13 +627,18 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     self._listen.close()
             self._listen = None
             self._sleep(min(timeout, 1.0))
-            return True
+            return False
 
     # -- Celery hooks we neutralise: the database is the state ------------------------------
     def sync(self) -> None:
         """Nothing to write back: every decision was committed when it was made."""
 
     def close(self) -> None:
+        """Publish any triggers still held (each at its slot, at most the claim-ahead away),
+        then release the LISTEN connection and the pool."""
+        if self._held:
+            with _deferred_stop_signals():
+                self._drain_held()
         if self._listen is not None:
             with contextlib.suppress(Exception):
                 self._listen.close()

@@ -5,6 +5,7 @@ Configured from the environment so each test can point it at its own servers:
 * RB_BROKER_URL, RELIABLE_BEAT_DATABASE_URL, RB_MAX_LOOP (beat_max_loop_interval);
 * RB_SCHEDULE: JSON name -> {"cron": str | "every": seconds, "task", "reliable_beat": {...}};
 * RB_QUEUE: the default queue (each test its own, so messages can be counted in Redis);
+* RB_CLAIM_AHEAD: ``reliable_beat_claim_ahead_seconds`` (default: the setting's default);
 * RB_CLOCK_OFFSET: seconds added to this process's ``time.time`` (fallback when libfaketime
   is not installed): a beat with a wrong clock. Decisions use the database clock,
   so it must not matter;
@@ -65,6 +66,8 @@ app.conf.timezone = "UTC"
 app.conf.broker_connection_retry_on_startup = True
 if os.environ.get("RB_QUEUE"):
     app.conf.task_default_queue = os.environ["RB_QUEUE"]
+if os.environ.get("RB_CLAIM_AHEAD"):
+    app.conf.reliable_beat_claim_ahead_seconds = float(os.environ["RB_CLAIM_AHEAD"])
 
 
 @app.task(name="beatapp.tick")

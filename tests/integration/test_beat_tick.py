@@ -434,3 +434,78 @@ def test_paperless_schedule_slots_for_dst_days() -> None:
     assert list(llm.slots_between(datetime(2026, 10, 25, tzinfo=UTC),
                                   datetime(2026, 10, 26, tzinfo=UTC))) == [
         datetime(2026, 10, 25, 0, 10, tzinfo=UTC)]
+
+
+# -- claim ahead ------------------------------------------------------------------------------
+AHEAD = timedelta(seconds=5)
+
+
+def test_claim_ahead_commits_a_future_slot_swept_only_after_it(store: Store) -> None:
+    from reliable_beat.relay import claim_outbox_batch
+
+    now = db_now(store).replace(microsecond=0)
+    slot = now + timedelta(seconds=3)
+    seed(store, interval_def("soon", 3600, slot), slot)
+    seed(store, interval_def("later", 3600, slot + timedelta(seconds=10)),
+         slot + timedelta(seconds=10))
+    assert Beat(store, owner="t:0").tick().claimed == 0  # claim-ahead off: not due yet
+    beat = Beat(store, owner="t:1", claim_ahead=AHEAD)
+    result = beat.tick()
+    assert result.now is not None and result.now < slot
+    assert result.claimed == 1
+    [trigger] = result.triggers
+    assert result.ahead == [trigger] and trigger.fire_at == slot
+    assert trigger.payload["headers"]["reliable_beat_trigger"] == "schedule"
+    [run] = run_rows(store, "soon")
+    assert (run.fire_at, run.state, run.trigger) == (slot, "scheduled", "schedule")
+    [ob] = outbox_rows(store)
+    # the sweep / a relay may publish it only after the SLOT + sweep delay, not now + delay
+    assert ob.available_at == slot + beat.sweep_delay
+    assert entry_row(store, "soon").next_fire_at == slot + timedelta(seconds=3600)
+    # next claim: "later" can be claimed AHEAD before its slot
+    assert result.next_fire_at == slot + timedelta(seconds=10)
+    assert result.next_claim_at == slot + timedelta(seconds=10) - AHEAD
+    with store.begin() as conn:
+        swept = claim_outbox_batch(store, conn, owner="relay", now=store.now(conn),
+                                   lease=timedelta(seconds=60), limit=10)
+    assert swept == []
+    again = beat.tick()
+    assert again.claimed == 0 and again.triggers == []
+    assert len(run_rows(store)) == 1
+
+
+def test_claim_ahead_leaves_overlap_policy_entries_until_due(store: Store) -> None:
+    now = db_now(store).replace(microsecond=0)
+    slot = now + timedelta(seconds=3)
+    seed(store, interval_def("guarded", 3600, slot, overlap_policy="skip"), slot)
+    seed(store, interval_def("free", 3600, slot + timedelta(seconds=1)),
+         slot + timedelta(seconds=1))
+    result = Beat(store, owner="t:1", claim_ahead=AHEAD).tick()
+    assert [t.payload["headers"]["reliable_beat_entry"] for t in result.triggers] == ["free"]
+    assert run_rows(store, "guarded") == []
+    assert entry_row(store, "guarded").next_fire_at == slot
+    # woken when "guarded" becomes due, not claim_ahead before it
+    assert result.next_claim_at == slot
+
+
+@pytest.mark.parametrize("policy", ["catch_up", "fire_once", "skip"])
+def test_claim_ahead_plans_a_due_entry_on_the_real_now(store: Store, policy: str) -> None:
+    """A due slot whose successor is inside the look-ahead fires on time under every policy
+    (it is the latest *due* slot); the successor is claimed by a later tick, also on time."""
+    now = db_now(store)
+    slot = now.replace(microsecond=0)  # due by under a second
+    anchor = slot - timedelta(seconds=60)
+    d = interval_def("e", 1, anchor, misfire_policy=policy, misfire_grace=timedelta(seconds=2))
+    seed(store, d, slot)
+    beat = Beat(store, owner="t:1", claim_ahead=AHEAD)
+    first = beat.tick()
+    assert first.skipped == 0
+    assert [(t.fire_at, t.payload["headers"]["reliable_beat_trigger"])
+            for t in first.triggers] == [(slot, "schedule")]
+    later = [beat.tick() for _ in range(3)]
+    fired = [t.fire_at for r in later for t in r.triggers]
+    assert fired == [slot + timedelta(seconds=k) for k in range(1, len(fired) + 1)]
+    assert fired and all(r.skipped == 0 for r in later)
+    rows = run_rows(store, "e")
+    assert [(r.state, r.trigger) for r in rows] == [("scheduled", "schedule")] * len(rows)
+    assert [r.fire_at for r in rows] == [slot + timedelta(seconds=k) for k in range(len(rows))]

@@ -5,6 +5,7 @@ sequential scan when the predicate was spelled ``enabled IS TRUE AND paused IS F
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -35,7 +36,8 @@ def _seed(store: Store, n: int) -> None:
         conn.execute(sa.text("ANALYZE reliable_beat_entries"))
 
 
-def test_claim_and_next_fire_at_use_the_partial_index(pg_store: Store) -> None:
+@pytest.mark.parametrize("ahead", [0.0, 0.5], ids=["claim_when_due", "claim_ahead"])
+def test_claim_and_next_fire_at_use_the_partial_index(pg_store: Store, ahead: float) -> None:
     _seed(pg_store, 20_000)
     statements: list[tuple[str, Any]] = []
 
@@ -46,15 +48,16 @@ def test_claim_and_next_fire_at_use_the_partial_index(pg_store: Store) -> None:
 
     sa.event.listen(pg_store.engine, "before_cursor_execute", capture)
     try:
-        result = Beat(pg_store, owner="t").tick()
+        result = Beat(pg_store, owner="t", claim_ahead=timedelta(seconds=ahead)).tick()
     finally:
         sa.event.remove(pg_store.engine, "before_cursor_execute", capture)
     assert result.claimed == 0
     claim = [s for s in statements if "SKIP LOCKED" in s[0]]
     earliest = [s for s in statements if "min(" in s[0].lower()]
     assert claim and earliest
+    assert len(earliest) == (2 if ahead else 1)  # + the earliest `allow` entry in the window
     with pg_store.engine.connect() as conn:
-        for statement, params in (claim[0], earliest[0]):
+        for statement, params in (claim[0], *earliest):
             plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + statement, params).scalars())
             assert "ix_reliable_beat_entries_due" in plan, plan
             assert "Seq Scan on reliable_beat_entries" not in plan, plan

@@ -56,6 +56,9 @@ def test_beat_worker_and_relay_run_without_ddl_rights(app_url: str) -> None:
         reliable_beat_database_url=app_url,
         beat_schedule={"every-second": {"task": "lp.pay", "schedule": timedelta(seconds=1)}},
         task_always_eager=False,
+        # one tick, one run: a slow first claim on a loaded machine would also claim the
+        # next slot ahead (tests/integration/test_scheduler_hold.py covers that path)
+        reliable_beat_claim_ahead_seconds=0,
     )
 
     @app.task(base=IdempotentTask, bind=True, name="lp.pay")

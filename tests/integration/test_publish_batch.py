@@ -274,3 +274,34 @@ def test_broker_down_costs_the_pipelined_batch_no_more_reconnects_than_send_task
         return list(waits)
 
     assert publish(True) == publish(False)
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "one_by_one"])
+def test_wait_runs_before_any_message_reaches_the_broker(
+    app: Celery, redis_url: str, monkeypatch: pytest.MonkeyPatch, pipelined: bool
+) -> None:
+    """The beat's claim-ahead sleeps in ``wait`` until the slot: no message may be in Redis
+    while it waits, every message is there once the call returns; the messages are built
+    before it when the transport buffers them (so they leave together at the instant)."""
+    if not pipelined:
+        monkeypatch.setattr(handlers, "_publish_batch",
+                            lambda producer, size: contextlib.nullcontext(()))
+    built_before_wait: list[int] = []
+    seen_in_wait: list[dict[str, list[dict[str, Any]]]] = []
+    sends: list[str] = []
+    real_send = handlers._send_one
+
+    def counting_send(*args: Any, **kwargs: Any) -> None:
+        sends.append("send")
+        real_send(*args, **kwargs)
+
+    monkeypatch.setattr(handlers, "_send_one", counting_send)
+
+    def wait() -> None:
+        built_before_wait.append(len(sends))
+        seen_in_wait.append(_lists(redis_url))
+
+    msgs = [m for m in _messages((NOW + timedelta(hours=1)).isoformat()) if m.id != 4]
+    results = publish_celery_batch(app, msgs, now=NOW, wait=wait)
+    assert [e for _, e in results] == [None] * 4
+    assert seen_in_wait == [{}]  # called once, and nothing had reached the broker
+    assert built_before_wait == [4 if pipelined else 0]
+    assert sum(len(v) for v in _lists(redis_url).values()) == 4

@@ -4,13 +4,18 @@ A simulated beat ticks every whole second of simulated time while it is up; the 
 ``next_fire_at`` persists across restarts (it lives in the store). Expected values are
 transcribed below; when the shared cases file is present, the transcription is checked
 against it too, so a drift between the two fails.
+
+Every test runs twice: without claim-ahead, and with the beat claiming slots up to 1 s
+before they are due (``claim_until = tick + 1 s``, published at the slot). The expected
+slots, triggers, skips and publish instants are the same: looking ahead never turns an
+upcoming slot into a missed one.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -24,6 +29,15 @@ from reliable_beat.planner import Plan, plan_entry
 UTC = timezone.utc
 ONE = timedelta(seconds=1)
 HANDED = Path(__file__).resolve().parents[3] / "shared" / "cases" / "handed.json"
+_CLAIM_AHEAD = [timedelta(0)]
+
+
+@pytest.fixture(autouse=True, params=[0, 1], ids=["now", "claim_ahead_1s"])
+def claim_ahead(request: pytest.FixtureRequest) -> Iterator[timedelta]:
+    """The simulated beat's claim-ahead for this test."""
+    _CLAIM_AHEAD[0] = timedelta(seconds=request.param)
+    yield _CLAIM_AHEAD[0]
+    _CLAIM_AHEAD[0] = timedelta(0)
 
 
 def T(text: str) -> datetime:
@@ -45,7 +59,9 @@ def handed(case_id: str) -> dict | None:
 
 @dataclass
 class Sim:
-    """Result of a simulated beat: each fired / skipped slot with the tick that decided it."""
+    """Result of a simulated beat: each fired slot with the instant it is published (the
+    tick that decided it, or the slot itself when it was claimed ahead) and its trigger;
+    each skipped slot with its reason."""
 
     fired: list[tuple[datetime, datetime, str]] = field(default_factory=list)
     skipped: list[tuple[datetime, str]] = field(default_factory=list)
@@ -70,27 +86,33 @@ def simulate(
     """Tick every whole second inside each ``up`` interval ``[start, end)``.
 
     Seconds where nothing is due are jumped over (ticks that would find nothing due do
-    nothing), so a fortnight of simulated time costs a few thousand plan calls.
+    nothing), so a fortnight of simulated time costs a few thousand plan calls. With the
+    module's claim-ahead A, a tick also claims a slot at most A after it, published at the
+    slot (a beat holding it publishes it at its instant, even while stopping).
     """
+    ahead = _CLAIM_AHEAD[0]
     sim = Sim()
     for start, end in up:
         t = start
         while t < end and next_fire_at is not None:
-            if next_fire_at > t:
+            if next_fire_at - ahead > t:
                 # jump to the first whole-second tick of this up period at or after it
-                k = -(-(next_fire_at - start) // ONE)
+                k = -(-(next_fire_at - ahead - start) // ONE)
                 t = start + k * ONE
                 continue
             plan = plan_entry(
                 next_fire_at=next_fire_at, now=t, next_after=schedule.next_after,
                 misfire_policy=policy, misfire_grace=timedelta(seconds=grace),
                 catch_up_limit=catch_up_limit, catch_up_window=catch_up_window,
+                # the stop at `end` ends the observation: nothing claimed for after it (a
+                # beat stopped while holding slots is proven in tests/acceptance)
+                claim_until=min(t + ahead, end - timedelta(microseconds=1)) if ahead else None,
             )
             if on_tick:
-                on_tick(t, plan)
+                on_tick(max(t, plan.decisions[0].fire_at) if plan.decisions else t, plan)
             for d in plan.decisions:
                 if d.fire:
-                    sim.fired.append((d.fire_at, t, d.trigger))
+                    sim.fired.append((d.fire_at, max(t, d.fire_at), d.trigger))
                 else:
                     sim.skipped.append((d.fire_at, d.reason or ""))
             assert plan.next_fire_at is None or plan.next_fire_at > t
@@ -354,3 +376,73 @@ def test_naive_rejected() -> None:
         plan_entry(next_fire_at=datetime(2026, 1, 1), now=datetime.now(UTC),
                    next_after=lambda s: s + ONE, misfire_policy="skip",
                    misfire_grace=ONE, catch_up_limit=1)
+
+
+# -- claim ahead ----------------------------------------------------------------------------
+EVERY_S = sch.IntervalSchedule(ONE, T("2026-01-01T00:00:00Z"))
+
+
+def _plan(nfa: datetime, now: datetime, claim_until: datetime | None, *,
+          policy: str = "skip", grace: float = 0.0, end_at: datetime | None = None) -> Plan:
+    return plan_entry(next_fire_at=nfa, now=now, next_after=EVERY_S.next_after,
+                      misfire_policy=policy, misfire_grace=timedelta(seconds=grace),
+                      catch_up_limit=100, end_at=end_at, claim_until=claim_until)
+
+
+@pytest.mark.parametrize("policy", ["catch_up", "fire_once", "skip"])
+def test_claim_ahead_future_slot_is_one_on_time_slot(policy: str) -> None:
+    slot = T("2026-01-01T00:00:10Z")
+    now = slot - timedelta(milliseconds=400)
+    plan = _plan(slot, now, now + ONE, policy=policy, grace=0.0)
+    assert plan.decisions == [plan.decisions[0]] and plan.decisions[0].fire_at == slot
+    assert (plan.decisions[0].fire, plan.decisions[0].trigger) == (True, "schedule")
+    assert plan.next_fire_at == slot + ONE  # grid, one step: not now + anything
+    # outside the look-ahead, or without it: nothing
+    assert _plan(slot, now, now + timedelta(milliseconds=300)).decisions == []
+    assert _plan(slot, now, None).decisions == []
+    assert _plan(slot, now, None).next_fire_at == slot
+
+
+def test_claim_ahead_never_claims_a_second_slot_even_with_a_long_look_ahead() -> None:
+    slot = T("2026-01-01T00:00:10Z")
+    now = slot - timedelta(milliseconds=400)
+    plan = _plan(slot, now, now + timedelta(seconds=30))
+    assert [d.fire_at for d in plan.decisions] == [slot]
+    assert plan.next_fire_at == slot + ONE
+
+
+@pytest.mark.parametrize("late_ms", [0, 300, 900])
+@pytest.mark.parametrize("policy", ["catch_up", "fire_once", "skip"])
+def test_claim_ahead_does_not_change_a_due_entry(policy: str, late_ms: int) -> None:
+    """A due slot whose successor lies inside the look-ahead is still the latest *due* slot:
+    on time within its grace, planned exactly as without the look-ahead (the successor is
+    not claimed in the same plan)."""
+    slot = T("2026-01-01T00:00:10Z")
+    now = slot + timedelta(milliseconds=late_ms)
+    with_ahead = _plan(slot, now, now + ONE, policy=policy, grace=1.0)
+    assert with_ahead == _plan(slot, now, None, policy=policy, grace=1.0)
+    assert [(d.fire_at, d.fire, d.trigger) for d in with_ahead.decisions] == [
+        (slot, True, "schedule")]
+    assert with_ahead.next_fire_at == slot + ONE
+
+
+def test_claim_ahead_many_due_slots_planned_on_real_now() -> None:
+    nfa = T("2026-01-01T00:00:01Z")
+    now = T("2026-01-01T00:00:05.500Z")
+    for policy in ("catch_up", "fire_once", "skip"):
+        assert _plan(nfa, now, now + ONE, policy=policy, grace=2.0) == _plan(
+            nfa, now, None, policy=policy, grace=2.0)
+
+
+def test_claim_ahead_respects_end_at() -> None:
+    slot = T("2026-01-01T00:00:10Z")
+    now = slot - timedelta(milliseconds=400)
+    last = _plan(slot, now, now + ONE, end_at=slot)
+    assert [d.fire_at for d in last.decisions] == [slot] and last.next_fire_at is None
+    ended = _plan(slot, now, now + ONE, end_at=slot - ONE)
+    assert ended.decisions == [] and ended.next_fire_at is None
+
+
+def test_claim_ahead_naive_rejected() -> None:
+    with pytest.raises(ValueError):
+        _plan(T("2026-01-01T00:00:10Z"), T("2026-01-01T00:00:09Z"), datetime(2026, 1, 1))

@@ -23,6 +23,7 @@ Original exceptions are kept as ``__cause__``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 __all__ = [
@@ -70,8 +71,15 @@ class EntryValidationError(ConfigurationError):
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        noun = "entry" if len(self.problems) == 1 else "entries"
-        super().__init__(f"{len(self.problems)} invalid {noun}:\n{lines}")
+        names = {m.group(1) for p in self.problems if (m := _ENTRY_NAME.match(p))}
+        count = len(names) or len(self.problems)
+        noun = "entry" if count == 1 else "entries"
+        extra = f" ({len(self.problems)} problems)" if len(self.problems) > count else ""
+        super().__init__(f"{count} invalid {noun}{extra}:\n{lines}")
+
+
+#: The entry a problem string names (``"entry 'name': ..."``).
+_ENTRY_NAME = re.compile(r"entry ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"):")
 
 
 class EntryNotFoundError(ReliableBeatError, LookupError):

@@ -441,9 +441,10 @@ def import_entries(
         planned.append((item, definition))
         outcomes.append(ImportOutcome(item.name, "imported"))
     if problems and not skip_invalid:
-        raise EntryValidationError(
-            [*problems, "nothing was imported; fix these, or pass --skip-invalid to import "
-                        "the others"])
+        error = EntryValidationError(problems)
+        error.args = (f"{error.args[0]}\nnothing was imported; fix these, or pass "
+                      "--skip-invalid to import the others",)
+        raise error
     by_name = {o.name: o for o in outcomes}
     with store.engine.connect() as conn:
         tx = conn.begin()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -58,6 +59,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KEY_HEADER = "reliable_beat_key"
+#: The form of a scheduled slot's key (:func:`reliable_beat.slots.idempotency_key`).
+_SLOT_KEY = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
 ENTRY_HEADER = "reliable_beat_entry"
 FIRE_AT_HEADER = "reliable_beat_fire_at"
 TRIGGER_HEADER = "reliable_beat_trigger"
@@ -380,7 +383,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         Raises:
             IdempotencyKeyError: no ``reliable_beat_key`` header and
-                :meth:`idempotency_key_for` returned None.
+                :meth:`idempotency_key_for` returned None; or an ad-hoc key with the form
+                of a scheduled slot's key (``"<entry>@<UTC instant>Z"``), which is reserved.
         """
         headers = dict(options.get("headers") or {})
         if not headers.get(KEY_HEADER):
@@ -393,6 +397,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 )
             headers[KEY_HEADER] = key
             options["headers"] = headers
+        key = str(headers[KEY_HEADER])
+        if _SLOT_KEY.search(key) and not headers.get(ENTRY_HEADER):
+            raise IdempotencyKeyError(
+                f"{self.name}: key {key!r} has the form of a scheduled slot's key "
+                "('<entry>@<UTC instant>Z'), which is reserved: an ad-hoc run under it would "
+                "take that slot's place. Use another form (e.g. 'manual:...'), or "
+                "`reliable-beat entries trigger` / `backfill` to run an entry's slot"
+            )
         return super().apply_async(args, kwargs, *a, **options)
 
     def delay_with_key(self, key: str, *args: Any, **kwargs: Any) -> Any:

@@ -126,7 +126,7 @@ def test_invalid_input_exits_2_lists_every_problem_and_writes_nothing(store: Sto
     r = cli(store, "entries", "add", "bad", "--task", "t", "--cron", "99 * * *",
             "--timezone", "Mars/Olympus", "--args", "[1", "--kwargs", "[]")
     assert r.exit_code == 2
-    assert "4 invalid entries" in r.output
+    assert "1 invalid entry (4 problems)" in r.output  # one entry, four problems
     for needle in ("--args is not JSON", "--kwargs must be a JSON object",
                    "unknown time zone 'Mars/Olympus'", "has 4 fields"):
         assert needle in r.output, needle

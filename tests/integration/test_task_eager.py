@@ -135,6 +135,11 @@ def test_keys_never_invented(app: Celery, store: Store) -> None:
         unkeyed.apply_async()
     with pytest.raises(IdempotencyKeyError):
         keyed.delay("", "2026-01")
+    # A slot's key form is reserved: an ad-hoc run under it would take that slot's place.
+    with pytest.raises(IdempotencyKeyError, match="reserved"):
+        unkeyed.delay_with_key("tick@2026-11-29T14:15:38Z")
+    with pytest.raises(IdempotencyKeyError, match="reserved"):
+        unkeyed.apply_async(headers={KEY_HEADER: "tick@2026-11-29T14:15:38.250000Z"})
     r = unkeyed.apply()  # a message without a key reaching a worker: refused, not run
     assert isinstance(r.result, IdempotencyKeyError) and "unkeyed" not in ran
     assert runs.list_runs(store) != [] and len(runs.list_runs(store)) == 1

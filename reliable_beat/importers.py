@@ -486,15 +486,8 @@ def _cutover_slot(
 ) -> datetime | None:
     """The first slot to fire: strictly after the old scheduler's last run (so a slot missed
     at the cutover is due at once and meets the misfire policy), else strictly after now."""
-    if last_run_at is None or last_run_at >= now:
-        return definition.first_fire_at(now)
-    base = last_run_at
-    if definition.start_at is not None and definition.start_at - timedelta(seconds=1) > base:
-        base = definition.start_at - timedelta(seconds=1)
-    nxt = definition.schedule.next_after(base)
-    if nxt is not None and definition.end_at is not None and nxt > definition.end_at:
-        return None
-    return nxt
+    after = last_run_at if last_run_at is not None and last_run_at < now else now
+    return definition.first_fire_at(after)
 
 
 def summary(outcomes: Sequence[ImportOutcome]) -> dict[str, int]:

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from functools import cache
@@ -47,12 +46,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Row
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.types import Interval
 
-from reliable_beat.db.dialects import Store, _is_disconnect
+from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, runs
-from reliable_beat.errors import StaleFenceToken, StoreUnavailableError
+from reliable_beat.errors import StaleFenceToken
 
 __all__ = [
     "UNFINISHED_STATES",
@@ -154,20 +152,6 @@ def format_error(exc: BaseException, *, limit: int = 8000) -> str:
 def _insert_attempt(conn: Connection, **values: Any) -> int:
     result = conn.execute(attempts.insert().values(**values).returning(attempts.c.id))
     return int(result.scalar_one())
-
-
-@contextmanager
-def _connect(store: Store) -> Iterator[Connection]:
-    """One pooled connection, outside any transaction; disconnects -> StoreUnavailableError."""
-    try:
-        with store.engine.connect() as conn:
-            yield conn
-    except OperationalError as exc:
-        if _is_disconnect(exc):
-            raise StoreUnavailableError(
-                f"database {store.safe_url} is unavailable: {exc.orig!s}"
-            ) from exc
-        raise
 
 
 #: States a claim takes without looking at a lease: nobody holds one.
@@ -385,7 +369,7 @@ def claim_run(
     kwargs = dict(kwargs or {})
     trigger = trigger or ("schedule" if entry else "adhoc")
     pg = store.dialect == "postgresql"
-    with _connect(store) as conn:
+    with store.connect() as conn:
         if pg:
             got = _claim_in_one_statement(conn, {
                 "p_key": key, "p_entry": entry, "p_fire_at": fire_at, "p_trigger": trigger,

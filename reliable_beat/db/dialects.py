@@ -128,9 +128,23 @@ class Store:
         Raises:
             StoreUnavailableError: the database cannot be reached (``__cause__`` holds why).
         """
+        with self._unavailable_on_disconnect(), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """One pooled connection outside any transaction (autobegin, caller commits).
+
+        Raises:
+            StoreUnavailableError: the database cannot be reached (``__cause__`` holds why).
+        """
+        with self._unavailable_on_disconnect(), self.engine.connect() as conn:
+            yield conn
+
+    @contextmanager
+    def _unavailable_on_disconnect(self) -> Iterator[None]:
         try:
-            with self.engine.begin() as conn:
-                yield conn
+            yield
         except OperationalError as exc:
             if _is_disconnect(exc):
                 raise StoreUnavailableError(

@@ -61,7 +61,7 @@ def test_beat_worker_and_relay_run_without_ddl_rights(app_url: str) -> None:
         reliable_beat_claim_ahead_seconds=0,
     )
 
-    @app.task(base=IdempotentTask, bind=True, name="lp.pay")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="lp.pay")
     def pay(self: IdempotentTask) -> str:
         with self.transaction() as tx:
             tx.execute(sa.select(sa.literal(1)))

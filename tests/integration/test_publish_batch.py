@@ -142,7 +142,7 @@ def test_worker_runs_pipelined_messages(app: Celery, redis_url: str) -> None:
     seen: dict[str, dict[str, Any]] = {}
     done = threading.Event()
 
-    @app.task(name="rb.echo", bind=True)
+    @app.task(shared=False, name="rb.echo", bind=True)
     def echo(self: Any, i: int, k: int) -> None:
         req = self.request
         seen[req.id] = {"i": i, "headers": dict(req.headers or {}) | {

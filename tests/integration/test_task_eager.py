@@ -51,7 +51,7 @@ def n_effects(store: Store) -> int:
 
 
 def test_body_without_transaction_records_result_fenced(app: Celery, store: Store) -> None:
-    @app.task(base=IdempotentTask, bind=True, name="e.plain")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.plain")
     def plain(self: IdempotentTask, x: int) -> dict[str, int]:
         return {"x": x, "fence": self.fence_token}
 
@@ -62,7 +62,7 @@ def test_body_without_transaction_records_result_fenced(app: Celery, store: Stor
 
 
 def test_transaction_commits_effect_and_key_together(app: Celery, store: Store) -> None:
-    @app.task(base=IdempotentTask, bind=True, name="e.tx")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.tx")
     def tx_task(self: IdempotentTask, fail_inside: bool) -> str:
         with self.transaction() as tx:
             tx.execute(effects.insert().values(key=self.idempotency_key, run_id=self.run_id))
@@ -81,7 +81,7 @@ def test_transaction_commits_effect_and_key_together(app: Celery, store: Store) 
 def test_own_engine_and_session(app: Celery, store: Store) -> None:
     engine = sa.create_engine(store.engine.url)
 
-    @app.task(base=IdempotentTask, bind=True, name="e.own")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.own")
     def own(self: IdempotentTask, mode: str) -> None:
         if mode == "engine":
             with self.transaction(bind=engine) as tx:
@@ -104,7 +104,7 @@ def test_own_engine_on_another_database_is_refused(
 ) -> None:
     other = sa.create_engine(f"sqlite:///{tmp_path / 'other.sqlite3'}")
 
-    @app.task(base=IdempotentTask, bind=True, name="e.other")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.other")
     def other_db(self: IdempotentTask) -> None:
         with self.transaction(bind=other):
             pass
@@ -121,11 +121,11 @@ def test_keys_never_invented(app: Celery, store: Store) -> None:
         def idempotency_key_for(self, customer: str, month: str) -> str | None:
             return f"invoice:{customer}:{month}" if customer else None
 
-    @app.task(base=Keyed, bind=True, name="e.keyed")
+    @app.task(shared=False, base=Keyed, bind=True, name="e.keyed")
     def keyed(self: IdempotentTask, customer: str, month: str) -> None:
         ran.append(self.idempotency_key)
 
-    @app.task(base=IdempotentTask, bind=True, name="e.unkeyed")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.unkeyed")
     def unkeyed(self: IdempotentTask) -> None:
         ran.append("unkeyed")
 
@@ -156,7 +156,7 @@ def test_header_read_from_request_headers_or_attributes() -> None:
 def test_lease_is_renewed_while_the_body_runs(app: Celery, store: Store) -> None:
     seen: dict[str, Any] = {}
 
-    @app.task(base=IdempotentTask, bind=True, name="e.slow")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.slow")
     def slow(self: IdempotentTask) -> None:
         time.sleep(1.5)  # 2.5 leases of 0.6 s: only renewals keep it alive
         expires = runs.get_run(store, self.idempotency_key)["lease_expires_at"]
@@ -172,7 +172,7 @@ def test_lease_is_renewed_while_the_body_runs(app: Celery, store: Store) -> None
 def test_lease_lost_flag(app: Celery, store: Store) -> None:
     seen: dict[str, Any] = {}
 
-    @app.task(base=IdempotentTask, bind=True, name="e.lost")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.lost")
     def lost(self: IdempotentTask) -> None:
         runs.clear_lease(store, self.idempotency_key)  # a person frees the lease
         deadline = time.monotonic() + 3
@@ -193,7 +193,7 @@ def test_one_renewer_thread_serves_concurrent_executions(app: Celery, store: Sto
     seen: dict[str, Any] = {}
     barrier = threading.Barrier(2)
 
-    @app.task(base=IdempotentTask, bind=True, name="e.slow2")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.slow2")
     def slow2(self: IdempotentTask, name: str) -> None:
         barrier.wait(timeout=10)
         time.sleep(1.5)  # 2.5 leases of 0.6 s
@@ -229,7 +229,7 @@ def test_outbox_keys_count_per_attempt(
     fake.add = add  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "reliable_beat.outbox", fake)
 
-    @app.task(base=IdempotentTask, bind=True, name="e.outbox")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.outbox")
     def sends(self: IdempotentTask) -> None:
         with self.transaction() as tx:
             self.outbox.add(tx, "email", {"n": 1})
@@ -250,7 +250,7 @@ def test_outbox_rows_commit_with_the_effect_real_outbox(app: Celery, store: Stor
     """With the real reliable_beat.outbox: rolled back with a failed try, one row per add."""
     from reliable_beat.db.tables import outbox
 
-    @app.task(base=IdempotentTask, bind=True, name="e.real_outbox")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.real_outbox")
     def sends(self: IdempotentTask) -> None:
         with self.transaction() as tx:
             tx.execute(effects.insert().values(key=self.idempotency_key, run_id=self.run_id))
@@ -280,7 +280,7 @@ def test_state_survives_a_fresh_request_context(
 
     monkeypatch.setattr(Task, "push_request", old_push_request)
 
-    @app.task(base=IdempotentTask, bind=True, name="e.old_celery")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.old_celery")
     def old(self: IdempotentTask) -> list[Any]:
         return [self.idempotency_key, self.fence_token, self.attempt]
 
@@ -292,7 +292,7 @@ def test_retry_that_cannot_be_sent_stays_retrying_for_the_redispatch_sweep(
 ) -> None:
     from kombu.exceptions import OperationalError as BrokerDown
 
-    @app.task(base=IdempotentTask, bind=True, name="e.unsent")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.unsent")
     def unsent(self: IdempotentTask) -> None:
         raise TimeoutError("upstream slow")
 
@@ -322,7 +322,7 @@ def test_eager_call_on_a_leased_run_raises_lease_held(app: Celery, store: Store)
 
     from reliable_beat.errors import LeaseHeldError
 
-    @app.task(base=IdempotentTask, bind=True, name="e.leased")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="e.leased")
     def leased(self: IdempotentTask) -> None: ...
 
     runs.claim_run(store, "leased:1", owner="elsewhere", lease=timedelta(seconds=60), task="x")

@@ -107,7 +107,7 @@ def failing_app(sqlite_store: Store) -> Iterator[tuple[Celery, Any]]:
         reliable_beat_lease_seconds=30,
     )
 
-    @app.task(base=IdempotentTask, bind=True, name="case.always_fails")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="case.always_fails")
     def always_fails(self: IdempotentTask) -> None:
         calls.append(self.attempt)
         raise ConnectionError("upstream refused")

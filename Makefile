@@ -22,7 +22,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check reliable_beat tests examples benchmarks
+	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks
 
 type: $(VENV)/.installed
 	$(VENV)/bin/mypy
@@ -44,7 +44,7 @@ bench: $(VENV)/.installed
 	$(PY) -m benchmarks
 
 faults: $(VENV)/.installed
-	$(PY) -m reliable_beat.testing.faults --minutes 30
+	$(PY) -m harness.faults --minutes 30
 
 clean:
 	rm -rf $(VENV) .venv-wheel dist build *.egg-info .tox

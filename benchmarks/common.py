@@ -102,12 +102,12 @@ def servers(postgres_url: str | None, redis_url: str | None, size: Sizes) -> Ite
     """Use the given servers, or start private ones from the local binaries."""
     with contextlib.ExitStack() as stack:
         if postgres_url is None:
-            from reliable_beat.testing.servers import PostgresServer
+            from harness.servers import PostgresServer
 
             pg = stack.enter_context(PostgresServer(extra_conf={"max_connections": "300"}))
             postgres_url = pg.url
         if redis_url is None:
-            from reliable_beat.testing.servers import RedisServer
+            from harness.servers import RedisServer
 
             redis_url = stack.enter_context(RedisServer()).url
         yield Env(postgres_url, redis_url, size)

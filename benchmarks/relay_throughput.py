@@ -1,6 +1,6 @@
 """Rows/s of one relay into Redis, against a raw kombu publish loop into the same Redis.
 
-Starts a private PostgreSQL and Redis (reliable_beat.testing.servers), inserts N ``celery``
+Starts a private PostgreSQL and Redis (harness.servers), inserts N ``celery``
 outbox rows, times ``Relay.run_once`` until all are sent, then times publishing the same
 number of messages with a bare kombu producer. Prints a markdown table.
 
@@ -15,13 +15,13 @@ import time
 import kombu
 from celery import Celery
 
+from harness.servers import PostgresServer, RedisServer
 from reliable_beat import outbox
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 from reliable_beat.handlers import CeleryHandler
 from reliable_beat.relay import Relay
 from reliable_beat.settings import Settings
-from reliable_beat.testing.servers import PostgresServer, RedisServer
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Shared fixtures: a real PostgreSQL and a real Redis, started by the test session.
 
 Servers come from ``RELIABLE_BEAT_TEST_POSTGRES_URL`` / ``RELIABLE_BEAT_TEST_REDIS_URL`` when
-set, else are started from the local binaries (:mod:`reliable_beat.testing.servers`).
+set, else are started from the local binaries (:mod:`harness.servers`).
 Locally, a missing binary skips the tests that need it, with the reason; with ``CI=true`` it
 fails them.
 
@@ -34,9 +34,9 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import sqlalchemy as sa
 
+from harness.servers import PostgresServer, RedisServer
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
-from reliable_beat.testing.servers import PostgresServer, RedisServer
 
 pytest_plugins = ("celery.contrib.pytest",)
 

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     with ExitStack() as stack:
         if args.server:
-            from reliable_beat.testing.servers import PostgresServer, RedisServer
+            from harness.servers import PostgresServer, RedisServer
 
             db_url = args.database_url or stack.enter_context(PostgresServer()).url
             broker = args.broker_url or stack.enter_context(RedisServer()).url

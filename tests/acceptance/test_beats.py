@@ -432,8 +432,8 @@ def test_bad_beat_schedule_refuses_to_start(h: Harness) -> None:
 
 
 def test_database_down_at_start(redis_url: str, procs: procs_mod.BeatProcs) -> None:
+    from harness.servers import PostgresServer
     from reliable_beat.db.migrate import upgrade
-    from reliable_beat.testing.servers import PostgresServer
 
     try:
         server = PostgresServer()
@@ -468,7 +468,7 @@ def test_database_down_at_start(redis_url: str, procs: procs_mod.BeatProcs) -> N
 
 
 def _dead_postgres_url() -> str:
-    from reliable_beat.testing.servers import free_port
+    from harness.servers import free_port
 
     return f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nowhere"
 
@@ -534,7 +534,7 @@ def test_schema_behind_at_start_waits_for_the_upgrade(
 
 
 def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None:
-    from reliable_beat.testing.servers import free_port
+    from harness.servers import free_port
 
     h.schedule({"a": {"every": 1}, "b": {"cron": "* * * * * */1"}})
     dead = f"redis://127.0.0.1:{free_port()}/0"

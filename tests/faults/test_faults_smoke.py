@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from reliable_beat.testing.faults import APP_FAULT_KINDS, FAULT_KINDS
-from reliable_beat.testing.servers import find_pg_bin
+from harness.faults import APP_FAULT_KINDS, FAULT_KINDS
+from harness.servers import find_pg_bin
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -43,7 +43,7 @@ def test_fault_injection_smoke(tmp_path: Path) -> None:
     env.pop("RELIABLE_BEAT_TEST_POSTGRES_URL", None)
     env.pop("RELIABLE_BEAT_TEST_REDIS_URL", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "reliable_beat.testing.faults", "--minutes", "2.2",
+        [sys.executable, "-m", "harness.faults", "--minutes", "2.2",
          "--seed", "7", "--workdir", str(tmp_path / "run")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=230,
     )

@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
+from harness.servers import RedisServer
 from reliable_beat import outbox
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters
@@ -30,7 +31,6 @@ from reliable_beat.handlers import (
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.relay import Relay
 from reliable_beat.settings import Settings
-from reliable_beat.testing.servers import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
 

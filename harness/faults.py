@@ -1,9 +1,9 @@
 """Fault-injection harness: real beats, workers and relays killed, paused and restarted, with a
 ledger that proves every slot's effect happened exactly once.
 
-    python -m reliable_beat.testing.faults --minutes 2.5 --seed 7          # the CI run
-    python -m reliable_beat.testing.faults --minutes 30 --seed 20260101    # the long run
-    python -m reliable_beat.testing.faults --minutes 3 --compare stock,redbeat
+    python -m harness.faults --minutes 2.5 --seed 7          # the CI run
+    python -m harness.faults --minutes 30 --seed 20260101    # the long run
+    python -m harness.faults --minutes 3 --compare stock,redbeat
 
 What it does (see ``docs/reliability.md``):
 
@@ -11,7 +11,7 @@ What it does (see ``docs/reliability.md``):
    queued messages, as a production broker would), or uses ``--postgres-url`` /
    ``--redis-url``; an in-process HTTP sink that records every request with its
    ``Idempotency-Key``; then K beats, W workers (``--pool solo``) and R relays as real
-   subprocesses of :mod:`reliable_beat.testing.faultapp`, on E entries mixing 6-field cron
+   subprocesses of :mod:`harness.faultapp`, on E entries mixing 6-field cron
    (every 1-5 s) and intervals across time zones, all ``catch_up`` with a large limit, so
    every slot of the checked window must produce its effect.
 2. Injects faults on a seeded random timeline; every kind at least once: SIGKILL of a beat,
@@ -56,13 +56,13 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine
 
+from harness.servers import PostgresServer, RedisServer, _wait_port
 from reliable_beat.schedules import CronSchedule, IntervalSchedule, Schedule
-from reliable_beat.testing.servers import PostgresServer, RedisServer, _wait_port
 
 __all__ = ["FAULT_KINDS", "Harness", "main"]
 
-ROOT = Path(__file__).resolve().parents[2]
-APP = "reliable_beat.testing.faultapp"
+ROOT = Path(__file__).resolve().parents[1]
+APP = "harness.faultapp"
 ZONES = ["UTC", "Europe/Berlin", "America/New_York", "Asia/Kolkata"]
 
 #: Fault kinds of the timeline (the harness injects them) and of the app (deterministic
@@ -369,9 +369,9 @@ class Harness:
         path.write_text(json.dumps(cfg, indent=1))
 
     def _prepare_db(self) -> Engine:
+        from harness import faultapp
         from reliable_beat.db.dialects import Store
         from reliable_beat.db.migrate import upgrade
-        from reliable_beat.testing import faultapp
 
         store = Store.from_url(self.db_url, role="cli")
         upgrade(store)
@@ -661,8 +661,8 @@ class Harness:
         return False
 
     def _check(self) -> None:
+        from harness.faultapp import effects, is_permanent, is_transient
         from reliable_beat.db.tables import attempts, dead_letters, outbox, runs
-        from reliable_beat.testing.faultapp import effects, is_permanent, is_transient
 
         o = self.opts
         r = self.result
@@ -796,7 +796,7 @@ class Harness:
     # -- comparison ----------------------------------------------------------------------
     def _compare_run(self, mode: str) -> dict[str, Any]:
         """Two beats of ``mode`` + two workers running a plain task that records triggers."""
-        from reliable_beat.testing.faultapp import triggers
+        from harness.faultapp import triggers
 
         o = self.opts
         minutes = o.compare_minutes if o.compare_minutes is not None else min(o.minutes, 3.0)
@@ -965,7 +965,7 @@ def count_triggers(
 
 
 def _parse(argv: list[str] | None) -> Options:
-    ap = argparse.ArgumentParser(prog="python -m reliable_beat.testing.faults",
+    ap = argparse.ArgumentParser(prog="python -m harness.faults",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=2.5)

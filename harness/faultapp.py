@@ -1,8 +1,8 @@
 """The Celery app the fault-injection harness runs as beats, workers and relays.
 
-Not for applications: it exists so :mod:`reliable_beat.testing.faults` can start real
-processes (``celery -A reliable_beat.testing.faultapp worker|beat``,
-``reliable-beat -A reliable_beat.testing.faultapp relay``). Everything is configured by the
+Not for applications: it exists so :mod:`harness.faults` can start real
+processes (``celery -A harness.faultapp worker|beat``,
+``reliable-beat -A harness.faultapp relay``). Everything is configured by the
 JSON file named in ``RB_FAULTS_CONFIG`` (written by the harness)::
 
     {"mode": "reliable" | "stock" | "redbeat", "database_url": ..., "broker_url": ...,
@@ -162,7 +162,7 @@ if MODE == "reliable":
         # Above the 10 s visibility timeout: the broker redelivers first; what it lost
         # (a worker killed between BRPOP and recording the message unacked) is re-sent.
         reliable_beat_redispatch_seconds=float(CONFIG.get("redispatch_seconds", 15)),
-        reliable_beat_outbox_handlers={"sink": "reliable_beat.testing.faultapp.deliver"},
+        reliable_beat_outbox_handlers={"sink": "harness.faultapp.deliver"},
     )
 elif MODE == "redbeat":
     app.conf.update(

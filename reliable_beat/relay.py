@@ -393,7 +393,8 @@ class Relay:
             settings = Settings.from_celery(app) if app is not None else Settings()
         self.settings = settings
         self.handlers: dict[str, Handler] = dict(
-            handlers if handlers is not None else load_handlers(app, settings.outbox_handlers)
+            handlers if handlers is not None else load_handlers(
+                app, settings.outbox_handlers, settings=settings)
         )
         self.owner = owner or settings.owner
         self.batch_size = batch_size or settings.outbox_batch_size

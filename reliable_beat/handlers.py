@@ -502,7 +502,7 @@ class WebhookDestination:
 
     name: str
     base_url: str
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     timeout_seconds: float = _DEFAULT_WEBHOOK_TIMEOUT
     max_concurrency: int = _DEFAULT_WEBHOOK_CONCURRENCY
     methods: frozenset[str] = frozenset({"POST"})
@@ -791,7 +791,11 @@ class WebhookHandler:
     ``reliable_beat_webhook_max_response_bytes`` of the response body are read (and dropped:
     only the status code and reason are kept), and at most ``max_concurrency`` requests are
     in flight per destination; destinations of one batch are served in parallel, so a slow
-    one delays only its own rows.
+    one delays only its own rows. No request of a batch starts after
+    ``reliable_beat_webhook_batch_seconds`` (default 30, below the relay's 60 s claim lease):
+    rows not started by then are handed back uncharged
+    (:class:`DestinationUnavailableError`: the relay backs them off) instead of holding
+    their claim past its lease.
 
     Outcomes: 2xx is delivered; 408, 429, 5xx, transport errors and a passed deadline are
     retried; any other status (3xx, other 4xx), a bad row or a blocked address raises
@@ -814,6 +818,7 @@ class WebhookHandler:
         allowed_hosts: Sequence[str] | None = None,
         max_timeout_seconds: float | None = None,
         block_private_networks: bool | None = None,
+        batch_seconds: float | None = None,
     ) -> None:
         try:
             import httpcore
@@ -837,6 +842,7 @@ class WebhookHandler:
                                                            "webhook_allowed_hosts", ()))
         self.block_private_networks = bool(pick(block_private_networks,
                                                 "webhook_block_private_networks", False))
+        self.batch_seconds = float(pick(batch_seconds, "webhook_batch_seconds", 30.0))
         if destinations is None:
             destinations = parse_webhook_destinations(
                 pick(None, "webhook_destinations", {}),
@@ -947,11 +953,20 @@ class WebhookHandler:
                 continue
             queues.setdefault(req.group, []).append((index, m, req))
 
+        budget_ends = time.monotonic() + self.batch_seconds
+
         def worker(queue: list[tuple[int, OutboxMessage, _WebhookRequest]],
                    lock: threading.Lock) -> None:
             while True:
                 with lock:
                     if not queue:
+                        return
+                    if time.monotonic() >= budget_ends:  # the rest waits for a later batch
+                        for index, _, req in queue:
+                            results[index] = DestinationUnavailableError(
+                                f"webhook {req.group!r}: not attempted, the batch's "
+                                f"{self.batch_seconds:g} s were used up (a slow destination)")
+                        queue.clear()
                         return
                     index, m, req = queue.pop(0)
                 try:

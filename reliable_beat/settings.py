@@ -64,6 +64,9 @@ class Settings:
             ``block_private_networks`` (refuse private, loopback, link-local addresses).
         webhook_max_timeout_seconds: the largest ``timeout_seconds`` a destination may set.
         webhook_max_response_bytes: most response-body bytes read (then dropped) per request.
+        webhook_batch_seconds: no webhook request of a relay batch starts later than this
+            after the batch began; the rest are handed back uncharged (keep it below the
+            relay's claim lease, 60 s by default).
         smtp: the SMTP server of the ``smtp`` destination: ``{"host", "port", "starttls"
             (default True), "ssl", "username", "password", "timeout_seconds", "from",
             "allowed_from", "ca_file"}`` (see :class:`reliable_beat.handlers.SmtpConfig`).
@@ -105,6 +108,7 @@ class Settings:
     webhook_block_private_networks: bool = False
     webhook_max_timeout_seconds: float = 60.0
     webhook_max_response_bytes: int = 65536
+    webhook_batch_seconds: float = 30.0
     smtp: Mapping[str, Any] = field(default_factory=dict)
     max_payload_bytes: int = 1024 * 1024
     outbox_batch_bytes: int = 16 * 1024 * 1024
@@ -167,7 +171,7 @@ class Settings:
             problems.append(f"{PREFIX}webhook_allow_row_urls needs {PREFIX}webhook_allowed_"
                             "hosts: the hosts legacy row URLs may reach")
         for name in ("webhook_max_response_bytes", "max_payload_bytes", "outbox_batch_bytes",
-                     "webhook_max_timeout_seconds"):
+                     "webhook_max_timeout_seconds", "webhook_batch_seconds"):
             if getattr(self, name) <= 0:
                 problems.append(f"{PREFIX}{name} must be > 0")
         if problems:

@@ -237,3 +237,26 @@ def test_one_slow_destination_does_not_stall_the_others(sqlite_store: Store) -> 
     assert len(fast.seen) == 10 and fast_done < 1.5, fast_done
     assert slow_starts == [0, 0, 2, 2], slow_starts  # two at a time
     assert 3.5 < took < 7, took
+
+
+def test_rows_not_started_within_the_batch_budget_are_handed_back(sqlite_store: Store) -> None:
+    """A destination slower than the batch budget: rows not started in time go back to
+    pending uncharged (attempts 0), instead of holding their claim past its lease."""
+    with ScriptedHttp() as slow:
+        slow.scripts = {"/s": Script(200, delay=1.5)}
+        s = settings(webhook_batch_seconds=2.0, webhook_destinations={
+            "slow": {"base_url": slow.url, "max_concurrency": 1, "timeout_seconds": 5}})
+        with sqlite_store.begin() as conn:
+            for i in range(5):
+                outbox.add(conn, "webhook", {"destination": "slow", "path": "/s"}, key=f"s{i}")
+        relay = Relay(sqlite_store, settings=s, owner="r")
+        started = time.monotonic()
+        relay.run_once()
+        took = time.monotonic() - started
+    with sqlite_store.begin() as conn:
+        rows = conn.execute(sa.select(outbox_t.c.message_id, outbox_t.c.state,
+                                      outbox_t.c.attempts).order_by(outbox_t.c.id)).all()
+    assert [tuple(r) for r in rows] == [("s0", "sent", 1), ("s1", "sent", 1),
+                                        ("s2", "pending", 0), ("s3", "pending", 0),
+                                        ("s4", "pending", 0)]
+    assert took < 5, took

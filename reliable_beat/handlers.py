@@ -21,14 +21,17 @@ Built-ins (payload shapes are JSON objects):
   ``uuid5(message_id)``, so a re-delivery carries the same task id.
 * ``kombu``: ``{"exchange": "" , "exchange_type"?: "direct", "routing_key", "body",
   "serializer"?: "json", "headers"?}``; raw publish with ``message_id`` set.
-* ``webhook``: ``{"url", "body", "method"?: "POST", "headers"?, "timeout_seconds"?: 10}``;
-  POST of ``body`` as JSON with ``Idempotency-Key: <message_id>`` (needs the ``http`` extra,
-  httpx).
-* ``smtp``: ``{"from", "to": str | [str], "cc"?, "subject", "text", "html"?}``; host and
-  port from the message headers ``smtp_host``/``smtp_port``, else the environment
-  ``RELIABLE_BEAT_SMTP_HOST``/``RELIABLE_BEAT_SMTP_PORT``, else ``localhost:25``; the e-mail
+* ``webhook``: ``{"destination", "path", "body", "method"?: "POST"}``; the request goes
+  to an operator-configured destination (``reliable_beat_webhook_destinations``: base URL,
+  auth headers, overall deadline, concurrency) + ``path``, with the body as JSON and
+  ``Idempotency-Key: <message_id>`` (needs the ``http`` extra). See :class:`WebhookHandler`.
+* ``smtp``: ``{"to": str | [str], "cc"?, "subject", "text", "html"?, "from"?}``; server,
+  port, STARTTLS (default on) and credentials from ``reliable_beat_smtp`` only; the e-mail
   carries ``Message-ID: <message_id@reliable-beat>`` (characters not allowed there are
-  %-escaped).
+  %-escaped). See :class:`SmtpHandler`.
+
+Celery protocol headers (``task``, ``id``, ``eta``, ... :data:`CELERY_PROTOCOL_HEADERS`) in
+a ``celery`` row's ``headers`` are dropped (WARNING): they never override the message's own.
 
 User handlers: ``reliable_beat_outbox_handlers = {"name": "package.module:attr"}`` in the
 Celery config, or the entry point group ``reliable_beat.outbox_handlers``. The object named
@@ -65,18 +68,25 @@ from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDel
 from reliable_beat.outbox import OutboxMessage
 
 __all__ = [
+    "CELERY_PROTOCOL_HEADERS",
     "ENTRY_POINT_GROUP",
     "BatchHandler",
+    "BlockedAddressError",
     "CeleryHandler",
     "DestinationUnavailableError",
     "Handler",
     "KombuHandler",
     "MessageExpiredError",
+    "SmtpConfig",
     "SmtpHandler",
+    "WebhookDestination",
     "WebhookHandler",
+    "blocked_reason",
     "celery_task_id",
     "load_handlers",
+    "parse_webhook_destinations",
     "publish_celery_batch",
+    "smtp_message_id",
 ]
 
 log = logging.getLogger(__name__)

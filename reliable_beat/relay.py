@@ -6,6 +6,7 @@ One cycle (:meth:`Relay.run_once`)::
                                    available_at = now + claim lease
                             WHERE id IN (SELECT id ... pending, due, ordering rule,
                                          ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED)
+                              [AND within the byte budget: running sum of payload sizes]
                             RETURNING *
     2. deliver (no txn)     per destination; batches over one connection where the handler can
     3. settle  (short txns) sent -> state sent (+ the trigger's run scheduled -> dispatched)

@@ -1234,7 +1234,10 @@ class SmtpHandler:
     the whole message serialised) before connecting; a bad one fails alone and permanently.
     The rest go over one session (STARTTLS, then AUTH when configured); a mail the server
     accepted is never re-sent because a later one of the batch failed. SMTP 5xx answers and
-    refused recipients are permanent; 4xx and connection errors are retried.
+    refused recipients are permanent; 4xx answers and a session lost midway are retried. A
+    server that cannot be reached, offers no STARTTLS or refuses the login is
+    :class:`DestinationUnavailableError`: the batch backs off uncharged, so an outage or a
+    configuration mistake never dead-letters mail.
 
     Args:
         config: a :class:`SmtpConfig` or the raw ``reliable_beat_smtp`` dict; None: defaults
@@ -1342,6 +1345,14 @@ class SmtpHandler:
         done: set[int] = set()
         try:
             client = self._connect()
+        except Exception as exc:  # connect, TLS, AUTH: the server, not these messages
+            down = DestinationUnavailableError(
+                f"smtp {cfg.host}:{cfg.port}: {type(exc).__name__}: {exc}")
+            down.__cause__ = exc
+            for index, _ in mails:
+                results[index] = down
+            return results
+        try:
             try:
                 for index, mail in mails:
                     results[index] = self._send(client, mail)

@@ -132,3 +132,58 @@ def self_signed_cert(directory: Path) -> Cert:
         check=True, capture_output=True, timeout=60,
     )
     return Cert(cert, key)
+
+
+class DroppingSmtp:
+    """Plain SMTP that accepts ``accept`` mails per session, then hangs up in the middle of
+    the next DATA (no reply): a session lost midway through a batch."""
+
+    def __init__(self, accept: int) -> None:
+        import socketserver
+
+        self.accept = accept
+        self.received: list[bytes] = []
+        me = self
+
+        class _H(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                self.wfile.write(b"220 dropping ESMTP\r\n")
+                taken = 0
+                while True:
+                    line = self.rfile.readline()
+                    if not line:
+                        return
+                    verb = line.decode("ascii", "replace").strip().split(" ", 1)[0].upper()
+                    if verb in ("EHLO", "HELO"):
+                        self.wfile.write(b"250-dropping\r\n250 8BITMIME\r\n")
+                    elif verb == "DATA":
+                        self.wfile.write(b"354 go\r\n")
+                        data = b""
+                        while (chunk := self.rfile.readline()) not in (b".\r\n", b""):
+                            data += chunk
+                        if taken >= me.accept:
+                            return  # hang up without answering
+                        taken += 1
+                        me.received.append(data)
+                        self.wfile.write(b"250 queued\r\n")
+                    elif verb == "QUIT":
+                        self.wfile.write(b"221 bye\r\n")
+                        return
+                    else:
+                        self.wfile.write(b"250 ok\r\n")
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _H)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def __enter__(self) -> DroppingSmtp:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()

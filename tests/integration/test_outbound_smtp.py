@@ -20,8 +20,8 @@ from reliable_beat import outbox
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters
 from reliable_beat.db.tables import outbox as outbox_t
-from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
-from reliable_beat.handlers import SmtpHandler
+from reliable_beat.errors import ConfigurationError
+from reliable_beat.handlers import DestinationUnavailableError, SmtpHandler
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.relay import Relay
 from reliable_beat.settings import Settings
@@ -31,7 +31,7 @@ from aiosmtpd.smtp import AuthResult, LoginPassword  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
 
-from far_ends import self_signed_cert  # noqa: E402
+from far_ends import DroppingSmtp, self_signed_cert  # noqa: E402
 from sinks import SmtpSink  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def test_no_plaintext_when_starttls_is_not_offered() -> None:
             "to": "u@example.com", "subject": "s", "text": "t"})])
     assert sink.messages == []
     [err] = results
-    assert isinstance(err, DeliveryError) and not isinstance(err, PermanentDeliveryError)
+    assert isinstance(err, DestinationUnavailableError)  # backs off uncharged
     assert "does not offer STARTTLS" in str(err)
 
 
@@ -140,8 +140,10 @@ def test_wrong_password_sends_nothing(server: tuple[Any, Recorder, str],
     smtp = SmtpHandler(config(ctl, ca))
     results = smtp.deliver_batch([OutboxMessage(i, f"m{i}", "smtp", {
         "to": "u@example.com", "subject": "s"}) for i in range(2)])
-    assert rec.mails == [] and all(isinstance(r, DeliveryError) for r in results)
-    assert Counter(type(r).__name__ for r in results) == Counter({"DeliveryError": 2})
+    assert rec.mails == []
+    assert Counter(type(r).__name__ for r in results) == Counter(
+        {"DestinationUnavailableError": 2})
+    assert "SMTPAuthenticationError" in str(results[0])
 
 
 @pytest.mark.parametrize("raw, match", [
@@ -154,3 +156,33 @@ def test_wrong_password_sends_nothing(server: tuple[Any, Recorder, str],
 def test_smtp_settings_are_checked(raw: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
         Settings(smtp=raw)
+
+
+def test_session_lost_midway_never_resends_accepted_mails(sqlite_store: Store) -> None:
+    """The server accepts two mails then hangs up: those two are sent (never again), the
+    rest are retried in a later session."""
+    with DroppingSmtp(accept=2) as server:
+        with sqlite_store.begin() as conn:
+            for i in range(5):
+                outbox.add(conn, "smtp", {"to": f"u{i}@example.com", "subject": f"s{i}"},
+                           key=f"m{i}")
+        settings = Settings(database_url="unused://", outbox_retry_base_seconds=0.05,
+                            outbox_retry_cap_seconds=0.1, smtp={
+                                "host": "127.0.0.1", "port": server.port, "starttls": False,
+                                "from": "app@example.com"})
+        relay = Relay(sqlite_store, settings=settings, owner="r")
+        relay.run_once()
+        with sqlite_store.begin() as conn:
+            first = dict(conn.execute(sa.select(outbox_t.c.message_id, outbox_t.c.state)).all())
+        for _ in range(6):
+            time.sleep(0.2)
+            relay.run_once()
+        with sqlite_store.begin() as conn:
+            final = Counter(conn.execute(sa.select(outbox_t.c.state)).scalars())
+    assert first == {"m0": "sent", "m1": "sent", "m2": "pending", "m3": "pending",
+                     "m4": "pending"}
+    subjects = [line for data in server.received for line in data.split(b"\r\n")
+                if line.startswith(b"Subject:")]
+    assert sorted(subjects) == [b"Subject: s0", b"Subject: s1", b"Subject: s2",
+                                b"Subject: s3", b"Subject: s4"]  # each exactly once
+    assert final == Counter({"sent": 5})

@@ -102,14 +102,16 @@ class Settings:
     redispatch_seconds: float = 120.0
     metrics_port: int | None = None
     owner_id: str | None = None
-    webhook_destinations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # repr=False: these may hold secrets given inline (auth headers, the SMTP password)
+    webhook_destinations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict,
+                                                                  repr=False)
     webhook_allowed_hosts: tuple[str, ...] = ()
     webhook_allow_row_urls: bool = False
     webhook_block_private_networks: bool = False
     webhook_max_timeout_seconds: float = 60.0
     webhook_max_response_bytes: int = 65536
     webhook_batch_seconds: float = 30.0
-    smtp: Mapping[str, Any] = field(default_factory=dict)
+    smtp: Mapping[str, Any] = field(default_factory=dict, repr=False)
     max_payload_bytes: int = 1024 * 1024
     outbox_batch_bytes: int = 16 * 1024 * 1024
 

@@ -260,3 +260,14 @@ def test_rows_not_started_within_the_batch_budget_are_handed_back(sqlite_store: 
                                         ("s2", "pending", 0), ("s3", "pending", 0),
                                         ("s4", "pending", 0)]
     assert took < 5, took
+
+
+def test_configured_secrets_stay_out_of_reprs_and_errors() -> None:
+    s = Settings(smtp={"username": "u", "password": "PW-LEAK-1", "host": "h"},
+                 webhook_destinations={"b": {"base_url": "https://h.example/p",
+                                             "headers": {"Authorization": "TOKEN-LEAK-2"}}})
+    hook = WebhookHandler(settings=s)
+    [err] = hook.deliver_batch([msg(1, {"destination": "b", "path": "/x y"})])
+    shown = " ".join([repr(s), repr(hook.destinations), str(err)])
+    assert "PW-LEAK-1" not in shown and "TOKEN-LEAK-2" not in shown
+    assert isinstance(err, PermanentDeliveryError) and "'b'" in str(err)

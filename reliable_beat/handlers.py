@@ -62,7 +62,7 @@ from email import policy as email_policy
 from email.message import EmailMessage
 from email.utils import formatdate
 from typing import Any, Protocol, runtime_checkable
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
 from reliable_beat.outbox import OutboxMessage
@@ -503,7 +503,8 @@ class WebhookDestination:
             given as ``{"env": "NAME"}`` are read from the relay's environment).
         timeout_seconds: overall deadline of one request (connect, send, headers and body
             read together), seconds, > 0 and at most ``reliable_beat_webhook_max_timeout_seconds``.
-        max_concurrency: most requests in flight to this destination at once (>= 1).
+        max_concurrency: most requests in flight to this destination at once, per relay
+            process (1..64).
         methods: HTTP methods a row may ask for (default ``{"POST"}``).
         block_private_networks: refuse to connect to private, loopback, link-local,
             multicast, reserved or unspecified addresses (checked on the address actually
@@ -535,12 +536,13 @@ class WebhookDestination:
                 f"webhook destination {self.name!r}: 'path' contains whitespace, control "
                 "characters, '\\' or '#'; percent-encode them"
             )
-        segments = path.split("?", 1)[0].split("/")
-        if any(seg in ("..", ".") or seg.lower() in ("%2e%2e", "%2e", ".%2e", "%2e.")
-               for seg in segments):
-            raise PermanentDeliveryError(
-                f"webhook destination {self.name!r}: 'path' may not contain '.' or '..' segments"
-            )
+        for seg in path.split("?", 1)[0].split("/"):
+            decoded = unquote(unquote(seg))  # twice: a server may decode %252e too
+            if decoded in (".", "..") or "/" in decoded or "\\" in decoded:
+                raise PermanentDeliveryError(
+                    f"webhook destination {self.name!r}: 'path' may not contain '.' or '..' "
+                    "segments or encoded '/' or '\\'"
+                )
         url = self.base_url.rstrip("/") + path
         base, full = urlsplit(self.base_url), urlsplit(url)
         if (full.scheme, full.netloc) != (base.scheme, base.netloc):  # pragma: no cover

@@ -90,6 +90,8 @@ def test_rows_cannot_leave_their_destination(sqlite_store: Store) -> None:
             "other-host": {"destination": "billing", "path": "//127.0.0.1:1/x", "body": 1},
             "dotdot": {"destination": "billing", "path": "/../admin", "body": 1},
             "encoded-dotdot": {"destination": "billing", "path": "/%2e%2e/admin", "body": 1},
+            "encoded-slash": {"destination": "billing", "path": "/..%2fadmin", "body": 1},
+            "double-encoded": {"destination": "billing", "path": "/%252e%252e/x", "body": 1},
             "absolute": {"destination": "billing", "path": internal.url + "/x", "body": 1},
             "crlf": {"destination": "billing", "path": "/a\r\nHost: evil", "body": 1},
             "unknown": {"destination": "internal", "path": "/x", "body": 1},

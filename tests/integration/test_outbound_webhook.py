@@ -273,3 +273,19 @@ def test_configured_secrets_stay_out_of_reprs_and_errors() -> None:
     shown = " ".join([repr(s), repr(hook.destinations), str(err)])
     assert "PW-LEAK-1" not in shown and "TOKEN-LEAK-2" not in shown
     assert isinstance(err, PermanentDeliveryError) and "'b'" in str(err)
+
+
+def test_relay_cli_exits_2_naming_a_missing_secret(
+        sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from reliable_beat.celery.commands import reliable_beat
+
+    monkeypatch.delenv("RB_TEST_HOOK_TOKEN", raising=False)
+    args = ["-A", "tests.apps.secret_app", "--database-url", sqlite_store.url, "relay", "--once"]
+    r = CliRunner().invoke(reliable_beat, args)
+    assert r.exit_code == 2, r.output
+    assert "environment variable 'RB_TEST_HOOK_TOKEN' is not set" in r.output
+    monkeypatch.setenv("RB_TEST_HOOK_TOKEN", "Bearer x")
+    r = CliRunner().invoke(reliable_beat, args)
+    assert r.exit_code == 0 and "claimed 0 rows" in r.output, r.output

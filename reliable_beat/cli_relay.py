@@ -21,6 +21,12 @@ from reliable_beat.relay import Relay, outbox_status
 __all__ = ["register"]
 
 
+class _ConfigError(click.ClickException):
+    """A configuration problem: one line, exit code 2."""
+
+    exit_code = 2
+
+
 @click.command("relay")
 @click.option("--once", is_flag=True, help="Run one claim/deliver/settle cycle and exit.")
 @click.option("--batch-size", type=int, default=None,
@@ -39,9 +45,7 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
         worker = Relay(cli.store, cli.app, settings=cli.settings, batch_size=batch_size,
                        claim_lease_seconds=claim_lease_seconds)
     except ConfigurationError as exc:  # e.g. a destination's secret not in the environment
-        error = click.ClickException(str(exc))
-        error.exit_code = 2
-        raise error from exc
+        raise _ConfigError(str(exc)) from exc
     click.echo(f"relay {worker.owner} on {cli.store.safe_url}; destinations: "
                + ", ".join(sorted(worker.handlers)), err=True)
     if cli.settings.metrics_port is not None and not once:

@@ -680,8 +680,8 @@ def blocked_reason(address: str) -> str | None:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    for attr in ("is_loopback", "is_link_local", "is_private", "is_multicast", "is_reserved",
-                 "is_unspecified"):
+    for attr in ("is_loopback", "is_unspecified", "is_link_local", "is_multicast",
+                 "is_private", "is_reserved"):
         if getattr(ip, attr):
             return attr[3:].replace("_", "-")
     if isinstance(ip, ipaddress.IPv4Address) and ip in _CGNAT:

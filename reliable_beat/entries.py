@@ -192,6 +192,24 @@ def _instant(value: Any, what: str) -> datetime:
     return value.astimezone(timezone.utc)
 
 
+def _check_custom_headers(headers: Any, bad: Callable[[str], None]) -> None:
+    """``options["headers"]`` must be an object of custom headers: a Celery protocol header
+    (``task``, ``id``, ``eta``, ``retries``, ``root_id``, ...) would override the message's
+    own (an entry for task A sent with ``task=B`` ran B)."""
+    from reliable_beat.handlers import CELERY_PROTOCOL_HEADERS
+
+    if headers is None:
+        return
+    if not isinstance(headers, Mapping):
+        bad(f"options['headers'] must be a dict of custom headers, got {type(headers).__name__}")
+        return
+    reserved = sorted(str(k) for k in headers if str(k).lower() in CELERY_PROTOCOL_HEADERS)
+    if reserved:
+        bad(f"options['headers'] may not set Celery protocol header(s) {', '.join(reserved)}: "
+            "they belong to the message itself (use the entry's 'task', 'expires', ... "
+            "instead, or rename the custom header)")
+
+
 def definition_from_celery(
     name: str,
     raw: Mapping[str, Any],
@@ -238,6 +256,7 @@ def definition_from_celery(
     for key in sorted(set(options) - PUBLISH_OPTION_KEYS):
         supported = ", ".join(sorted(PUBLISH_OPTION_KEYS))
         bad(f"unsupported publish option {key!r}; supported: {supported}")
+    _check_custom_headers(options.get("headers"), bad)
     args = list(raw.get("args") or [])
     kwargs = dict(raw.get("kwargs") or {})
     if "expires" in options:
@@ -252,6 +271,13 @@ def definition_from_celery(
             json.dumps(value)
         except (TypeError, ValueError) as exc:
             bad(f"{what} are not JSON-serialisable ({exc}); pass plain JSON values")
+    size = sum(len(json.dumps(v, separators=(",", ":"), ensure_ascii=False, default=str)
+                   .encode()) for v in (args, kwargs, options))
+    if size > settings.max_payload_bytes:
+        bad(f"args + kwargs + options are {size} bytes as JSON, over "
+            f"reliable_beat_max_payload_bytes ({settings.max_payload_bytes}); they are copied "
+            "into every run, trigger and broker message: pass a reference (an id, a key) "
+            "and load the data in the task")
     if raw.get("relative"):
         bad("'relative=True' is not supported: slots sit on a fixed grid")
     tz = rb.get("timezone") or default_timezone

@@ -283,6 +283,7 @@ class _Outbox:
             delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
             ordering_key=ordering_key,
             run_id=state.claim.run_id,
+            max_bytes=self._task.reliable_beat_settings.max_payload_bytes,
         )
 
 

@@ -52,6 +52,9 @@ class Settings:
             message was lost; see :mod:`reliable_beat.redispatch`).
         metrics_port: serve Prometheus metrics on this port (None: off).
         owner_id: name of this process in leases and logs (default: host:pid).
+        key_reuse: what an IdempotentTask does when a call reuses an idempotency key with
+            other arguments than the key's run: ``warn`` (default: log a WARNING, use the
+            stored run) or ``refuse`` (raise ``IdempotencyKeyError``; nothing runs).
     """
 
     database_url: str = field(
@@ -80,6 +83,7 @@ class Settings:
     redispatch_seconds: float = 120.0
     metrics_port: int | None = None
     owner_id: str | None = None
+    key_reuse: str = "warn"
 
     def __post_init__(self) -> None:
         problems = []
@@ -93,6 +97,8 @@ class Settings:
                 f"reliable_beat_overlap_policy={self.overlap_policy!r}: expected one of "
                 + ", ".join(p.value for p in OverlapPolicy)
             )
+        if self.key_reuse not in ("warn", "refuse"):
+            problems.append(f"{PREFIX}key_reuse={self.key_reuse!r}: expected 'warn' or 'refuse'")
         for f in fields(self):
             value = getattr(self, f.name)
             key = PREFIX + f.name

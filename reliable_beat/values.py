@@ -29,6 +29,8 @@ from datetime import date, datetime, time
 from decimal import Decimal
 from typing import Any
 
+from reliable_beat.errors import ConfigurationError
+
 __all__ = [
     "MAX_ENTRY_NAME",
     "MAX_IDEMPOTENCY_KEY",
@@ -52,11 +54,12 @@ MAX_ENTRY_NAME = 200
 MAX_TASK_NAME = 255
 
 
-class ValueLimitError(ValueError):
+class ValueLimitError(ConfigurationError):
     """A value is longer than the store allows, or holds characters it must not.
 
-    A ``ValueError``: bad input, which retrying cannot fix (an ``IdempotentTask`` classes
-    it as permanent). The message names the value, its length and the limit.
+    A :class:`ConfigurationError`, so a ``ValueError``: bad input, which retrying cannot fix
+    (an ``IdempotentTask`` classes it as permanent). The message names the value, its length
+    and the limit.
     """
 
 

@@ -173,7 +173,7 @@ def test_limits_are_checked_at_the_call(app: Celery, store: Store) -> None:
 
     with pytest.raises(ValueLimitError, match="401 characters long; the limit is 400"):
         limits.apply_async(headers={KEY_HEADER: "k" * 401})
-    with pytest.raises(ValueLimitError, match="task_id .* the limit is 64"):
+    with pytest.raises(ValueLimitError, match=r"task_id .* the limit is 64"):
         limits.apply_async(headers={KEY_HEADER: "k:1"}, task_id="t" * 65)
 
 
@@ -351,5 +351,5 @@ def test_retry_options_validation_over_real_app_definition(app: Celery) -> None:
 
     task = app.task(shared=False, base=IdempotentTask, bind=True, name="v.def",
                     max_retries=None)(body)
-    with pytest.raises(ConfigurationError, match="IdempotentTask v.def: max_retries=None"):
+    with pytest.raises(ConfigurationError, match=r"IdempotentTask v\.def: max_retries=None"):
         _ = task.name  # the task class is made here (Celery defines tasks lazily)

@@ -41,7 +41,6 @@ from sqlalchemy.exc import (
     DBAPIError,
     IntegrityError,
     OperationalError,
-    ProgrammingError,
     StatementError,
 )
 
@@ -74,6 +73,8 @@ _SLOT_KEY = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
 ENTRY_HEADER = "reliable_beat_entry"
 FIRE_AT_HEADER = "reliable_beat_fire_at"
 TRIGGER_HEADER = "reliable_beat_trigger"
+#: Internal retries (busy lease, store unreachable) that led to a message; not a try.
+WAITS_HEADER = "reliable_beat_waits"
 _HEADERS = (KEY_HEADER, ENTRY_HEADER, FIRE_AT_HEADER, TRIGGER_HEADER)
 
 
@@ -832,19 +833,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 task_id=request.id,
                 trigger=_header(request, TRIGGER_HEADER),
             )
-        except (DataError, IntegrityError, ProgrammingError) as exc:
+        except (DataError, IntegrityError) as exc:
             # The database refused the values themselves: no retry can succeed.
             return self._refuse(key, exc, args, kwargs)
         except StatementError as exc:
             if not isinstance(exc, DBAPIError):  # a value the driver could not bind
                 return self._refuse(key, exc, args, kwargs)
-            delay = self._backoff(0)
-            raise self._internal_retry(key, delay, exc) from exc
+            raise self._internal_retry(key, self._store_backoff(), exc) from exc
         except self.transient_exceptions as exc:
             # The store itself is unreachable: nothing was recorded; retry later (an internal
             # retry: it does not count against the budget).
-            delay = self._backoff(0)
-            raise self._internal_retry(key, delay, exc) from exc
+            raise self._internal_retry(key, self._store_backoff(), exc) from exc
         if claim.outcome != runs.ACQUIRED or not claim.fresh:
             self._check_same_call(claim, call_args, call_kwargs)
         if claim.outcome == runs.ALREADY_SUCCEEDED:
@@ -902,9 +901,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             The ``Retry`` to raise (it tells the worker the task was re-sent).
         """
         request = self.request
+        if request.is_eager and exc is not None:
+            raise exc  # eager apply(): no broker to wait on; the caller sees the error
+        headers = self._key_headers(key)
+        headers[WAITS_HEADER] = self._waits() + 1
         sig = self.signature_from_request(
             request, None, None, countdown=countdown, retries=request.retries or 0,
-            headers=self._key_headers(key),
+            headers=headers,
         )
         try:
             sig.apply_async()
@@ -913,6 +916,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
                       self.name, key, publish_exc)
             raise Reject(publish_exc, requeue=True) from publish_exc
         return Retry(exc=exc, when=countdown, sig=sig)
+
+    def _waits(self) -> int:
+        """How many internal retries led to this message (0 for a first delivery)."""
+        try:
+            return max(int(_header(self.request, WAITS_HEADER) or 0), 0)
+        except (TypeError, ValueError):
+            return 0
+
+    def _store_backoff(self) -> float:
+        """Full-jitter delay before trying an unreachable store again: the settings' base
+        and cap, growing with the internal retries of this message (not the task's retry
+        options: waiting for the store is not a try)."""
+        s = self.reliable_beat_settings
+        return backoff_delay(min(self._waits(), 30), base=s.retry_base_seconds,
+                             cap=s.retry_cap_seconds)
 
     def _refuse(
         self, key: str, exc: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]

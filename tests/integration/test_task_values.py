@@ -353,3 +353,31 @@ def test_retry_options_validation_over_real_app_definition(app: Celery) -> None:
                     max_retries=None)(body)
     with pytest.raises(ConfigurationError, match=r"IdempotentTask v\.def: max_retries=None"):
         _ = task.name  # the task class is made here (Celery defines tasks lazily)
+
+
+# ------------------------------------------------------- entry names (edges) ----
+
+@pytest.mark.parametrize("name", ["n" * 201, "forged\n[ERROR] line", "ansi\x1b[2J"])
+def test_entry_names_are_checked_at_the_cli_and_the_api_on_every_dialect(
+    store: Store, name: str
+) -> None:
+    """Main: a 201-character name was accepted on SQLite and crashed the beat on PostgreSQL;
+    control characters were accepted everywhere (forged log lines)."""
+    from dataclasses import replace
+
+    from click.testing import CliRunner
+
+    from reliable_beat.celery.commands import reliable_beat
+    from reliable_beat.db.tables import entries
+    from reliable_beat.entries import definition_from_celery, save_runtime_entry
+    from reliable_beat.settings import Settings
+
+    result = CliRunner().invoke(reliable_beat, [
+        "--database-url", store.url, "entries", "add", name, "--task", "t", "--every", "5"])
+    assert result.exit_code != 0, result.output
+    assert "entry name" in result.output
+    good = definition_from_celery("good", {"task": "t", "schedule": 5}, default_timezone="UTC",
+                                  settings=Settings(), now=AT, origin="runtime")
+    with pytest.raises(ConfigurationError, match="entry name"):
+        save_runtime_entry(store, replace(good, name=name), create=True)
+    assert count(store, entries) == 0

@@ -203,3 +203,43 @@ def test_busy_retries_do_not_spend_max_retries(env: Env) -> None:
     assert "MaxRetriesExceeded" not in env.log("b")
     assert len(env.rows(sa.select(effects).where(effects.c.key == "effect:held"))) == 1
     assert env.rows(sa.select(dead_letters)) == []
+
+
+def test_typed_entry_arguments_reach_the_task_as_stock_beat_sends_them(env: Env) -> None:
+    """A beat_schedule entry with datetime / Decimal / UUID / date arguments (stock beat
+    sends them through Celery's JSON serializer; main refused the entry): stored in kombu's
+    form, published by a real tick, decoded by the worker into the same types."""
+    from reliable_beat.beat import Beat
+    from reliable_beat.celery.scheduler import publish_triggers
+    from reliable_beat.entries import definition_from_celery, sync_config_entries
+    from reliable_beat.settings import Settings
+
+    env.worker("w")
+    with env.store.engine.connect() as conn:
+        now = env.store.now(conn)
+    definition = definition_from_celery(
+        "typed-entry",
+        {"task": "rb.values.echo_args", "schedule": 1.0,
+         "args": ["entry", AT, AMOUNT, REF], "kwargs": {"day": AT.date()},
+         "options": {"queue": env.queue("w")}},
+        default_timezone="UTC", settings=Settings(), now=now,
+    )
+    sync_config_entries(env.store, [definition])
+    triggers: list[Any] = []
+
+    def tick() -> bool:
+        triggers.extend(Beat(env.store, owner="test:1").tick().triggers)
+        return bool(triggers)
+
+    env.wait("a due slot", tick, 30)
+    with env.store.engine.connect() as conn:
+        at = env.store.now(conn)
+    assert publish_triggers(env.store, env.client, triggers, at) == len(triggers)
+    key = triggers[0].key
+    # (the result is stored right after the commit of self.transaction(), in a second one)
+    env.wait("the slot's run succeeded with its result",
+             lambda: runs.get_run(env.store, key)["result"] is not None, 60)
+    run = runs.get_run(env.store, key)
+    assert run["state"] == "succeeded" and run["entry_name"] == "typed-entry"
+    assert run["result"] == ["datetime", "Decimal", "UUID", "date"]
+    assert run["args"][1] == {"__type__": "datetime", "__value__": AT.isoformat()}

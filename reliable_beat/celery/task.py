@@ -522,8 +522,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     Attributes:
         acks_late / reject_on_worker_lost: True, so a message whose worker died is
             redelivered (see ``docs/task.md`` on the Redis ``visibility_timeout``).
-        max_retries: None: Celery's own counter does not limit retries; :attr:`max_attempts`
-            (counted in the database, crashes included) does.
+        max_retries: None (not set): :attr:`max_attempts` (counted in the database, crashes
+            included) limits the tries. Set it to ``N`` (Celery's meaning): ``N + 1`` tries.
         lease_seconds / max_attempts / retry_base_seconds / retry_cap_seconds: None means
             the ``reliable_beat_*`` setting.
 

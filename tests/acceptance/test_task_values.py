@@ -65,10 +65,10 @@ class Env:
     def queue(self, name: str) -> str:
         return f"q-{self.tag}-{name}"
 
-    def worker(self, name: str) -> subprocess.Popen[bytes]:
+    def worker(self, name: str, pool: str = "solo") -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"worker-{name}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
-            [str(CELERY), "-A", "values_app", "worker", "--pool", "solo", "-c", "1",
+            [str(CELERY), "-A", "values_app", "worker", "--pool", pool, "-c", "1",
              "-Q", self.queue(name), "-n", f"{name}-{self.tag}@%h", "--without-gossip",
              "--without-mingle", "--without-heartbeat", "-l", "INFO"],
             env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
@@ -243,3 +243,28 @@ def test_typed_entry_arguments_reach_the_task_as_stock_beat_sends_them(env: Env)
     assert run["state"] == "succeeded" and run["entry_name"] == "typed-entry"
     assert run["result"] == ["datetime", "Decimal", "UUID", "date"]
     assert run["args"][1] == {"__type__": "datetime", "__value__": AT.isoformat()}
+
+
+def test_poison_message_dead_letters_after_max_retries_plus_one_tries(env: Env) -> None:
+    """A message that kills its worker process on every try (prefork: the parent requeues
+    it), ``max_retries=2``: each redelivery first finds the dead try's lease live (busy),
+    waits for it without spending the budget, takes over, and after 3 tries the next claim
+    dead-letters it. Main: the busy waits spent max_retries (MaxRetriesExceededError), the
+    message was dropped and the run sat ``running``."""
+    from rb_task_app import progress
+
+    env.worker("p", pool="prefork")
+    started = time.monotonic()
+    env.send("rb.values.poison", ["poison"], "p")
+    env.wait("the poison run dead-lettered",
+             lambda: runs.get_run(env.store, "effect:poison")["state"] == "dead"
+             if env.attempts("effect:poison") else False, 120)
+    elapsed = time.monotonic() - started
+    run = runs.get_run(env.store, "effect:poison")
+    tries = env.rows(sa.select(progress).where(progress.c.key == "effect:poison"))
+    [dl] = env.rows(sa.select(dead_letters))
+    print(f"poison message dead-lettered after {elapsed:.1f}s; attempts: "
+          f"{env.attempts('effect:poison')}")
+    assert len(tries) == 3, tries  # max_retries=2: 3 tries ran the body
+    assert run["attempts"] == 3 and dl["attempts"] == 3 and dl["reason"] == "exhausted"
+    assert "MaxRetriesExceeded" not in env.log("p")

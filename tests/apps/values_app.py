@@ -69,3 +69,10 @@ def hold(self: IdempotentTask, name: str, seconds: float) -> str:
         if self.attempt == 1:
             time.sleep(seconds)
     return "held"
+
+
+@app.task(base=EffectTask, bind=True, name="rb.values.poison", max_retries=2)
+def poison(self: IdempotentTask, name: str) -> str:
+    """Kills its worker process on every try (a poison message); ``max_retries=2``."""
+    _mark(self, "in_body")
+    os._exit(9)

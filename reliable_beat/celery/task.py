@@ -833,8 +833,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 task_id=request.id,
                 trigger=_header(request, TRIGGER_HEADER),
             )
-        except (DataError, IntegrityError) as exc:
-            # The database refused the values themselves: no retry can succeed.
+        except (DataError, IntegrityError, runs.RunNotFound) as exc:
+            # The database refused the values themselves, or the message names a slot whose
+            # run has another key: no retry can succeed.
             return self._refuse(key, exc, args, kwargs)
         except StatementError as exc:
             if not isinstance(exc, DBAPIError):  # a value the driver could not bind
@@ -938,8 +939,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Refuse a message whose values the store can never take (permanent, visible).
 
         Records a dead letter of kind ``message`` (there is no run row: the key, the entry
-        name or the arguments could not be stored) with the full key, task id and error,
-        logs it at ERROR and raises ``exc`` (the task fails; nothing is retried).
+        name or the arguments could not be stored, or the slot's run has another key) with
+        the full key, task id and error, logs it at ERROR and raises ``exc`` (the task
+        fails; nothing is retried).
         """
         error = f"{type(exc).__name__}: {exc}"
         log.error("%s[%s]: refusing the message for key %.80r: %s",
@@ -956,9 +958,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except Exception as record_exc:
             log.exception("%s: could not record the refused message; retrying", self.name)
             raise self._internal_retry(key, self._backoff(0), record_exc) from exc
-        if isinstance(exc, ValueError):
-            raise exc
-        raise rb_values.ValueLimitError(error) from exc
+        raise exc
 
     def _check_same_call(self, claim: runs.Claim, args: Any, kwargs: Any) -> None:
         """Compare this call with the one stored on the key's run (key reuse).

@@ -35,6 +35,7 @@ from sqlalchemy import and_, select, text, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import schedules as sch
+from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
@@ -210,6 +211,29 @@ def _check_custom_headers(headers: Any, bad: Callable[[str], None]) -> None:
             "instead, or rename the custom header)")
 
 
+def _encoded_arguments(
+    args: list[Any], kwargs: dict[str, Any], bad: Callable[[str], None]
+) -> tuple[list[Any], dict[str, Any]]:
+    """An entry's args / kwargs as Celery's JSON serializer sends them (stock beat does).
+
+    ``datetime``, ``Decimal``, ``UUID`` ... are stored in kombu's ``{"__type__", "__value__"}``
+    form (:func:`reliable_beat.values.to_json_value`), which the worker's JSON decoder turns
+    back into the same values; anything else is reported through ``bad``, naming the
+    argument (``args[1]``, ``kwargs['when']``).
+    """
+    try:
+        encoded_args = rb_values.to_json_value(args, "args")
+    except ValueError as exc:
+        bad(str(exc))
+        encoded_args = []
+    try:
+        encoded_kwargs = rb_values.to_json_value(kwargs, "kwargs")
+    except ValueError as exc:
+        bad(str(exc))
+        encoded_kwargs = {}
+    return encoded_args, encoded_kwargs
+
+
 def definition_from_celery(
     name: str,
     raw: Mapping[str, Any],
@@ -266,11 +290,13 @@ def definition_from_celery(
         elif not isinstance(exp, (int, float)) or isinstance(exp, bool) or exp <= 0:
             bad(f"options['expires']={exp!r}: give seconds (> 0) counted from the slot")
 
-    for what, value in (("args", args), ("kwargs", kwargs), ("options", options)):
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            bad(f"{what} are not JSON-serialisable ({exc}); pass plain JSON values")
+    for problem in rb_values.entry_name_problems(name):
+        bad(problem)
+    args, kwargs = _encoded_arguments(args, kwargs, bad)
+    try:
+        json.dumps(options)
+    except (TypeError, ValueError) as exc:
+        bad(f"options are not JSON-serialisable ({exc}); pass plain JSON values")
     size = sum(len(json.dumps(v, separators=(",", ":"), ensure_ascii=False, default=str)
                    .encode()) for v in (args, kwargs, options))
     if size > settings.max_payload_bytes:
@@ -502,6 +528,7 @@ def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: boo
         EntryNotFoundError: updating a name that does not exist.
     """
     definition.origin = "runtime"
+    rb_values.check_entry_name(definition.name)
     with store.begin() as conn:
         now = store.now(conn)
         row = conn.execute(

@@ -74,6 +74,9 @@ class Settings:
             of an outbox row's payload + headers (bytes, checked where they enter).
         outbox_batch_bytes: a relay claim stops adding rows once their payloads reach this
             many bytes (at least one row is always claimed).
+        key_reuse: what an IdempotentTask does when a call reuses an idempotency key with
+            other arguments than the key's run: ``warn`` (default: log a WARNING, use the
+            stored run) or ``refuse`` (raise ``IdempotencyKeyError``; nothing runs).
     """
 
     database_url: str = field(
@@ -114,6 +117,7 @@ class Settings:
     smtp: Mapping[str, Any] = field(default_factory=dict, repr=False)
     max_payload_bytes: int = 1024 * 1024
     outbox_batch_bytes: int = 16 * 1024 * 1024
+    key_reuse: str = "warn"
 
     def __post_init__(self) -> None:
         problems = []
@@ -127,6 +131,8 @@ class Settings:
                 f"reliable_beat_overlap_policy={self.overlap_policy!r}: expected one of "
                 + ", ".join(p.value for p in OverlapPolicy)
             )
+        if self.key_reuse not in ("warn", "refuse"):
+            problems.append(f"{PREFIX}key_reuse={self.key_reuse!r}: expected 'warn' or 'refuse'")
         for f in fields(self):
             value = getattr(self, f.name)
             key = PREFIX + f.name

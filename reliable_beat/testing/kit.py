@@ -83,7 +83,7 @@ class QuestionFailed(AssertionError):
         super().__init__(f"[{evidence.question.value}] {problem}\n  saw: {evidence.summary()}")
 
 
-class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error to handle
+class SimulatedCrash(BaseException):
     """Raised by the kit where a process would die (a ``BaseException``, like ``SystemExit``:
     the task's failure handling does not catch it, as it would not run in a dead process)."""
 
@@ -150,9 +150,9 @@ def throwaway_store(url: str | None = None) -> Iterator[Store]:
         ConfigurationError: the URL is not a supported SQLAlchemy URL.
     """
     if url is None:
-        with TemporaryDirectory(prefix="rb-test-") as tmp:
-            with _migrated(f"sqlite:///{Path(tmp) / 'rb.sqlite3'}") as store:
-                yield store
+        with TemporaryDirectory(prefix="rb-test-") as tmp, \
+                _migrated(f"sqlite:///{Path(tmp) / 'rb.sqlite3'}") as store:
+            yield store
         return
     parsed = sa.engine.make_url(url)
     if parsed.get_backend_name() != "postgresql":
@@ -190,10 +190,25 @@ def _migrated(url: str) -> Iterator[Store]:
 
 
 def _forget_settings(app: Any) -> None:
-    """Make every IdempotentTask of ``app`` read the app's settings again."""
+    """Make every IdempotentTask of ``app`` read the app's settings again, and drop the app's
+    cached broker connections and result backend (Celery keeps both once made, even an
+    eager ``delay()`` makes the producer pool), so a changed broker or backend is used."""
     for task in list(app.tasks.values()):
         if isinstance(task, IdempotentTask):
             task._rb_settings = None
+    # Celery keeps them in private attributes (5.3 - 5.7); each is reset only if present.
+    pool = getattr(app, "_pool", None)
+    if pool is not None:
+        pool.force_close_all()
+        app._pool = None
+    amqp = app.__dict__.get("amqp")
+    if amqp is not None:
+        amqp._producer_pool = None
+    if getattr(app, "_backend_cache", None) is not None:
+        app._backend_cache = None
+    local = getattr(app, "_local", None)
+    if local is not None:
+        local.__dict__.pop("backend", None)
 
 
 #: The settings :func:`use_store` sets besides the URL (quick retries: a test never waits).

@@ -11,15 +11,11 @@ task, run against a real store (SQLite by default, your PostgreSQL with a URL)::
         rbt.run_concurrently(pay, args=("m1",), key="payout:m1:2026-02", effects=probe, n=4)
         ...
 
-=====================  =====================================================================
-helper                 question it answers (named in its failure message)
-=====================  =====================================================================
-:func:`run_twice`      Can it run twice? (replaying one work unit changes nothing)
-:func:`run_concurrently`  Can it overlap? (n concurrent runs, one set of effects)
-:func:`die_mid_run`    What if the machine dies mid-run? (crash, recover, one set)
-:func:`fail_then_retry`  Can it retry safely? (injected transient failure, one set)
-:func:`stale_runner`   Is a stale runner fenced out? (fence moved: writes rolled back)
-=====================  =====================================================================
+* :func:`run_twice`: can it run twice? (replaying one work unit changes nothing)
+* :func:`run_concurrently`: can it overlap? (n concurrent runs, one set of effects)
+* :func:`die_mid_run`: what if the machine dies mid-run? (crash, recover, one set)
+* :func:`fail_then_retry`: can it retry safely? (injected transient failure, one set)
+* :func:`stale_runner`: is a stale runner fenced out? (fence moved: writes rolled back)
 
 Each helper returns the :class:`Evidence` it saw and raises :class:`QuestionFailed` (an
 ``AssertionError``) whose message names the question. The scheduler clock

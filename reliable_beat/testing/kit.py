@@ -101,7 +101,7 @@ class Evidence:
         outcomes: one line per call: ``succeeded``, ``deduplicated``, ``busy``, ``crashed``,
             ``fenced_out`` or the exception's type name.
         attempts: ``reliable_beat_attempts`` rows of the runs touched, oldest first, each
-            ``{"key", "attempt", "outcome", "fence_token", "retry_in_seconds"}``.
+            ``{"key", "attempt", "outcome", "fence_token", "retry_in_seconds", "error"}``.
         run_states: key -> ``reliable_beat_runs.state`` after the last call.
     """
 
@@ -374,7 +374,7 @@ def _attempts_after(store: Store, after_id: int) -> list[dict[str, Any]]:
     stmt = (
         sa.select(runs_table.c.idempotency_key, attempts_table.c.attempt,
                   attempts_table.c.outcome, attempts_table.c.fence_token,
-                  attempts_table.c.retry_in_seconds)
+                  attempts_table.c.retry_in_seconds, attempts_table.c.error)
         .join(runs_table, runs_table.c.id == attempts_table.c.run_id)
         .where(attempts_table.c.id > after_id)
         .order_by(attempts_table.c.id)
@@ -382,7 +382,8 @@ def _attempts_after(store: Store, after_id: int) -> list[dict[str, Any]]:
     with store.engine.connect() as conn:
         return [
             {"key": r.idempotency_key, "attempt": r.attempt, "outcome": r.outcome,
-             "fence_token": r.fence_token, "retry_in_seconds": r.retry_in_seconds}
+             "fence_token": r.fence_token, "retry_in_seconds": r.retry_in_seconds,
+             "error": r.error}
             for r in conn.execute(stmt)
         ]
 
@@ -696,9 +697,13 @@ def fail_then_retry(
     s.check_single_key("the failed attempt and its retry")
     s.check_one_set("a failed attempt and its retry")
     outcomes = [a["outcome"] for a in ev.attempts]
-    if outcomes[:1] != ["retrying"] or outcomes[-1:] != ["succeeded"]:
-        raise s.fail(f"expected attempts 'retrying' then 'succeeded', got {outcomes} "
-                     f"(is {type(injected).__name__} classified transient?)")
+    if outcomes[:1] != ["retrying"]:
+        raise s.fail(f"the injected {type(injected).__name__} was not retried: attempts "
+                     f"{outcomes} (is it classified transient? see IdempotentTask.classify)")
+    if outcomes[-1:] != ["succeeded"]:
+        last = next((a["error"] for a in reversed(ev.attempts) if a["error"]), None)
+        raise s.fail(f"the retry after the injected failure did not succeed: attempts "
+                     f"{outcomes}; last error: {(last or '?').splitlines()[0][:300]}")
     delay = ev.attempts[0]["retry_in_seconds"]
     bound = _first_backoff_bound(task)
     if delay is None or not 0 <= delay <= bound:

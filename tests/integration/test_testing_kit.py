@@ -208,3 +208,11 @@ def test_use_store_points_an_existing_app_and_restores_it(sqlite_tasks: Tasks) -
         assert rbt.call(t, key="u:1") == sqlite_tasks.store.url
     assert app.conf.reliable_beat_database_url == "sqlite:////nonexistent/never-used.sqlite3"
     assert "task_always_eager" not in app.conf or not app.conf.task_always_eager
+
+
+def test_fail_then_retry_names_an_injected_error_that_is_not_retried(sqlite_tasks: Tasks) -> None:
+    with pytest.raises(rbt.QuestionFailed, match=r"^\[can it retry safely\?\] the injected "
+                       r"ValueError was not retried"):
+        rbt.fail_then_retry(sqlite_tasks.tasks["correct"], ("m1",), key="k:1",
+                            effects=sqlite_tasks.probe("correct", "m1"),
+                            error=ValueError("permanent by default"))

@@ -216,3 +216,13 @@ def test_fail_then_retry_names_an_injected_error_that_is_not_retried(sqlite_task
         rbt.fail_then_retry(sqlite_tasks.tasks["correct"], ("m1",), key="k:1",
                             effects=sqlite_tasks.probe("correct", "m1"),
                             error=ValueError("permanent by default"))
+
+
+def test_plugin_refuses_a_bad_app_spec_naming_the_fix() -> None:
+    from reliable_beat.testing.pytest import _load_app
+
+    with pytest.raises(pytest.UsageError, match="expected 'module:attribute'"):
+        _load_app("proj.celery")
+    with pytest.raises(pytest.UsageError, match="no_such_module_xyz"):
+        _load_app("no_such_module_xyz:app")
+    assert _load_app("examples.payouts.app:app").main == "payouts"

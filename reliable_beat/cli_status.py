@@ -24,6 +24,7 @@ from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, runs
 from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.groups import group_health
 
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
@@ -38,6 +39,10 @@ __all__ = [
 #: missed: a beat sleeps at most ``beat_max_loop_interval`` (default 300 s on stock Celery,
 #: usually far less with NOTIFY) and a tick takes a moment.
 DEFAULT_MARGIN_SECONDS = 60.0
+#: ``--check`` alarms on config entries a sync disabled within this many minutes.
+DEFAULT_DISABLED_WITHIN_MINUTES = 60.0
+#: A beat whose heartbeat (every few seconds) is older than this counts as gone.
+BEAT_ALIVE_SECONDS = 60.0
 
 
 def jsonable(value: Any) -> Any:
@@ -83,7 +88,9 @@ def outbox_backlog(conn: Connection, now: datetime) -> list[dict[str, Any]]:
 
 
 def collect_status(
-    store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS
+    store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS,
+    disabled_within_minutes: float = DEFAULT_DISABLED_WITHIN_MINUTES,
+    beat_alive_seconds: float = BEAT_ALIVE_SECONDS,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -91,11 +98,18 @@ def collect_status(
         store: the store.
         margin_seconds: slack added to each entry's ``misfire_grace`` before its overdue
             ``next_fire_at`` counts as a missed slot.
+        disabled_within_minutes: config entries a sync disabled this recently are an alarm
+            (an entry vanished from its group's ``beat_schedule``: on purpose, or a deploy
+            of the wrong config?).
+        beat_alive_seconds: a beat whose heartbeat is older than this counts as gone.
 
     Returns:
         ``{"store" (URL, password hidden), "now" (UTC), "entries": [...], "missed": [names],
         "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
-        "problems": [str], "ok" (bool)}``. Each entry: ``{"name", "task", "origin",
+        "groups": [...] (see :func:`~reliable_beat.groups.group_health`), "recently_disabled":
+        [names], "unregistered": {entry: task}, "problems": [str], "warnings": [str],
+        "ok" (bool)}``. Each entry: ``{"name", "task", "origin", "schedule_group",
+        "disabled_at",
         "status" (active | paused | disabled | ended), "next_fire_at", "last_fire_at",
         "last_state", "lag_seconds" (float | None), "overdue_seconds" (float | None),
         "missed" (bool), "failing" (retrying runs), "dead" (dead letters not requeued)}``.
@@ -111,6 +125,7 @@ def collect_status(
                 entries.c.name, entries.c.task, entries.c.origin, entries.c.enabled,
                 entries.c.paused, entries.c.next_fire_at, entries.c.last_fire_at,
                 entries.c.misfire_grace_seconds, last.c.state.label("last_state"),
+                entries.c.schedule_group, entries.c.disabled_at,
                 last.c.dispatched_at.label("last_dispatched_at"),
             )
             .select_from(
@@ -142,6 +157,7 @@ def collect_status(
             .where(dead_letters.c.requeued_at.is_(None))
         ).scalar_one()
         backlog = outbox_backlog(conn, now)
+        groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
@@ -161,6 +177,7 @@ def collect_status(
             missed.append(r.name)
         out_entries.append({
             "name": r.name, "task": r.task, "origin": r.origin, "status": status,
+            "schedule_group": r.schedule_group, "disabled_at": _utc(r.disabled_at),
             "next_fire_at": r.next_fire_at, "last_fire_at": r.last_fire_at,
             "last_state": r.last_state, "lag_seconds": lag, "overdue_seconds": overdue,
             "missed": is_missed, "failing": int(failing.get(r.name, 0)),
@@ -178,6 +195,36 @@ def collect_status(
         problems.append(
             f"{dead_total} dead letters wait for a person: `reliable-beat dead-letters list`"
         )
+    horizon = now - timedelta(minutes=disabled_within_minutes)
+    recent = [e["name"] for e in out_entries if e["status"] == "disabled"
+              and e["origin"] == "config" and e["disabled_at"] is not None
+              and e["disabled_at"] >= horizon]
+    if recent:
+        problems.append(
+            f"RECENTLY DISABLED: {len(recent)} config entries vanished from their group's "
+            f"beat_schedule within the last {disabled_within_minutes:g} min and were disabled "
+            f"({', '.join(recent[:10])}{', ...' if len(recent) > 10 else ''}). If that was not "
+            "meant, deploy the config that has them (`reliable-beat status --all` shows them)."
+        )
+    for g in groups:
+        if g["enabled_entries"] and not g["beats_alive"]:
+            seen = _fmt(g["last_seen_at"]) if g["last_seen_at"] else "never"
+            problems.append(
+                f"NO BEAT: schedule group {g['group']!r} has {g['enabled_entries']} enabled "
+                f"config entries but no live beat (last seen {seen}): nothing syncs its "
+                "beat_schedule; beats of other groups still fire its entries. Start its beat, "
+                f"or retire the group: `reliable-beat schedule retire {g['group']}`."
+            )
+    unregistered: dict[str, str] = {}
+    for g in groups:
+        unregistered.update(g["unregistered"])
+    warnings: list[str] = []
+    if unregistered:
+        warnings.append(
+            f"UNREGISTERED TASKS: {len(unregistered)} config entries name a task their "
+            "group's beat does not register: "
+            + ", ".join(f"{k} -> {v}" for k, v in sorted(unregistered.items())[:10])
+        )
     return {
         "store": store.safe_url,
         "now": now,
@@ -185,7 +232,11 @@ def collect_status(
         "missed": missed,
         "outbox": backlog,
         "dead_letters": int(dead_total),
+        "groups": groups,
+        "recently_disabled": recent,
+        "unregistered": unregistered,
         "problems": problems,
+        "warnings": warnings,
         "ok": not problems,
     }
 
@@ -205,26 +256,37 @@ def _secs(value: float | None) -> str:
 @click.option("--margin", type=click.FloatRange(min=0), default=DEFAULT_MARGIN_SECONDS,
               show_default=True,
               help="Seconds beyond an entry's misfire_grace before an overdue slot is 'missed'.")
+@click.option("--disabled-within", type=click.FloatRange(min=0),
+              default=DEFAULT_DISABLED_WITHIN_MINUTES, show_default=True,
+              help="Minutes: config entries disabled by a sync this recently are an alarm.")
 @click.option("--all", "show_all", is_flag=True, help="Include disabled entries.")
 @pass_cli
-def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all: bool) -> None:
+def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all: bool,
+           disabled_within: float) -> None:
     """Entries (next fire, last slot, state, lag, failing/dead), outbox backlog, alarms."""
     try:
-        info = collect_status(cli.store, margin_seconds=margin)
+        info = collect_status(cli.store, margin_seconds=margin,
+                              disabled_within_minutes=disabled_within)
     except StoreUnavailableError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(1) from exc
     if not show_all:
-        info["entries"] = [e for e in info["entries"] if e["status"] != "disabled"]
+        # Disabled config entries stay visible: a vanished entry is news.
+        info["entries"] = [e for e in info["entries"]
+                           if e["status"] != "disabled" or e["origin"] == "config"]
     if as_json:
         cli.echo_json(jsonable(info))
     else:
         click.echo(f"store {info['store']}  now {_fmt(info['now'])} (store clock, UTC)")
         for problem in info["problems"]:
             click.secho(f"!! {problem}", fg="red", bold=True)
-        header = ("ENTRY", "STATUS", "NEXT", "LAST SLOT", "STATE", "LAG", "FAILING", "DEAD")
+        for warning in info["warnings"]:
+            click.secho(f"!  {warning}", fg="yellow")
+        header = ("ENTRY", "GROUP", "STATUS", "NEXT", "LAST SLOT", "STATE", "LAG", "FAILING",
+                  "DEAD")
         table = [header] + [
-            (e["name"] + (" (MISSED)" if e["missed"] else ""), e["status"],
+            (e["name"] + (" (MISSED)" if e["missed"] else ""), e["schedule_group"] or "-",
+             e["status"] + (f" {_fmt(e['disabled_at'])}" if e["disabled_at"] else ""),
              _fmt(e["next_fire_at"]), _fmt(e["last_fire_at"]), e["last_state"] or "-",
              _secs(e["lag_seconds"]), str(e["failing"]), str(e["dead"]))
             for e in info["entries"]
@@ -240,6 +302,10 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         else:
             click.echo("\noutbox: empty")
         click.echo(f"dead letters: {info['dead_letters']}")
+        for g in info["groups"]:
+            click.echo(f"schedule group {g['group']}: {g['beats_alive']} live beats, "
+                       f"{g['enabled_entries']} enabled config entries, config synced "
+                       f"{_fmt(g['config_synced_at'])}, last beat seen {_fmt(g['last_seen_at'])}")
     if check and not info["ok"]:
         raise SystemExit(1)
 

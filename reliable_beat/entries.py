@@ -38,6 +38,13 @@ from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
+from reliable_beat.groups import (
+    DEFAULT_GROUP,
+    SyncResult,
+    config_state,
+    group_config_hash,
+    record_config,
+)
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy
 from reliable_beat.settings import Settings
 
@@ -53,6 +60,7 @@ __all__ = [
     "resume",
     "save_runtime_entry",
     "sync_config_entries",
+    "sync_schedule_group",
 ]
 
 ENTRY_OPTION_KEYS = frozenset(
@@ -384,16 +392,22 @@ def _lock_for_sync(conn: Connection, store: Store) -> None:
 
 
 def _upsert(
-    conn: Connection, store: Store, definition: EntryDefinition, now: datetime
+    conn: Connection, store: Store, definition: EntryDefinition, now: datetime,
+    group: str | None = None,
 ) -> str:
-    """Insert or update one entry. Returns ``inserted``, ``updated`` or ``unchanged``."""
+    """Insert or update one entry. Returns ``inserted``, ``updated``, ``unchanged``,
+    ``adopted`` (a config entry of no group, or disabled in another group, now ``group``'s) or
+    ``conflict`` (an enabled config entry of another group: left as it is)."""
     row = conn.execute(
         select(
             entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
             entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at, entries.c.paused,
+            entries.c.schedule_group,
         ).where(entries.c.name == definition.name)
     ).first()
     values = definition.row_values()
+    if definition.origin == "config":
+        values["schedule_group"] = group
     if row is None:
         values.update(
             next_fire_at=definition.first_fire_at(now), created_at=now, updated_at=now,
@@ -401,7 +415,12 @@ def _upsert(
         )
         conn.execute(entries.insert().values(**values))
         return "inserted"
-    if row.config_hash == values["config_hash"] and row.enabled:
+    adopted = False
+    if definition.origin == "config" and row.schedule_group != group:
+        if row.schedule_group is not None and row.enabled:
+            return "conflict"
+        adopted = True
+    if row.config_hash == values["config_hash"] and row.enabled and not adopted:
         return "unchanged"
     if definition.schedule.kind == "interval" and not getattr(
         definition, "_explicit_anchor", False
@@ -417,31 +436,55 @@ def _upsert(
     else:
         base = max(now, row.last_fire_at) if row.last_fire_at else now
         next_fire_at = definition.first_fire_at(base)
-    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True)
+    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True, disabled_at=None)
     del values["name"]
     conn.execute(update(entries).where(entries.c.id == row.id).values(**values))
-    return "updated"
+    return "adopted" if adopted else "updated"
 
 
-def sync_config_entries(store: Store, definitions: Iterable[EntryDefinition]) -> dict[str, int]:
-    """Make the stored ``config`` entries match ``beat_schedule``, in one transaction.
+def sync_schedule_group(
+    store: Store,
+    definitions: Iterable[EntryDefinition],
+    *,
+    group: str = DEFAULT_GROUP,
+    owner: str | None = None,
+    force: bool = False,
+) -> SyncResult:
+    """Make the stored config entries of schedule group ``group`` match ``beat_schedule``, in
+    one transaction, unless this config is an older one of the group.
 
-    New entries are inserted, changed ones updated (a changed schedule recomputes
-    ``next_fire_at`` on the new grid), config entries gone from the config are disabled
-    (never deleted: their history stays). Runtime entries are never touched. Safe when several
-    beats sync at once (PostgreSQL advisory lock; SQLite write lock).
+    The config's digest (:func:`~reliable_beat.groups.group_config_hash`) decides
+    (see :mod:`reliable_beat.groups`): the group's *current* config changes nothing; a *new*
+    one is synced and becomes current; an *older* one (synced before, then superseded: an
+    old pod of a rolling deploy) is not synced unless ``force``.
 
-    Returns:
-        Counts: ``{"inserted": n, "updated": n, "unchanged": n, "disabled": n}``.
+    A sync inserts new entries, updates changed ones (a changed schedule recomputes
+    ``next_fire_at`` on the new grid) and disables (never deletes: their history stays) the
+    config entries **of this group** that are gone from the config. Config entries of other
+    groups and runtime entries are never touched; a name that is an enabled config entry of
+    another group is reported in ``conflicts`` and left to that group; a config entry with no
+    group (stored before groups existed) or disabled in another group is adopted. Safe when
+    several beats sync at once (PostgreSQL advisory lock; SQLite write lock).
+
+    Args:
+        group: the schedule group (the Celery app's main name, or
+            ``reliable_beat_schedule_group``).
+        owner: who syncs (recorded with the config; for the logs).
+        force: sync even an older config (``reliable-beat schedule sync --force``).
 
     Raises:
         ConfigurationError: a config entry has the name of an existing runtime entry.
     """
-    counts = {"inserted": 0, "updated": 0, "unchanged": 0, "disabled": 0}
     defs = list(definitions)
+    result = SyncResult(group=group, config_hash=group_config_hash(defs))
     with store.begin() as conn:
         _lock_for_sync(conn, store)
         now = store.now(conn)
+        state, superseded_at = config_state(conn, group, result.config_hash)
+        if state == "older" and not force:
+            result.outcome, result.superseded_at = "older", superseded_at
+            return result
+        result.outcome = "forced" if state == "older" else state
         names = [d.name for d in defs]
         clash = conn.execute(
             select(entries.c.name).where(
@@ -455,17 +498,49 @@ def sync_config_entries(store: Store, definitions: Iterable[EntryDefinition]) ->
             )
         for d in defs:
             d.origin = "config"
-            counts[_upsert(conn, store, d, now)] += 1
-        stale = update(entries).where(
-            and_(entries.c.origin == "config", entries.c.enabled.is_(True))
+            outcome = _upsert(conn, store, d, now, group)
+            if outcome == "unchanged":
+                result.unchanged += 1
+            elif outcome == "conflict":
+                other = conn.execute(
+                    select(entries.c.schedule_group).where(entries.c.name == d.name)
+                ).scalar_one()
+                result.conflicts[d.name] = other
+            else:
+                getattr(result, outcome).append(d.name)
+        stale = select(entries.c.id, entries.c.name).where(
+            and_(entries.c.origin == "config", entries.c.enabled.is_(True),
+                 entries.c.schedule_group == group)
         )
         if names:
             stale = stale.where(entries.c.name.not_in(names))
-        result = conn.execute(stale.values(enabled=False, updated_at=now))
-        counts["disabled"] = result.rowcount or 0
-        if counts["inserted"] or counts["updated"] or counts["disabled"]:
+        gone = conn.execute(stale.order_by(entries.c.name)).all()
+        if gone:
+            conn.execute(
+                update(entries)
+                .where(entries.c.id.in_([r.id for r in gone]))
+                .values(enabled=False, disabled_at=now, updated_at=now)
+            )
+        result.disabled = [r.name for r in gone]
+        record_config(conn, group=group, config_hash=result.config_hash, names=names, now=now,
+                      owner=owner)
+        if result.changed:
             notify_entries_changed(conn, store)
-    return counts
+    return result
+
+
+def sync_config_entries(
+    store: Store, definitions: Iterable[EntryDefinition], *, group: str = DEFAULT_GROUP,
+) -> dict[str, int]:
+    """:func:`sync_schedule_group` returning only the counts.
+
+    Returns:
+        Counts: ``{"inserted": n, "updated": n, "unchanged": n, "disabled": n}``.
+
+    Raises:
+        ConfigurationError: a config entry has the name of an existing runtime entry.
+    """
+    return sync_schedule_group(store, definitions, group=group).counts
 
 
 def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: bool) -> str:

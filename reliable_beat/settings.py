@@ -52,6 +52,9 @@ class Settings:
             message was lost; see :mod:`reliable_beat.redispatch`).
         metrics_port: serve Prometheus metrics on this port (None: off).
         owner_id: name of this process in leases and logs (default: host:pid).
+        schedule_group: the schedule group of this app's ``beat_schedule`` entries (default:
+            the Celery app's main name). A beat's start-up sync only touches its own group's
+            config entries (see :mod:`reliable_beat.groups`).
     """
 
     database_url: str = field(
@@ -80,6 +83,7 @@ class Settings:
     redispatch_seconds: float = 120.0
     metrics_port: int | None = None
     owner_id: str | None = None
+    schedule_group: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

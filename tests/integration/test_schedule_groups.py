@@ -1,0 +1,204 @@
+"""Schedule groups and config versions: several apps, and old and new pods, on one store.
+
+Real ``ReliableScheduler`` instances (the start-up sync a ``celery beat`` runs) of different
+Celery apps on one real PostgreSQL store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from celery import Celery
+from click.testing import CliRunner
+from sqlalchemy import select, update
+
+from reliable_beat.celery.commands import reliable_beat
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries
+
+SCHEDULER_LOG = "reliable_beat.scheduler"
+
+
+def _noop(*args: Any) -> None:
+    """A plain task."""
+
+
+def _app(main: str, url: str, schedule: dict[str, Any], **conf: Any) -> Celery:
+    app = Celery(main, broker="memory://", set_as_current=False)
+    app.conf.update(reliable_beat_database_url=url, timezone="UTC",
+                    beat_schedule=schedule, **conf)
+    app.task(name=f"{main}.tick")(_noop)
+    return app
+
+
+def _tick(main: str, cron: str = "* * * * *") -> dict[str, Any]:
+    return {"task": f"{main}.tick", "schedule": cron}
+
+
+@pytest.fixture
+def start(pg_store: Store) -> Iterator[Any]:
+    """Start (set up) a ``ReliableScheduler`` of a new app: what `celery beat` does first."""
+    from reliable_beat.celery.scheduler import ReliableScheduler
+
+    started: list[Any] = []
+
+    def go(main: str, schedule: dict[str, Any], **conf: Any) -> Any:
+        app = _app(main, pg_store.url, schedule, **conf)
+        sched = ReliableScheduler(app=app)  # checks the schema, syncs beat_schedule
+        started.append(sched)
+        return sched
+
+    yield go
+    for sched in started:
+        sched.close()
+
+
+def _rows(store: Store) -> dict[str, Any]:
+    with store.engine.connect() as conn:
+        return {r.name: r for r in conn.execute(select(entries))}
+
+
+def test_two_apps_on_one_store_keep_each_others_entries(
+    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fails on the code before groups: the later sync disabled the other app's entries."""
+    start("billing", {"invoice": _tick("billing"), "dunning": _tick("billing")})
+    with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
+        start("reports", {"daily": _tick("reports", "0 6 * * *")})
+    rows = _rows(pg_store)
+    assert {n: r.enabled for n, r in rows.items()} == {
+        "invoice": True, "dunning": True, "daily": True}
+    assert "disabled" not in caplog.text
+    assert {n: r.schedule_group for n, r in rows.items()} == {
+        "invoice": "billing", "dunning": "billing", "daily": "reports"}
+    # billing restarts with the same config: nothing changes, one quiet INFO line.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
+        start("billing", {"invoice": _tick("billing"), "dunning": _tick("billing")})
+    assert "is current" in caplog.text and "WARNING" not in caplog.text
+    assert all(r.enabled for r in _rows(pg_store).values())
+    # billing drops 'dunning': disabled by a billing beat, at WARNING, with the name.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
+        start("billing", {"invoice": _tick("billing")})
+    rows = _rows(pg_store)
+    assert rows["dunning"].enabled is False and rows["dunning"].disabled_at is not None
+    assert rows["daily"].enabled is True and rows["invoice"].enabled is True
+    warn = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warn) == 1 and "dunning" in warn[0].getMessage()
+    assert "'billing'" in warn[0].getMessage()
+
+
+def test_group_setting_overrides_main_name(pg_store: Store, start: Any) -> None:
+    start("proj", {"a": _tick("proj")}, reliable_beat_schedule_group="web")
+    start("proj", {"b": _tick("proj")}, reliable_beat_schedule_group="batch")
+    rows = _rows(pg_store)
+    assert {n: (r.enabled, r.schedule_group) for n, r in rows.items()} == {
+        "a": (True, "web"), "b": (True, "batch")}
+
+
+def test_same_name_in_two_groups_is_refused_per_entry(
+    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    start("one", {"shared": _tick("one"), "mine": _tick("one")})
+    with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
+        start("two", {"shared": _tick("two", "0 * * * *"), "theirs": _tick("two")})
+    rows = _rows(pg_store)
+    # 'shared' stays one's (and one's definition); two's other entry is synced.
+    assert rows["shared"].schedule_group == "one" and rows["shared"].task == "one.tick"
+    assert rows["theirs"].enabled and rows["theirs"].schedule_group == "two"
+    err = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("'shared'" in m and "'one'" in m for m in err), err
+    # one drops it: disabled there; two's next start adopts it.
+    start("one", {"mine": _tick("one")})
+    assert _rows(pg_store)["shared"].enabled is False
+    start("two", {"shared": _tick("two", "0 * * * *"), "theirs": _tick("two")})
+    shared = _rows(pg_store)["shared"]
+    assert (shared.enabled, shared.schedule_group, shared.task) == (True, "two", "two.tick")
+
+
+def test_older_config_of_a_rolling_deploy_does_not_flap(
+    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = {"keep": _tick("app"), "cron": _tick("app", "*/5 * * * *"),
+           "removed": _tick("app"), "old-name": _tick("app")}
+    new = {"keep": _tick("app"), "cron": _tick("app", "*/10 * * * *"),
+           "added": _tick("app"), "new-name": _tick("app")}
+    start("app", old)
+    with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
+        start("app", new)
+    changed = caplog.text
+    assert "inserted 2 (added, new-name)" in changed and "updated 1 (cron)" in changed
+    assert "disabled 2 config entries" in changed and "old-name, removed" in changed
+
+    def state() -> dict[str, Any]:
+        return {n: (r.enabled, r.schedule["expr"] if r.schedule_kind == "cron" else None)
+                for n, r in _rows(pg_store).items()}
+
+    want = {"keep": (True, "* * * * *"), "cron": (True, "*/10 * * * *"),
+            "added": (True, "* * * * *"), "new-name": (True, "* * * * *"),
+            "removed": (False, "* * * * *"), "old-name": (False, "* * * * *")}
+    assert state() == want
+    # Old and new pods keep restarting: the stored schedule stays the new one, and neither
+    # logs a change again.
+    for _ in range(3):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
+            start("app", old)
+            start("app", new)
+        assert state() == want
+        assert "older version" in caplog.text and "is current" in caplog.text
+        assert "synced" not in caplog.text and "disabled" not in caplog.text
+    # A rollback is a person's decision: `schedule sync --force` with the old config.
+    runner = CliRunner()
+    res = runner.invoke(reliable_beat, ["--database-url", pg_store.url, "schedule", "list",
+                                        "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    configs = json.loads(res.output)
+    assert [c["current"] for c in configs if c["schedule_group"] == "app"].count(True) == 1
+
+
+def test_status_shows_disabled_and_alarms(pg_store: Store, start: Any) -> None:
+    start("web", {"a": _tick("web"), "b": _tick("web")})
+    sched = start("web", {"a": _tick("web")})
+    runner = CliRunner()
+
+    def status(*args: str) -> Any:
+        return runner.invoke(reliable_beat, ["--database-url", pg_store.url, "status", *args],
+                             catch_exceptions=False)
+
+    info = json.loads(status("--json").output)
+    b = next(e for e in info["entries"] if e["name"] == "b")
+    assert b["status"] == "disabled" and b["schedule_group"] == "web"
+    assert b["disabled_at"].endswith("Z")
+    assert info["recently_disabled"] == ["b"]
+    assert any("RECENTLY DISABLED" in p and "b" in p for p in info["problems"])
+    assert status("--check").exit_code == 1
+    assert status("--check", "--disabled-within", "0").exit_code == 0
+    # All beats of the group gone (no heartbeat for longer than the alive window): alarm.
+    from reliable_beat.db.tables import beats
+
+    sched.close()
+    with pg_store.begin() as conn:
+        conn.execute(update(beats).values(seen_at=pg_store.now(conn) - timedelta(minutes=5),
+                                          stopped_at=None))
+    r = status("--check", "--disabled-within", "0")
+    assert r.exit_code == 1 and "NO BEAT" in r.output and "'web'" in r.output
+
+
+def test_unregistered_task_is_an_error_and_counted(
+    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
+        start("web", {"ok": _tick("web"), "typo": {"task": "web.tikc", "schedule": 60.0}})
+    err = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("'typo'" in m and "'web.tikc'" in m for m in err), err
+    res = CliRunner().invoke(reliable_beat, ["--database-url", pg_store.url, "status",
+                                             "--json"], catch_exceptions=False)
+    info = json.loads(res.output)
+    assert info["unregistered"] == {"typo": "web.tikc"}

@@ -20,11 +20,12 @@ import click
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
+from reliable_beat import __version__
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.settings import Settings
 
-__all__ = ["COMMAND_MODULES", "CliContext", "pass_cli", "reliable_beat"]
+__all__ = ["COMMAND_MODULES", "CliContext", "pass_cli", "prepare_app", "reliable_beat"]
 
 #: Modules whose import adds commands to :func:`reliable_beat` (each defines ``register(group)``).
 COMMAND_MODULES = [
@@ -118,7 +119,33 @@ def _load_app(spec: str) -> Any:
     return find_app(spec)
 
 
+def prepare_app(app: Any) -> Any:
+    """Load the app's tasks the way ``celery -A proj worker`` does before it consumes: import
+    the modules of ``imports`` / ``include`` and the packages given to ``autodiscover_tasks``
+    (the loader's ``import_default_modules``, which sends ``import_modules``), then finalize
+    the app. So ``entries add --task proj.tasks.record`` and ``entries describe`` know every
+    task a worker of the same app knows.
+
+    Returns:
+        ``app``.
+
+    Raises:
+        click.ClickException: a task module fails to import (the message names it; exit 1).
+    """
+    try:
+        app.loader.import_default_modules()
+        app.finalize(auto=True)
+    except Exception as exc:
+        raise click.ClickException(
+            f"could not load the task modules of app {getattr(app, 'main', app)!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    return app
+
+
 @click.group(name="reliable-beat", cls=_Group)
+@click.version_option(version=__version__, prog_name="reliable-beat",
+                      message="%(prog)s %(version)s")
 @click.option("-A", "--app", "app_spec", default=None, envvar="RELIABLE_BEAT_APP",
               help="Celery app (module or module:attr) whose reliable_beat_* settings to use.")
 @click.option("--database-url", default=None, envvar="RELIABLE_BEAT_DATABASE_URL",
@@ -126,12 +153,13 @@ def _load_app(spec: str) -> Any:
 @click.pass_context
 def reliable_beat(ctx: click.Context, app_spec: str | None, database_url: str | None) -> None:
     """Effectively-once periodic tasks for Celery: schema, entries, runs, relay, status."""
-    app = None
+    app: Any = None
     parent = ctx.find_object(object) if ctx.parent is not None else None
     if app_spec:
-        app = _load_app(app_spec)
-    elif parent is not None and hasattr(parent, "app"):
-        app = parent.app  # running as `celery -A proj reliable-beat ...`
+        app = prepare_app(_load_app(app_spec))
+    elif getattr(parent, "app", None) is not None:
+        # running as `celery -A proj reliable-beat ...`: Celery loaded the app, not its tasks
+        app = prepare_app(parent.app)  # type: ignore[attr-defined]
     ctx.obj = CliContext(app=app, database_url=database_url)
 
 

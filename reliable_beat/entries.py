@@ -393,25 +393,28 @@ def _lock_for_sync(conn: Connection, store: Store) -> None:
 
 def _upsert(
     conn: Connection, store: Store, definition: EntryDefinition, now: datetime,
-    group: str | None = None,
+    group: str | None = None, after: datetime | None = None,
 ) -> str:
     """Insert or update one entry. Returns ``inserted``, ``updated``, ``unchanged``,
     ``adopted`` (a config entry of no group, or disabled in another group, now ``group``'s) or
-    ``conflict`` (an enabled config entry of another group: left as it is)."""
+    ``conflict`` (an enabled config entry of another group: left as it is).
+
+    ``after``: a new entry's first slot is after this instant too (a renamed entry continues
+    where its old name stopped)."""
     row = conn.execute(
         select(
             entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
             entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at, entries.c.paused,
             entries.c.schedule_group,
-        ).where(entries.c.name == definition.name)
+        ).where(entries.c.name == definition.name).with_for_update()
     ).first()
     values = definition.row_values()
     if definition.origin == "config":
         values["schedule_group"] = group
     if row is None:
         values.update(
-            next_fire_at=definition.first_fire_at(now), created_at=now, updated_at=now,
-            enabled=True, paused=False,
+            next_fire_at=definition.first_fire_at(max(now, after) if after else now),
+            created_at=now, updated_at=now, enabled=True, paused=False,
         )
         conn.execute(entries.insert().values(**values))
         return "inserted"
@@ -496,9 +499,31 @@ def sync_schedule_group(
                 f"beat_schedule entries {sorted(clash)} clash with runtime entries of the same "
                 "name; rename them or remove the runtime entries (`reliable-beat entries remove`)"
             )
+        # Disable first (UPDATE ... RETURNING waits for a beat's claim holding the row, so
+        # last_fire_at is the committed one), then insert / update.
+        stale = update(entries).where(
+            and_(entries.c.origin == "config", entries.c.enabled.is_(True),
+                 entries.c.schedule_group == group)
+        )
+        if names:
+            stale = stale.where(entries.c.name.not_in(names))
+        gone = sorted(conn.execute(
+            stale.values(enabled=False, disabled_at=now, updated_at=now).returning(
+                entries.c.name, entries.c.config_hash, entries.c.last_fire_at,
+                entries.c.schedule)
+        ).all(), key=lambda r: r.name)
+        result.disabled = [r.name for r in gone]
+        renamed = _renames(conn, defs, gone)
         for d in defs:
             d.origin = "config"
-            outcome = _upsert(conn, store, d, now, group)
+            after = None
+            old = renamed.get(d.name)
+            if old is not None:
+                result.renamed[d.name] = old.name
+                after = old.last_fire_at
+                if d.schedule.kind == "interval" and not getattr(d, "_explicit_anchor", False):
+                    d = replace(d, schedule=sch.schedule_from_spec(old.schedule))
+            outcome = _upsert(conn, store, d, now, group, after)
             if outcome == "unchanged":
                 result.unchanged += 1
             elif outcome == "conflict":
@@ -508,25 +533,34 @@ def sync_schedule_group(
                 result.conflicts[d.name] = other
             else:
                 getattr(result, outcome).append(d.name)
-        stale = select(entries.c.id, entries.c.name).where(
-            and_(entries.c.origin == "config", entries.c.enabled.is_(True),
-                 entries.c.schedule_group == group)
-        )
-        if names:
-            stale = stale.where(entries.c.name.not_in(names))
-        gone = conn.execute(stale.order_by(entries.c.name)).all()
-        if gone:
-            conn.execute(
-                update(entries)
-                .where(entries.c.id.in_([r.id for r in gone]))
-                .values(enabled=False, disabled_at=now, updated_at=now)
-            )
-        result.disabled = [r.name for r in gone]
         record_config(conn, group=group, config_hash=result.config_hash, names=names, now=now,
                       owner=owner)
         if result.changed:
             notify_entries_changed(conn, store)
     return result
+
+
+def _renames(
+    conn: Connection, defs: list[EntryDefinition], gone: list[Any]
+) -> dict[str, Any]:
+    """New name -> the disabled row it renames: a definition with no stored row whose
+    definition (everything but the name) is that of exactly one entry this sync disables,
+    and no other new definition has it too."""
+    if not gone:
+        return {}
+    by_hash: dict[str, list[Any]] = {}
+    for row in gone:
+        by_hash.setdefault(row.config_hash, []).append(row)
+    existing = set(conn.execute(
+        select(entries.c.name).where(entries.c.name.in_([d.name for d in defs]))
+    ).scalars()) if defs else set()
+    new = [d for d in defs if d.name not in existing]
+    hashes = [d.config_hash() for d in new]
+    out: dict[str, Any] = {}
+    for d, h in zip(new, hashes, strict=True):
+        if len(by_hash.get(h, [])) == 1 and hashes.count(h) == 1:
+            out[d.name] = by_hash[h][0]
+    return out
 
 
 def sync_config_entries(

@@ -82,6 +82,9 @@ class SyncResult:
             taken over by this group.
         unchanged: how many entries were already as configured.
         conflicts: entry name -> the other group that owns it (enabled there): not synced.
+        renamed: new name -> old name, for an inserted entry defined exactly as one this sync
+            disabled: it continues the old name's grid (its first slot is after the old
+            name's last), so a rename neither repeats nor skips a slot.
         superseded_at: for ``older``, when this config was replaced (UTC).
     """
 
@@ -94,6 +97,7 @@ class SyncResult:
     disabled: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
     conflicts: dict[str, str] = field(default_factory=dict)
+    renamed: dict[str, str] = field(default_factory=dict)
     superseded_at: datetime | None = None
 
     @property
@@ -289,6 +293,9 @@ def log_sync_result(log: logging.Logger, result: SyncResult, where: str) -> None
     parts = [f"{k} {len(v)} ({_names(v)})" for k, v in (
         ("inserted", result.inserted), ("updated", result.updated),
         ("adopted", result.adopted)) if v]
+    if result.renamed:
+        parts.append("renamed " + ", ".join(
+            f"{old} -> {new}" for new, old in sorted(result.renamed.items())))
     log.info("reliable_beat: schedule group %r: synced %s beat_schedule (config %s) into %s: "
              "%s; %d unchanged", group, result.outcome, short, where,
              "; ".join(parts) or "nothing new", result.unchanged)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from datetime import timedelta
+import time
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -36,8 +37,8 @@ def _app(main: str, url: str, schedule: dict[str, Any], **conf: Any) -> Celery:
     return app
 
 
-def _tick(main: str, cron: str = "* * * * *") -> dict[str, Any]:
-    return {"task": f"{main}.tick", "schedule": cron}
+def _tick(main: str, cron: str = "* * * * *", *args: Any) -> dict[str, Any]:
+    return {"task": f"{main}.tick", "schedule": cron, "args": list(args)}
 
 
 @pytest.fixture
@@ -126,15 +127,16 @@ def test_older_config_of_a_rolling_deploy_does_not_flap(
     pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     old = {"keep": _tick("app"), "cron": _tick("app", "*/5 * * * *"),
-           "removed": _tick("app"), "old-name": _tick("app")}
+           "removed": _tick("app"), "old-name": _tick("app", "* * * * *", "r")}
     new = {"keep": _tick("app"), "cron": _tick("app", "*/10 * * * *"),
-           "added": _tick("app"), "new-name": _tick("app")}
+           "added": _tick("app", "* * * * *", "a"), "new-name": _tick("app", "* * * * *", "r")}
     start("app", old)
     with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
         start("app", new)
     changed = caplog.text
     assert "inserted 2 (added, new-name)" in changed and "updated 1 (cron)" in changed
     assert "disabled 2 config entries" in changed and "old-name, removed" in changed
+    assert "renamed old-name -> new-name" in changed
 
     def state() -> dict[str, Any]:
         return {n: (r.enabled, r.schedule["expr"] if r.schedule_kind == "cron" else None)
@@ -202,3 +204,22 @@ def test_unregistered_task_is_an_error_and_counted(
                                              "--json"], catch_exceptions=False)
     info = json.loads(res.output)
     assert info["unregistered"] == {"typo": "web.tikc"}
+
+
+def test_a_renamed_entry_continues_the_old_names_grid(pg_store: Store, start: Any) -> None:
+    every = {"task": "app.tick", "schedule": 3600.0, "args": [1]}
+    start("app", {"old-name": every, "other": _tick("app")})
+    before = _rows(pg_store)["old-name"]
+    anchor = datetime.fromisoformat(before.schedule["anchor"].replace("Z", "+00:00"))
+    last = anchor + timedelta(hours=1)  # the old name fired its slot an hour after its anchor
+    with pg_store.begin() as conn:
+        conn.execute(update(entries).where(entries.c.name == "old-name")
+                     .values(last_fire_at=last, next_fire_at=last + timedelta(hours=1)))
+    time.sleep(1.1)  # a new entry would get a new anchor
+    start("app", {"new-name": every, "other": _tick("app")})
+    rows = _rows(pg_store)
+    assert rows["old-name"].enabled is False
+    new = rows["new-name"]
+    # same grid (anchor), first slot after the old name's last: none repeated, none skipped
+    assert new.schedule == before.schedule
+    assert new.next_fire_at == last + timedelta(hours=1)

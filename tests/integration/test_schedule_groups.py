@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 

@@ -3,7 +3,8 @@
 Configured from the environment so each test can point it at its own servers:
 
 * RB_BROKER_URL, RELIABLE_BEAT_DATABASE_URL, RB_MAX_LOOP (beat_max_loop_interval);
-* RB_SCHEDULE: JSON name -> {"cron": str | "every": seconds, "task", "reliable_beat": {...}};
+* RB_SCHEDULE: JSON name -> {"cron": str | "every": seconds, "task", "args" (default:
+  [name]), "reliable_beat": {...}};
 * RB_QUEUE: the default queue (each test its own, so messages can be counted in Redis);
 * RB_CLAIM_AHEAD: ``reliable_beat_claim_ahead_seconds`` (default: the setting's default);
 * RB_CLOCK_OFFSET: seconds added to this process's ``time.time`` (fallback when libfaketime
@@ -79,7 +80,7 @@ schedule: dict[str, dict[str, object]] = {}
 for name, spec in json.loads(os.environ.get("RB_SCHEDULE", "{}")).items():
     sched: object = spec["cron"] if "cron" in spec else timedelta(seconds=spec["every"])
     item: dict[str, object] = {"task": spec.get("task", "beatapp.tick"), "schedule": sched,
-                               "args": [name]}
+                               "args": spec.get("args", [name])}
     if "reliable_beat" in spec:
         item["options"] = {"reliable_beat": spec["reliable_beat"]}
     schedule[name] = item

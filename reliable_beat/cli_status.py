@@ -43,6 +43,8 @@ DEFAULT_MARGIN_SECONDS = 60.0
 DEFAULT_DISABLED_WITHIN_MINUTES = 60.0
 #: A beat whose heartbeat (every few seconds) is older than this counts as gone.
 BEAT_ALIVE_SECONDS = 60.0
+#: Triggers dispatched within this many hours are looked at for "never started by a worker".
+UNSTARTED_WINDOW_HOURS = 24.0
 
 
 def jsonable(value: Any) -> Any:
@@ -91,6 +93,7 @@ def collect_status(
     store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS,
     disabled_within_minutes: float = DEFAULT_DISABLED_WITHIN_MINUTES,
     beat_alive_seconds: float = BEAT_ALIVE_SECONDS,
+    redispatch_seconds: float = 120.0,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -102,11 +105,16 @@ def collect_status(
             (an entry vanished from its group's ``beat_schedule``: on purpose, or a deploy
             of the wrong config?).
         beat_alive_seconds: a beat whose heartbeat is older than this counts as gone.
+        redispatch_seconds: a trigger no worker started this long after it was dispatched
+            (``reliable_beat_redispatch_seconds``) counts as never acknowledged.
 
     Returns:
         ``{"store" (URL, password hidden), "now" (UTC), "entries": [...], "missed": [names],
         "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
-        "groups": [...] (see :func:`~reliable_beat.groups.group_health`), "recently_disabled":
+        "unstarted": {entry: count of its triggers of the last 24 h that no worker started
+        within ``redispatch_seconds``, for entries whose latest such trigger was not started
+        either}, "groups": [...] (see :func:`~reliable_beat.groups.group_health`),
+        "recently_disabled":
         [names], "unregistered": {entry: task}, "problems": [str], "warnings": [str],
         "ok" (bool)}``. Each entry: ``{"name", "task", "origin", "schedule_group",
         "disabled_at",
@@ -158,6 +166,7 @@ def collect_status(
         ).scalar_one()
         backlog = outbox_backlog(conn, now)
         groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
+        unstarted, starts_recorded = _unstarted(conn, now, redispatch_seconds)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
@@ -215,10 +224,26 @@ def collect_status(
                 "beat_schedule; beats of other groups still fire its entries. Start its beat, "
                 f"or retire the group: `reliable-beat schedule retire {g['group']}`."
             )
+    if unstarted:
+        names = sorted(unstarted)
+        problems.append(
+            f"NEVER STARTED: the triggers of {len(names)} entries were not started by any "
+            f"worker within {redispatch_seconds:g} s ({', '.join(names[:10])}"
+            f"{', ...' if len(names) > 10 else ''}): no worker registers the task (a typo? a "
+            "removed task?) or none consumes its queue. `reliable-beat entries describe NAME` "
+            "shows the task; `celery -A APP inspect registered` what workers know."
+        )
     unregistered: dict[str, str] = {}
     for g in groups:
         unregistered.update(g["unregistered"])
     warnings: list[str] = []
+    if not starts_recorded:
+        warnings.append(
+            "no worker has recorded starting a trigger in the last "
+            f"{UNSTARTED_WINDOW_HOURS:g} h: either no worker runs, or workers run plain tasks "
+            "without `reliable_beat.celery.acks` in their imports (then triggers that no "
+            "worker knows cannot be told from done ones)"
+        )
     if unregistered:
         warnings.append(
             f"UNREGISTERED TASKS: {len(unregistered)} config entries name a task their "
@@ -233,12 +258,58 @@ def collect_status(
         "outbox": backlog,
         "dead_letters": int(dead_total),
         "groups": groups,
+        "unstarted": unstarted,
         "recently_disabled": recent,
         "unregistered": unregistered,
         "problems": problems,
         "warnings": warnings,
         "ok": not problems,
     }
+
+
+def _unstarted(
+    conn: Connection, now: datetime, redispatch_seconds: float
+) -> tuple[dict[str, int], bool]:
+    """Entries whose triggers no worker started: ``({entry: unstarted count}, whether any
+    start was recorded in the window)``.
+
+    A trigger counts when it is ``dispatched``, was dispatched between the window's start
+    and ``now - redispatch_seconds``, and has no ``started_at`` (an ``IdempotentTask``'s
+    claim sets it; :mod:`reliable_beat.celery.acks` sets it for plain tasks). An entry is
+    reported only when its latest such trigger is later than its latest started one, and
+    only when some start was recorded in the window at all (the workers do record starts).
+    """
+    lo = now - timedelta(hours=UNSTARTED_WINDOW_HOURS)
+    hi = now - timedelta(seconds=redispatch_seconds)
+    recent = and_(runs.c.entry_name.is_not(None), runs.c.dispatched_at >= lo)
+    pending = dict(
+        (name, (int(n), _utc(latest))) for name, n, latest in conn.execute(
+            select(runs.c.entry_name, func.count(), func.max(runs.c.dispatched_at))
+            .where(recent, runs.c.state == "dispatched", runs.c.started_at.is_(None),
+                   runs.c.dispatched_at <= hi)
+            .group_by(runs.c.entry_name)
+        ).all()
+    )
+    if not pending:
+        return {}, True
+    last_started = dict(
+        (name, _utc(at)) for name, at in conn.execute(
+            select(runs.c.entry_name, func.max(runs.c.dispatched_at))
+            .where(recent, runs.c.started_at.is_not(None),
+                   runs.c.entry_name.in_(list(pending)))
+            .group_by(runs.c.entry_name)
+        ).all()
+    )
+    if not last_started and conn.execute(
+        select(runs.c.id).where(recent, runs.c.started_at.is_not(None)).limit(1)
+    ).first() is None:
+        return {}, False  # no worker records starts: cannot tell; status warns instead
+    out: dict[str, int] = {}
+    for name, (count, latest) in pending.items():
+        seen = last_started.get(name)
+        if seen is None or (latest is not None and latest > seen):
+            out[name] = count
+    return out, True
 
 
 def _fmt(at: datetime | None) -> str:
@@ -266,7 +337,8 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
     """Entries (next fire, last slot, state, lag, failing/dead), outbox backlog, alarms."""
     try:
         info = collect_status(cli.store, margin_seconds=margin,
-                              disabled_within_minutes=disabled_within)
+                              disabled_within_minutes=disabled_within,
+                              redispatch_seconds=cli.settings.redispatch_seconds)
     except StoreUnavailableError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(1) from exc
@@ -285,7 +357,9 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         header = ("ENTRY", "GROUP", "STATUS", "NEXT", "LAST SLOT", "STATE", "LAG", "FAILING",
                   "DEAD")
         table = [header] + [
-            (e["name"] + (" (MISSED)" if e["missed"] else ""), e["schedule_group"] or "-",
+            (e["name"] + (" (MISSED)" if e["missed"] else "")
+             + (" (NEVER STARTED)" if e["name"] in info["unstarted"] else ""),
+             e["schedule_group"] or "-",
              e["status"] + (f" {_fmt(e['disabled_at'])}" if e["disabled_at"] else ""),
              _fmt(e["next_fire_at"]), _fmt(e["last_fire_at"]), e["last_state"] or "-",
              _secs(e["lag_seconds"]), str(e["failing"]), str(e["dead"]))

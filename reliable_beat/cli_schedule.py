@@ -12,6 +12,7 @@ wins, so old and new pods of a rolling deploy never flap the stored schedule).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from datetime import datetime, timezone
 from typing import Any
@@ -77,9 +78,10 @@ def list_cmd(cli: CliContext, as_json: bool) -> None:
               help="Sync even a config this group synced before and replaced (a rollback).")
 @click.option("--group", default=None,
               help="Schedule group (default: reliable_beat_schedule_group or the app's name).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def sync_cmd(cli: CliContext, force: bool, group: str | None) -> None:
+def sync_cmd(cli: CliContext, force: bool, group: str | None, as_json: bool) -> None:
     """Sync the app's beat_schedule into its schedule group, as a beat does at start."""
     from reliable_beat.entries import sync_schedule_group
 
@@ -93,14 +95,18 @@ def sync_cmd(cli: CliContext, force: bool, group: str | None) -> None:
         settings=cli.settings, now=datetime.now(timezone.utc),
     )
     result = sync_schedule_group(cli.store, defs, group=group, owner="cli", force=force)
+    if as_json:
+        cli.echo_json(dataclasses.asdict(result))
+        return
     log_sync_result(_EchoLog(), result, cli.store.safe_url)  # type: ignore[arg-type]
 
 
 @schedule.command("retire")
 @click.argument("group")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def retire_cmd(cli: CliContext, group: str) -> None:
+def retire_cmd(cli: CliContext, group: str, as_json: bool) -> None:
     """Disable every config entry of GROUP (its app is gone); their history stays."""
     store = cli.store
     with store.begin() as conn:
@@ -118,6 +124,9 @@ def retire_cmd(cli: CliContext, group: str) -> None:
                      .values(superseded_at=now))
         if names:
             notify_entries_changed(conn, store)
+    if as_json:
+        cli.echo_json({"schedule_group": group, "disabled": sorted(names)})
+        return
     click.echo(f"schedule group {group!r}: disabled {len(names)} config entries"
                + (f" ({', '.join(sorted(names))})" if names else ""))
 

@@ -20,7 +20,7 @@ import click
 from sqlalchemy import and_, func, select
 from sqlalchemy.engine import Connection
 
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.celery.commands import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, runs
 from reliable_beat.errors import StoreUnavailableError
@@ -45,20 +45,6 @@ DEFAULT_DISABLED_WITHIN_MINUTES = 60.0
 BEAT_ALIVE_SECONDS = 60.0
 #: Triggers dispatched within this many hours are looked at for "never started by a worker".
 UNSTARTED_WINDOW_HOURS = 24.0
-
-
-def jsonable(value: Any) -> Any:
-    """``value`` with every ``datetime`` as ISO 8601 UTC (``...Z``, microseconds kept when
-    non-zero), for ``--json`` output."""
-    if isinstance(value, datetime):
-        at = value.astimezone(timezone.utc)
-        fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if at.microsecond else "%Y-%m-%dT%H:%M:%SZ"
-        return at.strftime(fmt)
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def _utc(value: Any) -> datetime | None:
@@ -340,8 +326,7 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                               disabled_within_minutes=disabled_within,
                               redispatch_seconds=cli.settings.redispatch_seconds)
     except StoreUnavailableError as exc:
-        click.echo(f"error: {exc}", err=True)
-        raise SystemExit(1) from exc
+        fail(str(exc), 1, kind="store_unavailable")
     if not show_all:
         # Disabled config entries stay visible: a vanished entry is news.
         info["entries"] = [e for e in info["entries"]

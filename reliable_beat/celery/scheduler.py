@@ -342,6 +342,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         return (
             f"    . store -> {self.store.safe_url}\n"
             f"    . owner -> {self.settings.owner}\n"
+            f"    . schedule group -> {self.group}\n"
             f"    . schema -> {schema} (head {migrate.head()})"
         )
 

@@ -52,3 +52,11 @@ def test_cli_knows_the_tasks_of_include_and_autodiscover(
     typo = run(url, "-A", app, "entries", "add", "typo", "--task", task + "x",
                "--cron", "0 3 * * *", celery=celery)
     assert typo.returncode == 2 and "not registered" in typo.stderr and "'typo'" in typo.stderr
+
+
+def test_version_standalone_and_as_celery_subcommand(pg_store: Store) -> None:
+    from reliable_beat import __version__
+
+    for celery in (False, True):
+        r = run(pg_store.url, "-A", "cliproj", "--version", celery=celery)
+        assert r.returncode == 0 and r.stdout.strip() == f"reliable-beat {__version__}", r

@@ -20,9 +20,9 @@ from typing import Any
 import click
 from sqlalchemy import select, update
 
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.celery.commands import CliContext, fail, jsonable, pass_cli
 from reliable_beat.cli_entries import handle_errors
-from reliable_beat.cli_status import BEAT_ALIVE_SECONDS, jsonable
+from reliable_beat.cli_status import BEAT_ALIVE_SECONDS
 from reliable_beat.db.tables import entries, schedule_configs
 from reliable_beat.entries import definitions_from_beat_schedule, notify_entries_changed
 from reliable_beat.errors import ConfigurationError
@@ -95,6 +95,13 @@ def sync_cmd(cli: CliContext, force: bool, group: str | None, as_json: bool) -> 
         settings=cli.settings, now=datetime.now(timezone.utc),
     )
     result = sync_schedule_group(cli.store, defs, group=group, owner="cli", force=force)
+    if result.outcome == "refused":
+        fail(f"schedule group {group!r}: {result.refused}", 2, kind="invalid")
+    if result.outcome == "older":
+        fail(f"schedule group {group!r}: this beat_schedule (config {result.config_hash[:12]}) "
+             "was synced before and superseded at "
+             f"{jsonable(result.superseded_at)}; nothing changed. Pass --force to make it "
+             "current again (a rollback)", 2, kind="invalid")
     if as_json:
         cli.echo_json(dataclasses.asdict(result))
         return

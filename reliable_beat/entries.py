@@ -489,6 +489,11 @@ def sync_schedule_group(
             return result
         result.outcome = "forced" if state == "older" else state
         names = [d.name for d in defs]
+        if state == "new" and not force:
+            reason = _refuse_new_config(conn, group, names)
+            if reason:
+                result.outcome, result.refused = "refused", reason
+                return result
         clash = conn.execute(
             select(entries.c.name).where(
                 entries.c.name.in_(names), entries.c.origin == "runtime"
@@ -538,6 +543,36 @@ def sync_schedule_group(
         if result.changed:
             notify_entries_changed(conn, store)
     return result
+
+
+def _refuse_new_config(conn: Connection, group: str, names: list[str]) -> str | None:
+    """Why a never-seen config must not replace the group's entries by itself, or None.
+
+    Two shapes are far more often a mistake than a decision: an empty ``beat_schedule`` (a
+    settings module that did not load) and a config sharing no entry name with the group's
+    enabled config entries (two apps with the same main name, hence one group). Either would
+    disable every entry of the group; ``--force`` (or ``schedule retire``) says it is meant.
+    """
+    current = list(conn.execute(
+        select(entries.c.name).where(
+            entries.c.origin == "config", entries.c.schedule_group == group,
+            entries.c.enabled.is_(True),
+        ).order_by(entries.c.name)
+    ).scalars())
+    if not current:
+        return None
+    shown = ", ".join(current[:10]) + (", ..." if len(current) > 10 else "")
+    if not names:
+        return (f"this beat's beat_schedule is empty, but schedule group {group!r} has "
+                f"{len(current)} enabled config entries ({shown}); not disabling them. A "
+                "settings module that did not load? To disable them on purpose: "
+                f"`reliable-beat schedule retire {group}`")
+    if not set(names) & set(current):
+        return (f"this beat's beat_schedule shares no entry with schedule group {group!r}'s "
+                f"enabled config entries ({shown}): two apps with the same main name? Give "
+                "one of them its own `reliable_beat_schedule_group`. If this config replaces "
+                "the whole schedule on purpose: `reliable-beat -A APP schedule sync --force`")
+    return None
 
 
 def _renames(

@@ -76,7 +76,9 @@ class SyncResult:
         config_hash: digest of the config the beat brought (:func:`group_config_hash`).
         outcome: ``new`` (never seen: synced, now current), ``current`` (already current:
             nothing to change), ``older`` (seen before and superseded: not synced),
-            ``forced`` (an older config made current by ``--force``).
+            ``forced`` (an older config made current by ``--force``), ``refused`` (a new
+            config that would disable every entry of the group: empty, or sharing no entry
+            name with it; not synced, see ``refused``).
         inserted / updated / disabled / adopted: entry names. ``adopted``: config entries
             stored without a group (before groups existed) or disabled in another group,
             taken over by this group.
@@ -85,6 +87,7 @@ class SyncResult:
         renamed: new name -> old name, for an inserted entry defined exactly as one this sync
             disabled: it continues the old name's grid (its first slot is after the old
             name's last), so a rename neither repeats nor skips a slot.
+        refused: for ``refused``, why (names the group, its entries and the fix).
         superseded_at: for ``older``, when this config was replaced (UTC).
     """
 
@@ -98,6 +101,7 @@ class SyncResult:
     adopted: list[str] = field(default_factory=list)
     conflicts: dict[str, str] = field(default_factory=dict)
     renamed: dict[str, str] = field(default_factory=dict)
+    refused: str | None = None
     superseded_at: datetime | None = None
 
     @property
@@ -279,6 +283,11 @@ def log_sync_result(log: logging.Logger, result: SyncResult, where: str) -> None
             "version, superseded at %s; not syncing it. This beat fires the group's current "
             "entries. (After a rollback run `reliable-beat -A APP schedule sync --force`.)",
             group, short, result.superseded_at.isoformat() if result.superseded_at else "?")
+        return
+    if result.outcome == "refused":
+        log.error("reliable_beat: schedule group %r: not syncing beat_schedule (config %s): "
+                  "%s. This beat fires the group's current entries.", group, short,
+                  result.refused)
         return
     for name, other in sorted(result.conflicts.items()):
         log.error(

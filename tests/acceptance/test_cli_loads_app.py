@@ -60,3 +60,30 @@ def test_version_standalone_and_as_celery_subcommand(pg_store: Store) -> None:
     for celery in (False, True):
         r = run(pg_store.url, "-A", "cliproj", "--version", celery=celery)
         assert r.returncode == 0 and r.stdout.strip() == f"reliable-beat {__version__}", r
+
+
+def test_schedule_sync_refuses_an_older_config_unless_forced(pg_store: Store) -> None:
+    """A rollback: the old config is older (the beats do not sync it); `schedule sync
+    --force` with the rolled-back app makes it current."""
+    old = json.dumps({"a": "0 * * * *", "b": "0 * * * *"})
+    new = json.dumps({"a": "0 * * * *", "c": "0 * * * *"})
+
+    def sync(schedule: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        os.environ["CLIPROJ_SCHEDULE"] = schedule
+        try:
+            return run(pg_store.url, "-A", "cliproj", "schedule", "sync", *flags)
+        finally:
+            del os.environ["CLIPROJ_SCHEDULE"]
+
+    assert sync(old).returncode == 0
+    assert sync(new).returncode == 0
+    refused = sync(old, "--json")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "superseded" in json.loads(refused.stderr)["error"]["message"]
+    forced = sync(old, "--force", "--json")
+    assert forced.returncode == 0, forced.stderr
+    result = json.loads(forced.stdout)
+    assert result["outcome"] == "forced" and result["disabled"] == ["c"]
+    listed = json.loads(run(pg_store.url, "schedule", "list", "--json").stdout)
+    current = [c for c in listed if c["current"]]
+    assert len(current) == 1 and current[0]["entries"] == ["a", "b"]

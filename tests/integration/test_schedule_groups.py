@@ -223,3 +223,23 @@ def test_a_renamed_entry_continues_the_old_names_grid(pg_store: Store, start: An
     # same grid (anchor), first slot after the old name's last: none repeated, none skipped
     assert new.schedule == before.schedule
     assert new.next_fire_at == last + timedelta(hours=1)
+
+
+def test_a_config_that_would_disable_the_whole_group_is_refused(
+    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    start("tasks", {"a": _tick("tasks"), "b": _tick("tasks")})
+    # A beat whose settings did not load (empty beat_schedule), and another app that happens
+    # to have the same main name: neither disables the group's entries.
+    with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
+        start("tasks", {})
+        start("tasks", {"x": _tick("tasks")})
+    rows = _rows(pg_store)
+    assert {n: r.enabled for n, r in rows.items()} == {"a": True, "b": True}
+    err = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("is empty" in m and "schedule retire tasks" in m for m in err), err
+    assert any("shares no entry" in m and "reliable_beat_schedule_group" in m for m in err)
+    # A real change that keeps an entry is synced as usual.
+    start("tasks", {"a": _tick("tasks"), "c": _tick("tasks", "0 * * * *")})
+    rows = _rows(pg_store)
+    assert {n: r.enabled for n, r in rows.items()} == {"a": True, "b": False, "c": True}

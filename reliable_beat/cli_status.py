@@ -230,6 +230,14 @@ def collect_status(
             "without `reliable_beat.celery.acks` in their imports (then triggers that no "
             "worker knows cannot be told from done ones)"
         )
+    for g in groups:
+        if g["beats_on_other_config"]:
+            warnings.append(
+                f"schedule group {g['group']!r}: {g['beats_on_other_config']} of "
+                f"{g['beats_alive']} live beats started with a beat_schedule other than the "
+                "group's current one (old pods of a deploy in progress, or a config the beat "
+                "refused: see its log; `reliable-beat schedule list`)"
+            )
     if unregistered:
         warnings.append(
             f"UNREGISTERED TASKS: {len(unregistered)} config entries name a task their "

@@ -211,7 +211,10 @@ def group_health(
 
     Returns:
         ``{"group", "beats_alive" (int), "last_seen_at" (UTC | None), "enabled_entries" (int),
-        "config_synced_at" (UTC | None), "unregistered" ({entry: task}, from the live beats)}``.
+        "config_synced_at" (UTC | None), "current_config" (hash | None),
+        "beats_on_other_config" (live beats that started with a config other than the
+        current one: an old pod, or a refused config), "unregistered" ({entry: task}, from
+        the live beats)}``.
     """
     horizon = now - timedelta(seconds=alive_seconds)
     groups: dict[str, dict[str, Any]] = {}
@@ -219,7 +222,8 @@ def group_health(
     def group(name: str) -> dict[str, Any]:
         return groups.setdefault(name, {
             "group": name, "beats_alive": 0, "last_seen_at": None, "enabled_entries": 0,
-            "config_synced_at": None, "unregistered": {},
+            "config_synced_at": None, "current_config": None, "beats_on_other_config": 0,
+            "unregistered": {},
         })
 
     for name, count in conn.execute(
@@ -230,13 +234,15 @@ def group_health(
     ).all():
         group(name)["enabled_entries"] = int(count)
     for cfg in conn.execute(
-        select(schedule_configs.c.schedule_group, schedule_configs.c.synced_at)
+        select(schedule_configs.c.schedule_group, schedule_configs.c.synced_at,
+               schedule_configs.c.config_hash)
         .where(schedule_configs.c.superseded_at.is_(None))
     ).all():
         group(cfg.schedule_group)["config_synced_at"] = cfg.synced_at
+        group(cfg.schedule_group)["current_config"] = cfg.config_hash
     for row in conn.execute(
         select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at,
-               beats.c.unregistered)
+               beats.c.unregistered, beats.c.config_hash)
     ).all():
         g = group(row.schedule_group)
         seen = _aware(row.seen_at)
@@ -244,6 +250,8 @@ def group_health(
             g["last_seen_at"] = seen
         if row.stopped_at is None and seen >= horizon:
             g["beats_alive"] += 1
+            if g["current_config"] is not None and row.config_hash != g["current_config"]:
+                g["beats_on_other_config"] += 1
             g["unregistered"].update(row.unregistered or {})
     return [groups[k] for k in sorted(groups)]
 

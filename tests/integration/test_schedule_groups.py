@@ -228,17 +228,23 @@ def test_a_renamed_entry_continues_the_old_names_grid(pg_store: Store, start: An
 def test_a_config_that_would_disable_the_whole_group_is_refused(
     pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    start("tasks", {"a": _tick("tasks"), "b": _tick("tasks")})
+    start("tasks", {"a": _tick("tasks"), "b": _tick("tasks")}, reliable_beat_owner_id="b1")
     # A beat whose settings did not load (empty beat_schedule), and another app that happens
     # to have the same main name: neither disables the group's entries.
     with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
-        start("tasks", {})
-        start("tasks", {"x": _tick("tasks")})
+        start("tasks", {}, reliable_beat_owner_id="b2")
+        start("tasks", {"x": _tick("tasks")}, reliable_beat_owner_id="b3")
     rows = _rows(pg_store)
     assert {n: r.enabled for n, r in rows.items()} == {"a": True, "b": True}
     err = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any("is empty" in m and "schedule retire tasks" in m for m in err), err
     assert any("shares no entry" in m and "reliable_beat_schedule_group" in m for m in err)
+    res = CliRunner().invoke(reliable_beat, ["--database-url", pg_store.url, "status",
+                                             "--json"], catch_exceptions=False)
+    info = json.loads(res.output)
+    tasks = next(g for g in info["groups"] if g["group"] == "tasks")
+    assert tasks["beats_alive"] == 3 and tasks["beats_on_other_config"] == 2
+    assert any("2 of 3 live beats" in w for w in info["warnings"])
     # A real change that keeps an entry is synced as usual.
     start("tasks", {"a": _tick("tasks"), "c": _tick("tasks", "0 * * * *")})
     rows = _rows(pg_store)

@@ -433,7 +433,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
     def _next_claim(self, result: TickResult) -> float:
         """The monotonic instant of the next claim."""
         now = time.monotonic()
-        if result.claimed >= self.settings.batch_size:
+        if result.claimed >= self.settings.batch_size or result.more:
             return now  # more claimable entries are waiting
         latest = now + self._bound()
         if result.next_claim_at is None:

@@ -225,12 +225,11 @@ def plan_entry(
                     if catch_up_window is None or now - s <= catch_up_window]
         for s in eligible[-catch_up_limit:] if catch_up_limit > 0 else []:
             fired[s] = "catch_up"
-    elif policy is MisfirePolicy.FIRE_ONCE:
+    elif policy is MisfirePolicy.FIRE_ONCE and not on_time and missed_tail:
         # One run per plan: the latest due slot. When it is on time it is that run, and
         # the missed ones before it are skipped (a paused 10 s entry resumed 27 s later
         # fires once, not "the last missed slot and the current one").
-        if not on_time and missed_tail:
-            fired[missed_tail[-1]] = "catch_up"
+        fired[missed_tail[-1]] = "catch_up"
 
     def reason_of(s: datetime) -> str:
         if policy is MisfirePolicy.CATCH_UP:

@@ -280,7 +280,8 @@ class CronSchedule(Schedule):
 
     Raises:
         InvalidScheduleError: unreadable expression (croniter's error as
-            ``__cause__``), longer than :data:`MAX_CRON_LENGTH` characters, seconds-first 6-field string, an expression that never
+            ``__cause__``), longer than :data:`MAX_CRON_LENGTH` characters,
+            seconds-first 6-field string, an expression that never
             matches (none within 30 years), or an unknown rule name.
         UnknownTimezoneError: unknown zone.
     """

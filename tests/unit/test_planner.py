@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from reliable_beat import schedules as sch
-from reliable_beat.entries import EntryDefinition
 from reliable_beat.beat import slot_counter
+from reliable_beat.entries import EntryDefinition
 from reliable_beat.planner import SKIP_RECORD_LIMIT, Plan, plan_entry
 
 UTC = timezone.utc

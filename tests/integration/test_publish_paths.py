@@ -1,0 +1,116 @@
+"""Every publishing path of ``ReliableScheduler`` publishes a trigger row only while it is
+still its own and pending (issue 12: a plain task ran twice), on real PostgreSQL + Redis.
+
+* the fast path right after the commit (claim-ahead 0, or an entry already due), reached
+  late because the process was paused: rows a sweep already sent are not sent again;
+* a publish whose "sent" mark could not be written (database gone): the beat records the
+  mark first when the database returns, before its own sweep can re-send the row.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from sqlalchemy import select, update
+
+from reliable_beat import schedules as sch
+from reliable_beat.celery import scheduler as scheduler_mod
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.entries import EntryDefinition
+from reliable_beat.errors import StoreUnavailableError
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis]
+
+
+@pytest.fixture
+def scheduler(pg_store: Store, redis_url: str) -> Iterator[Any]:
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    app = Celery("paths", broker=redis_url)
+    app.conf.update(reliable_beat_database_url=pg_store.url, beat_schedule={},
+                    reliable_beat_claim_ahead_seconds=0, timezone="UTC")
+    sched = scheduler_mod.ReliableScheduler(app=app)
+    yield sched
+    sched.close()
+    app.close()
+    r.flushdb()
+    r.close()
+
+
+def _seed_due(store: Store, names: list[str]) -> None:
+    with store.begin() as conn:
+        now = store.now(conn)
+        slot = now.replace(microsecond=0)
+        for name in names:
+            d = EntryDefinition(name=name, task="paths.t", args=[name],
+                                schedule=sch.IntervalSchedule(timedelta(hours=1), slot))
+            values = d.row_values()
+            values.update(next_fire_at=slot, created_at=now, updated_at=now, enabled=True,
+                          paused=False)
+            conn.execute(entries.insert().values(**values))
+
+
+def _queued(redis_url: str) -> list[str]:
+    r = redis.Redis.from_url(redis_url)
+    try:
+        return sorted(json.loads(m)["headers"]["reliable_beat_entry"]
+                      for m in r.lrange("celery", 0, -1))
+    finally:
+        r.close()
+
+
+def test_fast_path_reached_late_publishes_only_rows_still_its_own(
+    scheduler: Any, pg_store: Store, redis_url: str
+) -> None:
+    _seed_due(pg_store, ["kept", "swept"])
+    result = scheduler._beat.tick()  # the claim transaction committed ...
+    assert len(result.triggers) == 2
+    swept = next(t for t in result.triggers
+                 if t.payload["headers"]["reliable_beat_entry"] == "swept")
+    with pg_store.begin() as conn:  # ... another beat's sweep sent one row meanwhile ...
+        conn.execute(update(outbox).where(outbox.c.id == swept.outbox_id)
+                     .values(state="sent", claimed_by="other:1"))
+    result.monotonic -= 6.0  # ... while this process was paused 6 s before its fast path
+    scheduler._publish(result)
+    assert _queued(redis_url) == ["kept"]  # the swept row is not published a second time
+    with pg_store.engine.connect() as conn:
+        states = dict(conn.execute(select(runs.c.entry_name, runs.c.state)).all())
+    assert states["kept"] == "dispatched"
+
+
+def test_published_but_unmarked_is_recorded_before_any_sweep(
+    scheduler: Any, pg_store: Store, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _seed_due(pg_store, ["a", "b"])
+    real_mark_sent = scheduler_mod.mark_sent
+    calls = {"n": 0}
+
+    def mark_sent_db_gone(*args: Any, **kwargs: Any) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise StoreUnavailableError("database gone for a moment")
+        return real_mark_sent(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_mod, "mark_sent", mark_sent_db_gone)
+    scheduler._claim()  # published at once; the mark could not be written
+    assert _queued(redis_url) == ["a", "b"]
+    with pg_store.begin() as conn:  # the outage outlasted the sweep delay
+        conn.execute(update(outbox).values(available_at=pg_store.now(conn)
+                                           - timedelta(seconds=30)))
+    scheduler._last_sweep = 0.0
+    scheduler._claim_at = time.monotonic() + 60
+    scheduler._step()  # database back: record first, then (maybe) sweep
+    assert _queued(redis_url) == ["a", "b"]  # not re-sent by this beat's own sweep
+    with pg_store.engine.connect() as conn:
+        rows = conn.execute(select(outbox.c.state, outbox.c.claimed_by)).all()
+        run_states = set(conn.execute(select(runs.c.state)).scalars())
+    assert {r.state for r in rows} == {"sent"}
+    assert run_states == {"dispatched"}

@@ -114,3 +114,54 @@ def test_published_but_unmarked_is_recorded_before_any_sweep(
         run_states = set(conn.execute(select(runs.c.state)).scalars())
     assert {r.state for r in rows} == {"sent"}
     assert run_states == {"dispatched"}
+
+
+def test_redispatch_reached_late_resends_only_runs_still_its_claim(
+    pg_store: Store, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-dispatch sweep claims stuck runs, is paused past half its period, and another
+    process claims one of them meanwhile: only the other one is re-sent."""
+    from reliable_beat import redispatch as redispatch_mod
+    from reliable_beat.beat import Beat
+    from reliable_beat.celery.task import IdempotentTask
+    from reliable_beat.relay import mark_sent
+    from reliable_beat.settings import Settings
+
+    app = Celery("redispatch", broker=redis_url)
+    app.conf.update(reliable_beat_database_url=pg_store.url, task_default_queue="celery")
+
+    @app.task(base=IdempotentTask, bind=True, name="paths.tracked")
+    def tracked(self: Any, name: str) -> str:
+        return name
+
+    with pg_store.begin() as conn:
+        now = pg_store.now(conn)
+        for name in ("kept", "taken"):
+            d = EntryDefinition(name=name, task="paths.tracked", args=[name],
+                                schedule=sch.IntervalSchedule(timedelta(hours=1), now))
+            values = d.row_values()
+            values.update(next_fire_at=now - timedelta(seconds=1), created_at=now,
+                          updated_at=now, enabled=True, paused=False)
+            conn.execute(entries.insert().values(**values))
+    result = Beat(pg_store, owner="t").tick()
+    with pg_store.begin() as conn:
+        mark_sent(conn, [t.outbox_id for t in result.triggers], pg_store.now(conn))
+        conn.execute(update(runs).values(dispatched_at=pg_store.now(conn)
+                                         - timedelta(seconds=60)))
+    real_claim = redispatch_mod.claim_stuck_runs
+
+    def claim_then_pause(*args: Any, **kwargs: Any) -> Any:
+        stuck = real_claim(*args, **kwargs)
+        conn = args[1]
+        # another beat re-sends "taken" while this one is paused (its stamp replaces ours)
+        conn.execute(update(runs).where(runs.c.entry_name == "taken")
+                     .values(updated_at=kwargs["now"] + timedelta(seconds=1)))
+        time.sleep(1.2)  # paused past half the 2 s period
+        return stuck
+
+    monkeypatch.setattr(redispatch_mod, "claim_stuck_runs", claim_then_pause)
+    settings = Settings(redispatch_seconds=2.0)
+    sent = redispatch_mod.redispatch_stuck_runs(pg_store, app, settings)
+    assert sent == 1
+    assert _queued(redis_url) == ["kept"]
+    app.close()

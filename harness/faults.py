@@ -20,7 +20,8 @@ What it does (see ``docs/reliability.md``):
    -m fast``; a Redis restart; a paused Redis (SIGSTOP); a beat restarted with its clock
    skewed by +-300 s; a long outage (every beat down at once while every entry's
    ``next_fire_at`` moves a simulated week back). The app injects transient failures (a
-   deterministic subset of slots fails attempt 1) and permanent failures (a tiny deterministic subset -> dead letters).
+   deterministic subset of slots fails attempt 1) and permanent failures (a tiny
+   deterministic subset -> dead letters).
 3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
    the ledger, prints a markdown table and exits non-zero on any missing or duplicated
    effect or failed check.

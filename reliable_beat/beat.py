@@ -364,7 +364,6 @@ def _range_row(row: Any, rng: SkippedRange, now: datetime) -> dict[str, Any]:
                                      "last": format_fire_at(rng.last), "count": rng.count}},
         "created_at": now,
         "updated_at": now,
-        "_options": row.options,
     }
 
 
@@ -461,6 +460,7 @@ class Beat:
 
     def _fire(self, conn: Connection, rows: list[Any], now: datetime, result: TickResult) -> None:
         run_rows: list[dict[str, Any]] = []
+        range_rows: list[dict[str, Any]] = []
         entry_updates: list[dict[str, Any]] = []
         overlap_entries = [
             r.name for r in rows if r.overlap_policy != "allow" and self.is_tracked(r.task)
@@ -514,7 +514,7 @@ class Beat:
                 continue
             for rng in plan.skipped_ranges:
                 log.warning("entry %r: %s (%s)", row.name, rng.describe(), rng.reason)
-                run_rows.append(_range_row(row, rng, now))
+                range_rows.append(_range_row(row, rng, now))
             states = active.get(row.name, set())
             tracked = row.overlap_policy != "allow" and self.is_tracked(row.task)
             for d in plan.decisions:
@@ -541,7 +541,6 @@ class Beat:
                         "kwargs": row.kwargs,
                         "state": state,
                         "reason": reason,
-                        "result": None,
                         "created_at": now,
                         "updated_at": now,
                         "_options": row.options,
@@ -552,6 +551,11 @@ class Beat:
                 {"b_id": row.id, "b_next": plan.next_fire_at, "b_last": last, "b_now": now}
             )
 
+        if range_rows:
+            inserted_ranges = _insert_rows(conn, self.store, runs, range_rows, ignore=True,
+                                           returning=("id",))
+            result.skipped += len(inserted_ranges)
+            result.duplicates += len(range_rows) - len(inserted_ranges)
         if run_rows:
             options_by_key = {r["idempotency_key"]: r.pop("_options") for r in run_rows}
             by_key = {r["idempotency_key"]: r for r in run_rows}

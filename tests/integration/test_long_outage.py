@@ -165,3 +165,38 @@ def test_year_behind_three_beats_bounded(pg_store: Store, pg_url: str,
             assert policy == "skip" and t0 - last < timedelta(seconds=90), name
         if kind == "interval-1s":
             assert info["count"] == int((last - nfa).total_seconds()) + 1, name
+
+
+@pytest.mark.parametrize("policy", ["skip", "fire_once"])
+def test_week_behind_is_one_range_row_on_every_dialect(store: Store, policy: str) -> None:
+    """SQLite and PostgreSQL: a 1 s entry a week behind is planned in one tick, its skipped
+    slots are one range row with the exact count, and the entry is advanced past now."""
+    with store.begin() as conn:
+        now = store.now(conn)
+    anchor = (now - timedelta(days=7)).replace(microsecond=0)
+    schedule = sch.IntervalSchedule(timedelta(seconds=1), anchor)
+    d = EntryDefinition(name="week", task="t.week", schedule=schedule, misfire_policy=policy,
+                        misfire_grace=timedelta(0))
+    values = d.row_values()
+    values.update(next_fire_at=anchor, created_at=now, updated_at=now, enabled=True,
+                  paused=False)
+    with store.begin() as conn:
+        conn.execute(entries.insert().values(**values))
+    started = time.monotonic()
+    result = Beat(store, owner="t").tick()
+    took = time.monotonic() - started
+    assert took < 5.0, took  # was about 5 s of planning alone for 7 days of 1 s slots
+    with store.begin() as conn:
+        rows = conn.execute(select(runs).order_by(runs.c.fire_at)).all()
+        nfa = conn.execute(select(entries.c.next_fire_at)).scalar_one()
+    assert nfa > result.now
+    ranges = [r for r in rows if r.result and "skipped_range" in r.result]
+    assert len(ranges) == 1 and ranges[0].fire_at == anchor
+    info = ranges[0].result["skipped_range"]
+    fired = [r for r in rows if r.state != "skipped"]
+    assert len(fired) == (1 if policy == "fire_once" else 0)
+    assert all(r.result is None for r in rows if r is not ranges[0])
+    total = info["count"] + len(rows) - 1  # the range, the individual rows
+    assert total == int((nfa - anchor).total_seconds())  # every slot decided exactly once
+    assert ranges[0].reason.startswith(f"misfire:{policy}; slots ")
+    assert result.skipped == len(rows) - len(fired)

@@ -38,16 +38,11 @@ from datetime import datetime, timedelta
 
 from reliable_beat.policies import MisfirePolicy
 
-__all__ = ["MAX_SLOTS_PER_PLAN", "SKIP_RECORD_LIMIT", "Plan", "SkippedRange", "SlotDecision",
-           "plan_entry"]
+__all__ = ["SKIP_RECORD_LIMIT", "Plan", "SkippedRange", "SlotDecision", "plan_entry"]
 
 #: Most skipped slots one plan returns one by one; past it they become one
 #: :class:`SkippedRange` (so a 1 s entry a week behind is one row, not 604,800).
 SKIP_RECORD_LIMIT = 20
-
-#: Kept for callers of the old name: the most slots one plan ever enumerates is now
-#: ``catch_up_limit`` + :data:`SKIP_RECORD_LIMIT` + 2.
-MAX_SLOTS_PER_PLAN = SKIP_RECORD_LIMIT
 
 _EPS = timedelta(microseconds=1)
 
@@ -215,7 +210,7 @@ def plan_entry(
     plan.next_fire_at = following
 
     on_time = now - last <= misfire_grace
-    # Which of the tail fire, newest first rules per policy.
+    # Which slots of the tail fire (always the newest ones), per policy.
     fired: dict[datetime, str] = {}
     if on_time:
         fired[last] = "schedule"

@@ -60,6 +60,8 @@ log = logging.getLogger("reliable_beat.scheduler")
 SWEEP_SECONDS = 5.0
 #: How long a sweep's claim of a trigger row lasts before another sweep may take it.
 SWEEP_LEASE = timedelta(seconds=60)
+#: While published triggers wait for their "sent" mark (database gone), retry this often.
+UNMARKED_RETRY_SECONDS = 1.0
 #: Default wait bound on SQLite, which has no NOTIFY: entries added at runtime are seen
 #: within this many seconds.
 SQLITE_MAX_WAIT_SECONDS = 1.0
@@ -420,10 +422,15 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             raise
 
     def _step(self) -> None:
-        if self._unmarked and not record_unmarked(self.store, self._unmarked):
-            self._claim_at = max(self._claim_at, time.monotonic() + 0.5)
-            return  # the database is still gone: no claim, no sweep (it would re-send them)
-        self._publish_held(drain=False)
+        self._publish_held(drain=False)  # committed already: they need no database to leave
+        if self._unmarked:
+            # Published but not marked sent (the database was gone): record that first. Until
+            # it is recorded, no claim and no sweep (this beat's own sweep would re-send them).
+            if time.monotonic() < self._claim_at:
+                return
+            if not record_unmarked(self.store, self._unmarked):
+                self._claim_at = time.monotonic() + UNMARKED_RETRY_SECONDS
+                return
         claims = 0
         while time.monotonic() >= self._claim_at and claims < 10:
             claims += 1

@@ -106,8 +106,8 @@ def test_published_but_unmarked_is_recorded_before_any_sweep(
         conn.execute(update(outbox).values(available_at=pg_store.now(conn)
                                            - timedelta(seconds=30)))
     scheduler._last_sweep = 0.0
-    scheduler._claim_at = time.monotonic() + 60
-    scheduler._step()  # database back: record first, then (maybe) sweep
+    scheduler._claim_at = 0.0
+    scheduler._step()  # database back: record first, then claim and sweep
     assert _queued(redis_url) == ["a", "b"]  # not re-sent by this beat's own sweep
     with pg_store.engine.connect() as conn:
         rows = conn.execute(select(outbox.c.state, outbox.c.claimed_by)).all()

@@ -165,3 +165,46 @@ def test_redispatch_reached_late_resends_only_runs_still_its_claim(
     assert sent == 1
     assert _queued(redis_url) == ["kept"]
     app.close()
+
+
+def test_relay_back_from_an_outage_leaves_triggers_to_their_publisher(
+    pg_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay that just saw the database come back does not sweep beat triggers for a
+    sweep delay (the beat that published one during the outage records it first); other
+    destinations are delivered at once."""
+    import threading
+
+    from reliable_beat import outbox as outbox_api
+    from reliable_beat.relay import Relay
+    from reliable_beat.settings import Settings
+
+    delivered: list[str] = []
+
+    def handler(message: Any) -> None:
+        delivered.append(message.destination)
+
+    with pg_store.begin() as conn:
+        outbox_api.add(conn, "celery", {"task": "x"})
+        outbox_api.add(conn, "webhook", {"url": "x"})
+    relay = Relay(pg_store, handlers={"celery": handler, "webhook": handler},
+                  settings=Settings(relay_poll_seconds=0.1))
+    stop = threading.Event()
+    real_run_once = relay.run_once
+    calls = {"n": 0}
+
+    def flaky() -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise StoreUnavailableError("database gone for a moment")
+        claimed = real_run_once()
+        if calls["n"] >= 4:
+            stop.set()
+        return claimed
+
+    monkeypatch.setattr(relay, "run_once", flaky)
+    relay.run_forever(stop)
+    assert delivered == ["webhook"]
+    with pg_store.engine.connect() as conn:
+        states = dict(conn.execute(select(outbox.c.destination, outbox.c.state)).all())
+    assert states == {"celery": "pending", "webhook": "sent"}

@@ -124,7 +124,9 @@ def test_year_behind_three_beats_bounded(pg_store: Store, pg_url: str,
           f"{len(tick_seconds)} claim transactions, longest {max(tick_seconds):.3f} s")
     assert not errors, f"a claim transaction failed: {errors[0]!r}"
     assert behind == 0, f"{behind} entries still a year behind after {planning:.1f} s"
-    assert max(tick_seconds) < IDLE_MS / 1000
+    # The server enforces the idle bound (a killed transaction is an error above); the whole
+    # claim transaction (planning budget 0.5 s + inserts) stays within the beats' 5 s too.
+    assert max(tick_seconds) < 5.0
 
     # The first plan of each entry (its rows created at its first claim) is its policy.
     with pg_store.begin() as conn:

@@ -83,6 +83,8 @@ SCHEDULES = [
     sch.CronSchedule("30 * * * *", "America/New_York"),  # crosses the 2026-03-08 gap
     sch.CronSchedule("0 0 1 * *", "Australia/Sydney"),
     sch.CronSchedule("* * * * * */10", "UTC"),
+    sch.CronSchedule("*/15 * * * *", "Australia/Sydney"),  # 2026-04-05 fall-back: repeated
+    sch.CronSchedule("30 2 * * *", "Europe/Paris"),  # 2026-03-29 02:30 does not exist
 ]
 
 
@@ -91,7 +93,7 @@ def test_bounded_plan_equals_the_slow_walk(seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(60):
         schedule = rng.choice(SCHEDULES)
-        start = BASE + timedelta(seconds=rng.randrange(0, 20 * 86400))
+        start = BASE + timedelta(seconds=rng.randrange(0, 45 * 86400))
         nfa = schedule.next_after(start)
         assert nfa is not None
         if rng.random() < 0.1:
@@ -197,3 +199,28 @@ def test_cron_expression_length_is_capped() -> None:
             default_timezone="UTC", settings=Settings(), now=BASE)
     assert "'huge'" in str(info.value) and "characters long" in str(info.value)
     assert len(str(info.value)) < 2000  # the expression is not echoed whole
+
+
+@pytest.mark.parametrize("policy", ["catch_up", "fire_once", "skip"])
+@pytest.mark.parametrize(("schedule", "start"), [
+    (sch.CronSchedule("*/15 * * * *", "Australia/Sydney"),  # fall-back: 02:00-03:00 twice
+     datetime(2026, 4, 4, 12, 0, tzinfo=UTC)),
+    (sch.CronSchedule("30 2 * * *", "Europe/Paris"),  # 02:30 missing on 2026-03-29
+     datetime(2026, 3, 20, tzinfo=UTC)),
+    (sch.CronSchedule("* * * * *", "America/New_York"),  # spring-forward 2026-03-08
+     datetime(2026, 3, 7, 12, 0, tzinfo=UTC)),
+], ids=["sydney-fallback", "paris-gap", "new-york-gap"])
+def test_bounded_plan_across_dst_equals_the_slow_walk(schedule: sch.Schedule, start: datetime,
+                                                     policy: str) -> None:
+    nfa = schedule.next_after(start)
+    assert nfa is not None
+    for hours in (1, 14, 30, 24 * 12):
+        now = start + timedelta(hours=hours, milliseconds=300)
+        expected, expected_next = reference(schedule, nfa, now, policy, timedelta(0), 3,
+                                            timedelta(hours=10), None)
+        plan = plan_entry(next_fire_at=nfa, now=now, next_after=schedule.next_after,
+                          previous_at_or_before=schedule.previous_at_or_before,
+                          misfire_policy=policy, misfire_grace=timedelta(0),
+                          catch_up_limit=3, catch_up_window=timedelta(hours=10))
+        assert expand(schedule, plan) == expected, (hours, policy)
+        assert plan.next_fire_at == expected_next

@@ -627,10 +627,10 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                         "was paused); %d of %d still pending under this beat",
                         format_fire_at(result.now), time.monotonic() - result.monotonic,
                         len(triggers), len(result.triggers))
+        published = time.monotonic()  # the messages leave right after this
         if triggers:
             publish_triggers(self.store, self.app, triggers, result.now,
                              unmarked=self._unmarked)
-        published = time.monotonic()
         for t in triggers:
             # true lateness: slot -> publish, on the database clock estimated from the claim
             lateness = (result.now - t.fire_at).total_seconds() + (published - result.monotonic)

@@ -38,11 +38,17 @@ from datetime import datetime, timedelta
 
 from reliable_beat.policies import MisfirePolicy
 
-__all__ = ["SKIP_RECORD_LIMIT", "Plan", "SkippedRange", "SlotDecision", "plan_entry"]
+__all__ = ["MAX_CATCH_UP_PER_PLAN", "SKIP_RECORD_LIMIT", "Plan", "SkippedRange", "SlotDecision",
+           "plan_entry"]
 
 #: Most skipped slots one plan returns one by one; past it they become one
 #: :class:`SkippedRange` (so a 1 s entry a week behind is one row, not 604,800).
 SKIP_RECORD_LIMIT = 20
+
+#: Most missed slots one ``catch_up`` plan fires (a larger ``catch_up_limit`` acts as this):
+#: one plan is at most this many schedule steps (about 0.5 s for a cron). Older slots are
+#: recorded as skipped (``misfire:catch_up_limit``), never dropped.
+MAX_CATCH_UP_PER_PLAN = 10_000
 
 _EPS = timedelta(microseconds=1)
 
@@ -155,7 +161,8 @@ def plan_entry(
         next_after: the schedule's ``next_after`` (first slot strictly after an instant).
         misfire_policy: ``catch_up``, ``fire_once`` or ``skip``.
         misfire_grace: how late a slot may be and still count as on time.
-        catch_up_limit: most missed slots ``catch_up`` fires in one plan (the newest ones).
+        catch_up_limit: most missed slots ``catch_up`` fires in one plan (the newest ones);
+            at most :data:`MAX_CATCH_UP_PER_PLAN`.
         catch_up_window: ``catch_up`` only fires missed slots at most this old (None: no bound).
         end_at: no slot after this instant fires; the schedule ends there.
         claim_until: the look-ahead bound (UTC-aware, ``now + claim ahead``). When
@@ -181,6 +188,7 @@ def plan_entry(
         if value is not None and value.tzinfo is None:
             raise ValueError(f"naive datetime {value!r}: pass UTC-aware datetimes")
     policy = MisfirePolicy(misfire_policy)
+    catch_up_limit = min(catch_up_limit, MAX_CATCH_UP_PER_PLAN)
     plan = Plan(next_fire_at=next_fire_at)
     if next_fire_at > now:
         if end_at is not None and next_fire_at > end_at:

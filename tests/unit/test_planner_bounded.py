@@ -224,3 +224,17 @@ def test_bounded_plan_across_dst_equals_the_slow_walk(schedule: sch.Schedule, st
                           catch_up_limit=3, catch_up_window=timedelta(hours=10))
         assert expand(schedule, plan) == expected, (hours, policy)
         assert plan.next_fire_at == expected_next
+
+
+def test_huge_catch_up_limit_is_bounded_per_plan() -> None:
+    from reliable_beat.planner import MAX_CATCH_UP_PER_PLAN
+
+    schedule = sch.IntervalSchedule(ONE, BASE)
+    plan, _seconds, steps = _timed_plan(schedule, timedelta(days=7), "catch_up",
+                                        limit=10**9)
+    assert steps <= MAX_CATCH_UP_PER_PLAN + SKIP_RECORD_LIMIT + 4
+    assert len(plan.fired) == MAX_CATCH_UP_PER_PLAN
+    [rng] = plan.skipped_ranges  # the older ones are recorded, not dropped
+    assert rng.reason == "misfire:catch_up_limit"
+    assert rng.count is not None
+    assert rng.count + len(plan.skipped) + len(plan.fired) == 7 * 86400

@@ -208,3 +208,34 @@ def test_relay_back_from_an_outage_leaves_triggers_to_their_publisher(
     with pg_store.engine.connect() as conn:
         states = dict(conn.execute(select(outbox.c.destination, outbox.c.state)).all())
     assert states == {"celery": "pending", "webhook": "sent"}
+
+
+def test_sweep_reached_late_publishes_only_rows_still_its_own(
+    scheduler: Any, pg_store: Store, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A beat's sweep claims unsent trigger rows, is paused past half its claim lease, and
+    another sweep takes and sends one of them meanwhile: only the other one is sent."""
+    _seed_due(pg_store, ["kept", "taken"])
+    scheduler._beat.tick()  # committed; the fast path never ran (the beat "died")
+    with pg_store.begin() as conn:
+        conn.execute(update(outbox).values(available_at=pg_store.now(conn)
+                                           - timedelta(seconds=1)))
+    real_claim = scheduler_mod.claim_outbox_batch
+
+    def claim_then_pause(*args: Any, **kwargs: Any) -> Any:
+        messages = real_claim(*args, **kwargs)
+        conn = args[1]
+        taken = next(m.id for m in messages
+                     if m.payload["headers"]["reliable_beat_entry"] == "taken")
+        # meanwhile the lease ran out and another sweep sent "taken"
+        conn.execute(update(outbox).where(outbox.c.id == taken)
+                     .values(state="sent", claimed_by="other:1"))
+        time.sleep(1.2)  # paused past half the (2 s) lease
+        return messages
+
+    monkeypatch.setattr(scheduler_mod, "SWEEP_LEASE", timedelta(seconds=2))
+    monkeypatch.setattr(scheduler_mod, "claim_outbox_batch", claim_then_pause)
+    monkeypatch.setattr(scheduler_mod, "redispatch_stuck_runs", lambda *a, **k: 0)
+    scheduler._last_sweep = 0.0
+    scheduler._sweep()
+    assert _queued(redis_url) == ["kept"]

@@ -177,36 +177,35 @@ def instants(wall: datetime, zone: ZoneInfo, fixed_time: bool) -> list[datetime]
     return [min(first, second)] if fixed_time else sorted({first, second})
 
 
-def slots(
-    cron: Cron | Callable[[datetime], bool],
+def slots(cron: Cron, zone_name: str, start: datetime, end: datetime) -> list[datetime]:
+    """Every slot of ``cron`` in ``[start, end)`` (UTC, ascending, unique), by brute force."""
+    return walk(
+        cron.day_matches, cron.hours, cron.minutes, cron.seconds, cron.matches,
+        zone_name, start, end, fixed_time=cron.fixed_time,
+    )
+
+
+def walk(
+    day_matches: Callable[[date], bool],
+    hours: frozenset[int] | set[int],
+    minutes: frozenset[int] | set[int],
+    seconds: frozenset[int] | set[int],
+    matches: Callable[[datetime], bool],
     zone_name: str,
     start: datetime,
     end: datetime,
     *,
-    fixed_time: bool | None = None,
+    fixed_time: bool,
 ) -> list[datetime]:
-    """Every slot in ``[start, end)`` (UTC, ascending, unique), by brute force.
-
-    Walks the local calendar days around the window; for each day that matches, every
-    hour, minute and second is tested against its field.
-    """
+    """Walk the local calendar days around ``[start, end)``; on each day that matches, test
+    every hour, minute and second against its field, then the whole wall time, and map it
+    to instants with the DST rule. Returns UTC instants, ascending, unique."""
     zone = ZoneInfo(zone_name)
-    if isinstance(cron, Cron):
-        match_day: Callable[[date], bool] = cron.day_matches
-        hours, minutes, seconds = cron.hours, cron.minutes, cron.seconds
-        fixed = cron.fixed_time if fixed_time is None else fixed_time
-        match: Callable[[datetime], bool] = cron.matches
-    else:
-        match = cron
-        match_day = lambda _d: True  # noqa: E731
-        hours, minutes, seconds = frozenset(range(24)), frozenset(range(60)), frozenset([0])
-        assert fixed_time is not None
-        fixed = fixed_time
     found: set[datetime] = set()
     day = (start - timedelta(days=1)).astimezone(zone).date()
     last_day = (end + timedelta(days=1)).astimezone(zone).date()
     while day <= last_day:
-        if match_day(day):
+        if day_matches(day):
             for h in range(24):
                 if h not in hours:
                     continue
@@ -217,9 +216,9 @@ def slots(
                         if s not in seconds:
                             continue
                         wall = datetime(day.year, day.month, day.day, h, m, s)
-                        if not match(wall):
+                        if not matches(wall):
                             continue
-                        for instant in instants(wall, zone, fixed):
+                        for instant in instants(wall, zone, fixed_time):
                             if start <= instant < end:
                                 found.add(instant)
         day += timedelta(days=1)

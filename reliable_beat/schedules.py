@@ -368,9 +368,9 @@ class CronSchedule(Schedule):
         fields = _split_fields(expr)
         self._croniter_expr = " ".join(fields)
         self._check_syntax(fields)
-        # POSIX OR of two restricted day fields is walked as the union of two croniter
-        # expressions with one day field each: croniter ANDs them when one holds L, W or #
-        # (pallets-eco/croniter; tests/unit/test_cron_oracle.py lists the cases).
+        # POSIX OR of two restricted day fields (neither is exactly '*') is walked as the
+        # union of two croniter expressions with one day field each: croniter ANDs them
+        # when one holds L, W or #, and ANDs 'sun-sat' (tests/unit/test_cron_oracle.py).
         self._exprs: tuple[str, ...] = (self._croniter_expr,)
         if self.day_or and fields[2] != "*" and fields[4] != "*":
             self._exprs = (
@@ -988,8 +988,8 @@ def _crontab_expr(obj: Any, where: str) -> str:
     ``.day_of_month``, ``.month_of_year``, ``.day_of_week``), never from the text the user
     wrote: Celery's parsing is what counts (``minute='*/2 5'`` is every 2 minutes in Celery,
     and stays so). Only the *star-ness* of the minute and hour text is kept (it decides the
-    DST rule; a full set counts as ``*``). The result is checked: croniter must expand it back to exactly Celery's
-    sets. Day-of-week numbering is the same in both (0 = Sunday).
+    DST rule; a full set counts as ``*``). The result is checked: croniter must expand it
+    back to exactly Celery's sets. Day-of-week numbering is the same in both (0 = Sunday).
 
     Raises:
         InvalidScheduleError: the crontab cannot be written as a cron string with the same
@@ -1034,7 +1034,8 @@ def _crontab_expr(obj: Any, where: str) -> str:
         raise InvalidScheduleError(
             f"{where}{source} cannot be converted to a cron string ({exc}); please report it"
         ) from exc
-    for got, want, (_a, _o, keyword, _lo, _hi) in zip(ours, celery_sets, _CELERY_FIELDS, strict=True):
+    for got, want, field in zip(ours, celery_sets, _CELERY_FIELDS, strict=True):
+        keyword = field[2]
         if got != want:  # pragma: no cover - a rendering bug; refuse rather than guess
             raise InvalidScheduleError(
                 f"{where}{source}: converting field {keyword} would change its meaning "

@@ -4,9 +4,10 @@ It reads croniter's syntax (5 fields, or 6 with the seconds field LAST) with its
 parser, decides whether a naive wall time matches by testing every field on its own
 (ranges, steps, lists, names, day-of-month ``L`` and ``nW``, day-of-week ``L<d>`` and
 ``<d>#<n>``; POSIX OR of day-of-month and day-of-week when both are restricted, i.e.
-neither is ``*``), walks the window day by day, hour by hour, minute by minute (and second by
-second for 6 fields), and maps each matching wall time to UTC instants with the default
-DST rule of design.md §7, written here from the rule, not copied from the engine:
+neither is exactly ``*``: ``1-31`` and ``sun-sat`` restrict), walks the window day by
+day, hour by hour, minute by minute (and second by second for 6 fields), and maps each
+matching wall time to UTC instants with the default DST rule of design.md §7, written
+here from the rule, not copied from the engine:
 
 * fixed-time (neither minute nor hour field starts with ``*``): a wall time in a gap fires
   once, read with the offset before the gap (PEP 495 ``fold=0``); a repeated wall time
@@ -84,7 +85,9 @@ class Cron:
             raise ValueError(expr)
         second = fields[5] if len(fields) == 6 else "0"
 
-        def full(text: str, lo: int, hi: int, names: dict[str, int] | None = None) -> frozenset[int]:
+        def full(
+            text: str, lo: int, hi: int, names: dict[str, int] | None = None
+        ) -> frozenset[int]:
             out: set[int] = set()
             for part in text.split(","):
                 out |= _plain(part, lo, hi, names or {})

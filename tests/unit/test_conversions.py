@@ -11,6 +11,7 @@ custom ``BaseSchedule``, ``relative=True``) is refused with the reason and the f
 from __future__ import annotations
 
 from datetime import date, datetime, timedelta, timezone
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -81,7 +82,7 @@ def test_crontab_step_with_a_space_keeps_celery_meaning(
     got = list(s.slots_between(start, end))
     assert got == celery_slots(c, "UTC", start, end)
     if step is not None:
-        assert all(b - a == step for a, b in zip(got, got[1:], strict=False))
+        assert all(b - a == step for a, b in pairwise(got))
     assert isinstance(s, CronSchedule) and not s.fixed_time  # still a wildcard entry
 
 
@@ -189,7 +190,7 @@ def test_interval_conversions_keep_run_every(value: Any, zone: str) -> None:
     s = from_celery(value, timezone=zone, anchor=ANCHOR)
     assert isinstance(s, IntervalSchedule)
     got = list(s.slots_between(z("2026-03-28T00:00:00Z"), z("2026-03-30T00:00:00Z")))
-    assert got and all(b - a == every for a, b in zip(got, got[1:], strict=False))
+    assert got and all(b - a == every for a, b in pairwise(got))
     assert all((g - ANCHOR) % every == timedelta(0) for g in got)
 
 

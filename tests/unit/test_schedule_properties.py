@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from reliable_beat.errors import InvalidScheduleError
 from reliable_beat.schedules import CronSchedule, IntervalSchedule
-
 from tests.unit.cron_oracle import Cron
 
 UTC = timezone.utc

@@ -329,6 +329,10 @@ def definition_from_celery(
                 raw["schedule"], timezone=tz, anchor=anchor, entry=name,
                 relative=bool(raw.get("relative", False)),
             )
+            if rb.get("timezone") and schedule.timezone != tz:
+                bad(f"timezone={tz!r} conflicts with the schedule's own zone "
+                    f"{schedule.timezone!r} (a crontab's nowfun/tz or a Schedule object); "
+                    "set the zone in one place")
             if schedule.kind == "cron" and (rb.get("dst_nonexistent") or rb.get("dst_repeated")):
                 spec = schedule.to_spec()
                 spec["nonexistent"] = rb.get("dst_nonexistent") or spec.get("nonexistent")

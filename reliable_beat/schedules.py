@@ -49,6 +49,7 @@ __all__ = [
     "IntervalSchedule",
     "OneOffSchedule",
     "Schedule",
+    "describe_crontab",
     "from_celery",
     "schedule_from_spec",
     "validate_timezone",
@@ -1045,6 +1046,47 @@ def _crontab_expr(obj: Any, where: str) -> str:
     return expr
 
 
+def _crontab_zone(obj: Any, where: str) -> str | None:
+    """The zone a crontab carries itself, or None (then Celery uses the app's ``timezone``).
+
+    Celery evaluates a crontab on the clock ``nowfun()`` returns (django-celery-beat's
+    ``TzAwareCrontab`` keeps it as ``.tz``); that zone is the crontab's meaning.
+
+    Raises:
+        InvalidScheduleError: ``nowfun`` gives a naive time (the host's local clock) or a
+            zone with no IANA name.
+    """
+    # an instance attribute only: BaseSchedule.tz is a property giving the app's zone
+    tz = vars(obj).get("tz")
+    if tz is None and getattr(obj, "nowfun", None) is not None:
+        try:
+            now = obj.nowfun()
+        except Exception as exc:
+            raise InvalidScheduleError(
+                f"{where}{describe_crontab(obj)}: its nowfun() failed ({exc!r}); drop nowfun "
+                "and set the entry's zone with options['reliable_beat']['timezone']"
+            ) from exc
+        if not isinstance(now, datetime) or now.tzinfo is None:
+            raise InvalidScheduleError(
+                f"{where}{describe_crontab(obj)}: its nowfun() returns a naive time (the "
+                "host's local clock), which no slot can be keyed on; drop nowfun and set the "
+                "entry's zone with options['reliable_beat']['timezone']"
+            )
+        tz = now.tzinfo
+    if tz is None:
+        return None
+    name = getattr(tz, "key", None) or getattr(tz, "zone", None)  # zoneinfo / pytz
+    if name is None and tz.utcoffset(None) == timedelta(0) and str(tz) == "UTC":
+        name = "UTC"
+    if not isinstance(name, str):
+        raise InvalidScheduleError(
+            f"{where}{describe_crontab(obj)} is evaluated in {tz!r}, which has no IANA zone "
+            "name; drop nowfun/tz and set the entry's zone with "
+            "options['reliable_beat']['timezone'] (e.g. 'Europe/Berlin')"
+        )
+    return validate_timezone(name)
+
+
 def _type_name(obj: object) -> str:
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -1067,7 +1109,8 @@ def from_celery(
 
     * ``celery.schedules.crontab`` → :class:`CronSchedule` with ``day_or=False``
       (Celery ANDs day_of_month and day_of_week; cron strings OR them), rendered from the
-      field sets Celery itself expanded and checked against them.
+      field sets Celery itself expanded and checked against them, in the zone of its own
+      clock when it has one (``nowfun``, django-celery-beat's ``tz``), else ``timezone``.
     * ``celery.schedules.schedule``, :class:`~datetime.timedelta`, int/float seconds →
       :class:`IntervalSchedule` anchored at ``anchor``.
     * a cron string → :class:`CronSchedule` (POSIX ``day_or=True``).
@@ -1117,8 +1160,9 @@ def from_celery(
                 )
             if isinstance(obj, celery_schedules.crontab):
                 expr = _crontab_expr(obj, where)
+                zone = _crontab_zone(obj, where) or timezone
                 try:
-                    return CronSchedule(expr, timezone, day_or=False)
+                    return CronSchedule(expr, zone, day_or=False)
                 except UnknownTimezoneError:
                     raise
                 except InvalidScheduleError as exc:

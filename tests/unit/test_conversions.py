@@ -280,3 +280,45 @@ def test_unsupported_object_never_shows_an_address() -> None:
 def test_solar_is_refused() -> None:
     with pytest.raises(InvalidScheduleError, match=r"'sun'.*solar"):
         from_celery(object.__new__(solar), timezone="UTC", anchor=ANCHOR, entry="sun")
+
+
+# --- a crontab's own clock ----------------------------------------------------------------
+
+
+def test_crontab_nowfun_zone_is_its_meaning() -> None:
+    """Celery evaluates a crontab on the clock nowfun() returns: 09:00 Tokyo is 00:00Z."""
+    from zoneinfo import ZoneInfo
+
+    c = crontab(minute=0, hour=9, nowfun=lambda: datetime.now(ZoneInfo("Asia/Tokyo")))
+    s = from_celery(c, timezone="UTC", anchor=ANCHOR, entry="tokyo")
+    assert s.timezone == "Asia/Tokyo"
+    assert s.next_after(z("2026-01-05T12:00:00Z")) == z("2026-01-06T00:00:00Z")
+
+
+def test_tz_aware_crontab_zone_is_its_meaning() -> None:
+    from zoneinfo import ZoneInfo
+
+    from django_celery_beat.tzcrontab import TzAwareCrontab
+
+    c = TzAwareCrontab(minute=30, hour=2, tz=ZoneInfo("Europe/Berlin"))
+    s = from_celery(c, timezone="UTC", anchor=ANCHOR, entry="berlin")
+    assert s.timezone == "Europe/Berlin"
+    assert s.next_after(z("2026-07-01T12:00:00Z")) == z("2026-07-02T00:30:00Z")
+
+
+def test_crontab_on_a_naive_clock_is_refused() -> None:
+    c = crontab(minute=0, hour=9, nowfun=datetime.now)  # the host's local clock
+    with pytest.raises(InvalidScheduleError, match=r"'local'.*naive.*timezone"):
+        from_celery(c, timezone="UTC", anchor=ANCHOR, entry="local")
+
+
+def test_entry_zone_conflicting_with_the_crontab_zone_is_refused() -> None:
+    from zoneinfo import ZoneInfo
+
+    c = crontab(minute=0, hour=9, nowfun=lambda: datetime.now(ZoneInfo("Asia/Tokyo")))
+    with pytest.raises(EntryValidationError, match=r"'Europe/Berlin' conflicts.*'Asia/Tokyo'"):
+        _define({"task": "t", "schedule": c,
+                 "options": {"reliable_beat": {"timezone": "Europe/Berlin"}}})
+    same = _define({"task": "t", "schedule": c,
+                    "options": {"reliable_beat": {"timezone": "Asia/Tokyo"}}})
+    assert same.schedule.timezone == "Asia/Tokyo"

@@ -958,6 +958,9 @@ def _render_celery_field(values: list[int], lo: int, hi: int, star: bool) -> str
     cannot be written (its set lacks the field's lowest value).
     """
     if not star:
+        step = values[1] - values[0] if len(values) >= 3 else 0
+        if step > 1 and values == list(range(values[0], values[-1] + 1, step)):
+            return f"{values[0]}-{values[-1]}/{step}"  # '0-58/2', short and not '*'
         return _runs(values)
     if values == list(range(lo, hi + 1)):
         return "*"

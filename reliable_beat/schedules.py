@@ -371,7 +371,8 @@ class CronSchedule(Schedule):
         self._check_syntax(fields)
         # POSIX OR of two restricted day fields (neither is exactly '*') is walked as the
         # union of two croniter expressions with one day field each: croniter ANDs them
-        # when one holds L, W or #, and ANDs 'sun-sat' (tests/unit/test_cron_oracle.py).
+        # when one holds L, W or #, and when it normalises the other to '*' ('1-31' with
+        # '*/2'): tests/unit/test_cron_oracle.py lists the cases.
         self._exprs: tuple[str, ...] = (self._croniter_expr,)
         if self.day_or and fields[2] != "*" and fields[4] != "*":
             self._exprs = (

@@ -21,7 +21,12 @@ RFC 5545 §3.3.5 / PEP 495 for the exact instant:
 Cron strings use croniter's syntax: a 6-field string has its **seconds field
 LAST** (``"* * * * * */15"`` = every 15 s). Other tools put seconds first; a
 6-field string whose last field is ``*`` is rejected as that mistake (except
-``"* * * * * *"``).
+``"* * * * * *"``), and so are the other seconds-first forms that can be told apart
+(a last field reading as days of the week, the shape ``0 m h * mon d``) and Quartz's
+``?``; each error gives the rewrite (docs/dst.md lists what cannot be told apart).
+When both day fields are restricted (neither is exactly ``*``), cron strings OR them
+(POSIX), computed as the union of two croniter walks because croniter alone ANDs some
+combinations (``L``, ``W``, ``#``).
 
 Interval entries are elapsed time: ``anchor + k * every`` in UTC for every integer
 ``k``; the zone only changes how slots are shown.

@@ -7,7 +7,8 @@ DST, 5 and 6 fields.
 
 croniter on its own is wrong for a restricted day-of-month OR'd with a day-of-week holding
 ``L<d>`` or ``<d>#<n>``, for a day-of-month ``nW`` OR'd with any restricted day of week, and
-for ``1-31`` OR'd with a stepped day of week (it turns ``1-31`` into ``*``): it ANDs them (``0 0 1 * L5`` "the 1st or the last Friday" is refused as never matching;
+for ``1-31`` OR'd with ``*/2`` as day of week (it turns ``1-31`` into ``*``): it ANDs
+them (``0 0 1 * L5`` "the 1st or the last Friday" is refused as never matching;
 ``0 0 15W * 5`` fires on the 15th-nearest weekday only when it is a Friday). The engine
 walks such an expression as the union of two croniter expressions with one day field each;
 ``KNOWN_CRONITER_WRONG`` below is checked against the oracle, with and without croniter.

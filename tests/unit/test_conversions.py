@@ -322,3 +322,33 @@ def test_entry_zone_conflicting_with_the_crontab_zone_is_refused() -> None:
     same = _define({"task": "t", "schedule": c,
                     "options": {"reliable_beat": {"timezone": "Asia/Tokyo"}}})
     assert same.schedule.timezone == "Asia/Tokyo"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(crontabs(), st.sampled_from(["UTC", "Asia/Kolkata"]),
+       st.datetimes(datetime(2020, 1, 1), datetime(2030, 1, 1)))
+def test_next_slot_equals_celery_own_remaining_estimate(
+    c: crontab, zone: str, naive_start: datetime
+) -> None:
+    """Celery's own next-run computation (``crontab.remaining_estimate``, "now" = the last
+    run) agrees with our next slot, step after step (zones without DST, where Celery's
+    arithmetic has no known DST bugs)."""
+    from zoneinfo import ZoneInfo
+
+    from celery import Celery
+
+    app = Celery(set_as_current=False)
+    app.conf.timezone = zone
+    app.conf.enable_utc = True
+    theirs = crontab(minute=c._orig_minute, hour=c._orig_hour, day_of_month=c._orig_day_of_month,
+                     month_of_year=c._orig_month_of_year, day_of_week=c._orig_day_of_week,
+                     app=app)
+    ours = from_celery(c, timezone=zone, anchor=ANCHOR)
+    last = naive_start.replace(second=0, microsecond=0, tzinfo=ZoneInfo(zone))
+    for _ in range(12):
+        now = last
+        theirs.nowfun = lambda: now  # noqa: B023 - read at once, inside this step
+        expected = last + theirs.remaining_estimate(last)
+        got = ours.next_after(last)
+        assert got == expected.astimezone(UTC), (last, expected, got)
+        last = got.astimezone(ZoneInfo(zone))

@@ -72,6 +72,10 @@ class SlotSeen:
         reason: why it was skipped or buffered (``misfire:skip``, ``overlap:skip``, ...).
         trigger: ``schedule`` (on time) or ``catch_up``.
         decided_at: the simulated clock at the tick that decided it.
+        last / count: for a skipped *range* (a long downtime's older slots are recorded as
+            one row, ``reliable_beat.planner.SKIP_RECORD_LIMIT``): its last slot and how
+            many slots it stands for (None: not enumerated, a cron). A single slot:
+            ``last == fire_at``, ``count == 1``.
     """
 
     entry: str
@@ -80,6 +84,8 @@ class SlotSeen:
     reason: str | None
     trigger: str | None
     decided_at: datetime
+    last: datetime | None = None
+    count: int | None = 1
 
 
 @dataclass
@@ -109,8 +115,15 @@ class Window:
         return [s.fire_at for s in self.fired if s.entry == entry]
 
     def skipped_at(self, entry: str) -> list[datetime]:
-        """The skipped slots of ``entry`` (UTC), in order."""
+        """The skipped slots of ``entry`` (UTC), in order; a skipped range appears as its
+        first slot (see :meth:`skipped_count`)."""
         return [s.fire_at for s in self.skipped if s.entry == entry]
+
+    def skipped_count(self, entry: str) -> int | None:
+        """How many slots of ``entry`` were skipped, ranges included (None: a range's count
+        was not enumerated)."""
+        counts = [s.count for s in self.skipped if s.entry == entry]
+        return None if None in counts else sum(c for c in counts if c is not None)
 
     def extend(self, other: Window) -> None:
         self.slots.extend(other.slots)
@@ -264,7 +277,8 @@ class SchedulerClock:
     def _collect(self) -> Window:
         stmt = (
             sa.select(runs_table.c.id, runs_table.c.entry_name, runs_table.c.fire_at,
-                      runs_table.c.state, runs_table.c.reason, runs_table.c.trigger)
+                      runs_table.c.state, runs_table.c.reason, runs_table.c.trigger,
+                      runs_table.c.result)
             .where(runs_table.c.id > self._seen, runs_table.c.entry_name.is_not(None))
             .order_by(runs_table.c.id)
         )
@@ -272,7 +286,13 @@ class SchedulerClock:
         with self.store.engine.connect() as conn:
             for r in conn.execute(stmt):
                 self._seen = max(self._seen, int(r.id))
+                fire_at = _utc(r.fire_at, "fire_at")
+                last, count = fire_at, 1
+                rng = r.result.get("skipped_range") if isinstance(r.result, dict) else None
+                if r.state == "skipped" and isinstance(rng, dict):
+                    last = datetime.fromisoformat(str(rng["last"]).replace("Z", "+00:00"))
+                    count = rng.get("count")
                 window.slots.append(SlotSeen(
-                    entry=r.entry_name, fire_at=_utc(r.fire_at, "fire_at"),
-                    state=r.state, reason=r.reason, trigger=r.trigger, decided_at=self.now))
+                    entry=r.entry_name, fire_at=fire_at, state=r.state, reason=r.reason,
+                    trigger=r.trigger, decided_at=self.now, last=last, count=count))
         return window

@@ -157,6 +157,21 @@ def test_blocked_loop(store: Store, policy: str, fired: list[str]) -> None:
     assert iso(w.fired_at("job")) == fired
 
 
+def test_long_downtime_skips_are_recorded_as_a_range(store: Store) -> None:
+    """Past ``SKIP_RECORD_LIMIT`` skipped slots, the beat records one range row; the clock's
+    window gives its first slot, last slot and count."""
+    clock = rbt.SchedulerClock(store, z("2026-01-10T11:59:30Z"))
+    clock.sync({"job": entry(timedelta(minutes=1), misfire_policy="skip", misfire_grace=10,
+                             anchor="2026-01-10T00:00:00Z")})
+    clock.run_until(z("2026-01-10T12:00:30Z"))
+    w = clock.down_until(z("2026-01-10T13:00:30Z"))
+    assert w.fired == []
+    assert w.skipped_count("job") == 60  # 12:01 .. 13:00, every one accounted for
+    ranges = [s for s in w.skipped if s.count != 1]
+    assert ranges and ranges[0].fire_at == z("2026-01-10T12:01:00Z")
+    assert max(s.last for s in w.skipped if s.last) == z("2026-01-10T13:00:00Z")
+
+
 @pytest.mark.parametrize("policy", ["catch_up", "fire_once", "skip"])
 def test_restart_straddling_a_slot(store: Store, policy: str) -> None:
     """restart-straddles-slot: down 14:59:59 -> 15:00:16 (grace 60 s): 15:00Z still fires."""

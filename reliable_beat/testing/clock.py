@@ -287,11 +287,13 @@ class SchedulerClock:
             for r in conn.execute(stmt):
                 self._seen = max(self._seen, int(r.id))
                 fire_at = _utc(r.fire_at, "fire_at")
-                last, count = fire_at, 1
+                last: datetime = fire_at
+                count: int | None = 1
                 rng = r.result.get("skipped_range") if isinstance(r.result, dict) else None
                 if r.state == "skipped" and isinstance(rng, dict):
                     last = datetime.fromisoformat(str(rng["last"]).replace("Z", "+00:00"))
-                    count = rng.get("count")
+                    raw = rng.get("count")
+                    count = None if raw is None else int(raw)
                 window.slots.append(SlotSeen(
                     entry=r.entry_name, fire_at=fire_at, state=r.state, reason=r.reason,
                     trigger=r.trigger, decided_at=self.now, last=last, count=count))

@@ -49,7 +49,7 @@ from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
 from reliable_beat.schedules import validate_timezone
-from reliable_beat.settings import Settings
+from reliable_beat.settings import Settings, celery_timezone
 from reliable_beat.slots import format_fire_at
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
@@ -246,10 +246,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             ReliableScheduler._in_setup -= 1
 
     def _definitions(self, now: datetime) -> list[EntryDefinition]:
-        zone = str(self.app.conf.timezone or "UTC")
         try:
             try:
-                validate_timezone(zone)
+                zone = validate_timezone(celery_timezone(self.app))  # Celery's own resolution
             except ConfigurationError as exc:
                 raise ConfigurationError(f"Celery's timezone setting: {exc}") from None
             self._check_sqlite_directory()
@@ -282,6 +281,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         # Configuration first, on the local clock: a bad entry is reported at once, even while
         # the database is down. The definitions are rebuilt on the database clock below.
         self._definitions(datetime.now(timezone.utc))
+        warning = self.settings.default_store_warning("beat")
+        if warning:
+            log.warning("%s", warning)
         delay = 1.0
         while True:
             try:
@@ -327,8 +329,10 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 schema = "BEHIND: run `reliable-beat db upgrade`"
         except Exception:
             schema = "unknown (database unavailable)"
+        warning = self.settings.default_store_warning("beat")
         return (
-            f"    . store -> {self.store.safe_url}\n"
+            (f"    . WARNING -> {warning}\n" if warning else "")
+            + f"    . store -> {self.store.safe_url}\n"
             f"    . owner -> {self.settings.owner}\n"
             f"    . schema -> {schema} (head {migrate.head()})"
         )

@@ -43,6 +43,7 @@ from reliable_beat.errors import (
     IdempotencyKeyError,
     LeaseHeldError,
     PermanentError,
+    SchemaError,
     StaleFenceToken,
 )
 from reliable_beat.policies import backoff_delay
@@ -88,6 +89,64 @@ def _transient_defaults() -> tuple[type[BaseException], ...]:
     except ImportError:  # pragma: no cover
         pass
     return tuple(found)
+
+
+# ------------------------------------------------- default store, missing schema ----
+
+_warned_default_store: set[int] = set()
+
+
+def _warn_default_store_once(settings: Settings) -> None:
+    message = settings.default_store_warning("worker")
+    if message and os.getpid() not in _warned_default_store:
+        _warned_default_store.add(os.getpid())
+        log.warning("%s", message)
+
+
+def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """``celeryd_after_setup``: a worker running IdempotentTasks on the default store says so
+    at start, and bad reliable_beat settings are reported before the first task."""
+    app = getattr(instance, "app", None)
+    if app is None:
+        return
+    try:
+        tracked = any(isinstance(t, IdempotentTask) for t in list(app.tasks.values()))
+        if tracked:
+            _warn_default_store_once(Settings.from_celery(app))
+    except ConfigurationError as exc:
+        log.critical("reliable_beat: configuration refused: %s", exc)
+
+
+def _raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: str) -> None:
+    """A store whose reliable_beat schema is missing or behind is a permanent error.
+
+    A database error that is not a lost connection (e.g. ``no such table:
+    reliable_beat_runs``) is checked against the schema's revision; retrying cannot create
+    tables, so the task fails at once with :class:`SchemaError` logged at CRITICAL instead of
+    retrying forever.
+
+    Raises:
+        SchemaError: the schema is missing or behind (``__cause__`` is ``exc``).
+    """
+    if not isinstance(exc, DBAPIError) or exc.connection_invalidated:
+        return
+    from reliable_beat.db import migrate
+
+    try:
+        revision = migrate.current(store)
+        if revision == migrate.head():
+            return
+    except Exception:  # the check itself failed: leave it to the retry path
+        return
+    what = "has no reliable_beat schema" if revision is None else (
+        f"has reliable_beat schema {revision}, not {migrate.head()}")
+    message = (
+        f"{task}: run {key} refused: the store {store.safe_url} {what}: run `reliable-beat "
+        "db upgrade` against it, or point reliable_beat_database_url at the store the beat "
+        f"uses ({str(getattr(exc, 'orig', exc)).splitlines()[0]})"
+    )
+    log.critical("%s", message)
+    raise SchemaError(message) from exc
 
 
 # ------------------------------------------------------------ per-process stores ----
@@ -426,9 +485,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def reliable_beat_settings(self) -> Settings:
-        """The ``reliable_beat_*`` settings of this task's app (read once per process)."""
+        """The ``reliable_beat_*`` settings of this task's app (read once per process).
+
+        On the embedded default store a WARNING naming the setting to set is logged once per
+        process (see :meth:`Settings.default_store_warning`).
+        """
         if self._rb_settings is None:
-            self._rb_settings = Settings.from_celery(self.app)
+            settings = Settings.from_celery(self.app)
+            _warn_default_store_once(settings)
+            self._rb_settings = settings
         return self._rb_settings
 
     @property
@@ -612,6 +677,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 trigger=_header(request, TRIGGER_HEADER),
             )
         except self.transient_exceptions as exc:
+            _raise_if_schema_missing(store, exc, self.name, key)
             # The store itself is unreachable: nothing was recorded; retry later.
             delay = self._backoff(request.retries or 0)
             raise self.retry(exc=exc, countdown=delay, headers=self._key_headers(key)) from exc
@@ -770,3 +836,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Where the message came from, so a requeue goes back to the same queue.
             "queue": (self.request.delivery_info or {}).get("routing_key"),
         }
+
+
+def _connect_signals() -> None:
+    from celery import signals
+
+    signals.celeryd_after_setup.connect(_on_worker_setup, weak=False,
+                                        dispatch_uid="reliable_beat.default_store")
+
+
+_connect_signals()

@@ -404,6 +404,7 @@ class Relay:
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
         self._listener: _Listener | None = None
+        self._retention: Any = None  # a RetentionThread while run_forever runs
 
     # -- one cycle -----------------------------------------------------------------------
 
@@ -600,7 +601,13 @@ class Relay:
                    reason=f"trigger undeliverable: {error}"[:_MAX_ERROR_CHARS])
 
     def maybe_purge(self) -> int:
-        """Run one retention pass if the last one is older than ``purge_interval_seconds``."""
+        """Run one retention pass if the last one is older than ``purge_interval_seconds``.
+
+        Off while :meth:`run_forever` runs: its :class:`~reliable_beat.retention.
+        RetentionThread` purges every table in bounded batches until caught up.
+        """
+        if self._retention is not None or self.settings.outbox_retention_seconds is None:
+            return 0
         if time.monotonic() - self._last_purge < self.purge_interval_seconds:
             return 0
         self._last_purge = time.monotonic()
@@ -622,6 +629,9 @@ class Relay:
         """
         stop = stop_event or threading.Event()
         poll = self.settings.relay_poll_seconds
+        from reliable_beat.retention import start_retention
+
+        self._retention = start_retention(self.store, self.settings, role="relay")
         try:
             while not stop.is_set():
                 try:
@@ -638,6 +648,9 @@ class Relay:
                     continue
                 self._wait(stop, poll)
         finally:
+            if self._retention is not None:
+                self._retention.stop()
+                self._retention = None
             self.close()
 
     def _wait(self, stop: threading.Event, timeout: float) -> None:

@@ -33,6 +33,11 @@ DEFAULT_DATABASE_URL = "sqlite:///reliable_beat.sqlite3"
 MAX_CLAIM_AHEAD_SECONDS = 60.0
 
 
+#: Settings whose None is a value (off / keep forever), not "use the default".
+_NULLABLE = ("catch_up_window_seconds", "metrics_port", "outbox_retention_seconds",
+             "runs_retention_seconds", "attempts_retention_seconds")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every setting, with its unit in its name. Celery key = ``reliable_beat_`` + field name.
@@ -52,7 +57,17 @@ class Settings:
         retry_max_attempts / retry_base_seconds / retry_cap_seconds: task retry defaults.
         outbox_handlers: destination name -> dotted path of a handler callable.
         outbox_max_attempts / outbox_retry_base_seconds / outbox_retry_cap_seconds: relay retry.
-        outbox_retention_seconds: sent outbox rows older than this are purged (7 days).
+        outbox_retention_seconds: sent outbox rows older than this are purged (7 days;
+            None: never).
+        runs_retention_seconds: finished runs (``succeeded``, ``skipped``, a plain task's
+            ``dispatched``) not updated for this long are purged with their attempts (30
+            days; None: never; at least 3600). Their idempotency keys go with them.
+        attempts_retention_seconds: attempts of finished, not dead, runs older than this are
+            purged (7 days; None: never).
+        purge_batch_size: rows deleted per retention transaction.
+        purge_interval_seconds: a beat or relay starts a retention pass this often; a pass
+            runs until caught up (0: this process does not purge; see
+            :mod:`reliable_beat.retention`). Dead letters are never purged automatically.
         outbox_batch_size: rows claimed per relay transaction.
         relay_poll_seconds: relay idle poll period when no NOTIFY arrives.
         backfill_limit: most slots one backfill creates unless forced.
@@ -82,7 +97,11 @@ class Settings:
     outbox_max_attempts: int = 10
     outbox_retry_base_seconds: float = 1.0
     outbox_retry_cap_seconds: float = 300.0
-    outbox_retention_seconds: float = 7 * 24 * 3600.0
+    outbox_retention_seconds: float | None = 7 * 24 * 3600.0
+    runs_retention_seconds: float | None = 30 * 24 * 3600.0
+    attempts_retention_seconds: float | None = 7 * 24 * 3600.0
+    purge_batch_size: int = 5000
+    purge_interval_seconds: float = 60.0
     outbox_batch_size: int = 200
     relay_poll_seconds: float = 1.0
     backfill_limit: int = 1000
@@ -118,8 +137,15 @@ class Settings:
             elif f.type in ("str", "str | None") and not isinstance(value, str):
                 problems.append(f"{key}={value!r}: expected a string")
         if not problems:
+            if self.runs_retention_seconds is not None and self.runs_retention_seconds < 3600:
+                problems.append(
+                    f"{PREFIX}runs_retention_seconds={self.runs_retention_seconds!r}: at least "
+                    "3600 (a purged run's idempotency key no longer stops a late duplicate "
+                    "delivery); None keeps runs forever"
+                )
             for name in ("batch_size", "outbox_batch_size", "retry_max_attempts",
-                         "lease_seconds", "retry_base_seconds", "outbox_retry_base_seconds"):
+                         "purge_batch_size", "lease_seconds", "retry_base_seconds",
+                         "outbox_retry_base_seconds"):
                 if getattr(self, name) <= 0:
                     problems.append(f"{PREFIX}{name} must be > 0")
             if self.claim_ahead_seconds > MAX_CLAIM_AHEAD_SECONDS:
@@ -201,7 +227,7 @@ class Settings:
                     conflicts.append(" and ".join(f"{k}={v!r}" for _, k, v in forms))
                 _, key, value = forms[0]
                 taken_from[name] = key
-                if value is not None or name in ("catch_up_window_seconds", "metrics_port"):
+                if value is not None or name in _NULLABLE:
                     values[name] = value
         problems: list[str] = []
         valid = cls.valid_keys()

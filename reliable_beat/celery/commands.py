@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "reliable_beat.cli_status",
     "reliable_beat.metrics",
     "reliable_beat.cli_runs",
+    "reliable_beat.cli_purge",
 ]
 
 

@@ -48,6 +48,7 @@ from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
+from reliable_beat.retention import RetentionThread, start_retention
 from reliable_beat.schedules import validate_timezone
 from reliable_beat.settings import Settings, celery_timezone
 from reliable_beat.slots import format_fire_at
@@ -209,6 +210,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.settings = Settings.from_celery(app)
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self._listen: Any = None
+        self._retention: RetentionThread | None = None
         self._failures = 0
         self._last_sweep = 0.0
         self._metrics: Any = None
@@ -314,6 +316,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
         counts = sync_config_entries(self.store, definitions)
         log.info("reliable_beat: synced beat_schedule into %s: %s", self.store.safe_url, counts)
+        if self._retention is None:  # bounded-batch purge of old history, in the background
+            self._retention = start_retention(self.store, self.settings, role="beat")
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -646,6 +650,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         if self._listen is not None:
             with contextlib.suppress(Exception):
                 self._listen.close()
+        if self._retention is not None:
+            self._retention.stop()
+            self._retention = None
         self.store.dispose()
 
     @property

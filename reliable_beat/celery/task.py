@@ -46,6 +46,7 @@ from reliable_beat.errors import (
     SchemaError,
     StaleFenceToken,
 )
+from reliable_beat.identity import STORE_HEADER, store_id
 from reliable_beat.policies import backoff_delay
 from reliable_beat.settings import Settings
 
@@ -630,6 +631,29 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
         state.completed = True
 
+    def _check_store_identity(self, store: Store, key: str) -> None:
+        """Refuse a trigger written to another store (its ``reliable_beat_store`` header).
+
+        Raises:
+            ConfigurationError: the trigger's store id is not this worker's store id (logged
+                at CRITICAL; the run is not claimed, nothing is written here).
+        """
+        theirs = _header(self.request, STORE_HEADER)
+        if not theirs:
+            return  # an ad-hoc call, or a beat of a version without store identity
+        mine = store_id(store)
+        if mine is None or mine == theirs:
+            return
+        settings = self.reliable_beat_settings
+        message = (
+            f"{self.name}: trigger {key} refused: it was written to store {theirs} but this "
+            f"worker's store {store.safe_url} is {mine}. The beat and the workers use "
+            f"different stores: set {settings.database_url_key} to the same database in every "
+            "beat, worker and relay (`reliable-beat status` prints each store's id)"
+        )
+        log.critical("%s", message)
+        raise ConfigurationError(message)
+
     @staticmethod
     def _check_same_database(engine: Engine, store: Store) -> None:
         a, b = engine.url, store.engine.url
@@ -663,6 +687,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         lease = self._lease()
         fire_at = _parse_fire_at(_header(request, FIRE_AT_HEADER))
         try:
+            self._check_store_identity(store, key)
             claim = runs.claim_run(
                 store,
                 key,

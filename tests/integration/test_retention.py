@@ -12,8 +12,9 @@ import threading
 from datetime import datetime, timedelta
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from reliable_beat.celery.commands import reliable_beat as cli
 from reliable_beat.db.dialects import Store
@@ -152,3 +153,42 @@ def test_retention_thread_purges_in_the_background(store: Store) -> None:
         thread.stop()
     assert not thread.is_alive()
     assert _count(store, runs, runs.c.idempotency_key == "old-succeeded-0") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_purge_rate_on_postgres(pg_store: Store) -> None:
+    """Rows purged per second on PostgreSQL (printed; the figure in docs/configuration.md).
+
+    100,000 finished runs (each with one attempt) and 100,000 sent outbox rows, all past
+    retention, purged with the default batch size.
+    """
+    n = 100_000
+    with pg_store.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO reliable_beat_runs (idempotency_key, entry_name, fire_at, task, args,"
+            " kwargs, state, fence_token, attempts, result, created_at, updated_at)"
+            " SELECT 'e' || (g % 100) || '@' || g, 'e' || (g % 100),"
+            " now() - interval '60 days' + g * interval '1 second', 'proj.tasks.job',"
+            " '[1, \"two\"]'::jsonb, '{\"k\": \"v\"}'::jsonb, 'succeeded', 1, 1,"
+            " '{\"ok\": true}'::jsonb, now() - interval '40 days', now() - interval '40 days'"
+            " FROM generate_series(1, :n) g"), {"n": n})
+        conn.execute(text(
+            "INSERT INTO reliable_beat_attempts (run_id, attempt, fence_token, worker,"
+            " started_at, finished_at, outcome) SELECT id, 1, 1, 'w', created_at, created_at,"
+            " 'succeeded' FROM reliable_beat_runs"))
+        conn.execute(text(
+            "INSERT INTO reliable_beat_outbox (message_id, destination, payload, headers,"
+            " state, attempts, available_at, created_at, sent_at)"
+            " SELECT 'm' || g, 'celery', '{\"task\": \"proj.tasks.job\", \"args\": [1]}'::jsonb,"
+            " '{}'::jsonb, 'sent', 1, now() - interval '10 days', now() - interval '10 days',"
+            " now() - interval '10 days' FROM generate_series(1, :n) g"), {"n": n})
+        conn.execute(text("ANALYZE"))
+    result = purge(pg_store, Settings(database_url="unused://"))
+    assert (result.runs, result.outbox) == (n, n)
+    assert _count(pg_store, attempts) == 0  # went with their runs
+    rows = result.runs + n + result.outbox  # runs + cascaded attempts + outbox rows
+    print(f"\npurged {result.runs} runs (+{n} attempts by cascade) and {result.outbox} sent "
+          f"outbox rows in {result.seconds:.2f} s, {result.batches} batches: "
+          f"{(result.runs + result.outbox) / result.seconds:,.0f} runs+outbox rows/s, "
+          f"{rows / result.seconds:,.0f} rows/s with attempts")

@@ -65,7 +65,7 @@ def test_trigger_from_another_store_is_refused(sqlite_store: Store, pg_store: St
     headers = payload["headers"]
     assert headers[STORE_HEADER] == store_id(sqlite_store)
 
-    app, task, ran = _app(pg_store)
+    _app1, task, ran = _app(pg_store)
     with pytest.raises(ConfigurationError, match="refused") as info:
         task.apply(headers=headers)
     assert "CRITICAL" in caplog.text and key in caplog.text
@@ -75,6 +75,6 @@ def test_trigger_from_another_store_is_refused(sqlite_store: Store, pg_store: St
         runs_mod.get_run(pg_store, key)
 
     # The same trigger on a worker of the right store runs.
-    app2, task2, ran2 = _app(sqlite_store)
+    _app2, task2, ran2 = _app(sqlite_store)
     assert task2.apply(headers=headers).get() == "ok"
     assert ran2 == [key]

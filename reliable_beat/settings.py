@@ -176,6 +176,7 @@ class Settings:
 
         The namespaced form wins over the plain one, as in Celery; the two forms with
         different values in one mapping is an error (one of them would be ignored).
+        :meth:`from_celery` takes Celery's own answer for the forms Celery resolves.
 
         Args:
             conf: any mapping of setting name -> value.
@@ -190,7 +191,8 @@ class Settings:
         return cls._from_maps([conf], namespace=namespace)
 
     @classmethod
-    def _from_maps(cls, maps: list[Any], *, namespace: str | None) -> Settings:
+    def _from_maps(cls, maps: list[Any], *, namespace: str | None,
+                   celery_conf: Any = None) -> Settings:
         known = {f.name for f in fields(cls)}
         ns = namespace.rstrip("_").lower() + "_" if namespace else None
         values: dict[str, Any] = {}
@@ -227,6 +229,17 @@ class Settings:
                     conflicts.append(" and ".join(f"{k}={v!r}" for _, k, v in forms))
                 _, key, value = forms[0]
                 taken_from[name] = key
+                if value is not None or name in _NULLABLE:
+                    values[name] = value
+        if celery_conf is not None:
+            # Where Celery itself resolves the key (its ``reliable_beat_*`` and namespaced
+            # forms), take Celery's answer: its precedence between layers and forms differs
+            # between Celery versions, and ours must be the one the app sees.
+            for name in list(taken_from):
+                try:
+                    value = celery_conf[PREFIX + name]
+                except KeyError:
+                    continue
                 if value is not None or name in _NULLABLE:
                     values[name] = value
         problems: list[str] = []
@@ -291,7 +304,9 @@ class Settings:
                 maps = [dict(conf.items())]
             except AttributeError:
                 maps = [dict(conf)]
-        return cls._from_maps(maps, namespace=namespace if isinstance(namespace, str) else None)
+        celery_conf = conf if callable(finalize) else None  # a Celery Settings view
+        return cls._from_maps(maps, namespace=namespace if isinstance(namespace, str) else None,
+                              celery_conf=celery_conf)
 
     @property
     def database_url_key(self) -> str:

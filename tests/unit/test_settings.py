@@ -58,11 +58,14 @@ def test_celery_namespace_upper_case_forms() -> None:
     assert s.database_url_key == "CELERY_RELIABLE_BEAT_DATABASE_URL"
 
 
-def test_app_conf_overrides_the_loaded_object_as_in_celery() -> None:
+def test_layers_resolve_as_celery_resolves_them() -> None:
+    # Celery 5.7 lets app.conf override the loaded object (9); Celery 5.3 prefers the
+    # namespaced key of any layer (5). Ours is whatever this Celery says.
     app = _app("CELERY", CELERY_RELIABLE_BEAT_LEASE_SECONDS=5)
     app.conf.reliable_beat_lease_seconds = 9  # type: ignore[attr-defined]
-    assert Settings.from_celery(app).lease_seconds == 9
-    assert app.conf.get("reliable_beat_lease_seconds") == 9  # type: ignore[attr-defined]
+    celery_says = app.conf.get("reliable_beat_lease_seconds")  # type: ignore[attr-defined]
+    assert celery_says in (5, 9)
+    assert Settings.from_celery(app).lease_seconds == celery_says
 
 
 def test_plain_object_and_app_conf_forms() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,9 +38,9 @@ class Procs:
     def start(self, *args: str, **extra: str) -> tuple[subprocess.Popen[bytes], Path]:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("RELIABLE_BEAT_", "CELERY_", "DJANGO_"))}
-        env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{APPS}", PYTHONUNBUFFERED="1",
-                   RB_BROKER_URL=self.redis_url, RB_DATABASE_URL=self.pg_url,
-                   RB_QUEUE=self.queue, **extra)
+        env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{APPS}", "PYTHONUNBUFFERED": "1",
+                    "RB_BROKER_URL": self.redis_url, "RB_DATABASE_URL": self.pg_url,
+                    "RB_QUEUE": self.queue, **extra})
         log = self.tmp / f"{args[0]}-{len(self.procs)}.log"
         with open(log, "wb") as fh:
             proc = subprocess.Popen([str(CELERY), "-A", "dj_celery", *args], cwd=self.tmp,
@@ -114,3 +115,31 @@ def test_namespaced_typo_stops_the_beat_naming_the_key(procs: Procs) -> None:
     assert beat.returncode != 0
     assert "CELERY_RELIABLE_BEAT_LEASE_SECOND " in text, text[-3000:]
     assert "CELERY_RELIABLE_BEAT_LEASE_SECONDS" in text, text[-3000:]
+
+
+def test_default_store_warns_and_a_mixed_deployment_is_refused(
+        procs: Procs, pg_store: Store) -> None:
+    """The issue's setup: the beat lands on the embedded default store (its settings did
+    not reach it) while the worker uses PostgreSQL. The beat says so at WARNING; the worker
+    refuses its triggers at CRITICAL instead of running them against the wrong store."""
+    beat, beat_log = procs.start("beat", "-l", "info", "--pidfile=", "-s",
+                                 str(procs.tmp / "celerybeat-schedule"), RB_DATABASE_URL="")
+    worker, worker_log = procs.start(
+        "worker", "--pool", "solo", "-c", "1", "-Q", procs.queue, "-n",
+        f"dj-{procs.queue}@%h", "--without-gossip", "--without-mingle",
+        "--without-heartbeat", "-l", "INFO")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert beat.poll() is None and worker.poll() is None, _logs(procs)
+        if "refused" in worker_log.read_text(errors="replace"):
+            break
+        time.sleep(0.5)
+    beat_text, worker_text = (beat_log.read_text(errors="replace"),
+                              worker_log.read_text(errors="replace"))
+    assert "WARNING" in beat_text and "embedded default store" in beat_text, beat_text[-3000:]
+    assert "CELERY_RELIABLE_BEAT_DATABASE_URL" in beat_text
+    assert (procs.tmp / "reliable_beat.sqlite3").exists()
+    refused = [ln for ln in worker_text.splitlines() if "refused" in ln]
+    assert refused and "CRITICAL" in refused[0] and "dj-tick@" in refused[0], worker_text[-3000:]
+    with pg_store.engine.connect() as conn:  # nothing ran against the worker's store
+        assert conn.execute(sa.select(sa.func.count()).select_from(runs)).scalar_one() == 0

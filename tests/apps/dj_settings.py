@@ -24,7 +24,7 @@ CELERY_BEAT_SCHEDULE = {
     "dj-tick": {"task": "dj_celery.record", "schedule": 1.0},
 }
 # The reliable_beat settings in the namespaced upper-case form, and one without the namespace.
-CELERY_RELIABLE_BEAT_DATABASE_URL = os.environ.get("RB_DATABASE_URL")
+CELERY_RELIABLE_BEAT_DATABASE_URL = os.environ.get("RB_DATABASE_URL") or None  # None: default
 CELERY_RELIABLE_BEAT_RUN_MIGRATIONS = True
 RELIABLE_BEAT_LEASE_SECONDS = 5.0
 if os.environ.get("RB_TYPO"):

@@ -17,11 +17,23 @@ from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import store_identity
+from reliable_beat.errors import ConfigurationError
 
-__all__ = ["STORE_HEADER", "store_id"]
+__all__ = ["STORE_HEADER", "ForeignStoreError", "store_id"]
 
 #: Trigger header carrying the id of the store the trigger's run was written to.
 STORE_HEADER = "reliable_beat_store"
+
+
+
+class ForeignStoreError(ConfigurationError):
+    """A trigger was written to another store than the worker's (mixed deployment).
+
+    The worker refuses it (CRITICAL log, a ``message`` dead letter in its own store) instead
+    of running it against the wrong store. Fix: one ``reliable_beat_database_url`` for every
+    beat, worker and relay.
+    """
+
 
 _cache: dict[str, str] = {}
 _lock = threading.Lock()

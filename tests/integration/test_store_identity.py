@@ -17,7 +17,7 @@ from reliable_beat import runtime
 from reliable_beat import schedules as sch
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import entries, outbox, store_identity
+from reliable_beat.db.tables import dead_letters, entries, outbox, store_identity
 from reliable_beat.entries import EntryDefinition
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.identity import STORE_HEADER, store_id
@@ -71,8 +71,14 @@ def test_trigger_from_another_store_is_refused(sqlite_store: Store, pg_store: St
     assert "CRITICAL" in caplog.text and key in caplog.text
     assert store_id(sqlite_store) in str(info.value) and store_id(pg_store) in str(info.value)
     assert ran == []
-    with pytest.raises(runs_mod.RunNotFound):  # nothing written to the wrong store
+    with pytest.raises(runs_mod.RunNotFound):  # no run in the wrong store
         runs_mod.get_run(pg_store, key)
+    # ... but a `message` dead letter there, so `status --check` on that store alarms.
+    with pg_store.engine.connect() as conn:
+        dead = conn.execute(select(dead_letters.c.kind, dead_letters.c.key,
+                                   dead_letters.c.error)).all()
+    assert [(d.kind, d.key) for d in dead] == [("message", key)]
+    assert "ForeignStoreError" in dead[0].error
 
     # The same trigger on a worker of the right store runs.
     _app2, task2, ran2 = _app(sqlite_store)

@@ -143,3 +143,9 @@ def test_default_store_warns_and_a_mixed_deployment_is_refused(
     assert refused and "CRITICAL" in refused[0] and "dj-tick@" in refused[0], worker_text[-3000:]
     with pg_store.engine.connect() as conn:  # nothing ran against the worker's store
         assert conn.execute(sa.select(sa.func.count()).select_from(runs)).scalar_one() == 0
+    # ... and `status --check` on the worker's store sees the refusals (dead letters).
+    check = subprocess.run(
+        [str(Path(sys.executable).parent / "reliable-beat"), "--database-url", pg_store.url,
+         "status", "--check"], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "dead letters" in check.stdout

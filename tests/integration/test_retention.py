@@ -184,6 +184,10 @@ def test_purge_rate_on_postgres(pg_store: Store) -> None:
             " '{}'::jsonb, 'sent', 1, now() - interval '10 days', now() - interval '10 days',"
             " now() - interval '10 days' FROM generate_series(1, :n) g"), {"n": n})
         conn.execute(text("ANALYZE"))
+    with pg_store.engine.connect() as conn:
+        sizes = {t: conn.execute(text(f"SELECT pg_total_relation_size('reliable_beat_{t}')"))
+                 .scalar_one() for t in ("runs", "attempts", "outbox")}
+    print("\n" + ", ".join(f"{t}: {b / n:.0f} bytes/row with indexes" for t, b in sizes.items()))
     result = purge(pg_store, Settings(database_url="unused://"))
     assert (result.runs, result.outbox) == (n, n)
     assert _count(pg_store, attempts) == 0  # went with their runs

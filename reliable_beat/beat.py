@@ -44,6 +44,7 @@ from sqlalchemy.types import JSON, BigInteger, DateTime, Text, TypeEngine
 from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.identity import store_id as _store_id
 from reliable_beat.planner import SkippedRange, plan_entry
 from reliable_beat.slots import format_fire_at, idempotency_key
 
@@ -316,11 +317,14 @@ def build_trigger_payload(
     entry: str | None,
     fire_at: datetime,
     trigger: str,
+    store_id: str | None = None,
 ) -> dict[str, Any]:
     """The outbox payload of a trigger (JSON): an ordinary Celery task message description.
 
-    Headers carry the entry, the fire time (ISO 8601 UTC) and the idempotency key; the task
-    id is :func:`task_id_for`; ``expires_at`` = slot + ``options["expires"]`` seconds.
+    Headers carry the entry, the fire time (ISO 8601 UTC), the idempotency key and the id
+    of the store the run was written to (``reliable_beat_store``, when known; see
+    :mod:`reliable_beat.identity`); the task id is :func:`task_id_for`; ``expires_at`` =
+    slot + ``options["expires"]`` seconds.
     """
     publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
     headers = dict(options.get("headers") or {})
@@ -330,6 +334,8 @@ def build_trigger_payload(
         reliable_beat_fire_at=format_fire_at(fire_at),
         reliable_beat_trigger=trigger,
     )
+    if store_id:
+        headers["reliable_beat_store"] = store_id
     expires = options.get("expires")
     expires_at = (
         format_fire_at(fire_at + timedelta(seconds=float(expires))) if expires else None
@@ -394,6 +400,7 @@ class Beat:
     claim_ahead: timedelta = timedelta(0)
     plan_budget: float = PLAN_BUDGET_SECONDS
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
+    _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
 
     def _schedule(self, name: str, spec: dict[str, Any]) -> sch.Schedule:
         cached = self._schedules.get(name)
@@ -419,6 +426,8 @@ class Beat:
             StoreUnavailableError: the database is down (nothing was written).
         """
         result = TickResult()
+        if self._sid is None:  # read outside the claim transaction (SQLite: one writer)
+            self._sid = _store_id(self.store)
         with self.store.begin() as conn:
             now = self.store.now(conn)
             result.monotonic = time.monotonic()
@@ -575,6 +584,7 @@ class Beat:
                     task=r["task"], args=r["args"], kwargs=r["kwargs"],
                     options=options_by_key[key], key=key, entry=r["entry_name"],
                     fire_at=r["fire_at"], trigger=r["trigger"],
+                    store_id=self._sid,
                 )
                 outbox_rows.append(
                     self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"])
@@ -639,6 +649,7 @@ class Beat:
             payload = build_trigger_payload(
                 task=b.task, args=b.args, kwargs=b.kwargs, options=options.get(b.entry_name, {}),
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
+                store_id=self._sid,
             )
             oid = conn.execute(
                 outbox.insert().returning(outbox.c.id),

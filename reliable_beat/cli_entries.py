@@ -38,6 +38,7 @@ from reliable_beat.errors import (
     EntryValidationError,
     StoreUnavailableError,
 )
+from reliable_beat.settings import celery_timezone
 
 __all__ = ["build_definition", "entries", "register"]
 
@@ -298,7 +299,8 @@ def entries() -> None:
 @pass_cli
 @handle_errors
 def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
-    """List entries with their schedule, next and last slot (UTC) and last run state."""
+    """List entries with their schedule, the time zone it is evaluated in (ZONE), next and
+    last slot (UTC) and last run state."""
     rows = list_entries(cli.store, include_disabled=show_all)
     if as_json:
         cli.echo_json(jsonable([_public(r) for r in rows]))
@@ -306,10 +308,12 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     if not rows:
         click.echo("no entries")
         return
-    header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "NEXT (UTC)", "LAST SLOT", "LAST STATE")
+    header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "ZONE", "NEXT (UTC)", "LAST SLOT",
+              "LAST STATE")
     table = [header] + [
         (r["name"], r["origin"], _status(r), schedule_text(r["schedule"]),
-         _fmt(r["next_fire_at"]), _fmt(r["last_fire_at"]), r["last_state"] or "-")
+         r.get("timezone") or "UTC", _fmt(r["next_fire_at"]), _fmt(r["last_fire_at"]),
+         r["last_state"] or "-")
         for r in rows
     ]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
@@ -516,7 +520,7 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     misfire policy. Disabled entries come in paused; a name that already exists is left alone.
     """
     app = cli.app
-    zone = str(getattr(getattr(app, "conf", None), "timezone", None) or "UTC")
+    zone = celery_timezone(app) if app is not None else "UTC"
     if source == "redbeat":
         found = importers.read_redbeat(from_url, key_prefix=key_prefix)
     else:

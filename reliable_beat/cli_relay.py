@@ -50,6 +50,9 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
         raise _ConfigError(str(exc)) from exc
     click.echo(f"relay {worker.owner} on {cli.store.safe_url}; destinations: "
                + ", ".join(sorted(worker.handlers)), err=True)
+    warning = cli.settings.default_store_warning("relay")
+    if warning:
+        logging.getLogger("reliable_beat.relay").warning("%s", warning)
     if cli.settings.metrics_port is not None and not once:
         from reliable_beat.metrics import serve
 

@@ -95,7 +95,8 @@ def collect_status(
             (``reliable_beat_redispatch_seconds``) counts as never acknowledged.
 
     Returns:
-        ``{"store" (URL, password hidden), "now" (UTC), "entries": [...], "missed": [names],
+        ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
+        see :mod:`reliable_beat.identity`), "now" (UTC), "entries": [...], "missed": [names],
         "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
         "unstarted": {entry: count of its triggers of the last 24 h that no worker started
         within ``redispatch_seconds``, for entries whose latest such trigger was not started
@@ -111,6 +112,9 @@ def collect_status(
     Raises:
         StoreUnavailableError: the database cannot be reached.
     """
+    from reliable_beat.identity import store_id
+
+    sid = store_id(store)
     with store.engine.connect() as conn:
         now = store.now(conn)
         last = runs.alias("last_run")
@@ -246,6 +250,7 @@ def collect_status(
         )
     return {
         "store": store.safe_url,
+        "store_id": sid,
         "now": now,
         "entries": out_entries,
         "missed": missed,
@@ -342,7 +347,8 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
     if as_json:
         cli.echo_json(jsonable(info))
     else:
-        click.echo(f"store {info['store']}  now {_fmt(info['now'])} (store clock, UTC)")
+        click.echo(f"store {info['store']} (id {info['store_id'] or '-'})  now "
+                   f"{_fmt(info['now'])} (store clock, UTC)")
         for problem in info["problems"]:
             click.secho(f"!! {problem}", fg="red", bold=True)
         for warning in info["warnings"]:

@@ -453,6 +453,7 @@ class Relay:
         # After a database outage, beat triggers (destination ``celery``) are left alone for
         # a sweep delay: the beat that published one during the outage records it first.
         self._triggers_after = 0.0
+        self._retention: Any = None  # a RetentionThread while run_forever runs
 
     # -- one cycle -----------------------------------------------------------------------
 
@@ -654,7 +655,13 @@ class Relay:
                    reason=f"trigger undeliverable: {error}"[:_MAX_ERROR_CHARS])
 
     def maybe_purge(self) -> int:
-        """Run one retention pass if the last one is older than ``purge_interval_seconds``."""
+        """Run one retention pass if the last one is older than ``purge_interval_seconds``.
+
+        Off while :meth:`run_forever` runs: its :class:`~reliable_beat.retention.
+        RetentionThread` purges every table in bounded batches until caught up.
+        """
+        if self._retention is not None or self.settings.outbox_retention_seconds is None:
+            return 0
         if time.monotonic() - self._last_purge < self.purge_interval_seconds:
             return 0
         self._last_purge = time.monotonic()
@@ -676,6 +683,9 @@ class Relay:
         """
         stop = stop_event or threading.Event()
         poll = self.settings.relay_poll_seconds
+        from reliable_beat.retention import start_retention
+
+        self._retention = start_retention(self.store, self.settings, role="relay")
         try:
             while not stop.is_set():
                 try:
@@ -693,6 +703,9 @@ class Relay:
                     continue
                 self._wait(stop, poll)
         finally:
+            if self._retention is not None:
+                self._retention.stop()
+                self._retention = None
             self.close()
 
     def _wait(self, stop: threading.Event, timeout: float) -> None:

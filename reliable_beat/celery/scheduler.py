@@ -55,8 +55,9 @@ from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
+from reliable_beat.retention import RetentionThread, start_retention
 from reliable_beat.schedules import validate_timezone
-from reliable_beat.settings import Settings
+from reliable_beat.settings import Settings, celery_timezone
 from reliable_beat.slots import format_fire_at
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
@@ -255,6 +256,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.settings = Settings.from_celery(app)
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self._listen: Any = None
+        self._retention: RetentionThread | None = None
         self._failures = 0
         self._last_sweep = 0.0
         self._metrics: Any = None
@@ -299,10 +301,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             ReliableScheduler._in_setup -= 1
 
     def _definitions(self, now: datetime) -> list[EntryDefinition]:
-        zone = str(self.app.conf.timezone or "UTC")
         try:
             try:
-                validate_timezone(zone)
+                zone = validate_timezone(celery_timezone(self.app))  # Celery's own resolution
             except ConfigurationError as exc:
                 raise ConfigurationError(f"Celery's timezone setting: {exc}") from None
             self._check_sqlite_directory()
@@ -335,6 +336,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         # Configuration first, on the local clock: a bad entry is reported at once, even while
         # the database is down. The definitions are rebuilt on the database clock below.
         self._definitions(datetime.now(timezone.utc))
+        warning = self.settings.default_store_warning("beat")
+        if warning:
+            log.warning("%s", warning)
         delay = 1.0
         while True:
             try:
@@ -369,6 +373,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         log_sync_result(log, result, self.store.safe_url)
         record_beat(self.store, owner=self.settings.owner, group=self.group,
                     config_hash=result.config_hash, unregistered=unregistered)
+        if self._retention is None:  # bounded-batch purge of old history, in the background
+            self._retention = start_retention(self.store, self.settings, role="beat")
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -384,8 +390,10 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 schema = "BEHIND: run `reliable-beat db upgrade`"
         except Exception:
             schema = "unknown (database unavailable)"
+        warning = self.settings.default_store_warning("beat")
         return (
-            f"    . store -> {self.store.safe_url}\n"
+            (f"    . WARNING -> {warning}\n" if warning else "")
+            + f"    . store -> {self.store.safe_url}\n"
             f"    . owner -> {self.settings.owner}\n"
             f"    . schedule group -> {self.group}\n"
             f"    . schema -> {schema} (head {migrate.head()})"
@@ -747,6 +755,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 self._listen.close()
         with contextlib.suppress(Exception):
             beat_stopped(self.store, self.settings.owner)
+        if self._retention is not None:
+            self._retention.stop()
+            self._retention = None
         self.store.dispose()
 
     @property

@@ -49,6 +49,7 @@ __all__ = [
     "outbox",
     "runs",
     "schedule_configs",
+    "store_identity",
 ]
 
 NAMING_CONVENTION = {
@@ -165,6 +166,7 @@ runs = Table(
     UniqueConstraint("entry_name", "fire_at"),
     Index("ix_reliable_beat_runs_state", "state"),
     Index("ix_reliable_beat_runs_entry_name_created_at", "entry_name", "created_at"),
+    Index("ix_reliable_beat_runs_created_at", "created_at"),
 )
 
 attempts = Table(
@@ -238,4 +240,13 @@ dead_letters = Table(
     Column("requeued_at", UTCDateTime, nullable=True),
     Column("requeued_by", String(200), nullable=True),
     Index("ix_reliable_beat_dead_letters_created_at", "created_at"),
+)
+
+#: One row: the store's identity, a random id written by the migration that created it.
+#: Triggers carry it (header ``reliable_beat_store``); a worker on another store refuses them.
+store_identity = Table(
+    "reliable_beat_store",
+    metadata,
+    Column("store_id", String(64), primary_key=True),
+    Column("created_at", UTCDateTime, nullable=False),
 )

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import os
 import smtplib
 import uuid
@@ -52,6 +51,7 @@ from urllib.parse import quote
 
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -68,7 +68,7 @@ __all__ = [
     "publish_celery_batch",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Entry point group for user handlers: ``name = "package.module:attr"``.
 ENTRY_POINT_GROUP = "reliable_beat.outbox_handlers"

@@ -41,7 +41,6 @@ node-exporter textfile with ``reliable-beat metrics textfile PATH``.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -56,6 +55,7 @@ from sqlalchemy import func, select
 from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
+from reliable_beat.redaction import get_logger
 
 __all__ = [
     "LATENESS_BUCKETS",
@@ -67,7 +67,7 @@ __all__ = [
     "write_textfile",
 ]
 
-log = logging.getLogger("reliable_beat.metrics")
+log = get_logger("reliable_beat.metrics")
 
 #: Upper bounds (seconds) of the fire lateness histogram buckets.
 LATENESS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)

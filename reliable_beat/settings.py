@@ -24,7 +24,7 @@ DEFAULT_DATABASE_URL = "sqlite:///reliable_beat.sqlite3"
 MAX_CLAIM_AHEAD_SECONDS = 60.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Settings:
     """Every setting, with its unit in its name. Celery key = ``reliable_beat_`` + field name.
 
@@ -121,6 +121,23 @@ class Settings:
                 )
         if problems:
             raise ConfigurationError("; ".join(problems))
+
+    def __repr__(self) -> str:
+        """Every field, with the database URL and any secret-named value redacted (error
+        reporters capture locals; a repr must never carry a password)."""
+        from reliable_beat.redaction import MASK, is_sensitive_name, redact_url, redact_value
+
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_url") and isinstance(value, str):
+                value = redact_url(value)
+            elif is_sensitive_name(f.name) and value not in (None, ""):
+                value = MASK
+            else:
+                value = redact_value(value)
+            shown.append(f"{f.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     @classmethod
     def valid_keys(cls) -> list[str]:

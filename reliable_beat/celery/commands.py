@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.redaction import redact_text, redact_value
 from reliable_beat.settings import Settings
 
 __all__ = ["COMMAND_MODULES", "CliContext", "pass_cli", "reliable_beat"]
@@ -42,7 +43,7 @@ class CliContext:
     """What every command needs: the app, the settings and the store."""
 
     app: Any = None
-    database_url: str | None = None
+    database_url: str | None = field(default=None, repr=False)  # may hold a password
     role: str = "cli"
     create_store: bool = False  # only `db upgrade` may create an embedded SQLite file
     _settings: Settings | None = field(default=None, repr=False)
@@ -73,7 +74,7 @@ class CliContext:
         return self._store
 
     def echo_json(self, value: Any) -> None:
-        click.echo(json.dumps(value, indent=2, default=str, sort_keys=True))
+        click.echo(json.dumps(redact_value(value), indent=2, default=str, sort_keys=True))
 
 
 pass_cli = click.make_pass_decorator(CliContext)
@@ -97,7 +98,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except StoreUnavailableError as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise click.ClickException(redact_text(exc)) from exc
         except DBAPIError as exc:
             text = str(exc.orig)
             if "no such table" in text or "does not exist" in text:
@@ -106,7 +107,7 @@ class _Group(click.Group):
                     "`reliable-beat db upgrade`"
                 ) from exc
             raise click.ClickException(
-                f"database error: {text.splitlines()[0] if text else exc!r}"
+                f"database error: {redact_text(text.splitlines()[0] if text else repr(exc))}"
             ) from exc
 
 

@@ -20,7 +20,6 @@ dead letter). See ``docs/task.md``.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import re
 import threading
@@ -46,6 +45,7 @@ from reliable_beat.errors import (
     StaleFenceToken,
 )
 from reliable_beat.policies import backoff_delay
+from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
     "IdempotentTask",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 KEY_HEADER = "reliable_beat_key"
 #: The form of a scheduled slot's key (:func:`reliable_beat.slots.idempotency_key`).

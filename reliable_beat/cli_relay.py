@@ -41,7 +41,7 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
     if cli.settings.metrics_port is not None and not once:
         from reliable_beat.metrics import serve
 
-        serve(cli.settings.metrics_port, cli.store)
+        serve(cli.settings.metrics_port, cli.store, addr=cli.settings.metrics_host)
     if once:
         click.echo(f"claimed {worker.run_once()} rows")
         worker.close()

@@ -91,6 +91,9 @@ _TOKENISH = re.compile(
     r"^(?=[A-Za-z0-9_\-.~+=%]*\d)(?=[A-Za-z0-9_\-.~+=%]*[A-Za-z])[A-Za-z0-9_\-.~+=%]{16,}$"
     r"|^[A-Za-z0-9_\-.~+=%]{32,}$"
 )
+# host[:port] or [ipv6][:port], comma-separated (libpq multi-host URLs)
+_ONE_HOST = r"(?:\[[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?\]|[A-Za-z0-9.\-_~%]*)(?::\d{0,5})?"
+_HOSTPORT = re.compile(rf"{_ONE_HOST}(?:,{_ONE_HOST})*")
 # scheme://... up to whitespace or a quote/bracket that commonly ends a URL in prose
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 # name=value or name: value with a sensitive name (libpq DSN, "password=...", JSON-ish)
@@ -178,7 +181,7 @@ def _redact_url(text: str) -> str:
         user, colon, _password = userinfo.partition(":")
         userinfo = f"{user}:{MASK}@" if colon else (f"{MASK}@" if _looks_secret(user) else
                                                      f"{user}@")
-    if not re.fullmatch(r"[A-Za-z0-9.\-_\[\]:%,~]*", hostport):
+    if not _HOSTPORT.fullmatch(hostport):
         hostport = "<host?>"
     path, _, query = remainder.split("#", 1)[0].partition("?")
     host = hostport.lower().rsplit(":", 1)[0] if not hostport.startswith("[") else hostport

@@ -51,6 +51,8 @@ class Settings:
             ``running`` with a lease expired this long has its trigger sent again (its
             message was lost; see :mod:`reliable_beat.redispatch`).
         metrics_port: serve Prometheus metrics on this port (None: off).
+        metrics_host: the address the metrics server binds (default ``127.0.0.1``: loopback
+            only; ``0.0.0.0`` exposes it on every interface).
         owner_id: name of this process in leases and logs (default: host:pid).
     """
 
@@ -79,6 +81,7 @@ class Settings:
     backfill_limit: int = 1000
     redispatch_seconds: float = 120.0
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     owner_id: str | None = None
 
     def __post_init__(self) -> None:

@@ -309,7 +309,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         if self.settings.metrics_port is not None and self._metrics is None:
             from reliable_beat.metrics import serve
 
-            self._metrics = serve(self.settings.metrics_port, self.store)
+            self._metrics = serve(self.settings.metrics_port, self.store,
+                                  addr=self.settings.metrics_host)
             log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
         counts = sync_config_entries(self.store, definitions)
         log.info("reliable_beat: synced beat_schedule into %s: %s", self.store.safe_url, counts)

@@ -47,13 +47,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import click
 from sqlalchemy import func, select
 
-from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
 from reliable_beat.redaction import get_logger
@@ -68,6 +67,14 @@ __all__ = [
     "serve",
     "write_textfile",
 ]
+
+if TYPE_CHECKING:
+    from reliable_beat.celery.commands import CliContext
+
+# ctx.obj of the reliable-beat group is the CliContext (click.pass_obj, not the group's
+# pass_cli: importing reliable_beat.celery.commands here would be circular, since it imports
+# this module to register the commands)
+pass_cli = click.pass_obj
 
 log = get_logger("reliable_beat.metrics")
 
@@ -210,7 +217,7 @@ class StoreCollector:
         )
 
     def _read(self) -> dict[str, Any]:
-        from reliable_beat.cli_status import outbox_backlog
+        from reliable_beat.relay import outbox_status
 
         with self.store.engine.connect() as conn:
             now = self.store.now(conn)
@@ -249,7 +256,7 @@ class StoreCollector:
                     .group_by(dead_letters.c.kind)
                 )
             }
-            backlog = outbox_backlog(conn, now)
+            backlog = outbox_status(conn)
             since = now - timedelta(seconds=self.window_seconds)
             lateness = [
                 max(0.0, (d - f).total_seconds())

@@ -7,9 +7,10 @@ Every log line, banner, CLI output (text and ``--json``), ``last_error`` column,
   (an unescaped ``@`` inside the password is handled: everything up to the *last* ``@`` of
   the authority is userinfo); every query parameter whose name is sensitive (``password``,
   ``token``, ``secret``, ``key``, ``sig``, ...: :data:`SENSITIVE_WORDS`) has its value
-  replaced; the fragment is dropped; path segments that look like tokens (long, letters and
-  digits) are replaced, and on known webhook hosts (Slack, Teams, Discord, ...: the URL
-  *is* the credential) the whole path is. A URL that cannot be parsed is shown as
+  replaced; the fragment is dropped; in ``http(s)`` / ``ws(s)`` URLs, path segments that
+  look like tokens (long, letters and digits) are replaced, and on known webhook hosts
+  (Slack, Teams, Discord, ...: the URL *is* the credential) the whole path is. A URL that
+  cannot be parsed is shown as
   ``<unparseable URL>`` (with its scheme when one is recognisable): never a fragment of it,
   and the function never raises (no ``invalid literal for int()`` echoing a port).
 * **Headers** (:func:`redact_headers`): the value of every header whose name is sensitive
@@ -185,7 +186,8 @@ def _redact_url(text: str) -> str:
         hostport = "<host?>"
     path, _, query = remainder.split("#", 1)[0].partition("?")
     host = hostport.lower().rsplit(":", 1)[0] if not hostport.startswith("[") else hostport
-    path = _redact_path(path, host)
+    if scheme.lower() in ("http", "https", "ws", "wss"):  # not database names / file paths
+        path = _redact_path(path, host)
     out = f"{scheme}://{userinfo}{hostport}{path}"
     if query:
         out += "?" + _redact_query(query)

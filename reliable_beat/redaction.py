@@ -18,9 +18,9 @@ Every log line, banner, CLI output (text and ``--json``), ``last_error`` column,
   anything naming a token, secret, password, signature, credential or session) becomes
   ``***``.
 * **Free text** (:func:`redact_text`): every URL found in the text is redacted as above,
-  and ``name=value`` / ``name: value`` pairs with a sensitive name (libpq DSNs,
-  ``password=...``) lose their value. Used on exception messages before they are logged or
-  stored.
+  an HTTP credential (``Bearer ...``, ``Basic ...``) loses its value, and ``name=value`` /
+  ``name: value`` pairs with a sensitive name (libpq DSNs, ``password=...``) lose their
+  value. Used on exception messages before they are logged or stored.
 * **JSON-like values** (:func:`redact_value`): dicts, lists and strings, recursively; keys
   with sensitive names lose their values, ``headers`` mappings go through
   :func:`redact_headers`, strings through :func:`redact_text`. Used by ``dead-letters``
@@ -43,6 +43,7 @@ __all__ = [
     "MASK",
     "SENSITIVE_HEADERS",
     "SENSITIVE_WORDS",
+    "THIRD_PARTY_LOGGERS",
     "WEBHOOK_HOSTS",
     "RedactingFilter",
     "get_logger",
@@ -97,6 +98,12 @@ _ONE_HOST = r"(?:\[[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?\]|[A-Za-z0-9.\-_~%]*)(?::\d{
 _HOSTPORT = re.compile(rf"{_ONE_HOST}(?:,{_ONE_HOST})*")
 # scheme://... up to whitespace or a quote/bracket that commonly ends a URL in prose
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
+# an HTTP auth scheme and its credential ("Bearer abc", "Basic dXNlcjpw")
+_SCHEME_CREDENTIAL = re.compile(r"\b(Bearer|Basic|Token|Digest|Negotiate)\s+(?!\*\*\*)[^\s'\",;]+",
+                                re.I)
+# a bare request target ("/hook/abc123...?token=x", as a server echoes it): after a space,
+# a quote or the start, never inside a URL (those were redacted whole, above)
+_PATH_IN_TEXT = re.compile(r"(?:(?<=[\s'\"(\[=])|^)(/[^\s'\"<>`]+)")
 # name=value or name: value with a sensitive name (libpq DSN, "password=...", JSON-ish)
 _PAIR_IN_TEXT = re.compile(
     r"(?P<name>[A-Za-z][A-Za-z0-9_\-]*)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<value>[^\s'\",;&)}]+)"
@@ -223,6 +230,13 @@ def _redact_query(query: str) -> str:
     return "&".join(shown)
 
 
+def _redact_bare_path(m: re.Match[str]) -> str:
+    target = m.group(1)
+    path, sep, query = target.partition("?")
+    shown = "/".join(MASK if _looks_secret(p) else p for p in path.split("/"))
+    return shown + (sep + _redact_query(query) if sep else "")
+
+
 def redact_headers(headers: Mapping[Any, Any] | None) -> dict[str, Any]:
     """A copy of ``headers`` with the value of every sensitive header replaced by ``***``.
 
@@ -248,6 +262,8 @@ def redact_text(text: object) -> str:
     """
     s = text if isinstance(text, str) else str(text)
     s = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), s)
+    s = _SCHEME_CREDENTIAL.sub(lambda m: f"{m.group(1)} {MASK}", s)
+    s = _PATH_IN_TEXT.sub(_redact_bare_path, s)
 
     def pair(m: re.Match[str]) -> str:
         if not is_sensitive_name(m.group("name")) or m.group("value") == MASK:
@@ -315,6 +331,13 @@ class RedactingFilter(logging.Filter):
 _FORMATTER = logging.Formatter()
 _FILTER = RedactingFilter()
 
+#: Third-party loggers that print request URLs or headers (httpx logs every request's full
+#: URL at INFO): they get the same filter when this module is imported.
+THIRD_PARTY_LOGGERS = (
+    "httpx", "httpcore", "httpcore.connection", "httpcore.http11", "httpcore.http2",
+    "httpcore.proxy", "httpcore.socks", "urllib3", "urllib3.connectionpool",
+)
+
 
 def get_logger(name: str) -> logging.Logger:
     """``logging.getLogger(name)`` with a :class:`RedactingFilter` attached (once)."""
@@ -322,3 +345,7 @@ def get_logger(name: str) -> logging.Logger:
     if not any(isinstance(f, RedactingFilter) for f in logger.filters):
         logger.addFilter(_FILTER)
     return logger
+
+
+for _name in THIRD_PARTY_LOGGERS:
+    get_logger(_name)

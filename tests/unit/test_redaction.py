@@ -117,3 +117,18 @@ def test_malformed_store_url_error_and_traceback_quote_nothing() -> None:
     rendered = "".join(traceback.format_exception(info.value))
     assert "port is not a number" in str(info.value)
     assert SECRET not in rendered
+
+
+@pytest.mark.parametrize(
+    ("url", "error"),
+    [(f"redis://u:ab@{SECRET}@127.0.0.1:notaport/0", "ConfigurationError"),
+     (f"redis://:{SECRET}@127.0.0.1:1/0?password={SECRET}", "StoreUnavailableError")],
+)
+def test_redbeat_importer_errors_quote_no_secret(url: str, error: str) -> None:
+    pytest.importorskip("redbeat")
+    from reliable_beat.importers import read_redbeat
+
+    with pytest.raises(Exception) as info:
+        read_redbeat(url)
+    assert type(info.value).__name__ == error
+    assert SECRET not in "".join(traceback.format_exception(info.value))

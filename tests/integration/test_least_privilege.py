@@ -70,7 +70,7 @@ def roles(pg_url: str) -> Iterator[str]:
     """The documented setup run on a fresh, unmigrated database; yields its superuser URL."""
     admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")
     lang, setup = doc_block("setup")
-    assert lang == "sql"
+    assert lang == "postgresql"
     with admin.connect() as conn:
         _drop_roles(conn)  # left by an earlier, interrupted run (roles are cluster-wide)
         run_script(conn, setup)
@@ -102,7 +102,7 @@ def test_documented_roles_have_exactly_what_they_need(roles: str) -> None:
     assert head() in result.output
 
     lang, after = doc_block("after-first-upgrade")
-    assert lang == "sql"
+    assert lang == "postgresql"
     owner = sa.create_engine(owner_url)
     with owner.begin() as conn:
         run_script(conn, after)

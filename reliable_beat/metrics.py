@@ -139,7 +139,7 @@ class StoreCollector:
         try:
             data = self._read()
         except Exception as exc:
-            log.warning("metrics scrape: store %s unavailable (%s)", self.store.safe_url, exc)
+            log.warning("metrics scrape failed: %s", self.store.describe_failure(exc))
             up.add_metric([], 0.0)
             yield up
             return

@@ -7,6 +7,7 @@ import traceback
 
 import pytest
 
+from reliable_beat.beat import Beat
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.redaction import (
@@ -104,7 +105,8 @@ def test_store_and_settings_reprs_hide_the_url(tmp_path: object) -> None:
     url = f"postgresql+psycopg://app:{SECRET}@127.0.0.1:1/x?password={SECRET}"
     store = Store.from_url(url)
     settings = Settings(database_url=url)
-    for shown in (repr(store), repr(settings), str(store), str(settings)):
+    beat = Beat(store, owner="test")
+    for shown in (repr(store), repr(settings), str(store), str(settings), repr(beat)):
         assert SECRET not in shown
     assert "127.0.0.1:1" in repr(store)
     store.dispose()

@@ -33,6 +33,7 @@ letter's payload keeps what the relay needs; only what is *shown* is redacted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Mapping
@@ -311,12 +312,9 @@ class RedactingFilter(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a broken format string: keep the record as it is
-            return True
-        record.msg = redact_text(message)
-        record.args = None
+        # a broken format string: logging reports it at emit, as it always does
+        with contextlib.suppress(Exception):
+            self._redact_message(record)
         if record.exc_info and not record.exc_text:
             record.exc_text = redact_text(_FORMATTER.formatException(record.exc_info))
         if record.stack_info:
@@ -326,6 +324,23 @@ class RedactingFilter(logging.Filter):
             if isinstance(value, str):
                 record.__dict__[name] = redact_text(value)
         return True
+
+
+    @staticmethod
+    def _redact_message(record: logging.LogRecord) -> None:
+        args = record.args
+        if isinstance(args, tuple) and args and isinstance(record.msg, str):
+            # redact the arguments and keep the template (log aggregators group by it) when
+            # that is enough; numbers stay numbers for %d / %.1f
+            shown = tuple(a if isinstance(a, (int, float)) or a is None else redact_text(a)
+                          for a in args)
+            rendered = record.msg % shown
+            if redact_text(rendered) == rendered:
+                record.args = shown
+                return
+        message = record.getMessage()
+        record.msg = redact_text(message)
+        record.args = None
 
 
 _FORMATTER = logging.Formatter()

@@ -262,9 +262,17 @@ def redact_text(text: object) -> str:
         ``name=value`` / ``name: value`` pair whose name is sensitive replaced by ``***``.
     """
     s = text if isinstance(text, str) else str(text)
-    s = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), s)
-    s = _SCHEME_CREDENTIAL.sub(lambda m: f"{m.group(1)} {MASK}", s)
-    s = _PATH_IN_TEXT.sub(_redact_bare_path, s)
+    # cheap substring checks first: most log lines (events of the beat's hot path) have
+    # nothing any pattern below could match, and skip every regular expression
+    if "://" in s:
+        s = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), s)
+    low = s.lower()
+    if any(w in low for w in _CREDENTIAL_SCHEMES):
+        s = _SCHEME_CREDENTIAL.sub(lambda m: f"{m.group(1)} {MASK}", s)
+    if "/" in s:
+        s = _PATH_IN_TEXT.sub(_redact_bare_path, s)
+    if ("=" not in s and ":" not in s) or not _mentions_sensitive_word(low):
+        return s
 
     def pair(m: re.Match[str]) -> str:
         if not is_sensitive_name(m.group("name")) or m.group("value") == MASK:
@@ -272,6 +280,15 @@ def redact_text(text: object) -> str:
         return f"{m.group('name')}{m.group('sep')}{m.group('q')}{MASK}"
 
     return _PAIR_IN_TEXT.sub(pair, s)
+
+
+_CREDENTIAL_SCHEMES = ("bearer", "basic", "token", "digest", "negotiate")
+_TEXT_WORDS = (*SENSITIVE_WORDS, *_EXACT_SENSITIVE)
+
+
+def _mentions_sensitive_word(low: str) -> bool:
+    squeezed = low.replace("-", "").replace("_", "")
+    return any(w in squeezed for w in _TEXT_WORDS)
 
 
 def redact_value(value: Any) -> Any:
@@ -328,6 +345,10 @@ class RedactingFilter(logging.Filter):
 
     @staticmethod
     def _redact_message(record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        redacted = redact_text(message)
+        if redacted == message:  # the common case: nothing secret, the record is untouched
+            return
         args = record.args
         if isinstance(args, tuple) and args and isinstance(record.msg, str):
             # redact the arguments and keep the template (log aggregators group by it) when
@@ -338,8 +359,7 @@ class RedactingFilter(logging.Filter):
             if redact_text(rendered) == rendered:
                 record.args = shown
                 return
-        message = record.getMessage()
-        record.msg = redact_text(message)
+        record.msg = redacted
         record.args = None
 
 

@@ -15,9 +15,16 @@ from typing import Any
 import click
 
 from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.errors import ConfigurationError
 from reliable_beat.relay import Relay, outbox_status
 
 __all__ = ["register"]
+
+
+class _ConfigError(click.ClickException):
+    """A configuration problem: one line, exit code 2."""
+
+    exit_code = 2
 
 
 @click.command("relay")
@@ -34,8 +41,11 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
     logging.basicConfig(level=loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cli.role = "relay"
-    worker = Relay(cli.store, cli.app, settings=cli.settings, batch_size=batch_size,
-                   claim_lease_seconds=claim_lease_seconds)
+    try:
+        worker = Relay(cli.store, cli.app, settings=cli.settings, batch_size=batch_size,
+                       claim_lease_seconds=claim_lease_seconds)
+    except ConfigurationError as exc:  # e.g. a destination's secret not in the environment
+        raise _ConfigError(str(exc)) from exc
     click.echo(f"relay {worker.owner} on {cli.store.safe_url}; destinations: "
                + ", ".join(sorted(worker.handlers)), err=True)
     if cli.settings.metrics_port is not None and not once:

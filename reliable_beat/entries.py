@@ -35,6 +35,7 @@ from sqlalchemy import and_, select, text, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import schedules as sch
+from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
@@ -192,6 +193,47 @@ def _instant(value: Any, what: str) -> datetime:
     return value.astimezone(timezone.utc)
 
 
+def _check_custom_headers(headers: Any, bad: Callable[[str], None]) -> None:
+    """``options["headers"]`` must be an object of custom headers: a Celery protocol header
+    (``task``, ``id``, ``eta``, ``retries``, ``root_id``, ...) would override the message's
+    own (an entry for task A sent with ``task=B`` ran B)."""
+    from reliable_beat.handlers import CELERY_PROTOCOL_HEADERS
+
+    if headers is None:
+        return
+    if not isinstance(headers, Mapping):
+        bad(f"options['headers'] must be a dict of custom headers, got {type(headers).__name__}")
+        return
+    reserved = sorted(str(k) for k in headers if str(k).lower() in CELERY_PROTOCOL_HEADERS)
+    if reserved:
+        bad(f"options['headers'] may not set Celery protocol header(s) {', '.join(reserved)}: "
+            "they belong to the message itself (use the entry's 'task', 'expires', ... "
+            "instead, or rename the custom header)")
+
+
+def _encoded_arguments(
+    args: list[Any], kwargs: dict[str, Any], bad: Callable[[str], None]
+) -> tuple[list[Any], dict[str, Any]]:
+    """An entry's args / kwargs as Celery's JSON serializer sends them (stock beat does).
+
+    ``datetime``, ``Decimal``, ``UUID`` ... are stored in kombu's ``{"__type__", "__value__"}``
+    form (:func:`reliable_beat.values.to_json_value`), which the worker's JSON decoder turns
+    back into the same values; anything else is reported through ``bad``, naming the
+    argument (``args[1]``, ``kwargs['when']``).
+    """
+    try:
+        encoded_args = rb_values.to_json_value(args, "args")
+    except ValueError as exc:
+        bad(str(exc))
+        encoded_args = []
+    try:
+        encoded_kwargs = rb_values.to_json_value(kwargs, "kwargs")
+    except ValueError as exc:
+        bad(str(exc))
+        encoded_kwargs = {}
+    return encoded_args, encoded_kwargs
+
+
 def definition_from_celery(
     name: str,
     raw: Mapping[str, Any],
@@ -238,6 +280,7 @@ def definition_from_celery(
     for key in sorted(set(options) - PUBLISH_OPTION_KEYS):
         supported = ", ".join(sorted(PUBLISH_OPTION_KEYS))
         bad(f"unsupported publish option {key!r}; supported: {supported}")
+    _check_custom_headers(options.get("headers"), bad)
     args = list(raw.get("args") or [])
     kwargs = dict(raw.get("kwargs") or {})
     if "expires" in options:
@@ -247,11 +290,20 @@ def definition_from_celery(
         elif not isinstance(exp, (int, float)) or isinstance(exp, bool) or exp <= 0:
             bad(f"options['expires']={exp!r}: give seconds (> 0) counted from the slot")
 
-    for what, value in (("args", args), ("kwargs", kwargs), ("options", options)):
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            bad(f"{what} are not JSON-serialisable ({exc}); pass plain JSON values")
+    for problem in rb_values.entry_name_problems(name):
+        bad(problem)
+    args, kwargs = _encoded_arguments(args, kwargs, bad)
+    try:
+        json.dumps(options)
+    except (TypeError, ValueError) as exc:
+        bad(f"options are not JSON-serialisable ({exc}); pass plain JSON values")
+    size = sum(len(json.dumps(v, separators=(",", ":"), ensure_ascii=False, default=str)
+                   .encode()) for v in (args, kwargs, options))
+    if size > settings.max_payload_bytes:
+        bad(f"args + kwargs + options are {size} bytes as JSON, over "
+            f"reliable_beat_max_payload_bytes ({settings.max_payload_bytes}); they are copied "
+            "into every run, trigger and broker message: pass a reference (an id, a key) "
+            "and load the data in the task")
     if raw.get("relative"):
         bad("'relative=True' is not supported: slots sit on a fixed grid")
     tz = rb.get("timezone") or default_timezone
@@ -476,6 +528,7 @@ def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: boo
         EntryNotFoundError: updating a name that does not exist.
     """
     definition.origin = "runtime"
+    rb_values.check_entry_name(definition.name)
     with store.begin() as conn:
         now = store.now(conn)
         row = conn.execute(

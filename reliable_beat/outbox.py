@@ -28,6 +28,7 @@ transaction that creates the entity), because a second call adds a second messag
 
 from __future__ import annotations
 
+import json
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -43,11 +44,13 @@ from sqlalchemy.sql.dml import Insert
 from reliable_beat.db.tables import outbox
 
 __all__ = [
+    "DEFAULT_MAX_PAYLOAD_BYTES",
     "MAX_MESSAGE_ID_LENGTH",
     "NOTIFY_CHANNEL",
     "OutboxMessage",
     "add",
     "db_now",
+    "json_size",
     "new_message_id",
 ]
 
@@ -55,6 +58,16 @@ __all__ = [
 NOTIFY_CHANNEL = "reliable_beat_outbox"
 #: Length of the ``message_id`` column.
 MAX_MESSAGE_ID_LENGTH = 400
+#: Default largest JSON size of a row's payload + headers, in bytes (the setting
+#: ``reliable_beat_max_payload_bytes``): a row is copied into the broker or the far end on
+#: every delivery, and a relay holds a whole claimed batch in memory.
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+
+
+def json_size(value: Any) -> int:
+    """Bytes of ``value`` as compact UTF-8 JSON (values JSON cannot encode count as ``str``)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+                          default=str).encode())
 
 
 @dataclass(frozen=True)
@@ -167,6 +180,7 @@ def add(
     delay: timedelta | None = None,
     ordering_key: str | None = None,
     run_id: int | None = None,
+    max_bytes: int | None = None,
 ) -> str:
     """Add one message to the outbox inside the caller's transaction.
 
@@ -195,12 +209,17 @@ def add(
         ordering_key: messages with the same ordering key are delivered in id order; a later
             one is never delivered before an earlier one is sent or dead.
         run_id: the ``reliable_beat_runs`` row this message belongs to, if any.
+        max_bytes: the largest JSON size of ``payload`` + ``headers``, bytes (default
+            :data:`DEFAULT_MAX_PAYLOAD_BYTES`; ``IdempotentTask.outbox`` passes
+            ``reliable_beat_max_payload_bytes``).
 
     Returns:
         The message id (``key`` or the generated one), whether or not a row was inserted.
 
     Raises:
-        ValueError: ``key`` is empty or longer than 400 characters, or ``delay`` is negative.
+        ValueError: ``key`` is empty or longer than 400 characters, ``delay`` is negative,
+            or ``payload`` + ``headers`` are larger than ``max_bytes`` as JSON (nothing is
+            written; store a reference, e.g. an id or an object-store key, instead).
         sqlalchemy.exc.DBAPIError: the insert failed (the caller's transaction is then
             unusable and should be rolled back).
     """
@@ -208,6 +227,14 @@ def add(
         raise ValueError(f"outbox key must be 1..{MAX_MESSAGE_ID_LENGTH} characters, got {key!r}")
     if delay is not None and delay < timedelta(0):
         raise ValueError(f"outbox delay must be >= 0, got {delay!r}")
+    limit = DEFAULT_MAX_PAYLOAD_BYTES if max_bytes is None else max_bytes
+    size = json_size(payload) + json_size(dict(headers or {}))
+    if size > limit:
+        raise ValueError(
+            f"outbox message {key or '(no key)'!r} to {destination!r}: payload + headers are "
+            f"{size} bytes as JSON, over the limit of {limit} (reliable_beat_max_payload_bytes);"
+            " store the data elsewhere and put a reference (an id, a key) in the payload"
+        )
     message_id = key if key is not None else new_message_id()
     pg = conn.dialect.name == "postgresql"
     created_at: Any

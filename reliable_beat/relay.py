@@ -6,6 +6,7 @@ One cycle (:meth:`Relay.run_once`)::
                                    available_at = now + claim lease
                             WHERE id IN (SELECT id ... pending, due, ordering rule,
                                          ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED)
+                              [AND within the byte budget: running sum of payload sizes]
                             RETURNING *
     2. deliver (no txn)     per destination; batches over one connection where the handler can
     3. settle  (short txns) sent -> state sent (+ the trigger's run scheduled -> dispatched)
@@ -51,10 +52,13 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    LargeBinary,
+    Text,
     and_,
     any_,
     bindparam,
     case,
+    cast,
     delete,
     func,
     literal,
@@ -111,6 +115,7 @@ def claim_outbox_batch(
     lease: timedelta,
     limit: int,
     destinations: Iterable[str] | None = None,
+    max_bytes: int | None = None,
 ) -> list[OutboxMessage]:
     """Claim up to ``limit`` due pending rows, lowest id first; run inside a short transaction.
 
@@ -129,6 +134,10 @@ def claim_outbox_batch(
         limit: most rows to claim.
         destinations: only claim rows for these destinations (the relay's handlers); None:
             any destination.
+        max_bytes: a byte budget: of the (up to ``limit``) rows locked, claim the lowest-id
+            ones whose payload + headers (as stored JSON text) add up to at most this many
+            bytes, and always the first one (a row larger than the budget is claimed alone);
+            the rest stay unclaimed. None: no budget.
 
     Returns:
         The claimed rows as :class:`OutboxMessage`, sorted by id.
@@ -158,14 +167,46 @@ def claim_outbox_batch(
     if destinations is not None:
         sel = sel.where(o.c.destination.in_(sorted(destinations)))
     claim = store.for_update_skip_locked(sel).cte("claim")
+    claimed_ids = select(claim.c.id)
+    if max_bytes is not None:
+        claimed_ids = _within_byte_budget(store, conn, claim, max_bytes)
     stmt = (
         update(o)
-        .where(o.c.id.in_(select(claim.c.id)))
+        .where(o.c.id.in_(claimed_ids))
         .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
         .returning(*o.c)
     )
     rows = conn.execute(stmt).all()
     return sorted((OutboxMessage.from_row(r) for r in rows), key=lambda m: m.id)
+
+
+def _json_bytes(conn: Connection, col: Any) -> Any:
+    """SQL: the byte length of a JSON column as stored text (0 for NULL)."""
+    if conn.dialect.name == "postgresql":
+        return func.coalesce(func.octet_length(cast(col, Text)), 0)
+    if conn.dialect.name == "sqlite":
+        return func.coalesce(func.length(cast(col, LargeBinary)), 0)
+    return func.coalesce(func.length(col), 0)
+
+
+def _within_byte_budget(store: Store, conn: Connection, claim: Any, max_bytes: int) -> Any:
+    """The ids of the locked rows (CTE ``claim``) that fit ``max_bytes`` (first always does).
+
+    The sizes are read in a second CTE over the locked ids (a window function cannot sit in
+    the ``FOR UPDATE`` select itself); rows locked but not claimed are released at commit.
+    """
+    o = outbox
+    size = _json_bytes(conn, o.c.payload) + _json_bytes(conn, o.c.headers)
+    sized = (
+        select(
+            o.c.id,
+            func.sum(size).over(order_by=o.c.id).label("running"),
+            func.row_number().over(order_by=o.c.id).label("n"),
+        )
+        .where(o.c.id.in_(select(claim.c.id)))
+        .cte("sized")
+    )
+    return select(sized.c.id).where(or_(sized.c.running <= max_bytes, sized.c.n == 1))
 
 
 def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
@@ -393,7 +434,8 @@ class Relay:
             settings = Settings.from_celery(app) if app is not None else Settings()
         self.settings = settings
         self.handlers: dict[str, Handler] = dict(
-            handlers if handlers is not None else load_handlers(app, settings.outbox_handlers)
+            handlers if handlers is not None else load_handlers(
+                app, settings.outbox_handlers, settings=settings)
         )
         self.owner = owner or settings.owner
         self.batch_size = batch_size or settings.outbox_batch_size
@@ -419,6 +461,7 @@ class Relay:
                 lease=self.claim_lease,
                 limit=self.batch_size,
                 destinations=self.handlers.keys(),
+                max_bytes=self.settings.outbox_batch_bytes,
             )
 
     def run_once(self) -> int:

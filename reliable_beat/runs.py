@@ -70,6 +70,7 @@ __all__ = [
     "mark_dispatched",
     "record_failure",
     "record_fenced_out",
+    "record_refused_message",
     "renew_lease",
     "requeue_dead_letter",
     "set_result",
@@ -753,6 +754,7 @@ def record_failure(
     dead_reason: str | None = None,
     payload: Mapping[str, Any] | None = None,
     from_states: Sequence[str] = ("running",),
+    ran_body: bool = True,
 ) -> str:
     """Record a failed try: ``retrying`` (a retry follows) or ``dead`` (+ dead letter).
 
@@ -771,6 +773,10 @@ def record_failure(
         payload: replay payload for the dead letter; defaults to the claim's call.
         from_states: states the run may be in (``running``; ``retrying`` to dead-letter a
             run whose retry message could not be published).
+        ran_body: False when this claim did not run the body (it only found the budget
+            spent, or refused the call): the claim's increment of ``runs.attempts`` is taken
+            back, so ``runs.attempts``, the attempt row's number and
+            ``dead_letters.attempts`` count the tries that ran the body.
 
     Returns:
         ``retrying``, ``dead``, or ``fenced_out`` when the fence moved (then nothing else is
@@ -788,6 +794,9 @@ def record_failure(
         }
         if dead_reason:
             values.update(reason=dead_reason, finished_at=now)
+        tries = claim.attempt if ran_body else claim.attempt - 1
+        if not ran_body:
+            values["attempts"] = tries
         done = conn.execute(
             update(runs)
             .where(
@@ -809,6 +818,7 @@ def record_failure(
             .where(attempts.c.id == claim.attempt_id)
             .values(
                 outcome=state,
+                attempt=tries,
                 finished_at=now,
                 error=error,
                 retry_in_seconds=None if dead_reason else retry_in_seconds,
@@ -830,11 +840,51 @@ def record_failure(
                     },
                     reason=dead_reason,
                     error=error,
-                    attempts=claim.attempt,
+                    attempts=tries,
                     created_at=now,
                 )
             )
         return state
+
+
+def record_refused_message(
+    store: Store, *, key: str, task: str, payload: Mapping[str, Any], error: str
+) -> int:
+    """Record a message the store can never take as a ``message`` dead letter.
+
+    For a call whose key, entry name, task id or arguments the store refuses (too long,
+    not storable): no run row can exist, so no attempt limit would ever apply and a retry
+    could never succeed. The dead letter makes it visible (``dead-letters list``) and is
+    not requeueable (fix the call and send it again). Long values are cut to the column
+    sizes in the row; ``payload`` (JSON) keeps them whole. One short transaction.
+
+    Returns:
+        The dead letter's id.
+    """
+    from reliable_beat.values import MAX_IDEMPOTENCY_KEY, MAX_TASK_NAME, to_json_value
+
+    def cut(value: str, limit: int) -> str:
+        return value if len(value) <= limit else value[: limit - 14] + "...(truncated)"
+
+    try:
+        body = to_json_value(dict(payload), "payload")
+    except ValueError:
+        body = {"repr": repr(dict(payload))[:20000]}
+    with store.begin() as conn:
+        now = store.now(conn)
+        result = conn.execute(
+            dead_letters.insert().values(
+                kind="message",
+                key=cut(key.replace("\x00", ""), MAX_IDEMPOTENCY_KEY),
+                task=cut(task, MAX_TASK_NAME),
+                payload=body,
+                reason="invalid",
+                error=error.replace("\x00", ""),
+                attempts=0,
+                created_at=now,
+            ).returning(dead_letters.c.id)
+        )
+        return int(result.scalar_one())
 
 
 def clear_lease(store: Store, key: str) -> int:
@@ -898,7 +948,9 @@ def requeue_dead_letter(
 
     Raises:
         DeadLetterNotFound: no such id, or it is not a run dead letter.
-        ValueError: already requeued (without ``force``), or the run is not ``dead``.
+        ValueError: already requeued (without ``force``), the run is not ``dead``, or
+            its effect committed (a try completed, or outbox rows were written with it):
+            running it again would repeat the effect, ``force`` or not.
     """
     with store.begin() as conn:
         now = store.now(conn)
@@ -907,6 +959,12 @@ def requeue_dead_letter(
         ).mappings().one_or_none()
         if dl is None or dl["kind"] != "run":
             raise DeadLetterNotFound(f"no run dead letter with id {dead_letter_id}")
+        committed = _committed_effect(conn, dl["run_id"])
+        if committed:
+            raise ValueError(
+                f"dead letter {dead_letter_id}: the run's effect committed ({committed}); "
+                "running it again would repeat the effect, so it is not requeued"
+            )
         if dl["requeued_at"] is not None and not force:
             raise ValueError(
                 f"dead letter {dead_letter_id} was requeued at {dl['requeued_at']} by "
@@ -934,6 +992,30 @@ def requeue_dead_letter(
             .values(requeued_at=now, requeued_by=by)
         )
         return dict(dl)
+
+
+def _committed_effect(conn: Connection, run_id: int) -> str | None:
+    """Evidence that run ``run_id``'s effect committed, or None.
+
+    A try that completed (attempt outcome ``succeeded``) committed the effect with the key;
+    an outbox row stamped with the run was written in the effect's transaction. Either
+    means the body's work is done: repeating it would do it twice.
+    """
+    from reliable_beat.db.tables import outbox
+
+    done = conn.execute(
+        select(attempts.c.attempt).where(
+            attempts.c.run_id == run_id, attempts.c.outcome == "succeeded"
+        ).limit(1)
+    ).first()
+    if done is not None:
+        return f"try {done.attempt} completed"
+    sent = conn.execute(
+        select(func.count()).select_from(outbox).where(outbox.c.run_id == run_id)
+    ).scalar_one()
+    if sent:
+        return f"{sent} outbox row(s) were written with it"
+    return None
 
 
 def undo_requeue(store: Store, dead_letter_id: int) -> None:

@@ -54,6 +54,31 @@ class Settings:
         metrics_host: the address the metrics server binds (default ``127.0.0.1``: loopback
             only; ``0.0.0.0`` exposes it on every interface).
         owner_id: name of this process in leases and logs (default: host:pid).
+        webhook_destinations: ``{name: {"base_url", "headers"?, "timeout_seconds"?,
+            "max_concurrency"?, "methods"?, "block_private_networks"?}}``: where ``webhook``
+            rows may go (see :func:`reliable_beat.handlers.parse_webhook_destinations`);
+            header values may be ``{"env": "NAME"}``.
+        webhook_allowed_hosts: host names webhook ``base_url`` s (when not empty) and
+            opted-in row URLs must use.
+        webhook_allow_row_urls: deliver legacy rows that carry a full ``url`` (only to
+            ``webhook_allowed_hosts``); default off: such rows are dead-lettered with the fix.
+        webhook_block_private_networks: default of each destination's
+            ``block_private_networks`` (refuse private, loopback, link-local addresses).
+        webhook_max_timeout_seconds: the largest ``timeout_seconds`` a destination may set.
+        webhook_max_response_bytes: most response-body bytes read (then dropped) per request.
+        webhook_batch_seconds: no webhook request of a relay batch starts later than this
+            after the batch began; the rest are handed back uncharged (keep it below the
+            relay's claim lease, 60 s by default).
+        smtp: the SMTP server of the ``smtp`` destination: ``{"host", "port", "starttls"
+            (default True), "ssl", "username", "password", "timeout_seconds", "from",
+            "allowed_from", "ca_file"}`` (see :class:`reliable_beat.handlers.SmtpConfig`).
+        max_payload_bytes: the largest JSON size of an entry's args + kwargs + options and
+            of an outbox row's payload + headers (bytes, checked where they enter).
+        outbox_batch_bytes: a relay claim stops adding rows once their payloads reach this
+            many bytes (at least one row is always claimed).
+        key_reuse: what an IdempotentTask does when a call reuses an idempotency key with
+            other arguments than the key's run: ``warn`` (default: log a WARNING, use the
+            stored run) or ``refuse`` (raise ``IdempotencyKeyError``; nothing runs).
     """
 
     database_url: str = field(
@@ -83,6 +108,19 @@ class Settings:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     owner_id: str | None = None
+    # repr=False: these may hold secrets given inline (auth headers, the SMTP password)
+    webhook_destinations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict,
+                                                                  repr=False)
+    webhook_allowed_hosts: tuple[str, ...] = ()
+    webhook_allow_row_urls: bool = False
+    webhook_block_private_networks: bool = False
+    webhook_max_timeout_seconds: float = 60.0
+    webhook_max_response_bytes: int = 65536
+    webhook_batch_seconds: float = 30.0
+    smtp: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    max_payload_bytes: int = 1024 * 1024
+    outbox_batch_bytes: int = 16 * 1024 * 1024
+    key_reuse: str = "warn"
 
     def __post_init__(self) -> None:
         problems = []
@@ -96,6 +134,8 @@ class Settings:
                 f"reliable_beat_overlap_policy={self.overlap_policy!r}: expected one of "
                 + ", ".join(p.value for p in OverlapPolicy)
             )
+        if self.key_reuse not in ("warn", "refuse"):
+            problems.append(f"{PREFIX}key_reuse={self.key_reuse!r}: expected 'warn' or 'refuse'")
         for f in fields(self):
             value = getattr(self, f.name)
             key = PREFIX + f.name
@@ -122,6 +162,8 @@ class Settings:
                     f"{MAX_CLAIM_AHEAD_SECONDS:.0f} (a beat holds claimed triggers in memory "
                     "that long, and a graceful stop waits for them)"
                 )
+        if not problems:
+            problems.extend(self._outbound_problems())
         if problems:
             raise ConfigurationError("; ".join(problems))
 
@@ -132,6 +174,8 @@ class Settings:
 
         shown = []
         for f in fields(self):
+            if not f.repr:  # e.g. webhook destinations, SMTP: may hold inline secrets
+                continue
             value = getattr(self, f.name)
             if f.name.endswith("_url") and isinstance(value, str):
                 value = redact_url(value)
@@ -141,6 +185,42 @@ class Settings:
                 value = redact_value(value)
             shown.append(f"{f.name}={value!r}")
         return f"Settings({', '.join(shown)})"
+
+    def _outbound_problems(self) -> list[str]:
+        """Shape checks of the webhook / SMTP / size settings (secrets are read by the relay)."""
+        from reliable_beat.handlers import SmtpConfig, parse_webhook_destinations
+
+        problems = []
+        hosts = self.webhook_allowed_hosts
+        if isinstance(hosts, (list, str)):  # a list from a config file; a str is one host
+            hosts = (hosts,) if isinstance(hosts, str) else tuple(hosts)
+            object.__setattr__(self, "webhook_allowed_hosts", hosts)
+        if not all(isinstance(h, str) and h for h in hosts):
+            problems.append(f"{PREFIX}webhook_allowed_hosts={hosts!r}: expected host names")
+        elif self.webhook_allow_row_urls and not hosts:
+            problems.append(f"{PREFIX}webhook_allow_row_urls needs {PREFIX}webhook_allowed_"
+                            "hosts: the hosts legacy row URLs may reach")
+        for name in ("webhook_max_response_bytes", "max_payload_bytes", "outbox_batch_bytes",
+                     "webhook_max_timeout_seconds", "webhook_batch_seconds"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{PREFIX}{name} must be > 0")
+        if problems:
+            return problems
+        try:
+            parse_webhook_destinations(
+                self.webhook_destinations, max_timeout_seconds=self.webhook_max_timeout_seconds,
+                block_private_networks=self.webhook_block_private_networks,
+                allowed_hosts=tuple(h.lower() for h in hosts))
+        except ConfigurationError as exc:
+            problems.append(str(exc))
+        if not isinstance(self.smtp, Mapping):
+            problems.append(f"{PREFIX}smtp: expected a dict")
+        else:
+            try:
+                SmtpConfig.from_setting(self.smtp, environ=None)
+            except ConfigurationError as exc:
+                problems.append(str(exc))
+        return problems
 
     @classmethod
     def valid_keys(cls) -> list[str]:

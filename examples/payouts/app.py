@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from celery import Celery
 from sqlalchemy import (
@@ -40,11 +41,15 @@ DATABASE_URL = os.environ.get(
 BROKER_URL = os.environ.get("PAYOUTS_BROKER_URL", "filesystem://")
 MERCHANTS = ["acme", "globex", "initech"]
 WEBHOOK_URL = os.environ.get("PAYOUTS_WEBHOOK_URL", "http://127.0.0.1:8765/hook")
+# Rows name a destination; only the operator's configuration says where it is.
+_hook = urlsplit(WEBHOOK_URL)
+WEBHOOK_BASE, WEBHOOK_PATH = f"{_hook.scheme}://{_hook.netloc}", _hook.path or "/"
 
 app = Celery("payouts", broker=BROKER_URL)
 app.conf.update(
     beat_scheduler="reliable_beat.ReliableScheduler",
     reliable_beat_database_url=DATABASE_URL,
+    reliable_beat_webhook_destinations={"merchants": {"base_url": WEBHOOK_BASE}},
     reliable_beat_lease_seconds=float(os.environ.get("PAYOUTS_LEASE_SECONDS", "10")),
     reliable_beat_redispatch_seconds=20.0,  # above the 15 s visibility timeout below
     beat_max_loop_interval=5,
@@ -135,11 +140,12 @@ def pay_merchants(self: Any) -> dict[str, int]:
                      "delta_cents": amount, "run_id": self.run_id},
                 ],
             )
-            # The built-in `webhook` handler POSTs `body` to `url` with an Idempotency-Key
-            # header derived from this outbox row (stable across retries and relays).
+            # The built-in `webhook` handler POSTs `body` to the operator-configured
+            # destination's base URL + `path`, with an Idempotency-Key header derived from
+            # this outbox row (stable across retries and relays).
             self.outbox.add(
                 tx, "webhook",
-                {"url": WEBHOOK_URL,
+                {"destination": "merchants", "path": WEBHOOK_PATH,
                  "body": {"merchant": merchant, "slot": slot, "amount_cents": amount}},
                 ordering_key=merchant,
             )

@@ -20,6 +20,7 @@ dead letter). See ``docs/task.md``.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import threading
@@ -32,10 +33,18 @@ from typing import Any, ClassVar
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
+from kombu.utils import json as kombu_json
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import (
+    DataError,
+    DBAPIError,
+    IntegrityError,
+    OperationalError,
+    StatementError,
+)
 
 from reliable_beat import runs
+from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import (
     ConfigurationError,
@@ -64,6 +73,8 @@ _SLOT_KEY = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
 ENTRY_HEADER = "reliable_beat_entry"
 FIRE_AT_HEADER = "reliable_beat_fire_at"
 TRIGGER_HEADER = "reliable_beat_trigger"
+#: Internal retries (busy lease, store unreachable) that led to a message; not a try.
+WAITS_HEADER = "reliable_beat_waits"
 _HEADERS = (KEY_HEADER, ENTRY_HEADER, FIRE_AT_HEADER, TRIGGER_HEADER)
 
 
@@ -283,6 +294,7 @@ class _Outbox:
             delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
             ordering_key=ordering_key,
             run_id=state.claim.run_id,
+            max_bytes=self._task.reliable_beat_settings.max_payload_bytes,
         )
 
 
@@ -309,6 +321,177 @@ def _parse_fire_at(value: Any) -> datetime | None:
     if parsed.tzinfo is None:
         raise ValueError(f"{FIRE_AT_HEADER}={value!r} has no time zone")
     return parsed.astimezone(timezone.utc)
+
+
+#: The key of the note stored instead of a result that cannot be stored as JSON.
+RESULT_NOTE_KEY = "reliable_beat_unstored_result"
+
+
+def _storable_result(task_name: str, key: str, result: Any) -> Any:
+    """``result`` as Celery's JSON serializer (kombu) would carry it, for the runs table.
+
+    ``Decimal``, ``datetime``, ``UUID`` ... become kombu's ``{"__type__", "__value__"}``
+    objects (decoded back by :func:`_loaded_result` for a deduplicated call). A result that
+    even kombu cannot carry is replaced by a note ``{RESULT_NOTE_KEY: "<why>"}`` and logged:
+    the body has returned, so the run succeeded whatever its return value is.
+    """
+    try:
+        return rb_values.to_json_value(result, "result")
+    except ValueError as exc:
+        note = f"the result ({type(result).__name__}) could not be stored as JSON: {exc}"
+        log.warning("%s: %s: %s; storing a note instead", task_name, key, note)
+        return {RESULT_NOTE_KEY: note}
+
+
+def _loaded_result(stored: Any) -> Any:
+    """A stored result with kombu's typed objects turned back into Python values."""
+    if stored is None or isinstance(stored, (bool, int, float, str)):
+        return stored
+    try:
+        return kombu_json.loads(json.dumps(stored))  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError):  # an unknown "__type__": give the stored JSON as it is
+        return stored
+
+
+#: Celery's retry options and what an IdempotentTask makes of them (docs/task.md).
+_CELERY_RETRY_OPTIONS = (
+    "max_retries", "autoretry_for", "dont_autoretry_for", "retry_kwargs", "retry_backoff",
+    "retry_backoff_max", "retry_jitter", "default_retry_delay",
+)
+
+
+@dataclass(frozen=True)
+class _RetryPlan:
+    """The attempt budget and backoff of one IdempotentTask class (None: the setting)."""
+
+    max_attempts: int | None = None
+    base_seconds: float | None = None
+    cap_seconds: float | None = None
+    jitter: bool = True
+    fixed_delay: float | None = None
+    autoretry_for: tuple[type[BaseException], ...] = ()
+    dont_autoretry_for: tuple[type[BaseException], ...] = ()
+
+
+def _explicit(cls: type, name: str) -> tuple[bool, Any]:
+    """``(True, value)`` when ``name`` is set on ``cls`` or a class between it and
+    IdempotentTask (the user's own definition, e.g. ``@app.task(max_retries=3)``)."""
+    for klass in cls.__mro__:
+        if klass is IdempotentTask:
+            break
+        if name in klass.__dict__:
+            return True, klass.__dict__[name]
+    return False, None
+
+
+def _retry_plan(cls: type) -> _RetryPlan:
+    """Map Celery's retry options of ``cls`` onto the attempt budget and backoff.
+
+    Raises:
+        ConfigurationError: an option that cannot mean what it means in Celery, or that
+            contradicts the reliable_beat attribute given with it; the message names both.
+    """
+    name = getattr(cls, "name", None) or cls.__name__
+    problems: list[str] = []
+    got = {opt: _explicit(cls, opt) for opt in _CELERY_RETRY_OPTIONS}
+    ours = {opt: _explicit(cls, opt) for opt in (
+        "max_attempts", "retry_base_seconds", "retry_cap_seconds")}
+    max_attempts: int | None = None
+    fixed: float | None = None
+    retry_kwargs: dict[str, Any] = {}
+    if got["retry_kwargs"][0]:
+        retry_kwargs = dict(got["retry_kwargs"][1] or {})
+        for k in sorted(set(retry_kwargs) - {"max_retries", "countdown"}):
+            problems.append(
+                f"retry_kwargs[{k!r}] is not supported on an IdempotentTask (only max_retries "
+                "and countdown)")
+    for source, given, value in (
+        ("max_retries", got["max_retries"][0], got["max_retries"][1]),
+        ("retry_kwargs['max_retries']", "max_retries" in retry_kwargs,
+         retry_kwargs.get("max_retries")),
+    ):
+        if not given:
+            continue
+        if value is None:
+            problems.append(
+                f"{source}=None (retry for ever) is not supported: an IdempotentTask's "
+                "tries end in a dead letter; set max_attempts (or the "
+                "reliable_beat_retry_max_attempts setting) to a bound instead")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            problems.append(f"{source}={value!r}: expected a whole number >= 0")
+        elif max_attempts is not None and max_attempts != value + 1:
+            problems.append(f"{source}={value!r} contradicts max_retries={max_attempts - 1}")
+        else:
+            max_attempts = value + 1
+    if max_attempts is not None and ours["max_attempts"][0] and \
+            ours["max_attempts"][1] not in (None, max_attempts):
+        problems.append(
+            f"max_retries={max_attempts - 1} (= {max_attempts} tries) contradicts "
+            f"max_attempts={ours['max_attempts'][1]}; set one of them")
+    base: float | None = None
+    cap: float | None = None
+    jitter = True
+    backoff_given, backoff = got["retry_backoff"]
+    if backoff_given and backoff:
+        if isinstance(backoff, bool):
+            base = 1.0
+        elif isinstance(backoff, (int, float)) and backoff > 0:
+            base = float(int(max(1.0, backoff)))  # Celery's factor: int(max(1.0, value))
+        else:
+            problems.append(f"retry_backoff={backoff!r}: expected True or seconds > 0")
+        if ours["retry_base_seconds"][0] and ours["retry_base_seconds"][1] is not None:
+            problems.append(
+                f"retry_backoff={backoff!r} and retry_base_seconds="
+                f"{ours['retry_base_seconds'][1]!r} both set the backoff base; set one")
+    if got["retry_backoff_max"][0]:
+        value = got["retry_backoff_max"][1]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            problems.append(f"retry_backoff_max={value!r}: expected seconds >= 0")
+        else:
+            cap = float(value)
+        if ours["retry_cap_seconds"][0] and ours["retry_cap_seconds"][1] is not None:
+            problems.append(
+                f"retry_backoff_max={value!r} and retry_cap_seconds="
+                f"{ours['retry_cap_seconds'][1]!r} both cap the backoff; set one")
+    elif base is not None:
+        cap = 600.0  # Celery's default retry_backoff_max
+    if got["retry_jitter"][0]:
+        jitter = bool(got["retry_jitter"][1])
+    if "countdown" in retry_kwargs:
+        value = retry_kwargs["countdown"]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            problems.append(f"retry_kwargs['countdown']={value!r}: expected seconds >= 0")
+        else:
+            fixed = float(value)
+    if fixed is None and base is None and got["default_retry_delay"][0]:
+        value = got["default_retry_delay"][1]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            problems.append(f"default_retry_delay={value!r}: expected seconds >= 0")
+        else:
+            fixed = float(value)
+    if fixed is not None and base is not None:
+        problems.append("retry_kwargs['countdown'] and retry_backoff both set the delay; "
+                        "set one")
+    autoretry: tuple[type[BaseException], ...] = ()
+    dont: tuple[type[BaseException], ...] = ()
+    for opt in ("autoretry_for", "dont_autoretry_for"):
+        given, value = got[opt]
+        if not given or not value:
+            continue
+        classes = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        if not all(isinstance(c, type) and issubclass(c, BaseException) for c in classes):
+            problems.append(f"{opt}={value!r}: expected exception classes")
+        elif opt == "autoretry_for":
+            autoretry = classes
+        else:
+            dont = classes
+    if problems:
+        raise ConfigurationError(
+            f"IdempotentTask {name}: " + "; ".join(problems)
+            + " (see docs/task.md, 'Celery's retry options')")
+    return _RetryPlan(max_attempts=max_attempts, base_seconds=base, cap_seconds=cap,
+                      jitter=jitter, fixed_delay=fixed, autoretry_for=autoretry,
+                      dont_autoretry_for=dont)
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -340,10 +523,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
     Attributes:
         acks_late / reject_on_worker_lost: True, so a message whose worker died is
             redelivered (see ``docs/task.md`` on the Redis ``visibility_timeout``).
-        max_retries: None: Celery's own counter does not limit retries; :attr:`max_attempts`
-            (counted in the database, crashes included) does.
+        max_retries: None (not set): :attr:`max_attempts` (counted in the database, crashes
+            included) limits the tries. Set it to ``N`` (Celery's meaning): ``N + 1`` tries.
         lease_seconds / max_attempts / retry_base_seconds / retry_cap_seconds: None means
             the ``reliable_beat_*`` setting.
+
+    Celery's own retry options keep their Celery meaning (``docs/task.md``): ``max_retries=N``
+    allows ``N + 1`` tries that run the body; ``autoretry_for`` exceptions are retried
+    (``dont_autoretry_for`` ones are not: dead letter); ``retry_backoff`` /
+    ``retry_backoff_max`` / ``retry_jitter`` set the backoff of every retry;
+    ``default_retry_delay`` / ``retry_kwargs={"countdown": s}`` a fixed delay. An option
+    that cannot keep its meaning, or contradicts the reliable_beat attribute given with it,
+    raises :class:`ConfigurationError` when the task class is defined. Internal retries
+    (another runner holds the lease; the store was unreachable at the claim) never count
+    against the budget, neither ours nor Celery's ``request.retries``.
     """
 
     acks_late = True
@@ -358,6 +551,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
     retry_cap_seconds: ClassVar[float | None] = None
 
     _rb_settings: Settings | None = None
+    _rb_retry: ClassVar[_RetryPlan] = _RetryPlan()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Check Celery's retry options at task definition (``@app.task(base=...)``).
+
+        Raises:
+            ConfigurationError: see :func:`_retry_plan`.
+        """
+        super().__init_subclass__(**kwargs)
+        cls._rb_retry = _retry_plan(cls)
 
     # ------------------------------------------------------------------ keys ----
 
@@ -385,6 +588,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             IdempotencyKeyError: no ``reliable_beat_key`` header and
                 :meth:`idempotency_key_for` returned None; or an ad-hoc key with the form
                 of a scheduled slot's key (``"<entry>@<UTC instant>Z"``), which is reserved.
+            reliable_beat.values.ValueLimitError: the key is over 400 characters or the
+                ``task_id`` over 64 (the store's limits, the same on every database).
         """
         headers = dict(options.get("headers") or {})
         if not headers.get(KEY_HEADER):
@@ -398,6 +603,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             headers[KEY_HEADER] = key
             options["headers"] = headers
         key = str(headers[KEY_HEADER])
+        rb_values.check_length("idempotency key", key, rb_values.MAX_IDEMPOTENCY_KEY)
+        if options.get("task_id") is not None:
+            rb_values.check_length("task_id", str(options["task_id"]), rb_values.MAX_TASK_ID)
         if _SLOT_KEY.search(key) and not headers.get(ENTRY_HEADER):
             raise IdempotencyKeyError(
                 f"{self.name}: key {key!r} has the form of a scheduled slot's key "
@@ -441,7 +649,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return timedelta(seconds=seconds)
 
     def _max_attempts(self) -> int:
-        return self.max_attempts or self.reliable_beat_settings.retry_max_attempts
+        """Tries that may run the body: ``max_attempts``, else Celery's ``max_retries + 1``,
+        else the ``reliable_beat_retry_max_attempts`` setting."""
+        return (self.max_attempts or self._rb_retry.max_attempts
+                or self.reliable_beat_settings.retry_max_attempts)
 
     # ------------------------------------------------------- run-time accessors ----
 
@@ -588,6 +799,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Claim -> body -> fenced completion -> failure classification."""
+        self._unwrap_autoretry()
         try:
             key = self._resolve_key(args, kwargs)
         except IdempotencyKeyError:
@@ -596,7 +808,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         store = self.store
         lease = self._lease()
-        fire_at = _parse_fire_at(_header(request, FIRE_AT_HEADER))
+        entry = _header(request, ENTRY_HEADER)
+        try:
+            fire_at = _parse_fire_at(_header(request, FIRE_AT_HEADER))
+            rb_values.check_length("idempotency key", key, rb_values.MAX_IDEMPOTENCY_KEY)
+            if request.id is not None:
+                rb_values.check_length("task_id", str(request.id), rb_values.MAX_TASK_ID)
+            if entry is not None:
+                rb_values.check_entry_name(entry)
+            call_args = rb_values.to_json_value(list(args), "args")
+            call_kwargs = rb_values.to_json_value(dict(kwargs), "kwargs")
+        except ValueError as exc:
+            return self._refuse(key, exc, args, kwargs)
         try:
             claim = runs.claim_run(
                 store,
@@ -604,20 +827,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 owner=self.reliable_beat_settings.owner,
                 lease=lease,
                 task=self.name,
-                args=list(args),
-                kwargs=dict(kwargs),
-                entry=_header(request, ENTRY_HEADER),
+                args=call_args,
+                kwargs=call_kwargs,
+                entry=entry,
                 fire_at=fire_at,
                 task_id=request.id,
                 trigger=_header(request, TRIGGER_HEADER),
             )
+        except (DataError, IntegrityError, runs.RunNotFound) as exc:
+            # The database refused the values themselves, or the message names a slot whose
+            # run has another key: no retry can succeed.
+            return self._refuse(key, exc, args, kwargs)
+        except StatementError as exc:
+            if not isinstance(exc, DBAPIError):  # a value the driver could not bind
+                return self._refuse(key, exc, args, kwargs)
+            raise self._internal_retry(key, self._store_backoff(), exc) from exc
         except self.transient_exceptions as exc:
-            # The store itself is unreachable: nothing was recorded; retry later.
-            delay = self._backoff(request.retries or 0)
-            raise self.retry(exc=exc, countdown=delay, headers=self._key_headers(key)) from exc
+            # The store itself is unreachable: nothing was recorded; retry later (an internal
+            # retry: it does not count against the budget).
+            raise self._internal_retry(key, self._store_backoff(), exc) from exc
+        if claim.outcome != runs.ACQUIRED or not claim.fresh:
+            self._check_same_call(claim, call_args, call_kwargs)
         if claim.outcome == runs.ALREADY_SUCCEEDED:
             log.info("%s: %s already succeeded; returning stored result", self.name, key)
-            return claim.result
+            return _loaded_result(claim.result)
         if claim.outcome == runs.DEAD:
             log.warning("%s: run %s is dead; not run (requeue it to run again)", self.name, key)
             return None
@@ -631,15 +864,125 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"run {key!r} is leased by another runner for {wait:.1f}s more"
                 )
             log.info("%s: %s is busy (leased); retrying in %.1fs", self.name, key, wait)
-            raise self.retry(countdown=wait, headers=self._key_headers(key))
+            raise self._internal_retry(key, wait)
         if claim.attempt > self._max_attempts():
             # Redelivered after crashes more often than the budget allows (a poison message).
+            # This claim only checks the budget: it did not run the body, so it is not
+            # counted (runs.attempts = the tries that ran the body).
             runs.record_failure(
-                store, claim, "attempt budget exhausted (the worker died during earlier tries)",
-                dead_reason="exhausted", payload=self._payload(claim),
+                store, claim, f"attempt budget exhausted: {claim.attempt - 1} tries ran the "
+                "body (the worker died during them)",
+                dead_reason="exhausted", payload=self._payload(claim), ran_body=False,
             )
             return None
         return self._execute(claim, store, lease, args, kwargs)
+
+    def _unwrap_autoretry(self) -> None:
+        """Undo Celery's ``autoretry_for`` wrapper of ``run`` (see :func:`_retry_plan`).
+
+        ``@app.task(autoretry_for=...)`` wraps ``run`` in a second retry loop with its own
+        counter; an IdempotentTask retries those exceptions itself, within one budget. The
+        ``_orig_run`` attribute stays, so Celery does not wrap again.
+        """
+        orig = self.__dict__.get("_orig_run")
+        if orig is not None and self.__dict__.get("run") is not orig:
+            self.run = orig
+
+    def _internal_retry(
+        self, key: str, countdown: float, exc: BaseException | None = None
+    ) -> Retry:
+        """Send this message again in ``countdown`` s without spending the attempt budget.
+
+        Unlike ``self.retry``, Celery's ``request.retries`` is not increased and
+        ``max_retries`` is not checked: waiting for another runner's lease, or for the store
+        to come back, is not a try of the body. If the message cannot be sent again (the
+        broker is down too), it is handed back to the broker (``Reject(requeue=True)``:
+        with ``acks_late`` the original message is redelivered), never dropped.
+
+        Returns:
+            The ``Retry`` to raise (it tells the worker the task was re-sent).
+        """
+        request = self.request
+        if request.is_eager and exc is not None:
+            raise exc  # eager apply(): no broker to wait on; the caller sees the error
+        headers = self._key_headers(key)
+        headers[WAITS_HEADER] = self._waits() + 1
+        sig = self.signature_from_request(
+            request, None, None, countdown=countdown, retries=request.retries or 0,
+            headers=headers,
+        )
+        try:
+            sig.apply_async()
+        except Exception as publish_exc:
+            log.error("%s: could not re-send %s (%r); handing the message back to the broker",
+                      self.name, key, publish_exc)
+            raise Reject(publish_exc, requeue=True) from publish_exc
+        return Retry(exc=exc, when=countdown, sig=sig)
+
+    def _waits(self) -> int:
+        """How many internal retries led to this message (0 for a first delivery)."""
+        try:
+            return max(int(_header(self.request, WAITS_HEADER) or 0), 0)
+        except (TypeError, ValueError):
+            return 0
+
+    def _store_backoff(self) -> float:
+        """Full-jitter delay before trying an unreachable store again: the settings' base
+        and cap, growing with the internal retries of this message (not the task's retry
+        options: waiting for the store is not a try)."""
+        s = self.reliable_beat_settings
+        return backoff_delay(min(self._waits(), 30), base=s.retry_base_seconds,
+                             cap=s.retry_cap_seconds)
+
+    def _refuse(
+        self, key: str, exc: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Refuse a message whose values the store can never take (permanent, visible).
+
+        Records a dead letter of kind ``message`` (there is no run row: the key, the entry
+        name or the arguments could not be stored, or the slot's run has another key) with
+        the full key, task id and error, logs it at ERROR and raises ``exc`` (the task
+        fails; nothing is retried).
+        """
+        error = f"{type(exc).__name__}: {exc}"
+        log.error("%s[%s]: refusing the message for key %.80r: %s",
+                  self.name, self.request.id, key, error)
+        payload = {
+            "task": self.name, "key": key, "task_id": self.request.id,
+            "entry": _header(self.request, ENTRY_HEADER),
+            "args": [repr(a)[:2000] for a in args],
+            "kwargs": {str(k): repr(v)[:2000] for k, v in kwargs.items()},
+        }
+        try:
+            runs.record_refused_message(self.store, key=key, task=self.name,
+                                        payload=payload, error=error)
+        except Exception as record_exc:
+            log.exception("%s: could not record the refused message; retrying", self.name)
+            raise self._internal_retry(key, self._backoff(0), record_exc) from exc
+        raise exc
+
+    def _check_same_call(self, claim: runs.Claim, args: Any, kwargs: Any) -> None:
+        """Compare this call with the one stored on the key's run (key reuse).
+
+        The same key with other arguments is another piece of work under a reused key: it
+        would silently get the earlier run's result. Logged at WARNING, or refused with
+        :class:`IdempotencyKeyError` when ``reliable_beat_key_reuse = "refuse"``.
+        """
+        if list(claim.args) == args and dict(claim.kwargs or {}) == kwargs:
+            return
+        message = (
+            f"{self.name}: idempotency key {claim.key!r} was used for another call: stored "
+            f"call digest {rb_values.call_digest(claim.args, claim.kwargs)[:16]}, this call "
+            f"{rb_values.call_digest(args, kwargs)[:16]} (args={args!r:.200} "
+            f"kwargs={kwargs!r:.200}); a key must name one piece of work"
+        )
+        if self.reliable_beat_settings.key_reuse != "refuse":
+            log.warning("%s; the stored run is used", message)
+            return
+        log.error("%s; refused (reliable_beat_key_reuse='refuse')", message)
+        if claim.outcome == runs.ACQUIRED:
+            runs.record_failure(self.store, claim, message, ran_body=False)
+        raise IdempotencyKeyError(message)
 
     def _execute(
         self,
@@ -659,13 +1002,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 result = super().__call__(*args, **kwargs)
             finally:
                 _renewer.discard(state)
+            stored = _storable_result(self.name, claim.key, result)
             if state.completed:
-                if state.transaction_used and result is not None:
-                    runs.set_result(store, claim, result)
+                # The effect committed with the run: the run succeeded, whatever happens
+                # now. Storing the result is best effort and never fails the call.
+                if state.transaction_used and stored is not None:
+                    try:
+                        runs.set_result(store, claim, stored)
+                    except Exception:
+                        log.exception("%s: %s succeeded; its result could not be stored",
+                                      self.name, claim.key)
                 return result
             try:
                 with store.begin() as conn:
-                    runs.complete(conn, claim, result)
+                    runs.complete(conn, claim, stored)
             except StaleFenceToken:
                 runs.record_fenced_out(store, claim)
                 raise
@@ -742,17 +1092,36 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """``permanent`` or ``transient`` for an exception raised by the body (overridable)."""
         if isinstance(exc, PermanentError):
             return "permanent"
+        plan = self._rb_retry
+        if plan.dont_autoretry_for and isinstance(exc, plan.dont_autoretry_for):
+            return "permanent"  # Celery: not retried
+        if plan.autoretry_for and isinstance(exc, plan.autoretry_for):
+            return "transient"  # Celery: retried (within the budget)
         if isinstance(exc, self.permanent_exceptions):
             return "permanent"
         if isinstance(exc, self.transient_exceptions):
             return "transient"
+        if plan.autoretry_for:
+            return "permanent"  # Celery retries only what autoretry_for lists
         return "transient" if self.retry_unknown_exceptions else "permanent"
 
     def _backoff(self, retry_number: int) -> float:
-        """Full-jitter delay in seconds before retry ``retry_number`` (0 = first retry)."""
+        """Delay in seconds before retry ``retry_number`` (0 = first retry).
+
+        Full jitter by default: ``uniform(0, min(cap, base * 2**k))``; without jitter
+        (Celery's ``retry_jitter=False``) ``min(cap, base * 2**k)``; a fixed delay when
+        Celery's ``default_retry_delay`` or ``retry_kwargs["countdown"]`` sets one.
+        """
+        plan = self._rb_retry
+        if plan.fixed_delay is not None:
+            return plan.fixed_delay
         s = self.reliable_beat_settings
-        base = self.retry_base_seconds or s.retry_base_seconds
-        cap = self.retry_cap_seconds if self.retry_cap_seconds is not None else s.retry_cap_seconds
+        base = plan.base_seconds or self.retry_base_seconds or s.retry_base_seconds
+        cap = (plan.cap_seconds if plan.cap_seconds is not None
+               else self.retry_cap_seconds if self.retry_cap_seconds is not None
+               else s.retry_cap_seconds)
+        if not plan.jitter:
+            return cap if retry_number >= 1023 else min(cap, base * 2.0**retry_number)
         return backoff_delay(retry_number, base=base, cap=cap)
 
     def _key_headers(self, key: str) -> dict[str, Any]:

@@ -196,11 +196,13 @@ def test_webhook_idempotency_key_retry_and_permanent(pg_store: Store) -> None:
     with HttpRecorder() as http:
         http.statuses = {"/flaky": [503, 429], "/bad": [400]}
         with pg_store.begin() as conn:
-            ok = outbox.add(conn, "webhook", {"url": http.url + "/ok", "body": {"a": 1}},
-                            key="payout:42:email")
-            flaky = outbox.add(conn, "webhook", {"url": http.url + "/flaky", "body": {}})
-            bad = outbox.add(conn, "webhook", {"url": http.url + "/bad", "body": {}})
-        hook = WebhookHandler()
+            ok = outbox.add(conn, "webhook", {"destination": "far", "path": "/ok",
+                                              "body": {"a": 1}}, key="payout:42:email")
+            flaky = outbox.add(conn, "webhook", {"destination": "far", "path": "/flaky",
+                                                 "body": {}})
+            bad = outbox.add(conn, "webhook", {"destination": "far", "path": "/bad", "body": {}})
+        hook = WebhookHandler(settings=Settings(webhook_destinations={
+            "far": {"base_url": http.url}}))
         relay = Relay(pg_store, handlers={"webhook": hook}, settings=FAST, owner="r")
         with Running(relay):
             wait_for(lambda: states(pg_store) == Counter({"sent": 2, "dead": 1}), 30, "settled")
@@ -222,9 +224,10 @@ def test_smtp_message_id(pg_store: Store) -> None:
             for i in range(3):
                 outbox.add(conn, "smtp", {"from": "app@example.com", "to": ["u@example.com"],
                                           "subject": f"payout {i}", "text": "paid"},
-                           key=f"payout:{i}:mail", headers={"smtp_host": "127.0.0.1",
-                                                            "smtp_port": sink.port})
-        relay = Relay(pg_store, handlers={"smtp": SmtpHandler()}, settings=FAST, owner="r")
+                           key=f"payout:{i}:mail")
+        smtp = SmtpHandler({"host": "127.0.0.1", "port": sink.port, "starttls": False,
+                            "from": "app@example.com"})
+        relay = Relay(pg_store, handlers={"smtp": smtp}, settings=FAST, owner="r")
         relay.run_once()
     assert states(pg_store) == Counter({"sent": 3})
     # ':' is not RFC 5322 atext, so it is %-escaped; the mapping is stable

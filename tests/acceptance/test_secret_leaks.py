@@ -1,10 +1,11 @@
 """The leak test: distinct secrets seeded into every input never appear in any output.
 
 Inputs: the database URL in both forms (``user:password@`` and ``?password=``), the broker
-URL (a real Redis with ``requirepass``), webhook URLs (userinfo, a token path segment, a
-token query parameter), auth headers (``Authorization``, ``X-Api-Key``, in outbox rows and
-in an entry's publish options), SMTP credentials in an outbox row, and a malformed URL with an
-unescaped ``@`` in its password.
+URL (a real Redis with ``requirepass``), webhook destinations (a token in the base URL's path,
+an ``Authorization`` header from the environment, an inline ``X-Api-Key``), a token in a row's
+query string, a legacy outbox row with a full URL (userinfo, path and query tokens) and auth
+headers, an auth header in an entry's publish options, the SMTP password (environment) and a
+legacy row's SMTP credentials, and a malformed URL with an unescaped ``@`` in its password.
 
 Outputs, all from real processes: a ``celery beat`` at DEBUG (banner, sync log, ticks) with
 its metrics server, a second beat whose database is down and a third whose URL cannot be
@@ -51,6 +52,10 @@ SECRETS = {
     "webhook userinfo password": "LkWhUser2c7f0e",
     "webhook path token": "LkWhPathToken51d9a8e3",
     "webhook query token": "LkWhQuery8a3c61",
+    "destination base URL token": "LkDestPath7c0e93b21f",
+    "destination inline key": "LkDestKey4b8e10",
+    "row path query token": "LkRowQuery2d6f55",
+    "SMTP password (settings)": "LkSmtpSet9e21c7",
     "Authorization header": "LkAuthBearer6b0d94",
     "X-Api-Key header": "LkApiKey0e77c3",
     "entry X-Api-Key header": "LkEntryKey5a19f2",
@@ -117,7 +122,8 @@ def broker_url(tmp_path: Path) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
-def _env(db_url: str, broker_url: str, **extra: str) -> dict[str, str]:
+def _env(db_url: str, broker_url: str, webhook_port: int = 1, closed: int = 1,
+         **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("CELERY_CONFIG_MODULE", None)
     env.update(
@@ -126,7 +132,15 @@ def _env(db_url: str, broker_url: str, **extra: str) -> dict[str, str]:
         RB_LEAK_DB_URL=db_url,
         RELIABLE_BEAT_DATABASE_URL=db_url,
         RB_LEAK_BROKER_URL=broker_url,
+        RB_LEAK_WEBHOOK_BASE=(f"http://127.0.0.1:{webhook_port}/hook/"
+                              f"{SECRETS['destination base URL token']}"),
+        RB_LEAK_WEBHOOK_DOWN=(f"http://127.0.0.1:{closed}/services/"
+                              f"{SECRETS['destination base URL token']}"),
+        RB_LEAK_SMTP_PORT=str(closed),
         RB_LEAK_API_KEY=SECRETS["entry X-Api-Key header"],
+        RB_LEAK_AUTH=f"Bearer {SECRETS['Authorization header']}",
+        RB_LEAK_DEST_KEY=SECRETS["destination inline key"],
+        RB_LEAK_SMTP_PW=SECRETS["SMTP password (settings)"],
         **extra,
     )
     return env
@@ -197,19 +211,21 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
 
     # outbox rows whose deliveries fail and dead-letter (reliable_beat_outbox_max_attempts=1)
     with pg_store.begin() as conn:
-        outbox.add(conn, "webhook", {
+        outbox.add(conn, "webhook", {  # the server answers 400: permanent
+            "destination": "leaky", "path": f"/x?token={SECRETS['row path query token']}",
+            "body": {"text": "deploy done"},
+        }, key="leak-webhook-400")
+        outbox.add(conn, "webhook", {  # nobody listens: retried, exhausted after one attempt
+            "destination": "down", "path": "/y", "body": {"text": "nobody listens"},
+        }, key="leak-webhook-refused")
+        outbox.add(conn, "webhook", {  # a row of an earlier version: refused, dead-lettered
             "url": (f"http://hook:{SECRETS['webhook userinfo password']}@127.0.0.1:"
                     f"{webhook_port}/hook/{SECRETS['webhook path token']}"
                     f"?token={SECRETS['webhook query token']}&team=ops"),
-            "body": {"text": "deploy done"},
+            "body": {"text": "legacy"},
             "headers": {"Authorization": f"Bearer {SECRETS['Authorization header']}",
                         "X-Api-Key": SECRETS["X-Api-Key header"]},
-        }, key="leak-webhook-400")
-        outbox.add(conn, "webhook", {
-            "url": (f"http://127.0.0.1:{closed}/services/{SECRETS['webhook path token']}"
-                    f"?sig={SECRETS['webhook query token']}"),
-            "body": {"text": "nobody listens"},
-        }, key="leak-webhook-refused")
+        }, key="leak-webhook-legacy")
         outbox.add(conn, "smtp", {"from": "rb@example.com", "to": ["ops@example.com"],
                                   "subject": "leak test", "text": "hello"},
                    headers={"smtp_host": "127.0.0.1", "smtp_port": closed,
@@ -221,7 +237,8 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
     beat_log = tmp_path / "beat.log"
     beat = _start([sys.executable, "-m", "celery", "-A", "leakapp", "beat", "-l", "debug",
                    "--pidfile=", "-s", str(tmp_path / "beat-schedule")],
-                  _env(url_query, broker_url, RB_LEAK_METRICS_PORT=str(metrics_port)),
+                  _env(url_query, broker_url, webhook_port, closed,
+                       RB_LEAK_METRICS_PORT=str(metrics_port)),
                   tmp_path, beat_log)
     try:
         _wait_text(beat_log, "synced beat_schedule", 120)
@@ -232,15 +249,15 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
     outputs["beat log (DEBUG)"] = beat_log.read_text(errors="replace")
 
     # the relay: banner and DEBUG log; every seeded row fails once and is dead-lettered
-    env_a = _env(url_userinfo, broker_url)
-    env_b = _env(url_query, broker_url)
+    env_a = _env(url_userinfo, broker_url, webhook_port, closed)
+    env_b = _env(url_query, broker_url, webhook_port, closed)
     for name, env in (("userinfo", env_a), ("query", env_b)):
         outputs[f"relay --once ({name})"] = _run(
             [*CLI, "-A", "leakapp", "relay", "--once", "--loglevel", "DEBUG"], env, tmp_path)
     with pg_store.engine.connect() as conn:
         dead = conn.execute(sa.select(dead_letters.c.id, dead_letters.c.key)).all()
     assert {r.key for r in dead} >= {"leak-webhook-400", "leak-webhook-refused",
-                                     "leak-smtp-refused"}, dead
+                                     "leak-webhook-legacy"}, dead
 
     # metrics serve (banner + scrape) and textfile
     serve_port = free_port()
@@ -282,7 +299,7 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
     # the database down (both forms) and a URL that cannot be parsed
     for name, url in (("down, userinfo", down_userinfo), ("down, query", down_query),
                       ("malformed", malformed)):
-        env = _env(url, broker_url)
+        env = _env(url, broker_url, webhook_port, closed)
         for cmd in (["status"], ["status", "--json"], ["db", "check"],
                     ["dead-letters", "list", "--json"],
                     ["-A", "leakapp", "relay", "--once", "--loglevel", "DEBUG"]):

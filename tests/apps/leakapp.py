@@ -1,7 +1,10 @@
 """A Celery app whose every input carries a distinct secret (tests/acceptance/test_secret_leaks.py).
 
 Configured from the environment: ``RB_LEAK_DB_URL`` (the store), ``RB_LEAK_BROKER_URL``,
-``RB_LEAK_METRICS_PORT``, ``RB_LEAK_API_KEY`` (an auth header in an entry's publish options).
+``RB_LEAK_METRICS_PORT``, ``RB_LEAK_API_KEY`` (an auth header in an entry's publish options),
+``RB_LEAK_WEBHOOK_BASE`` / ``RB_LEAK_WEBHOOK_DOWN`` (webhook destinations' base URLs, with a
+token in the path), ``RB_LEAK_DEST_KEY`` (an inline auth header of a destination),
+``RB_LEAK_SMTP_PORT``; the relay reads ``RB_LEAK_AUTH`` and ``RB_LEAK_SMTP_PW`` itself.
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ app.conf.update(
     reliable_beat_metrics_port=int(os.environ.get("RB_LEAK_METRICS_PORT", "0")) or None,
     reliable_beat_outbox_max_attempts=1,  # one failure dead-letters: the error is stored
     beat_max_loop_interval=1,
+    reliable_beat_webhook_destinations={
+        "leaky": {
+            "base_url": os.environ.get("RB_LEAK_WEBHOOK_BASE", "http://127.0.0.1:1/hook"),
+            "headers": {"Authorization": {"env": "RB_LEAK_AUTH"},
+                        "X-Api-Key": os.environ.get("RB_LEAK_DEST_KEY", "")},
+        },
+        "down": {"base_url": os.environ.get("RB_LEAK_WEBHOOK_DOWN", "http://127.0.0.1:1/x")},
+    },
+    reliable_beat_smtp={
+        "host": "127.0.0.1", "port": int(os.environ.get("RB_LEAK_SMTP_PORT", "1")),
+        "username": "rb", "password": {"env": "RB_LEAK_SMTP_PW"}, "from": "rb@example.com",
+    },
     beat_schedule={
         "leak-every-second": {
             "task": "leakapp.noop",

@@ -92,6 +92,43 @@ def webhook_port() -> Iterator[int]:
 
 
 @pytest.fixture
+def smtp_server(tmp_path: Path) -> Iterator[tuple[int, str, list[bytes]]]:
+    """A real SMTP server offering STARTTLS and AUTH (over TLS), refusing every login:
+    ``(port, CA file, passwords it was sent)``."""
+    controller = pytest.importorskip("aiosmtpd.controller")
+    import socket
+    import ssl
+
+    from aiosmtpd.smtp import AuthResult
+
+    sys.path.insert(0, str(APPS))
+    from far_ends import self_signed_cert
+
+    cert = self_signed_cert(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert.cert, cert.key)
+    tried: list[bytes] = []
+
+    def refuse(server: object, session: object, envelope: object, mechanism: str,
+               auth_data: object) -> AuthResult:
+        tried.append(getattr(auth_data, "password", b""))
+        return AuthResult(success=False, handled=False)
+
+    with socket.socket() as probe:  # aiosmtpd's Controller cannot take port 0
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    ctl = controller.Controller(
+        object(), hostname="127.0.0.1", port=port, tls_context=context, require_starttls=True,
+        authenticator=refuse, auth_require_tls=True, auth_required=True,
+    )
+    ctl.start()
+    try:
+        yield port, str(cert.cert), tried
+    finally:
+        ctl.stop()
+
+
+@pytest.fixture
 def broker_url(tmp_path: Path) -> Iterator[str]:
     """A private Redis that requires the broker password."""
     exe = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -123,7 +160,7 @@ def broker_url(tmp_path: Path) -> Iterator[str]:
 
 
 def _env(db_url: str, broker_url: str, webhook_port: int = 1, closed: int = 1,
-         **extra: str) -> dict[str, str]:
+         smtp: tuple[int, str] = (1, ""), **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("CELERY_CONFIG_MODULE", None)
     env.update(
@@ -136,7 +173,8 @@ def _env(db_url: str, broker_url: str, webhook_port: int = 1, closed: int = 1,
                               f"{SECRETS['destination base URL token']}"),
         RB_LEAK_WEBHOOK_DOWN=(f"http://127.0.0.1:{closed}/services/"
                               f"{SECRETS['destination base URL token']}"),
-        RB_LEAK_SMTP_PORT=str(closed),
+        RB_LEAK_SMTP_PORT=str(smtp[0]),
+        RB_LEAK_SMTP_CA=smtp[1],
         RB_LEAK_API_KEY=SECRETS["entry X-Api-Key header"],
         RB_LEAK_AUTH=f"Bearer {SECRETS['Authorization header']}",
         RB_LEAK_DEST_KEY=SECRETS["destination inline key"],
@@ -195,7 +233,10 @@ def _scrape(port: int, timeout: float = 60) -> str:
 @pytest.mark.redis
 @pytest.mark.slow
 def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: str,
-                                      webhook_port: int, tmp_path: Path) -> None:
+                                      webhook_port: int,
+                                      smtp_server: tuple[int, str, list[bytes]],
+                                      tmp_path: Path) -> None:
+    smtp = smtp_server[:2]
     base = sa.engine.make_url(pg_url)  # trust auth: the passwords are accepted, and unused
     url_userinfo = base.set(password=SECRETS["db password (userinfo)"]).render_as_string(False)
     url_query = base.update_query_dict(
@@ -237,7 +278,7 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
     beat_log = tmp_path / "beat.log"
     beat = _start([sys.executable, "-m", "celery", "-A", "leakapp", "beat", "-l", "debug",
                    "--pidfile=", "-s", str(tmp_path / "beat-schedule")],
-                  _env(url_query, broker_url, webhook_port, closed,
+                  _env(url_query, broker_url, webhook_port, closed, smtp,
                        RB_LEAK_METRICS_PORT=str(metrics_port)),
                   tmp_path, beat_log)
     try:
@@ -249,11 +290,13 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
     outputs["beat log (DEBUG)"] = beat_log.read_text(errors="replace")
 
     # the relay: banner and DEBUG log; every seeded row fails once and is dead-lettered
-    env_a = _env(url_userinfo, broker_url, webhook_port, closed)
-    env_b = _env(url_query, broker_url, webhook_port, closed)
+    env_a = _env(url_userinfo, broker_url, webhook_port, closed, smtp)
+    env_b = _env(url_query, broker_url, webhook_port, closed, smtp)
     for name, env in (("userinfo", env_a), ("query", env_b)):
         outputs[f"relay --once ({name})"] = _run(
             [*CLI, "-A", "leakapp", "relay", "--once", "--loglevel", "DEBUG"], env, tmp_path)
+    # the SMTP password really went out (over TLS) and was refused
+    assert SECRETS["SMTP password (settings)"].encode() in smtp_server[2]
     with pg_store.engine.connect() as conn:
         dead = conn.execute(sa.select(dead_letters.c.id, dead_letters.c.key)).all()
     assert {r.key for r in dead} >= {"leak-webhook-400", "leak-webhook-refused",
@@ -299,7 +342,7 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
     # the database down (both forms) and a URL that cannot be parsed
     for name, url in (("down, userinfo", down_userinfo), ("down, query", down_query),
                       ("malformed", malformed)):
-        env = _env(url, broker_url, webhook_port, closed)
+        env = _env(url, broker_url, webhook_port, closed, smtp)
         for cmd in (["status"], ["status", "--json"], ["db", "check"],
                     ["dead-letters", "list", "--json"],
                     ["-A", "leakapp", "relay", "--once", "--loglevel", "DEBUG"]):

@@ -4,7 +4,8 @@ Configured from the environment: ``RB_LEAK_DB_URL`` (the store), ``RB_LEAK_BROKE
 ``RB_LEAK_METRICS_PORT``, ``RB_LEAK_API_KEY`` (an auth header in an entry's publish options),
 ``RB_LEAK_WEBHOOK_BASE`` / ``RB_LEAK_WEBHOOK_DOWN`` (webhook destinations' base URLs, with a
 token in the path), ``RB_LEAK_DEST_KEY`` (an inline auth header of a destination),
-``RB_LEAK_SMTP_PORT``; the relay reads ``RB_LEAK_AUTH`` and ``RB_LEAK_SMTP_PW`` itself.
+``RB_LEAK_SMTP_PORT`` / ``RB_LEAK_SMTP_CA``; the relay reads ``RB_LEAK_AUTH`` and
+``RB_LEAK_SMTP_PW`` itself.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ app.conf.update(
     reliable_beat_smtp={
         "host": "127.0.0.1", "port": int(os.environ.get("RB_LEAK_SMTP_PORT", "1")),
         "username": "rb", "password": {"env": "RB_LEAK_SMTP_PW"}, "from": "rb@example.com",
+        **({"ca_file": os.environ["RB_LEAK_SMTP_CA"]} if os.environ.get("RB_LEAK_SMTP_CA")
+           else {}),
     },
     beat_schedule={
         "leak-every-second": {

@@ -66,8 +66,9 @@ SENSITIVE_HEADERS = frozenset({
 })
 
 #: A header, query parameter or JSON key whose name contains one of these (after lower-casing
-#: and removing ``-`` and ``_``) is secret. ``key`` alone is matched exactly (``key``,
-#: ``apikey``, ``api_key``, ``access_key``, ``secret_key``, ``private_key``) so that
+#: and removing ``-`` and ``_``) is secret (``sig`` only as the end of the name). A name
+#: ending in ``key`` is secret only with a qualifier (``api_key``, ``access_key``,
+#: ``secret_key``, ``private_key``, ...), and a bare ``key`` only as a URL query parameter, so
 #: ``Idempotency-Key`` and ``reliable_beat_key`` (work identifiers, not secrets) stay visible.
 SENSITIVE_WORDS = (
     "password", "passwd", "pwd", "secret", "token", "auth", "cookie", "credential",

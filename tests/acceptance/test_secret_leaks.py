@@ -282,7 +282,7 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
                        RB_LEAK_METRICS_PORT=str(metrics_port)),
                   tmp_path, beat_log)
     try:
-        _wait_text(beat_log, "synced beat_schedule", 120)
+        _wait_text(beat_log, "synced", 120)
         _wait_text(beat_log, "slot.fired", 120)
         outputs["beat metrics scrape"] = _scrape(metrics_port)
     finally:

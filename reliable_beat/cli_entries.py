@@ -20,7 +20,7 @@ import click
 
 from reliable_beat import importers, runtime
 from reliable_beat import schedules as sch
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.celery.commands import CliContext, fail, pass_cli
 from reliable_beat.cli_status import jsonable
 from reliable_beat.entries import (
     EntryDefinition,
@@ -51,31 +51,33 @@ _POLICY_OPTIONS = (
 )
 
 
-def _fail(message: str, code: int) -> None:
-    click.echo(message, err=True)
-    raise SystemExit(code)
-
-
 def handle_errors(fn: F) -> F:
-    """Map library errors to exit codes: bad input 2, not found / database down 1."""
+    """Map library errors to exit codes: bad input 2, not found / database down 1 (printed
+    by :func:`~reliable_beat.celery.commands.fail`: text or, with ``--json``, JSON)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except EntryNotFoundError as exc:
-            _fail(f"error: {exc}", 1)
+            fail(str(exc), 1, kind="not_found")
         except ConfigurationError as exc:
-            _fail(f"error: {exc}", 2)
+            fail(str(exc), 2, kind="invalid", problems=getattr(exc, "problems", None))
         except StoreUnavailableError as exc:
-            _fail(f"error: {exc}", 1)
-        return None
+            fail(str(exc), 1, kind="store_unavailable")
 
     return wrapper  # type: ignore[return-value]
 
 
 def _fmt(at: datetime | None) -> str:
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
+
+
+def _done(cli: CliContext, as_json: bool, outcome: str, name: str, text: str) -> None:
+    if as_json:
+        cli.echo_json({"outcome": outcome, "entry": name})
+    else:
+        click.echo(text)
 
 
 def schedule_text(spec: dict[str, Any]) -> str:
@@ -339,24 +341,29 @@ def show_cmd(cli: CliContext, name: str, as_json: bool) -> None:
 @entries.command("add")
 @click.argument("name")
 @_schedule_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def add_cmd(cli: CliContext, /, name: str, **params: Any) -> None:
+def add_cmd(cli: CliContext, /, name: str, as_json: bool = False, **params: Any) -> None:
     """Add a runtime entry NAME (validated exactly like a beat_schedule entry)."""
     if params.get("task") is None:
         raise EntryValidationError([f"entry {name!r}: --task is required"])
     definition = build_definition(cli, name, params)
     save_runtime_entry(cli.store, definition, create=True)
     row = get_entry(cli.store, name)
+    if as_json:
+        cli.echo_json({"outcome": "added", "entry": _public(row)})
+        return
     click.echo(f"added {name}: {schedule_text(row['schedule'])}, next {_fmt(row['next_fire_at'])}")
 
 
 @entries.command("update")
 @click.argument("name")
 @_schedule_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def update_cmd(cli: CliContext, /, name: str, **params: Any) -> None:
+def update_cmd(cli: CliContext, /, name: str, as_json: bool = False, **params: Any) -> None:
     """Change a runtime entry: only the options given change."""
     existing = get_entry(cli.store, name)
     if existing["origin"] == "config":
@@ -364,49 +371,63 @@ def update_cmd(cli: CliContext, /, name: str, **params: Any) -> None:
     definition = build_definition(cli, name, params, existing=existing)
     outcome = save_runtime_entry(cli.store, definition, create=False)
     row = get_entry(cli.store, name)
+    if as_json:
+        cli.echo_json({"outcome": outcome, "entry": _public(row)})
+        return
     click.echo(f"{outcome} {name}: {schedule_text(row['schedule'])}, "
                f"next {_fmt(row['next_fire_at'])}")
 
 
 @entries.command("remove")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def remove_cmd(cli: CliContext, name: str) -> None:
+def remove_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Remove a runtime entry (its runs stay as history)."""
     remove(cli.store, name)
-    click.echo(f"removed {name}")
+    _done(cli, as_json, "removed", name, f"removed {name}")
 
 
 @entries.command("pause")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def pause_cmd(cli: CliContext, name: str) -> None:
+def pause_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Pause an entry: it stops firing; its grid is kept."""
     pause(cli.store, name)
-    click.echo(f"paused {name}")
+    _done(cli, as_json, "paused", name, f"paused {name}")
 
 
 @entries.command("resume")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def resume_cmd(cli: CliContext, name: str) -> None:
+def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Resume an entry; slots missed while paused go through its misfire policy."""
     resume(cli.store, name)
     row = get_entry(cli.store, name)
+    if as_json:
+        cli.echo_json({"outcome": "resumed", "entry": _public(row)})
+        return
     click.echo(f"resumed {name} (misfire policy {row['misfire_policy']}; "
                f"next {_fmt(row['next_fire_at'])})")
 
 
 @entries.command("trigger")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def trigger_cmd(cli: CliContext, name: str) -> None:
+def trigger_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Fire NAME once now, under its own key (recorded as a manual run)."""
     key = runtime.trigger(cli.store, name, app=cli.app)
+    if as_json:
+        cli.echo_json({"outcome": "triggered", "entry": name, "key": key,
+                       "published": cli.app is not None})
+        return
     how = "published" if cli.app is not None else "queued in the outbox (the relay sends it)"
     click.echo(f"triggered {name}: key {key}, {how}")
 

@@ -34,9 +34,11 @@ class _ConfigError(click.ClickException):
 @click.option("--claim-lease-seconds", type=float, default=60.0, show_default=True,
               help="How long a claim lasts; rows of a dead relay are re-delivered after it.")
 @click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="With --once: print the outcome as JSON.")
 @pass_cli
 def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_seconds: float,
-          loglevel: str) -> None:
+          loglevel: str, as_json: bool) -> None:
     """Deliver outbox rows until SIGTERM / SIGINT (any number of relays may run at once)."""
     logging.basicConfig(level=loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -53,7 +55,11 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
 
         serve(cli.settings.metrics_port, cli.store, addr=cli.settings.metrics_host)
     if once:
-        click.echo(f"claimed {worker.run_once()} rows")
+        claimed = worker.run_once()
+        if as_json:
+            cli.echo_json({"claimed": claimed, "owner": worker.owner})
+        else:
+            click.echo(f"claimed {claimed} rows")
         worker.close()
         return
     stop = threading.Event()

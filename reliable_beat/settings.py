@@ -79,6 +79,9 @@ class Settings:
         key_reuse: what an IdempotentTask does when a call reuses an idempotency key with
             other arguments than the key's run: ``warn`` (default: log a WARNING, use the
             stored run) or ``refuse`` (raise ``IdempotencyKeyError``; nothing runs).
+        schedule_group: the schedule group of this app's ``beat_schedule`` entries (default:
+            the Celery app's main name). A beat's start-up sync only touches its own group's
+            config entries (see :mod:`reliable_beat.groups`).
     """
 
     database_url: str = field(
@@ -121,6 +124,7 @@ class Settings:
     max_payload_bytes: int = 1024 * 1024
     outbox_batch_bytes: int = 16 * 1024 * 1024
     key_reuse: str = "warn"
+    schedule_group: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -40,9 +40,16 @@ from reliable_beat.entries import (
     NOTIFY_CHANNEL,
     EntryDefinition,
     definitions_from_beat_schedule,
-    sync_config_entries,
+    sync_schedule_group,
 )
 from reliable_beat.errors import ConfigurationError, SchemaError, StoreUnavailableError
+from reliable_beat.groups import (
+    beat_heartbeat,
+    beat_stopped,
+    log_sync_result,
+    record_beat,
+    schedule_group_of,
+)
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
 from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
@@ -219,6 +226,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._clock: tuple[datetime, float] | None = None  # (database now, monotonic)
         self._build_seconds_per_message = 0.0005
         self.app = app
+        self.group = schedule_group_of(app, self.settings.schedule_group)
         self._beat = Beat(
             self.store, owner=self.settings.owner, batch_size=self.settings.batch_size,
             is_tracked=self._is_tracked,
@@ -302,18 +310,22 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
         definitions = self._definitions(now)
-        for d in definitions:
-            if d.task not in self.app.tasks:
-                log.warning("entry %r: task %r is not registered in this beat's app; workers "
-                            "must know it or the trigger is rejected", d.name, d.task)
+        unregistered = {d.name: d.task for d in definitions if d.task not in self.app.tasks}
+        for name, task in sorted(unregistered.items()):
+            log.error("entry %r: task %r is not registered in this beat's app: unless a worker "
+                      "registers it, its triggers are dropped (check the name, or import the "
+                      "task module in this app)", name, task)
         if self.settings.metrics_port is not None and self._metrics is None:
             from reliable_beat.metrics import serve
 
             self._metrics = serve(self.settings.metrics_port, self.store,
                                   addr=self.settings.metrics_host)
             log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
-        counts = sync_config_entries(self.store, definitions)
-        log.info("reliable_beat: synced beat_schedule into %s: %s", self.store.safe_url, counts)
+        result = sync_schedule_group(self.store, definitions, group=self.group,
+                                     owner=self.settings.owner)
+        log_sync_result(log, result, self.store.safe_url)
+        record_beat(self.store, owner=self.settings.owner, group=self.group,
+                    config_hash=result.config_hash, unregistered=unregistered)
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -332,6 +344,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         return (
             f"    . store -> {self.store.safe_url}\n"
             f"    . owner -> {self.settings.owner}\n"
+            f"    . schedule group -> {self.group}\n"
             f"    . schema -> {schema} (head {migrate.head()})"
         )
 
@@ -581,6 +594,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             log.warning("sweeping %d unsent triggers", len(messages))
             publish_messages(self.store, self.app, messages, now)
         redispatch_stuck_runs(self.store, self.app, self.settings)
+        beat_heartbeat(self.store, self.settings.owner, self.group)
 
     def _idle(self) -> float:
         """Wait until the next thing to do; returns what is left for Celery to sleep."""
@@ -644,6 +658,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         if self._listen is not None:
             with contextlib.suppress(Exception):
                 self._listen.close()
+        with contextlib.suppress(Exception):
+            beat_stopped(self.store, self.settings.owner)
         self.store.dispose()
 
     @property

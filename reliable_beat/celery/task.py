@@ -1139,3 +1139,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Where the message came from, so a requeue goes back to the same queue.
             "queue": (self.request.delivery_info or {}).get("routing_key"),
         }
+
+
+# A worker that runs IdempotentTasks also records the starts of plain tasks' triggers.
+from reliable_beat.celery import acks as _acks  # noqa: E402, F401

@@ -3,9 +3,12 @@
 Configured from the environment so each test can point it at its own servers:
 
 * RB_BROKER_URL, RELIABLE_BEAT_DATABASE_URL, RB_MAX_LOOP (beat_max_loop_interval);
-* RB_SCHEDULE: JSON name -> {"cron": str | "every": seconds, "task", "reliable_beat": {...}};
+* RB_SCHEDULE: JSON name -> {"cron": str | "every": seconds, "task", "args" (default:
+  [name]), "reliable_beat": {...}};
 * RB_QUEUE: the default queue (each test its own, so messages can be counted in Redis);
 * RB_CLAIM_AHEAD: ``reliable_beat_claim_ahead_seconds`` (default: the setting's default);
+* RB_REDISPATCH: ``reliable_beat_redispatch_seconds``; RB_ACKS: import
+  ``reliable_beat.celery.acks`` (workers record the starts of plain tasks' triggers);
 * RB_CLOCK_OFFSET: seconds added to this process's ``time.time`` (fallback when libfaketime
   is not installed): a beat with a wrong clock. Decisions use the database clock,
   so it must not matter;
@@ -66,6 +69,10 @@ app.conf.timezone = "UTC"
 app.conf.broker_connection_retry_on_startup = True
 if os.environ.get("RB_QUEUE"):
     app.conf.task_default_queue = os.environ["RB_QUEUE"]
+if os.environ.get("RB_REDISPATCH"):
+    app.conf.reliable_beat_redispatch_seconds = float(os.environ["RB_REDISPATCH"])
+if os.environ.get("RB_ACKS"):  # workers record the starts of plain tasks' triggers
+    app.conf.imports = ["reliable_beat.celery.acks"]
 if os.environ.get("RB_CLAIM_AHEAD"):
     app.conf.reliable_beat_claim_ahead_seconds = float(os.environ["RB_CLAIM_AHEAD"])
 
@@ -79,7 +86,7 @@ schedule: dict[str, dict[str, object]] = {}
 for name, spec in json.loads(os.environ.get("RB_SCHEDULE", "{}")).items():
     sched: object = spec["cron"] if "cron" in spec else timedelta(seconds=spec["every"])
     item: dict[str, object] = {"task": spec.get("task", "beatapp.tick"), "schedule": sched,
-                               "args": [name]}
+                               "args": spec.get("args", [name])}
     if "reliable_beat" in spec:
         item["options"] = {"reliable_beat": spec["reliable_beat"]}
     schedule[name] = item

@@ -327,13 +327,17 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
         ["entries", "show", "leak-every-second", "--json"],
         ["runs"], ["runs", "--json"], ["dead-letters", "list"], ["dead-letters", "list", "--json"],
         ["outbox", "status"], ["outbox", "status", "--json"], ["db", "check"], ["db", "current"],
+        ["db", "check", "--json"], ["db", "current", "--json"],
+        ["schedule", "list"], ["schedule", "list", "--json"],
         *[["dead-letters", "show", str(r.id)] for r in dead],
     ]
     if run_key:
         commands += [["runs", "show", run_key], ["runs", "show", run_key, "--json"]]
     for cmd in commands:
         outputs[" ".join(cmd) + " (userinfo)"] = _run([*CLI, *cmd], env_a, tmp_path)
-    for cmd in (["status"], ["status", "--json"], ["db", "check"]):
+    for cmd in (["status"], ["status", "--json"], ["db", "check"], ["db", "check", "--json"],
+                ["-A", "leakapp", "schedule", "sync"], ["-A", "leakapp", "schedule", "sync",
+                                                        "--json"]):
         outputs[" ".join(cmd) + " (query)"] = _run([*CLI, *cmd], env_b, tmp_path)
         outputs[" ".join(cmd) + " (via celery)"] = _run(
             [sys.executable, "-m", "celery", "-A", "leakapp", "reliable-beat", *cmd],

@@ -312,8 +312,6 @@ def definition_from_celery(
             f"reliable_beat_max_payload_bytes ({settings.max_payload_bytes}); they are copied "
             "into every run, trigger and broker message: pass a reference (an id, a key) "
             "and load the data in the task")
-    if raw.get("relative"):
-        bad("'relative=True' is not supported: slots sit on a fixed grid")
     tz = rb.get("timezone") or default_timezone
     try:
         tz = sch.validate_timezone(tz)
@@ -333,7 +331,16 @@ def definition_from_celery(
         bad("'schedule' is missing")
     else:
         try:
-            schedule = sch.from_celery(raw["schedule"], timezone=tz, anchor=anchor, entry=name)
+            # 'relative' as Celery reads it: it changes a number/timedelta (refused there),
+            # and is ignored on a crontab or a schedule object, as Celery ignores it
+            schedule = sch.from_celery(
+                raw["schedule"], timezone=tz, anchor=anchor, entry=name,
+                relative=bool(raw.get("relative", False)),
+            )
+            if rb.get("timezone") and schedule.timezone != tz:
+                bad(f"timezone={tz!r} conflicts with the schedule's own zone "
+                    f"{schedule.timezone!r} (a crontab's nowfun/tz or a Schedule object); "
+                    "set the zone in one place")
             if schedule.kind == "cron" and (rb.get("dst_nonexistent") or rb.get("dst_repeated")):
                 spec = schedule.to_spec()
                 spec["nonexistent"] = rb.get("dst_nonexistent") or spec.get("nonexistent")

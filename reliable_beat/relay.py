@@ -99,6 +99,10 @@ log = get_logger(__name__)
 
 #: ``last_error`` of a trigger row not published because its ``expires_at`` had passed.
 EXPIRED_ERROR = "expired before publish"
+#: After a database outage a relay leaves beat triggers (destination ``celery``) alone this
+#: long (the beat's sweep delay): a beat that published one while the database was gone
+#: records it as sent first, so the relay does not send it a second time.
+TRIGGER_HOLD_AFTER_OUTAGE_SECONDS = 10.0
 _MAX_ERROR_CHARS = 2000
 Handler = Callable[[OutboxMessage], None]
 
@@ -446,11 +450,18 @@ class Relay:
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
         self._listener: _Listener | None = None
+        # After a database outage, beat triggers (destination ``celery``) are left alone for
+        # a sweep delay: the beat that published one during the outage records it first.
+        self._triggers_after = 0.0
 
     # -- one cycle -----------------------------------------------------------------------
 
     def claim(self) -> list[OutboxMessage]:
         """Claim one batch in its own short transaction (see :func:`claim_outbox_batch`)."""
+        destinations = [d for d in self.handlers
+                        if d != "celery" or time.monotonic() >= self._triggers_after]
+        if not destinations:
+            return []
         with self.store.begin() as conn:
             now = db_now(conn)
             return claim_outbox_batch(
@@ -460,7 +471,7 @@ class Relay:
                 now=now,
                 lease=self.claim_lease,
                 limit=self.batch_size,
-                destinations=self.handlers.keys(),
+                destinations=destinations,
                 max_bytes=self.settings.outbox_batch_bytes,
             )
 
@@ -671,6 +682,7 @@ class Relay:
                     claimed = self.run_once()
                 except StoreUnavailableError as exc:
                     log.warning("relay: store unavailable, retrying in %.1f s: %s", poll, exc)
+                    self._triggers_after = time.monotonic() + TRIGGER_HOLD_AFTER_OUTAGE_SECONDS
                     stop.wait(poll)
                     continue
                 except Exception:

@@ -27,7 +27,6 @@ never before its slot.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -46,6 +45,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
 from reliable_beat.identity import store_id as _store_id
 from reliable_beat.planner import SkippedRange, plan_entry
+from reliable_beat.redaction import get_logger
 from reliable_beat.slots import format_fire_at, idempotency_key
 
 __all__ = [
@@ -59,7 +59,7 @@ __all__ = [
     "trigger_outbox_row",
 ]
 
-log = logging.getLogger("reliable_beat.beat")
+log = get_logger("reliable_beat.beat")
 
 #: Run states that mean "not finished yet" for the overlap policy.
 ACTIVE_RUN_STATES = ("scheduled", "dispatched", "running", "retrying")

@@ -38,6 +38,7 @@ from reliable_beat.errors import (
     EntryValidationError,
     StoreUnavailableError,
 )
+from reliable_beat.redaction import redact_value
 from reliable_beat.settings import celery_timezone
 
 __all__ = ["build_definition", "entries", "register"]
@@ -337,7 +338,7 @@ def show_cmd(cli: CliContext, name: str, as_json: bool) -> None:
         if isinstance(value, datetime):
             value = _fmt(value)
         elif isinstance(value, (dict, list)):
-            value = json.dumps(value, sort_keys=True)
+            value = json.dumps(redact_value(value), sort_keys=True)
         click.echo(f"{key:24} {value}")
 
 

@@ -13,7 +13,6 @@ wins, so old and new pods of a rolling deploy never flap the stored schedule).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from datetime import datetime, timezone
 from typing import Any
 
@@ -27,10 +26,11 @@ from reliable_beat.db.tables import entries, schedule_configs
 from reliable_beat.entries import definitions_from_beat_schedule, notify_entries_changed
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.groups import group_health, log_sync_result, schedule_group_of
+from reliable_beat.redaction import get_logger
 
 __all__ = ["register", "schedule"]
 
-log = logging.getLogger("reliable_beat.cli")
+log = get_logger("reliable_beat.cli")
 
 
 @click.group("schedule")

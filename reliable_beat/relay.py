@@ -42,7 +42,6 @@ the claim runs under ``BEGIN IMMEDIATE``, which serialises claimers on the one h
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 import threading
 import time
@@ -82,6 +81,7 @@ from reliable_beat.handlers import (
 )
 from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
 from reliable_beat.policies import backoff_delay
+from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -95,7 +95,7 @@ __all__ = [
     "purge_sent",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: ``last_error`` of a trigger row not published because its ``expires_at`` had passed.
 EXPIRED_ERROR = "expired before publish"
@@ -755,7 +755,7 @@ class _Listener:
                     pass
             return got
         except Exception as exc:
-            log.warning("relay LISTEN connection failed (%s); polling instead", exc)
+            log.warning("relay LISTEN connection failed (%s); polling instead", redact_text(exc))
             self.close()
             time.sleep(timeout)
             return False
@@ -768,5 +768,5 @@ class _Listener:
 
 
 def _describe(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}"
+    text = redact_text(f"{type(err).__name__}: {err}")  # webhook URLs, tokens: never stored
     return text[:_MAX_ERROR_CHARS]

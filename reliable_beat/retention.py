@@ -34,7 +34,6 @@ background of a beat or relay: a pass deletes batch after batch until a batch co
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from sqlalchemy.engine import Connection
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, outbox, runs
 from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -58,7 +58,7 @@ __all__ = [
     "start_retention",
 ]
 
-log = logging.getLogger("reliable_beat.retention")
+log = get_logger("reliable_beat.retention")
 
 #: Run states a purge may delete (see the module docstring).
 PURGED_RUN_STATES = ("succeeded", "skipped", "dispatched")

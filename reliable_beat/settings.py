@@ -38,7 +38,7 @@ _NULLABLE = ("catch_up_window_seconds", "metrics_port", "outbox_retention_second
              "runs_retention_seconds", "attempts_retention_seconds")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Settings:
     """Every setting, with its unit in its name. Celery key = ``reliable_beat_`` + field name.
 
@@ -75,6 +75,8 @@ class Settings:
             ``running`` with a lease expired this long has its trigger sent again (its
             message was lost; see :mod:`reliable_beat.redispatch`).
         metrics_port: serve Prometheus metrics on this port (None: off).
+        metrics_host: the address the metrics server binds (default ``127.0.0.1``: loopback
+            only; ``0.0.0.0`` exposes it on every interface).
         owner_id: name of this process in leases and logs (default: host:pid).
         webhook_destinations: ``{name: {"base_url", "headers"?, "timeout_seconds"?,
             "max_concurrency"?, "methods"?, "block_private_networks"?}}``: where ``webhook``
@@ -135,6 +137,7 @@ class Settings:
     backfill_limit: int = 1000
     redispatch_seconds: float = 120.0
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     owner_id: str | None = None
     # repr=False: these may hold secrets given inline (auth headers, the SMTP password)
     webhook_destinations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict,
@@ -202,6 +205,25 @@ class Settings:
             problems.extend(self._outbound_problems())
         if problems:
             raise ConfigurationError("; ".join(problems))
+
+    def __repr__(self) -> str:
+        """Every field, with the database URL and any secret-named value redacted (error
+        reporters capture locals; a repr must never carry a password)."""
+        from reliable_beat.redaction import MASK, is_sensitive_name, redact_url, redact_value
+
+        shown = []
+        for f in fields(self):
+            if not f.repr:  # e.g. webhook destinations, SMTP: may hold inline secrets
+                continue
+            value = getattr(self, f.name)
+            if f.name.endswith("_url") and isinstance(value, str):
+                value = redact_url(value)
+            elif is_sensitive_name(f.name) and value not in (None, ""):
+                value = MASK
+            else:
+                value = redact_value(value)
+            shown.append(f"{f.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     def _outbound_problems(self) -> list[str]:
         """Shape checks of the webhook / SMTP / size settings (secrets are read by the relay)."""

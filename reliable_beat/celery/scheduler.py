@@ -53,6 +53,7 @@ from reliable_beat.groups import (
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
 from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
 from reliable_beat.retention import RetentionThread, start_retention
@@ -62,7 +63,7 @@ from reliable_beat.slots import format_fire_at
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
 
-log = logging.getLogger("reliable_beat.scheduler")
+log = get_logger("reliable_beat.scheduler")
 
 #: How often a beat sweeps trigger rows the fast path left unsent (seconds).
 SWEEP_SECONDS = 5.0
@@ -347,8 +348,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     now = self.store.now(conn)
                 break
             except (StoreUnavailableError, DBAPIError) as exc:
-                log.error("database %s unavailable at start (%s); retrying in %.0f s",
-                          self.store.safe_url, exc, delay)
+                log.error("at start: %s; retrying in %.0f s",
+                          self.store.describe_failure(exc), delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
             except SchemaError as exc:
@@ -366,7 +367,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         if self.settings.metrics_port is not None and self._metrics is None:
             from reliable_beat.metrics import serve
 
-            self._metrics = serve(self.settings.metrics_port, self.store)
+            self._metrics = serve(self.settings.metrics_port, self.store,
+                                  addr=self.settings.metrics_host)
             log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
         result = sync_schedule_group(self.store, definitions, group=self.group,
                                      owner=self.settings.owner)
@@ -473,9 +475,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         except (StoreUnavailableError, DBAPIError) as exc:
             self._failures += 1
             wait: float = min(30.0, 0.5 * 2.0 ** min(self._failures, 6))
-            log.error("tick failed: database %s unavailable (%s); retrying in %.1f s. "
+            log.error("tick failed: %s; retrying in %.1f s. "
                       "Slots due meanwhile are decided by the misfire policy when it returns.",
-                      self.store.safe_url, exc, wait)
+                      self.store.describe_failure(exc), wait)
             return wait
         if self._failures:
             # Back after an outage: other beats may hold published-but-unmarked triggers.
@@ -732,7 +734,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     notified = True
             return notified
         except Exception as exc:
-            log.debug("LISTEN unavailable (%s); sleeping instead", exc)
+            log.debug("LISTEN unavailable (%s); sleeping instead", redact_text(exc))
             with contextlib.suppress(Exception):
                 if self._listen is not None:
                     self._listen.close()

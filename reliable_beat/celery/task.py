@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import os
 import re
 import threading
@@ -57,6 +56,7 @@ from reliable_beat.errors import (
 )
 from reliable_beat.identity import STORE_HEADER, ForeignStoreError, store_id
 from reliable_beat.policies import backoff_delay
+from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -67,7 +67,7 @@ __all__ = [
     "IdempotentTask",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 KEY_HEADER = "reliable_beat_key"
 #: The form of a scheduled slot's key (:func:`reliable_beat.slots.idempotency_key`).

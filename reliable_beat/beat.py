@@ -34,13 +34,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cache
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Table, and_, bindparam, cast, column, func, not_, or_, select, update
+from sqlalchemy import (
+    Table,
+    and_,
+    bindparam,
+    cast,
+    column,
+    func,
+    not_,
+    or_,
+    select,
+    type_coerce,
+    update,
+)
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
-from sqlalchemy.types import JSON, BigInteger, DateTime, Text, TypeEngine
+from sqlalchemy.types import JSON, BigInteger, DateTime, NullType, Text, TypeEngine
 
+from reliable_beat import rows as rows_mod
 from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
@@ -148,6 +162,8 @@ class TickResult:
         triggers: committed triggers to publish now.
         skipped: slots recorded as skipped.
         claimed: entries claimed.
+        quarantined: malformed entries this tick disabled with a reason (never fired; see
+            :mod:`reliable_beat.rows`).
         duplicates: slots another process had already fired (insert was a no-op).
         next_fire_at: the earliest ``next_fire_at`` of any due-able entry after the tick.
         next_claim_at: the earliest database instant at which a claim can find an entry
@@ -162,6 +178,7 @@ class TickResult:
     triggers: list[Trigger] = field(default_factory=list)
     skipped: int = 0
     claimed: int = 0
+    quarantined: int = 0
     duplicates: int = 0
     next_fire_at: datetime | None = None
     next_claim_at: datetime | None = None
@@ -383,34 +400,86 @@ class Beat:
                      or_(entries.c.next_fire_at <= now, entries.c.overlap_policy == "allow"))
                 if ahead else entries.c.next_fire_at <= now
             )
+            if conn.dialect.name == "sqlite":  # a garbage instant: claim it to quarantine it
+                claimable = or_(claimable, rows_mod.unreadable_instant(entries.c.next_fire_at))
             stmt = (
-                select(entries)
+                select(*rows_mod.raw_columns(entries, conn.dialect))
                 .where(due_clause(), claimable)
                 .order_by(entries.c.next_fire_at)
                 .limit(self.batch_size)
             )
-            rows = conn.execute(self.store.for_update_skip_locked(stmt)).all()
-            result.claimed = len(rows)
+            claimed = conn.execute(self.store.for_update_skip_locked(stmt)).all()
+            result.claimed = len(claimed)
+            rows = self._usable(conn, claimed, now, result)
             if rows:
-                self._fire(conn, list(rows), now, result)
+                self._fire(conn, rows, now, result)
             self._release_buffered(conn, now, result)
-            result.next_fire_at = conn.execute(
-                select(func.min(entries.c.next_fire_at)).where(due_clause())
-            ).scalar_one_or_none()
+            result.next_fire_at = self._min_next_fire_at(conn, now, result, due_clause())
             result.next_claim_at = result.next_fire_at
             if ahead and result.next_fire_at is not None:
                 # The earliest `allow` entry in the window [next_fire_at, + claim_ahead] can
                 # be claimed claim_ahead before its slot (an index range scan of that window).
-                first_allow = conn.execute(
-                    select(func.min(entries.c.next_fire_at)).where(
+                first_allow = self._min_next_fire_at(
+                    conn, now, result, and_(
                         due_clause(), entries.c.overlap_policy == "allow",
                         entries.c.next_fire_at <= result.next_fire_at + self.claim_ahead,
                     )
-                ).scalar_one_or_none()
+                )
                 if first_allow is not None:
                     result.next_claim_at = min(result.next_fire_at,
                                                first_allow - self.claim_ahead)
         return result
+
+    def _usable(
+        self, conn: Connection, claimed: Sequence[Any], now: datetime, result: TickResult
+    ) -> list[Any]:
+        """The claimed rows that are well-formed; each malformed one is quarantined (disabled
+        with its reason, logged at ERROR, counted in :attr:`TickResult.quarantined`) in this
+        transaction, so one bad row never stops the tick (:mod:`reliable_beat.rows`)."""
+        usable: list[Any] = []
+        for raw in claimed:
+            values, problems, unreadable = rows_mod.read_entry(raw._mapping, conn.dialect)
+            if problems:
+                rows_mod.quarantine_entry(conn, values, problems, now, unreadable=unreadable)
+                result.quarantined += 1
+                continue
+            usable.append(SimpleNamespace(**values))
+        return usable
+
+    def _min_next_fire_at(
+        self, conn: Connection, now: datetime, result: TickResult, where: Any
+    ) -> datetime | None:
+        """``min(next_fire_at)`` of the rows matching ``where``. On SQLite a value that is not
+        an instant (the column holds any text) quarantines its entries, then looks again."""
+        if conn.dialect.name != "sqlite":
+            value: datetime | None = conn.execute(
+                select(func.min(entries.c.next_fire_at)).where(where)
+            ).scalar_one_or_none()
+            return value
+        for _ in range(10):
+            raw = conn.execute(
+                select(type_coerce(func.min(entries.c.next_fire_at), NullType())).where(where)
+            ).scalar_one_or_none()
+            if raw is None:
+                return None
+            try:
+                decoded = rows_mod.decode_value(entries.c.next_fire_at, raw, conn.dialect)
+            except Exception:
+                decoded = None
+            if isinstance(decoded, datetime):
+                return decoded
+            bad = conn.execute(
+                select(*rows_mod.raw_columns(entries, conn.dialect)).where(
+                    where, type_coerce(entries.c.next_fire_at, NullType()) == raw
+                )
+            ).all()
+            for row in bad:
+                values, problems, unreadable = rows_mod.read_entry(row._mapping, conn.dialect)
+                rows_mod.quarantine_entry(conn, values, problems or [
+                    f"next_fire_at={rows_mod.raw_repr(raw)}: expected a UTC instant"
+                ], now, unreadable=unreadable | {"next_fire_at"})
+                result.quarantined += 1
+        return None
 
     def _fire(self, conn: Connection, rows: list[Any], now: datetime, result: TickResult) -> None:
         run_rows: list[dict[str, Any]] = []

@@ -91,6 +91,8 @@ def schedule_text(spec: dict[str, Any]) -> str:
 
 
 def _status(row: dict[str, Any]) -> str:
+    if row.get("quarantine_reason"):
+        return "quarantined"
     if not row["enabled"]:
         return "disabled"
     if row["paused"]:

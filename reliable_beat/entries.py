@@ -29,16 +29,19 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import and_, select, text, update
+from sqlalchemy import and_, select, text, type_coerce, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.types import NullType
 
 from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy
+from reliable_beat.rows import decode_value
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -383,16 +386,40 @@ def _lock_for_sync(conn: Connection, store: Store) -> None:
         conn.execute(text("SELECT pg_advisory_xact_lock(7262656175)"))
 
 
+def _read_for_upsert(conn: Connection, name: str) -> Any:
+    """The stored columns :func:`_upsert` compares, or None. Read value by value: a stored
+    value that cannot be decoded (SQLite: invalid JSON text, a non-instant) reads as None,
+    so a malformed row is simply rewritten from the definition (see :mod:`reliable_beat.rows`).
+    """
+    cols = (entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
+            entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at, entries.c.paused)
+    sqlite = conn.dialect.name == "sqlite"  # elsewhere the server enforces column types
+    raw = conn.execute(
+        select(*(type_coerce(c, NullType()).label(c.name) if sqlite else c for c in cols))
+        .where(entries.c.name == name)
+    ).first()
+    if raw is None:
+        return None
+    values: dict[str, Any] = {}
+    for c in cols:
+        try:
+            value = raw._mapping[c.name]
+            values[c.name] = decode_value(c, value, conn.dialect) if sqlite else value
+        except Exception:
+            values[c.name] = None
+    if not isinstance(values["schedule"], dict):
+        values["schedule"] = None
+    for instant in ("last_fire_at", "next_fire_at"):
+        if not isinstance(values[instant], datetime):
+            values[instant] = None
+    return SimpleNamespace(**values)
+
+
 def _upsert(
     conn: Connection, store: Store, definition: EntryDefinition, now: datetime
 ) -> str:
     """Insert or update one entry. Returns ``inserted``, ``updated`` or ``unchanged``."""
-    row = conn.execute(
-        select(
-            entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
-            entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at, entries.c.paused,
-        ).where(entries.c.name == definition.name)
-    ).first()
+    row = _read_for_upsert(conn, definition.name)
     values = definition.row_values()
     if row is None:
         values.update(
@@ -417,7 +444,9 @@ def _upsert(
     else:
         base = max(now, row.last_fire_at) if row.last_fire_at else now
         next_fire_at = definition.first_fire_at(base)
-    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True)
+    # Rewriting the entry from its definition also lifts a quarantine (rows.py).
+    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True,
+                  quarantine_reason=None, quarantined_at=None)
     del values["name"]
     conn.execute(update(entries).where(entries.c.id == row.id).values(**values))
     return "updated"
@@ -561,6 +590,14 @@ def resume(store: Store, name: str) -> None:
             update(entries)
             .where(entries.c.name == name)
             .values(paused=False, paused_at=None, updated_at=now)
+        )
+        # A quarantined entry (malformed row, see reliable_beat.rows) is enabled again: the
+        # beat checks the row once more at its next claim and quarantines it again if the
+        # problem is still there.
+        conn.execute(
+            update(entries)
+            .where(entries.c.name == name, entries.c.quarantine_reason.is_not(None))
+            .values(enabled=True, quarantine_reason=None, quarantined_at=None)
         )
         notify_entries_changed(conn, store)
 

@@ -66,6 +66,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
+from reliable_beat import rows as rows_mod
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
@@ -84,6 +85,7 @@ __all__ = [
     "EXPIRED_ERROR",
     "Relay",
     "claim_outbox_batch",
+    "dead_letter_malformed",
     "mark_expired",
     "mark_sent",
     "outbox_status",
@@ -145,11 +147,14 @@ def claim_outbox_batch(
         )
         .exists()
     )
+    due = o.c.available_at <= now
+    if conn.dialect.name == "sqlite":  # a garbage instant: claim it to dead-letter it
+        due = or_(due, rows_mod.unreadable_instant(o.c.available_at))
     sel = (
         select(o.c.id)
         .where(
             o.c.state == "pending",
-            o.c.available_at <= now,
+            due,
             or_(o.c.ordering_key.is_(None), ~earlier_pending),
         )
         .order_by(o.c.id)
@@ -162,10 +167,64 @@ def claim_outbox_batch(
         update(o)
         .where(o.c.id.in_(select(claim.c.id)))
         .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
-        .returning(*o.c)
+        .returning(*rows_mod.raw_columns(o, conn.dialect))
     )
-    rows = conn.execute(stmt).all()
-    return sorted((OutboxMessage.from_row(r) for r in rows), key=lambda m: m.id)
+    claimed: list[OutboxMessage] = []
+    for raw in conn.execute(stmt).all():
+        values, problems = rows_mod.decode_row(o, dict(raw._mapping), conn.dialect)
+        unreadable = {rows_mod.column_of(p) for p in problems}
+        problems += [p for p in rows_mod.check_outbox(values)
+                     if rows_mod.column_of(p) not in unreadable]
+        if not problems:
+            try:
+                claimed.append(OutboxMessage.from_row(values))
+                continue
+            except Exception as exc:
+                problems.append(f"row: {type(exc).__name__}: {exc}")
+        dead_letter_malformed(conn, values, problems, now)
+    return sorted(claimed, key=lambda m: m.id)
+
+
+def dead_letter_malformed(
+    conn: Connection, values: Mapping[str, Any], problems: Sequence[str], now: datetime
+) -> None:
+    """Dead-letter one malformed outbox row (reason ``malformed``); joins the caller's
+    transaction.
+
+    The row goes ``dead`` with ``last_error`` = the problems; the dead letter's payload keeps
+    every original column value (undecodable ones as text), so a person can repair and
+    requeue it; a ``celery`` trigger's run goes ``scheduled -> dead``. Logged at ERROR with
+    the row and the fix. One malformed row never fails the claim of the others.
+    """
+    error = rows_mod.describe_problems(problems)
+    row_id = values["id"]
+    message_id = values.get("message_id")
+    destination = values.get("destination")
+    conn.execute(
+        update(outbox).where(outbox.c.id == row_id)
+        .values(state="dead", claimed_by=None, last_error=error)
+    )
+    log.error("outbox row %s (%s) to %s dead-lettered: malformed row: %s. Fix: repair the row "
+              "from the dead letter's payload and add it again, or requeue it "
+              "(`reliable-beat dead-letters show/requeue`)", row_id,
+              rows_mod.raw_repr(message_id), rows_mod.raw_repr(destination), error)
+    conn.execute(
+        dead_letters.insert().values(
+            kind="outbox",
+            run_id=values.get("run_id") if isinstance(values.get("run_id"), int) else None,
+            outbox_id=row_id,
+            key=(message_id if isinstance(message_id, str) and message_id
+                 else f"outbox:{row_id}")[:400],
+            destination=destination[:200] if isinstance(destination, str) else None,
+            payload=rows_mod.jsonable_raw(values),
+            reason=rows_mod.MALFORMED,
+            error=error,
+            attempts=values.get("attempts") if isinstance(values.get("attempts"), int) else 0,
+            created_at=now,
+        )
+    )
+    _move_runs(conn, [row_id], frm="scheduled", to="dead", now=now,
+               reason=f"trigger malformed: {error}"[:_MAX_ERROR_CHARS])
 
 
 def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:

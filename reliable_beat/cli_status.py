@@ -30,6 +30,7 @@ __all__ = [
     "collect_status",
     "jsonable",
     "outbox_backlog",
+    "quarantine_counts",
     "register",
     "status",
 ]
@@ -82,6 +83,29 @@ def outbox_backlog(conn: Connection, now: datetime) -> list[dict[str, Any]]:
     return outbox_status(conn)
 
 
+def quarantine_counts(conn: Connection) -> dict[str, int]:
+    """Malformed rows isolated so far (:mod:`reliable_beat.rows`), per table.
+
+    Returns:
+        ``{"entries": quarantined entries, "outbox": outbox rows dead-lettered as malformed,
+        "runs": runs dead-lettered as malformed}`` (dead letters not requeued).
+    """
+    from reliable_beat.rows import MALFORMED
+
+    counts = {"entries": 0, "outbox": 0, "runs": 0}
+    counts["entries"] = int(conn.execute(
+        select(func.count()).select_from(entries)
+        .where(entries.c.quarantine_reason.is_not(None))
+    ).scalar_one())
+    for kind, n in conn.execute(
+        select(dead_letters.c.kind, func.count())
+        .where(dead_letters.c.reason == MALFORMED, dead_letters.c.requeued_at.is_(None))
+        .group_by(dead_letters.c.kind)
+    ):
+        counts["outbox" if kind == "outbox" else "runs"] += int(n)
+    return counts
+
+
 def collect_status(
     store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS
 ) -> dict[str, Any]:
@@ -95,8 +119,10 @@ def collect_status(
     Returns:
         ``{"store" (URL, password hidden), "now" (UTC), "entries": [...], "missed": [names],
         "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
+        "quarantined": [{"name", "reason"}] (malformed entries, disabled),
+        "quarantined_rows": {"entries", "outbox", "runs"} (see :func:`quarantine_counts`),
         "problems": [str], "ok" (bool)}``. Each entry: ``{"name", "task", "origin",
-        "status" (active | paused | disabled | ended), "next_fire_at", "last_fire_at",
+        "status" (active | paused | disabled | ended | quarantined), "next_fire_at", "last_fire_at",
         "last_state", "lag_seconds" (float | None), "overdue_seconds" (float | None),
         "missed" (bool), "failing" (retrying runs), "dead" (dead letters not requeued)}``.
 
@@ -110,7 +136,8 @@ def collect_status(
             select(
                 entries.c.name, entries.c.task, entries.c.origin, entries.c.enabled,
                 entries.c.paused, entries.c.next_fire_at, entries.c.last_fire_at,
-                entries.c.misfire_grace_seconds, last.c.state.label("last_state"),
+                entries.c.misfire_grace_seconds, entries.c.quarantine_reason,
+                last.c.state.label("last_state"),
                 last.c.dispatched_at.label("last_dispatched_at"),
             )
             .select_from(
@@ -142,12 +169,17 @@ def collect_status(
             .where(dead_letters.c.requeued_at.is_(None))
         ).scalar_one()
         backlog = outbox_backlog(conn, now)
+        quarantined_rows = quarantine_counts(conn)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
+    quarantined: list[dict[str, Any]] = []
     for r in rows:
-        status = ("disabled" if not r.enabled else "paused" if r.paused
+        status = ("quarantined" if r.quarantine_reason is not None
+                  else "disabled" if not r.enabled else "paused" if r.paused
                   else "active" if r.next_fire_at is not None else "ended")
+        if status == "quarantined":
+            quarantined.append({"name": r.name, "reason": r.quarantine_reason})
         lag = None
         if r.last_dispatched_at is not None and r.last_fire_at is not None:
             lag = round((r.last_dispatched_at - r.last_fire_at).total_seconds(), 3)
@@ -174,6 +206,14 @@ def collect_status(
             f"{', ...' if len(missed) > 10 else ''}): no beat is claiming entries. Start "
             "`celery -A APP beat` (any number may run) or check the beats' logs."
         )
+    if quarantined:
+        problems.append(
+            f"QUARANTINED: {len(quarantined)} malformed entries are disabled and do not fire "
+            f"({', '.join(q['name'] for q in quarantined[:10])}"
+            f"{', ...' if len(quarantined) > 10 else ''}): see the reason with `reliable-beat "
+            "entries show NAME`, then fix the row (`entries update`, the beat_schedule, or SQL "
+            "and `entries resume NAME`)"
+        )
     if dead_total:
         problems.append(
             f"{dead_total} dead letters wait for a person: `reliable-beat dead-letters list`"
@@ -185,6 +225,8 @@ def collect_status(
         "missed": missed,
         "outbox": backlog,
         "dead_letters": int(dead_total),
+        "quarantined": quarantined,
+        "quarantined_rows": quarantined_rows,
         "problems": problems,
         "ok": not problems,
     }

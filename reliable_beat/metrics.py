@@ -8,6 +8,9 @@ they are read from the database, not counted in one process):
 =================================================  ===========================================
 ``reliable_beat_up``                               1 when the store answered the scrape, else 0
 ``reliable_beat_entries{status}``                  entries by active / paused / disabled / ended
+                                                   / quarantined (malformed row, disabled)
+``reliable_beat_quarantined_rows{table}``          malformed rows isolated: entries quarantined,
+                                                   outbox rows / runs dead-lettered as malformed
 ``reliable_beat_entries_late``                     enabled entries overdue by more than their
                                                    misfire_grace + margin: **no beat running**
 ``reliable_beat_runs{state}``                      runs by state
@@ -138,7 +141,7 @@ class StoreCollector:
         yield up
 
         fam = GaugeMetricFamily("reliable_beat_entries", "Entries by status", labels=["status"])
-        for status in ("active", "paused", "disabled", "ended"):
+        for status in ("active", "paused", "disabled", "ended", "quarantined"):
             fam.add_metric([status], float(data["entries"].get(status, 0)))
         yield fam
         yield GaugeMetricFamily(
@@ -146,6 +149,14 @@ class StoreCollector:
             "Enabled entries overdue by more than misfire_grace + margin (no beat claiming)",
             value=float(data["late"]),
         )
+        fam = GaugeMetricFamily(
+            "reliable_beat_quarantined_rows",
+            "Malformed rows isolated: entries quarantined (disabled with a reason), outbox "
+            "rows and runs dead-lettered as malformed (not requeued)", labels=["table"],
+        )
+        for table, n in sorted(data["quarantined"].items()):
+            fam.add_metric([table], float(n))
+        yield fam
         fam = GaugeMetricFamily("reliable_beat_runs", "Runs by state", labels=["state"])
         for state, n in sorted(data["runs"].items()):
             fam.add_metric([state], float(n))
@@ -208,19 +219,20 @@ class StoreCollector:
         )
 
     def _read(self) -> dict[str, Any]:
-        from reliable_beat.cli_status import outbox_backlog
+        from reliable_beat.cli_status import outbox_backlog, quarantine_counts
 
         with self.store.engine.connect() as conn:
             now = self.store.now(conn)
             counts: dict[str, int] = {}
-            for enabled, paused, has_next, n in conn.execute(
+            quarantined = entries.c.quarantine_reason.is_not(None)
+            for enabled, paused, has_next, bad, n in conn.execute(
                 select(entries.c.enabled, entries.c.paused,
-                       entries.c.next_fire_at.is_not(None), func.count())
+                       entries.c.next_fire_at.is_not(None), quarantined, func.count())
                 .group_by(entries.c.enabled, entries.c.paused,
-                          entries.c.next_fire_at.is_not(None))
+                          entries.c.next_fire_at.is_not(None), quarantined)
             ):
-                status = ("disabled" if not enabled else "paused" if paused
-                          else "active" if has_next else "ended")
+                status = ("quarantined" if bad else "disabled" if not enabled
+                          else "paused" if paused else "active" if has_next else "ended")
                 counts[status] = counts.get(status, 0) + int(n)
             margin = timedelta(seconds=self.margin_seconds)
             late = sum(
@@ -248,6 +260,7 @@ class StoreCollector:
                 )
             }
             backlog = outbox_backlog(conn, now)
+            quarantined_rows = quarantine_counts(conn)
             since = now - timedelta(seconds=self.window_seconds)
             lateness = [
                 max(0.0, (d - f).total_seconds())
@@ -289,7 +302,7 @@ class StoreCollector:
             ]
         return {"entries": counts, "late": late, "runs": by_state, "dead": dead,
                 "outbox": backlog, "lateness": lateness, "attempts": outcomes, "slots": slots,
-                "batches": batches, "durations": durations}
+                "batches": batches, "durations": durations, "quarantined": quarantined_rows}
 
 
 def make_registry(store: Store, **kwargs: Any) -> Any:

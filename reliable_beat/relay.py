@@ -83,6 +83,7 @@ from reliable_beat.settings import Settings
 
 __all__ = [
     "EXPIRED_ERROR",
+    "MAX_UNCHARGED_RETURNS",
     "Relay",
     "claim_outbox_batch",
     "dead_letter_malformed",
@@ -98,6 +99,10 @@ log = logging.getLogger(__name__)
 #: ``last_error`` of a trigger row not published because its ``expires_at`` had passed.
 EXPIRED_ERROR = "expired before publish"
 _MAX_ERROR_CHARS = 2000
+#: How many times one row may be handed back uncharged ("destination unavailable") while its
+#: destination delivers other rows meanwhile; after that it is charged an attempt like any
+#: failure, so a row that only *looks* like an outage to the handler still dead-letters.
+MAX_UNCHARGED_RETURNS = 5
 Handler = Callable[[OutboxMessage], None]
 
 
@@ -462,6 +467,8 @@ class Relay:
         self._last_purge = float("-inf")
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
+        self._uncharged: dict[int, tuple[int, float]] = {}  # row id -> (returns, first at)
+        self._delivered_at: dict[str, float] = {}  # destination -> last success (monotonic)
         self._listener: _Listener | None = None
 
     # -- one cycle -----------------------------------------------------------------------
@@ -519,6 +526,8 @@ class Relay:
             for m, err in zip(group, results, strict=True):
                 if err is None:
                     outcome.sent.append(m.id)
+                    self._delivered_at[destination] = time.monotonic()
+                    self._uncharged.pop(m.id, None)
                 elif isinstance(err, MessageExpiredError):
                     outcome.expired.append(m.id)
                 elif isinstance(err, DestinationUnavailableError):
@@ -565,7 +574,10 @@ class Relay:
         if outcome.failed:
             with self.store.begin() as conn:
                 self._record_failures(conn, outcome.failed, db_now(conn))
-        for destination, items in outcome.unavailable.items():
+        for destination, items in list(outcome.unavailable.items()):
+            items = self._charge_repeat_returns(destination, items)
+            if not items:
+                continue
             streak = self._down_streak.get(destination, 0)
             self._down_streak[destination] = streak + 1
             delay = max(
@@ -589,6 +601,39 @@ class Relay:
                             attempts=outbox.c.attempts - 1,
                             last_error=_describe(items[0][1]))
                 )
+
+    def _charge_repeat_returns(
+        self, destination: str, items: list[tuple[OutboxMessage, BaseException]]
+    ) -> list[tuple[OutboxMessage, BaseException]]:
+        """The rows to hand back uncharged; the others are charged as ordinary failures.
+
+        A row handed back :data:`MAX_UNCHARGED_RETURNS` times while the destination
+        delivered other rows since its first return is not an outage: it is charged (and so
+        dead-lettered after ``outbox_max_attempts``). A real outage delivers nothing, so it
+        never charges anyone (at-least-once, never dead-letter on an outage).
+        """
+        now = time.monotonic()
+        if len(self._uncharged) > 100_000:  # bounded memory
+            self._uncharged.clear()
+        keep: list[tuple[OutboxMessage, BaseException]] = []
+        charge: list[tuple[OutboxMessage, BaseException]] = []
+        delivered = self._delivered_at.get(destination, float("-inf"))
+        for m, err in items:
+            count, first = self._uncharged.get(m.id, (0, now))
+            count += 1
+            if count >= MAX_UNCHARGED_RETURNS and delivered > first:
+                log.error("outbox row %d (%s) to %r handed back %d times as 'unavailable' "
+                          "while the destination delivered other rows: charging it an "
+                          "attempt (%s)", m.id, m.message_id, destination, count, _describe(err))
+                self._uncharged.pop(m.id, None)
+                charge.append((m, err))
+            else:
+                self._uncharged[m.id] = (count, first)
+                keep.append((m, err))
+        if charge:
+            with self.store.begin() as conn:
+                self._record_failures(conn, charge, db_now(conn))
+        return keep
 
     def _record_failures(
         self, conn: Connection, failed: list[tuple[OutboxMessage, BaseException]], now: datetime

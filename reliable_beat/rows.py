@@ -92,7 +92,7 @@ def unreadable_instant(column: Any) -> Any:
     return and_(
         column.is_not(None),
         or_(func.datetime(column).is_(None),
-            not_(type_coerce(column, Text()).op("GLOB")(_INSTANT_GLOB))),
+            not_(type_coerce(column, Text()).op("GLOB", is_comparison=True)(_INSTANT_GLOB))),
     )
 
 

@@ -611,13 +611,9 @@ class Beat:
 
     def _release_buffered(self, conn: Connection, now: datetime, result: TickResult) -> None:
         """Turn a ``buffered`` run into a trigger once its entry has no active run."""
-        buffered = conn.execute(
-            select(runs.c.id, runs.c.idempotency_key, runs.c.entry_name, runs.c.fire_at,
-                   runs.c.task, runs.c.args, runs.c.kwargs, runs.c.trigger)
-            .where(runs.c.state == "buffered")
-            .order_by(runs.c.id)
-            .limit(self.batch_size)
-        ).all()
+        # Rows read value by value and checked (reliable_beat.rows): a malformed buffered run
+        # is dead-lettered, an entry with malformed options quarantined; the others go on.
+        buffered = rows_mod.read_buffered_runs(conn, now, limit=self.batch_size)
         if not buffered:
             return
         names = {b.entry_name for b in buffered}
@@ -628,13 +624,9 @@ class Beat:
                 )
             ).scalars()
         )
-        options = dict(
-            conn.execute(
-                select(entries.c.name, entries.c.options).where(entries.c.name.in_(names))
-            ).all()
-        )
+        options = rows_mod.read_entry_options(conn, names, now)
         for b in buffered:
-            if b.entry_name in still_active:
+            if b.entry_name in still_active or options.get(b.entry_name, {}) is None:
                 continue
             done = conn.execute(
                 update(runs)
@@ -645,7 +637,8 @@ class Beat:
                 continue
             still_active.add(b.entry_name)  # one released run per entry at a time
             payload = build_trigger_payload(
-                task=b.task, args=b.args, kwargs=b.kwargs, options=options.get(b.entry_name, {}),
+                task=b.task, args=b.args, kwargs=b.kwargs,
+                options=options.get(b.entry_name) or {},
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
             )
             oid = conn.execute(

@@ -32,14 +32,15 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Table, and_, func, not_, or_, type_coerce, update
+from sqlalchemy import Table, and_, func, not_, or_, select, type_coerce, update
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.types import NullType, Text
 
 from reliable_beat import schedules as sch
-from reliable_beat.db.tables import entries
+from reliable_beat.db.tables import dead_letters, entries, runs
 
 __all__ = [
     "MALFORMED",
@@ -48,6 +49,7 @@ __all__ = [
     "check_outbox",
     "check_run_call",
     "column_of",
+    "dead_letter_run",
     "decode_row",
     "decode_value",
     "describe_problems",
@@ -55,7 +57,9 @@ __all__ = [
     "quarantine_entry",
     "raw_columns",
     "raw_repr",
+    "read_buffered_runs",
     "read_entry",
+    "read_entry_options",
     "unreadable_instant",
 ]
 
@@ -430,3 +434,101 @@ def column_of(problem: str) -> str:
     """The column a problem string names (its leading identifier)."""
     match = re.match(r"[A-Za-z_]+", problem)
     return match.group() if match else ""
+
+
+def read_buffered_runs(conn: Connection, now: datetime, *, limit: int) -> list[Any]:
+    """The oldest ``buffered`` runs (at most ``limit``), each read and checked on its own.
+
+    A run that cannot be read or has the wrong shape (task, args, kwargs, key, entry, slot)
+    is dead-lettered with reason ``malformed`` (:func:`dead_letter_run`) instead of failing
+    the beat's tick. Joins the caller's transaction.
+
+    Returns:
+        The usable runs as objects with attribute access (``id``, ``idempotency_key``,
+        ``entry_name``, ``fire_at``, ``task``, ``args``, ``kwargs``, ``trigger``).
+    """
+    rows = conn.execute(
+        select(*raw_columns(runs, conn.dialect))
+        .where(runs.c.state == "buffered")
+        .order_by(runs.c.id)
+        .limit(limit)
+    ).all()
+    usable: list[Any] = []
+    for raw in rows:
+        values, problems = decode_row(runs, dict(raw._mapping), conn.dialect)
+        unreadable = {column_of(p) for p in problems}
+        checks = check_run_call(values.get("task"), values.get("args"), values.get("kwargs"))
+        for col in ("idempotency_key", "entry_name", "trigger"):
+            if not isinstance(values.get(col), str) or not values.get(col):
+                checks.append(f"{col}={raw_repr(values.get(col))}: expected a non-empty string")
+        if not _is_instant(values.get("fire_at")):
+            checks.append(f"fire_at={raw_repr(values.get('fire_at'))}: expected a UTC instant")
+        problems += [p for p in checks if column_of(p) not in unreadable]
+        if problems:
+            dead_letter_run(conn, values, problems, now)
+            continue
+        usable.append(SimpleNamespace(**values))
+    return usable
+
+
+def dead_letter_run(
+    conn: Connection, values: Mapping[str, Any], problems: Sequence[str], now: datetime
+) -> None:
+    """Dead-letter one malformed run (reason ``malformed``); joins the caller's transaction.
+
+    The run goes ``dead`` with ``reason = "malformed: <problems>"``; the dead letter keeps
+    every original column value (undecodable ones as text). Logged at ERROR.
+    """
+    error = describe_problems(problems)
+    key = values.get("idempotency_key")
+    entry = values.get("entry_name")
+    task = values.get("task")
+    conn.execute(
+        update(runs).where(runs.c.id == values["id"])
+        .values(state="dead", reason=f"malformed: {error}"[:MAX_REASON_CHARS],
+                updated_at=now, finished_at=now)
+    )
+    conn.execute(
+        dead_letters.insert().values(
+            kind="run", run_id=values["id"],
+            key=(key if isinstance(key, str) and key else f"run:{values['id']}")[:400],
+            entry_name=entry[:200] if isinstance(entry, str) else None,
+            task=task[:255] if isinstance(task, str) else None,
+            payload=jsonable_raw(values), reason=MALFORMED, error=error, attempts=0,
+            created_at=now,
+        )
+    )
+    log.error("run %s (%s) dead-lettered: malformed row: %s. Fix: repair the row from the "
+              "dead letter's payload and requeue it (`reliable-beat dead-letters show/requeue`)",
+              values["id"], raw_repr(key), error)
+
+
+def read_entry_options(
+    conn: Connection, names: Iterable[str], now: datetime
+) -> dict[str, dict[str, Any] | None]:
+    """``options`` of the named entries, each read and checked on its own.
+
+    Returns:
+        name -> options, or None for an entry whose options are malformed (that entry is
+        quarantined, :func:`quarantine_entry`). A name with no entry is absent.
+    """
+    out: dict[str, dict[str, Any] | None] = {}
+    rows = conn.execute(
+        select(*raw_columns(entries, conn.dialect)).where(entries.c.name.in_(list(names)))
+    ).all()
+    for raw in rows:
+        values, problems = decode_row(entries, dict(raw._mapping), conn.dialect)
+        problems = [p for p in problems if column_of(p) == "options"]
+        if not problems:
+            problems = check_options(values.get("options"))
+        name = values.get("name")
+        if not isinstance(name, str):
+            continue
+        if problems:
+            if not values.get("quarantine_reason"):  # once, not on every tick
+                quarantine_entry(conn, values, problems, now,
+                                 unreadable={column_of(p) for p in problems})
+            out[name] = None
+        else:
+            out[name] = dict(values["options"])
+    return out

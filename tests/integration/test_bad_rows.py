@@ -229,3 +229,32 @@ def test_row_handed_back_uncharged_is_capped(sqlite_store: Store) -> None:
     assert state.scalar_one() == "dead"
     assert [(d.key, d.reason) for d in dead] == [("poison", "exhausted")]
     assert len(handler.sent) == 4 * MAX_UNCHARGED_RETURNS
+
+
+def test_malformed_buffered_run_is_dead_lettered_and_the_others_released(store: Store) -> None:
+    now = _now(store)
+    for name in ("a", "b"):
+        _seed(store, name, now + timedelta(hours=1))  # not due: only the release runs
+    with store.begin() as conn:
+        for name, args in (("a", [1]), ("b", {"not": "a list"})):
+            conn.execute(runs.insert().values(
+                idempotency_key=f"{name}@slot", entry_name=name, fire_at=now, trigger="schedule",
+                task="beatapp.tick", args=args, kwargs={}, state="buffered", created_at=now,
+                updated_at=now))
+        if store.dialect == "sqlite":
+            conn.execute(runs.insert().values(
+                idempotency_key="c@slot", entry_name="c", fire_at=now, trigger="schedule",
+                task="beatapp.tick", args=[], kwargs={}, state="buffered", created_at=now,
+                updated_at=now))
+            conn.execute(text("UPDATE reliable_beat_runs SET kwargs = '{x' "
+                              "WHERE idempotency_key = 'c@slot'"))
+    result = Beat(store, owner="t:1").tick()
+    assert [t.key for t in result.triggers] == ["a@slot"]
+    with store.engine.connect() as conn:
+        states = dict(conn.execute(select(runs.c.idempotency_key, runs.c.state)).all())
+        dead = sorted(conn.execute(
+            select(dead_letters.c.key).where(dead_letters.c.reason == "malformed")).scalars())
+    bad = ["b@slot"] + (["c@slot"] if store.dialect == "sqlite" else [])
+    assert dead == bad
+    assert states == {"a@slot": "scheduled", **{k: "dead" for k in bad}}
+    assert collect_status(store)["quarantined_rows"]["runs"] == len(bad)

@@ -41,7 +41,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy
-from reliable_beat.rows import decode_value
+from reliable_beat.rows import decode_row, decode_value, raw_columns
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -525,8 +525,19 @@ def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: boo
     return outcome
 
 
+class _Row(SimpleNamespace):
+    """A decoded entries row with ``._mapping`` like a SQLAlchemy row."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(**values)
+        self._mapping = values
+
+
 def _require(conn: Connection, name: str) -> Any:
-    row = conn.execute(select(entries).where(entries.c.name == name)).first()
+    raw = conn.execute(
+        select(*raw_columns(entries, conn.dialect)).where(entries.c.name == name)
+    ).first()
+    row = None if raw is None else _Row(decode_row(entries, dict(raw._mapping), conn.dialect)[0])
     if row is None:
         raise EntryNotFoundError(
             f"no entry named {name!r} (see `reliable-beat entries list`)"
@@ -541,7 +552,7 @@ def get_entry(store: Store, name: str) -> dict[str, Any]:
         EntryNotFoundError: no such entry.
     """
     with store.engine.connect() as conn:
-        return dict(_require(conn, name)._mapping)
+        return dict(_require(conn, name)._mapping)  # a malformed value is kept raw
 
 
 def list_entries(store: Store, *, include_disabled: bool = False) -> list[dict[str, Any]]:
@@ -556,7 +567,14 @@ def list_entries(store: Store, *, include_disabled: bool = False) -> list[dict[s
     if not include_disabled:
         stmt = stmt.where(entries.c.enabled.is_(True))
     with store.engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(stmt)]
+        # value by value: a malformed row (see reliable_beat.rows) is listed, its
+        # undecodable values as their raw text, instead of failing the whole list
+        rows = conn.execute(stmt.with_only_columns(
+            *raw_columns(entries, conn.dialect), last_state.label("last_state")
+        )).all()
+        return [
+            dict(decode_row(entries, dict(r._mapping), conn.dialect)[0]) for r in rows
+        ]
 
 
 def pause(store: Store, name: str) -> None:

@@ -24,6 +24,7 @@ from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, runs
 from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.rows import decode_labelled, raw_labelled
 
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
@@ -122,7 +123,8 @@ def collect_status(
         "quarantined": [{"name", "reason"}] (malformed entries, disabled),
         "quarantined_rows": {"entries", "outbox", "runs"} (see :func:`quarantine_counts`),
         "problems": [str], "ok" (bool)}``. Each entry: ``{"name", "task", "origin",
-        "status" (active | paused | disabled | ended | quarantined), "next_fire_at", "last_fire_at",
+        "status" (active | paused | disabled | ended | quarantined | malformed: a value
+        that cannot be read, before a beat quarantines it), "next_fire_at", "last_fire_at",
         "last_state", "lag_seconds" (float | None), "overdue_seconds" (float | None),
         "missed" (bool), "failing" (retrying runs), "dead" (dead letters not requeued)}``.
 
@@ -132,14 +134,16 @@ def collect_status(
     with store.engine.connect() as conn:
         now = store.now(conn)
         last = runs.alias("last_run")
-        rows = conn.execute(
-            select(
-                entries.c.name, entries.c.task, entries.c.origin, entries.c.enabled,
-                entries.c.paused, entries.c.next_fire_at, entries.c.last_fire_at,
-                entries.c.misfire_grace_seconds, entries.c.quarantine_reason,
-                last.c.state.label("last_state"),
-                last.c.dispatched_at.label("last_dispatched_at"),
-            )
+        columns = {
+            "name": entries.c.name, "task": entries.c.task, "origin": entries.c.origin,
+            "enabled": entries.c.enabled, "paused": entries.c.paused,
+            "next_fire_at": entries.c.next_fire_at, "last_fire_at": entries.c.last_fire_at,
+            "misfire_grace_seconds": entries.c.misfire_grace_seconds,
+            "quarantine_reason": entries.c.quarantine_reason,
+            "last_state": last.c.state, "last_dispatched_at": last.c.dispatched_at,
+        }
+        raw_rows = conn.execute(
+            select(*raw_labelled(columns, conn.dialect))
             .select_from(
                 entries.outerjoin(
                     last,
@@ -149,6 +153,9 @@ def collect_status(
             )
             .order_by(entries.c.name)
         ).all()
+        # value by value (reliable_beat.rows): a malformed row is shown as such, never fails
+        # the whole status
+        rows = [decode_labelled(dict(r._mapping), columns, conn.dialect) for r in raw_rows]
         failing: dict[str, int] = dict(
             conn.execute(
                 select(runs.c.entry_name, func.count())
@@ -176,6 +183,7 @@ def collect_status(
     quarantined: list[dict[str, Any]] = []
     for r in rows:
         status = ("quarantined" if r.quarantine_reason is not None
+                  else "malformed" if r.unreadable
                   else "disabled" if not r.enabled else "paused" if r.paused
                   else "active" if r.next_fire_at is not None else "ended")
         if status == "quarantined":
@@ -187,7 +195,9 @@ def collect_status(
         is_missed = False
         if status == "active" and r.next_fire_at is not None and r.next_fire_at <= now:
             overdue = round((now - r.next_fire_at).total_seconds(), 3)
-            limit = timedelta(seconds=r.misfire_grace_seconds + margin_seconds)
+            grace = r.misfire_grace_seconds
+            grace = grace if isinstance(grace, (int, float)) and grace >= 0 else 0.0
+            limit = timedelta(seconds=grace + margin_seconds)
             is_missed = now - r.next_fire_at > limit
         if is_missed:
             missed.append(r.name)

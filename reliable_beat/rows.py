@@ -50,12 +50,14 @@ __all__ = [
     "check_run_call",
     "column_of",
     "dead_letter_run",
+    "decode_labelled",
     "decode_row",
     "decode_value",
     "describe_problems",
     "jsonable_raw",
     "quarantine_entry",
     "raw_columns",
+    "raw_labelled",
     "raw_repr",
     "read_buffered_runs",
     "read_entry",
@@ -101,6 +103,38 @@ def unreadable_instant(column: Any) -> Any:
 
 
 _INSTANT_GLOB = "[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]*"
+
+
+def raw_labelled(columns: Mapping[str, Any], dialect: Dialect) -> list[Any]:
+    """``columns`` (label -> column) to select without decoding on SQLite, for
+    :func:`decode_labelled`; typed, labelled columns elsewhere."""
+    if dialect.name != "sqlite":
+        return [c.label(label) for label, c in columns.items()]
+    return [type_coerce(c, NullType()).label(label) for label, c in columns.items()]
+
+
+def decode_labelled(
+    row: Mapping[str, Any], columns: Mapping[str, Any], dialect: Dialect
+) -> SimpleNamespace:
+    """Decode a row read with :func:`raw_labelled`, value by value.
+
+    Returns:
+        The values by label as attributes (an undecodable value reads as None), plus
+        ``unreadable``: the set of labels that could not be decoded.
+    """
+    values: dict[str, Any] = {}
+    unreadable: set[str] = set()
+    for label, c in columns.items():
+        raw = row[label]
+        if dialect.name != "sqlite":
+            values[label] = raw
+            continue
+        try:
+            values[label] = decode_value(c, raw, dialect)
+        except Exception:
+            values[label] = None
+            unreadable.add(label)
+    return SimpleNamespace(unreadable=unreadable, **values)
 
 
 def decode_row(

@@ -445,9 +445,7 @@ def quarantine_entry(
     )
 
 
-_NULLABLE_INSTANTS = frozenset(
-    {"next_fire_at", "last_fire_at", "start_at", "end_at", "paused_at", "quarantined_at"}
-)
+_NULLABLE_INSTANTS = frozenset({"next_fire_at", "last_fire_at", "start_at", "end_at", "paused_at"})
 
 
 def read_entry(

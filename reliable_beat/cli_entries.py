@@ -175,7 +175,13 @@ def build_definition(
         raw["task"] = existing["task"]
         raw["args"] = existing["args"]
         raw["kwargs"] = existing["kwargs"]
-        options = dict(existing["options"] or {})
+        # A malformed stored value (a quarantined row, see reliable_beat.rows) is not
+        # carried over: args / kwargs must then be given again; options start empty.
+        for what, kind in (("args", list), ("kwargs", dict)):
+            if not isinstance(existing[what], kind) and params.get(what) is None:
+                problems.append(f"entry {name!r}: the stored {what} {existing[what]!r:.80} "
+                                f"are malformed: give --{what}")
+        options = dict(existing["options"]) if isinstance(existing["options"], dict) else {}
         rb = {
             "misfire_policy": existing["misfire_policy"],
             "misfire_grace": existing["misfire_grace_seconds"],

@@ -41,7 +41,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy
-from reliable_beat.rows import decode_row, decode_value, raw_columns
+from reliable_beat.rows import check_options, decode_row, decode_value, raw_columns
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -250,6 +250,9 @@ def definition_from_celery(
         elif not isinstance(exp, (int, float)) or isinstance(exp, bool) or exp <= 0:
             bad(f"options['expires']={exp!r}: give seconds (> 0) counted from the slot")
 
+    # the shapes a trigger needs (the beat checks stored rows the same way, rows.py)
+    for problem in check_options({k: v for k, v in options.items() if k != "expires"}):
+        bad(problem)
     for what, value in (("args", args), ("kwargs", kwargs), ("options", options)):
         try:
             json.dumps(value)

@@ -258,3 +258,29 @@ def test_malformed_buffered_run_is_dead_lettered_and_the_others_released(store: 
     assert dead == bad
     assert states == {"a@slot": "scheduled", **{k: "dead" for k in bad}}
     assert collect_status(store)["quarantined_rows"]["runs"] == len(bad)
+
+
+@pytest.mark.parametrize("options", [{"headers": "x-a: 1"}, {"priority": "high"},
+                                     {"queue": 5}])
+def test_config_refuses_the_shapes_the_beat_would_quarantine(options: dict[str, Any]) -> None:
+    from reliable_beat.entries import definition_from_celery
+    from reliable_beat.errors import EntryValidationError
+
+    with pytest.raises(EntryValidationError) as info:
+        definition_from_celery("e", {"task": "t", "schedule": 60, "options": options},
+                               default_timezone="UTC", settings=Settings(),
+                               now=datetime(2030, 1, 1, tzinfo=UTC))
+    assert "entry 'e'" in str(info.value) and "options." in str(info.value)
+
+
+def test_manual_trigger_of_a_malformed_entry_is_refused(store: Store) -> None:
+    from reliable_beat.errors import ConfigurationError
+    from reliable_beat.runtime import trigger
+
+    _seed(store, "e", _now(store) + timedelta(hours=1))
+    with store.begin() as conn:
+        conn.execute(update(entries).values(options={"headers": [1]}))
+    with pytest.raises(ConfigurationError, match="malformed"):
+        trigger(store, "e")
+    with store.engine.connect() as conn:
+        assert conn.execute(select(runs.c.id)).first() is None

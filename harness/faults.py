@@ -589,10 +589,10 @@ class Harness:
                 for key, table, col in ((f"{tag}:outbox", outbox, outbox.c.message_id),
                                         (f"{tag}:run", runs, runs.c.idempotency_key)):
                     state = conn.execute(select(table.c.state).where(col == key)).scalar_one()
-                    letter = conn.execute(select(dead_letters.c.reason).where(
-                        dead_letters.c.key == key)).scalar_one_or_none()
-                    if state != "dead" or letter != "malformed":
-                        problems.append(f"{key}: state {state}, dead letter {letter}")
+                    letters = conn.execute(select(dead_letters.c.reason).where(
+                        dead_letters.c.key == key)).scalars().all()
+                    if state != "dead" or letters != ["malformed"]:
+                        problems.append(f"{key}: state {state}, dead letters {letters}")
         return problems
 
     def _restart_later(self, name: str, delay: float) -> None:

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cache
@@ -366,7 +366,7 @@ class Beat:
     claim_ahead: timedelta = timedelta(0)
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
 
-    def _schedule(self, name: str, spec: dict[str, Any]) -> sch.Schedule:
+    def _schedule(self, name: str, spec: Mapping[str, Any]) -> sch.Schedule:
         cached = self._schedules.get(name)
         if cached is not None and cached[0] == spec:
             return cached[1]
@@ -438,7 +438,9 @@ class Beat:
         transaction, so one bad row never stops the tick (:mod:`reliable_beat.rows`)."""
         usable: list[Any] = []
         for raw in claimed:
-            values, problems, unreadable = rows_mod.read_entry(raw._mapping, conn.dialect)
+            values, problems, unreadable = rows_mod.read_entry(
+                raw._mapping, conn.dialect, self._schedule
+            )
             if problems:
                 rows_mod.quarantine_entry(conn, values, problems, now, unreadable=unreadable)
                 result.quarantined += 1

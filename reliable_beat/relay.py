@@ -205,10 +205,12 @@ def dead_letter_malformed(
     row_id = values["id"]
     message_id = values.get("message_id")
     destination = values.get("destination")
-    conn.execute(
-        update(outbox).where(outbox.c.id == row_id)
+    changed = conn.execute(
+        update(outbox).where(outbox.c.id == row_id, outbox.c.state == "pending")
         .values(state="dead", claimed_by=None, last_error=error)
-    )
+    ).rowcount
+    if not changed:
+        return
     log.error("outbox row %s (%s) to %s dead-lettered: malformed row: %s. Fix: repair the row "
               "from the dead letter's payload and add it again, or requeue it "
               "(`reliable-beat dead-letters show/requeue`)", row_id,

@@ -284,3 +284,27 @@ def test_manual_trigger_of_a_malformed_entry_is_refused(store: Store) -> None:
         trigger(store, "e")
     with store.engine.connect() as conn:
         assert conn.execute(select(runs.c.id)).first() is None
+
+
+def test_a_malformed_run_read_by_two_beats_is_dead_lettered_once(store: Store) -> None:
+    """The release reads buffered runs without a lock: two beats may both find the same
+    malformed run; only the one that moves it writes the dead letter (found by the fault
+    run's poison_row kind)."""
+    from reliable_beat.rows import read_buffered_runs
+
+    now = _now(store)
+    with store.begin() as conn:
+        conn.execute(runs.insert().values(
+            idempotency_key="x@slot", entry_name="x", fire_at=now, trigger="schedule",
+            task="t", args="not a list", kwargs={}, state="buffered", created_at=now,
+            updated_at=now))
+    with store.engine.connect() as peek:  # the second beat reads the row ...
+        values = dict(peek.execute(select(runs)).one()._mapping)
+    with store.begin() as first:  # ... the first one settles it ...
+        assert read_buffered_runs(first, now, limit=10) == []
+    with store.begin() as second:  # ... then the second settles what it read
+        from reliable_beat.rows import dead_letter_run
+
+        dead_letter_run(second, values, ["args='not a list': expected a JSON array"], now)
+    with store.engine.connect() as conn:
+        assert conn.execute(select(dead_letters.c.key)).scalars().all() == ["x@slot"]

@@ -77,6 +77,8 @@ log = logging.getLogger("reliable_beat.beat")
 #: Run states that mean "not finished yet" for the overlap policy.
 ACTIVE_RUN_STATES = ("scheduled", "dispatched", "running", "retrying")
 TRIGGER_DESTINATION = "celery"
+#: SQLite: how often a claim also looks for rows whose instant is not readable (rows.py).
+UNREADABLE_SCAN_SECONDS = 60.0
 
 
 def due_clause() -> Any:
@@ -365,6 +367,14 @@ class Beat:
     sweep_delay: timedelta = timedelta(seconds=10)
     claim_ahead: timedelta = timedelta(0)
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
+    _last_scan: float = field(default=float("-inf"), repr=False)
+
+    def _scan_due(self) -> bool:
+        """True at most once per :data:`UNREADABLE_SCAN_SECONDS` (and on the first tick)."""
+        if time.monotonic() - self._last_scan < UNREADABLE_SCAN_SECONDS:
+            return False
+        self._last_scan = time.monotonic()
+        return True
 
     def _schedule(self, name: str, spec: Mapping[str, Any]) -> sch.Schedule:
         cached = self._schedules.get(name)
@@ -400,7 +410,10 @@ class Beat:
                      or_(entries.c.next_fire_at <= now, entries.c.overlap_policy == "allow"))
                 if ahead else entries.c.next_fire_at <= now
             )
-            if conn.dialect.name == "sqlite":  # a garbage instant: claim it to quarantine it
+            if conn.dialect.name == "sqlite" and self._scan_due():
+                # a garbage instant (SQLite holds any text) is never due: once a minute the
+                # claim also takes such rows, to quarantine them (off the hot path: the test
+                # costs a function call per enabled entry)
                 claimable = or_(claimable, rows_mod.unreadable_instant(entries.c.next_fire_at))
             stmt = (
                 select(*rows_mod.raw_columns(entries, conn.dialect))

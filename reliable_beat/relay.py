@@ -118,6 +118,7 @@ def claim_outbox_batch(
     lease: timedelta,
     limit: int,
     destinations: Iterable[str] | None = None,
+    unreadable: bool = False,
 ) -> list[OutboxMessage]:
     """Claim up to ``limit`` due pending rows, lowest id first; run inside a short transaction.
 
@@ -136,6 +137,13 @@ def claim_outbox_batch(
         limit: most rows to claim.
         destinations: only claim rows for these destinations (the relay's handlers); None:
             any destination.
+        unreadable: SQLite: also claim pending rows whose ``available_at`` is not a
+            readable instant (never due otherwise), to dead-letter them as malformed. The
+            relay asks for it once a minute (it costs a function call per pending row).
+
+    A claimed row that cannot be read or has the wrong shape (:func:`reliable_beat.rows.
+    check_outbox`) is dead-lettered at once (:func:`dead_letter_malformed`) and not
+    returned: one malformed row never fails the claim of the others.
 
     Returns:
         The claimed rows as :class:`OutboxMessage`, sorted by id.
@@ -153,7 +161,7 @@ def claim_outbox_batch(
         .exists()
     )
     due = o.c.available_at <= now
-    if conn.dialect.name == "sqlite":  # a garbage instant: claim it to dead-letter it
+    if unreadable and conn.dialect.name == "sqlite":  # a garbage instant is never due
         due = or_(due, rows_mod.unreadable_instant(o.c.available_at))
     sel = (
         select(o.c.id)
@@ -177,9 +185,9 @@ def claim_outbox_batch(
     claimed: list[OutboxMessage] = []
     for raw in conn.execute(stmt).all():
         values, problems = rows_mod.decode_row(o, dict(raw._mapping), conn.dialect)
-        unreadable = {rows_mod.column_of(p) for p in problems}
+        undecoded = {rows_mod.column_of(p) for p in problems}
         problems += [p for p in rows_mod.check_outbox(values)
-                     if rows_mod.column_of(p) not in unreadable]
+                     if rows_mod.column_of(p) not in undecoded]
         if not problems:
             try:
                 claimed.append(OutboxMessage.from_row(values))
@@ -469,6 +477,7 @@ class Relay:
         self._last_purge = float("-inf")
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
+        self._last_scan = float("-inf")  # last claim that also took unreadable rows
         self._uncharged: dict[int, tuple[int, float]] = {}  # row id -> (returns, first at)
         self._delivered_at: dict[str, float] = {}  # destination -> last success (monotonic)
         self._listener: _Listener | None = None
@@ -477,6 +486,9 @@ class Relay:
 
     def claim(self) -> list[OutboxMessage]:
         """Claim one batch in its own short transaction (see :func:`claim_outbox_batch`)."""
+        scan = time.monotonic() - self._last_scan >= 60.0
+        if scan:
+            self._last_scan = time.monotonic()
         with self.store.begin() as conn:
             now = db_now(conn)
             return claim_outbox_batch(
@@ -487,6 +499,7 @@ class Relay:
                 lease=self.claim_lease,
                 limit=self.batch_size,
                 destinations=self.handlers.keys(),
+                unreadable=scan,
             )
 
     def run_once(self) -> int:

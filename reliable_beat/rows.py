@@ -69,6 +69,8 @@ log = logging.getLogger("reliable_beat.rows")
 
 #: ``reliable_beat_dead_letters.reason`` of a row dead-lettered because it is malformed.
 MALFORMED = "malformed"
+#: Largest duration (seconds, about 31 years) a row may hold; beyond it ``timedelta`` overflows.
+MAX_SECONDS = 1e9
 #: Longest quarantine reason / dead-letter error stored.
 MAX_REASON_CHARS = 2000
 _MISFIRE = frozenset({"catch_up", "fire_once", "skip"})
@@ -223,7 +225,7 @@ def check_options(options: Any, where: str = "options") -> list[str]:
                 "(publish options such as queue, expires, headers)"]
     problems: list[str] = []
     expires = options.get("expires")
-    if expires is not None and not (_is_number(expires) and expires > 0):
+    if expires is not None and not (_is_number(expires) and 0 < expires <= MAX_SECONDS):
         problems.append(f"{where}.expires={raw_repr(expires)}: expected seconds (a number > 0) "
                         "or null")
     headers = options.get("headers")
@@ -301,15 +303,16 @@ def check_entry(
         problems.append(f"overlap_policy={raw_repr(row.get('overlap_policy'))}: expected one "
                         "of allow, skip, buffer_one")
     grace: Any = row.get("misfire_grace_seconds")
-    if not (_is_number(grace) and grace >= 0):
-        problems.append(f"misfire_grace_seconds={raw_repr(grace)}: expected a number >= 0")
+    if not (_is_number(grace) and 0 <= grace <= MAX_SECONDS):
+        problems.append(f"misfire_grace_seconds={raw_repr(grace)}: expected a number of "
+                        f"seconds 0..{MAX_SECONDS:.0e}")
     limit: Any = row.get("catch_up_limit")
     if not (_is_int(limit) and limit >= 0):
         problems.append(f"catch_up_limit={raw_repr(limit)}: expected an integer >= 0")
     window = row.get("catch_up_window_seconds")
-    if window is not None and not (_is_number(window) and window >= 0):
-        problems.append(f"catch_up_window_seconds={raw_repr(window)}: expected a number "
-                        ">= 0 or null")
+    if window is not None and not (_is_number(window) and 0 <= window <= MAX_SECONDS):
+        problems.append(f"catch_up_window_seconds={raw_repr(window)}: expected a number of "
+                        f"seconds 0..{MAX_SECONDS:.0e} or null")
     if not _is_instant(row.get("next_fire_at")):
         problems.append(f"next_fire_at={raw_repr(row.get('next_fire_at'))}: expected a UTC "
                         "instant")

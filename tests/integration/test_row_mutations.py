@@ -75,14 +75,14 @@ def _seed(store: Store) -> dict[str, int]:
         now = store.now(conn)
         ids: dict[str, int] = {}
         for name in (*GOOD_ENTRIES, "target", "buf"):
-            d = EntryDefinition(
+            due = now + timedelta(hours=1) if name == "buf" else now - timedelta(seconds=1)
+            d = EntryDefinition(  # next_fire_at on the grid: due 1 s ago
                 name=name, task="beatapp.tick", args=[name], kwargs={"k": 1},
                 options={"queue": "celery", "expires": 30, "headers": {"h": 1}},
-                schedule=sch.IntervalSchedule(timedelta(seconds=60), now - timedelta(seconds=30)),
+                schedule=sch.IntervalSchedule(timedelta(seconds=60), due - timedelta(seconds=60)),
                 overlap_policy="buffer_one" if name == "buf" else "allow",
             )
             values = d.row_values()
-            due = now + timedelta(hours=1) if name == "buf" else now - timedelta(seconds=1)
             values.update(next_fire_at=due, created_at=now, updated_at=now, enabled=True,
                           paused=False)
             new_id = conn.execute(entries.insert().values(**values)).inserted_primary_key[0]
@@ -118,7 +118,8 @@ def _check(store: Store, ids: dict[str, int], table: str, column: str) -> None:
     with store.engine.connect() as conn:
         now = store.now(conn)
         fired = set(conn.execute(
-            select(runs.c.entry_name).where(runs.c.trigger == "schedule")).scalars())
+            select(runs.c.entry_name).where(runs.c.trigger.in_(("schedule", "catch_up")))
+        ).scalars())
         sent = set(conn.execute(
             select(outbox.c.message_id).where(outbox.c.state == "sent")).scalars())
         dead_ids = {

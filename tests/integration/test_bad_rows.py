@@ -128,6 +128,11 @@ def test_malformed_entries_are_quarantined_and_the_others_fire(
     assert not info["ok"] and any("QUARANTINED" in p for p in info["problems"])
     status = {e["name"]: e["status"] for e in info["entries"]}
     assert status["options_list"] == "quarantined" and status["good1"] == "active"
+    from reliable_beat.metrics import StoreCollector
+
+    scraped = StoreCollector(store)._read()
+    assert scraped["quarantined"]["entries"] == len(bad)
+    assert scraped["entries"]["quarantined"] == len(bad)
 
 
 def test_repaired_entry_is_released_by_resume(store: Store) -> None:

@@ -47,6 +47,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 from reliable_beat.db.tables import attempts, dead_letters, entries, outbox, runs
 from reliable_beat.entries import EntryDefinition, list_entries
+from reliable_beat.metrics import StoreCollector
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.relay import Relay
 
@@ -131,6 +132,7 @@ def _check(store: Store, ids: dict[str, int], table: str, column: str) -> None:
     assert set(GOOD_OUTBOX) <= sent, f"a good outbox row was not sent: {sent}"
     info = collect_status(store)  # visibility: must work whatever the rows hold
     list_entries(store, include_disabled=True)
+    StoreCollector(store)._read()  # the metrics scrape too
     by_id = _raw(store, TABLES[table], ids[table])
     if table == "entries":
         quarantined = by_id["quarantine_reason"] is not None

@@ -74,11 +74,15 @@ def handle_errors(fn: F) -> F:
 
 
 def _fmt(at: datetime | None) -> str:
+    if at is not None and not isinstance(at, datetime):  # a malformed row's raw value
+        return f"malformed: {at!r:.40}"
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
 
 
 def schedule_text(spec: dict[str, Any]) -> str:
     """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``."""
+    if not isinstance(spec, dict):  # a malformed (quarantined) row: show what is stored
+        return f"malformed: {spec!r:.60}"
     kind = spec.get("kind")
     tz = spec.get("timezone", "UTC")
     if kind == "cron":

@@ -33,6 +33,7 @@ from datetime import timedelta, timezone
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Table, delete, select, text, update
@@ -41,7 +42,7 @@ from sqlalchemy.exc import IntegrityError
 from reliable_beat import outbox as ob
 from reliable_beat import schedules as sch
 from reliable_beat.beat import Beat
-from reliable_beat.celery import commands as _commands  # noqa: F401  (cli_status import cycle)
+from reliable_beat.celery.commands import reliable_beat as reliable_beat_cli
 from reliable_beat.cli_status import collect_status
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
@@ -133,6 +134,10 @@ def _check(store: Store, ids: dict[str, int], table: str, column: str) -> None:
     info = collect_status(store)  # visibility: must work whatever the rows hold
     list_entries(store, include_disabled=True)
     StoreCollector(store)._read()  # the metrics scrape too
+    for args in (["entries", "list", "--all"], ["status", "--all"]):  # and the CLI's rendering
+        out = CliRunner().invoke(reliable_beat_cli, ["--database-url", store.url, *args],
+                                 catch_exceptions=False)
+        assert out.exit_code in (0, 1), out.output
     by_id = _raw(store, TABLES[table], ids[table])
     if table == "entries":
         quarantined = by_id["quarantine_reason"] is not None

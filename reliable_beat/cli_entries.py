@@ -71,6 +71,8 @@ def handle_errors(fn: F) -> F:
 
 
 def _fmt(at: datetime | None) -> str:
+    if at is not None and not isinstance(at, datetime):  # a malformed row's raw value
+        return f"malformed: {at!r:.40}"
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
 
 
@@ -83,6 +85,8 @@ def _done(cli: CliContext, as_json: bool, outcome: str, name: str, text: str) ->
 
 def schedule_text(spec: dict[str, Any]) -> str:
     """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``."""
+    if not isinstance(spec, dict):  # a malformed (quarantined) row: show what is stored
+        return f"malformed: {spec!r:.60}"
     kind = spec.get("kind")
     tz = spec.get("timezone", "UTC")
     if kind == "cron":
@@ -95,6 +99,8 @@ def schedule_text(spec: dict[str, Any]) -> str:
 
 
 def _status(row: dict[str, Any]) -> str:
+    if row.get("quarantine_reason"):
+        return "quarantined"
     if not row["enabled"]:
         return "disabled"
     if row["paused"]:
@@ -177,7 +183,13 @@ def build_definition(
         raw["task"] = existing["task"]
         raw["args"] = existing["args"]
         raw["kwargs"] = existing["kwargs"]
-        options = dict(existing["options"] or {})
+        # A malformed stored value (a quarantined row, see reliable_beat.rows) is not
+        # carried over: args / kwargs must then be given again; options start empty.
+        for what, kind in (("args", list), ("kwargs", dict)):
+            if not isinstance(existing[what], kind) and params.get(what) is None:
+                problems.append(f"entry {name!r}: the stored {what} {existing[what]!r:.80} "
+                                f"are malformed: give --{what}")
+        options = dict(existing["options"]) if isinstance(existing["options"], dict) else {}
         rb = {
             "misfire_policy": existing["misfire_policy"],
             "misfire_grace": existing["misfire_grace_seconds"],

@@ -42,6 +42,7 @@ from reliable_beat.db.tables import entries, outbox, runs
 from reliable_beat.entries import notify_entries_changed
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError
 from reliable_beat.identity import store_id as _store_id
+from reliable_beat.rows import check_options, check_run_call
 from reliable_beat.slots import idempotency_key
 
 __all__ = [
@@ -167,11 +168,18 @@ def trigger(store: Store, name: str, *, app: Any = None) -> str:
 
     Raises:
         EntryNotFoundError: no such entry.
+        ConfigurationError: the stored entry is malformed (quarantined).
         StoreUnavailableError: the database is down (nothing was written).
     """
     sid = _store_id(store)  # outside the transaction (SQLite: one writer)
     with store.begin() as conn:
         row = _require(conn, name)
+        malformed = check_run_call(row.task, row.args, row.kwargs) + check_options(row.options)
+        if malformed:  # a quarantined row (reliable_beat.rows): refuse, naming the fix
+            raise ConfigurationError(
+                f"entry {name!r} is malformed ({'; '.join(malformed)}): fix it first "
+                f"(`reliable-beat entries update {name}` or the beat_schedule)"
+            )
         now = store.now(conn)
         key = manual_key(name, now)
         run_id = conn.execute(

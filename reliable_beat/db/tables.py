@@ -97,6 +97,10 @@ entries = Table(
     Column("last_fire_at", UTCDateTime, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
+    # A malformed row the beat could not use: disabled (enabled = false) with the problems
+    # found; cleared when the entry is rewritten (config sync, `entries update`, `resume`).
+    Column("quarantine_reason", Text, nullable=True),
+    Column("quarantined_at", UTCDateTime, nullable=True),
     Index(
         "ix_reliable_beat_entries_due",
         "next_fire_at",
@@ -232,7 +236,8 @@ dead_letters = Table(
     Column("destination", String(200), nullable=True),
     # What is needed to replay it: {"task", "args", "kwargs"} or the outbox row.
     Column("payload", JSONType, nullable=False),
-    # permanent | exhausted | retry_unsent | undeliverable
+    # permanent | exhausted | retry_unsent | undeliverable | malformed (a row that cannot be
+    # read or has the wrong shape; the payload keeps its original values)
     Column("reason", String(32), nullable=False),
     Column("error", Text, nullable=True),
     Column("attempts", Integer, nullable=False, server_default="0"),

@@ -12,3 +12,11 @@ class ReliableBeatConfig(AppConfig):
     label = "reliable_beat"
     verbose_name = "Reliable beat"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.db.models.signals import post_migrate
+
+        from reliable_beat.contrib.django.signals import on_post_migrate
+
+        post_migrate.connect(on_post_migrate, sender=self,
+                             dispatch_uid="reliable_beat_post_migrate")

@@ -33,7 +33,6 @@ from django.template.response import TemplateResponse
 from reliable_beat import entries as rb_entries
 from reliable_beat import runs as rb_runs
 from reliable_beat import runtime
-from reliable_beat.cli_entries import schedule_text
 from reliable_beat.contrib.django import conf
 from reliable_beat.contrib.django.models import (
     Attempt,
@@ -141,6 +140,9 @@ class EntryAdmin(_ReadOnlyAdmin):
 
     @admin.display(description="schedule")
     def schedule_in_words(self, obj: Entry) -> str:
+        from reliable_beat.celery.commands import reliable_beat  # noqa: F401 (CLI first)
+        from reliable_beat.cli_entries import schedule_text
+
         return schedule_text(dict(obj.schedule or {}))
 
     @admin.display(description="status")

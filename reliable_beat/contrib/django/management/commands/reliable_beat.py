@@ -14,6 +14,7 @@ the old beat first; cutover without a double or lost slot).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -26,6 +27,10 @@ from reliable_beat.contrib.django.db import database_url
 
 class Command(BaseCommand):
     help = "The reliable-beat command line, with this Django project's store and Celery app."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("args", nargs=argparse.REMAINDER,
+                            help="reliable-beat sub-command and its options")
 
     def run_from_argv(self, argv: list[str]) -> None:
         # click parses the arguments (Django's parser would reject the sub-commands).

@@ -33,30 +33,8 @@ PROJ = ROOT / "tests" / "apps" / "djproj"
 CELERY = Path(sys.executable).parent / "celery"
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(240)]
 
-meta = sa.MetaData()
-payouts = sa.Table(
-    "dj_payouts", meta,
-    sa.Column("id", sa.BigInteger, primary_key=True, autoincrement=True),
-    sa.Column("key", sa.String(200), nullable=False),
-    sa.Column("fence", sa.Integer, nullable=False),
-    sa.Column("run_id", sa.Integer, nullable=False),
-    sa.Column("pid", sa.Integer, nullable=False),
-)
-audit = sa.Table(
-    "dj_audit", meta,
-    sa.Column("id", sa.BigInteger, primary_key=True, autoincrement=True),
-    sa.Column("key", sa.String(200), nullable=False),
-    sa.Column("fence", sa.Integer, nullable=False),
-    sa.Column("what", sa.String(50), nullable=False),
-)
-progress = sa.Table(
-    "dj_progress", meta,
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("key", sa.String(200), nullable=False),
-    sa.Column("fence", sa.Integer, nullable=False),
-    sa.Column("pid", sa.Integer, nullable=False),
-    sa.Column("what", sa.String(50), nullable=False),
-)
+sys.path.insert(0, str(PROJ))
+from djtables import audit, meta, payouts, progress  # noqa: E402
 
 
 class DjEnv:

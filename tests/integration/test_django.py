@@ -33,4 +33,5 @@ def test_django_suite(driver: str, pg_url: str, tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
     )
     assert res.returncode == 0, f"{res.stdout[-12000:]}\n{res.stderr[-4000:]}"
-    assert " passed" in res.stdout
+    print(res.stdout.strip().splitlines()[-1])
+    assert " passed" in res.stdout and " failed" not in res.stdout

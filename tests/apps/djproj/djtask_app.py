@@ -18,10 +18,10 @@ import django
 
 django.setup()
 
-import sqlalchemy as sa  # noqa: E402
 from celery import Celery  # noqa: E402
 from django.db import transaction  # noqa: E402
 from djshop.models import Audit, Payout  # noqa: E402
+from djtables import progress  # noqa: E402
 
 from reliable_beat.celery.task import IdempotentTask  # noqa: E402
 
@@ -37,16 +37,6 @@ app.conf.update(
     reliable_beat_lease_seconds=float(os.environ.get("RB_LEASE_SECONDS", "2")),
     reliable_beat_retry_base_seconds=1.0,
 )
-
-progress = sa.Table(
-    "dj_progress", sa.MetaData(),
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("key", sa.String(200), nullable=False),
-    sa.Column("fence", sa.Integer, nullable=False),
-    sa.Column("pid", sa.Integer, nullable=False),
-    sa.Column("what", sa.String(50), nullable=False),
-)
-
 
 def _mark(task: IdempotentTask, what: str) -> None:
     """Committed at once on the store's own connection (visible while the body waits)."""

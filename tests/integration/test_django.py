@@ -1,6 +1,7 @@
 """Runs ``tests/django`` (the admin, ``manage.py migrate`` and ``manage.py reliable_beat``)
 in a child pytest configured as a Django project on a fresh real PostgreSQL database, on
-psycopg 3 and on psycopg2. The child's output is shown when it fails."""
+psycopg 3 and on psycopg2. The child's output is shown when it fails. The admin's browser
+screenshots go to ``$RB_SCREENSHOTS/<driver>/`` (CI: the artefacts folder), else a temp dir."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def test_django_suite(driver: str, pg_url: str, tmp_path: Path) -> None:
     env = {**os.environ, "RB_DJANGO_INNER": "1", "DJANGO_SETTINGS_MODULE": "djsettings",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(PROJ), str(ROOT / "tests" / "apps")]),
            "RB_DATABASE_URL": pg_url, "RB_STORE_URL": store_url, "RB_DJANGO_DRIVER": driver,
-           "RB_SCREENSHOTS": str(tmp_path / "screenshots")}
+           "RB_SCREENSHOTS": str(Path(os.environ.get("RB_SCREENSHOTS") or tmp_path / "shots")
+                                 / driver)}
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-p", "no:hypothesispytest", "-p", "no:randomly",
          str(ROOT / "tests" / "django")],

@@ -234,10 +234,10 @@ def test_dead_letter_requeue_confirm_then_sent_under_the_same_key(
     first = c.post(url, {"action": "requeue", CHECKBOX: [dl]})
     assert 'id="rb-question"' in first.content.decode() and key in first.content.decode()
     assert rb_runs.get_run(conf.store(), key)["state"] == "dead"
-    with override_settings(RELIABLE_BEAT_CELERY_APP=None):
+    with override_settings(RELIABLE_BEAT={}):
         c.post(url, {"action": "requeue", "confirm": "yes", CHECKBOX: [dl]})
         assert rb_runs.get_run(conf.store(), key)["state"] == "dead"  # no app: refused
-    with override_settings(RELIABLE_BEAT_CELERY_APP="djtask_app:app"):
+    with override_settings(RELIABLE_BEAT={"CELERY_APP": "djtask_app:app"}):
         res = c.post(url, {"action": "requeue", "confirm": "yes", CHECKBOX: [dl]}, follow=True)
     assert "requeued dj.pay" in res.content.decode()
     assert rb_runs.get_run(conf.store(), key)["state"] == "dispatched"

@@ -59,7 +59,7 @@ STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # reliable_beat: the Celery app (for the admin's requeue and `manage.py reliable_beat`)
-RELIABLE_BEAT_CELERY_APP = "examples.django_shop.shop.celery:app"
+RELIABLE_BEAT = {"CELERY_APP": "examples.django_shop.shop.celery:app"}
 
 # Celery, read with namespace="CELERY"
 CELERY_BROKER_URL = os.environ.get("SHOP_BROKER_URL", "redis://127.0.0.1:6379/0")

@@ -318,7 +318,7 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
         app = conf.celery_app()
         if app is None:
             self.message_user(request, "requeue sends the task through the Celery app: set "
-                              "RELIABLE_BEAT_CELERY_APP = 'proj.celery:app' in settings",
+                              "RELIABLE_BEAT = {'CELERY_APP': 'proj.celery:app'} in settings",
                               messages.ERROR)
             return None
         store = conf.store()

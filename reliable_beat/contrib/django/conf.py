@@ -1,12 +1,19 @@
-"""Where the Django app finds the store and the Celery app (Django settings).
+"""Where the Django app finds the store and the Celery app: one Django setting, a dict.
 
-* ``RELIABLE_BEAT_DATABASE_URL``: the store URL. Default: derived from
-  ``DATABASES[RELIABLE_BEAT_DATABASE_ALIAS]``
-  (:func:`reliable_beat.contrib.django.db.database_url`), so the tables live in the
-  database of the ORM effects (invariant 5).
-* ``RELIABLE_BEAT_DATABASE_ALIAS``: that alias; default ``"default"``.
-* ``RELIABLE_BEAT_CELERY_APP``: the Celery app, ``"proj.celery:app"`` (``-A`` of the CLI):
-  needed to requeue a dead letter (the task is sent again) and for ``describe``'s task kind.
+::
+
+    RELIABLE_BEAT = {
+        "CELERY_APP": "proj.celery:app",   # -A of the CLI; needed to requeue a dead letter
+                                           # (the task is sent again) and for `describe`
+        "DATABASE_ALIAS": "default",       # the Django database holding our tables
+        "DATABASE_URL": None,              # the store URL; default: derived from that alias
+    }
+
+Every key is optional. The default store URL is
+:func:`reliable_beat.contrib.django.db.database_url` of the alias, so the tables live in the
+database of the ORM effects (invariant 5). (One dict, not ``RELIABLE_BEAT_*`` settings:
+Celery's ``config_from_object("django.conf:settings")`` exposes every Django setting, and
+``reliable_beat_*`` keys there are read, and checked, as reliable_beat's own settings.)
 """
 
 from __future__ import annotations
@@ -18,22 +25,42 @@ from django.conf import settings
 
 from reliable_beat.contrib.django.db import database_url
 from reliable_beat.db.dialects import Store
+from reliable_beat.errors import ConfigurationError
 from reliable_beat.settings import Settings
 
-__all__ = ["celery_app", "database_alias", "store", "store_settings", "store_url"]
+__all__ = ["celery_app", "database_alias", "option", "store", "store_settings", "store_url"]
 
 _lock = threading.Lock()
 _stores: dict[str, Store] = {}
 
 
+_KEYS = ("CELERY_APP", "DATABASE_ALIAS", "DATABASE_URL")
+
+
+def option(name: str) -> Any:
+    """``settings.RELIABLE_BEAT[name]`` or None.
+
+    Raises:
+        ConfigurationError: ``RELIABLE_BEAT`` is not a dict or has an unknown key.
+    """
+    conf = getattr(settings, "RELIABLE_BEAT", None) or {}
+    if not isinstance(conf, dict):
+        raise ConfigurationError(f"settings.RELIABLE_BEAT must be a dict, got {conf!r}")
+    unknown = sorted(set(conf) - set(_KEYS))
+    if unknown:
+        raise ConfigurationError(
+            f"settings.RELIABLE_BEAT has unknown key(s) {unknown}; valid: {list(_KEYS)}")
+    return conf.get(name)
+
+
 def database_alias() -> str:
-    """``settings.RELIABLE_BEAT_DATABASE_ALIAS`` (default ``"default"``)."""
-    return str(getattr(settings, "RELIABLE_BEAT_DATABASE_ALIAS", "default"))
+    """``RELIABLE_BEAT["DATABASE_ALIAS"]`` (default ``"default"``)."""
+    return str(option("DATABASE_ALIAS") or "default")
 
 
 def store_url() -> str:
-    """The store URL: ``settings.RELIABLE_BEAT_DATABASE_URL``, else the Django database's."""
-    explicit = getattr(settings, "RELIABLE_BEAT_DATABASE_URL", None)
+    """The store URL: ``RELIABLE_BEAT["DATABASE_URL"]``, else the Django database's."""
+    explicit = option("DATABASE_URL")
     return str(explicit) if explicit else database_url(database_alias())
 
 
@@ -48,8 +75,8 @@ def store() -> Store:
 
 
 def celery_app() -> Any:
-    """The Celery app named by ``settings.RELIABLE_BEAT_CELERY_APP``, or None."""
-    spec = getattr(settings, "RELIABLE_BEAT_CELERY_APP", None)
+    """The Celery app named by ``RELIABLE_BEAT["CELERY_APP"]``, or None."""
+    spec = option("CELERY_APP")
     if not spec:
         return None
     from celery.app.utils import find_app

@@ -1,7 +1,7 @@
 """``python manage.py reliable_beat ...``: the ``reliable-beat`` CLI with Django's settings.
 
 The store is :func:`reliable_beat.contrib.django.conf.store_url` (the Django database unless
-``RELIABLE_BEAT_DATABASE_URL`` says otherwise) and ``-A`` is ``RELIABLE_BEAT_CELERY_APP``.
+``RELIABLE_BEAT["DATABASE_URL"]`` says otherwise) and ``-A`` is ``RELIABLE_BEAT["CELERY_APP"]``.
 Every sub-command of ``reliable-beat`` works (``db upgrade``, ``entries ...``, ``runs``,
 ``dead-letters ...``, ``relay``, ``status``). One shorthand::
 
@@ -18,7 +18,6 @@ import argparse
 import sys
 from typing import Any
 
-from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from reliable_beat.contrib.django import conf
@@ -52,7 +51,7 @@ class Command(BaseCommand):
             if "--from-url" not in args:
                 args += ["--from-url", database_url("default")]
         head = ["--database-url", conf.store_url()]
-        app = getattr(settings, "RELIABLE_BEAT_CELERY_APP", None)
+        app = conf.option("CELERY_APP")
         if app and "-A" not in args and "--app" not in args:
             head = ["-A", str(app), *head]
         try:

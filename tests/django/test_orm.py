@@ -114,3 +114,24 @@ def test_eager_task_on_its_own_commits_effect_key_result_and_message() -> None:
     # called again: deduplicated, the body does not run again
     assert pay.apply(args=["eager3"]).get() == run["result"]
     assert len(payouts("pay:eager3")) == 1
+
+
+def test_using_selects_the_alias_whose_connection_holds_the_transaction() -> None:
+    from djtask_app import pay_on
+
+    res = pay_on.apply(args=["alias1", "other"])
+    assert res.successful(), res.traceback
+    assert res.get() == {"default": False, "other": True}  # the block ran on "other"
+    assert runs.get_run(conf.store(), "pay:alias1")["state"] == "succeeded"
+    assert len(payouts("pay:alias1")) == 1
+
+
+def test_an_alias_on_another_database_is_refused_naming_both() -> None:
+    from djtask_app import pay_on
+
+    res = pay_on.apply(args=["alias2", "elsewhere"])
+    assert res.failed()
+    message = str(res.result)
+    assert "/postgres" in message and "not the reliable_beat store" in message, message
+    assert payouts("pay:alias2") == []
+    assert runs.get_run(conf.store(), "pay:alias2")["state"] in ("dead", "retrying")

@@ -35,6 +35,10 @@ DATABASES = {
         "ATOMIC_REQUESTS": True,
     }
 }
+# The same database under another alias (what a router may pick), and another database on
+# the same server: a transaction there cannot hold the key.
+DATABASES["other"] = {**DATABASES["default"]}
+DATABASES["elsewhere"] = {**DATABASES["default"], "NAME": "postgres"}
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",

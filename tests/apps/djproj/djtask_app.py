@@ -19,7 +19,7 @@ import django
 django.setup()
 
 from celery import Celery  # noqa: E402
-from django.db import transaction  # noqa: E402
+from django.db import connections, transaction  # noqa: E402
 from djshop.models import Audit, Payout  # noqa: E402
 from djtables import progress  # noqa: E402
 
@@ -71,3 +71,13 @@ def pay(self: IdempotentTask, merchant: str, sleep_first_attempt: float = 0.0) -
             while time.monotonic() < deadline:
                 time.sleep(0.05)
     return {"merchant": merchant, "payout": payout.pk, "fence": self.fence_token}
+
+
+@app.task(base=PayTask, bind=True, name="dj.pay_on")
+def pay_on(self: IdempotentTask, merchant: str, alias: str) -> dict[str, Any]:
+    """One payout written on Django database ``alias`` (``using=`` as a router would pick)."""
+    with self.transaction(using=alias):
+        Payout.objects.using(alias).create(key=self.idempotency_key, fence=self.fence_token,
+                                           run_id=self.run_id, pid=os.getpid())
+        seen = {name: connections[name].in_atomic_block for name in ("default", alias)}
+    return seen

@@ -256,6 +256,46 @@ def test_runs_filter_by_state_and_show_attempts(
     assert "bank said no" in page and "dead" in page
 
 
+def test_runtime_entry_add_and_edit_validated_like_the_cli(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    from reliable_beat.errors import EntryNotFoundError
+
+    add = "/admin/reliable_beat/entry/add-runtime/"
+    viewer = client(users["viewer"])
+    assert viewer.get(add).status_code == 403
+    assert 'id="rb-add-runtime"' not in viewer.get("/admin/reliable_beat/entry/").content.decode()
+    c = client(users["admin"])
+    assert 'id="rb-add-runtime"' in c.get("/admin/reliable_beat/entry/").content.decode()
+    name = f"weekly-{seeded['tag']}"
+    bad = c.post(add, {"name": name, "task": "dj.pay", "cron": "61 * * * *",
+                       "args": "[1", "timezone": "Mars/Olympus"})
+    page = bad.content.decode()
+    assert bad.status_code == 200 and 'id="rb-problems"' in page and "Nothing was written" in page
+    assert page.count(f"entry &#x27;{name}&#x27;") >= 3  # every problem names the entry
+    with pytest.raises(EntryNotFoundError):
+        rb_entries.get_entry(conf.store(), name)
+    ok = c.post(add, {"name": name, "task": "dj.pay", "cron": "0 9 * * 1",
+                      "timezone": "Asia/Tokyo", "args": '["m-weekly"]',
+                      "misfire_policy": "skip"})
+    assert ok.status_code == 302
+    row = rb_entries.get_entry(conf.store(), name)
+    assert (row["origin"], row["timezone"], row["args"], row["misfire_policy"]) == (
+        "runtime", "Asia/Tokyo", ["m-weekly"], "skip")
+    edit = f"/admin/reliable_beat/entry/{row['id']}/edit-runtime/"
+    assert 'id="rb-edit-runtime"' in c.get(
+        f"/admin/reliable_beat/entry/{row['id']}/change/").content.decode()
+    c.post(edit, {"name": "ignored", "cron": "30 9 * * 1"})
+    row2 = rb_entries.get_entry(conf.store(), name)
+    assert row2["schedule"]["expr"] == "30 9 * * 1"
+    assert (row2["timezone"], row2["args"], row2["misfire_policy"]) == (
+        "Asia/Tokyo", ["m-weekly"], "skip")  # not given: kept
+    cfg = rb_entries.get_entry(conf.store(), seeded["hourly"])
+    refused = c.post(f"/admin/reliable_beat/entry/{cfg['id']}/edit-runtime/",
+                     {"name": "x", "every": "60"}, follow=True)
+    assert "comes from beat_schedule" in refused.content.decode()
+    assert rb_entries.get_entry(conf.store(), seeded["hourly"])["schedule"] == cfg["schedule"]
+
+
 # -- manage.py reliable_beat ------------------------------------------------------------------
 
 

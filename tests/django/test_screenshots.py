@@ -136,5 +136,13 @@ def test_admin_pages_render_in_chromium(browser: Any, live: str, shots: Path) ->
     browser.save_screenshot(str(shots / "confirm_pause.png"))
     assert rb_entries.get_entry(store, name)["paused"] is False
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        WebDriverWait(browser, 30).until(  # back on the list, with the outcome shown
+            lambda d: f"paused: {name}" in d.find_element(By.TAG_NAME, "body").text.lower())
+    except Exception:
+        pytest.fail(f"no outcome shown at {browser.current_url}:\n"
+                    f"{browser.find_element(By.TAG_NAME, 'body').text[:3000]}")
     assert rb_entries.get_entry(store, name)["paused"] is True
     browser.save_screenshot(str(shots / "after_pause.png"))

@@ -41,7 +41,7 @@ from reliable_beat.contrib.django.models import (
     OutboxMessage,
     Run,
 )
-from reliable_beat.errors import ReliableBeatError
+from reliable_beat.errors import EntryValidationError, ReliableBeatError
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
 _KEY_HEADER = "reliable_beat_key"
@@ -129,6 +129,32 @@ class BackfillForm(forms.Form):
         return self._instant(self.cleaned_data["end"], "end")
 
 
+class RuntimeEntryForm(forms.Form):
+    """A runtime entry, as ``reliable-beat entries add|update`` takes it (blank = not given;
+    on edit, not given = kept). Validated by the CLI's own ``build_definition``."""
+
+    name = forms.CharField(max_length=200)
+    task = forms.CharField(max_length=255, required=False)
+    cron = forms.CharField(required=False, help_text="croniter syntax; 6 fields = seconds LAST")
+    every = forms.IntegerField(required=False, min_value=1, help_text="interval, whole seconds")
+    at = forms.CharField(required=False, help_text="one-off instant, ISO 8601 with offset")
+    timezone = forms.CharField(required=False, help_text="IANA zone (default UTC)")
+    args = forms.CharField(required=False, help_text="JSON array")
+    kwargs = forms.CharField(required=False, help_text="JSON object")
+    queue = forms.CharField(required=False)
+    misfire_policy = forms.ChoiceField(required=False, choices=[
+        ("", "-"), ("skip", "skip"), ("fire_once", "fire_once"), ("catch_up", "catch_up")])
+    misfire_grace = forms.FloatField(required=False, min_value=0, help_text="seconds")
+    catch_up_limit = forms.IntegerField(required=False, min_value=0)
+    overlap_policy = forms.ChoiceField(required=False, choices=[
+        ("", "-"), ("allow", "allow"), ("skip", "skip"), ("buffer_one", "buffer_one")])
+
+    def params(self) -> dict[str, Any]:
+        """The cleaned values as the CLI's parameters (blank -> None)."""
+        return {k: (None if v in ("", None) else v) for k, v in self.cleaned_data.items()
+                if k != "name"}
+
+
 @admin.register(Entry)
 class EntryAdmin(_ReadOnlyAdmin):
     list_display = ("name", "task", "schedule_in_words", "state", "next_fire_local",
@@ -137,6 +163,79 @@ class EntryAdmin(_ReadOnlyAdmin):
     search_fields = ("name", "task")
     actions = ["pause_entries", "resume_entries", "trigger_entries", "backfill_entries"]
     change_form_template = "admin/reliable_beat/entry_change_form.html"
+    change_list_template = "admin/reliable_beat/entry_change_list.html"
+    entry_form_template = "admin/reliable_beat/entry_form.html"
+
+    def get_urls(self) -> list[Any]:
+        from django.urls import path
+
+        wrap = self.admin_site.admin_view
+        return [
+            path("add-runtime/", wrap(self.runtime_entry_view),
+                 name="reliable_beat_entry_add_runtime"),
+            path("<path:object_id>/edit-runtime/", wrap(self.runtime_entry_view),
+                 name="reliable_beat_entry_edit_runtime"),
+            *super().get_urls(),
+        ]
+
+    def has_edit_permission(self, request: HttpRequest) -> bool:
+        return self._perm(request, "edit_entry")
+
+    def runtime_entry_view(self, request: HttpRequest, object_id: str | None = None
+                           ) -> HttpResponse:
+        """Add (no ``object_id``) or edit a runtime entry, validated like the CLI's
+        ``entries add|update`` (same function), written with ``save_runtime_entry``."""
+        from django.core.exceptions import PermissionDenied
+        from django.shortcuts import redirect
+
+        from reliable_beat.celery.commands import CliContext
+        from reliable_beat.cli_entries import build_definition
+
+        if not self.has_edit_permission(request):
+            raise PermissionDenied
+        store = conf.store()
+        existing: dict[str, Any] | None = None
+        if object_id is not None:
+            obj = self.get_object(request, object_id)
+            if obj is None:
+                return redirect("admin:reliable_beat_entry_changelist")
+            existing = rb_entries.get_entry(store, obj.name)
+            if existing["origin"] == "config":
+                self.message_user(request, f"{obj.name} comes from beat_schedule "
+                                  "(CELERY_BEAT_SCHEDULE): change it there", messages.ERROR)
+                return redirect("admin:reliable_beat_entry_change", obj.pk)
+        initial = {"name": existing["name"]} if existing else {}
+        form = RuntimeEntryForm(request.POST or None, initial=initial)
+        if existing is not None:
+            form.fields["name"].disabled = True  # the name is the entry's identity
+        problems: list[str] = []
+        if request.method == "POST" and form.is_valid():
+            name = existing["name"] if existing else form.cleaned_data["name"]
+            params = form.params()
+            cli = CliContext(app=conf.celery_app(), database_url=conf.store_url(),
+                             _store=store)
+            try:
+                if existing is None and params.get("task") is None:
+                    raise EntryValidationError([f"entry {name!r}: task is required"])
+                definition = build_definition(cli, name, params, existing=existing)
+                rb_entries.save_runtime_entry(store, definition, create=existing is None)
+            except EntryValidationError as exc:
+                problems = list(exc.problems)
+            except ReliableBeatError as exc:
+                problems = [str(exc)]
+            else:
+                self.message_user(request, f"{'changed' if existing else 'added'} runtime "
+                                  f"entry {name}", messages.SUCCESS)
+                return redirect("admin:reliable_beat_entry_change",
+                                rb_entries.get_entry(store, name)["id"])
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Edit runtime entry {existing['name']}" if existing
+                     else "Add a runtime entry",
+            "form": form, "problems": problems, "existing": existing,
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, self.entry_form_template, context)
 
     @admin.display(description="schedule")
     def schedule_in_words(self, obj: Entry) -> str:
@@ -190,8 +289,15 @@ class EntryAdmin(_ReadOnlyAdmin):
                     "in Django settings): edit it there; a starting beat syncs it. Pause, "
                     "resume, trigger and backfill work here.")
             extra["next_fire_local"] = self.next_fire_local(obj)
+            extra["can_edit_runtime"] = (obj.origin == "runtime"
+                                         and self.has_edit_permission(request))
             extra["schedule_in_words"] = self.schedule_in_words(obj)
         return super().change_view(request, object_id, form_url, extra)
+
+    def changelist_view(self, request: HttpRequest,
+                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        extra = {**(extra_context or {}), "can_edit_runtime": self.has_edit_permission(request)}
+        return super().changelist_view(request, extra)
 
     def _each(self, request: HttpRequest, queryset: QuerySet[Any], verb: str,
               fn: Any) -> None:

@@ -53,6 +53,7 @@ class Entry(models.Model):
             ("pause_entry", "Can pause and resume entries"),
             ("trigger_entry", "Can trigger an entry now"),
             ("backfill_entry", "Can backfill a window of an entry"),
+            ("edit_entry", "Can add and change runtime entries"),
         ]
 
     def __str__(self) -> str:

@@ -113,7 +113,7 @@ class Migration(migrations.Migration):
                 'verbose_name_plural': 'entries',
                 'db_table': 'reliable_beat_entries',
                 'ordering': ['name'],
-                'permissions': [('pause_entry', 'Can pause and resume entries'), ('trigger_entry', 'Can trigger an entry now'), ('backfill_entry', 'Can backfill a window of an entry')],
+                'permissions': [('pause_entry', 'Can pause and resume entries'), ('trigger_entry', 'Can trigger an entry now'), ('backfill_entry', 'Can backfill a window of an entry'), ('edit_entry', 'Can add and change runtime entries')],
                 'managed': False,
                 'default_permissions': ('view',),
             },

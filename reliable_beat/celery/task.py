@@ -739,7 +739,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise RuntimeError(f"{self.name}: self.transaction() may be used once per run")
         state.transaction_used = True
         if using is not None:
-            django_db = importlib.import_module("reliable_beat.contrib.django.db")
+            try:
+                django_db = importlib.import_module("reliable_beat.contrib.django.db")
+            except ImportError as exc:
+                raise ConfigurationError(
+                    f"{self.name}: self.transaction(using={using!r}) joins Django's connection "
+                    f"and needs Django ({exc}); pip install 'reliable-beat[django]'"
+                ) from exc
             try:
                 with django_db.atomic_connection(using) as tx:
                     self._check_same_database(tx.engine, state.store)

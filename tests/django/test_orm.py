@@ -135,3 +135,13 @@ def test_an_alias_on_another_database_is_refused_naming_both() -> None:
     assert "/postgres" in message and "not the reliable_beat store" in message, message
     assert payouts("pay:alias2") == []
     assert runs.get_run(conf.store(), "pay:alias2")["state"] in ("dead", "retrying")
+
+
+def test_an_unknown_alias_is_a_clear_error() -> None:
+    from reliable_beat.contrib.django import database_url
+    from reliable_beat.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"'nope' is not in settings\.DATABASES"):
+        database_url("nope")
+    with pytest.raises(ConfigurationError, match="'nope'"), atomic_connection("nope"):
+        pass

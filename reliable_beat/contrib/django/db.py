@@ -119,6 +119,7 @@ def _driver_of(alias: str) -> str:
     Raises:
         ConfigurationError: another backend (MySQL, Oracle, a third-party one).
     """
+    _settings_of(alias)  # an unknown alias: ConfigurationError naming it
     vendor = connections[alias].vendor
     if vendor == "sqlite":
         return "sqlite"

@@ -145,3 +145,9 @@ def test_an_unknown_alias_is_a_clear_error() -> None:
         database_url("nope")
     with pytest.raises(ConfigurationError, match="'nope'"), atomic_connection("nope"):
         pass
+
+
+def test_default_database_url_is_the_django_database() -> None:
+    from reliable_beat.contrib.django import database_url, default_database_url
+
+    assert default_database_url() == database_url("default")

@@ -18,8 +18,10 @@ What it does (see ``docs/reliability.md``):
    a worker, a relay (restarted after a delay); a worker SIGSTOPped *inside its body* past
    its lease, then SIGCONTed (the zombie: its commit must be fenced out); ``pg_ctl restart
    -m fast``; a Redis restart; a paused Redis (SIGSTOP); a beat restarted with its clock
-   skewed by +-300 s. The app injects transient failures (a deterministic subset of slots
-   fails attempt 1) and permanent failures (a tiny deterministic subset -> dead letters).
+   skewed by +-300 s; a long outage (every beat down at once while every entry's
+   ``next_fire_at`` moves a simulated week back). The app injects transient failures (a
+   deterministic subset of slots fails attempt 1) and permanent failures (a tiny
+   deterministic subset -> dead letters).
 3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
    the ledger, prints a markdown table and exits non-zero on any missing or duplicated
    effect or failed check.
@@ -76,6 +78,7 @@ FAULT_KINDS = [
     "redis_restart",
     "redis_pause",
     "skewed_beat",
+    "long_outage",
 ]
 APP_FAULT_KINDS = ["transient_failure", "permanent_failure"]
 COMPARE_FAULT_KINDS = ["kill_beat", "pause_beat"]
@@ -535,8 +538,40 @@ class Harness:
                 p.kill(victim)
                 p.start(victim, extra_env={"RB_FAULTS_CLOCK_SKEW": str(skew)})
             self.result.faults[kind] += 1
+        elif kind == "long_outage":
+            self._long_outage()
+            self.result.faults[kind] += 1
         else:
             raise ValueError(kind)
+
+    def _long_outage(self) -> None:
+        """Every beat down at once; while they are down every entry's ``next_fire_at`` moves
+        a week back (as if the outage had lasted a simulated week), then all restart. Their
+        first claims plan a week of slots per entry: bounded work (a range row for the
+        skipped ones), the misfire policy for the rest; the UNIQUE(entry, fire_at) makes the
+        re-planned slots that already ran no-ops. Nothing in the window may go missing or
+        run twice."""
+        from reliable_beat.db.tables import entries
+
+        p = self.procs
+        beats = p.names("beat")
+        secs = self.rng.uniform(2.0, 5.0)
+        log(f"long outage: all {len(beats)} beats down, next_fire_at a simulated week back "
+            f"({secs:.1f} s real)")
+        with p.lock:
+            for name in beats:
+                p.down.add(name)
+                p.kill(name)
+        with self.engine.begin() as conn:
+            conn.execute(text(
+                f"UPDATE {entries.fullname} SET next_fire_at = next_fire_at - interval '7 days' "
+                "WHERE next_fire_at IS NOT NULL"))
+        time.sleep(secs)
+        with p.lock:
+            for name in beats:
+                p.down.discard(name)
+                if not p.alive(name):
+                    p.start(name)
 
     def _restart_later(self, name: str, delay: float) -> None:
         def restart() -> None:

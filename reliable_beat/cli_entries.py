@@ -20,7 +20,7 @@ import click
 
 from reliable_beat import importers, runtime
 from reliable_beat import schedules as sch
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.celery.commands import CliContext, fail, pass_cli
 from reliable_beat.cli_status import jsonable
 from reliable_beat.entries import (
     EntryDefinition,
@@ -38,6 +38,8 @@ from reliable_beat.errors import (
     EntryValidationError,
     StoreUnavailableError,
 )
+from reliable_beat.redaction import redact_value
+from reliable_beat.settings import celery_timezone
 
 __all__ = ["build_definition", "entries", "register"]
 
@@ -50,31 +52,33 @@ _POLICY_OPTIONS = (
 )
 
 
-def _fail(message: str, code: int) -> None:
-    click.echo(message, err=True)
-    raise SystemExit(code)
-
-
 def handle_errors(fn: F) -> F:
-    """Map library errors to exit codes: bad input 2, not found / database down 1."""
+    """Map library errors to exit codes: bad input 2, not found / database down 1 (printed
+    by :func:`~reliable_beat.celery.commands.fail`: text or, with ``--json``, JSON)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except EntryNotFoundError as exc:
-            _fail(f"error: {exc}", 1)
+            fail(str(exc), 1, kind="not_found")
         except ConfigurationError as exc:
-            _fail(f"error: {exc}", 2)
+            fail(str(exc), 2, kind="invalid", problems=getattr(exc, "problems", None))
         except StoreUnavailableError as exc:
-            _fail(f"error: {exc}", 1)
-        return None
+            fail(str(exc), 1, kind="store_unavailable")
 
     return wrapper  # type: ignore[return-value]
 
 
 def _fmt(at: datetime | None) -> str:
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
+
+
+def _done(cli: CliContext, as_json: bool, outcome: str, name: str, text: str) -> None:
+    if as_json:
+        cli.echo_json({"outcome": outcome, "entry": name})
+    else:
+        click.echo(text)
 
 
 def schedule_text(spec: dict[str, Any]) -> str:
@@ -296,7 +300,8 @@ def entries() -> None:
 @pass_cli
 @handle_errors
 def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
-    """List entries with their schedule, next and last slot (UTC) and last run state."""
+    """List entries with their schedule, the time zone it is evaluated in (ZONE), next and
+    last slot (UTC) and last run state."""
     rows = list_entries(cli.store, include_disabled=show_all)
     if as_json:
         cli.echo_json(jsonable([_public(r) for r in rows]))
@@ -304,10 +309,12 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     if not rows:
         click.echo("no entries")
         return
-    header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "NEXT (UTC)", "LAST SLOT", "LAST STATE")
+    header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "ZONE", "NEXT (UTC)", "LAST SLOT",
+              "LAST STATE")
     table = [header] + [
         (r["name"], r["origin"], _status(r), schedule_text(r["schedule"]),
-         _fmt(r["next_fire_at"]), _fmt(r["last_fire_at"]), r["last_state"] or "-")
+         r.get("timezone") or "UTC", _fmt(r["next_fire_at"]), _fmt(r["last_fire_at"]),
+         r["last_state"] or "-")
         for r in rows
     ]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
@@ -331,31 +338,36 @@ def show_cmd(cli: CliContext, name: str, as_json: bool) -> None:
         if isinstance(value, datetime):
             value = _fmt(value)
         elif isinstance(value, (dict, list)):
-            value = json.dumps(value, sort_keys=True)
+            value = json.dumps(redact_value(value), sort_keys=True)
         click.echo(f"{key:24} {value}")
 
 
 @entries.command("add")
 @click.argument("name")
 @_schedule_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def add_cmd(cli: CliContext, /, name: str, **params: Any) -> None:
+def add_cmd(cli: CliContext, /, name: str, as_json: bool = False, **params: Any) -> None:
     """Add a runtime entry NAME (validated exactly like a beat_schedule entry)."""
     if params.get("task") is None:
         raise EntryValidationError([f"entry {name!r}: --task is required"])
     definition = build_definition(cli, name, params)
     save_runtime_entry(cli.store, definition, create=True)
     row = get_entry(cli.store, name)
+    if as_json:
+        cli.echo_json({"outcome": "added", "entry": _public(row)})
+        return
     click.echo(f"added {name}: {schedule_text(row['schedule'])}, next {_fmt(row['next_fire_at'])}")
 
 
 @entries.command("update")
 @click.argument("name")
 @_schedule_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def update_cmd(cli: CliContext, /, name: str, **params: Any) -> None:
+def update_cmd(cli: CliContext, /, name: str, as_json: bool = False, **params: Any) -> None:
     """Change a runtime entry: only the options given change."""
     existing = get_entry(cli.store, name)
     if existing["origin"] == "config":
@@ -363,49 +375,63 @@ def update_cmd(cli: CliContext, /, name: str, **params: Any) -> None:
     definition = build_definition(cli, name, params, existing=existing)
     outcome = save_runtime_entry(cli.store, definition, create=False)
     row = get_entry(cli.store, name)
+    if as_json:
+        cli.echo_json({"outcome": outcome, "entry": _public(row)})
+        return
     click.echo(f"{outcome} {name}: {schedule_text(row['schedule'])}, "
                f"next {_fmt(row['next_fire_at'])}")
 
 
 @entries.command("remove")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def remove_cmd(cli: CliContext, name: str) -> None:
+def remove_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Remove a runtime entry (its runs stay as history)."""
     remove(cli.store, name)
-    click.echo(f"removed {name}")
+    _done(cli, as_json, "removed", name, f"removed {name}")
 
 
 @entries.command("pause")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def pause_cmd(cli: CliContext, name: str) -> None:
+def pause_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Pause an entry: it stops firing; its grid is kept."""
     pause(cli.store, name)
-    click.echo(f"paused {name}")
+    _done(cli, as_json, "paused", name, f"paused {name}")
 
 
 @entries.command("resume")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def resume_cmd(cli: CliContext, name: str) -> None:
+def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Resume an entry; slots missed while paused go through its misfire policy."""
     resume(cli.store, name)
     row = get_entry(cli.store, name)
+    if as_json:
+        cli.echo_json({"outcome": "resumed", "entry": _public(row)})
+        return
     click.echo(f"resumed {name} (misfire policy {row['misfire_policy']}; "
                f"next {_fmt(row['next_fire_at'])})")
 
 
 @entries.command("trigger")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def trigger_cmd(cli: CliContext, name: str) -> None:
+def trigger_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Fire NAME once now, under its own key (recorded as a manual run)."""
     key = runtime.trigger(cli.store, name, app=cli.app)
+    if as_json:
+        cli.echo_json({"outcome": "triggered", "entry": name, "key": key,
+                       "published": cli.app is not None})
+        return
     how = "published" if cli.app is not None else "queued in the outbox (the relay sends it)"
     click.echo(f"triggered {name}: key {key}, {how}")
 
@@ -495,7 +521,7 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     misfire policy. Disabled entries come in paused; a name that already exists is left alone.
     """
     app = cli.app
-    zone = str(getattr(getattr(app, "conf", None), "timezone", None) or "UTC")
+    zone = celery_timezone(app) if app is not None else "UTC"
     if source == "redbeat":
         found = importers.read_redbeat(from_url, key_prefix=key_prefix)
     else:

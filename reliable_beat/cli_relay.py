@@ -16,6 +16,7 @@ import click
 
 from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.errors import ConfigurationError
+from reliable_beat.redaction import get_logger
 from reliable_beat.relay import Relay, outbox_status
 
 __all__ = ["register"]
@@ -34,9 +35,11 @@ class _ConfigError(click.ClickException):
 @click.option("--claim-lease-seconds", type=float, default=60.0, show_default=True,
               help="How long a claim lasts; rows of a dead relay are re-delivered after it.")
 @click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="With --once: print the outcome as JSON.")
 @pass_cli
 def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_seconds: float,
-          loglevel: str) -> None:
+          loglevel: str, as_json: bool) -> None:
     """Deliver outbox rows until SIGTERM / SIGINT (any number of relays may run at once)."""
     logging.basicConfig(level=loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -48,12 +51,19 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
         raise _ConfigError(str(exc)) from exc
     click.echo(f"relay {worker.owner} on {cli.store.safe_url}; destinations: "
                + ", ".join(sorted(worker.handlers)), err=True)
+    warning = cli.settings.default_store_warning("relay")
+    if warning:
+        get_logger("reliable_beat.relay").warning("%s", warning)
     if cli.settings.metrics_port is not None and not once:
         from reliable_beat.metrics import serve
 
-        serve(cli.settings.metrics_port, cli.store)
+        serve(cli.settings.metrics_port, cli.store, addr=cli.settings.metrics_host)
     if once:
-        click.echo(f"claimed {worker.run_once()} rows")
+        claimed = worker.run_once()
+        if as_json:
+            cli.echo_json({"claimed": claimed, "owner": worker.owner})
+        else:
+            click.echo(f"claimed {claimed} rows")
         worker.close()
         return
     stop = threading.Event()

@@ -17,7 +17,8 @@ from typing import Any
 import click
 
 from reliable_beat import runs
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.celery.commands import CliContext, fail, pass_cli
+from reliable_beat.redaction import redact_text, redact_value
 
 __all__ = ["register"]
 
@@ -44,8 +45,8 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, (dict, list)):
-        return json.dumps(value, default=str)
-    return str(value)
+        return json.dumps(redact_value(value), default=str)
+    return redact_text(value)
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
@@ -90,7 +91,7 @@ def runs_show(cli: CliContext, key: str, as_json: bool) -> None:
     try:
         run = runs.get_run(cli.store, key)
     except runs.RunNotFound as exc:
-        raise click.ClickException(str(exc)) from exc
+        fail(str(exc), 1, kind="not_found")
     tries = runs.list_attempts(cli.store, run["id"])
     if as_json:
         cli.echo_json({"run": run, "attempts": tries})
@@ -100,7 +101,7 @@ def runs_show(cli: CliContext, key: str, as_json: bool) -> None:
                  "created_at", "started_at", "finished_at"):
         click.echo(f"{name:17} {_fmt(run.get(name))}")
     if run.get("error"):
-        click.echo("error:\n  " + str(run["error"]).strip().replace("\n", "\n  "))
+        click.echo("error:\n  " + redact_text(run["error"]).strip().replace("\n", "\n  "))
     click.echo("")
     _table(tries, ["attempt", "fence_token", "outcome", "worker", "task_id", "started_at",
                    "finished_at", "retry_in_seconds"])
@@ -134,7 +135,7 @@ def dl_show(cli: CliContext, dead_letter_id: int) -> None:
     try:
         cli.echo_json(runs.get_dead_letter(cli.store, dead_letter_id))
     except runs.DeadLetterNotFound as exc:
-        raise click.ClickException(str(exc)) from exc
+        fail(str(exc), 1, kind="not_found")
 
 
 @dead_letters_group.command("requeue")
@@ -144,16 +145,17 @@ def dl_show(cli: CliContext, dead_letter_id: int) -> None:
 @click.option("--by", default=None, help="Who decided (default: the current user).")
 @click.option("--queue", default=None,
               help="Send to this queue (default: the queue the task died on, else the app's).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
-               by: str | None, queue: str | None) -> None:
+               by: str | None, queue: str | None, as_json: bool) -> None:
     """Run a dead run again under the SAME idempotency key (needs -A APP)."""
     if cli.app is None:
         raise click.UsageError("requeue sends the task through the Celery app: pass -A APP")
     try:
         dl = runs.get_dead_letter(cli.store, dead_letter_id)
     except runs.DeadLetterNotFound as exc:
-        raise click.ClickException(str(exc)) from exc
+        fail(str(exc), 1, kind="not_found")
     if dl["kind"] != "run":
         raise click.ClickException(f"dead letter {dead_letter_id} is a {dl['kind']} dead letter; "
                                    "only run dead letters can be requeued here")
@@ -177,6 +179,10 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
         runs.undo_requeue(cli.store, dead_letter_id)
         raise click.ClickException(f"could not send the task ({exc}); the run stays dead") from exc
     runs.mark_dispatched(cli.store, payload["key"])
+    if as_json:
+        cli.echo_json({"outcome": "requeued", "dead_letter": dead_letter_id,
+                       "task": payload["task"], "key": payload["key"], "by": who})
+        return
     click.echo(f"requeued dead letter {dead_letter_id}: {payload['task']} "
                f"under key {payload['key']!r}")
 
@@ -189,8 +195,9 @@ def lease_group() -> None:
 @lease_group.command("clear")
 @click.argument("key")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
-def lease_clear(cli: CliContext, key: str, yes: bool) -> None:
+def lease_clear(cli: CliContext, key: str, yes: bool, as_json: bool) -> None:
     """Free the lease on KEY, fencing its holder out (its commit will be rejected)."""
     if not yes:
         click.confirm(f"Clear the lease on {key!r}? Its current holder's work will be "
@@ -198,7 +205,10 @@ def lease_clear(cli: CliContext, key: str, yes: bool) -> None:
     try:
         fence = runs.clear_lease(cli.store, key)
     except runs.RunNotFound as exc:
-        raise click.ClickException(str(exc)) from exc
+        fail(str(exc), 1, kind="not_found")
+    if as_json:
+        cli.echo_json({"outcome": "cleared", "key": key, "fence_token": fence})
+        return
     click.echo(f"lease on {key!r} cleared; fence token is now {fence}")
 
 

@@ -20,10 +20,11 @@ import click
 from sqlalchemy import and_, func, select
 from sqlalchemy.engine import Connection
 
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.celery.commands import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, runs
 from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.groups import group_health
 
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
@@ -38,20 +39,12 @@ __all__ = [
 #: missed: a beat sleeps at most ``beat_max_loop_interval`` (default 300 s on stock Celery,
 #: usually far less with NOTIFY) and a tick takes a moment.
 DEFAULT_MARGIN_SECONDS = 60.0
-
-
-def jsonable(value: Any) -> Any:
-    """``value`` with every ``datetime`` as ISO 8601 UTC (``...Z``, microseconds kept when
-    non-zero), for ``--json`` output."""
-    if isinstance(value, datetime):
-        at = value.astimezone(timezone.utc)
-        fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if at.microsecond else "%Y-%m-%dT%H:%M:%SZ"
-        return at.strftime(fmt)
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
+#: ``--check`` alarms on config entries a sync disabled within this many minutes.
+DEFAULT_DISABLED_WITHIN_MINUTES = 60.0
+#: A beat whose heartbeat (every few seconds) is older than this counts as gone.
+BEAT_ALIVE_SECONDS = 60.0
+#: Triggers dispatched within this many hours are looked at for "never started by a worker".
+UNSTARTED_WINDOW_HOURS = 24.0
 
 
 def _utc(value: Any) -> datetime | None:
@@ -83,7 +76,10 @@ def outbox_backlog(conn: Connection, now: datetime) -> list[dict[str, Any]]:
 
 
 def collect_status(
-    store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS
+    store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS,
+    disabled_within_minutes: float = DEFAULT_DISABLED_WITHIN_MINUTES,
+    beat_alive_seconds: float = BEAT_ALIVE_SECONDS,
+    redispatch_seconds: float = 120.0,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -91,11 +87,24 @@ def collect_status(
         store: the store.
         margin_seconds: slack added to each entry's ``misfire_grace`` before its overdue
             ``next_fire_at`` counts as a missed slot.
+        disabled_within_minutes: config entries a sync disabled this recently are an alarm
+            (an entry vanished from its group's ``beat_schedule``: on purpose, or a deploy
+            of the wrong config?).
+        beat_alive_seconds: a beat whose heartbeat is older than this counts as gone.
+        redispatch_seconds: a trigger no worker started this long after it was dispatched
+            (``reliable_beat_redispatch_seconds``) counts as never acknowledged.
 
     Returns:
-        ``{"store" (URL, password hidden), "now" (UTC), "entries": [...], "missed": [names],
+        ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
+        see :mod:`reliable_beat.identity`), "now" (UTC), "entries": [...], "missed": [names],
         "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
-        "problems": [str], "ok" (bool)}``. Each entry: ``{"name", "task", "origin",
+        "unstarted": {entry: count of its triggers of the last 24 h that no worker started
+        within ``redispatch_seconds``, for entries whose latest such trigger was not started
+        either}, "groups": [...] (see :func:`~reliable_beat.groups.group_health`),
+        "recently_disabled":
+        [names], "unregistered": {entry: task}, "problems": [str], "warnings": [str],
+        "ok" (bool)}``. Each entry: ``{"name", "task", "origin", "schedule_group",
+        "disabled_at",
         "status" (active | paused | disabled | ended), "next_fire_at", "last_fire_at",
         "last_state", "lag_seconds" (float | None), "overdue_seconds" (float | None),
         "missed" (bool), "failing" (retrying runs), "dead" (dead letters not requeued)}``.
@@ -103,6 +112,9 @@ def collect_status(
     Raises:
         StoreUnavailableError: the database cannot be reached.
     """
+    from reliable_beat.identity import store_id
+
+    sid = store_id(store)
     with store.engine.connect() as conn:
         now = store.now(conn)
         last = runs.alias("last_run")
@@ -111,6 +123,7 @@ def collect_status(
                 entries.c.name, entries.c.task, entries.c.origin, entries.c.enabled,
                 entries.c.paused, entries.c.next_fire_at, entries.c.last_fire_at,
                 entries.c.misfire_grace_seconds, last.c.state.label("last_state"),
+                entries.c.schedule_group, entries.c.disabled_at,
                 last.c.dispatched_at.label("last_dispatched_at"),
             )
             .select_from(
@@ -142,6 +155,8 @@ def collect_status(
             .where(dead_letters.c.requeued_at.is_(None))
         ).scalar_one()
         backlog = outbox_backlog(conn, now)
+        groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
+        unstarted, starts_recorded = _unstarted(conn, now, redispatch_seconds)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
@@ -161,6 +176,7 @@ def collect_status(
             missed.append(r.name)
         out_entries.append({
             "name": r.name, "task": r.task, "origin": r.origin, "status": status,
+            "schedule_group": r.schedule_group, "disabled_at": _utc(r.disabled_at),
             "next_fire_at": r.next_fire_at, "last_fire_at": r.last_fire_at,
             "last_state": r.last_state, "lag_seconds": lag, "overdue_seconds": overdue,
             "missed": is_missed, "failing": int(failing.get(r.name, 0)),
@@ -178,16 +194,121 @@ def collect_status(
         problems.append(
             f"{dead_total} dead letters wait for a person: `reliable-beat dead-letters list`"
         )
+    horizon = now - timedelta(minutes=disabled_within_minutes)
+    recent = [e["name"] for e in out_entries if e["status"] == "disabled"
+              and e["origin"] == "config" and e["disabled_at"] is not None
+              and e["disabled_at"] >= horizon]
+    if recent:
+        problems.append(
+            f"RECENTLY DISABLED: {len(recent)} config entries vanished from their group's "
+            f"beat_schedule within the last {disabled_within_minutes:g} min and were disabled "
+            f"({', '.join(recent[:10])}{', ...' if len(recent) > 10 else ''}). If that was not "
+            "meant, deploy the config that has them (`reliable-beat status --all` shows them)."
+        )
+    for g in groups:
+        if g["enabled_entries"] and not g["beats_alive"]:
+            seen = _fmt(g["last_seen_at"]) if g["last_seen_at"] else "never"
+            problems.append(
+                f"NO BEAT: schedule group {g['group']!r} has {g['enabled_entries']} enabled "
+                f"config entries but no live beat (last seen {seen}): nothing syncs its "
+                "beat_schedule; beats of other groups still fire its entries. Start its beat, "
+                f"or retire the group: `reliable-beat schedule retire {g['group']}`."
+            )
+    if unstarted:
+        names = sorted(unstarted)
+        problems.append(
+            f"NEVER STARTED: the triggers of {len(names)} entries were not started by any "
+            f"worker within {redispatch_seconds:g} s ({', '.join(names[:10])}"
+            f"{', ...' if len(names) > 10 else ''}): no worker registers the task (a typo? a "
+            "removed task?) or none consumes its queue. `reliable-beat entries describe NAME` "
+            "shows the task; `celery -A APP inspect registered` what workers know."
+        )
+    unregistered: dict[str, str] = {}
+    for g in groups:
+        unregistered.update(g["unregistered"])
+    warnings: list[str] = []
+    if not starts_recorded:
+        warnings.append(
+            "no worker has recorded starting a trigger in the last "
+            f"{UNSTARTED_WINDOW_HOURS:g} h: either no worker runs, or workers run plain tasks "
+            "without `reliable_beat.celery.acks` in their imports (then triggers that no "
+            "worker knows cannot be told from done ones)"
+        )
+    for g in groups:
+        if g["beats_on_other_config"]:
+            warnings.append(
+                f"schedule group {g['group']!r}: {g['beats_on_other_config']} of "
+                f"{g['beats_alive']} live beats started with a beat_schedule other than the "
+                "group's current one (old pods of a deploy in progress, or a config the beat "
+                "refused: see its log; `reliable-beat schedule list`)"
+            )
+    if unregistered:
+        warnings.append(
+            f"UNREGISTERED TASKS: {len(unregistered)} config entries name a task their "
+            "group's beat does not register: "
+            + ", ".join(f"{k} -> {v}" for k, v in sorted(unregistered.items())[:10])
+        )
     return {
         "store": store.safe_url,
+        "store_id": sid,
         "now": now,
         "entries": out_entries,
         "missed": missed,
         "outbox": backlog,
         "dead_letters": int(dead_total),
+        "groups": groups,
+        "unstarted": unstarted,
+        "recently_disabled": recent,
+        "unregistered": unregistered,
         "problems": problems,
+        "warnings": warnings,
         "ok": not problems,
     }
+
+
+def _unstarted(
+    conn: Connection, now: datetime, redispatch_seconds: float
+) -> tuple[dict[str, int], bool]:
+    """Entries whose triggers no worker started: ``({entry: unstarted count}, whether any
+    start was recorded in the window)``.
+
+    A trigger counts when it is ``dispatched``, was dispatched between the window's start
+    and ``now - redispatch_seconds``, and has no ``started_at`` (an ``IdempotentTask``'s
+    claim sets it; :mod:`reliable_beat.celery.acks` sets it for plain tasks). An entry is
+    reported only when its latest such trigger is later than its latest started one, and
+    only when some start was recorded in the window at all (the workers do record starts).
+    """
+    lo = now - timedelta(hours=UNSTARTED_WINDOW_HOURS)
+    hi = now - timedelta(seconds=redispatch_seconds)
+    recent = and_(runs.c.entry_name.is_not(None), runs.c.dispatched_at >= lo)
+    pending = dict(
+        (name, (int(n), _utc(latest))) for name, n, latest in conn.execute(
+            select(runs.c.entry_name, func.count(), func.max(runs.c.dispatched_at))
+            .where(recent, runs.c.state == "dispatched", runs.c.started_at.is_(None),
+                   runs.c.dispatched_at <= hi)
+            .group_by(runs.c.entry_name)
+        ).all()
+    )
+    if not pending:
+        return {}, True
+    last_started = dict(
+        (name, _utc(at)) for name, at in conn.execute(
+            select(runs.c.entry_name, func.max(runs.c.dispatched_at))
+            .where(recent, runs.c.started_at.is_not(None),
+                   runs.c.entry_name.in_(list(pending)))
+            .group_by(runs.c.entry_name)
+        ).all()
+    )
+    if not last_started and conn.execute(
+        select(runs.c.id).where(recent, runs.c.started_at.is_not(None)).limit(1)
+    ).first() is None:
+        return {}, False  # no worker records starts: cannot tell; status warns instead
+    out: dict[str, int] = {}
+    for name, (count, latest) in pending.items():
+        seen = last_started.get(name)
+        if seen is None or (latest is not None and latest > seen):
+            out[name] = count
+    return out, True
 
 
 def _fmt(at: datetime | None) -> str:
@@ -205,26 +326,40 @@ def _secs(value: float | None) -> str:
 @click.option("--margin", type=click.FloatRange(min=0), default=DEFAULT_MARGIN_SECONDS,
               show_default=True,
               help="Seconds beyond an entry's misfire_grace before an overdue slot is 'missed'.")
+@click.option("--disabled-within", type=click.FloatRange(min=0),
+              default=DEFAULT_DISABLED_WITHIN_MINUTES, show_default=True,
+              help="Minutes: config entries disabled by a sync this recently are an alarm.")
 @click.option("--all", "show_all", is_flag=True, help="Include disabled entries.")
 @pass_cli
-def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all: bool) -> None:
+def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all: bool,
+           disabled_within: float) -> None:
     """Entries (next fire, last slot, state, lag, failing/dead), outbox backlog, alarms."""
     try:
-        info = collect_status(cli.store, margin_seconds=margin)
+        info = collect_status(cli.store, margin_seconds=margin,
+                              disabled_within_minutes=disabled_within,
+                              redispatch_seconds=cli.settings.redispatch_seconds)
     except StoreUnavailableError as exc:
-        click.echo(f"error: {exc}", err=True)
-        raise SystemExit(1) from exc
+        fail(str(exc), 1, kind="store_unavailable")
     if not show_all:
-        info["entries"] = [e for e in info["entries"] if e["status"] != "disabled"]
+        # Disabled config entries stay visible: a vanished entry is news.
+        info["entries"] = [e for e in info["entries"]
+                           if e["status"] != "disabled" or e["origin"] == "config"]
     if as_json:
         cli.echo_json(jsonable(info))
     else:
-        click.echo(f"store {info['store']}  now {_fmt(info['now'])} (store clock, UTC)")
+        click.echo(f"store {info['store']} (id {info['store_id'] or '-'})  now "
+                   f"{_fmt(info['now'])} (store clock, UTC)")
         for problem in info["problems"]:
             click.secho(f"!! {problem}", fg="red", bold=True)
-        header = ("ENTRY", "STATUS", "NEXT", "LAST SLOT", "STATE", "LAG", "FAILING", "DEAD")
+        for warning in info["warnings"]:
+            click.secho(f"!  {warning}", fg="yellow")
+        header = ("ENTRY", "GROUP", "STATUS", "NEXT", "LAST SLOT", "STATE", "LAG", "FAILING",
+                  "DEAD")
         table = [header] + [
-            (e["name"] + (" (MISSED)" if e["missed"] else ""), e["status"],
+            (e["name"] + (" (MISSED)" if e["missed"] else "")
+             + (" (NEVER STARTED)" if e["name"] in info["unstarted"] else ""),
+             e["schedule_group"] or "-",
+             e["status"] + (f" {_fmt(e['disabled_at'])}" if e["disabled_at"] else ""),
              _fmt(e["next_fire_at"]), _fmt(e["last_fire_at"]), e["last_state"] or "-",
              _secs(e["lag_seconds"]), str(e["failing"]), str(e["dead"]))
             for e in info["entries"]
@@ -240,6 +375,10 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         else:
             click.echo("\noutbox: empty")
         click.echo(f"dead letters: {info['dead_letters']}")
+        for g in info["groups"]:
+            click.echo(f"schedule group {g['group']}: {g['beats_alive']} live beats, "
+                       f"{g['enabled_entries']} enabled config entries, config synced "
+                       f"{_fmt(g['config_synced_at'])}, last beat seen {_fmt(g['last_seen_at'])}")
     if check and not info["ok"]:
         raise SystemExit(1)
 

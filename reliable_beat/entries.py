@@ -39,6 +39,13 @@ from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
+from reliable_beat.groups import (
+    DEFAULT_GROUP,
+    SyncResult,
+    config_state,
+    group_config_hash,
+    record_config,
+)
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy
 from reliable_beat.settings import Settings
 
@@ -54,6 +61,7 @@ __all__ = [
     "resume",
     "save_runtime_entry",
     "sync_config_entries",
+    "sync_schedule_group",
 ]
 
 ENTRY_OPTION_KEYS = frozenset(
@@ -304,8 +312,6 @@ def definition_from_celery(
             f"reliable_beat_max_payload_bytes ({settings.max_payload_bytes}); they are copied "
             "into every run, trigger and broker message: pass a reference (an id, a key) "
             "and load the data in the task")
-    if raw.get("relative"):
-        bad("'relative=True' is not supported: slots sit on a fixed grid")
     tz = rb.get("timezone") or default_timezone
     try:
         tz = sch.validate_timezone(tz)
@@ -325,7 +331,16 @@ def definition_from_celery(
         bad("'schedule' is missing")
     else:
         try:
-            schedule = sch.from_celery(raw["schedule"], timezone=tz, anchor=anchor, entry=name)
+            # 'relative' as Celery reads it: it changes a number/timedelta (refused there),
+            # and is ignored on a crontab or a schedule object, as Celery ignores it
+            schedule = sch.from_celery(
+                raw["schedule"], timezone=tz, anchor=anchor, entry=name,
+                relative=bool(raw.get("relative", False)),
+            )
+            if rb.get("timezone") and schedule.timezone != tz:
+                bad(f"timezone={tz!r} conflicts with the schedule's own zone "
+                    f"{schedule.timezone!r} (a crontab's nowfun/tz or a Schedule object); "
+                    "set the zone in one place")
             if schedule.kind == "cron" and (rb.get("dst_nonexistent") or rb.get("dst_repeated")):
                 spec = schedule.to_spec()
                 spec["nonexistent"] = rb.get("dst_nonexistent") or spec.get("nonexistent")
@@ -436,24 +451,38 @@ def _lock_for_sync(conn: Connection, store: Store) -> None:
 
 
 def _upsert(
-    conn: Connection, store: Store, definition: EntryDefinition, now: datetime
+    conn: Connection, store: Store, definition: EntryDefinition, now: datetime,
+    group: str | None = None, after: datetime | None = None,
 ) -> str:
-    """Insert or update one entry. Returns ``inserted``, ``updated`` or ``unchanged``."""
+    """Insert or update one entry. Returns ``inserted``, ``updated``, ``unchanged``,
+    ``adopted`` (a config entry of no group, or disabled in another group, now ``group``'s) or
+    ``conflict`` (an enabled config entry of another group: left as it is).
+
+    ``after``: a new entry's first slot is after this instant too (a renamed entry continues
+    where its old name stopped)."""
     row = conn.execute(
         select(
             entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
             entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at, entries.c.paused,
-        ).where(entries.c.name == definition.name)
+            entries.c.schedule_group,
+        ).where(entries.c.name == definition.name).with_for_update()
     ).first()
     values = definition.row_values()
+    if definition.origin == "config":
+        values["schedule_group"] = group
     if row is None:
         values.update(
-            next_fire_at=definition.first_fire_at(now), created_at=now, updated_at=now,
-            enabled=True, paused=False,
+            next_fire_at=definition.first_fire_at(max(now, after) if after else now),
+            created_at=now, updated_at=now, enabled=True, paused=False,
         )
         conn.execute(entries.insert().values(**values))
         return "inserted"
-    if row.config_hash == values["config_hash"] and row.enabled:
+    adopted = False
+    if definition.origin == "config" and row.schedule_group != group:
+        if row.schedule_group is not None and row.enabled:
+            return "conflict"
+        adopted = True
+    if row.config_hash == values["config_hash"] and row.enabled and not adopted:
         return "unchanged"
     if definition.schedule.kind == "interval" and not getattr(
         definition, "_explicit_anchor", False
@@ -469,32 +498,61 @@ def _upsert(
     else:
         base = max(now, row.last_fire_at) if row.last_fire_at else now
         next_fire_at = definition.first_fire_at(base)
-    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True)
+    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True, disabled_at=None)
     del values["name"]
     conn.execute(update(entries).where(entries.c.id == row.id).values(**values))
-    return "updated"
+    return "adopted" if adopted else "updated"
 
 
-def sync_config_entries(store: Store, definitions: Iterable[EntryDefinition]) -> dict[str, int]:
-    """Make the stored ``config`` entries match ``beat_schedule``, in one transaction.
+def sync_schedule_group(
+    store: Store,
+    definitions: Iterable[EntryDefinition],
+    *,
+    group: str = DEFAULT_GROUP,
+    owner: str | None = None,
+    force: bool = False,
+) -> SyncResult:
+    """Make the stored config entries of schedule group ``group`` match ``beat_schedule``, in
+    one transaction, unless this config is an older one of the group.
 
-    New entries are inserted, changed ones updated (a changed schedule recomputes
-    ``next_fire_at`` on the new grid), config entries gone from the config are disabled
-    (never deleted: their history stays). Runtime entries are never touched. Safe when several
-    beats sync at once (PostgreSQL advisory lock; SQLite write lock).
+    The config's digest (:func:`~reliable_beat.groups.group_config_hash`) decides
+    (see :mod:`reliable_beat.groups`): the group's *current* config changes nothing; a *new*
+    one is synced and becomes current; an *older* one (synced before, then superseded: an
+    old pod of a rolling deploy) is not synced unless ``force``.
 
-    Returns:
-        Counts: ``{"inserted": n, "updated": n, "unchanged": n, "disabled": n}``.
+    A sync inserts new entries, updates changed ones (a changed schedule recomputes
+    ``next_fire_at`` on the new grid) and disables (never deletes: their history stays) the
+    config entries **of this group** that are gone from the config. Config entries of other
+    groups and runtime entries are never touched; a name that is an enabled config entry of
+    another group is reported in ``conflicts`` and left to that group; a config entry with no
+    group (stored before groups existed) or disabled in another group is adopted. Safe when
+    several beats sync at once (PostgreSQL advisory lock; SQLite write lock).
+
+    Args:
+        group: the schedule group (the Celery app's main name, or
+            ``reliable_beat_schedule_group``).
+        owner: who syncs (recorded with the config; for the logs).
+        force: sync even an older config (``reliable-beat schedule sync --force``).
 
     Raises:
         ConfigurationError: a config entry has the name of an existing runtime entry.
     """
-    counts = {"inserted": 0, "updated": 0, "unchanged": 0, "disabled": 0}
     defs = list(definitions)
+    result = SyncResult(group=group, config_hash=group_config_hash(defs))
     with store.begin() as conn:
         _lock_for_sync(conn, store)
         now = store.now(conn)
+        state, superseded_at = config_state(conn, group, result.config_hash)
+        if state == "older" and not force:
+            result.outcome, result.superseded_at = "older", superseded_at
+            return result
+        result.outcome = "forced" if state == "older" else state
         names = [d.name for d in defs]
+        if state == "new" and not force:
+            reason = _refuse_new_config(conn, group, names)
+            if reason:
+                result.outcome, result.refused = "refused", reason
+                return result
         clash = conn.execute(
             select(entries.c.name).where(
                 entries.c.name.in_(names), entries.c.origin == "runtime"
@@ -505,19 +563,112 @@ def sync_config_entries(store: Store, definitions: Iterable[EntryDefinition]) ->
                 f"beat_schedule entries {sorted(clash)} clash with runtime entries of the same "
                 "name; rename them or remove the runtime entries (`reliable-beat entries remove`)"
             )
-        for d in defs:
-            d.origin = "config"
-            counts[_upsert(conn, store, d, now)] += 1
+        # Disable first (UPDATE ... RETURNING waits for a beat's claim holding the row, so
+        # last_fire_at is the committed one), then insert / update.
         stale = update(entries).where(
-            and_(entries.c.origin == "config", entries.c.enabled.is_(True))
+            and_(entries.c.origin == "config", entries.c.enabled.is_(True),
+                 entries.c.schedule_group == group)
         )
         if names:
             stale = stale.where(entries.c.name.not_in(names))
-        result = conn.execute(stale.values(enabled=False, updated_at=now))
-        counts["disabled"] = result.rowcount or 0
-        if counts["inserted"] or counts["updated"] or counts["disabled"]:
+        gone = sorted(conn.execute(
+            stale.values(enabled=False, disabled_at=now, updated_at=now).returning(
+                entries.c.name, entries.c.config_hash, entries.c.last_fire_at,
+                entries.c.schedule)
+        ).all(), key=lambda r: r.name)
+        result.disabled = [r.name for r in gone]
+        renamed = _renames(conn, defs, gone)
+        for d in defs:
+            d.origin = "config"
+            after = None
+            old = renamed.get(d.name)
+            if old is not None:
+                result.renamed[d.name] = old.name
+                after = old.last_fire_at
+                if d.schedule.kind == "interval" and not getattr(d, "_explicit_anchor", False):
+                    d = replace(d, schedule=sch.schedule_from_spec(old.schedule))
+            outcome = _upsert(conn, store, d, now, group, after)
+            if outcome == "unchanged":
+                result.unchanged += 1
+            elif outcome == "conflict":
+                other = conn.execute(
+                    select(entries.c.schedule_group).where(entries.c.name == d.name)
+                ).scalar_one()
+                result.conflicts[d.name] = other
+            else:
+                getattr(result, outcome).append(d.name)
+        record_config(conn, group=group, config_hash=result.config_hash, names=names, now=now,
+                      owner=owner)
+        if result.changed:
             notify_entries_changed(conn, store)
-    return counts
+    return result
+
+
+def _refuse_new_config(conn: Connection, group: str, names: list[str]) -> str | None:
+    """Why a never-seen config must not replace the group's entries by itself, or None.
+
+    Two shapes are far more often a mistake than a decision: an empty ``beat_schedule`` (a
+    settings module that did not load) and a config sharing no entry name with the group's
+    enabled config entries (two apps with the same main name, hence one group). Either would
+    disable every entry of the group; ``--force`` (or ``schedule retire``) says it is meant.
+    """
+    current = list(conn.execute(
+        select(entries.c.name).where(
+            entries.c.origin == "config", entries.c.schedule_group == group,
+            entries.c.enabled.is_(True),
+        ).order_by(entries.c.name)
+    ).scalars())
+    if not current:
+        return None
+    shown = ", ".join(current[:10]) + (", ..." if len(current) > 10 else "")
+    if not names:
+        return (f"this beat's beat_schedule is empty, but schedule group {group!r} has "
+                f"{len(current)} enabled config entries ({shown}); not disabling them. A "
+                "settings module that did not load? To disable them on purpose: "
+                f"`reliable-beat schedule retire {group}`")
+    if not set(names) & set(current):
+        return (f"this beat's beat_schedule shares no entry with schedule group {group!r}'s "
+                f"enabled config entries ({shown}): two apps with the same main name? Give "
+                "one of them its own `reliable_beat_schedule_group`. If this config replaces "
+                "the whole schedule on purpose: `reliable-beat -A APP schedule sync --force`")
+    return None
+
+
+def _renames(
+    conn: Connection, defs: list[EntryDefinition], gone: list[Any]
+) -> dict[str, Any]:
+    """New name -> the disabled row it renames: a definition with no stored row whose
+    definition (everything but the name) is that of exactly one entry this sync disables,
+    and no other new definition has it too."""
+    if not gone:
+        return {}
+    by_hash: dict[str, list[Any]] = {}
+    for row in gone:
+        by_hash.setdefault(row.config_hash, []).append(row)
+    existing = set(conn.execute(
+        select(entries.c.name).where(entries.c.name.in_([d.name for d in defs]))
+    ).scalars()) if defs else set()
+    new = [d for d in defs if d.name not in existing]
+    hashes = [d.config_hash() for d in new]
+    out: dict[str, Any] = {}
+    for d, h in zip(new, hashes, strict=True):
+        if len(by_hash.get(h, [])) == 1 and hashes.count(h) == 1:
+            out[d.name] = by_hash[h][0]
+    return out
+
+
+def sync_config_entries(
+    store: Store, definitions: Iterable[EntryDefinition], *, group: str = DEFAULT_GROUP,
+) -> dict[str, int]:
+    """:func:`sync_schedule_group` returning only the counts.
+
+    Returns:
+        Counts: ``{"inserted": n, "updated": n, "unchanged": n, "disabled": n}``.
+
+    Raises:
+        ConfigurationError: a config entry has the name of an existing runtime entry.
+    """
+    return sync_schedule_group(store, definitions, group=group).counts
 
 
 def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: bool) -> str:

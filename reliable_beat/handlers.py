@@ -45,7 +45,6 @@ import importlib
 import importlib.util
 import ipaddress
 import json
-import logging
 import os
 import re
 import smtplib
@@ -66,6 +65,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger
 
 __all__ = [
     "CELERY_PROTOCOL_HEADERS",
@@ -89,7 +89,7 @@ __all__ = [
     "smtp_message_id",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Entry point group for user handlers: ``name = "package.module:attr"``.
 ENTRY_POINT_GROUP = "reliable_beat.outbox_handlers"

@@ -41,23 +41,24 @@ node-exporter textfile with ``reliable-beat metrics textfile PATH``.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import click
 from sqlalchemy import func, select
 
-from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
+from reliable_beat.redaction import get_logger
 
 __all__ = [
+    "DEFAULT_METRICS_HOST",
     "LATENESS_BUCKETS",
     "MetricsServer",
     "StoreCollector",
@@ -67,7 +68,15 @@ __all__ = [
     "write_textfile",
 ]
 
-log = logging.getLogger("reliable_beat.metrics")
+if TYPE_CHECKING:
+    from reliable_beat.celery.commands import CliContext
+
+# ctx.obj of the reliable-beat group is the CliContext (click.pass_obj, not the group's
+# pass_cli: importing reliable_beat.celery.commands here would be circular, since it imports
+# this module to register the commands)
+pass_cli = click.pass_obj
+
+log = get_logger("reliable_beat.metrics")
 
 #: Upper bounds (seconds) of the fire lateness histogram buckets.
 LATENESS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -130,7 +139,7 @@ class StoreCollector:
         try:
             data = self._read()
         except Exception as exc:
-            log.warning("metrics scrape: store %s unavailable (%s)", self.store.safe_url, exc)
+            log.warning("metrics scrape failed: %s", self.store.describe_failure(exc))
             up.add_metric([], 0.0)
             yield up
             return
@@ -208,7 +217,7 @@ class StoreCollector:
         )
 
     def _read(self) -> dict[str, Any]:
-        from reliable_beat.cli_status import outbox_backlog
+        from reliable_beat.relay import outbox_status
 
         with self.store.engine.connect() as conn:
             now = self.store.now(conn)
@@ -247,7 +256,7 @@ class StoreCollector:
                     .group_by(dead_letters.c.kind)
                 )
             }
-            backlog = outbox_backlog(conn, now)
+            backlog = outbox_status(conn)
             since = now - timedelta(seconds=self.window_seconds)
             lateness = [
                 max(0.0, (d - f).total_seconds())
@@ -304,9 +313,26 @@ def make_registry(store: Store, **kwargs: Any) -> Any:
     return registry
 
 
+#: Default bind address of the metrics server: loopback only. Expose it deliberately
+#: (``reliable_beat_metrics_host = "0.0.0.0"`` or ``--addr``) behind a firewall.
+DEFAULT_METRICS_HOST = "127.0.0.1"
+#: Seconds a metrics connection may stay silent (request line, headers, body) before it is
+#: closed; each connection has its own thread, so a slow one never blocks a scrape.
+REQUEST_TIMEOUT_SECONDS = 10.0
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_SECONDS  # socket timeout per connection (socketserver)
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("metrics: " + format, *args)
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """One daemon thread per connection: an idle or slow client holds only its own."""
+
+    daemon_threads = True
+    block_on_close = False
 
 
 @dataclass
@@ -332,8 +358,15 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
-def serve(port: int, store: Store, *, addr: str = "0.0.0.0", **kwargs: Any) -> MetricsServer:
+def serve(
+    port: int, store: Store, *, addr: str = DEFAULT_METRICS_HOST, **kwargs: Any
+) -> MetricsServer:
     """Serve the store's metrics over HTTP at ``http://addr:port/metrics``, in a thread.
+
+    Each connection is served in a daemon thread of its own with a socket timeout of
+    :data:`REQUEST_TIMEOUT_SECONDS`, so an idle or slow client never blocks other scrapes.
+    The default address is loopback (:data:`DEFAULT_METRICS_HOST`): nothing is exposed
+    unless the operator says so.
 
     Args:
         port: TCP port (0 picks a free one; read :attr:`MetricsServer.port`).
@@ -350,7 +383,7 @@ def serve(port: int, store: Store, *, addr: str = "0.0.0.0", **kwargs: Any) -> M
     """
     prom = _prometheus()
     app = prom.make_wsgi_app(make_registry(store, **kwargs))
-    server = make_server(addr, port, app, WSGIServer, handler_class=_QuietHandler)
+    server = make_server(addr, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="rb-metrics", daemon=True)
     thread.start()
     return MetricsServer(server, thread)
@@ -373,10 +406,12 @@ def metrics() -> None:
 
 @metrics.command("serve")
 @click.option("--port", type=int, default=9808, show_default=True)
-@click.option("--addr", default="0.0.0.0", show_default=True)
+@click.option("--addr", default=None,
+              help="Bind address [default: reliable_beat_metrics_host, 127.0.0.1].")
 @pass_cli
-def serve_cmd(cli: CliContext, port: int, addr: str) -> None:
-    """Serve /metrics over HTTP until interrupted."""
+def serve_cmd(cli: CliContext, port: int, addr: str | None) -> None:
+    """Serve /metrics over HTTP until interrupted (loopback unless --addr says otherwise)."""
+    addr = addr or cli.settings.metrics_host
     try:
         server = serve(port, cli.store, addr=addr)
     except ImportError as exc:

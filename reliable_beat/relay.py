@@ -42,7 +42,6 @@ the claim runs under ``BEGIN IMMEDIATE``, which serialises claimers on the one h
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 import threading
 import time
@@ -82,6 +81,7 @@ from reliable_beat.handlers import (
 )
 from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
 from reliable_beat.policies import backoff_delay
+from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -95,10 +95,14 @@ __all__ = [
     "purge_sent",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: ``last_error`` of a trigger row not published because its ``expires_at`` had passed.
 EXPIRED_ERROR = "expired before publish"
+#: After a database outage a relay leaves beat triggers (destination ``celery``) alone this
+#: long (the beat's sweep delay): a beat that published one while the database was gone
+#: records it as sent first, so the relay does not send it a second time.
+TRIGGER_HOLD_AFTER_OUTAGE_SECONDS = 10.0
 _MAX_ERROR_CHARS = 2000
 Handler = Callable[[OutboxMessage], None]
 
@@ -446,11 +450,19 @@ class Relay:
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
         self._listener: _Listener | None = None
+        # After a database outage, beat triggers (destination ``celery``) are left alone for
+        # a sweep delay: the beat that published one during the outage records it first.
+        self._triggers_after = 0.0
+        self._retention: Any = None  # a RetentionThread while run_forever runs
 
     # -- one cycle -----------------------------------------------------------------------
 
     def claim(self) -> list[OutboxMessage]:
         """Claim one batch in its own short transaction (see :func:`claim_outbox_batch`)."""
+        destinations = [d for d in self.handlers
+                        if d != "celery" or time.monotonic() >= self._triggers_after]
+        if not destinations:
+            return []
         with self.store.begin() as conn:
             now = db_now(conn)
             return claim_outbox_batch(
@@ -460,7 +472,7 @@ class Relay:
                 now=now,
                 lease=self.claim_lease,
                 limit=self.batch_size,
-                destinations=self.handlers.keys(),
+                destinations=destinations,
                 max_bytes=self.settings.outbox_batch_bytes,
             )
 
@@ -643,7 +655,13 @@ class Relay:
                    reason=f"trigger undeliverable: {error}"[:_MAX_ERROR_CHARS])
 
     def maybe_purge(self) -> int:
-        """Run one retention pass if the last one is older than ``purge_interval_seconds``."""
+        """Run one retention pass if the last one is older than ``purge_interval_seconds``.
+
+        Off while :meth:`run_forever` runs: its :class:`~reliable_beat.retention.
+        RetentionThread` purges every table in bounded batches until caught up.
+        """
+        if self._retention is not None or self.settings.outbox_retention_seconds is None:
+            return 0
         if time.monotonic() - self._last_purge < self.purge_interval_seconds:
             return 0
         self._last_purge = time.monotonic()
@@ -665,12 +683,16 @@ class Relay:
         """
         stop = stop_event or threading.Event()
         poll = self.settings.relay_poll_seconds
+        from reliable_beat.retention import start_retention
+
+        self._retention = start_retention(self.store, self.settings, role="relay")
         try:
             while not stop.is_set():
                 try:
                     claimed = self.run_once()
                 except StoreUnavailableError as exc:
                     log.warning("relay: store unavailable, retrying in %.1f s: %s", poll, exc)
+                    self._triggers_after = time.monotonic() + TRIGGER_HOLD_AFTER_OUTAGE_SECONDS
                     stop.wait(poll)
                     continue
                 except Exception:
@@ -681,6 +703,9 @@ class Relay:
                     continue
                 self._wait(stop, poll)
         finally:
+            if self._retention is not None:
+                self._retention.stop()
+                self._retention = None
             self.close()
 
     def _wait(self, stop: threading.Event, timeout: float) -> None:
@@ -730,7 +755,7 @@ class _Listener:
                     pass
             return got
         except Exception as exc:
-            log.warning("relay LISTEN connection failed (%s); polling instead", exc)
+            log.warning("relay LISTEN connection failed (%s); polling instead", redact_text(exc))
             self.close()
             time.sleep(timeout)
             return False
@@ -743,5 +768,5 @@ class _Listener:
 
 
 def _describe(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}"
+    text = redact_text(f"{type(err).__name__}: {err}")  # webhook URLs, tokens: never stored
     return text[:_MAX_ERROR_CHARS]

@@ -42,11 +42,14 @@ from reliable_beat.db.types import JSONType, UTCDateTime
 
 __all__ = [
     "attempts",
+    "beats",
     "dead_letters",
     "entries",
     "metadata",
     "outbox",
     "runs",
+    "schedule_configs",
+    "store_identity",
 ]
 
 NAMING_CONVENTION = {
@@ -84,6 +87,9 @@ entries = Table(
     Column("paused", Boolean, nullable=False, server_default=false()),
     Column("paused_at", UTCDateTime, nullable=True),
     Column("origin", String(16), nullable=False, server_default="runtime"),  # config | runtime
+    # The schedule group that owns a config entry (NULL: runtime, or stored before groups).
+    Column("schedule_group", String(200), nullable=True),
+    Column("disabled_at", UTCDateTime, nullable=True),  # when a sync disabled it
     Column("config_hash", String(64), nullable=True),
     Column("start_at", UTCDateTime, nullable=True),
     Column("end_at", UTCDateTime, nullable=True),
@@ -97,6 +103,39 @@ entries = Table(
         postgresql_where=text("enabled AND NOT paused AND next_fire_at IS NOT NULL"),
         sqlite_where=text("enabled AND NOT paused AND next_fire_at IS NOT NULL"),
     ),
+    Index("ix_reliable_beat_entries_schedule_group", "schedule_group"),
+)
+
+# One row per beat_schedule version a schedule group has synced: the row with
+# superseded_at NULL is the group's current config; a config seen before and superseded is
+# an older one (an old pod of a rolling deploy) and never syncs again unless forced.
+schedule_configs = Table(
+    "reliable_beat_schedule_configs",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("schedule_group", String(200), nullable=False),
+    Column("config_hash", String(64), nullable=False),
+    Column("entry_names", JSONType, nullable=False, default=list),
+    Column("first_synced_at", UTCDateTime, nullable=False),
+    Column("synced_at", UTCDateTime, nullable=False),
+    Column("synced_by", String(200), nullable=True),
+    Column("superseded_at", UTCDateTime, nullable=True),
+    UniqueConstraint("schedule_group", "config_hash"),
+)
+
+# One row per beat process (owner id): its group, the config it started with, its heartbeat.
+beats = Table(
+    "reliable_beat_beats",
+    metadata,
+    Column("owner", String(200), primary_key=True),
+    Column("schedule_group", String(200), nullable=False),
+    Column("config_hash", String(64), nullable=True),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("seen_at", UTCDateTime, nullable=False),
+    Column("stopped_at", UTCDateTime, nullable=True),
+    # entry name -> task name, for config entries whose task this beat's app does not register
+    Column("unregistered", JSONType, nullable=False, default=dict),
+    Index("ix_reliable_beat_beats_schedule_group_seen_at", "schedule_group", "seen_at"),
 )
 
 runs = Table(
@@ -127,6 +166,7 @@ runs = Table(
     UniqueConstraint("entry_name", "fire_at"),
     Index("ix_reliable_beat_runs_state", "state"),
     Index("ix_reliable_beat_runs_entry_name_created_at", "entry_name", "created_at"),
+    Index("ix_reliable_beat_runs_created_at", "created_at"),
 )
 
 attempts = Table(
@@ -200,4 +240,13 @@ dead_letters = Table(
     Column("requeued_at", UTCDateTime, nullable=True),
     Column("requeued_by", String(200), nullable=True),
     Index("ix_reliable_beat_dead_letters_created_at", "created_at"),
+)
+
+#: One row: the store's identity, a random id written by the migration that created it.
+#: Triggers carry it (header ``reliable_beat_store``); a worker on another store refuses them.
+store_identity = Table(
+    "reliable_beat_store",
+    metadata,
+    Column("store_id", String(64), primary_key=True),
+    Column("created_at", UTCDateTime, nullable=False),
 )

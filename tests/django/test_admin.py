@@ -74,7 +74,8 @@ def seeded() -> Iterator[dict[str, Any]]:
         args=["m-nightly"]), create=True)
     rb_entries.sync_config_entries(store, [EntryDefinition(
         name=hourly, task="dj.pay", args=["m-cfg"], schedule=sch.IntervalSchedule(
-            timedelta(hours=1), datetime(2026, 1, 1, tzinfo=timezone.utc)))])
+            timedelta(hours=1), datetime(2026, 1, 1, tzinfo=timezone.utc)))],
+        group=f"test-{tag}")  # one schedule group per test: each is its own app's config
     claim = rb_runs.claim_run(store, f"dead:{tag}", owner="test", lease=timedelta(seconds=30),
                               task="dj.pay", args=[f"m-dead-{tag}"])
     rb_runs.record_failure(store, claim, "PermanentError: bank said no", dead_reason="permanent",

@@ -1,0 +1,322 @@
+"""Schedule groups: which beats own which config entries, config versions, beat heartbeats.
+
+Several Celery apps (or the old and the new pods of a rolling deploy) may share one store.
+Each config entry (from a ``beat_schedule``) belongs to a **schedule group**: by default the
+Celery app's main name, or ``reliable_beat_schedule_group``. A beat's start-up sync only ever
+touches the config entries of its own group, so two apps with different schedules never
+disable each other's entries.
+
+Within a group, the config a beat brings is identified by a digest of every entry
+(:func:`group_config_hash`). The store remembers every config a group has synced
+(``reliable_beat_schedule_configs``): the one not superseded is *current*. A beat whose config
+
+* is the current one syncs nothing (quiet: nothing changed);
+* was never seen is *new*: it is synced, logged once with what changed, and becomes current;
+* was synced before and then superseded is *older* (an old pod restarting during a rolling
+  deploy): it is **not** synced; the beat fires the group's current entries like any other.
+  Only ``reliable-beat schedule sync --force`` (e.g. after a rollback) makes it current again.
+
+So old and new pods never flap the stored schedule, and the change is logged once.
+
+Each beat also keeps a row in ``reliable_beat_beats`` (owner id, group, the config it came
+with, a heartbeat every few seconds, the config entries whose task its app does not
+register), so ``reliable-beat status`` can tell a group with no live beat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import and_, delete, func, select, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import beats, entries, schedule_configs
+
+if TYPE_CHECKING:
+    from reliable_beat.entries import EntryDefinition
+
+__all__ = [
+    "DEFAULT_GROUP",
+    "SyncResult",
+    "beat_heartbeat",
+    "beat_stopped",
+    "group_config_hash",
+    "group_health",
+    "log_sync_result",
+    "record_beat",
+    "schedule_group_of",
+]
+
+#: The group of config entries synced without a name (no app, e.g. direct API use).
+DEFAULT_GROUP = "default"
+#: Rows of beats not seen for this long are deleted by the heartbeat of a beat of their group.
+BEAT_ROW_RETENTION = timedelta(days=7)
+
+
+def group_config_hash(definitions: Iterable[EntryDefinition]) -> str:
+    """A digest of a whole ``beat_schedule`` as synced: every entry's name and its
+    :meth:`~reliable_beat.entries.EntryDefinition.config_hash` (order-independent)."""
+    body = sorted((d.name, d.config_hash()) for d in definitions)
+    return hashlib.sha256(json.dumps(body).encode()).hexdigest()
+
+
+@dataclass
+class SyncResult:
+    """What a config sync did.
+
+    Attributes:
+        group: the schedule group synced.
+        config_hash: digest of the config the beat brought (:func:`group_config_hash`).
+        outcome: ``new`` (never seen: synced, now current), ``current`` (already current:
+            nothing to change), ``older`` (seen before and superseded: not synced),
+            ``forced`` (an older config made current by ``--force``), ``refused`` (a new
+            config that would disable every entry of the group: empty, or sharing no entry
+            name with it; not synced, see ``refused``).
+        inserted / updated / disabled / adopted: entry names. ``adopted``: config entries
+            stored without a group (before groups existed) or disabled in another group,
+            taken over by this group.
+        unchanged: how many entries were already as configured.
+        conflicts: entry name -> the other group that owns it (enabled there): not synced.
+        renamed: new name -> old name, for an inserted entry defined exactly as one this sync
+            disabled: it continues the old name's grid (its first slot is after the old
+            name's last), so a rename neither repeats nor skips a slot.
+        refused: for ``refused``, why (names the group, its entries and the fix).
+        superseded_at: for ``older``, when this config was replaced (UTC).
+    """
+
+    group: str
+    config_hash: str
+    outcome: str = "current"
+    inserted: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    disabled: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    conflicts: dict[str, str] = field(default_factory=dict)
+    renamed: dict[str, str] = field(default_factory=dict)
+    refused: str | None = None
+    superseded_at: datetime | None = None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """``{"inserted", "updated", "unchanged", "disabled"}`` counts."""
+        return {"inserted": len(self.inserted), "updated": len(self.updated),
+                "unchanged": self.unchanged, "disabled": len(self.disabled)}
+
+    @property
+    def changed(self) -> bool:
+        """True when any stored entry changed."""
+        return bool(self.inserted or self.updated or self.disabled or self.adopted)
+
+
+def record_config(
+    conn: Connection, *, group: str, config_hash: str, names: list[str], now: datetime,
+    owner: str | None,
+) -> None:
+    """Make ``config_hash`` the group's current config (joins the caller's transaction)."""
+    conn.execute(
+        update(schedule_configs)
+        .where(schedule_configs.c.schedule_group == group,
+               schedule_configs.c.superseded_at.is_(None),
+               schedule_configs.c.config_hash != config_hash)
+        .values(superseded_at=now)
+    )
+    found = conn.execute(
+        update(schedule_configs)
+        .where(schedule_configs.c.schedule_group == group,
+               schedule_configs.c.config_hash == config_hash)
+        .values(superseded_at=None, synced_at=now, synced_by=owner, entry_names=sorted(names))
+    ).rowcount
+    if not found:
+        conn.execute(schedule_configs.insert().values(
+            schedule_group=group, config_hash=config_hash, entry_names=sorted(names),
+            first_synced_at=now, synced_at=now, synced_by=owner, superseded_at=None,
+        ))
+
+
+def config_state(conn: Connection, group: str, config_hash: str) -> tuple[str, datetime | None]:
+    """``("current" | "new" | "older", superseded_at)`` of a config within its group."""
+    row = conn.execute(
+        select(schedule_configs.c.superseded_at).where(
+            schedule_configs.c.schedule_group == group,
+            schedule_configs.c.config_hash == config_hash,
+        )
+    ).first()
+    if row is None:
+        return "new", None
+    if row.superseded_at is None:
+        return "current", None
+    return "older", row.superseded_at
+
+
+def record_beat(
+    store: Store, *, owner: str, group: str, config_hash: str | None,
+    unregistered: Mapping[str, str],
+) -> None:
+    """Insert or refresh this beat's row (at start, after its sync).
+
+    Args:
+        owner: the beat's owner id (``host:pid`` by default).
+        group: its schedule group.
+        config_hash: the config it brought.
+        unregistered: config entry name -> task name, for entries of its group whose task
+            its app does not register (``status`` reports them).
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        values = {"schedule_group": group, "config_hash": config_hash, "seen_at": now,
+                  "started_at": now, "stopped_at": None, "unregistered": dict(unregistered)}
+        if not conn.execute(update(beats).where(beats.c.owner == owner).values(**values)).rowcount:
+            conn.execute(beats.insert().values(owner=owner, **values))
+
+
+def beat_heartbeat(store: Store, owner: str, group: str) -> None:
+    """Refresh this beat's ``seen_at`` and delete its group's rows of beats gone for a week
+    (bounded: at most 100 rows a call). Safe from several processes."""
+    with store.begin() as conn:
+        now = store.now(conn)
+        conn.execute(update(beats).where(beats.c.owner == owner).values(seen_at=now))
+        old = select(beats.c.owner).where(
+            beats.c.schedule_group == group, beats.c.seen_at < now - BEAT_ROW_RETENTION
+        ).limit(100)
+        owners = list(conn.execute(old).scalars())
+        if owners:
+            conn.execute(delete(beats).where(beats.c.owner.in_(owners)))
+
+
+def beat_stopped(store: Store, owner: str) -> None:
+    """Mark this beat stopped (graceful exit)."""
+    with store.begin() as conn:
+        now = store.now(conn)
+        conn.execute(update(beats).where(beats.c.owner == owner).values(
+            stopped_at=now, seen_at=now))
+
+
+def group_health(
+    conn: Connection, now: datetime, *, alive_seconds: float
+) -> list[dict[str, Any]]:
+    """One dict per schedule group known to the store (from its config entries and beats),
+    sorted by name.
+
+    Args:
+        now: the store's clock (UTC).
+        alive_seconds: a beat whose heartbeat is older than this counts as gone.
+
+    Returns:
+        ``{"group", "beats_alive" (int), "last_seen_at" (UTC | None), "enabled_entries" (int),
+        "config_synced_at" (UTC | None), "current_config" (hash | None),
+        "beats_on_other_config" (live beats that started with a config other than the
+        current one: an old pod, or a refused config), "unregistered" ({entry: task}, from
+        the live beats)}``.
+    """
+    horizon = now - timedelta(seconds=alive_seconds)
+    groups: dict[str, dict[str, Any]] = {}
+
+    def group(name: str) -> dict[str, Any]:
+        return groups.setdefault(name, {
+            "group": name, "beats_alive": 0, "last_seen_at": None, "enabled_entries": 0,
+            "config_synced_at": None, "current_config": None, "beats_on_other_config": 0,
+            "unregistered": {},
+        })
+
+    for name, count in conn.execute(
+        select(entries.c.schedule_group, func.count())
+        .where(and_(entries.c.origin == "config", entries.c.schedule_group.is_not(None),
+                    entries.c.enabled.is_(True)))
+        .group_by(entries.c.schedule_group)
+    ).all():
+        group(name)["enabled_entries"] = int(count)
+    for cfg in conn.execute(
+        select(schedule_configs.c.schedule_group, schedule_configs.c.synced_at,
+               schedule_configs.c.config_hash)
+        .where(schedule_configs.c.superseded_at.is_(None))
+    ).all():
+        group(cfg.schedule_group)["config_synced_at"] = cfg.synced_at
+        group(cfg.schedule_group)["current_config"] = cfg.config_hash
+    for row in conn.execute(
+        select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at,
+               beats.c.unregistered, beats.c.config_hash)
+    ).all():
+        g = group(row.schedule_group)
+        seen = _aware(row.seen_at)
+        if g["last_seen_at"] is None or seen > g["last_seen_at"]:
+            g["last_seen_at"] = seen
+        if row.stopped_at is None and seen >= horizon:
+            g["beats_alive"] += 1
+            if g["current_config"] is not None and row.config_hash != g["current_config"]:
+                g["beats_on_other_config"] += 1
+            g["unregistered"].update(row.unregistered or {})
+    return [groups[k] for k in sorted(groups)]
+
+
+def _aware(value: datetime) -> datetime:
+    from datetime import timezone
+
+    return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+
+
+def schedule_group_of(app: Any, configured: str | None) -> str:
+    """The schedule group of an app: ``configured`` (``reliable_beat_schedule_group``), else
+    the app's main name (``Celery("proj")`` -> ``proj``), else :data:`DEFAULT_GROUP`."""
+    if configured:
+        return configured
+    main = getattr(app, "main", None)
+    if isinstance(main, str) and main and main != "__main__":
+        return main
+    return DEFAULT_GROUP
+
+
+def _names(names: Iterable[str], limit: int = 20) -> str:
+    items = list(names)
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+def log_sync_result(log: logging.Logger, result: SyncResult, where: str) -> None:
+    """Log a sync the way operators need it: one INFO line when nothing changed, what
+    changed (names) once when a new config was synced, a WARNING naming disabled entries, an
+    ERROR per entry owned by another group."""
+    group = result.group
+    short = result.config_hash[:12]
+    if result.outcome == "older":
+        log.info(
+            "reliable_beat: schedule group %r: this beat's beat_schedule (config %s) is an older "
+            "version, superseded at %s; not syncing it. This beat fires the group's current "
+            "entries. (After a rollback run `reliable-beat -A APP schedule sync --force`.)",
+            group, short, result.superseded_at.isoformat() if result.superseded_at else "?")
+        return
+    if result.outcome == "refused":
+        log.error("reliable_beat: schedule group %r: not syncing beat_schedule (config %s): "
+                  "%s. This beat fires the group's current entries.", group, short,
+                  result.refused)
+        return
+    for name, other in sorted(result.conflicts.items()):
+        log.error(
+            "reliable_beat: entry %r of schedule group %r is an enabled config entry of group "
+            "%r; left to that group, not synced. Rename it in one of the two beat_schedules, "
+            "or remove it from group %r's (its beat then disables it and this group adopts it "
+            "at its next start).", name, group, other, other)
+    if not result.changed:
+        log.info("reliable_beat: schedule group %r: beat_schedule in %s is current (config %s, "
+                 "%d entries); nothing to sync", group, where, short, result.unchanged)
+        return
+    parts = [f"{k} {len(v)} ({_names(v)})" for k, v in (
+        ("inserted", result.inserted), ("updated", result.updated),
+        ("adopted", result.adopted)) if v]
+    if result.renamed:
+        parts.append("renamed " + ", ".join(
+            f"{old} -> {new}" for new, old in sorted(result.renamed.items())))
+    log.info("reliable_beat: schedule group %r: synced %s beat_schedule (config %s) into %s: "
+             "%s; %d unchanged", group, result.outcome, short, where,
+             "; ".join(parts) or "nothing new", result.unchanged)
+    if result.disabled:
+        log.warning("reliable_beat: schedule group %r: disabled %d config entries gone from its "
+                    "beat_schedule: %s (their history stays; `reliable-beat status --all` "
+                    "shows them)", group, len(result.disabled), _names(result.disabled))

@@ -1,0 +1,81 @@
+"""A task name no process registers (a typo, a removed task), with real processes: the beat
+flags it at its start-up sync (ERROR), its triggers are dropped by the worker, and
+``reliable-beat status`` flags the entry (NEVER STARTED) and ``--check`` fails, while the
+entry whose plain task the worker runs stays clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reliable_beat.db.dialects import Store
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
+import procs as procs_mod  # tests/apps
+
+APPS = Path(__file__).resolve().parents[1] / "apps"
+ROOT = APPS.parents[1]
+REDISPATCH = 3.0
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[procs_mod.BeatProcs]:
+    manager = procs_mod.BeatProcs(logdir=tmp_path)
+    try:
+        yield manager
+    finally:
+        manager.cleanup()
+
+
+def status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ, **env, PYTHONPATH=os.pathsep.join([str(ROOT), str(APPS)]))
+    return subprocess.run([sys.executable, "-m", "reliable_beat.cli", "-A", "beatapp",
+                           "status", *args], env=full, cwd=str(APPS), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_unknown_task_is_flagged_by_beat_and_status(
+    pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs
+) -> None:
+    queue = f"rbq_{uuid.uuid4().hex[:10]}"
+    env = {"RB_BROKER_URL": redis_url, "RELIABLE_BEAT_DATABASE_URL": pg_store.url,
+           "RB_QUEUE": queue, "RB_MAX_LOOP": "1", "RB_REDISPATCH": str(REDISPATCH),
+           "RB_ACKS": "1",
+           "RB_SCHEDULE": json.dumps({
+               "ok": {"every": 1},
+               "typo": {"every": 1, "task": "beatapp.tikc"},
+           })}
+    procs.env.update(env)
+    beat = procs.start("beat")
+    worker = procs.start("worker", command=[
+        "worker", "-l", "info", "-Q", queue, "-P", "solo", "-c", "1",
+        "-n", f"w-{uuid.uuid4().hex[:6]}@%h", "--without-mingle", "--without-gossip"])
+    procs_mod.wait_for(lambda: "entry 'typo'" in beat.output(), 90, "the beat's sync")
+
+    def flagged() -> Any:
+        r = status(env, "--json")
+        if r.returncode != 0:
+            return None
+        info = json.loads(r.stdout)
+        return info if info.get("unstarted", {}).get("typo") else None
+
+    info = procs_mod.wait_for(flagged, 120, "status to flag the unknown task", interval=1.0)
+    assert "ok" not in info["unstarted"], info["unstarted"]
+    assert any("NEVER STARTED" in p and "typo" in p for p in info["problems"])
+    assert info["unregistered"] == {"typo": "beatapp.tikc"}
+    checked = status(env, "--check")
+    assert checked.returncode == 1 and "NEVER STARTED" in checked.stdout
+    assert "typo (NEVER STARTED)" in checked.stdout
+    out = beat.output()
+    assert "ERROR" in out and "task 'beatapp.tikc' is not registered" in out, out[-3000:]
+    print(f"\n[unknown task] unstarted triggers of 'typo': {info['unstarted']['typo']}; "
+          f"worker log mentions it: {'beatapp.tikc' in worker.output()}")

@@ -1,0 +1,1 @@
+"""An app package whose ``tasks`` module ``autodiscover_tasks`` imports."""

@@ -797,7 +797,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             StaleFenceToken: the fence moved (another runner claimed the run after this
                 one): everything written in the block was rolled back; the attempt is
                 recorded ``fenced_out``.
-            ConfigurationError: ``bind``/``session`` point at another database.
+            ConfigurationError: ``bind``/``session``/``using`` point at another database,
+                ``using`` is given with ``bind``/``session``, or Django is not installed.
             RuntimeError: called outside an execution, or twice in one execution.
         """
         state = self._state()
@@ -805,6 +806,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise RuntimeError(f"{self.name}: self.transaction() may be used once per run")
         state.transaction_used = True
         if using is not None:
+            if bind is not None or session is not None:
+                raise ConfigurationError(
+                    f"{self.name}: self.transaction(using={using!r}) runs on Django's "
+                    "connection; pass bind=/session= or using=, not both"
+                )
             try:
                 django_db = importlib.import_module("reliable_beat.contrib.django.db")
             except ImportError as exc:

@@ -151,3 +151,17 @@ def test_default_database_url_is_the_django_database() -> None:
     from reliable_beat.contrib.django import database_url, default_database_url
 
     assert default_database_url() == database_url("default")
+
+
+def test_using_with_bind_is_refused() -> None:
+    from djtask_app import app
+
+    from reliable_beat.celery.task import IdempotentTask
+
+    @app.task(base=IdempotentTask, bind=True, name="dj.both", max_attempts=1)
+    def both(self: IdempotentTask) -> None:
+        with self.transaction(using="default", bind=conf.store().engine):
+            pass
+
+    res = both.apply(headers={"reliable_beat_key": "both:1"})
+    assert res.failed() and "not both" in str(res.result)

@@ -77,7 +77,7 @@ def live() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def shots() -> Path:
-    folder = Path(os.environ.get("RB_SCREENSHOTS") or "screenshots")
+    folder = Path(os.environ.get("RB_SCREENSHOTS") or "test-artefacts/screenshots")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

@@ -132,12 +132,15 @@ def test_admin_pages_render_in_chromium(browser: Any, live: str, shots: Path) ->
 
     Select(browser.find_element(By.NAME, "action")).select_by_value("pause_entries")
     browser.find_element(By.CSS_SELECTOR, "button[name=index], input[name=index]").click()
-    assert "Pause these entries?" in browser.find_element(By.ID, "rb-question").text
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    question = WebDriverWait(browser, 30).until(  # the POST's answer has loaded
+        ec.presence_of_element_located((By.ID, "rb-question")))
+    assert "Pause these entries?" in question.text
     browser.save_screenshot(str(shots / "confirm_pause.png"))
     assert rb_entries.get_entry(store, name)["paused"] is False
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
-    from selenium.webdriver.support.ui import WebDriverWait
-
     try:
         WebDriverWait(browser, 30).until(  # back on the list, with the outcome shown
             lambda d: f"paused: {name}" in d.find_element(By.TAG_NAME, "body").text.lower())

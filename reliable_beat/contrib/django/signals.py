@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from reliable_beat.contrib.django import conf
+from reliable_beat.redaction import get_logger
 
-log = logging.getLogger("reliable_beat.contrib.django")
+log = get_logger("reliable_beat.contrib.django")
 
 
 def upgrade_for_alias(alias: str) -> bool:

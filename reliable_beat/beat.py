@@ -46,6 +46,7 @@ from sqlalchemy import (
     not_,
     or_,
     select,
+    true,
     type_coerce,
     update,
 )
@@ -116,6 +117,14 @@ def due_clause() -> Any:
         not_(entries.c.paused),
         entries.c.next_fire_at.is_not(None),
     )
+
+
+def group_clause(group: str | None) -> Any:
+    """Entries a beat of schedule group ``group`` may claim: the group's own and those with
+    no group (stored before groups existed). ``None``: every entry (``true()``)."""
+    if group is None:
+        return true()
+    return or_(entries.c.schedule_group == group, entries.c.schedule_group.is_(None))
 
 
 def task_id_for(key: str) -> str:
@@ -409,6 +418,11 @@ class Beat:
         claim_ahead: also claim entries of overlap policy ``allow`` whose next slot is at most
             this far after ``now``; their triggers come back with ``fire_at > now`` and the
             caller must hold them until then. ``timedelta(0)``: claim only due entries.
+        schedule_group: claim only the entries of this schedule group, plus entries with no
+            group (rows stored before groups existed). Several apps with their own brokers
+            may share one store: a beat publishes into its own app's broker, so it must
+            never claim another app's entries. ``None``: claim every group (a single-app
+            store driven through the API without a group).
     """
 
     store: Store
@@ -418,9 +432,14 @@ class Beat:
     sweep_delay: timedelta = timedelta(seconds=10)
     claim_ahead: timedelta = timedelta(0)
     plan_budget: float = PLAN_BUDGET_SECONDS
+    schedule_group: str | None = None
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
     _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
     _last_scan: float = field(default=float("-inf"), repr=False)
+
+    def _due(self) -> Any:
+        """:func:`due_clause`, scoped to this beat's schedule group (and group-less rows)."""
+        return and_(due_clause(), group_clause(self.schedule_group))
 
     def _scan_due(self) -> bool:
         """True at most once per :data:`UNREADABLE_SCAN_SECONDS` (and on the first tick)."""
@@ -472,7 +491,7 @@ class Beat:
                 claimable = or_(claimable, rows_mod.unreadable_instant(entries.c.next_fire_at))
             stmt = (
                 select(*rows_mod.raw_columns(entries, conn.dialect))
-                .where(due_clause(), claimable)
+                .where(self._due(), claimable)
                 .order_by(entries.c.next_fire_at)
                 .limit(self.batch_size)
             )
@@ -482,14 +501,14 @@ class Beat:
             if rows:
                 self._fire(conn, rows, now, result)
             self._release_buffered(conn, now, result)
-            result.next_fire_at = self._min_next_fire_at(conn, now, result, due_clause())
+            result.next_fire_at = self._min_next_fire_at(conn, now, result, self._due())
             result.next_claim_at = result.next_fire_at
             if ahead and result.next_fire_at is not None:
                 # The earliest `allow` entry in the window [next_fire_at, + claim_ahead] can
                 # be claimed claim_ahead before its slot (an index range scan of that window).
                 first_allow = self._min_next_fire_at(
                     conn, now, result, and_(
-                        due_clause(), entries.c.overlap_policy == "allow",
+                        self._due(), entries.c.overlap_policy == "allow",
                         entries.c.next_fire_at <= result.next_fire_at + self.claim_ahead,
                     )
                 )

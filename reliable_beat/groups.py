@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import and_, delete, func, select, update
+from sqlalchemy import and_, delete, func, select, true, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import beats, entries, schedule_configs
+from reliable_beat.db.tables import beats, entries, runs, schedule_configs
 
 if TYPE_CHECKING:
     from reliable_beat.entries import EntryDefinition
@@ -47,10 +47,12 @@ __all__ = [
     "SyncResult",
     "beat_heartbeat",
     "beat_stopped",
+    "entry_outside_group",
     "group_config_hash",
     "group_health",
     "log_sync_result",
     "record_beat",
+    "run_in_group",
     "schedule_group_of",
 ]
 
@@ -260,6 +262,34 @@ def _aware(value: datetime) -> datetime:
     from datetime import timezone
 
     return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+
+
+def entry_outside_group(entry_name: Any, group: str) -> Any:
+    """SQL: ``entry_name`` (a column or expression) names an entry owned by a schedule group
+    other than ``group``. Entries with no group (stored before groups, or runtime entries
+    without one) and deleted entries are not outside any group."""
+    return (
+        select(entries.c.id)
+        .where(entries.c.name == entry_name, entries.c.schedule_group.is_not(None),
+               entries.c.schedule_group != group)
+        .exists()
+    )
+
+
+def run_in_group(run_id: Any, group: str | None) -> Any:
+    """SQL: the run ``run_id`` (a column, e.g. ``reliable_beat_outbox.run_id``) may be
+    published by a process of schedule group ``group``: no run (not a trigger), or its entry
+    is of ``group``, has no group, or is gone. ``None``: every run (``true()``).
+
+    The group is the entry's *current* one (read when the trigger is published): a trigger
+    goes to the broker of the app that owns its entry, whose workers register its task."""
+    if group is None:
+        return true()
+    return ~(
+        select(runs.c.id)
+        .where(runs.c.id == run_id, entry_outside_group(runs.c.entry_name, group))
+        .exists()
+    )
 
 
 def schedule_group_of(app: Any, configured: str | None) -> str:

@@ -32,7 +32,7 @@ from collections.abc import Collection
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, or_, select, update
+from sqlalchemy import and_, case, or_, select, true, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
@@ -40,6 +40,7 @@ from reliable_beat.beat import TRIGGER_DESTINATION, trigger_message_id
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox, runs
 from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.groups import entry_outside_group, schedule_group_of
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
@@ -58,6 +59,7 @@ def claim_stuck_runs(
     tasks: Collection[str],
     limit: int = 100,
     retrying_after: timedelta | None = None,
+    schedule_group: str | None = None,
 ) -> list[OutboxMessage]:
     """Claim stuck runs of ``tasks`` and return their trigger rows, ready to publish again.
 
@@ -77,6 +79,8 @@ def claim_stuck_runs(
         retrying_after: also re-send ``retrying`` runs not updated for this long (a retry
             message lost, or a lease cleared by a person); None: leave them. Pick it above
             the retry backoff cap.
+        schedule_group: only runs whose entry is of this schedule group, has no group, or
+            is gone (the caller publishes into its own app's broker); None: every run.
 
     Returns:
         The runs' trigger outbox rows as :class:`~reliable_beat.outbox.OutboxMessage`
@@ -96,7 +100,9 @@ def claim_stuck_runs(
         )
     stmt = (
         select(runs.c.id, runs.c.idempotency_key, runs.c.state)
-        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states))
+        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states),
+               true() if schedule_group is None
+               else ~entry_outside_group(runs.c.entry_name, schedule_group))
         .order_by(runs.c.id)
         .limit(limit)
     )
@@ -183,6 +189,7 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
             retrying_after=timedelta(
                 seconds=settings.redispatch_seconds + settings.retry_cap_seconds
             ),
+            schedule_group=schedule_group_of(app, settings.schedule_group),
         )
     if not stuck:
         return 0

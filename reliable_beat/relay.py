@@ -74,6 +74,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
+from reliable_beat.groups import run_in_group
 from reliable_beat.handlers import (
     DestinationUnavailableError,
     MessageExpiredError,
@@ -128,6 +129,7 @@ def claim_outbox_batch(
     destinations: Iterable[str] | None = None,
     max_bytes: int | None = None,
     unreadable: bool = False,
+    schedule_group: str | None = None,
 ) -> list[OutboxMessage]:
     """Claim up to ``limit`` due pending rows, lowest id first; run inside a short transaction.
 
@@ -153,6 +155,10 @@ def claim_outbox_batch(
         unreadable: SQLite: also claim pending rows whose ``available_at`` is not a
             readable instant (never due otherwise), to dead-letter them as malformed. The
             relay asks for it once a minute (it costs a function call per pending row).
+        schedule_group: only claim rows whose run's entry is of this schedule group, has no
+            group, or is gone (:func:`reliable_beat.groups.run_in_group`), and rows with no
+            run: a beat's sweep publishes into its own app's broker, never another app's
+            triggers. None: every row.
 
     A claimed row that cannot be read or has the wrong shape (:func:`reliable_beat.rows.
     check_outbox`) is dead-lettered at once (:func:`dead_letter_malformed`) and not
@@ -188,6 +194,8 @@ def claim_outbox_batch(
     )
     if destinations is not None:
         sel = sel.where(o.c.destination.in_(sorted(destinations)))
+    if schedule_group is not None:
+        sel = sel.where(run_in_group(o.c.run_id, schedule_group))
     claim = store.for_update_skip_locked(sel).cte("claim")
     claimed_ids = select(claim.c.id)
     if max_bytes is not None:

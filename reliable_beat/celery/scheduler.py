@@ -278,6 +278,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             self.store, owner=self.settings.owner, batch_size=self.settings.batch_size,
             is_tracked=self._is_tracked,
             claim_ahead=timedelta(seconds=self.settings.claim_ahead_seconds),
+            schedule_group=self.group,
         )
         super().__init__(app, *args, **kwargs)
 
@@ -680,7 +681,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             messages = claim_outbox_batch(
                 self.store, conn, owner=self.settings.owner, now=now,
                 lease=SWEEP_LEASE, limit=self.settings.batch_size,
-                destinations=[TRIGGER_DESTINATION],
+                destinations=[TRIGGER_DESTINATION], schedule_group=self.group,
             )
         claimed = time.monotonic()
         if messages and claimed - now_mono > SWEEP_LEASE.total_seconds() / 2:

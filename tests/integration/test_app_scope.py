@@ -1,0 +1,129 @@
+"""Several apps with their own brokers on one store: every path that publishes a trigger
+into a broker takes only its own schedule group's entries (and group-less ones).
+
+A beat publishes into its own app's broker; another app's workers never see what is there.
+Before this, a beat claimed any group's due entries, and its sweep and redispatch took any
+group's trigger rows and stuck runs (issue 11 follow-up). Real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+
+from reliable_beat import schedules as sch
+from reliable_beat.beat import TRIGGER_DESTINATION, Beat
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.entries import EntryDefinition
+from reliable_beat.redispatch import claim_stuck_runs
+from reliable_beat.relay import claim_outbox_batch
+
+pytestmark = pytest.mark.postgres
+
+#: entry name -> its schedule group (None: a row stored before groups existed)
+GROUPS: dict[str, str | None] = {"a-proj": "proj", "b-proj2": "proj2", "c-none": None}
+
+
+def _now(store: Store) -> datetime:
+    with store.begin() as conn:
+        return store.now(conn)
+
+
+def _seed(store: Store) -> None:
+    with store.begin() as conn:
+        now = store.now(conn)
+        anchor = now - timedelta(seconds=30)
+        for name, group in GROUPS.items():
+            d = EntryDefinition(name=name, task="t.tick", args=[name],
+                                schedule=sch.IntervalSchedule(timedelta(seconds=60), anchor))
+            values = d.row_values()
+            values.update(next_fire_at=anchor, created_at=now, updated_at=now, enabled=True,
+                          paused=False, schedule_group=group,
+                          origin="config" if group else "runtime")
+            conn.execute(entries.insert().values(**values))
+
+
+def _fired(store: Store) -> set[str]:
+    with store.engine.connect() as conn:
+        return {r.entry_name for r in conn.execute(select(runs.c.entry_name))}
+
+
+def _beat(store: Store, group: str | None) -> Beat:
+    return Beat(store, owner=f"beat-{group}", schedule_group=group)
+
+
+def test_a_beat_claims_only_its_groups_entries_and_group_less_ones(pg_store: Store) -> None:
+    """Fails on the old claim: the first beat claimed every due entry, proj2's too."""
+    _seed(pg_store)
+    first = _beat(pg_store, "proj").tick()
+    assert sorted(t.payload["args"][0] for t in first.triggers) == ["a-proj", "c-none"]
+    assert _fired(pg_store) == {"a-proj", "c-none"}
+    # proj2's entry, still due, is not proj's next claim (no busy loop on it)
+    assert first.next_fire_at is not None and first.next_fire_at > _now(pg_store)
+    second = _beat(pg_store, "proj2").tick()
+    assert [t.payload["args"][0] for t in second.triggers] == ["b-proj2"]
+    assert _fired(pg_store) == {"a-proj", "b-proj2", "c-none"}
+
+
+def test_a_beat_without_a_group_claims_every_entry(pg_store: Store) -> None:
+    _seed(pg_store)
+    result = _beat(pg_store, None).tick()
+    assert sorted(t.payload["args"][0] for t in result.triggers) == sorted(GROUPS)
+
+
+def _fire_all(store: Store) -> None:
+    """Commit every entry's trigger (as three beats would) without publishing any."""
+    _seed(store)
+    for group in ("proj", "proj2"):
+        _beat(store, group).tick()
+
+
+def _sweep(store: Store, group: str | None) -> list[Any]:
+    with store.begin() as conn:
+        now = store.now(conn) + timedelta(hours=1)  # past every sweep delay
+        return claim_outbox_batch(store, conn, owner=f"sweep-{group}", now=now,
+                                  lease=timedelta(seconds=30), limit=100,
+                                  destinations=[TRIGGER_DESTINATION], schedule_group=group)
+
+
+def test_the_sweep_publishes_only_its_groups_triggers(pg_store: Store) -> None:
+    """Fails on the old sweep: proj2's beat took proj's unsent trigger into its broker."""
+    _fire_all(pg_store)
+    proj2 = _sweep(pg_store, "proj2")
+    assert sorted(m.payload["args"][0] for m in proj2) == ["b-proj2", "c-none"]
+    proj = _sweep(pg_store, "proj")
+    assert [m.payload["args"][0] for m in proj] == ["a-proj"]
+
+
+def test_the_redispatch_takes_only_its_groups_stuck_runs(pg_store: Store) -> None:
+    """Fails on the old redispatch: proj's beat re-sent proj2's stuck run into its broker."""
+    _fire_all(pg_store)
+    with pg_store.begin() as conn:
+        now = pg_store.now(conn)
+        conn.execute(update(runs).values(state="dispatched",
+                                         dispatched_at=now - timedelta(hours=1)))
+        conn.execute(update(outbox).values(state="sent"))
+
+    def stuck(group: str | None) -> list[str]:
+        with pg_store.begin() as conn:
+            found = claim_stuck_runs(pg_store, conn, now=pg_store.now(conn),
+                                     after=timedelta(seconds=60), tasks=["t.tick"],
+                                     schedule_group=group)
+        return sorted(m.payload["args"][0] for m in found)
+
+    assert stuck("proj") == ["a-proj", "c-none"]
+    assert stuck("proj2") == ["b-proj2"]
+
+
+def test_an_entry_moved_to_another_group_follows_it(pg_store: Store) -> None:
+    """The sweep reads the entry's current group: a trigger goes to the app owning it now."""
+    _fire_all(pg_store)
+    with pg_store.begin() as conn:
+        conn.execute(update(entries).where(entries.c.name == "a-proj")
+                     .values(schedule_group="proj2"))
+    assert sorted(m.payload["args"][0] for m in _sweep(pg_store, "proj2")) == [
+        "a-proj", "b-proj2", "c-none"]

@@ -36,8 +36,11 @@ def _seed(store: Store, n: int) -> None:
         conn.execute(sa.text("ANALYZE reliable_beat_entries"))
 
 
+@pytest.mark.parametrize("group", [None, "proj"], ids=["any_group", "own_group"])
 @pytest.mark.parametrize("ahead", [0.0, 0.5], ids=["claim_when_due", "claim_ahead"])
-def test_claim_and_next_fire_at_use_the_partial_index(pg_store: Store, ahead: float) -> None:
+def test_claim_and_next_fire_at_use_the_partial_index(
+    pg_store: Store, ahead: float, group: str | None
+) -> None:
     _seed(pg_store, 20_000)
     statements: list[tuple[str, Any]] = []
 
@@ -48,7 +51,8 @@ def test_claim_and_next_fire_at_use_the_partial_index(pg_store: Store, ahead: fl
 
     sa.event.listen(pg_store.engine, "before_cursor_execute", capture)
     try:
-        result = Beat(pg_store, owner="t", claim_ahead=timedelta(seconds=ahead)).tick()
+        result = Beat(pg_store, owner="t", claim_ahead=timedelta(seconds=ahead),
+                      schedule_group=group).tick()
     finally:
         sa.event.remove(pg_store.engine, "before_cursor_execute", capture)
     assert result.claimed == 0

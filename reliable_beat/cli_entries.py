@@ -38,6 +38,7 @@ from reliable_beat.errors import (
     EntryValidationError,
     StoreUnavailableError,
 )
+from reliable_beat.groups import schedule_group_of
 from reliable_beat.redaction import redact_value
 from reliable_beat.settings import celery_timezone
 
@@ -357,15 +358,24 @@ def show_cmd(cli: CliContext, name: str, as_json: bool) -> None:
 @entries.command("add")
 @click.argument("name")
 @_schedule_options
+@click.option("--group", "schedule_group", default=None, metavar="GROUP",
+              help="Schedule group whose beats fire it (default with -A: the app's group, "
+                   "see `schedule groups` in docs/howto.md; without -A: none, any beat).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def add_cmd(cli: CliContext, /, name: str, as_json: bool = False, **params: Any) -> None:
-    """Add a runtime entry NAME (validated exactly like a beat_schedule entry)."""
+def add_cmd(cli: CliContext, /, name: str, as_json: bool = False,
+            schedule_group: str | None = None, **params: Any) -> None:
+    """Add a runtime entry NAME (validated exactly like a beat_schedule entry).
+
+    With ``-A APP`` it belongs to the app's schedule group (only that app's beats fire it,
+    into that app's broker); ``--group`` overrides."""
     if params.get("task") is None:
         raise EntryValidationError([f"entry {name!r}: --task is required"])
     definition = build_definition(cli, name, params)
-    save_runtime_entry(cli.store, definition, create=True)
+    if schedule_group is None and cli.app is not None:
+        schedule_group = schedule_group_of(cli.app, cli.settings.schedule_group)
+    save_runtime_entry(cli.store, definition, create=True, schedule_group=schedule_group)
     row = get_entry(cli.store, name)
     if as_json:
         cli.echo_json({"outcome": "added", "entry": _public(row)})
@@ -376,16 +386,20 @@ def add_cmd(cli: CliContext, /, name: str, as_json: bool = False, **params: Any)
 @entries.command("update")
 @click.argument("name")
 @_schedule_options
+@click.option("--group", "schedule_group", default=None, metavar="GROUP",
+              help="Move it to this schedule group (default: it keeps its group).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
-def update_cmd(cli: CliContext, /, name: str, as_json: bool = False, **params: Any) -> None:
+def update_cmd(cli: CliContext, /, name: str, as_json: bool = False,
+               schedule_group: str | None = None, **params: Any) -> None:
     """Change a runtime entry: only the options given change."""
     existing = get_entry(cli.store, name)
     if existing["origin"] == "config":
         raise ConfigurationError(f"entry {name!r} comes from beat_schedule; change it there")
     definition = build_definition(cli, name, params, existing=existing)
-    outcome = save_runtime_entry(cli.store, definition, create=False)
+    outcome = save_runtime_entry(cli.store, definition, create=False,
+                                 schedule_group=schedule_group)
     row = get_entry(cli.store, name)
     if as_json:
         cli.echo_json({"outcome": outcome, "entry": _public(row)})
@@ -520,12 +534,15 @@ def describe_cmd(cli: CliContext, name: str, as_json: bool) -> None:
 @click.option("--skip-invalid", is_flag=True,
               help="Import the valid entries and list the others (default: all or nothing).")
 @click.option("--dry-run", is_flag=True, help="Validate and show the outcome; write nothing.")
+@click.option("--group", "schedule_group", default=None, metavar="GROUP",
+              help="Schedule group of the imported entries (default with -A: the app's "
+                   "group; without -A: none, any beat fires them).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
 @handle_errors
 def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
                naive_timezone: str | None, skip_invalid: bool, dry_run: bool,
-               as_json: bool) -> None:
+               as_json: bool, schedule_group: str | None = None) -> None:
     """Import the entries of RedBeat or django-celery-beat as runtime entries.
 
     Stop the old beat first. Each entry starts at the first slot after the old scheduler's
@@ -544,6 +561,8 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
         is_idempotent=_task_checker(app),
         is_registered=(lambda t: runtime.task_kind(app, t) != "unknown") if app else None,
         skip_invalid=skip_invalid, dry_run=dry_run,
+        schedule_group=schedule_group if schedule_group is not None or app is None
+        else schedule_group_of(app, cli.settings.schedule_group),
     )
     counts = importers.summary(outcomes)
     if as_json:

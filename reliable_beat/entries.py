@@ -500,7 +500,7 @@ def _upsert(
     where its old name stopped)."""
     row = _read_for_upsert(conn, definition.name)
     values = definition.row_values()
-    if definition.origin == "config":
+    if definition.origin == "config" or group is not None:
         values["schedule_group"] = group
     if row is None:
         values.update(
@@ -514,7 +514,9 @@ def _upsert(
         if row.schedule_group is not None and row.enabled:
             return "conflict"
         adopted = True
-    if row.config_hash == values["config_hash"] and row.enabled and not adopted:
+    regrouped = definition.origin != "config" and group is not None and (
+        row.schedule_group != group)
+    if row.config_hash == values["config_hash"] and row.enabled and not (adopted or regrouped):
         return "unchanged"
     if definition.schedule.kind == "interval" and not getattr(
         definition, "_explicit_anchor", False
@@ -705,8 +707,15 @@ def sync_config_entries(
     return sync_schedule_group(store, definitions, group=group).counts
 
 
-def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: bool) -> str:
+def save_runtime_entry(
+    store: Store, definition: EntryDefinition, *, create: bool, schedule_group: str | None = None
+) -> str:
     """Add (``create=True``) or update a runtime entry.
+
+    ``schedule_group``: the schedule group whose beats fire it (the app whose broker and
+    workers take its triggers: ``reliable-beat -A proj entries add`` gives ``proj``'s group).
+    ``None``: a new entry has no group (every beat on the store may fire it: right for a
+    store of one app); an update keeps the entry's group.
 
     Raises:
         ConfigurationError: adding a name that exists, or updating a config entry.
@@ -729,7 +738,7 @@ def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: boo
             raise ConfigurationError(
                 f"entry {definition.name!r} comes from beat_schedule; change it there"
             )
-        outcome = _upsert(conn, store, definition, now)
+        outcome = _upsert(conn, store, definition, now, group=schedule_group)
         notify_entries_changed(conn, store)
     return outcome
 

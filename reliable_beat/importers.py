@@ -404,6 +404,7 @@ def import_entries(
     is_registered: Callable[[str], bool] | None = None,
     skip_invalid: bool = False,
     dry_run: bool = False,
+    schedule_group: str | None = None,
 ) -> list[ImportOutcome]:
     """Validate ``foreign`` entries and write them as runtime entries, in one transaction.
 
@@ -415,6 +416,8 @@ def import_entries(
         is_idempotent / is_registered: task checks against the app (None: not checked).
         skip_invalid: import the valid entries and report the rest as ``skipped``.
         dry_run: validate and compute everything, write nothing.
+        schedule_group: the schedule group of the imported entries (the app whose beats fire
+            them and whose workers take their triggers); None: no group (any beat).
 
     Returns:
         One :class:`ImportOutcome` per entry, in input order.
@@ -472,7 +475,7 @@ def import_entries(
                     outcome.action = "exists"
                     outcome.detail = "a reliable_beat entry of this name exists; left as it is"
                     continue
-                _upsert(conn, store, definition, now)
+                _upsert(conn, store, definition, now, group=schedule_group)
                 next_fire_at = _cutover_slot(definition, item.last_run_at, now)
                 values: dict[str, Any] = {"next_fire_at": next_fire_at}
                 if not item.enabled:

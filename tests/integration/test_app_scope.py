@@ -127,3 +127,36 @@ def test_an_entry_moved_to_another_group_follows_it(pg_store: Store) -> None:
                      .values(schedule_group="proj2"))
     assert sorted(m.payload["args"][0] for m in _sweep(pg_store, "proj2")) == [
         "a-proj", "b-proj2", "c-none"]
+
+
+def _cli(store: Store, *args: str, app: bool = False) -> str:
+    from click.testing import CliRunner
+
+    from reliable_beat.celery.commands import reliable_beat
+
+    base = ["--database-url", store.url]
+    if app:
+        base = ["-A", "tests.apps.cliapp", *base]
+    result = CliRunner().invoke(reliable_beat, [*base, *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _groups(store: Store) -> dict[str, str | None]:
+    with store.engine.connect() as conn:
+        return {r.name: r.schedule_group
+                for r in conn.execute(select(entries.c.name, entries.c.schedule_group))}
+
+
+def test_entries_added_with_an_app_get_its_group(pg_store: Store) -> None:
+    """Fails on the old CLI: a runtime entry added with -A had no group, so every other
+    app's beat fired it into its own broker."""
+    _cli(pg_store, "entries", "add", "mine", "--task", "cliapp.plain", "--every", "60",
+         app=True)
+    _cli(pg_store, "entries", "add", "other", "--task", "t", "--every", "60",
+         "--group", "proj2")
+    _cli(pg_store, "entries", "add", "anyone", "--task", "t", "--every", "60")
+    assert _groups(pg_store) == {"mine": "cliapp", "other": "proj2", "anyone": None}
+    _cli(pg_store, "entries", "update", "mine", "--every", "30")  # keeps its group
+    _cli(pg_store, "entries", "update", "anyone", "--group", "proj2")  # moves
+    assert _groups(pg_store) == {"mine": "cliapp", "other": "proj2", "anyone": "proj2"}

@@ -74,7 +74,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
-from reliable_beat.groups import run_in_group
+from reliable_beat.groups import run_in_group, schedule_group_of
 from reliable_beat.handlers import (
     DestinationUnavailableError,
     MessageExpiredError,
@@ -155,10 +155,11 @@ def claim_outbox_batch(
         unreadable: SQLite: also claim pending rows whose ``available_at`` is not a
             readable instant (never due otherwise), to dead-letter them as malformed. The
             relay asks for it once a minute (it costs a function call per pending row).
-        schedule_group: only claim rows whose run's entry is of this schedule group, has no
-            group, or is gone (:func:`reliable_beat.groups.run_in_group`), and rows with no
-            run: a beat's sweep publishes into its own app's broker, never another app's
-            triggers. None: every row.
+        schedule_group: of the rows of destination ``celery`` (triggers), only claim those
+            whose run's entry is of this schedule group, has no group, or is gone
+            (:func:`reliable_beat.groups.run_in_group`), and those with no run: a beat's sweep
+            or a relay with an app publishes into its own app's broker, never another app's
+            triggers. Other destinations are not scoped. None: every row.
 
     A claimed row that cannot be read or has the wrong shape (:func:`reliable_beat.rows.
     check_outbox`) is dead-lettered at once (:func:`dead_letter_malformed`) and not
@@ -195,7 +196,8 @@ def claim_outbox_batch(
     if destinations is not None:
         sel = sel.where(o.c.destination.in_(sorted(destinations)))
     if schedule_group is not None:
-        sel = sel.where(run_in_group(o.c.run_id, schedule_group))
+        sel = sel.where(or_(o.c.destination != "celery",
+                            run_in_group(o.c.run_id, schedule_group)))
     claim = store.for_update_skip_locked(sel).cte("claim")
     claimed_ids = select(claim.c.id)
     if max_bytes is not None:
@@ -487,7 +489,9 @@ class Relay:
     Args:
         store: the reliable_beat store (create one per process).
         app: the Celery app for the ``celery`` and ``kombu`` handlers (None: those
-            destinations are not claimed by this relay and stay pending for another).
+            destinations are not claimed by this relay and stay pending for another). Of the
+            triggers (destination ``celery``) it only claims its schedule group's and
+            group-less ones: they go into this app's broker (several apps may share a store).
         handlers: destination -> handler; default :func:`~reliable_beat.handlers.
             load_handlers` (built-ins, entry points, ``reliable_beat_outbox_handlers``).
             Only destinations with a handler are claimed.
@@ -519,6 +523,11 @@ class Relay:
         if settings is None:
             settings = Settings.from_celery(app) if app is not None else Settings()
         self.settings = settings
+        # a relay with an app publishes triggers into that app's broker: only its schedule
+        # group's (and group-less ones); without an app it claims no `celery` rows at all
+        self.schedule_group = (
+            schedule_group_of(app, settings.schedule_group) if app is not None else None
+        )
         self.handlers: dict[str, Handler] = dict(
             handlers if handlers is not None else load_handlers(
                 app, settings.outbox_handlers, settings=settings)
@@ -563,6 +572,7 @@ class Relay:
                 destinations=destinations,
                 max_bytes=self.settings.outbox_batch_bytes,
                 unreadable=scan,
+                schedule_group=self.schedule_group,
             )
 
     def run_once(self) -> int:

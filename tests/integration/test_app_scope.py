@@ -160,3 +160,18 @@ def test_entries_added_with_an_app_get_its_group(pg_store: Store) -> None:
     _cli(pg_store, "entries", "update", "mine", "--every", "30")  # keeps its group
     _cli(pg_store, "entries", "update", "anyone", "--group", "proj2")  # moves
     assert _groups(pg_store) == {"mine": "cliapp", "other": "proj2", "anyone": "proj2"}
+
+
+def test_a_relay_with_an_app_delivers_only_its_groups_triggers(pg_store: Store) -> None:
+    """Fails on the old relay: proj's relay took proj2's trigger into proj's broker."""
+    from celery import Celery
+
+    from reliable_beat.relay import Relay
+
+    _fire_all(pg_store)
+    with pg_store.begin() as conn:  # past the beats' sweep delay
+        conn.execute(update(outbox).values(available_at=pg_store.now(conn)))
+    app = Celery("proj", broker="memory://", set_as_current=False)
+    app.conf.update(reliable_beat_database_url=pg_store.url)
+    claimed = Relay(pg_store, app, owner="relay-proj").claim()
+    assert sorted(m.payload["args"][0] for m in claimed) == ["a-proj", "c-none"]

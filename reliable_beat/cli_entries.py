@@ -454,11 +454,15 @@ def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
 def trigger_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Fire NAME once now, under its own key (recorded as a manual run)."""
     key = runtime.trigger(cli.store, name, app=cli.app)
+    group = get_entry(cli.store, name).get("schedule_group")
+    published = runtime.app_publishes(cli.app, group)
     if as_json:
         cli.echo_json({"outcome": "triggered", "entry": name, "key": key,
-                       "published": cli.app is not None})
+                       "published": published})
         return
-    how = "published" if cli.app is not None else "queued in the outbox (the relay sends it)"
+    how = "published" if published else (
+        "queued in the outbox (the relay sends it)" if cli.app is None else
+        f"queued in the outbox for schedule group {group!r} (its beat or relay sends it)")
     click.echo(f"triggered {name}: key {key}, {how}")
 
 

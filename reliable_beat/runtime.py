@@ -41,7 +41,9 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
 from reliable_beat.entries import notify_entries_changed
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError
+from reliable_beat.groups import schedule_group_of
 from reliable_beat.identity import store_id as _store_id
+from reliable_beat.redaction import get_logger
 from reliable_beat.rows import check_options, check_run_call
 from reliable_beat.slots import idempotency_key
 
@@ -49,12 +51,15 @@ __all__ = [
     "BackfillLimitError",
     "BackfillResult",
     "answer_questions",
+    "app_publishes",
     "backfill",
     "describe",
     "manual_key",
     "task_kind",
     "trigger",
 ]
+
+log = get_logger(__name__)
 
 
 class BackfillLimitError(ConfigurationError):
@@ -142,6 +147,34 @@ def _outbox_row(key: str, run_id: int, payload: dict[str, Any], now: datetime) -
     return trigger_outbox_row(key, run_id, payload, now, available_at=now, claimed_by=None)
 
 
+def app_publishes(app: Any, schedule_group: str | None) -> bool:
+    """True when ``app`` may publish the triggers of an entry of ``schedule_group`` into its
+    broker: the entry has no group, or it is the app's own
+    (:func:`~reliable_beat.groups.schedule_group_of`). Another group's triggers would reach
+    the wrong app's workers (lost as an unregistered task): they are left in the outbox for a
+    beat or relay of their own group. False when ``app`` is None."""
+    if app is None:
+        return False
+    if schedule_group is None:
+        return True
+    from reliable_beat.settings import Settings
+
+    return schedule_group_of(app, Settings.from_celery(app).schedule_group) == schedule_group
+
+
+def _publisher(app: Any, name: str, schedule_group: str | None) -> Any:
+    """``app`` if it may publish entry ``name``'s triggers (:func:`app_publishes`), else
+    None (logged: the outbox row waits for the entry's own group)."""
+    if app is None or app_publishes(app, schedule_group):
+        return app
+    log.warning(
+        "entry %r belongs to schedule group %r, not to app %r: its triggers stay in the "
+        "outbox for a beat's sweep or a relay of %r (publishing them into this app's broker "
+        "would lose them)", name, schedule_group, getattr(app, "main", app), schedule_group,
+    )
+    return None
+
+
 def _publish(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> int:
     from reliable_beat.celery.scheduler import publish_triggers
 
@@ -161,7 +194,9 @@ def trigger(store: Store, name: str, *, app: Any = None) -> str:
     Args:
         store: the store.
         name: the entry name.
-        app: a Celery app to publish with at once (None: leave it to the relay).
+        app: a Celery app to publish with at once (None: leave it to the relay). Only for an
+            entry of its schedule group or of none (:func:`app_publishes`); another group's
+            trigger is left to that group's beat sweep or relay.
 
     Returns:
         The run's idempotency key.
@@ -174,6 +209,7 @@ def trigger(store: Store, name: str, *, app: Any = None) -> str:
     sid = _store_id(store)  # outside the transaction (SQLite: one writer)
     with store.begin() as conn:
         row = _require(conn, name)
+        app = _publisher(app, name, row.schedule_group)
         malformed = check_run_call(row.task, row.args, row.kwargs) + check_options(row.options)
         if malformed:  # a quarantined row (reliable_beat.rows): refuse, naming the fix
             raise ConfigurationError(
@@ -243,7 +279,8 @@ def backfill(
         limit: most slots one backfill may create (``reliable_beat_backfill_limit``).
         force: create them even when the window holds more than ``limit`` slots.
         app: a Celery app to publish the scheduled triggers with at once (None: the relay
-            delivers them).
+            delivers them). Only for an entry of its schedule group or of none
+            (:func:`app_publishes`).
 
     Returns:
         Counts and keys; see :class:`BackfillResult`.
@@ -266,6 +303,7 @@ def backfill(
     sid = _store_id(store)  # outside the transaction (SQLite: one writer)
     with store.begin() as conn:
         row = _require(conn, name)
+        app = _publisher(app, name, row.schedule_group)
         now = store.now(conn)
         schedule = sch.schedule_from_spec(row.schedule)
         upto = min(end, now + timedelta(microseconds=1))  # slots at or before now

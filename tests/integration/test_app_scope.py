@@ -175,3 +175,22 @@ def test_a_relay_with_an_app_delivers_only_its_groups_triggers(pg_store: Store) 
     app.conf.update(reliable_beat_database_url=pg_store.url)
     claimed = Relay(pg_store, app, owner="relay-proj").claim()
     assert sorted(m.payload["args"][0] for m in claimed) == ["a-proj", "c-none"]
+
+
+def test_entries_trigger_with_another_groups_app_leaves_it_in_the_outbox(
+    pg_store: Store,
+) -> None:
+    """Fails on the old CLI: `-A cliapp entries trigger` published proj2's trigger into
+    cliapp's broker (marked sent: nothing re-sent it to proj2's workers)."""
+    _cli(pg_store, "entries", "add", "theirs", "--task", "t", "--cron", "0 3 * * *",
+         "--group", "proj2")
+    out = _cli(pg_store, "entries", "trigger", "theirs", app=True)
+    assert "queued in the outbox for schedule group 'proj2'" in out
+    _cli(pg_store, "entries", "backfill", "theirs", "2020-01-01T00:00:00Z",
+         "2020-01-03T00:00:00Z", app=True)
+    with pg_store.engine.connect() as conn:
+        states = [r.state for r in conn.execute(select(outbox.c.state))]
+    assert states == ["pending"] * 3  # the manual trigger and two backfilled slots
+    # proj2's own sweep takes them; cliapp's does not
+    assert _sweep(pg_store, "cliapp") == []
+    assert len(_sweep(pg_store, "proj2")) == 3

@@ -124,8 +124,9 @@ def collect_status(
         see :mod:`reliable_beat.identity`), "now" (UTC), "entries": [...], "missed": [names],
         "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
         "unstarted": {entry: count of its triggers of the last 24 h that no worker started
-        within ``redispatch_seconds``, for entries whose latest such trigger was not started
-        either}, "groups": [...] (see :func:`~reliable_beat.groups.group_health`),
+        within ``redispatch_seconds``, for entries with no started trigger, or with an
+        unstarted one later than their first started one}, "groups": [...] (see
+        :func:`~reliable_beat.groups.group_health`),
         "recently_disabled":
         [names], "unregistered": {entry: task},
         "quarantined": [{"name", "reason"}] (malformed entries, disabled),
@@ -327,8 +328,11 @@ def _unstarted(
     A trigger counts when it is ``dispatched``, was dispatched between the window's start
     and ``now - redispatch_seconds``, and has no ``started_at`` (an ``IdempotentTask``'s
     claim sets it; :mod:`reliable_beat.celery.acks` sets it for plain tasks). An entry is
-    reported only when its latest such trigger is later than its latest started one, and
-    only when some start was recorded in the window at all (the workers do record starts).
+    reported when it has no started trigger in the window, or when such a trigger is later
+    than its first started one (its workers can start it, yet some triggers went unstarted:
+    lost, e.g. consumed by another app's worker as an unregistered task), and only when some
+    start was recorded in the window at all (the workers do record starts). Unstarted
+    triggers older than the first started one (a task name fixed since) are not reported.
     """
     lo = now - timedelta(hours=UNSTARTED_WINDOW_HOURS)
     hi = now - timedelta(seconds=redispatch_seconds)
@@ -343,21 +347,21 @@ def _unstarted(
     )
     if not pending:
         return {}, True
-    last_started = dict(
+    first_started = dict(
         (name, _utc(at)) for name, at in conn.execute(
-            select(runs.c.entry_name, func.max(runs.c.dispatched_at))
+            select(runs.c.entry_name, func.min(runs.c.dispatched_at))
             .where(recent, runs.c.started_at.is_not(None),
                    runs.c.entry_name.in_(list(pending)))
             .group_by(runs.c.entry_name)
         ).all()
     )
-    if not last_started and conn.execute(
+    if not first_started and conn.execute(
         select(runs.c.id).where(recent, runs.c.started_at.is_not(None)).limit(1)
     ).first() is None:
         return {}, False  # no worker records starts: cannot tell; status warns instead
     out: dict[str, int] = {}
     for name, (count, latest) in pending.items():
-        seen = last_started.get(name)
+        seen = first_started.get(name)
         if seen is None or (latest is not None and latest > seen):
             out[name] = count
     return out, True

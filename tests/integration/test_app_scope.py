@@ -12,15 +12,19 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from celery import Celery
+from click.testing import CliRunner
 from sqlalchemy import select, update
 
 from reliable_beat import schedules as sch
 from reliable_beat.beat import TRIGGER_DESTINATION, Beat
+from reliable_beat.celery.commands import reliable_beat
+from reliable_beat.cli_status import collect_status
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
 from reliable_beat.entries import EntryDefinition
 from reliable_beat.redispatch import claim_stuck_runs
-from reliable_beat.relay import claim_outbox_batch
+from reliable_beat.relay import Relay, claim_outbox_batch
 
 pytestmark = pytest.mark.postgres
 
@@ -130,10 +134,6 @@ def test_an_entry_moved_to_another_group_follows_it(pg_store: Store) -> None:
 
 
 def _cli(store: Store, *args: str, app: bool = False) -> str:
-    from click.testing import CliRunner
-
-    from reliable_beat.celery.commands import reliable_beat
-
     base = ["--database-url", store.url]
     if app:
         base = ["-A", "tests.apps.cliapp", *base]
@@ -164,10 +164,6 @@ def test_entries_added_with_an_app_get_its_group(pg_store: Store) -> None:
 
 def test_a_relay_with_an_app_delivers_only_its_groups_triggers(pg_store: Store) -> None:
     """Fails on the old relay: proj's relay took proj2's trigger into proj's broker."""
-    from celery import Celery
-
-    from reliable_beat.relay import Relay
-
     _fire_all(pg_store)
     with pg_store.begin() as conn:  # past the beats' sweep delay
         conn.execute(update(outbox).values(available_at=pg_store.now(conn)))
@@ -194,3 +190,29 @@ def test_entries_trigger_with_another_groups_app_leaves_it_in_the_outbox(
     # proj2's own sweep takes them; cliapp's does not
     assert _sweep(pg_store, "cliapp") == []
     assert len(_sweep(pg_store, "proj2")) == 3
+
+
+def test_status_reports_an_entry_whose_triggers_go_unstarted_between_started_ones(
+    pg_store: Store,
+) -> None:
+    """Fails on the old check: an entry fired by two apps' beats (half its triggers consumed
+    by the wrong app's worker as an unregistered task) stayed green whenever its latest
+    trigger happened to be started; "unstarted" must see the lost ones in between."""
+    with pg_store.begin() as conn:
+        now = pg_store.now(conn)
+        rows = []
+        for i, (name, started) in enumerate([
+            ("lossy", True), ("lossy", False), ("lossy", True),  # one lost between
+            ("fixed", False), ("fixed", True),  # a task name fixed since: not an alarm
+            ("healthy", True), ("healthy", True),
+        ]):
+            at = now - timedelta(minutes=60 - i)
+            rows.append({
+                "idempotency_key": f"{name}@{i}", "entry_name": name, "fire_at": at,
+                "trigger": "schedule", "task": "t", "args": [], "kwargs": {},
+                "state": "succeeded" if started else "dispatched", "created_at": at,
+                "updated_at": at, "dispatched_at": at, "started_at": at if started else None,
+            })
+        conn.execute(runs.insert(), rows)
+    info = collect_status(pg_store, redispatch_seconds=120)
+    assert info["unstarted"] == {"lossy": 1}

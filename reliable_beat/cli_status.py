@@ -262,7 +262,8 @@ def collect_status(
             problems.append(
                 f"NO BEAT: schedule group {g['group']!r} has {g['enabled_entries']} enabled "
                 f"config entries but no live beat (last seen {seen}): nothing syncs its "
-                "beat_schedule; beats of other groups still fire its entries. Start its beat, "
+                "beat_schedule and nothing fires its entries (beats of other groups do not: "
+                "they publish into their own app's broker). Start its beat, "
                 f"or retire the group: `reliable-beat schedule retire {g['group']}`."
             )
     if unstarted:

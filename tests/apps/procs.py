@@ -59,9 +59,11 @@ class BeatProcs:
     env: dict[str, str] = field(default_factory=dict)
     beats: list[Beat] = field(default_factory=list)
 
-    def start(self, name: str, *, command: list[str] | None = None, **env: str) -> Beat:
+    def start(self, name: str, *, command: list[str] | None = None, app: str = "beatapp",
+              **env: str) -> Beat:
         """Start ``celery -A beatapp beat`` (or ``celery -A beatapp`` + ``command``, e.g.
-        ``["worker", "-B", ...]``) with ``env`` on top of :attr:`env`."""
+        ``["worker", "-B", ...]``; ``app``: another module of tests/apps) with ``env`` on top
+        of :attr:`env`."""
         full = dict(os.environ)
         full.pop("CELERY_CONFIG_MODULE", None)
         full.update(self.env)
@@ -71,7 +73,7 @@ class BeatProcs:
         log = self.logdir / f"{name}-{len(self.beats)}.log"
         with open(log, "wb") as fh:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "beatapp", *(command or [
+                [sys.executable, "-m", "celery", "-A", app, *(command or [
                     "beat", "-l", "info", "--pidfile=", "-s",
                     str(self.logdir / f"{name}-schedule")])],
                 cwd=str(self.logdir), env=full, stdout=fh, stderr=subprocess.STDOUT,

@@ -36,7 +36,7 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat import schedules as sch
 from reliable_beat import values as rb_values
-from reliable_beat.db.dialects import Store
+from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
 from reliable_beat.groups import (
@@ -564,11 +564,11 @@ def sync_schedule_group(
         )
         if names:
             stale = stale.where(entries.c.name.not_in(names))
-        gone = sorted(conn.execute(
-            stale.values(enabled=False, disabled_at=now, updated_at=now).returning(
-                entries.c.name, entries.c.config_hash, entries.c.last_fire_at,
-                entries.c.schedule)
-        ).all(), key=lambda r: r.name)
+        gone = sorted(update_returning(
+            conn, stale.values(enabled=False, disabled_at=now, updated_at=now), entries,
+            (entries.c.name, entries.c.config_hash, entries.c.last_fire_at,
+             entries.c.schedule),
+        ), key=lambda r: r.name)
         result.disabled = [r.name for r in gone]
         renamed = _renames(conn, defs, gone)
         for d in defs:

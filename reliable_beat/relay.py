@@ -70,7 +70,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
-from reliable_beat.db.dialects import Store
+from reliable_beat.db.dialects import MYSQL_DIALECTS, Store, update_returning
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
@@ -170,6 +170,8 @@ def claim_outbox_batch(
     )
     if destinations is not None:
         sel = sel.where(o.c.destination.in_(sorted(destinations)))
+    if store.dialect in MYSQL_DIALECTS:
+        return _claim_mysql(conn, sel, owner, now, lease, max_bytes)
     claim = store.for_update_skip_locked(sel).cte("claim")
     claimed_ids = select(claim.c.id)
     if max_bytes is not None:
@@ -182,6 +184,35 @@ def claim_outbox_batch(
     )
     rows = conn.execute(stmt).all()
     return sorted((OutboxMessage.from_row(r) for r in rows), key=lambda m: m.id)
+
+
+def _claim_mysql(conn: Connection, sel: Any, owner: str, now: datetime, lease: timedelta,
+                 max_bytes: int | None) -> list[OutboxMessage]:
+    """The claim on MySQL/MariaDB, which allow ``FOR UPDATE`` neither in a CTE nor a
+    RETURNING on UPDATE: lock the ids (with their stored sizes when there is a byte budget)
+    with ``SKIP LOCKED``, update those, read them back. Rows locked but not claimed (over
+    the budget) are released at commit."""
+    o = outbox
+    if max_bytes is None:
+        ids = list(conn.execute(sel.with_for_update(skip_locked=True)).scalars())
+    else:
+        size = _json_bytes(conn, o.c.payload) + _json_bytes(conn, o.c.headers)
+        ids, running = [], 0
+        for row_id, nbytes in conn.execute(
+            sel.add_columns(size.label("nbytes")).with_for_update(skip_locked=True)
+        ).all():
+            running += int(nbytes)
+            if ids and running > max_bytes:
+                break
+            ids.append(row_id)
+    if not ids:
+        return []
+    conn.execute(
+        update(o).where(o.c.id.in_(ids))
+        .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
+    )
+    rows = conn.execute(select(o).where(o.c.id.in_(ids)).order_by(o.c.id)).all()
+    return [OutboxMessage.from_row(r) for r in rows]
 
 
 def _json_bytes(conn: Connection, col: Any) -> Any:
@@ -238,13 +269,14 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
     """
     if not ids:
         return 0
-    changed = conn.execute(
+    changed = update_returning(
+        conn,
         update(outbox)
         .where(_ids_clause(conn, outbox.c.id, [int(i) for i in ids]),
                outbox.c.state == "pending")
-        .values(state="sent", sent_at=now, last_error=None)
-        .returning(outbox.c.destination, outbox.c.run_id)
-    ).all()
+        .values(state="sent", sent_at=now, last_error=None),
+        outbox, (outbox.c.destination, outbox.c.run_id),
+    )
     run_ids = sorted({run_id for destination, run_id in changed
                       if destination == "celery" and run_id is not None})
     if run_ids:

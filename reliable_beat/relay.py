@@ -364,6 +364,14 @@ def purge_sent(conn: Connection, *, older_than: datetime, limit: int = 1000) -> 
         .order_by(outbox.c.id)
         .limit(limit)
     )
+    if conn.dialect.name in MYSQL_DIALECTS:
+        # MySQL/MariaDB refuse LIMIT inside an IN subquery (error 1235): ids first.
+        ids = list(conn.execute(victims).scalars())
+        if not ids:
+            return 0
+        result = conn.execute(delete(outbox).where(outbox.c.id.in_(ids),
+                                                   outbox.c.state == "sent"))
+        return int(result.rowcount or 0)
     result = conn.execute(delete(outbox).where(outbox.c.id.in_(victims.scalar_subquery())))
     return int(result.rowcount or 0)
 

@@ -1,9 +1,11 @@
-"""MySQL/MariaDB: composite indexes standing for the partial due / pending indexes
+"""MySQL/MariaDB: a composite index standing for the partial due-entry index
 
-MySQL and MariaDB have no partial indexes, so on them ``ix_reliable_beat_entries_due`` and
-``ix_reliable_beat_outbox_pending`` are plain single-column indexes that also hold disabled
-entries and sent outbox rows. These two serve the due-entry scan and the pending-outbox scan
-as index ranges instead. Nothing happens on PostgreSQL and SQLite.
+MySQL and MariaDB have no partial indexes, so on them ``ix_reliable_beat_entries_due`` is a
+plain index on ``next_fire_at`` that also holds disabled and paused entries. This one,
+(enabled, paused, next_fire_at), serves the due-entry claim and the earliest-next-fire read
+as an index range instead. (The pending-outbox scan is served by the existing
+``ix_reliable_beat_outbox_state_sent_at``: ``state = 'pending'`` is a ref of it.)
+Nothing happens on PostgreSQL and SQLite.
 
 Revision ID: 0002_mariadb
 Revises: 0002_groups
@@ -31,12 +33,9 @@ def upgrade() -> None:
         return
     op.create_index("ix_reliable_beat_entries_due_mysql", "reliable_beat_entries",
                     ["enabled", "paused", "next_fire_at"], unique=False)
-    op.create_index("ix_reliable_beat_outbox_pending_mysql", "reliable_beat_outbox",
-                    ["state", "available_at"], unique=False)
 
 
 def downgrade() -> None:
     if not _mysql():
         return
-    op.drop_index("ix_reliable_beat_outbox_pending_mysql", table_name="reliable_beat_outbox")
     op.drop_index("ix_reliable_beat_entries_due_mysql", table_name="reliable_beat_entries")

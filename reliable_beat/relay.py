@@ -198,9 +198,9 @@ def _claim_mysql(conn: Connection, sel: Any, owner: str, now: datetime, lease: t
     else:
         size = _json_bytes(conn, o.c.payload) + _json_bytes(conn, o.c.headers)
         ids, running = [], 0
-        for row_id, nbytes in conn.execute(
-            sel.add_columns(size.label("nbytes")).with_for_update(skip_locked=True)
-        ).all():
+        sized = sel.add_columns(size.label("nbytes")).with_for_update(skip_locked=True)
+        for row in conn.execute(sized).all():
+            row_id, nbytes = row[0], row[1]
             running += int(nbytes)
             if ids and running > max_bytes:
                 break

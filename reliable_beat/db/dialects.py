@@ -20,16 +20,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-import math
-from collections.abc import Sequence
-
-from sqlalchemy import Engine, Row, Select, Table, create_engine, event, func, select
+from sqlalchemy import Engine, Select, Table, create_engine, event, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -216,7 +214,7 @@ class Store:
 
 def update_returning(
     conn: Connection, stmt: Update, table: Table, returning: Sequence[Any],
-) -> list[Row[Any]]:
+) -> list[Any]:
     """Run ``stmt`` (an ``UPDATE`` of ``table``) and return ``returning`` of the rows it changed.
 
     Where the dialect has ``UPDATE ... RETURNING`` (PostgreSQL, SQLite) this is that. On
@@ -235,7 +233,8 @@ def update_returning(
         returning: columns (or expressions) of ``table`` to return.
 
     Returns:
-        One row per changed row, in primary-key order on MySQL (unspecified elsewhere).
+        One row (``Row``) per changed row, in primary-key order on MySQL (unspecified
+        elsewhere).
     """
     if conn.dialect.update_returning:
         return list(conn.execute(stmt.returning(*returning)).all())

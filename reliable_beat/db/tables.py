@@ -41,10 +41,10 @@ from sqlalchemy import (
 from reliable_beat.db.types import JSONType, UTCDateTime
 
 __all__ = [
+    "MYSQL_DIALECTS",
     "attempts",
     "beats",
     "dead_letters",
-    "MYSQL_DIALECTS",
     "entries",
     "exists_on",
     "metadata",
@@ -125,7 +125,7 @@ entries = Table(
     # next_fire_at <= now ORDER BY next_fire_at) is a range of this one, disabled and paused
     # entries outside it. Created only there (``ddl_if``; migration 0002_mariadb).
     Index("ix_reliable_beat_entries_due_mysql", "enabled", "paused", "next_fire_at").ddl_if(
-        dialect=MYSQL_DIALECTS),
+        dialect=MYSQL_DIALECTS),  # type: ignore[arg-type]  # a tuple is documented, typed str
 )
 
 # One row per beat_schedule version a schedule group has synced: the row with

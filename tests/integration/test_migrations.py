@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 
 from reliable_beat.db import migrate
@@ -60,8 +61,12 @@ def test_check_is_false_on_empty_database_and_ensure_refuses_server(pg_url: str)
         store.dispose()
 
 
-def test_concurrent_upgrades_do_not_conflict(pg_url: str) -> None:
+@pytest.mark.parametrize("url_fixture", ["pg_url", "mariadb_url"])
+def test_concurrent_upgrades_do_not_conflict(url_fixture: str,
+                                             request: pytest.FixtureRequest) -> None:
     import threading
+
+    pg_url = request.getfixturevalue(url_fixture)
 
     errors: list[BaseException] = []
     barrier = threading.Barrier(4)

@@ -46,10 +46,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Row
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.types import Interval
 
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import attempts, dead_letters, runs
+from reliable_beat.db.tables import MYSQL_DIALECTS, attempts, dead_letters, runs
 from reliable_beat.errors import StaleFenceToken
 
 __all__ = [
@@ -388,12 +389,50 @@ def claim_run(
                     args=tuple(got.args or ()), kwargs=dict(got.kwargs or {}),
                     entry_name=got.entry_name, fire_at=got.fire_at,
                 )
+        if store.dialect in MYSQL_DIALECTS:
+            return _claim_mysql(
+                store, conn, key, owner=owner, lease=lease, task=task, args=args,
+                kwargs=kwargs, entry=entry, fire_at=fire_at, task_id=task_id,
+                trigger=trigger,
+            )
         with conn.begin():
             return _claim_locked(
                 store, conn, key, owner=owner, lease=lease, task=task, args=args,
                 kwargs=kwargs, entry=entry, fire_at=fire_at, task_id=task_id,
                 trigger=trigger, insert_first=not pg,
             )
+
+
+#: MySQL/MariaDB: how many times a claim transaction the server chose as a deadlock victim
+#: (error 1213: rolled back whole) is tried again.
+MYSQL_DEADLOCK_RETRIES = 5
+_MYSQL_DEADLOCK = 1213
+
+
+def _claim_mysql(store: Store, conn: Connection, key: str, **kw: Any) -> Claim:
+    """The claim on MySQL/MariaDB: lock an existing row first (``SELECT ... FOR UPDATE``),
+    insert only when there is none.
+
+    InnoDB's ``INSERT IGNORE`` of an existing key takes a *shared* lock on it; racers that
+    all hold it and then ask ``FOR UPDATE`` deadlock. Locking first takes the exclusive
+    lock at once. Racing creators of a new key can still deadlock (the losers' ignored
+    inserts share the lock after the winner commits); the server then rolls one
+    transaction back whole, and it is tried again (it finds the row and locks it).
+    """
+    retries = 0
+    while True:
+        try:
+            with conn.begin():
+                exists = conn.execute(
+                    select(runs.c.id).where(runs.c.idempotency_key == key).with_for_update()
+                ).first()
+                return _claim_locked(store, conn, key, insert_first=exists is None, **kw)
+        except OperationalError as exc:
+            code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
+            if code != _MYSQL_DEADLOCK or retries >= MYSQL_DEADLOCK_RETRIES:
+                raise
+            retries += 1
+            log.info("claim of %s chosen as deadlock victim; trying again (%d)", key, retries)
 
 
 def _claim_locked(

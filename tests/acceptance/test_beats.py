@@ -93,6 +93,18 @@ def h(pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[H
     harness.redis.close()
 
 
+@pytest.fixture(params=["postgresql", pytest.param("mariadb", marks=pytest.mark.mariadb)])
+def hx(request: pytest.FixtureRequest, redis_url: str,
+       procs: procs_mod.BeatProcs) -> Iterator[Harness]:
+    """:func:`h` on PostgreSQL and on MariaDB (the core invariant tests run on both)."""
+    store = request.getfixturevalue("pg_store" if request.param == "postgresql"
+                                    else "mariadb_store")
+    harness = Harness(store, redis_url, procs)
+    yield harness
+    harness.redis.delete(harness.queue)
+    harness.redis.close()
+
+
 def every_second(n_cron: int, n_interval: int, **rb: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     for i in range(n_cron):
@@ -242,7 +254,8 @@ def owner_of(beat: procs_mod.Beat) -> str:
 
 
 # -- 3 beats, 50 entries every second ---------------------------------------------------------
-def test_three_beats_fifty_entries_every_second(h: Harness) -> None:
+def test_three_beats_fifty_entries_every_second(hx: Harness) -> None:
+    h = hx
     spec = every_second(25, 25, misfire_policy="catch_up")
     h.schedule(spec)
     for i in range(3):
@@ -266,7 +279,8 @@ def test_three_beats_fifty_entries_every_second(h: Harness) -> None:
 
 
 # -- SIGKILL one beat mid-run, start it again ------------------------------------------------
-def test_sigkill_and_restart_one_beat(h: Harness) -> None:
+def test_sigkill_and_restart_one_beat(hx: Harness) -> None:
+    h = hx
     spec = every_second(10, 10, misfire_policy="catch_up")
     h.schedule(spec)
     beats = [h.procs.start(f"beat{i}") for i in range(3)]
@@ -285,7 +299,8 @@ def test_sigkill_and_restart_one_beat(h: Harness) -> None:
 
 
 # -- SIGSTOP for 15 s, one of them frozen inside its claim transaction -----------------------
-def test_sigstop_inside_claim_transaction(h: Harness, tmp_path: Path) -> None:
+def test_sigstop_inside_claim_transaction(hx: Harness, tmp_path: Path) -> None:
+    h = hx
     spec = every_second(10, 10, misfire_policy="catch_up")
     h.schedule(spec)
     flag = tmp_path / "freeze-now"
@@ -311,7 +326,8 @@ def test_sigstop_inside_claim_transaction(h: Harness, tmp_path: Path) -> None:
     stop_all(h)
     figures = check_window(h, sorted(spec), t0, t1, "SIGSTOP 15 s (one inside its claim)")
     # the others took the frozen beat's entries over within the bound
-    # (idle_in_transaction_session_timeout = lock_timeout = 5 s), not after the 15 s pause
+    # (idle_in_transaction_session_timeout = lock_timeout = 5 s; MariaDB:
+    # idle_transaction_timeout = innodb_lock_wait_timeout = 5 s), not after the 15 s pause
     late = [(r.idempotency_key, (r.created_at - r.fire_at).total_seconds())
             for r in h.runs() if frozen_at <= r.fire_at <= thawed_at]
     worst = max(s for _, s in late)

@@ -305,3 +305,27 @@ _STORE_FIXTURE = {"sqlite": "sqlite_store", "postgresql": "pg_store",
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     """The same test on a migrated SQLite, PostgreSQL and MariaDB store (``-k mariadb``)."""
     yield request.getfixturevalue(_STORE_FIXTURE[request.param])
+
+
+#: The server databases the acceptance suites' ``server_url`` / ``server_store`` run on.
+SERVER_DIALECTS = [
+    d if d == "postgresql" else pytest.param(d, marks=pytest.mark.mariadb)
+    for d in ("postgresql", "mariadb") if d in DIALECTS
+]
+_URL_FIXTURE = {"postgresql": "pg_url", "mariadb": "mariadb_url"}
+
+
+@pytest.fixture(params=SERVER_DIALECTS)
+def server_url(request: pytest.FixtureRequest) -> str:
+    """A fresh, empty database on PostgreSQL and on MariaDB (for suites with real processes:
+    only server databases can be shared by several processes on several hosts)."""
+    return str(request.getfixturevalue(_URL_FIXTURE[request.param]))
+
+
+@pytest.fixture
+def server_store(server_url: str) -> Iterator[Store]:
+    """A migrated store on :func:`server_url`."""
+    store = Store.from_url(server_url, role="cli")
+    upgrade(store)
+    yield store
+    store.dispose()

@@ -93,13 +93,10 @@ def h(pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[H
     harness.redis.close()
 
 
-@pytest.fixture(params=["postgresql", pytest.param("mariadb", marks=pytest.mark.mariadb)])
-def hx(request: pytest.FixtureRequest, redis_url: str,
-       procs: procs_mod.BeatProcs) -> Iterator[Harness]:
+@pytest.fixture
+def hx(server_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[Harness]:
     """:func:`h` on PostgreSQL and on MariaDB (the core invariant tests run on both)."""
-    store = request.getfixturevalue("pg_store" if request.param == "postgresql"
-                                    else "mariadb_store")
-    harness = Harness(store, redis_url, procs)
+    harness = Harness(server_store, redis_url, procs)
     yield harness
     harness.redis.delete(harness.queue)
     harness.redis.close()

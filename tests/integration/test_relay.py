@@ -1,5 +1,6 @@
 """The relay against real far ends: Redis (stopped and restarted), two relays racing on
-PostgreSQL and on MariaDB, a poison row, ordering keys, a local HTTP server and a local SMTP sink."""
+PostgreSQL and on MariaDB, a poison row, ordering keys, a local HTTP server and a local SMTP
+sink."""
 
 from __future__ import annotations
 

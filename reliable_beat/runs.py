@@ -753,7 +753,9 @@ def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
     row's lock (``SET LOCAL lock_timeout``), not the role's 30 s: one process renews the
     leases of all its executions in turn, so a row held by someone else (a claimer frozen
     inside its transaction) must not hold up the others. The lease is still valid then;
-    the caller tries again at its next interval.
+    the caller tries again at its next interval. On MySQL/MariaDB the same bound in whole
+    seconds (1 .. 5 s; ``innodb_lock_wait_timeout`` for this statement, then the role's
+    value again).
 
     Returns:
         True when renewed; False when the fence moved (another runner claimed the run, or
@@ -763,8 +765,10 @@ def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
     Raises:
         StoreUnavailableError: the database cannot be reached (the lease is not lost yet).
         sqlalchemy.exc.OperationalError: the row lock was not granted in time (PostgreSQL
-            ``lock_not_available``; the lease is not lost yet).
+            ``lock_not_available``, MySQL 1205; the lease is not lost yet).
     """
+    mysql = store.dialect in MYSQL_DIALECTS
+    role_wait: Any = None
     with store.begin() as conn:
         if store.dialect == "postgresql":
             wait_ms = int(min(max(lease.total_seconds() * 1000 / 6, 50), 5000))
@@ -772,15 +776,24 @@ def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
             now: Any = func.clock_timestamp()
         else:
             now = store.now(conn)
-        done = conn.execute(
-            update(runs)
-            .where(
-                runs.c.id == claim.run_id,
-                runs.c.fence_token == claim.fence_token,
-                runs.c.state == "running",
+        if mysql:
+            role_wait = conn.exec_driver_sql("SELECT @@innodb_lock_wait_timeout").scalar_one()
+            wait_s = int(min(max(lease.total_seconds() / 6, 1), 5))
+            conn.exec_driver_sql(f"SET SESSION innodb_lock_wait_timeout = {wait_s}")
+        try:
+            done = conn.execute(
+                update(runs)
+                .where(
+                    runs.c.id == claim.run_id,
+                    runs.c.fence_token == claim.fence_token,
+                    runs.c.state == "running",
+                )
+                .values(lease_expires_at=now + lease, updated_at=now)
             )
-            .values(lease_expires_at=now + lease, updated_at=now)
-        )
+        finally:
+            if mysql:
+                conn.exec_driver_sql(
+                    f"SET SESSION innodb_lock_wait_timeout = {int(role_wait)}")
         return done.rowcount == 1
 
 

@@ -301,7 +301,8 @@ _STORE_FIXTURE = {"sqlite": "sqlite_store", "postgresql": "pg_store",
                   "mariadb": "mariadb_store"}
 
 
-@pytest.fixture(params=DIALECTS)
+@pytest.fixture(params=[pytest.param(d, marks=pytest.mark.mariadb) if d == "mariadb" else d
+                        for d in DIALECTS])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     """The same test on a migrated SQLite, PostgreSQL and MariaDB store (``-k mariadb``)."""
     yield request.getfixturevalue(_STORE_FIXTURE[request.param])

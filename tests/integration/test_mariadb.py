@@ -266,3 +266,17 @@ def test_upgrade_sql_emits_mysql_ddl() -> None:
     pg = upgrade_sql("postgresql+psycopg://u@h/db")
     assert "_mysql" not in pg
     assert outbox.name in pg
+
+
+def test_unreachable_server_is_store_unavailable() -> None:
+    """A MySQL URL nobody answers is StoreUnavailableError (the loops' "database down"), not a
+    bare driver error."""
+    from harness.servers import free_port
+    from reliable_beat.errors import StoreUnavailableError
+
+    store = Store.from_url(f"mysql+pymysql://root@127.0.0.1:{free_port()}/x", role="beat")
+    try:
+        with pytest.raises(StoreUnavailableError, match="unavailable"), store.begin() as conn:
+            store.now(conn)
+    finally:
+        store.dispose()

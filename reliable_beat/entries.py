@@ -37,7 +37,8 @@ from sqlalchemy.engine import Connection
 from reliable_beat import schedules as sch
 from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store, update_returning
-from reliable_beat.db.tables import entries, runs
+from reliable_beat.db.migrate import VERSION_TABLE
+from reliable_beat.db.tables import MYSQL_DIALECTS, entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
 from reliable_beat.groups import (
     DEFAULT_GROUP,
@@ -441,6 +442,10 @@ def notify_entries_changed(conn: Connection, store: Store) -> None:
 def _lock_for_sync(conn: Connection, store: Store) -> None:
     if store.dialect == "postgresql":
         conn.execute(text("SELECT pg_advisory_xact_lock(7262656175)"))
+    elif store.dialect in MYSQL_DIALECTS:
+        # No transaction-level advisory lock on MySQL/MariaDB (GET_LOCK outlives the
+        # commit): lock the schema's one version row instead, released at commit.
+        conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE} FOR UPDATE"))
 
 
 def _upsert(
@@ -519,7 +524,8 @@ def sync_schedule_group(
     groups and runtime entries are never touched; a name that is an enabled config entry of
     another group is reported in ``conflicts`` and left to that group; a config entry with no
     group (stored before groups existed) or disabled in another group is adopted. Safe when
-    several beats sync at once (PostgreSQL advisory lock; SQLite write lock).
+    several beats sync at once (PostgreSQL advisory lock; MySQL/MariaDB: the row of
+    ``reliable_beat_alembic_version`` locked; SQLite write lock).
 
     Args:
         group: the schedule group (the Celery app's main name, or

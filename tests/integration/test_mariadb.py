@@ -280,3 +280,41 @@ def test_unreachable_server_is_store_unavailable() -> None:
             store.now(conn)
     finally:
         store.dispose()
+
+
+def test_config_syncs_at_the_same_instant_are_serialised(mariadb_store: Store) -> None:
+    """Eight beats syncing the same new config at the same instant (a barrier, not process
+    start-up luck): one inserts, the others find it current; no duplicate-key error."""
+    from reliable_beat.entries import definitions_from_beat_schedule, sync_config_entries
+    from reliable_beat.settings import Settings
+
+    conf = {f"e{i}": {"task": "t", "schedule": "* * * * *"} for i in range(30)}
+    defs = definitions_from_beat_schedule(conf, default_timezone="UTC",
+                                          settings=Settings(database_url="sqlite://"),
+                                          now=datetime.now(timezone.utc))
+    stores = [Store.from_url(mariadb_store.url, role="beat") for _ in range(8)]
+    for s in stores:  # connected before the barrier, so the syncs start together
+        with s.begin() as conn:
+            s.now(conn)
+    barrier = threading.Barrier(len(stores))
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def sync(s: Store) -> None:
+        barrier.wait()
+        try:
+            results.append(sync_config_entries(s, defs))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sync, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for s in stores:
+        s.dispose()
+    assert errors == []
+    assert sum(r["inserted"] for r in results) == 30
+    with mariadb_store.begin() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(entries)).scalar() == 30

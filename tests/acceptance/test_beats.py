@@ -381,7 +381,8 @@ def test_local_clock_off_by_five_minutes(h: Harness) -> None:
 
 
 # -- downtime: all beats stopped, one comes back ---------------------------------------------
-def test_downtime_misfire_policies(h: Harness) -> None:
+def test_downtime_misfire_policies(hx: Harness) -> None:
+    h = hx
     spec = {p: {"every": 1, "reliable_beat": {"misfire_policy": p, "misfire_grace": 2}}
             for p in ("catch_up", "fire_once", "skip")}
     h.schedule(spec)
@@ -580,7 +581,8 @@ def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None
 
 
 # -- claim ahead: published at the slot, never before ----------------------------------------
-def test_claimed_ahead_triggers_published_at_their_slot_never_before(h: Harness) -> None:
+def test_claimed_ahead_triggers_published_at_their_slot_never_before(hx: Harness) -> None:
+    h = hx
     """3 beats claiming up to 1 s ahead: runs are committed before their slot, and every
     message reaches Redis at or after its slot (stamped by a BRPOP recorder on the database's
     clock), never before its run row is committed; no slot is missing or doubled."""
@@ -607,7 +609,8 @@ def test_claimed_ahead_triggers_published_at_their_slot_never_before(h: Harness)
     assert {(r.state, r.trigger) for r in rows} == {("dispatched", "schedule")}
 
 
-def test_sigkill_while_holding_claimed_ahead_triggers(h: Harness) -> None:
+def test_sigkill_while_holding_claimed_ahead_triggers(hx: Harness) -> None:
+    h = hx
     """A beat claiming 20 s ahead is SIGKILLed holding ~20 s of committed triggers. Their
     outbox rows become sweepable at slot + sweep delay (10 s), not at claim + 10 s (which
     is before many of those slots): another beat's sweep publishes every one of them,

@@ -10,7 +10,6 @@ the write lock, so only one applies each revision.
 from __future__ import annotations
 
 import io
-import logging
 from pathlib import Path
 
 from alembic import command
@@ -22,6 +21,7 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import SchemaError
+from reliable_beat.redaction import get_logger
 
 __all__ = ["MIGRATIONS_DIR", "check", "current", "ensure_schema", "head", "upgrade"]
 
@@ -32,7 +32,7 @@ _ADVISORY_KEY = 0x7262656174
 #: MySQL/MariaDB named lock (GET_LOCK) held while migrating, and how long to wait for it.
 _MYSQL_LOCK = "reliable_beat_migrate"
 _MYSQL_LOCK_WAIT_SECONDS = 300
-log = logging.getLogger("reliable_beat.migrate")
+log = get_logger("reliable_beat.migrate")
 
 
 def _config(url: str = "", stdout: io.StringIO | None = None) -> Config:

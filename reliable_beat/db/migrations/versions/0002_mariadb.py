@@ -8,7 +8,7 @@ as an index range instead. (The pending-outbox scan is served by the existing
 Nothing happens on PostgreSQL and SQLite.
 
 Revision ID: 0002_mariadb
-Revises: 0002_groups
+Revises: 0004_quarantine
 Create Date: 2026-12-01
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0002_mariadb"
-down_revision = "0002_groups"
+down_revision = "0004_quarantine"
 branch_labels = None
 depends_on = None
 

@@ -128,7 +128,7 @@ entries = Table(
     Index("ix_reliable_beat_entries_schedule_group", "schedule_group"),
     # MySQL/MariaDB have no partial indexes: the due scan (enabled AND NOT paused AND
     # next_fire_at <= now ORDER BY next_fire_at) is a range of this one, disabled and paused
-    # entries outside it. Created only there (``ddl_if``; migration 0002_mariadb).
+    # entries outside it. Created only there (``ddl_if``; migration 0005_composite_due_index).
     Index("ix_reliable_beat_entries_due_mysql", "enabled", "paused", "next_fire_at").ddl_if(
         dialect=MYSQL_DIALECTS),  # type: ignore[arg-type]  # a tuple is documented, typed str
 )

@@ -7,7 +7,7 @@ as an index range instead. (The pending-outbox scan is served by the existing
 ``ix_reliable_beat_outbox_state_sent_at``: ``state = 'pending'`` is a ref of it.)
 Nothing happens on PostgreSQL and SQLite.
 
-Revision ID: 0002_mariadb
+Revision ID: 0005_composite_due_index
 Revises: 0004_quarantine
 Create Date: 2026-12-01
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from alembic import op
 
-revision = "0002_mariadb"
+revision = "0005_composite_due_index"
 down_revision = "0004_quarantine"
 branch_labels = None
 depends_on = None

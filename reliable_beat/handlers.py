@@ -172,7 +172,12 @@ def publish_celery_batch(
     """Publish Celery trigger rows with ``send_task``, all over ONE producer / connection.
 
     On a Redis broker the whole batch goes out in ONE pipeline (kombu's
-    ``Producer.batch()``, see :func:`_publish_batch`); other transports publish per message.
+    ``Producer.batch()``, see :func:`_publish_batch`). On RabbitMQ (kombu's ``pyamqp``
+    transport) the batch is published on a channel of its own in **publisher-confirm** mode
+    and the broker's confirms for the whole batch are awaited once, after the last publish
+    (:class:`_AmqpConfirms`): a message counts as published (``None`` below) only once the
+    broker acked it; a nacked or unconfirmed one gets a :class:`DestinationUnavailableError`
+    and its row stays pending. Other transports publish per message.
 
     Used by the relay and by the beat's fast path right after its commit. Does not touch the
     database: the caller marks the results (:func:`reliable_beat.relay.mark_sent`,
@@ -199,7 +204,8 @@ def publish_celery_batch(
     if not messages:
         return results
     try:
-        with app.producer_or_acquire() as producer:
+        with app.producer_or_acquire() as pooled, _amqp_confirms(pooled) as confirms:
+            producer = pooled if confirms is None else confirms.producer
             conn_errors = _connection_errors(producer)
             with _publish_batch(producer, len(messages)) as batch_error:
                 send_options: dict[str, Any] = {}
@@ -208,6 +214,8 @@ def publish_celery_batch(
                 for index, message in enumerate(messages):
                     try:
                         _send_one(app, producer, message, now, **send_options)
+                        if confirms is not None:
+                            confirms.sent(index)
                         results.append((message.id, None))
                         if batch_error and not send_options:
                             send_options = _pipelined_send_options(app, producer)
@@ -222,6 +230,9 @@ def publish_celery_batch(
                         results.append((message.id, exc))
                 if wait is not None and batch_error:
                     wait()  # buffered: leaving the batch flushes, i.e. publishes
+            if confirms is not None:
+                unconfirmed = confirms.wait()
+                results = [(mid, unconfirmed.get(i, r)) for i, (mid, r) in enumerate(results)]
     except Exception as exc:  # flushing the batch, or acquiring / releasing the producer
         down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
         down.__cause__ = exc
@@ -230,6 +241,135 @@ def publish_celery_batch(
         done = {i: r for i, r in results if r is not None}
         results = [(m.id, done.get(m.id, down)) for m in messages]
     return results
+
+
+#: How long a batch published to RabbitMQ waits for the broker's publisher confirms
+#: (seconds); messages still unconfirmed then count as not published (rows stay pending).
+CONFIRM_TIMEOUT_SECONDS = 30.0
+
+
+class _AmqpConfirms:
+    """Publisher confirms for one batch, awaited together (RabbitMQ, kombu ``pyamqp``).
+
+    The batch gets a channel of its own in confirm mode (``confirm.select``), so the
+    broker's delivery tags are exactly this batch's publishes, numbered 1, 2, ... in order.
+    Every publish is written without waiting; :meth:`wait` then reads the acks / nacks
+    (``multiple`` covers every tag up to it) until all are in, or
+    :data:`CONFIRM_TIMEOUT_SECONDS` pass. That is one wait per batch instead of one round
+    trip per message (``confirm_publish`` in ``broker_transport_options``), with the same
+    guarantee: an ack means the broker has the message (a persistent message to a durable
+    queue is on disk, or on a quorum of a quorum queue's replicas).
+    """
+
+    def __init__(self, producer: Any, channel: Any) -> None:
+        self.channel = channel
+        self.connection = producer.connection
+        self.producer = type(producer)(
+            channel, exchange=producer.exchange, routing_key=producer.routing_key,
+            serializer=producer.serializer, compression=producer.compression,
+            auto_declare=False)
+        self._published = 0
+        self._tags: dict[int, int] = {}  # delivery tag -> index in the batch
+        self._failed: dict[int, Result] = {}
+        self._acked = 0  # every tag up to this one is settled (multiple acks)
+        self._settled: set[int] = set()
+        channel.events["basic_ack"].add(self._on_ack)
+        channel.events["basic_nack"].add(self._on_nack)
+        publish = channel._basic_publish
+
+        def counting_publish(*args: Any, **kwargs: Any) -> Any:
+            self._published += 1
+            return publish(*args, **kwargs)
+
+        channel.basic_publish = counting_publish
+
+    def sent(self, index: int) -> None:
+        """Record that message ``index`` of the batch was just published (one publish)."""
+        self._tags[self._published] = index
+
+    def _settle(self, tag: int, multiple: bool, error: Result) -> None:
+        tags = [t for t in self._tags if t <= tag and t not in self._settled] if multiple \
+            else [tag]
+        for t in tags:
+            self._settled.add(t)
+            if error is not None and t in self._tags:
+                self._failed[self._tags[t]] = error
+
+    def _on_ack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple, None)
+
+    def _on_nack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple, DestinationUnavailableError(
+            "celery broker nacked the publish (e.g. a queue at x-max-length with "
+            "x-overflow=reject-publish, or a resource alarm): not published"))
+
+    def wait(self) -> dict[int, Result]:
+        """Await the confirms; returns ``{index: error}`` for every message of the batch
+        that is not confirmed (nacked, timed out, or the connection failed meanwhile)."""
+        deadline = time.monotonic() + CONFIRM_TIMEOUT_SECONDS
+        try:
+            while len(self._settled & self._tags.keys()) < len(self._tags):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"no publisher confirm within {CONFIRM_TIMEOUT_SECONDS:.0f} s")
+                try:
+                    self.connection.drain_events(timeout=min(remaining, 1.0))
+                except socket.timeout:
+                    continue
+        except Exception as exc:
+            down = DestinationUnavailableError(f"celery broker did not confirm: {exc!r}")
+            down.__cause__ = exc
+            for tag, index in self._tags.items():
+                if tag not in self._settled:
+                    self._failed[index] = down
+        return dict(self._failed)
+
+
+def _open_channel(connection: Any) -> Any:
+    """A new channel on ``connection``, (re)connecting once if the pooled connection is
+    closed or turns out dead (the broker restarted since its last use)."""
+    errors = tuple(connection.connection_errors) + tuple(
+        connection.recoverable_connection_errors) + (OSError,)
+    try:
+        if not connection.connected:
+            connection.ensure_connection(max_retries=1)
+        return connection.channel()
+    except errors:
+        connection.collect()  # drop the dead socket without talking to the broker
+        connection.ensure_connection(max_retries=1)
+        return connection.channel()
+
+
+@contextlib.contextmanager
+def _amqp_confirms(producer: Any) -> Iterator[_AmqpConfirms | None]:
+    """A confirm-mode channel for one batch on a ``pyamqp`` connection, else None.
+
+    Opening, ``confirm.select`` and closing the channel are three round trips per batch.
+    The channel is closed afterwards; if closing fails the connection is left to kombu's
+    pool (a broken one is replaced on its next use).
+    """
+    connection = getattr(producer, "connection", None)
+    transport = getattr(connection, "transport", None)
+    if getattr(transport, "driver_type", None) != "amqp":
+        yield None
+        return
+    try:
+        import amqp
+    except ImportError:  # librabbitmq or another AMQP client: no batch confirms
+        yield None
+        return
+    channel = _open_channel(connection)
+    if not isinstance(channel, amqp.Channel):
+        channel.close()
+        yield None
+        return
+    try:
+        channel.confirm_select()
+        yield _AmqpConfirms(producer, channel)
+    finally:
+        with contextlib.suppress(Exception):
+            channel.close()
 
 
 @contextlib.contextmanager

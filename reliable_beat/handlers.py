@@ -217,7 +217,7 @@ def publish_celery_batch(
                         if confirms is not None:
                             confirms.sent(index)
                         results.append((message.id, None))
-                        if batch_error and not send_options:
+                        if (batch_error or confirms is not None) and not send_options:
                             send_options = _pipelined_send_options(app, producer)
                     except MessageExpiredError as exc:
                         results.append((message.id, exc))
@@ -403,7 +403,12 @@ def _publish_batch(
 
 
 def _pipelined_send_options(app: Any, producer: Any) -> dict[str, Any]:
-    """``send_task`` options for the rest of a pipelined batch, once one message went out.
+    """``send_task`` options for the rest of a pipelined (Redis) or confirmed (RabbitMQ)
+    batch, once one message went out.
+
+    On RabbitMQ the same reasoning holds with confirms in place of the flush: a publish
+    error mid-batch fails the rest as unavailable, and nothing counts as published before
+    the broker's confirm (:class:`_AmqpConfirms`).
 
     The first message of a batch is sent exactly as ``send_task`` would (Celery's publish
     retry policy connects the producer, so a broker that is down fails as fast as without

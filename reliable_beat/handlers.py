@@ -315,7 +315,7 @@ class _AmqpConfirms:
                         f"no publisher confirm within {CONFIRM_TIMEOUT_SECONDS:.0f} s")
                 try:
                     self.connection.drain_events(timeout=min(remaining, 1.0))
-                except socket.timeout:
+                except TimeoutError:
                     continue
         except Exception as exc:
             down = DestinationUnavailableError(f"celery broker did not confirm: {exc!r}")

@@ -175,7 +175,8 @@ def publish_celery_batch(
     ``Producer.batch()``, see :func:`_publish_batch`). On RabbitMQ (kombu's ``pyamqp``
     transport) the batch is published on a channel of its own in **publisher-confirm** mode
     and the broker's confirms for the whole batch are awaited once, after the last publish
-    (:class:`_AmqpConfirms`): a message counts as published (``None`` below) only once the
+    (:class:`_AmqpConfirms`; the publishes are built first and written back to back, like
+    the Redis pipeline): a message counts as published (``None`` below) only once the
     broker acked it; a nacked or unconfirmed one gets a :class:`DestinationUnavailableError`
     and its row stays pending. Other transports publish per message.
 
@@ -209,7 +210,9 @@ def publish_celery_batch(
             conn_errors = _connection_errors(producer)
             with _publish_batch(producer, len(messages)) as batch_error:
                 send_options: dict[str, Any] = {}
-                if wait is not None and not batch_error:
+                if confirms is not None:  # the channel is open: no connect-retry needed
+                    send_options = _pipelined_send_options(app, producer)
+                elif wait is not None and not batch_error:
                     wait()  # no buffering: every send_task below reaches the broker at once
                 for index, message in enumerate(messages):
                     try:
@@ -228,9 +231,10 @@ def publish_celery_batch(
                         break
                     except Exception as exc:
                         results.append((message.id, exc))
-                if wait is not None and batch_error:
+                if wait is not None and (batch_error or confirms is not None):
                     wait()  # buffered: leaving the batch flushes, i.e. publishes
             if confirms is not None:
+                confirms.flush()  # every publish of the batch, back to back
                 unconfirmed = confirms.wait()
                 results = [(mid, unconfirmed.get(i, r)) for i, (mid, r) in enumerate(results)]
     except Exception as exc:  # flushing the batch, or acquiring / releasing the producer
@@ -253,6 +257,9 @@ class _AmqpConfirms:
 
     The batch gets a channel of its own in confirm mode (``confirm.select``), so the
     broker's delivery tags are exactly this batch's publishes, numbered 1, 2, ... in order.
+    ``send_task`` builds each message as usual, but its ``basic.publish`` is held in memory
+    until :meth:`flush` writes them all back to back (so the beat's claim-ahead builds a
+    slot's messages before its instant and flushes at it, as with the Redis pipeline).
     Every publish is written without waiting; :meth:`wait` then reads the acks / nacks
     (``multiple`` covers every tag up to it) until all are in, or
     :data:`CONFIRM_TIMEOUT_SECONDS` pass. That is one wait per batch instead of one round
@@ -275,13 +282,21 @@ class _AmqpConfirms:
         self._settled: set[int] = set()
         channel.events["basic_ack"].add(self._on_ack)
         channel.events["basic_nack"].add(self._on_nack)
-        publish = channel._basic_publish
+        self._publish = channel._basic_publish
+        self._held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
-        def counting_publish(*args: Any, **kwargs: Any) -> Any:
-            self._published += 1
-            return publish(*args, **kwargs)
+        def held_publish(*args: Any, **kwargs: Any) -> None:
+            self._published += 1  # its delivery tag once flushed (flushed in this order)
+            self._held.append((args, kwargs))
 
-        channel.basic_publish = counting_publish
+        channel.basic_publish = held_publish
+
+    def flush(self) -> None:
+        """Write every held publish, in order. Raises on a connection error (the caller then
+        counts the whole batch unpublished: nothing was confirmed yet)."""
+        held, self._held = self._held, []
+        for args, kwargs in held:
+            self._publish(*args, **kwargs)
 
     def sent(self, index: int) -> None:
         """Record that message ``index`` of the batch was just published (one publish)."""

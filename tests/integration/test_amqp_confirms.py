@@ -134,7 +134,8 @@ def test_broker_killed_mid_batch_keeps_every_confirmed_message(
     publisher = threading.Thread(
         target=lambda: results.extend(publish_celery_batch(app, messages, now=NOW)))
     publisher.start()
-    deadline = time.monotonic() + 30
+    # the batch is built first, then written back to back: kill once the writes arrive
+    deadline = time.monotonic() + 120
     while _depth(amqp_url, test_queue) < 50 and time.monotonic() < deadline:
         time.sleep(0.01)
     rabbitmq_node.stop(kill=True)

@@ -27,24 +27,39 @@ never before its slot.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cache
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Table, and_, bindparam, cast, column, func, not_, or_, select, update
+from sqlalchemy import (
+    Table,
+    and_,
+    bindparam,
+    cast,
+    column,
+    func,
+    not_,
+    or_,
+    select,
+    type_coerce,
+    update,
+)
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
-from sqlalchemy.types import JSON, BigInteger, DateTime, Text, TypeEngine
+from sqlalchemy.types import JSON, BigInteger, DateTime, NullType, Text, TypeEngine
 
+from reliable_beat import rows as rows_mod
 from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.identity import store_id as _store_id
 from reliable_beat.planner import SkippedRange, plan_entry
+from reliable_beat.redaction import get_logger
 from reliable_beat.slots import format_fire_at, idempotency_key
 
 __all__ = [
@@ -58,7 +73,7 @@ __all__ = [
     "trigger_outbox_row",
 ]
 
-log = logging.getLogger("reliable_beat.beat")
+log = get_logger("reliable_beat.beat")
 
 #: Run states that mean "not finished yet" for the overlap policy.
 ACTIVE_RUN_STATES = ("scheduled", "dispatched", "running", "retrying")
@@ -83,6 +98,8 @@ def slot_counter(schedule: sch.Schedule) -> Callable[[datetime, datetime], int |
 
         return count
     return lambda _first, _last: None
+#: SQLite: how often a claim also looks for rows whose instant is not readable (rows.py).
+UNREADABLE_SCAN_SECONDS = 60.0
 
 
 def due_clause() -> Any:
@@ -170,6 +187,8 @@ class TickResult:
         claimed: entries claimed.
         more: the planning budget ran out before every claimed entry was planned (those are
             left for the next claim, which should come at once).
+        quarantined: malformed entries this tick disabled with a reason (never fired; see
+            :mod:`reliable_beat.rows`).
         duplicates: slots another process had already fired (insert was a no-op).
         next_fire_at: the earliest ``next_fire_at`` of any due-able entry after the tick.
         next_claim_at: the earliest database instant at which a claim can find an entry
@@ -184,6 +203,7 @@ class TickResult:
     triggers: list[Trigger] = field(default_factory=list)
     skipped: int = 0
     claimed: int = 0
+    quarantined: int = 0
     duplicates: int = 0
     next_fire_at: datetime | None = None
     next_claim_at: datetime | None = None
@@ -316,11 +336,14 @@ def build_trigger_payload(
     entry: str | None,
     fire_at: datetime,
     trigger: str,
+    store_id: str | None = None,
 ) -> dict[str, Any]:
     """The outbox payload of a trigger (JSON): an ordinary Celery task message description.
 
-    Headers carry the entry, the fire time (ISO 8601 UTC) and the idempotency key; the task
-    id is :func:`task_id_for`; ``expires_at`` = slot + ``options["expires"]`` seconds.
+    Headers carry the entry, the fire time (ISO 8601 UTC), the idempotency key and the id
+    of the store the run was written to (``reliable_beat_store``, when known; see
+    :mod:`reliable_beat.identity`); the task id is :func:`task_id_for`; ``expires_at`` =
+    slot + ``options["expires"]`` seconds.
     """
     publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
     headers = dict(options.get("headers") or {})
@@ -330,6 +353,8 @@ def build_trigger_payload(
         reliable_beat_fire_at=format_fire_at(fire_at),
         reliable_beat_trigger=trigger,
     )
+    if store_id:
+        headers["reliable_beat_store"] = store_id
     expires = options.get("expires")
     expires_at = (
         format_fire_at(fire_at + timedelta(seconds=float(expires))) if expires else None
@@ -394,8 +419,17 @@ class Beat:
     claim_ahead: timedelta = timedelta(0)
     plan_budget: float = PLAN_BUDGET_SECONDS
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
+    _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
+    _last_scan: float = field(default=float("-inf"), repr=False)
 
-    def _schedule(self, name: str, spec: dict[str, Any]) -> sch.Schedule:
+    def _scan_due(self) -> bool:
+        """True at most once per :data:`UNREADABLE_SCAN_SECONDS` (and on the first tick)."""
+        if time.monotonic() - self._last_scan < UNREADABLE_SCAN_SECONDS:
+            return False
+        self._last_scan = time.monotonic()
+        return True
+
+    def _schedule(self, name: str, spec: Mapping[str, Any]) -> sch.Schedule:
         cached = self._schedules.get(name)
         if cached is not None and cached[0] == spec:
             return cached[1]
@@ -419,6 +453,8 @@ class Beat:
             StoreUnavailableError: the database is down (nothing was written).
         """
         result = TickResult()
+        if self._sid is None:  # read outside the claim transaction (SQLite: one writer)
+            self._sid = _store_id(self.store)
         with self.store.begin() as conn:
             now = self.store.now(conn)
             result.monotonic = time.monotonic()
@@ -429,34 +465,91 @@ class Beat:
                      or_(entries.c.next_fire_at <= now, entries.c.overlap_policy == "allow"))
                 if ahead else entries.c.next_fire_at <= now
             )
+            if conn.dialect.name == "sqlite" and self._scan_due():
+                # a garbage instant (SQLite holds any text) is never due: once a minute the
+                # claim also takes such rows, to quarantine them (off the hot path: the test
+                # costs a function call per enabled entry)
+                claimable = or_(claimable, rows_mod.unreadable_instant(entries.c.next_fire_at))
             stmt = (
-                select(entries)
+                select(*rows_mod.raw_columns(entries, conn.dialect))
                 .where(due_clause(), claimable)
                 .order_by(entries.c.next_fire_at)
                 .limit(self.batch_size)
             )
-            rows = conn.execute(self.store.for_update_skip_locked(stmt)).all()
-            result.claimed = len(rows)
+            claimed = conn.execute(self.store.for_update_skip_locked(stmt)).all()
+            result.claimed = len(claimed)
+            rows = self._usable(conn, claimed, now, result)
             if rows:
-                self._fire(conn, list(rows), now, result)
+                self._fire(conn, rows, now, result)
             self._release_buffered(conn, now, result)
-            result.next_fire_at = conn.execute(
-                select(func.min(entries.c.next_fire_at)).where(due_clause())
-            ).scalar_one_or_none()
+            result.next_fire_at = self._min_next_fire_at(conn, now, result, due_clause())
             result.next_claim_at = result.next_fire_at
             if ahead and result.next_fire_at is not None:
                 # The earliest `allow` entry in the window [next_fire_at, + claim_ahead] can
                 # be claimed claim_ahead before its slot (an index range scan of that window).
-                first_allow = conn.execute(
-                    select(func.min(entries.c.next_fire_at)).where(
+                first_allow = self._min_next_fire_at(
+                    conn, now, result, and_(
                         due_clause(), entries.c.overlap_policy == "allow",
                         entries.c.next_fire_at <= result.next_fire_at + self.claim_ahead,
                     )
-                ).scalar_one_or_none()
+                )
                 if first_allow is not None:
                     result.next_claim_at = min(result.next_fire_at,
                                                first_allow - self.claim_ahead)
         return result
+
+    def _usable(
+        self, conn: Connection, claimed: Sequence[Any], now: datetime, result: TickResult
+    ) -> list[Any]:
+        """The claimed rows that are well-formed; each malformed one is quarantined (disabled
+        with its reason, logged at ERROR, counted in :attr:`TickResult.quarantined`) in this
+        transaction, so one bad row never stops the tick (:mod:`reliable_beat.rows`)."""
+        usable: list[Any] = []
+        for raw in claimed:
+            values, problems, unreadable = rows_mod.read_entry(
+                raw._mapping, conn.dialect, self._schedule
+            )
+            if problems:
+                rows_mod.quarantine_entry(conn, values, problems, now, unreadable=unreadable)
+                result.quarantined += 1
+                continue
+            usable.append(SimpleNamespace(**values))
+        return usable
+
+    def _min_next_fire_at(
+        self, conn: Connection, now: datetime, result: TickResult, where: Any
+    ) -> datetime | None:
+        """``min(next_fire_at)`` of the rows matching ``where``. On SQLite a value that is not
+        an instant (the column holds any text) quarantines its entries, then looks again."""
+        if conn.dialect.name != "sqlite":
+            value: datetime | None = conn.execute(
+                select(func.min(entries.c.next_fire_at)).where(where)
+            ).scalar_one_or_none()
+            return value
+        for _ in range(10):
+            raw = conn.execute(
+                select(type_coerce(func.min(entries.c.next_fire_at), NullType())).where(where)
+            ).scalar_one_or_none()
+            if raw is None:
+                return None
+            try:
+                decoded = rows_mod.decode_value(entries.c.next_fire_at, raw, conn.dialect)
+            except Exception:
+                decoded = None
+            if isinstance(decoded, datetime):
+                return decoded
+            bad = conn.execute(
+                select(*rows_mod.raw_columns(entries, conn.dialect)).where(
+                    where, type_coerce(entries.c.next_fire_at, NullType()) == raw
+                )
+            ).all()
+            for row in bad:
+                values, problems, unreadable = rows_mod.read_entry(row._mapping, conn.dialect)
+                rows_mod.quarantine_entry(conn, values, problems or [
+                    f"next_fire_at={rows_mod.raw_repr(raw)}: expected a UTC instant"
+                ], now, unreadable=unreadable | {"next_fire_at"})
+                result.quarantined += 1
+        return None
 
     def _fire(self, conn: Connection, rows: list[Any], now: datetime, result: TickResult) -> None:
         run_rows: list[dict[str, Any]] = []
@@ -575,6 +668,7 @@ class Beat:
                     task=r["task"], args=r["args"], kwargs=r["kwargs"],
                     options=options_by_key[key], key=key, entry=r["entry_name"],
                     fire_at=r["fire_at"], trigger=r["trigger"],
+                    store_id=self._sid,
                 )
                 outbox_rows.append(
                     self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"])
@@ -603,13 +697,9 @@ class Beat:
 
     def _release_buffered(self, conn: Connection, now: datetime, result: TickResult) -> None:
         """Turn a ``buffered`` run into a trigger once its entry has no active run."""
-        buffered = conn.execute(
-            select(runs.c.id, runs.c.idempotency_key, runs.c.entry_name, runs.c.fire_at,
-                   runs.c.task, runs.c.args, runs.c.kwargs, runs.c.trigger)
-            .where(runs.c.state == "buffered")
-            .order_by(runs.c.id)
-            .limit(self.batch_size)
-        ).all()
+        # Rows read value by value and checked (reliable_beat.rows): a malformed buffered run
+        # is dead-lettered, an entry with malformed options quarantined; the others go on.
+        buffered = rows_mod.read_buffered_runs(conn, now, limit=self.batch_size)
         if not buffered:
             return
         names = {b.entry_name for b in buffered}
@@ -620,13 +710,9 @@ class Beat:
                 )
             ).scalars()
         )
-        options = dict(
-            conn.execute(
-                select(entries.c.name, entries.c.options).where(entries.c.name.in_(names))
-            ).all()
-        )
+        options = rows_mod.read_entry_options(conn, names, now)
         for b in buffered:
-            if b.entry_name in still_active:
+            if b.entry_name in still_active or options.get(b.entry_name, {}) is None:
                 continue
             done = conn.execute(
                 update(runs)
@@ -637,8 +723,10 @@ class Beat:
                 continue
             still_active.add(b.entry_name)  # one released run per entry at a time
             payload = build_trigger_payload(
-                task=b.task, args=b.args, kwargs=b.kwargs, options=options.get(b.entry_name, {}),
+                task=b.task, args=b.args, kwargs=b.kwargs,
+                options=options.get(b.entry_name) or {},
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
+                store_id=self._sid,
             )
             oid = conn.execute(
                 outbox.insert().returning(outbox.c.id),

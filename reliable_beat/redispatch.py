@@ -27,7 +27,6 @@ rather let the broker redeliver first (Redis ``visibility_timeout``).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Collection
 from datetime import datetime, timedelta
@@ -42,11 +41,12 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
 __all__ = ["claim_stuck_runs", "redispatch_stuck_runs", "tracked_tasks"]
 
-log = logging.getLogger("reliable_beat.redispatch")
+log = get_logger("reliable_beat.redispatch")
 
 
 def claim_stuck_runs(

@@ -54,15 +54,17 @@ from reliable_beat.groups import (
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
 from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
+from reliable_beat.retention import RetentionThread, start_retention
 from reliable_beat.schedules import validate_timezone
-from reliable_beat.settings import Settings
+from reliable_beat.settings import Settings, celery_timezone
 from reliable_beat.slots import format_fire_at
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
 
-log = logging.getLogger("reliable_beat.scheduler")
+log = get_logger("reliable_beat.scheduler")
 
 #: How often a beat sweeps trigger rows the fast path left unsent (seconds).
 SWEEP_SECONDS = 5.0
@@ -256,6 +258,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.settings = Settings.from_celery(app)
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self._listen: Any = None
+        self._retention: RetentionThread | None = None
         self._failures = 0
         self._last_sweep = 0.0
         self._metrics: Any = None
@@ -300,10 +303,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             ReliableScheduler._in_setup -= 1
 
     def _definitions(self, now: datetime) -> list[EntryDefinition]:
-        zone = str(self.app.conf.timezone or "UTC")
         try:
             try:
-                validate_timezone(zone)
+                zone = validate_timezone(celery_timezone(self.app))  # Celery's own resolution
             except ConfigurationError as exc:
                 raise ConfigurationError(f"Celery's timezone setting: {exc}") from None
             self._check_sqlite_directory()
@@ -337,6 +339,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         # the database is down. The definitions are rebuilt on the database clock below.
         self._definitions(datetime.now(timezone.utc))
         warn_broker_timeouts(self.app, self.settings)
+        warning = self.settings.default_store_warning("beat")
+        if warning:
+            log.warning("%s", warning)
         delay = 1.0
         while True:
             try:
@@ -345,8 +350,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     now = self.store.now(conn)
                 break
             except (StoreUnavailableError, DBAPIError) as exc:
-                log.error("database %s unavailable at start (%s); retrying in %.0f s",
-                          self.store.safe_url, exc, delay)
+                log.error("at start: %s; retrying in %.0f s",
+                          self.store.describe_failure(exc), delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
             except SchemaError as exc:
@@ -364,13 +369,16 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         if self.settings.metrics_port is not None and self._metrics is None:
             from reliable_beat.metrics import serve
 
-            self._metrics = serve(self.settings.metrics_port, self.store)
+            self._metrics = serve(self.settings.metrics_port, self.store,
+                                  addr=self.settings.metrics_host)
             log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
         result = sync_schedule_group(self.store, definitions, group=self.group,
                                      owner=self.settings.owner)
         log_sync_result(log, result, self.store.safe_url)
         record_beat(self.store, owner=self.settings.owner, group=self.group,
                     config_hash=result.config_hash, unregistered=unregistered)
+        if self._retention is None:  # bounded-batch purge of old history, in the background
+            self._retention = start_retention(self.store, self.settings, role="beat")
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -386,8 +394,10 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 schema = "BEHIND: run `reliable-beat db upgrade`"
         except Exception:
             schema = "unknown (database unavailable)"
+        warning = self.settings.default_store_warning("beat")
         return (
-            f"    . store -> {self.store.safe_url}\n"
+            (f"    . WARNING -> {warning}\n" if warning else "")
+            + f"    . store -> {self.store.safe_url}\n"
             f"    . owner -> {self.settings.owner}\n"
             f"    . schedule group -> {self.group}\n"
             f"    . schema -> {schema} (head {migrate.head()})"
@@ -467,9 +477,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         except (StoreUnavailableError, DBAPIError) as exc:
             self._failures += 1
             wait: float = min(30.0, 0.5 * 2.0 ** min(self._failures, 6))
-            log.error("tick failed: database %s unavailable (%s); retrying in %.1f s. "
+            log.error("tick failed: %s; retrying in %.1f s. "
                       "Slots due meanwhile are decided by the misfire policy when it returns.",
-                      self.store.safe_url, exc, wait)
+                      self.store.describe_failure(exc), wait)
             return wait
         if self._failures:
             # Back after an outage: other beats may hold published-but-unmarked triggers.
@@ -726,7 +736,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     notified = True
             return notified
         except Exception as exc:
-            log.debug("LISTEN unavailable (%s); sleeping instead", exc)
+            log.debug("LISTEN unavailable (%s); sleeping instead", redact_text(exc))
             with contextlib.suppress(Exception):
                 if self._listen is not None:
                     self._listen.close()
@@ -749,6 +759,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 self._listen.close()
         with contextlib.suppress(Exception):
             beat_stopped(self.store, self.settings.owner)
+        if self._retention is not None:
+            self._retention.stop()
+            self._retention = None
         self.store.dispose()
 
     @property

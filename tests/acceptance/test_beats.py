@@ -721,3 +721,39 @@ def test_sigterm_while_holding_publishes_at_the_slots_then_exits(h: Harness) -> 
           f"after SIGTERM")
     assert worst < 1.0  # by the holder at the instant, not by a sweep 10 s later
     check_window(h, sorted(spec), t0, max(r.fire_at for r in held), "SIGTERM holding")
+
+
+# -- malformed rows (issue 12): real beats keep serving, restarts included --------------------
+def test_malformed_entries_never_stop_real_beats(h: Harness) -> None:
+    """Malformed runtime entries written around the library (``options`` a list,
+    ``options.headers`` not an object, a schedule spec that does not parse): before, every
+    beat crashed at its first tick, on every restart. Now each is quarantined once and the
+    beats go on firing every slot of the good entries."""
+    spec = every_second(2, 2, misfire_policy="catch_up")
+    h.schedule(spec)
+    beats = [h.procs.start(f"beat{i}") for i in range(2)]
+    t0 = wait_running(h, 4) + 2 * SECOND
+    now = h.now()
+    bad = {"poison-options": {"options": ["not", "an", "object"]},
+           "poison-headers": {"options": {"headers": "x-a: 1"}},
+           "poison-schedule": {"schedule": {"kind": "cron", "expr": "every tuesday"}}}
+    with h.store.begin() as conn:
+        template = dict(conn.execute(select(entries).where(entries.c.name == "every00"))
+                        .one()._mapping)
+        for name, values in bad.items():
+            row = {k: v for k, v in template.items() if k != "id"}
+            row.update(name=name, origin="runtime", next_fire_at=now, **values)
+            conn.execute(entries.insert().values(**row))
+    procs_mod.wait_for(lambda: h.now() > t0 + 4 * SECOND, 20, "running with poison rows")
+    h.procs.kill(beats[0])
+    h.procs.start("beat0-again")  # a restart meets the (now quarantined) rows again
+    procs_mod.wait_for(lambda: h.now() > t0 + 10 * SECOND, 30, "running after a restart")
+    t1 = h.now() - 3 * SECOND
+    assert all(b.alive() for b in h.procs.beats if b is not beats[0]), h.logs()
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                    and o.created_at <= t1 + SECOND], 30, "unsent triggers")
+    stop_all(h)
+    check_window(h, sorted(spec), t0, t1, "malformed entries")
+    quarantined = {e.name: e for e in h.entries() if e.name in bad}
+    assert all(not e.enabled and e.quarantine_reason for e in quarantined.values()), quarantined
+    assert not [r for r in h.runs() if r.entry_name in bad]

@@ -191,3 +191,24 @@ def test_quorum_queue_confirms_and_counts_redeliveries(
     assert sorted(counts) == sorted(celery_task_id(m) for m in messages)
     assert counts[first.headers["id"]] == 1
     assert sorted(v or 0 for v in counts.values()) == [0, 0, 1]
+
+
+def test_a_refused_message_fails_alone_and_the_rest_are_confirmed(
+        app: Celery, amqp_url: str, test_queue: str) -> None:
+    """RabbitMQ refuses one message's queue declaration (``PRECONDITION_FAILED``: the queue
+    exists with other arguments) and closes the batch's channel: the batch is published
+    again one message at a time, each confirmed, so only the culprit fails."""
+    bad = f"{test_queue}-bad"
+    with Connection(amqp_url) as conn:  # exists with x-max-length; Celery declares it without
+        Queue(bad, queue_arguments={"x-max-length": 100}, channel=conn.default_channel).declare()
+    app.conf.task_queues = [Queue(test_queue), Queue(bad)]
+    messages = _messages(2, test_queue) + _messages(1, bad, start=3) + \
+        _messages(2, test_queue, start=4)
+    results = dict(publish_celery_batch(app, messages, now=NOW))
+    assert [results[i] is None for i in (1, 2, 4, 5)] == [True] * 4, results
+    assert results[3] is not None and "PRECONDITION_FAILED" in repr(results[3]), results
+    got = [h["id"] for h in _drain(amqp_url, test_queue)]
+    want = {celery_task_id(m) for m in messages if m.id != 3}
+    assert set(got) == want  # the batch's first try may have put some there already
+    with Connection(amqp_url) as conn:
+        conn.default_channel.queue_delete(bad)

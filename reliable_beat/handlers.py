@@ -299,8 +299,10 @@ class _AmqpConfirms:
         self._tags: dict[int, int] = {}  # delivery tag -> index in the batch
         self._failed: dict[int, Result] = {}
         self._settled: set[int] = set()
+        self._by_message_id: dict[str, int] = {}
         channel.events["basic_ack"].add(self._on_ack)
         channel.events["basic_nack"].add(self._on_nack)
+        channel.events["basic_return"].add(self._on_return)
         self._publish = channel._basic_publish
         self._held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
@@ -329,9 +331,23 @@ class _AmqpConfirms:
             self._closed = True
         return self._closed
 
-    def sent(self, index: int) -> None:
-        """Record that message ``index`` of the batch was just published (one publish)."""
+    def sent(self, index: int, message_id: str | None = None) -> None:
+        """Record that message ``index`` of the batch was just published (one publish);
+        ``message_id``: its AMQP ``message_id`` property, for a mandatory publish whose
+        ``basic.return`` must be told apart."""
         self._tags[self._published] = index
+        if message_id is not None:
+            self._by_message_id[message_id] = index
+
+    def _on_return(self, exc: BaseException, exchange: str, routing_key: str,
+                   message: Any) -> None:
+        # RabbitMQ sends basic.return before the basic.ack of the same message: the ack
+        # below then settles its tag without clearing this error.
+        index = self._by_message_id.get(str(message.properties.get("message_id")))
+        if index is not None:
+            self._failed[index] = DeliveryError(
+                f"unroutable: no queue is bound to exchange {exchange!r} with routing key "
+                f"{routing_key!r} ({exc}); bind one, or fix the row's exchange/routing_key")
 
     def _settle(self, tag: int, multiple: bool, error: Result) -> None:
         tags = [t for t in self._tags if t <= tag and t not in self._settled] if multiple \
@@ -658,20 +674,32 @@ class KombuHandler:
             raise error
 
     def deliver_batch(self, messages: Sequence[OutboxMessage]) -> list[Result]:
-        """Publish every message over one connection, in order."""
+        """Publish every message over one connection, in order.
+
+        On RabbitMQ the batch is confirmed like a ``celery`` batch (:class:`_AmqpConfirms`)
+        and published ``mandatory``: a message no queue is bound for comes back
+        (``basic.return``) and fails with a :class:`DeliveryError` (charged an attempt,
+        dead-lettered in the end) instead of being confirmed and dropped by the broker.
+        """
         import kombu
 
         results: list[Result] = []
+        confirmed = False
         try:
             if self.app is not None:
                 conn = self.app.connection_for_write()
             else:
                 conn = kombu.Connection(self.url)  # type: ignore[attr-defined,no-untyped-call]
-            with conn, conn.Producer() as producer:
+            with conn, conn.Producer() as plain, _amqp_confirms(plain) as confirms:
+                producer = plain if confirms is None else confirms.producer
+                confirmed = confirms is not None
                 conn_errors = _connection_errors(producer)
                 for index, message in enumerate(messages):
                     try:
-                        self._publish(kombu, producer, message)
+                        self._publish(kombu, producer, message,
+                                      mandatory=confirms is not None)
+                        if confirms is not None:
+                            confirms.sent(index, message.message_id)
                         results.append(None)
                     except conn_errors as exc:
                         down = DestinationUnavailableError(f"kombu broker unavailable: {exc!r}")
@@ -679,15 +707,24 @@ class KombuHandler:
                         results.extend([down] * (len(messages) - index))
                         break
                     except Exception as exc:
+                        if confirms is not None and confirms.closed_by(exc):
+                            raise  # the channel is gone: the rest of the batch with it
                         results.append(exc)
+                if confirms is not None:
+                    confirms.flush()
+                    unconfirmed = confirms.wait()
+                    results = [unconfirmed.get(i, r) for i, r in enumerate(results)]
         except Exception as exc:
             down = DestinationUnavailableError(f"kombu broker unavailable: {exc!r}")
             down.__cause__ = exc
+            if confirmed:  # nothing counts as published before the broker's confirm
+                results = [down if r is None else r for r in results]
             results.extend([down] * (len(messages) - len(results)))
         return results
 
     @staticmethod
-    def _publish(kombu: Any, producer: Any, message: OutboxMessage) -> None:
+    def _publish(kombu: Any, producer: Any, message: OutboxMessage, *,
+                 mandatory: bool = False) -> None:
         p = message.payload
         if not isinstance(p, Mapping) or "routing_key" not in p or "body" not in p:
             raise PermanentDeliveryError(
@@ -706,6 +743,7 @@ class KombuHandler:
             message_id=message.message_id,
             declare=[exchange] if name else [],
             retry=False,
+            mandatory=mandatory,
         )
 
 

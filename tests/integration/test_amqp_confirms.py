@@ -212,3 +212,34 @@ def test_a_refused_message_fails_alone_and_the_rest_are_confirmed(
     assert set(got) == want  # the batch's first try may have put some there already
     with Connection(amqp_url) as conn:
         conn.default_channel.queue_delete(bad)
+
+
+def _kombu_rows(routing_keys: list[str]) -> list[OutboxMessage]:
+    return [OutboxMessage(id=i, message_id=f"kombu:{i}", destination="kombu",
+                          payload={"exchange": "", "routing_key": rk, "body": {"n": i}})
+            for i, rk in enumerate(routing_keys, start=1)]
+
+
+def test_kombu_destination_is_confirmed_and_unroutable_messages_fail(
+        amqp_url: str, test_queue: str) -> None:
+    """The raw ``kombu`` destination on RabbitMQ: confirmed per batch, and published
+    mandatory, so a message no queue is bound for fails (instead of the broker confirming
+    and dropping it) while the others are delivered."""
+    from reliable_beat.errors import DeliveryError
+    from reliable_beat.handlers import KombuHandler
+
+    with Connection(amqp_url) as conn:
+        conn.default_channel.queue_declare(test_queue, durable=True, auto_delete=False)
+    rows = _kombu_rows([test_queue, f"{test_queue}-nobody", test_queue])
+    results = KombuHandler(url=amqp_url).deliver_batch(rows)
+    assert results[0] is None and results[2] is None, results
+    assert isinstance(results[1], DeliveryError) and "unroutable" in str(results[1])
+    assert not isinstance(results[1], DestinationUnavailableError)  # charged: a config error
+    with Connection(amqp_url) as conn:
+        channel = conn.default_channel
+        ids = []
+        while (msg := channel.basic_get(test_queue)) is not None:
+            ids.append(msg.properties["message_id"])
+            channel.basic_ack(msg.delivery_tag)
+        channel.queue_delete(test_queue)
+    assert ids == ["kombu:1", "kombu:3"]

@@ -297,6 +297,9 @@ class RabbitMQServer:
     Args:
         consumer_timeout_ms: RabbitMQ's ``consumer_timeout`` (a delivery unacknowledged for
             longer closes the consumer's channel); None keeps the broker default (30 min).
+        session_wide: drop the test's process mark from the node's environment (the test
+            session's shared node, which a test may restart); otherwise a node left behind
+            by a killed harness is reaped with the test's other processes.
     """
 
     port: int = field(default_factory=free_port)
@@ -304,6 +307,7 @@ class RabbitMQServer:
     epmd_port: int = field(default_factory=free_port)
     basedir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rb-rabbit-")))
     consumer_timeout_ms: int | None = None
+    session_wide: bool = False
     proc: subprocess.Popen[bytes] | None = None
     epmd: subprocess.Popen[bytes] | None = None
 
@@ -321,9 +325,10 @@ class RabbitMQServer:
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")}
-        # The node outlives any one test (started once per session, restarted by some):
-        # not one of the test's own processes to reap (tests/conftest.py).
-        env.pop("RB_TEST_PROCESS_MARK", None)
+        if self.session_wide:
+            # The node outlives any one test (started once per session, restarted by
+            # some): not one of the test's own processes to reap (tests/conftest.py).
+            env.pop("RB_TEST_PROCESS_MARK", None)
         env.update(
             HOME=str(self.basedir),
             ERL_EPMD_PORT=str(self.epmd_port),

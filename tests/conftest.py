@@ -142,7 +142,7 @@ def rabbitmq_node() -> Iterator[RabbitMQServer | None]:
         return
     try:
         with _unmarked():
-            server = RabbitMQServer()
+            server = RabbitMQServer(session_wide=True)
             server.__enter__()
     except (FileNotFoundError, OSError) as exc:
         _unavailable(f"RabbitMQ not available: {exc}")

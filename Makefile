@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-full lint type wheel-check docs bench faults clean
+.PHONY: demo test test-full test-rabbitmq lint type wheel-check docs bench faults clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ test: $(VENV)/.installed
 
 test-full: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The RabbitMQ subset CI runs after `make test` (a few minutes): the acceptance suites whose
+# guarantees lean on the broker, on a private RabbitMQ node. The rest of the broker axis is
+# `$(PY) -m pytest --broker rabbitmq tests/acceptance tests/faults` (docs/operations.md).
+test-rabbitmq: $(VENV)/.installed
+	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_idempotent_task.py \
+		tests/acceptance/test_relay_kill.py tests/acceptance/test_outbox_kill_points.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks

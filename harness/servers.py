@@ -1,4 +1,4 @@
-"""Throwaway PostgreSQL, MariaDB and Redis servers started from the local binaries.
+"""Throwaway PostgreSQL, MariaDB, Redis and RabbitMQ servers started from the local binaries.
 
 Used by the test suite, the fault-injection harness, the benchmarks and the examples.
 pytest-postgresql's executor runs ``pg_ctl`` as the current user, and PostgreSQL refuses to
@@ -10,13 +10,14 @@ with its own data directory, port and socket; it never touches the system's ``/v
 
 Environment:
     RELIABLE_BEAT_TEST_POSTGRES_URL / RELIABLE_BEAT_TEST_REDIS_URL /
-    RELIABLE_BEAT_TEST_MARIADB_URL: use these servers instead.
+    RELIABLE_BEAT_TEST_MARIADB_URL / RELIABLE_BEAT_TEST_AMQP_URL: use these servers instead.
     RELIABLE_BEAT_PG_BIN: directory of ``initdb``/``pg_ctl`` (default: found on PATH or in
     ``/usr/lib/postgresql/*/bin``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -28,8 +29,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["MariaDBServer", "PostgresServer", "RedisServer", "find_mariadbd", "find_pg_bin",
-           "free_port"]
+__all__ = [
+    "MariaDBServer",
+    "PostgresServer",
+    "RabbitMQServer",
+    "RedisServer",
+    "find_mariadbd",
+    "find_pg_bin",
+    "find_rabbitmq_bin",
+    "free_port",
+]
 
 
 def free_port() -> int:
@@ -397,3 +406,204 @@ class RedisServer:
     def resume(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
+
+
+def find_rabbitmq_bin() -> Path | None:
+    """The directory holding Debian's unwrapped ``rabbitmq-server`` / ``rabbitmqctl`` scripts.
+
+    ``/usr/sbin/rabbitmq-server`` is a wrapper that switches user with ``su`` and drops the
+    environment (our ``RABBITMQ_*`` variables), so the scripts it wraps are used instead.
+    ``RELIABLE_BEAT_RABBITMQ_BIN`` overrides.
+    """
+    env = os.environ.get("RELIABLE_BEAT_RABBITMQ_BIN")
+    if env:
+        return Path(env)
+    for cand in ("/usr/lib/rabbitmq/bin", "/usr/local/lib/rabbitmq/bin"):
+        if os.path.exists(os.path.join(cand, "rabbitmq-server")):
+            return Path(cand)
+    found = shutil.which("rabbitmq-server")
+    return Path(found).resolve().parent if found else None
+
+
+@dataclass
+class RabbitMQServer:
+    """A private RabbitMQ node on 127.0.0.1 (Debian's ``rabbitmq-server``). Context manager.
+
+    Everything is its own: node name ``rb-<port>@localhost``, the AMQP port (:attr:`port`),
+    the Erlang distribution port, a private ``epmd`` on a port of its own (the system's
+    4369 is never used, so no other node on the machine is seen or disturbed), the Mnesia
+    data directory, the logs, the cookie (``HOME`` is the data directory) and an empty
+    enabled-plugins file (no management plugin). As root the node runs as the ``rabbitmq``
+    system user (``runuser``) in directories that user owns.
+
+    Startup takes seconds (Erlang boot): start one node per test session. Durable queues
+    and persistent messages survive :meth:`restart` (same data directory), which is what
+    the broker-restart tests need. :attr:`url` is an ``amqp://`` (kombu ``pyamqp``) URL of
+    the default vhost as ``guest`` (allowed on loopback only).
+
+    Args:
+        consumer_timeout_ms: RabbitMQ's ``consumer_timeout`` (a delivery unacknowledged for
+            longer closes the consumer's channel); None keeps the broker default (30 min).
+        session_wide: drop the test's process mark from the node's environment (the test
+            session's shared node, which a test may restart); otherwise a node left behind
+            by a killed harness is reaped with the test's other processes.
+    """
+
+    port: int = field(default_factory=free_port)
+    dist_port: int = field(default_factory=free_port)
+    epmd_port: int = field(default_factory=free_port)
+    basedir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rb-rabbit-")))
+    consumer_timeout_ms: int | None = None
+    session_wide: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    epmd: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        bindir = find_rabbitmq_bin()
+        if bindir is None or not (bindir / "rabbitmq-server").exists():
+            raise FileNotFoundError("rabbitmq-server not found (apt-get install rabbitmq-server)")
+        self.bindir = bindir
+        self._as_root = os.geteuid() == 0
+        self.nodename = f"rb-{self.port}@localhost"
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")}
+        if self.session_wide:
+            # The node outlives any one test (started once per session, restarted by
+            # some): not one of the test's own processes to reap (tests/conftest.py).
+            env.pop("RB_TEST_PROCESS_MARK", None)
+        env.update(
+            HOME=str(self.basedir),
+            ERL_EPMD_PORT=str(self.epmd_port),
+            RABBITMQ_NODENAME=self.nodename,
+            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_MNESIA_BASE=str(self.basedir / "mnesia"),
+            RABBITMQ_LOG_BASE=str(self.basedir / "log"),
+            RABBITMQ_LOGS=str(self.basedir / "log" / "node.log"),
+            RABBITMQ_CONFIG_FILE=str(self.basedir / "rabbitmq.conf"),
+            RABBITMQ_ADVANCED_CONFIG_FILE=str(self.basedir / "advanced.config"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(self.basedir / "enabled_plugins"),
+            RABBITMQ_PID_FILE=str(self.basedir / "node.pid"),
+            RABBITMQ_CONF_ENV_FILE=str(self.basedir / "rabbitmq-env.conf"),
+            RABBITMQ_ALLOW_INPUT="",
+        )
+        return env
+
+    def _cmd(self, *args: str) -> list[str]:
+        cmd = list(args)
+        if self._as_root:
+            cmd = ["runuser", "-u", "rabbitmq", "--", *cmd]
+        return cmd
+
+    def __enter__(self) -> RabbitMQServer:
+        self._prepare()
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        if self.epmd is not None and self.epmd.poll() is None:
+            self.epmd.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.epmd.wait(10)
+        shutil.rmtree(self.basedir, ignore_errors=True)
+
+    def _prepare(self) -> None:
+        (self.basedir / "log").mkdir(parents=True, exist_ok=True)
+        (self.basedir / "mnesia").mkdir(parents=True, exist_ok=True)
+        conf = ["loopback_users.guest = true", "log.console = false",
+                "log.file.level = info", "disk_free_limit.absolute = 10MB"]
+        if self.consumer_timeout_ms is not None:
+            conf.append(f"consumer_timeout = {self.consumer_timeout_ms}")
+        (self.basedir / "rabbitmq.conf").write_text("\n".join(conf) + "\n")
+        (self.basedir / "advanced.config").write_text("[].\n")
+        (self.basedir / "enabled_plugins").write_text("[].\n")
+        (self.basedir / "rabbitmq-env.conf").write_text("")
+        if self._as_root:
+            for path in [self.basedir, *self.basedir.rglob("*")]:
+                shutil.chown(path, "rabbitmq", "rabbitmq")
+        epmd = shutil.which("epmd") or "/usr/bin/epmd"
+        self.epmd = subprocess.Popen(
+            self._cmd(epmd, "-port", str(self.epmd_port), "-address", "127.0.0.1"),
+            env=self._env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(self.epmd_port, 30)
+
+    def start(self, timeout: float = 180) -> None:
+        """Start the node (same ports and data as before on a restart); wait until an AMQP
+        client completes a handshake (the listener opens late in the boot)."""
+        with open(self.basedir / "log" / "stdout.log", "ab") as out:
+            self.proc = subprocess.Popen(
+                self._cmd(str(self.bindir / "rabbitmq-server")), env=self._env(),
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise OSError(f"rabbitmq-server exited with {self.proc.returncode}: "
+                              f"{self.log_tail()}")
+            if self._amqp_ready():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"RabbitMQ not accepting AMQP on 127.0.0.1:{self.port} after "
+                                   f"{timeout} s: {self.log_tail()}")
+            time.sleep(0.2)
+
+    def _amqp_ready(self) -> bool:
+        import amqp
+
+        try:
+            conn = amqp.Connection(f"127.0.0.1:{self.port}", userid="guest", password="guest",
+                                   connect_timeout=2)
+            conn.connect()
+            conn.close()
+        except Exception:
+            return False
+        return True
+
+    def log_tail(self, chars: int = 2000) -> str:
+        text = ""
+        for path in sorted((self.basedir / "log").glob("*.log")):
+            with contextlib.suppress(OSError):
+                text += f"\n--- {path.name}\n" + path.read_text(errors="replace")[-chars:]
+        return text
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the node: SIGTERM (a clean shutdown that flushes the message store) or,
+        with ``kill``, SIGKILL of the whole process group (a crash)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            sig = signal.SIGKILL if kill else signal.SIGTERM
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        # beam may outlive the shell script that started it: wait for the port to close
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) != 0:
+                    break
+            time.sleep(0.1)
+        self.proc = None
+
+    def restart(self, *, kill: bool = False) -> None:
+        """Stop (see :meth:`stop`) and start again on the same ports and data directory."""
+        self.stop(kill=kill)
+        self.start()
+
+    def ctl(self, *args: str) -> str:
+        """Run ``rabbitmqctl`` against this node; returns stdout."""
+        cmd = self._cmd(str(self.bindir / "rabbitmqctl"), "-n", self.nodename, *args)
+        return subprocess.run(cmd, env=self._env(), check=True, capture_output=True,
+                              text=True, timeout=120).stdout
+

@@ -1,7 +1,10 @@
-"""Shared fixtures: a real PostgreSQL, a real MariaDB and a real Redis, started by the session.
+"""Shared fixtures: a real PostgreSQL, MariaDB, Redis and RabbitMQ, started by the session.
 
-Servers come from ``RELIABLE_BEAT_TEST_POSTGRES_URL`` / ``RELIABLE_BEAT_TEST_REDIS_URL`` when
-set, else are started from the local binaries (:mod:`harness.servers`).
+Servers come from ``RELIABLE_BEAT_TEST_POSTGRES_URL`` / ``RELIABLE_BEAT_TEST_REDIS_URL`` /
+``RELIABLE_BEAT_TEST_AMQP_URL`` when set, else are started from the local binaries
+(:mod:`harness.servers`). The RabbitMQ node is started only by a session whose tests ask for
+it (Erlang boots in seconds): ``rabbitmq_node`` / ``amqp_url``, or ``broker_url`` with
+``--broker rabbitmq`` (or ``RB_TEST_BROKER=rabbitmq``).
 Locally, a missing binary skips the tests that need it, with the reason; with ``CI=true`` it
 fails them.
 
@@ -38,7 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import sqlalchemy as sa
 
-from harness.servers import MariaDBServer, PostgresServer, RedisServer
+from harness.servers import MariaDBServer, PostgresServer, RabbitMQServer, RedisServer
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 
@@ -144,6 +147,61 @@ def redis_server() -> Iterator[tuple[str, int]]:
         yield server.url, REDIS_DATABASES
     finally:
         server.__exit__(None, None, None)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--broker", choices=("redis", "rabbitmq"),
+        default=os.environ.get("RB_TEST_BROKER", "redis"),
+        help="broker of the tests that take the broker_url fixture (default: redis, or "
+             "$RB_TEST_BROKER)")
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_node() -> Iterator[RabbitMQServer | None]:
+    """A private RabbitMQ node (session-wide), or None when ``RELIABLE_BEAT_TEST_AMQP_URL``
+    names an outside one (tests that restart the broker skip then)."""
+    if os.environ.get("RELIABLE_BEAT_TEST_AMQP_URL"):
+        yield None
+        return
+    try:
+        with _unmarked():
+            server = RabbitMQServer(session_wide=True)
+            server.__enter__()
+    except (FileNotFoundError, OSError) as exc:
+        _unavailable(f"RabbitMQ not available: {exc}")
+        return
+    try:
+        yield server
+    finally:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture
+def amqp_url(rabbitmq_node: RabbitMQServer | None) -> str:
+    """``amqp://`` URL (kombu ``pyamqp``) of the session's RabbitMQ, default vhost. Queues are
+    shared by the session: a test names its queues after itself (see ``test_queue``)."""
+    if rabbitmq_node is None:
+        return os.environ["RELIABLE_BEAT_TEST_AMQP_URL"]
+    if rabbitmq_node.proc is None:  # a test stopped it and failed before starting it again
+        with _unmarked():
+            rabbitmq_node.start()
+    return rabbitmq_node.url
+
+
+@pytest.fixture
+def test_queue() -> str:
+    """A queue name of this test's own (the RabbitMQ node is shared by the session)."""
+    return f"rb-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def broker_url(request: pytest.FixtureRequest) -> str:
+    """The broker chosen with ``--broker``: a Redis database of the test's own, or the
+    session's RabbitMQ node."""
+    if request.config.getoption("--broker") == "rabbitmq":
+        return str(request.getfixturevalue("amqp_url"))
+    return str(request.getfixturevalue("redis_url"))
 
 
 _redis_db_numbers = itertools.count(1)

@@ -33,6 +33,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.beat import TRIGGER_DESTINATION, Beat, TickResult, Trigger, trigger_message_id
+from reliable_beat.celery.brokers import warn_broker_timeouts
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
@@ -337,6 +338,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         # Configuration first, on the local clock: a bad entry is reported at once, even while
         # the database is down. The definitions are rebuilt on the database clock below.
         self._definitions(datetime.now(timezone.utc))
+        warn_broker_timeouts(self.app, self.settings)
         warning = self.settings.default_store_warning("beat")
         if warning:
             log.warning("%s", warning)

@@ -32,6 +32,7 @@ from reliable_beat.db.tables import entries, outbox, runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
 import procs as procs_mod  # tests/apps
+import redis_queue  # tests/apps
 
 UTC = timezone.utc
 SECOND = timedelta(seconds=1)
@@ -50,8 +51,11 @@ def procs(tmp_path: Path) -> Iterator[procs_mod.BeatProcs]:
 class Harness:
     def __init__(self, store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> None:
         self.store = store
-        self.redis_url = redis_url
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis_url = redis_url  # or an amqp:// URL (--broker rabbitmq)
+        self.amqp = redis_url.startswith("amqp")
+        self.redis = redis.Redis.from_url("redis://127.0.0.1:1/0" if self.amqp else redis_url)
+        #: RabbitMQ: headers of the messages a Recorder consumed (None: peek the queue)
+        self.seen: list[dict[str, Any]] | None = None
         self.queue = f"rbq_{uuid.uuid4().hex[:10]}"
         self.procs = procs
         procs.env.update(RB_BROKER_URL=redis_url, RELIABLE_BEAT_DATABASE_URL=store.url,
@@ -77,6 +81,10 @@ class Harness:
             return list(conn.execute(select(entries)))
 
     def messages(self) -> list[dict[str, Any]]:
+        if self.amqp:
+            if self.seen is not None:
+                return list(self.seen)
+            return [m["headers"] for m in redis_queue.queued(self.redis_url, self.queue)]
         raw = self.redis.lrange(self.queue, 0, -1)
         return [json.loads(m)["headers"] for m in raw]
 
@@ -86,10 +94,13 @@ class Harness:
 
 
 @pytest.fixture
-def h(pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[Harness]:
-    harness = Harness(pg_store, redis_url, procs)
+def h(pg_store: Store, broker_url: str, procs: procs_mod.BeatProcs) -> Iterator[Harness]:
+    harness = Harness(pg_store, broker_url, procs)
     yield harness
-    harness.redis.delete(harness.queue)
+    if harness.amqp:
+        redis_queue.flush(broker_url, harness.queue)
+    else:
+        harness.redis.delete(harness.queue)
     harness.redis.close()
 
 
@@ -199,13 +210,60 @@ class Recorder:
         self.h = h
         self.source = h.queue
         h.queue = f"{h.queue}:seen"
+        if h.amqp:
+            h.seen = []
+            self._ready = threading.Event()
         self.stamps: list[tuple[str, datetime, float]] = []  # (key, fire_at, stamp)
         self.uncommitted: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        if h.amqp:
+            assert self._ready.wait(30), "the RabbitMQ recorder did not start consuming"
+
+    def _record(self, headers: dict[str, Any], stamp: float) -> str:
+        key = str(headers["reliable_beat_key"])
+        fire = datetime.fromisoformat(headers["reliable_beat_fire_at"].replace("Z", "+00:00"))
+        self.stamps.append((key, fire, stamp))
+        return key
+
+    def _uncommitted(self, keys: list[str]) -> None:
+        with self.h.store.engine.connect() as conn:
+            found = set(conn.execute(select(runs.c.idempotency_key)
+                                     .where(runs.c.idempotency_key.in_(keys))).scalars())
+        self.uncommitted.extend(k for k in keys if k not in found)
+
+    def _run_amqp(self) -> None:
+        """RabbitMQ: a consumer on the beat's queue (declared as Celery declares it), each
+        delivery stamped on arrival (prefetch 1000, acked in one go per drain)."""
+        from kombu import Connection, Consumer, Exchange, Queue
+
+        assert self.h.seen is not None
+        queue = Queue(self.source, Exchange(self.source), routing_key=self.source)
+        with Connection(self.h.redis_url) as conn:
+            got: list[tuple[dict[str, Any], float]] = []
+
+            def on_message(body: Any, message: Any) -> None:
+                got.append((dict(message.headers), time.time()))
+                message.ack()
+
+            with Consumer(conn, [queue], callbacks=[on_message], accept=["json"],
+                          prefetch_count=1000):
+                self._ready.set()
+                while not self._stop.is_set():
+                    try:
+                        conn.drain_events(timeout=0.2)
+                    except TimeoutError:
+                        continue
+                    batch, got[:] = list(got), []
+                    keys = [self._record(headers, stamp) for headers, stamp in batch]
+                    self.h.seen.extend(headers for headers, _ in batch)
+                    self._uncommitted(keys)
 
     def _run(self) -> None:
+        if self.h.amqp:
+            self._run_amqp()
+            return
         r = redis.Redis.from_url(self.h.redis_url)
         while not self._stop.is_set():
             item = r.brpop([self.source], timeout=0.2)
@@ -551,11 +609,12 @@ def test_schema_behind_at_start_waits_for_the_upgrade(
         store.dispose()
 
 
-def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None:
+def test_broker_down_triggers_stay_in_outbox(h: Harness) -> None:
     from harness.servers import free_port
 
     h.schedule({"a": {"every": 1}, "b": {"cron": "* * * * * */1"}})
-    dead = f"redis://127.0.0.1:{free_port()}/0"
+    dead = (f"amqp://guest:guest@127.0.0.1:{free_port()}//" if h.amqp
+            else f"redis://127.0.0.1:{free_port()}/0")
     beat = h.procs.start("nobroker", RB_BROKER_URL=dead)
     procs_mod.wait_for(lambda: len(h.runs()) >= 8, 40, "runs while the broker is down")
     assert beat.alive(), beat.output()

@@ -1,5 +1,8 @@
 """IdempotentTask with real ``celery worker`` processes, real Redis and real PostgreSQL.
 
+``--broker rabbitmq`` runs the same tests on the session's RabbitMQ node (there a SIGKILLed
+worker's unacknowledged message comes back at once, with no visibility timeout).
+
 Each worker is ``celery -A rb_task_app worker --pool solo -c 1`` on its own queue (unique
 per test, so leftovers in the shared Redis never leak between tests). Waits poll the
 database with a deadline; every subprocess is killed by a finalizer.
@@ -142,10 +145,10 @@ class Env:
 
 
 @pytest.fixture
-def env(server_url: str, redis_url: str, server_store: Store, tmp_path: Path) -> Iterator[Env]:
+def env(server_url: str, broker_url: str, server_store: Store, tmp_path: Path) -> Iterator[Env]:
     """Workers on PostgreSQL and on MariaDB (``server_url``)."""
     meta.create_all(server_store.engine)
-    e = Env(server_url, redis_url, server_store, tmp_path)
+    e = Env(server_url, broker_url, server_store, tmp_path)
     try:
         yield e
     finally:

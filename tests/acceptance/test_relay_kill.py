@@ -1,6 +1,8 @@
 """A real relay process SIGKILLed between publish and mark-sent: its batch is delivered
 again (same message id, same Celery task id) by the next relay once the claim lease expires,
-nothing is lost, and every row ends ``sent``."""
+nothing is lost, and every row ends ``sent``. ``--broker rabbitmq``: the same on RabbitMQ,
+where the killed relay's batch was confirmed by the broker before it was reported
+published."""
 
 from __future__ import annotations
 
@@ -53,14 +55,14 @@ def states(store: Store) -> Counter[str]:
         return Counter(conn.execute(sa.select(outbox_t.c.state)).scalars())
 
 
-def test_sigkill_between_publish_and_mark_sent(server_store: Store, redis_url: str,
+def test_sigkill_between_publish_and_mark_sent(server_store: Store, broker_url: str,
                                                tmp_path: Path) -> None:
-    redis_queue.flush(redis_url)
+    redis_queue.flush(broker_url)
     with server_store.begin() as conn:
         ids = [outbox.add(conn, "celery", {"task": "t", "args": [i]}, key=f"job:{i}")
                for i in range(50)]
     delivered = tmp_path / "delivered.txt"
-    victim = relay_process(server_store, redis_url, tmp_path, sleep_after=120, batch_size=20)
+    victim = relay_process(server_store, broker_url, tmp_path, sleep_after=120, batch_size=20)
     try:
         wait_for(lambda: delivered.exists() and len(delivered.read_text().split()) >= 20, 30,
                  "the first batch to be published")
@@ -73,14 +75,14 @@ def test_sigkill_between_publish_and_mark_sent(server_store: Store, redis_url: s
     assert len(killed_batch) == 20
     assert states(server_store) == Counter({"pending": 50})  # published, never marked
 
-    survivor = relay_process(server_store, redis_url, tmp_path, sleep_after=0, batch_size=20)
+    survivor = relay_process(server_store, broker_url, tmp_path, sleep_after=0, batch_size=20)
     try:
         wait_for(lambda: states(server_store) == Counter({"sent": 50}), 60, "all rows sent")
     finally:
         survivor.send_signal(signal.SIGTERM)
         assert survivor.wait(15) == 0
 
-    published = redis_queue.queued(redis_url)
+    published = redis_queue.queued(broker_url)
     per_message = Counter(m["headers"]["reliable_beat_message_id"] for m in published)
     assert set(per_message) == set(ids)  # nothing lost
     assert {k for k, n in per_message.items() if n > 1} == set(killed_batch)  # only the crash

@@ -26,15 +26,15 @@ confirm; the beat's and relay's batches are confirmed either way).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
 __all__ = ["REDIS_VISIBILITY_TIMEOUT_SECONDS", "broker_timeout_problems",
            "warn_broker_timeouts"]
 
-log = logging.getLogger("reliable_beat.brokers")
+log = get_logger("reliable_beat.brokers")
 
 #: kombu's default Redis ``visibility_timeout`` (seconds).
 REDIS_VISIBILITY_TIMEOUT_SECONDS = 3600.0

@@ -350,8 +350,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     now = self.store.now(conn)
                 break
             except (StoreUnavailableError, DBAPIError) as exc:
-                log.error("at start: %s; retrying in %.0f s",
-                          self.store.describe_failure(exc), delay)
+                why = self.store.describe_failure(exc)
+                log.error("database %s at start: %s; retrying in %.0f s",
+                          "unavailable" if " unavailable" in why else "error", why, delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
             except SchemaError as exc:

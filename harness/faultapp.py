@@ -142,6 +142,8 @@ app.conf.update(
         # The restore runs under a Redis lock; a worker SIGKILLed while holding it would
         # block every restore for kombu's default 300 s.
         "unacked_mutex_expire": 5,
+        # RabbitMQ (Redis ignores it): Celery's own publishes (retries) confirmed too.
+        "confirm_publish": True,
     },
     worker_hijack_root_logger=False,
 )

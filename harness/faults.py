@@ -4,6 +4,7 @@ ledger that proves every slot's effect happened exactly once.
     python -m harness.faults --minutes 2.5 --seed 7          # the CI run
     python -m harness.faults --minutes 30 --seed 20260101    # the long run
     python -m harness.faults --minutes 3 --compare stock,redbeat
+    python -m harness.faults --minutes 2.5 --seed 7 --broker rabbitmq   # on RabbitMQ
 
 What it does (see ``docs/reliability.md``):
 
@@ -22,6 +23,10 @@ What it does (see ``docs/reliability.md``):
    ``next_fire_at`` moves a simulated week back). The app injects transient failures (a
    deterministic subset of slots fails attempt 1) and permanent failures (a tiny
    deterministic subset -> dead letters).
+   ``--broker rabbitmq`` runs the same on a private RabbitMQ node instead of Redis; its
+   broker fault is ``rabbitmq_restart`` (a clean stop or a SIGKILL of the node, at random,
+   then a start on the same data: durable queues and persistent, confirmed messages must
+   survive), in place of ``redis_restart`` / ``redis_pause``.
 3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
    the ledger, prints a markdown table and exits non-zero on any missing or duplicated
    effect or failed check.
@@ -58,10 +63,10 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine
 
-from harness.servers import PostgresServer, RedisServer, _wait_port
+from harness.servers import PostgresServer, RabbitMQServer, RedisServer, _wait_port
 from reliable_beat.schedules import CronSchedule, IntervalSchedule, Schedule
 
-__all__ = ["FAULT_KINDS", "Harness", "main"]
+__all__ = ["FAULT_KINDS", "Harness", "fault_kinds", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "harness.faultapp"
@@ -81,7 +86,16 @@ FAULT_KINDS = [
     "long_outage",
     "poison_row",
 ]
+#: The broker faults of each ``--broker``; :data:`FAULT_KINDS` holds Redis's.
+BROKER_FAULT_KINDS = {"redis": ["redis_restart", "redis_pause"],
+                      "rabbitmq": ["rabbitmq_restart"]}
 APP_FAULT_KINDS = ["transient_failure", "permanent_failure"]
+
+
+def fault_kinds(broker: str = "redis") -> list[str]:
+    """The timeline's fault kinds on ``broker`` (``redis`` or ``rabbitmq``)."""
+    return [k for k in FAULT_KINDS if k not in BROKER_FAULT_KINDS["redis"]] + \
+        BROKER_FAULT_KINDS[broker]
 COMPARE_FAULT_KINDS = ["kill_beat", "pause_beat"]
 
 ACTIVE = ("scheduled", "dispatched", "running", "retrying", "buffered")
@@ -305,6 +319,7 @@ class Options:
     entries: int = 6
     postgres_url: str | None = None
     redis_url: str | None = None
+    broker: str = "redis"
     compare: list[str] = field(default_factory=list)
     compare_minutes: float | None = None
     workdir: Path | None = None
@@ -336,6 +351,8 @@ class Harness:
         self.stack = ExitStack()
         self.pg: PostgresServer | None = None
         self.redis: DurableRedis | None = None
+        self.rabbit: RabbitMQServer | None = None
+        self.kinds = fault_kinds(opts.broker)
         self.restart_timers: list[threading.Timer] = []
         self.stop_faults = threading.Event()
         #: tags of the poison rows injected (one malformed row per table each time)
@@ -349,7 +366,10 @@ class Harness:
         else:
             self.pg = self.stack.enter_context(PostgresServer())
             db_url = self.pg.url
-        if o.redis_url:
+        if o.broker == "rabbitmq":
+            self.rabbit = self.stack.enter_context(RabbitMQServer())
+            broker = self.rabbit.url
+        elif o.redis_url:
             broker = o.redis_url
         else:
             redis_server = DurableRedis()
@@ -478,12 +498,12 @@ class Harness:
     # -- faults --------------------------------------------------------------------------
     def _timeline(self, begin: float, end: float) -> None:
         """Every kind once (random order), then random kinds, until ``end``."""
-        kinds = list(FAULT_KINDS)
+        kinds = list(self.kinds)
         self.rng.shuffle(kinds)
         while time.monotonic() < begin:
             time.sleep(0.2)
         while time.monotonic() < end - 5 and not self.stop_faults.is_set():
-            kind = kinds.pop(0) if kinds else self.rng.choice(FAULT_KINDS)
+            kind = kinds.pop(0) if kinds else self.rng.choice(self.kinds)
             try:
                 self._inject(kind, end)
             except Exception as exc:  # a fault that could not be injected is a failure
@@ -523,6 +543,14 @@ class Harness:
             self.redis.stop()
             time.sleep(rng.uniform(0.5, 2.0))
             self.redis.start()
+            self.result.faults[kind] += 1
+        elif kind == "rabbitmq_restart":
+            assert self.rabbit is not None
+            crash = rng.random() < 0.5
+            log(f"rabbitmq {'SIGKILL' if crash else 'stop'} + start")
+            self.rabbit.stop(kill=crash)
+            time.sleep(rng.uniform(0.5, 2.0))
+            self.rabbit.start()
             self.result.faults[kind] += 1
         elif kind == "redis_pause":
             if self.redis is None:
@@ -719,6 +747,8 @@ class Harness:
             t.cancel()
         if self.redis is not None and self.redis.proc is not None:
             self.redis.resume()
+        if self.rabbit is not None and self.rabbit.proc is None:
+            self.rabbit.start()
         with self.procs.lock:
             self.procs.down.clear()
             for name in list(self.procs.cmds):
@@ -976,7 +1006,7 @@ class Harness:
             "| fault | injected |",
             "|---|---|",
         ]
-        for kind in FAULT_KINDS + APP_FAULT_KINDS:
+        for kind in self.kinds + APP_FAULT_KINDS:
             lines.append(f"| {kind} | {r.faults[kind]} |")
         late = s.get("max_lateness")
         lines += [
@@ -1078,6 +1108,8 @@ def _parse(argv: list[str] | None) -> Options:
                     help="use this database (PostgreSQL restarts are then skipped)")
     ap.add_argument("--redis-url", default=None,
                     help="use this broker (Redis restarts and pauses are then skipped)")
+    ap.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis",
+                    help="broker of the run: a private Redis (default) or RabbitMQ node")
     ap.add_argument("--compare", default="",
                     help="comma-separated: stock, redbeat, reliable (trigger counting)")
     ap.add_argument("--compare-minutes", type=float, default=None)
@@ -1088,10 +1120,12 @@ def _parse(argv: list[str] | None) -> Options:
     for m in compare:
         if m not in ("stock", "redbeat", "reliable"):
             ap.error(f"--compare: unknown scheduler {m!r} (stock, redbeat, reliable)")
+    if a.broker == "rabbitmq" and (compare or a.redis_url):
+        ap.error("--broker rabbitmq: --compare and --redis-url need Redis")
     return Options(
         minutes=a.minutes, seed=a.seed, beats=a.beats, workers=a.workers, relays=a.relays,
         entries=a.entries, postgres_url=a.postgres_url, redis_url=a.redis_url,
-        compare=compare, compare_minutes=a.compare_minutes, workdir=a.workdir,
+        broker=a.broker, compare=compare, compare_minutes=a.compare_minutes, workdir=a.workdir,
         keep_workdir=a.keep_workdir,
     )
 

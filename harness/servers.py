@@ -1,18 +1,23 @@
-"""Throwaway PostgreSQL and Redis servers started from the local binaries.
+"""Throwaway PostgreSQL, MariaDB, Redis and RabbitMQ servers started from the local binaries.
 
 Used by the test suite, the fault-injection harness, the benchmarks and the examples.
 pytest-postgresql's executor runs ``pg_ctl`` as the current user, and PostgreSQL refuses to
 run as root (which CI is), so this module starts it as the ``postgres`` system user with
 ``runuser`` when running as root, in a data directory that user owns.
 
+MariaDB (Debian's ``mariadb-server``) likewise runs as the ``mysql`` system user when root,
+with its own data directory, port and socket; it never touches the system's ``/var/lib/mysql``.
+
 Environment:
-    RELIABLE_BEAT_TEST_POSTGRES_URL / RELIABLE_BEAT_TEST_REDIS_URL: use these servers instead.
+    RELIABLE_BEAT_TEST_POSTGRES_URL / RELIABLE_BEAT_TEST_REDIS_URL /
+    RELIABLE_BEAT_TEST_MARIADB_URL / RELIABLE_BEAT_TEST_AMQP_URL: use these servers instead.
     RELIABLE_BEAT_PG_BIN: directory of ``initdb``/``pg_ctl`` (default: found on PATH or in
     ``/usr/lib/postgresql/*/bin``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -24,7 +29,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PostgresServer", "RedisServer", "find_pg_bin", "free_port"]
+__all__ = [
+    "MariaDBServer",
+    "PostgresServer",
+    "RabbitMQServer",
+    "RedisServer",
+    "find_mariadbd",
+    "find_pg_bin",
+    "find_rabbitmq_bin",
+    "free_port",
+]
 
 
 def free_port() -> int:
@@ -155,6 +169,148 @@ class PostgresServer:
                          "-d", self.dbname, "-At", "-c", sql).stdout
 
 
+def find_mariadbd() -> Path | None:
+    """The ``mariadbd`` (or ``mysqld``) server binary, or None when MariaDB is absent.
+
+    ``RELIABLE_BEAT_MARIADBD`` names it explicitly.
+    """
+    env = os.environ.get("RELIABLE_BEAT_MARIADBD")
+    if env:
+        return Path(env)
+    for name in ("mariadbd", "mysqld"):
+        found = shutil.which(name) or (f"/usr/sbin/{name}"
+                                       if os.path.exists(f"/usr/sbin/{name}") else None)
+        if found:
+            return Path(found)
+    return None
+
+
+@dataclass
+class MariaDBServer:
+    """A private MariaDB server on 127.0.0.1 (no password, no durability: tests only).
+
+    Use as a context manager; :attr:`url` is a ``mysql+pymysql://`` URL of database
+    ``reliable_beat`` as ``root`` (which may create and drop the per-test databases).
+    The server runs in UTC (``default-time-zone=+00:00``) with the InnoDB defaults that
+    matter to reliable_beat left as in production (REPEATABLE READ server default; the
+    store sets READ COMMITTED per session, see :mod:`reliable_beat.db.dialects`).
+    """
+
+    port: int = field(default_factory=free_port)
+    datadir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rb-maria-")))
+    dbname: str = "reliable_beat"
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        exe = find_mariadbd()
+        if exe is None or not exe.exists():
+            raise FileNotFoundError("MariaDB server binary (mariadbd) not found "
+                                    "(apt-get install mariadb-server)")
+        self.exe = exe
+        self._as_root = os.geteuid() == 0
+
+    @property
+    def socket(self) -> Path:
+        return self.datadir / "mysqld.sock"
+
+    @property
+    def url(self) -> str:
+        return f"mysql+pymysql://root@127.0.0.1:{self.port}/{self.dbname}?charset=utf8mb4"
+
+    def _user(self, cmd: list[str]) -> list[str]:
+        return ["runuser", "-u", "mysql", "--", *cmd] if self._as_root else cmd
+
+    def __enter__(self) -> MariaDBServer:
+        self.start(init=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self.datadir, ignore_errors=True)
+
+    def _args(self) -> list[str]:
+        data = self.datadir / "data"
+        return [
+            str(self.exe), "--no-defaults", f"--datadir={data}", f"--port={self.port}",
+            "--bind-address=127.0.0.1", f"--socket={self.socket}",
+            f"--pid-file={self.datadir / 'mysqld.pid'}", f"--log-error={self.datadir / 'log'}",
+            "--skip-name-resolve", "--default-time-zone=+00:00", "--max-connections=300",
+            "--innodb-buffer-pool-size=64M", "--innodb-log-file-size=32M",
+            "--innodb-flush-log-at-trx-commit=0", "--sync-binlog=0", "--skip-log-bin",
+            "--innodb-doublewrite=0", "--character-set-server=utf8mb4",
+            "--collation-server=utf8mb4_bin", "--performance-schema=0",
+        ]
+
+    def start(self, *, init: bool = False) -> None:
+        data = self.datadir / "data"
+        if init:
+            if self._as_root:
+                shutil.chown(self.datadir, "mysql", "mysql")
+            installer = shutil.which("mariadb-install-db") or shutil.which("mysql_install_db")
+            if installer is None:
+                raise FileNotFoundError("mariadb-install-db not found")
+            subprocess.run(
+                self._user([installer, "--no-defaults", f"--datadir={data}",
+                            "--auth-root-authentication-method=normal", "--skip-test-db",
+                            "--skip-name-resolve", "--innodb-log-file-size=32M"]),
+                check=True, capture_output=True, text=True, timeout=180,
+            )
+        for attempt in range(3):
+            self.proc = subprocess.Popen(self._user(self._args()),
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if self._wait_ready(90):
+                break
+            log = (self.datadir / "log").read_text(errors="replace")
+            if not init or attempt == 2 or "Address already in use" not in log:
+                raise OSError(f"mariadbd did not start on 127.0.0.1:{self.port}: "
+                              f"{log[-2000:]}")
+            self.port = free_port()  # free_port() is check-then-use: another server took it
+        if init:
+            self.sql(f"CREATE DATABASE {self.dbname}; "
+                     "CREATE USER IF NOT EXISTS 'root'@'127.0.0.1'; "
+                     "GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        """True once our server accepts connections on its socket; False if it exited."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if self.socket.exists():
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                        return True
+            time.sleep(0.1)
+        raise TimeoutError(f"mariadbd not ready on 127.0.0.1:{self.port} after {timeout} s")
+
+    def sql(self, statements: str) -> str:
+        """Run ``statements`` as root over the server's socket; returns stdout (tab-separated)."""
+        client = shutil.which("mariadb") or shutil.which("mysql") or "mariadb"
+        return subprocess.run(
+            [client, "--no-defaults", f"--socket={self.socket}", "-uroot", "-N", "-B",
+             "-e", statements],
+            check=True, capture_output=True, text=True, timeout=60,
+        ).stdout
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.terminate()
+                try:
+                    self.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        """Stop (clients lose their connections) and start again on the same port."""
+        self.stop()
+        self.start()
+
+
 @dataclass
 class RedisServer:
     """A private ``redis-server`` on 127.0.0.1 with persistence off. Context manager.
@@ -250,3 +406,204 @@ class RedisServer:
     def resume(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
+
+
+def find_rabbitmq_bin() -> Path | None:
+    """The directory holding Debian's unwrapped ``rabbitmq-server`` / ``rabbitmqctl`` scripts.
+
+    ``/usr/sbin/rabbitmq-server`` is a wrapper that switches user with ``su`` and drops the
+    environment (our ``RABBITMQ_*`` variables), so the scripts it wraps are used instead.
+    ``RELIABLE_BEAT_RABBITMQ_BIN`` overrides.
+    """
+    env = os.environ.get("RELIABLE_BEAT_RABBITMQ_BIN")
+    if env:
+        return Path(env)
+    for cand in ("/usr/lib/rabbitmq/bin", "/usr/local/lib/rabbitmq/bin"):
+        if os.path.exists(os.path.join(cand, "rabbitmq-server")):
+            return Path(cand)
+    found = shutil.which("rabbitmq-server")
+    return Path(found).resolve().parent if found else None
+
+
+@dataclass
+class RabbitMQServer:
+    """A private RabbitMQ node on 127.0.0.1 (Debian's ``rabbitmq-server``). Context manager.
+
+    Everything is its own: node name ``rb-<port>@localhost``, the AMQP port (:attr:`port`),
+    the Erlang distribution port, a private ``epmd`` on a port of its own (the system's
+    4369 is never used, so no other node on the machine is seen or disturbed), the Mnesia
+    data directory, the logs, the cookie (``HOME`` is the data directory) and an empty
+    enabled-plugins file (no management plugin). As root the node runs as the ``rabbitmq``
+    system user (``runuser``) in directories that user owns.
+
+    Startup takes seconds (Erlang boot): start one node per test session. Durable queues
+    and persistent messages survive :meth:`restart` (same data directory), which is what
+    the broker-restart tests need. :attr:`url` is an ``amqp://`` (kombu ``pyamqp``) URL of
+    the default vhost as ``guest`` (allowed on loopback only).
+
+    Args:
+        consumer_timeout_ms: RabbitMQ's ``consumer_timeout`` (a delivery unacknowledged for
+            longer closes the consumer's channel); None keeps the broker default (30 min).
+        session_wide: drop the test's process mark from the node's environment (the test
+            session's shared node, which a test may restart); otherwise a node left behind
+            by a killed harness is reaped with the test's other processes.
+    """
+
+    port: int = field(default_factory=free_port)
+    dist_port: int = field(default_factory=free_port)
+    epmd_port: int = field(default_factory=free_port)
+    basedir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rb-rabbit-")))
+    consumer_timeout_ms: int | None = None
+    session_wide: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    epmd: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        bindir = find_rabbitmq_bin()
+        if bindir is None or not (bindir / "rabbitmq-server").exists():
+            raise FileNotFoundError("rabbitmq-server not found (apt-get install rabbitmq-server)")
+        self.bindir = bindir
+        self._as_root = os.geteuid() == 0
+        self.nodename = f"rb-{self.port}@localhost"
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")}
+        if self.session_wide:
+            # The node outlives any one test (started once per session, restarted by
+            # some): not one of the test's own processes to reap (tests/conftest.py).
+            env.pop("RB_TEST_PROCESS_MARK", None)
+        env.update(
+            HOME=str(self.basedir),
+            ERL_EPMD_PORT=str(self.epmd_port),
+            RABBITMQ_NODENAME=self.nodename,
+            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_MNESIA_BASE=str(self.basedir / "mnesia"),
+            RABBITMQ_LOG_BASE=str(self.basedir / "log"),
+            RABBITMQ_LOGS=str(self.basedir / "log" / "node.log"),
+            RABBITMQ_CONFIG_FILE=str(self.basedir / "rabbitmq.conf"),
+            RABBITMQ_ADVANCED_CONFIG_FILE=str(self.basedir / "advanced.config"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(self.basedir / "enabled_plugins"),
+            RABBITMQ_PID_FILE=str(self.basedir / "node.pid"),
+            RABBITMQ_CONF_ENV_FILE=str(self.basedir / "rabbitmq-env.conf"),
+            RABBITMQ_ALLOW_INPUT="",
+        )
+        return env
+
+    def _cmd(self, *args: str) -> list[str]:
+        cmd = list(args)
+        if self._as_root:
+            cmd = ["runuser", "-u", "rabbitmq", "--", *cmd]
+        return cmd
+
+    def __enter__(self) -> RabbitMQServer:
+        self._prepare()
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        if self.epmd is not None and self.epmd.poll() is None:
+            self.epmd.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.epmd.wait(10)
+        shutil.rmtree(self.basedir, ignore_errors=True)
+
+    def _prepare(self) -> None:
+        (self.basedir / "log").mkdir(parents=True, exist_ok=True)
+        (self.basedir / "mnesia").mkdir(parents=True, exist_ok=True)
+        conf = ["loopback_users.guest = true", "log.console = false",
+                "log.file.level = info", "disk_free_limit.absolute = 10MB"]
+        if self.consumer_timeout_ms is not None:
+            conf.append(f"consumer_timeout = {self.consumer_timeout_ms}")
+        (self.basedir / "rabbitmq.conf").write_text("\n".join(conf) + "\n")
+        (self.basedir / "advanced.config").write_text("[].\n")
+        (self.basedir / "enabled_plugins").write_text("[].\n")
+        (self.basedir / "rabbitmq-env.conf").write_text("")
+        if self._as_root:
+            for path in [self.basedir, *self.basedir.rglob("*")]:
+                shutil.chown(path, "rabbitmq", "rabbitmq")
+        epmd = shutil.which("epmd") or "/usr/bin/epmd"
+        self.epmd = subprocess.Popen(
+            self._cmd(epmd, "-port", str(self.epmd_port), "-address", "127.0.0.1"),
+            env=self._env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(self.epmd_port, 30)
+
+    def start(self, timeout: float = 180) -> None:
+        """Start the node (same ports and data as before on a restart); wait until an AMQP
+        client completes a handshake (the listener opens late in the boot)."""
+        with open(self.basedir / "log" / "stdout.log", "ab") as out:
+            self.proc = subprocess.Popen(
+                self._cmd(str(self.bindir / "rabbitmq-server")), env=self._env(),
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise OSError(f"rabbitmq-server exited with {self.proc.returncode}: "
+                              f"{self.log_tail()}")
+            if self._amqp_ready():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"RabbitMQ not accepting AMQP on 127.0.0.1:{self.port} after "
+                                   f"{timeout} s: {self.log_tail()}")
+            time.sleep(0.2)
+
+    def _amqp_ready(self) -> bool:
+        import amqp
+
+        try:
+            conn = amqp.Connection(f"127.0.0.1:{self.port}", userid="guest", password="guest",
+                                   connect_timeout=2)
+            conn.connect()
+            conn.close()
+        except Exception:
+            return False
+        return True
+
+    def log_tail(self, chars: int = 2000) -> str:
+        text = ""
+        for path in sorted((self.basedir / "log").glob("*.log")):
+            with contextlib.suppress(OSError):
+                text += f"\n--- {path.name}\n" + path.read_text(errors="replace")[-chars:]
+        return text
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the node: SIGTERM (a clean shutdown that flushes the message store) or,
+        with ``kill``, SIGKILL of the whole process group (a crash)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            sig = signal.SIGKILL if kill else signal.SIGTERM
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        # beam may outlive the shell script that started it: wait for the port to close
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) != 0:
+                    break
+            time.sleep(0.1)
+        self.proc = None
+
+    def restart(self, *, kill: bool = False) -> None:
+        """Stop (see :meth:`stop`) and start again on the same ports and data directory."""
+        self.stop(kill=kill)
+        self.start()
+
+    def ctl(self, *args: str) -> str:
+        """Run ``rabbitmqctl`` against this node; returns stdout."""
+        cmd = self._cmd(str(self.bindir / "rabbitmqctl"), "-n", self.nodename, *args)
+        return subprocess.run(cmd, env=self._env(), check=True, capture_output=True,
+                              text=True, timeout=120).stdout
+

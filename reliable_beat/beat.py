@@ -57,7 +57,7 @@ from sqlalchemy.types import JSON, BigInteger, DateTime, NullType, Text, TypeEng
 from reliable_beat import rows as rows_mod
 from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.db.tables import MYSQL_DIALECTS, entries, outbox, runs
 from reliable_beat.identity import store_id as _store_id
 from reliable_beat.planner import SkippedRange, plan_entry
 from reliable_beat.redaction import get_logger
@@ -125,6 +125,20 @@ def group_clause(group: str | None) -> Any:
     if group is None:
         return true()
     return or_(entries.c.schedule_group == group, entries.c.schedule_group.is_(None))
+
+
+def due_clause_for_min(dialect: str) -> Any:
+    """:func:`due_clause` for ``MIN(next_fire_at)``.
+
+    On MySQL/MariaDB without ``next_fire_at IS NOT NULL`` (``MIN`` skips NULLs anyway):
+    with it the optimizer reads every entry of the enabled range of
+    ``ix_reliable_beat_entries_due_mysql`` (10,000 index reads for 10,000 entries),
+    without it one (``Select tables optimized away``). Elsewhere exactly :func:`due_clause`,
+    which PostgreSQL needs to match its partial index.
+    """
+    if dialect in MYSQL_DIALECTS:
+        return and_(entries.c.enabled, not_(entries.c.paused))
+    return due_clause()
 
 
 def task_id_for(key: str) -> str:
@@ -441,6 +455,10 @@ class Beat:
         """:func:`due_clause`, scoped to this beat's schedule group (and group-less rows)."""
         return and_(due_clause(), group_clause(self.schedule_group))
 
+    def _due_for_min(self) -> Any:
+        """:func:`due_clause_for_min`, scoped to this beat's schedule group."""
+        return and_(due_clause_for_min(self.store.dialect), group_clause(self.schedule_group))
+
     def _scan_due(self) -> bool:
         """True at most once per :data:`UNREADABLE_SCAN_SECONDS` (and on the first tick)."""
         if time.monotonic() - self._last_scan < UNREADABLE_SCAN_SECONDS:
@@ -501,14 +519,16 @@ class Beat:
             if rows:
                 self._fire(conn, rows, now, result)
             self._release_buffered(conn, now, result)
-            result.next_fire_at = self._min_next_fire_at(conn, now, result, self._due())
+            result.next_fire_at = self._min_next_fire_at(
+                conn, now, result, self._due_for_min())
             result.next_claim_at = result.next_fire_at
             if ahead and result.next_fire_at is not None:
                 # The earliest `allow` entry in the window [next_fire_at, + claim_ahead] can
                 # be claimed claim_ahead before its slot (an index range scan of that window).
                 first_allow = self._min_next_fire_at(
                     conn, now, result, and_(
-                        self._due(), entries.c.overlap_policy == "allow",
+                        self._due_for_min(),
+                        entries.c.overlap_policy == "allow",
                         entries.c.next_fire_at <= result.next_fire_at + self.claim_ahead,
                     )
                 )

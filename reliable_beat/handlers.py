@@ -172,7 +172,13 @@ def publish_celery_batch(
     """Publish Celery trigger rows with ``send_task``, all over ONE producer / connection.
 
     On a Redis broker the whole batch goes out in ONE pipeline (kombu's
-    ``Producer.batch()``, see :func:`_publish_batch`); other transports publish per message.
+    ``Producer.batch()``, see :func:`_publish_batch`). On RabbitMQ (kombu's ``pyamqp``
+    transport) the batch is published on a channel of its own in **publisher-confirm** mode
+    and the broker's confirms for the whole batch are awaited once, after the last publish
+    (:class:`_AmqpConfirms`; the publishes are built first and written back to back, like
+    the Redis pipeline): a message counts as published (``None`` below) only once the
+    broker acked it; a nacked or unconfirmed one gets a :class:`DestinationUnavailableError`
+    and its row stays pending. Other transports publish per message.
 
     Used by the relay and by the beat's fast path right after its commit. Does not touch the
     database: the caller marks the results (:func:`reliable_beat.relay.mark_sent`,
@@ -200,17 +206,22 @@ def publish_celery_batch(
         return results
     conn_errors: tuple[type[BaseException], ...] = ()
     try:
-        with app.producer_or_acquire() as producer:
+        with app.producer_or_acquire() as pooled, _amqp_confirms(pooled) as confirms:
+            producer = pooled if confirms is None else confirms.producer
             conn_errors = _connection_errors(producer)
             with _publish_batch(producer, len(messages)) as batch_error:
                 send_options: dict[str, Any] = {}
-                if wait is not None and not batch_error:
+                if confirms is not None:  # the channel is open: no connect-retry needed
+                    send_options = _pipelined_send_options(app, producer)
+                elif wait is not None and not batch_error:
                     wait()  # no buffering: every send_task below reaches the broker at once
                 for index, message in enumerate(messages):
                     try:
                         _send_one(app, producer, message, now, **send_options)
+                        if confirms is not None:
+                            confirms.sent(index)
                         results.append((message.id, None))
-                        if batch_error and not send_options:
+                        if (batch_error or confirms is not None) and not send_options:
                             send_options = _pipelined_send_options(app, producer)
                     except MessageExpiredError as exc:
                         results.append((message.id, exc))
@@ -222,9 +233,18 @@ def publish_celery_batch(
                         results.extend((m.id, down) for m in messages[index:])
                         break
                     except Exception as exc:
+                        if confirms is not None and confirms.closed_by(exc):
+                            # RabbitMQ closed the batch's channel over this message (e.g.
+                            # PRECONDITION_FAILED declaring its queue): nothing held was
+                            # written; isolate the culprit one by one below.
+                            raise
                         results.append((message.id, exc))
-                if wait is not None and batch_error:
+                if wait is not None and (batch_error or confirms is not None):
                     wait()  # buffered: leaving the batch flushes, i.e. publishes
+            if confirms is not None:
+                confirms.flush()  # every publish of the batch, back to back
+                unconfirmed = confirms.wait()
+                results = [(mid, unconfirmed.get(i, r)) for i, (mid, r) in enumerate(results)]
     except Exception as exc:  # flushing the batch, or acquiring / releasing the producer
         done = {i: r for i, r in results if r is not None}
         if conn_errors and not _is_connection_error(exc, conn_errors):
@@ -246,6 +266,176 @@ def publish_celery_batch(
     return results
 
 
+#: How long a batch published to RabbitMQ waits for the broker's publisher confirms
+#: (seconds); messages still unconfirmed then count as not published (rows stay pending).
+CONFIRM_TIMEOUT_SECONDS = 30.0
+
+
+class _AmqpConfirms:
+    """Publisher confirms for one batch, awaited together (RabbitMQ, kombu ``pyamqp``).
+
+    The batch gets a channel of its own in confirm mode (``confirm.select``), so the
+    broker's delivery tags are exactly this batch's publishes, numbered 1, 2, ... in order.
+    ``send_task`` builds each message as usual, but its ``basic.publish`` is held in memory
+    until :meth:`flush` writes them all back to back (so the beat's claim-ahead builds a
+    slot's messages before its instant and flushes at it, as with the Redis pipeline).
+    Every publish is written without waiting; :meth:`wait` then reads the acks / nacks
+    (``multiple`` covers every tag up to it) until all are in, or
+    :data:`CONFIRM_TIMEOUT_SECONDS` pass. That is one wait per batch instead of one round
+    trip per message (``confirm_publish`` in ``broker_transport_options``), with the same
+    guarantee: an ack means the broker has the message (a persistent message to a durable
+    queue is on disk, or on a quorum of a quorum queue's replicas).
+    """
+
+    def __init__(self, producer: Any, channel: Any) -> None:
+        self.channel = channel
+        self.connection = producer.connection
+        self.producer = type(producer)(
+            channel, exchange=producer.exchange, routing_key=producer.routing_key,
+            serializer=producer.serializer, compression=producer.compression,
+            auto_declare=False)
+        self._published = 0
+        self._closed = False
+        self._tags: dict[int, int] = {}  # delivery tag -> index in the batch
+        self._failed: dict[int, Result] = {}
+        self._settled: set[int] = set()
+        self._by_message_id: dict[str, int] = {}
+        channel.events["basic_ack"].add(self._on_ack)
+        channel.events["basic_nack"].add(self._on_nack)
+        channel.events["basic_return"].add(self._on_return)
+        self._publish = channel._basic_publish
+        self._held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+        def held_publish(*args: Any, **kwargs: Any) -> None:
+            self._published += 1  # its delivery tag once flushed (flushed in this order)
+            self._held.append((args, kwargs))
+
+        channel.basic_publish = held_publish
+
+    def flush(self) -> None:
+        """Write every held publish, in order. Raises on a connection error (the caller then
+        counts the whole batch unpublished: nothing was confirmed yet)."""
+        held, self._held = self._held, []
+        if held and self._closed:
+            raise ConnectionError("the batch's confirm channel was closed by the broker")
+        for args, kwargs in held:
+            self._publish(*args, **kwargs)
+
+    def closed_by(self, exc: BaseException) -> bool:
+        """True when ``exc`` is an AMQP channel exception: the broker closed this batch's
+        channel (py-amqp then reopens it, without confirm mode), so the batch cannot go on.
+        """
+        from amqp.exceptions import ChannelError
+
+        if isinstance(exc, ChannelError):
+            self._closed = True
+        return self._closed
+
+    def sent(self, index: int, message_id: str | None = None) -> None:
+        """Record that message ``index`` of the batch was just published (one publish);
+        ``message_id``: its AMQP ``message_id`` property, for a mandatory publish whose
+        ``basic.return`` must be told apart."""
+        self._tags[self._published] = index
+        if message_id is not None:
+            self._by_message_id[message_id] = index
+
+    def _on_return(self, exc: BaseException, exchange: str, routing_key: str,
+                   message: Any) -> None:
+        # RabbitMQ sends basic.return before the basic.ack of the same message: the ack
+        # below then settles its tag without clearing this error.
+        index = self._by_message_id.get(str(message.properties.get("message_id")))
+        if index is not None:
+            self._failed[index] = DeliveryError(
+                f"unroutable: no queue is bound to exchange {exchange!r} with routing key "
+                f"{routing_key!r} ({exc}); bind one, or fix the row's exchange/routing_key")
+
+    def _settle(self, tag: int, multiple: bool, error: Result) -> None:
+        tags = [t for t in self._tags if t <= tag and t not in self._settled] if multiple \
+            else [tag]
+        for t in tags:
+            self._settled.add(t)
+            if error is not None and t in self._tags:
+                self._failed[self._tags[t]] = error
+
+    def _on_ack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple, None)
+
+    def _on_nack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple, DestinationUnavailableError(
+            "celery broker nacked the publish (e.g. a queue at x-max-length with "
+            "x-overflow=reject-publish, or a resource alarm): not published"))
+
+    def wait(self) -> dict[int, Result]:
+        """Await the confirms; returns ``{index: error}`` for every message of the batch
+        that is not confirmed (nacked, timed out, or the connection failed meanwhile)."""
+        deadline = time.monotonic() + CONFIRM_TIMEOUT_SECONDS
+        try:
+            while len(self._settled & self._tags.keys()) < len(self._tags):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"no publisher confirm within {CONFIRM_TIMEOUT_SECONDS:.0f} s")
+                try:
+                    self.connection.drain_events(timeout=min(remaining, 1.0))
+                except TimeoutError:
+                    continue
+        except Exception as exc:
+            down = DestinationUnavailableError(f"celery broker did not confirm: {exc!r}")
+            down.__cause__ = exc
+            for tag, index in self._tags.items():
+                if tag not in self._settled:
+                    self._failed[index] = down
+        return dict(self._failed)
+
+
+def _open_channel(connection: Any) -> Any:
+    """A new channel on ``connection``, (re)connecting once if the pooled connection is
+    closed or turns out dead (the broker restarted since its last use)."""
+    errors = tuple(connection.connection_errors) + tuple(
+        connection.recoverable_connection_errors) + (OSError,)
+    # One quick retry (Celery's publish retry policy starts at 0 s, steps 0.2 s): a broker
+    # that is down fails the batch at once and its rows stay pending for the relay.
+    retry = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
+    try:
+        if not connection.connected:
+            connection.ensure_connection(**retry)
+        return connection.channel()
+    except errors:
+        connection.collect()  # drop the dead socket without talking to the broker
+        connection.ensure_connection(**retry)
+        return connection.channel()
+
+
+@contextlib.contextmanager
+def _amqp_confirms(producer: Any) -> Iterator[_AmqpConfirms | None]:
+    """A confirm-mode channel for one batch on a ``pyamqp`` connection, else None.
+
+    Opening, ``confirm.select`` and closing the channel are three round trips per batch.
+    The channel is closed afterwards; if closing fails the connection is left to kombu's
+    pool (a broken one is replaced on its next use).
+    """
+    connection = getattr(producer, "connection", None)
+    transport = getattr(connection, "transport", None)
+    if getattr(transport, "driver_type", None) != "amqp":
+        yield None
+        return
+    try:
+        import amqp
+    except ImportError:  # librabbitmq or another AMQP client: no batch confirms
+        yield None
+        return
+    channel = _open_channel(connection)
+    if not isinstance(channel, amqp.Channel):
+        channel.close()
+        yield None
+        return
+    try:
+        channel.confirm_select()
+        yield _AmqpConfirms(producer, channel)
+    finally:
+        with contextlib.suppress(Exception):
+            channel.close()
+
 def _is_connection_error(exc: BaseException, conn_errors: tuple[type[BaseException], ...]) -> bool:
     """True when ``exc`` or an exception in its cause chain is a connection-level error (the
     broker as a whole is unreachable), as opposed to the broker refusing one command."""
@@ -263,18 +453,34 @@ def _is_connection_error(exc: BaseException, conn_errors: tuple[type[BaseExcepti
     return False
 
 
+def _send_one_confirmed(app: Any, producer: Any, message: OutboxMessage, now: datetime) -> None:
+    """``send_task`` of one message; on RabbitMQ on a confirm-mode channel of its own, and
+    raises unless the broker confirmed it (see :class:`_AmqpConfirms`)."""
+    with _amqp_confirms(producer) as confirms:
+        if confirms is None:
+            _send_one(app, producer, message, now)
+            return
+        _send_one(app, confirms.producer, message, now, retry=False)
+        confirms.sent(0)
+        confirms.flush()
+        error = confirms.wait().get(0)
+    if error is not None:
+        raise error
+
+
 def _publish_one_by_one(
     app: Any, messages: Sequence[OutboxMessage], now: datetime
 ) -> list[tuple[int, Result]]:
-    """Publish each message with its own ``send_task`` (no pipeline): an error then belongs
-    to that message; a connection-level error fails the rest as unavailable."""
+    """Publish each message with its own ``send_task`` (no pipeline; on RabbitMQ each one
+    confirmed by the broker): an error then belongs to that message; a connection-level
+    error fails the rest as unavailable."""
     results: list[tuple[int, Result]] = []
     try:
         with app.producer_or_acquire() as producer:
             conn_errors = _connection_errors(producer)
             for index, message in enumerate(messages):
                 try:
-                    _send_one(app, producer, message, now)
+                    _send_one_confirmed(app, producer, message, now)
                     results.append((message.id, None))
                 except MessageExpiredError as exc:
                     results.append((message.id, exc))
@@ -327,7 +533,12 @@ def _publish_batch(
 
 
 def _pipelined_send_options(app: Any, producer: Any) -> dict[str, Any]:
-    """``send_task`` options for the rest of a pipelined batch, once one message went out.
+    """``send_task`` options for the rest of a pipelined (Redis) or confirmed (RabbitMQ)
+    batch, once one message went out.
+
+    On RabbitMQ the same reasoning holds with confirms in place of the flush: a publish
+    error mid-batch fails the rest as unavailable, and nothing counts as published before
+    the broker's confirm (:class:`_AmqpConfirms`).
 
     The first message of a batch is sent exactly as ``send_task`` would (Celery's publish
     retry policy connects the producer, so a broker that is down fails as fast as without
@@ -463,20 +674,32 @@ class KombuHandler:
             raise error
 
     def deliver_batch(self, messages: Sequence[OutboxMessage]) -> list[Result]:
-        """Publish every message over one connection, in order."""
+        """Publish every message over one connection, in order.
+
+        On RabbitMQ the batch is confirmed like a ``celery`` batch (:class:`_AmqpConfirms`)
+        and published ``mandatory``: a message no queue is bound for comes back
+        (``basic.return``) and fails with a :class:`DeliveryError` (charged an attempt,
+        dead-lettered in the end) instead of being confirmed and dropped by the broker.
+        """
         import kombu
 
         results: list[Result] = []
+        confirmed = False
         try:
             if self.app is not None:
                 conn = self.app.connection_for_write()
             else:
                 conn = kombu.Connection(self.url)  # type: ignore[attr-defined,no-untyped-call]
-            with conn, conn.Producer() as producer:
+            with conn, conn.Producer() as plain, _amqp_confirms(plain) as confirms:
+                producer = plain if confirms is None else confirms.producer
+                confirmed = confirms is not None
                 conn_errors = _connection_errors(producer)
                 for index, message in enumerate(messages):
                     try:
-                        self._publish(kombu, producer, message)
+                        self._publish(kombu, producer, message,
+                                      mandatory=confirms is not None)
+                        if confirms is not None:
+                            confirms.sent(index, message.message_id)
                         results.append(None)
                     except conn_errors as exc:
                         down = DestinationUnavailableError(f"kombu broker unavailable: {exc!r}")
@@ -484,15 +707,24 @@ class KombuHandler:
                         results.extend([down] * (len(messages) - index))
                         break
                     except Exception as exc:
+                        if confirms is not None and confirms.closed_by(exc):
+                            raise  # the channel is gone: the rest of the batch with it
                         results.append(exc)
+                if confirms is not None:
+                    confirms.flush()
+                    unconfirmed = confirms.wait()
+                    results = [unconfirmed.get(i, r) for i, r in enumerate(results)]
         except Exception as exc:
             down = DestinationUnavailableError(f"kombu broker unavailable: {exc!r}")
             down.__cause__ = exc
+            if confirmed:  # nothing counts as published before the broker's confirm
+                results = [down if r is None else r for r in results]
             results.extend([down] * (len(messages) - len(results)))
         return results
 
     @staticmethod
-    def _publish(kombu: Any, producer: Any, message: OutboxMessage) -> None:
+    def _publish(kombu: Any, producer: Any, message: OutboxMessage, *,
+                 mandatory: bool = False) -> None:
         p = message.payload
         if not isinstance(p, Mapping) or "routing_key" not in p or "body" not in p:
             raise PermanentDeliveryError(
@@ -511,6 +743,7 @@ class KombuHandler:
             message_id=message.message_id,
             declare=[exchange] if name else [],
             retry=False,
+            mandatory=mandatory,
         )
 
 

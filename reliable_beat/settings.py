@@ -74,6 +74,12 @@ class Settings:
         redispatch_seconds: a tracked run still ``dispatched`` (no worker claimed it) or
             ``running`` with a lease expired this long has its trigger sent again (its
             message was lost; see :mod:`reliable_beat.redispatch`).
+        broker_consumer_timeout_seconds: the RabbitMQ broker's ``consumer_timeout`` (its
+            default: 30 min). A delivery a worker holds unacknowledged longer (a retry's
+            countdown, an ``acks_late`` task still running) makes RabbitMQ close the
+            worker's channel and redeliver. Not readable over AMQP, so state it here when
+            the broker's differs; beats and workers warn at start when
+            ``retry_cap_seconds`` reaches it (:mod:`reliable_beat.celery.brokers`).
         metrics_port: serve Prometheus metrics on this port (None: off).
         metrics_host: the address the metrics server binds (default ``127.0.0.1``: loopback
             only; ``0.0.0.0`` exposes it on every interface).
@@ -136,6 +142,7 @@ class Settings:
     relay_poll_seconds: float = 1.0
     backfill_limit: int = 1000
     redispatch_seconds: float = 120.0
+    broker_consumer_timeout_seconds: float = 1800.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     owner_id: str | None = None

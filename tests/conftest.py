@@ -1,13 +1,20 @@
-"""Shared fixtures: a real PostgreSQL and a real Redis, started by the test session.
+"""Shared fixtures: a real PostgreSQL, MariaDB, Redis and RabbitMQ, started by the session.
 
-Servers come from ``RELIABLE_BEAT_TEST_POSTGRES_URL`` / ``RELIABLE_BEAT_TEST_REDIS_URL`` when
-set, else are started from the local binaries (:mod:`harness.servers`).
+Servers come from ``RELIABLE_BEAT_TEST_POSTGRES_URL`` / ``RELIABLE_BEAT_TEST_REDIS_URL`` /
+``RELIABLE_BEAT_TEST_AMQP_URL`` when set, else are started from the local binaries
+(:mod:`harness.servers`). The RabbitMQ node is started only by a session whose tests ask for
+it (Erlang boots in seconds): ``rabbitmq_node`` / ``amqp_url``, or ``broker_url`` with
+``--broker rabbitmq`` (or ``RB_TEST_BROKER=rabbitmq``).
 Locally, a missing binary skips the tests that need it, with the reason; with ``CI=true`` it
 fails them.
 
 Isolation between tests (the servers are shared by the whole session):
 
 * PostgreSQL: ``pg_url`` is a fresh database per test, dropped afterwards.
+* MariaDB: ``mariadb_url`` likewise (``RELIABLE_BEAT_TEST_MARIADB_URL`` names a server to use
+  instead; its user must be able to create databases). The ``store`` fixture runs each test
+  on SQLite, PostgreSQL and MariaDB; ``RELIABLE_BEAT_TEST_DIALECTS`` (comma-separated, e.g.
+  ``sqlite,postgresql``) narrows that, e.g. for a CI job without MariaDB.
 * Redis: ``redis_url`` is a Redis database (``/N``) of the test's own, flushed before and
   after. kombu keeps its Redis state per database (queues, bindings, ``unacked``,
   ``unacked_index`` and the ``unacked_mutex`` restore lock, which a worker SIGKILLed while
@@ -34,7 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import sqlalchemy as sa
 
-from harness.servers import PostgresServer, RedisServer
+from harness.servers import MariaDBServer, PostgresServer, RabbitMQServer, RedisServer
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 
@@ -91,6 +98,26 @@ def postgres_server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[str]:
+    """URL of a database on a real MariaDB as a user that may create databases (session-wide)."""
+    url = os.environ.get("RELIABLE_BEAT_TEST_MARIADB_URL")
+    if url:
+        yield url
+        return
+    try:
+        with _unmarked():
+            server = MariaDBServer()
+            server.__enter__()
+    except (FileNotFoundError, OSError) as exc:
+        _unavailable(f"MariaDB not available: {exc}")
+        return
+    try:
+        yield server.url
+    finally:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
 def redis_server() -> Iterator[tuple[str, int]]:
     """``(url, number of logical databases)`` of a real Redis server (session-wide).
 
@@ -120,6 +147,61 @@ def redis_server() -> Iterator[tuple[str, int]]:
         yield server.url, REDIS_DATABASES
     finally:
         server.__exit__(None, None, None)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--broker", choices=("redis", "rabbitmq"),
+        default=os.environ.get("RB_TEST_BROKER", "redis"),
+        help="broker of the tests that take the broker_url fixture (default: redis, or "
+             "$RB_TEST_BROKER)")
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_node() -> Iterator[RabbitMQServer | None]:
+    """A private RabbitMQ node (session-wide), or None when ``RELIABLE_BEAT_TEST_AMQP_URL``
+    names an outside one (tests that restart the broker skip then)."""
+    if os.environ.get("RELIABLE_BEAT_TEST_AMQP_URL"):
+        yield None
+        return
+    try:
+        with _unmarked():
+            server = RabbitMQServer(session_wide=True)
+            server.__enter__()
+    except (FileNotFoundError, OSError) as exc:
+        _unavailable(f"RabbitMQ not available: {exc}")
+        return
+    try:
+        yield server
+    finally:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture
+def amqp_url(rabbitmq_node: RabbitMQServer | None) -> str:
+    """``amqp://`` URL (kombu ``pyamqp``) of the session's RabbitMQ, default vhost. Queues are
+    shared by the session: a test names its queues after itself (see ``test_queue``)."""
+    if rabbitmq_node is None:
+        return os.environ["RELIABLE_BEAT_TEST_AMQP_URL"]
+    if rabbitmq_node.proc is None:  # a test stopped it and failed before starting it again
+        with _unmarked():
+            rabbitmq_node.start()
+    return rabbitmq_node.url
+
+
+@pytest.fixture
+def test_queue() -> str:
+    """A queue name of this test's own (the RabbitMQ node is shared by the session)."""
+    return f"rb-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def broker_url(request: pytest.FixtureRequest) -> str:
+    """The broker chosen with ``--broker``: a Redis database of the test's own, or the
+    session's RabbitMQ node."""
+    if request.config.getoption("--broker") == "rabbitmq":
+        return str(request.getfixturevalue("amqp_url"))
+    return str(request.getfixturevalue("redis_url"))
 
 
 _redis_db_numbers = itertools.count(1)
@@ -213,6 +295,32 @@ def pg_url(postgres_server: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def mariadb_url(mariadb_server: str) -> Iterator[str]:
+    """A fresh, empty MariaDB database for one test; dropped afterwards."""
+    try:
+        import pymysql  # noqa: F401
+    except ImportError:
+        _unavailable("PyMySQL not installed (pip install 'reliable-beat[mysql]')")
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(mariadb_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    url = sa.engine.make_url(mariadb_server).set(database=name).render_as_string(False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            for (pid,) in conn.execute(
+                sa.text("SELECT id FROM information_schema.processlist WHERE db = :n"),
+                {"n": name},
+            ):
+                with suppress(sa.exc.DBAPIError):
+                    conn.execute(sa.text(f"KILL {int(pid)}"))
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
+        admin.dispose()
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """A SQLite file URL in the test's temp dir."""
     return f"sqlite:///{tmp_path / 'rb.sqlite3'}"
@@ -228,6 +336,15 @@ def pg_store(pg_url: str) -> Iterator[Store]:
 
 
 @pytest.fixture
+def mariadb_store(mariadb_url: str) -> Iterator[Store]:
+    """A migrated MariaDB store."""
+    store = Store.from_url(mariadb_url, role="cli")
+    upgrade(store)
+    yield store
+    store.dispose()
+
+
+@pytest.fixture
 def sqlite_store(sqlite_url: str) -> Iterator[Store]:
     """A migrated SQLite store."""
     store = Store.from_url(sqlite_url, role="cli")
@@ -236,10 +353,39 @@ def sqlite_store(sqlite_url: str) -> Iterator[Store]:
     store.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+#: The dialects the ``store`` fixture runs each test on (``RELIABLE_BEAT_TEST_DIALECTS``).
+DIALECTS = [d for d in os.environ.get("RELIABLE_BEAT_TEST_DIALECTS",
+                                      "sqlite,postgresql,mariadb").split(",") if d]
+_STORE_FIXTURE = {"sqlite": "sqlite_store", "postgresql": "pg_store",
+                  "mariadb": "mariadb_store"}
+
+
+@pytest.fixture(params=[pytest.param(d, marks=pytest.mark.mariadb) if d == "mariadb" else d
+                        for d in DIALECTS])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    """The same test on a migrated SQLite store and a migrated PostgreSQL store."""
-    if request.param == "sqlite":
-        yield request.getfixturevalue("sqlite_store")
-    else:
-        yield request.getfixturevalue("pg_store")
+    """The same test on a migrated SQLite, PostgreSQL and MariaDB store (``-k mariadb``)."""
+    yield request.getfixturevalue(_STORE_FIXTURE[request.param])
+
+
+#: The server databases the acceptance suites' ``server_url`` / ``server_store`` run on.
+SERVER_DIALECTS = [
+    d if d == "postgresql" else pytest.param(d, marks=pytest.mark.mariadb)
+    for d in ("postgresql", "mariadb") if d in DIALECTS
+]
+_URL_FIXTURE = {"postgresql": "pg_url", "mariadb": "mariadb_url"}
+
+
+@pytest.fixture(params=SERVER_DIALECTS)
+def server_url(request: pytest.FixtureRequest) -> str:
+    """A fresh, empty database on PostgreSQL and on MariaDB (for suites with real processes:
+    only server databases can be shared by several processes on several hosts)."""
+    return str(request.getfixturevalue(_URL_FIXTURE[request.param]))
+
+
+@pytest.fixture
+def server_store(server_url: str) -> Iterator[Store]:
+    """A migrated store on :func:`server_url`."""
+    store = Store.from_url(server_url, role="cli")
+    upgrade(store)
+    yield store
+    store.dispose()

@@ -33,6 +33,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.beat import TRIGGER_DESTINATION, Beat, TickResult, Trigger, trigger_message_id
+from reliable_beat.celery.brokers import warn_broker_timeouts
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
@@ -338,6 +339,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         # Configuration first, on the local clock: a bad entry is reported at once, even while
         # the database is down. The definitions are rebuilt on the database clock below.
         self._definitions(datetime.now(timezone.utc))
+        warn_broker_timeouts(self.app, self.settings)
         warning = self.settings.default_store_warning("beat")
         if warning:
             log.warning("%s", warning)
@@ -349,8 +351,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     now = self.store.now(conn)
                 break
             except (StoreUnavailableError, DBAPIError) as exc:
-                log.error("at start: %s; retrying in %.0f s",
-                          self.store.describe_failure(exc), delay)
+                why = self.store.describe_failure(exc)
+                log.error("database %s at start: %s; retrying in %.0f s",
+                          "unavailable" if " unavailable" in why else "error", why, delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
             except SchemaError as exc:

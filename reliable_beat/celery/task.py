@@ -1276,6 +1276,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
 # A worker that runs IdempotentTasks also records the starts of plain tasks' triggers.
 from reliable_beat.celery import acks as _acks  # noqa: E402, F401
 
+# ... and warns at start when the broker's timeouts are shorter than its retries.
+from reliable_beat.celery import brokers as _brokers  # noqa: E402
+
+_brokers.connect_worker_check()
+
 
 def _connect_signals() -> None:
     from celery import signals

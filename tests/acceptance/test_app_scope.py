@@ -123,7 +123,7 @@ def test_two_apps_with_their_own_brokers_each_run_their_own_slots(
     least = min(len(d) for d in by_entry.values())
     assert least >= RUN_FOR / EVERY / 3, by_entry  # the grid kept firing (under load)
     for app, out in logs.items():
-        assert "unregistered task" not in out, out[-3000:]
+        assert "unregistered task" not in out, (app, out[-3000:])
     worst = max(d for delays in by_entry.values() for d in delays if d is not None)
     print(f"\n[app scope] slots per entry: { {n: len(d) for n, d in by_entry.items()} }; "
           f"worst start delay {worst:.2f} s")

@@ -32,6 +32,7 @@ from reliable_beat.db.tables import entries, outbox, runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
 import procs as procs_mod  # tests/apps
+import redis_queue  # tests/apps
 
 UTC = timezone.utc
 SECOND = timedelta(seconds=1)
@@ -50,8 +51,11 @@ def procs(tmp_path: Path) -> Iterator[procs_mod.BeatProcs]:
 class Harness:
     def __init__(self, store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> None:
         self.store = store
-        self.redis_url = redis_url
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis_url = redis_url  # or an amqp:// URL (--broker rabbitmq)
+        self.amqp = redis_url.startswith("amqp")
+        self.redis = redis.Redis.from_url("redis://127.0.0.1:1/0" if self.amqp else redis_url)
+        #: RabbitMQ: headers of the messages a Recorder consumed (None: peek the queue)
+        self.seen: list[dict[str, Any]] | None = None
         self.queue = f"rbq_{uuid.uuid4().hex[:10]}"
         self.procs = procs
         procs.env.update(RB_BROKER_URL=redis_url, RELIABLE_BEAT_DATABASE_URL=store.url,
@@ -77,6 +81,10 @@ class Harness:
             return list(conn.execute(select(entries)))
 
     def messages(self) -> list[dict[str, Any]]:
+        if self.amqp:
+            if self.seen is not None:
+                return list(self.seen)
+            return [m["headers"] for m in redis_queue.queued(self.redis_url, self.queue)]
         raw = self.redis.lrange(self.queue, 0, -1)
         return [json.loads(m)["headers"] for m in raw]
 
@@ -86,8 +94,20 @@ class Harness:
 
 
 @pytest.fixture
-def h(pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[Harness]:
-    harness = Harness(pg_store, redis_url, procs)
+def h(pg_store: Store, broker_url: str, procs: procs_mod.BeatProcs) -> Iterator[Harness]:
+    harness = Harness(pg_store, broker_url, procs)
+    yield harness
+    if harness.amqp:
+        redis_queue.flush(broker_url, harness.queue)
+    else:
+        harness.redis.delete(harness.queue)
+    harness.redis.close()
+
+
+@pytest.fixture
+def hx(server_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[Harness]:
+    """:func:`h` on PostgreSQL and on MariaDB (the core invariant tests run on both)."""
+    harness = Harness(server_store, redis_url, procs)
     yield harness
     harness.redis.delete(harness.queue)
     harness.redis.close()
@@ -190,13 +210,60 @@ class Recorder:
         self.h = h
         self.source = h.queue
         h.queue = f"{h.queue}:seen"
+        if h.amqp:
+            h.seen = []
+            self._ready = threading.Event()
         self.stamps: list[tuple[str, datetime, float]] = []  # (key, fire_at, stamp)
         self.uncommitted: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        if h.amqp:
+            assert self._ready.wait(30), "the RabbitMQ recorder did not start consuming"
+
+    def _record(self, headers: dict[str, Any], stamp: float) -> str:
+        key = str(headers["reliable_beat_key"])
+        fire = datetime.fromisoformat(headers["reliable_beat_fire_at"].replace("Z", "+00:00"))
+        self.stamps.append((key, fire, stamp))
+        return key
+
+    def _uncommitted(self, keys: list[str]) -> None:
+        with self.h.store.engine.connect() as conn:
+            found = set(conn.execute(select(runs.c.idempotency_key)
+                                     .where(runs.c.idempotency_key.in_(keys))).scalars())
+        self.uncommitted.extend(k for k in keys if k not in found)
+
+    def _run_amqp(self) -> None:
+        """RabbitMQ: a consumer on the beat's queue (declared as Celery declares it), each
+        delivery stamped on arrival (prefetch 1000, acked in one go per drain)."""
+        from kombu import Connection, Consumer, Exchange, Queue
+
+        assert self.h.seen is not None
+        queue = Queue(self.source, Exchange(self.source), routing_key=self.source)
+        with Connection(self.h.redis_url) as conn:
+            got: list[tuple[dict[str, Any], float]] = []
+
+            def on_message(body: Any, message: Any) -> None:
+                got.append((dict(message.headers), time.time()))
+                message.ack()
+
+            with Consumer(conn, [queue], callbacks=[on_message], accept=["json"],
+                          prefetch_count=1000):
+                self._ready.set()
+                while not self._stop.is_set():
+                    try:
+                        conn.drain_events(timeout=0.2)
+                    except TimeoutError:
+                        continue
+                    batch, got[:] = list(got), []
+                    keys = [self._record(headers, stamp) for headers, stamp in batch]
+                    self.h.seen.extend(headers for headers, _ in batch)
+                    self._uncommitted(keys)
 
     def _run(self) -> None:
+        if self.h.amqp:
+            self._run_amqp()
+            return
         r = redis.Redis.from_url(self.h.redis_url)
         while not self._stop.is_set():
             item = r.brpop([self.source], timeout=0.2)
@@ -242,7 +309,8 @@ def owner_of(beat: procs_mod.Beat) -> str:
 
 
 # -- 3 beats, 50 entries every second ---------------------------------------------------------
-def test_three_beats_fifty_entries_every_second(h: Harness) -> None:
+def test_three_beats_fifty_entries_every_second(hx: Harness) -> None:
+    h = hx
     spec = every_second(25, 25, misfire_policy="catch_up")
     h.schedule(spec)
     for i in range(3):
@@ -266,7 +334,8 @@ def test_three_beats_fifty_entries_every_second(h: Harness) -> None:
 
 
 # -- SIGKILL one beat mid-run, start it again ------------------------------------------------
-def test_sigkill_and_restart_one_beat(h: Harness) -> None:
+def test_sigkill_and_restart_one_beat(hx: Harness) -> None:
+    h = hx
     spec = every_second(10, 10, misfire_policy="catch_up")
     h.schedule(spec)
     beats = [h.procs.start(f"beat{i}") for i in range(3)]
@@ -285,7 +354,8 @@ def test_sigkill_and_restart_one_beat(h: Harness) -> None:
 
 
 # -- SIGSTOP for 15 s, one of them frozen inside its claim transaction -----------------------
-def test_sigstop_inside_claim_transaction(h: Harness, tmp_path: Path) -> None:
+def test_sigstop_inside_claim_transaction(hx: Harness, tmp_path: Path) -> None:
+    h = hx
     spec = every_second(10, 10, misfire_policy="catch_up")
     h.schedule(spec)
     flag = tmp_path / "freeze-now"
@@ -311,7 +381,8 @@ def test_sigstop_inside_claim_transaction(h: Harness, tmp_path: Path) -> None:
     stop_all(h)
     figures = check_window(h, sorted(spec), t0, t1, "SIGSTOP 15 s (one inside its claim)")
     # the others took the frozen beat's entries over within the bound
-    # (idle_in_transaction_session_timeout = lock_timeout = 5 s), not after the 15 s pause
+    # (idle_in_transaction_session_timeout = lock_timeout = 5 s; MariaDB:
+    # idle_transaction_timeout = innodb_lock_wait_timeout = 5 s), not after the 15 s pause
     late = [(r.idempotency_key, (r.created_at - r.fire_at).total_seconds())
             for r in h.runs() if frozen_at <= r.fire_at <= thawed_at]
     worst = max(s for _, s in late)
@@ -368,7 +439,8 @@ def test_local_clock_off_by_five_minutes(h: Harness) -> None:
 
 
 # -- downtime: all beats stopped, one comes back ---------------------------------------------
-def test_downtime_misfire_policies(h: Harness) -> None:
+def test_downtime_misfire_policies(hx: Harness) -> None:
+    h = hx
     spec = {p: {"every": 1, "reliable_beat": {"misfire_policy": p, "misfire_grace": 2}}
             for p in ("catch_up", "fire_once", "skip")}
     h.schedule(spec)
@@ -537,11 +609,12 @@ def test_schema_behind_at_start_waits_for_the_upgrade(
         store.dispose()
 
 
-def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None:
+def test_broker_down_triggers_stay_in_outbox(h: Harness) -> None:
     from harness.servers import free_port
 
     h.schedule({"a": {"every": 1}, "b": {"cron": "* * * * * */1"}})
-    dead = f"redis://127.0.0.1:{free_port()}/0"
+    dead = (f"amqp://guest:guest@127.0.0.1:{free_port()}//" if h.amqp
+            else f"redis://127.0.0.1:{free_port()}/0")
     beat = h.procs.start("nobroker", RB_BROKER_URL=dead)
     procs_mod.wait_for(lambda: len(h.runs()) >= 8, 40, "runs while the broker is down")
     assert beat.alive(), beat.output()
@@ -567,7 +640,8 @@ def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None
 
 
 # -- claim ahead: published at the slot, never before ----------------------------------------
-def test_claimed_ahead_triggers_published_at_their_slot_never_before(h: Harness) -> None:
+def test_claimed_ahead_triggers_published_at_their_slot_never_before(hx: Harness) -> None:
+    h = hx
     """3 beats claiming up to 1 s ahead: runs are committed before their slot, and every
     message reaches Redis at or after its slot (stamped by a BRPOP recorder on the database's
     clock), never before its run row is committed; no slot is missing or doubled."""
@@ -594,7 +668,8 @@ def test_claimed_ahead_triggers_published_at_their_slot_never_before(h: Harness)
     assert {(r.state, r.trigger) for r in rows} == {("dispatched", "schedule")}
 
 
-def test_sigkill_while_holding_claimed_ahead_triggers(h: Harness) -> None:
+def test_sigkill_while_holding_claimed_ahead_triggers(hx: Harness) -> None:
+    h = hx
     """A beat claiming 20 s ahead is SIGKILLed holding ~20 s of committed triggers. Their
     outbox rows become sweepable at slot + sweep delay (10 s), not at claim + 10 s (which
     is before many of those slots): another beat's sweep publishes every one of them,

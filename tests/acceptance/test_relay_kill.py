@@ -1,6 +1,8 @@
 """A real relay process SIGKILLed between publish and mark-sent: its batch is delivered
 again (same message id, same Celery task id) by the next relay once the claim lease expires,
-nothing is lost, and every row ends ``sent``."""
+nothing is lost, and every row ends ``sent``. ``--broker rabbitmq``: the same on RabbitMQ,
+where the killed relay's batch was confirmed by the broker before it was reported
+published."""
 
 from __future__ import annotations
 
@@ -53,14 +55,14 @@ def states(store: Store) -> Counter[str]:
         return Counter(conn.execute(sa.select(outbox_t.c.state)).scalars())
 
 
-def test_sigkill_between_publish_and_mark_sent(pg_store: Store, redis_url: str,
+def test_sigkill_between_publish_and_mark_sent(server_store: Store, broker_url: str,
                                                tmp_path: Path) -> None:
-    redis_queue.flush(redis_url)
-    with pg_store.begin() as conn:
+    redis_queue.flush(broker_url)
+    with server_store.begin() as conn:
         ids = [outbox.add(conn, "celery", {"task": "t", "args": [i]}, key=f"job:{i}")
                for i in range(50)]
     delivered = tmp_path / "delivered.txt"
-    victim = relay_process(pg_store, redis_url, tmp_path, sleep_after=120, batch_size=20)
+    victim = relay_process(server_store, broker_url, tmp_path, sleep_after=120, batch_size=20)
     try:
         wait_for(lambda: delivered.exists() and len(delivered.read_text().split()) >= 20, 30,
                  "the first batch to be published")
@@ -71,16 +73,16 @@ def test_sigkill_between_publish_and_mark_sent(pg_store: Store, redis_url: str,
             victim.kill()
     killed_batch = delivered.read_text().split()
     assert len(killed_batch) == 20
-    assert states(pg_store) == Counter({"pending": 50})  # published, never marked
+    assert states(server_store) == Counter({"pending": 50})  # published, never marked
 
-    survivor = relay_process(pg_store, redis_url, tmp_path, sleep_after=0, batch_size=20)
+    survivor = relay_process(server_store, broker_url, tmp_path, sleep_after=0, batch_size=20)
     try:
-        wait_for(lambda: states(pg_store) == Counter({"sent": 50}), 60, "all rows sent")
+        wait_for(lambda: states(server_store) == Counter({"sent": 50}), 60, "all rows sent")
     finally:
         survivor.send_signal(signal.SIGTERM)
         assert survivor.wait(15) == 0
 
-    published = redis_queue.queued(redis_url)
+    published = redis_queue.queued(broker_url)
     per_message = Counter(m["headers"]["reliable_beat_message_id"] for m in published)
     assert set(per_message) == set(ids)  # nothing lost
     assert {k for k, n in per_message.items() if n > 1} == set(killed_batch)  # only the crash
@@ -89,6 +91,6 @@ def test_sigkill_between_publish_and_mark_sent(pg_store: Store, redis_url: str,
     for m in published:
         task_ids.setdefault(m["headers"]["reliable_beat_message_id"], set()).add(m["headers"]["id"])
     assert all(len(v) == 1 for v in task_ids.values())  # same task id on every delivery
-    with pg_store.begin() as conn:
+    with server_store.begin() as conn:
         attempts = dict(conn.execute(sa.select(outbox_t.c.message_id, outbox_t.c.attempts)).all())
     assert {attempts[k] for k in killed_batch} == {2}

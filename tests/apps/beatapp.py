@@ -71,6 +71,7 @@ app.conf.reliable_beat_database_url = os.environ["RELIABLE_BEAT_DATABASE_URL"]
 app.conf.beat_max_loop_interval = float(os.environ.get("RB_MAX_LOOP", "5"))
 app.conf.timezone = "UTC"
 app.conf.broker_connection_retry_on_startup = True
+app.conf.broker_transport_options = {"confirm_publish": True}  # RabbitMQ; Redis ignores it
 if os.environ.get("RB_QUEUE"):
     app.conf.task_default_queue = os.environ["RB_QUEUE"]
 if os.environ.get("RB_REDISPATCH"):

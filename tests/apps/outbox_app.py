@@ -1,7 +1,7 @@
 """A Celery app for relay subprocesses in the outbox tests.
 
 Environment:
-    RB_TEST_REDIS_URL: the broker.
+    RB_TEST_REDIS_URL: the broker (a Redis or an ``amqp://`` RabbitMQ URL).
     RB_TEST_SLEEP_AFTER_DELIVER: seconds the ``celery`` handler sleeps after publishing a
         batch and before returning (so a test can SIGKILL the relay between publish and
         mark-sent).

@@ -2,7 +2,7 @@
 
 Configured from the environment (set by the tests):
 
-* ``RB_BROKER_URL``: Redis URL; ``RB_DATABASE_URL``: the PostgreSQL store;
+* ``RB_BROKER_URL``: Redis or RabbitMQ (``amqp://``) URL; ``RB_DATABASE_URL``: the store;
 * ``RB_LEASE_SECONDS``: the lease (default 2 s, so a paused worker loses it quickly).
 
 The Redis ``visibility_timeout`` is 5 s (restores checked every second) so that a message
@@ -59,6 +59,9 @@ app.conf.update(
         # kombu's restore holds a Redis lock (default expiry 300 s); a worker SIGKILLed
         # while holding it would stop every redelivery on this Redis for five minutes.
         "unacked_mutex_expire": 3,
+        # RabbitMQ (ignored by Redis): Celery's own publishes (self.retry) confirmed too,
+        # as docs/operations.md recommends.
+        "confirm_publish": True,
     },
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,

@@ -266,6 +266,15 @@ def collect_status(
                 "they publish into their own app's broker). Start its beat, "
                 f"or retire the group: `reliable-beat schedule retire {g['group']}`."
             )
+        elif g.get("runtime_entries") and not g["beats_alive"]:
+            seen = _fmt(g["last_seen_at"]) if g["last_seen_at"] else "never"
+            problems.append(
+                f"NO BEAT: schedule group {g['group']!r} has {g['runtime_entries']} enabled "
+                f"runtime entries but no live beat (last seen {seen}): nothing fires them "
+                "(beats of other groups do not: they publish into their own app's broker). "
+                "Start a beat of the app, or move them to a group that has one: "
+                "`reliable-beat entries update NAME --group GROUP`."
+            )
     if unstarted:
         names = sorted(unstarted)
         problems.append(

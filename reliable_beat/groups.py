@@ -213,7 +213,9 @@ def group_health(
 
     Returns:
         ``{"group", "beats_alive" (int), "last_seen_at" (UTC | None), "enabled_entries" (int),
-        "config_synced_at" (UTC | None), "current_config" (hash | None),
+        "runtime_entries" (int: enabled runtime entries of the group, added with ``-A`` or
+        ``--group``; only the group's beats fire them), "config_synced_at" (UTC | None),
+        "current_config" (hash | None),
         "beats_on_other_config" (live beats that started with a config other than the
         current one: an old pod, or a refused config), "unregistered" ({entry: task}, from
         the live beats)}``.
@@ -224,6 +226,7 @@ def group_health(
     def group(name: str) -> dict[str, Any]:
         return groups.setdefault(name, {
             "group": name, "beats_alive": 0, "last_seen_at": None, "enabled_entries": 0,
+            "runtime_entries": 0,
             "config_synced_at": None, "current_config": None, "beats_on_other_config": 0,
             "unregistered": {},
         })
@@ -235,6 +238,13 @@ def group_health(
         .group_by(entries.c.schedule_group)
     ).all():
         group(name)["enabled_entries"] = int(count)
+    for name, count in conn.execute(
+        select(entries.c.schedule_group, func.count())
+        .where(and_(entries.c.origin != "config", entries.c.schedule_group.is_not(None),
+                    entries.c.enabled.is_(True)))
+        .group_by(entries.c.schedule_group)
+    ).all():
+        group(name)["runtime_entries"] = int(count)
     for cfg in conn.execute(
         select(schedule_configs.c.schedule_group, schedule_configs.c.synced_at,
                schedule_configs.c.config_hash)

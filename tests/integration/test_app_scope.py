@@ -216,3 +216,13 @@ def test_status_reports_an_entry_whose_triggers_go_unstarted_between_started_one
         conn.execute(runs.insert(), rows)
     info = collect_status(pg_store, redispatch_seconds=120)
     assert info["unstarted"] == {"lossy": 1}
+
+
+def test_status_says_no_beat_for_a_group_of_runtime_entries_only(pg_store: Store) -> None:
+    """Fails on the old status: a runtime entry added to a group no beat runs (a typo'd
+    --group, an app never started) was never fired and status stayed green."""
+    _cli(pg_store, "entries", "add", "orphan", "--task", "t", "--every", "60",
+         "--group", "prjo")
+    info = collect_status(pg_store)
+    assert any(p.startswith("NO BEAT: schedule group 'prjo' has 1 enabled runtime entries")
+               for p in info["problems"]), info["problems"]

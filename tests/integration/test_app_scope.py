@@ -226,3 +226,21 @@ def test_status_says_no_beat_for_a_group_of_runtime_entries_only(pg_store: Store
     info = collect_status(pg_store)
     assert any(p.startswith("NO BEAT: schedule group 'prjo' has 1 enabled runtime entries")
                for p in info["problems"]), info["problems"]
+
+
+def test_entries_import_with_an_app_gives_its_group(pg_store: Store, redis_url: str) -> None:
+    """Fails on the old import: the imported entries had no group (any app's beat fired
+    them into its own broker)."""
+    import uuid
+
+    from celery.schedules import schedule
+    from redbeat import RedBeatSchedulerEntry
+
+    prefix = f"rb-scope-{uuid.uuid4().hex[:8]}:"
+    legacy = Celery("legacy", set_as_current=False)
+    legacy.conf.update(redbeat_redis_url=redis_url, redbeat_key_prefix=prefix)
+    for name in ("poll", "sync"):
+        RedBeatSchedulerEntry(name, "cliapp.plain", schedule(run_every=60), app=legacy).save()
+    _cli(pg_store, "entries", "import", "redbeat", "--from-url", redis_url,
+         "--key-prefix", prefix, app=True)
+    assert _groups(pg_store) == {"poll": "cliapp", "sync": "cliapp"}

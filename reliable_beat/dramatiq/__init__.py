@@ -426,7 +426,8 @@ def _broker_errors() -> tuple[type[BaseException], ...]:
 def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
     """The ``dramatiq.Message`` of a trigger payload
     (:func:`reliable_beat.beat.build_trigger_payload`): ``message_id`` = the run's
-    deterministic id, ``options["reliable_beat"]`` = key / entry / fire_at / trigger, ``queue_name`` from the actor (or ``options.queue``).
+    deterministic id, ``options["reliable_beat"]`` = key / entry / fire_at / trigger,
+    ``queue_name`` from the actor (or ``options.queue``).
 
     Raises:
         KeyError: the actor is not registered on ``broker`` and no queue is given.

@@ -93,7 +93,8 @@ class ReliableBeat(Middleware):  # type: ignore[misc]
 
     Args:
         settings: a :class:`Settings`, or a mapping read by :meth:`Settings.from_mapping`
-            (``{"database_url": ...}``); None: ``Settings()`` (the environment's
+            (``{"database_url": ...}``, names with or without the ``reliable_beat_``
+            prefix; an unknown name raises ``ConfigurationError``); None: ``Settings()`` (the environment's
             ``RELIABLE_BEAT_DATABASE_URL`` or the embedded default).
         schedule: a ``BEAT_SCHEDULE`` mapping ``{name: {"actor", "schedule", "args"?,
             "kwargs"?, "options"?, "reliable_beat"?}}``, read by the beat.
@@ -113,7 +114,11 @@ class ReliableBeat(Middleware):  # type: ignore[misc]
         elif isinstance(settings, Settings):
             self.settings = settings
         else:
-            self.settings = Settings.from_mapping(settings)
+            # Both ``database_url`` and ``reliable_beat_database_url`` forms; an unknown
+            # name is refused by from_mapping (it names the key and lists the valid ones).
+            self.settings = Settings.from_mapping({
+                k if k.lower().startswith("reliable_beat_") else f"reliable_beat_{k}": v
+                for k, v in settings.items()})
         self.schedule = dict(schedule or {})
 
     @property

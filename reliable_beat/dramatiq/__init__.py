@@ -421,9 +421,12 @@ def _interrupts() -> tuple[type[BaseException], ...]:
 
 
 def _broker_errors() -> tuple[type[BaseException], ...]:
-    from dramatiq.errors import ConnectionError as DramatiqConnectionError
+    import dramatiq.errors as errors
 
-    return (DramatiqConnectionError,)
+    # dramatiq >= 2.1 renamed ConnectionError to BrokerConnectionError (the old name warns).
+    if hasattr(errors, "BrokerConnectionError"):
+        return (errors.BrokerConnectionError,)
+    return (errors.ConnectionError,)  # pragma: no cover (dramatiq < 2.1)
 
 
 # ------------------------------------------------------------- the publishing side ----

@@ -220,3 +220,13 @@ def test_exhausted_budget_is_a_dead_letter(dq: DqEnv) -> None:
     dq.wait("dead (exhausted)", lambda: dq.state("flaky:ex") == "dead", 150)
     assert outcomes(dq.attempts("flaky:ex")) == ["retrying"] * 3 + ["dead"]
     assert runs.get_run(dq.store, "flaky:ex")["reason"] == "exhausted"
+
+
+def test_time_limit_interrupt_is_a_transient_failure(dq: DqEnv) -> None:
+    """Dramatiq's TimeLimit interrupts the body asynchronously (a BaseException, §6 trap):
+    recorded ``retrying`` and retried by us; the next try succeeds. One effect."""
+    dq.worker()
+    dq.send("slow", "tl", key="slow:tl")
+    dq.wait("succeeded after the time limit", lambda: dq.state("slow:tl") == "succeeded", 120)
+    assert outcomes(dq.attempts("slow:tl")) == ["retrying", "succeeded"]
+    assert len(dq.effects("slow:tl")) == 1

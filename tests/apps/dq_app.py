@@ -95,6 +95,16 @@ def flaky(name: str, transient_failures: int, then_permanent: bool = False) -> N
     _effect()
 
 
+@dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE, actor_name="slow",
+                time_limit=1000)
+def slow(name: str) -> None:
+    """Sleeps past its 1 s Dramatiq time limit on the first try, then writes its effect."""
+    _mark("start")
+    if current().attempt == 1:
+        time.sleep(30)
+    _effect()
+
+
 if PERIOD:
     @dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE, actor_name="tick",
                     periodic=float(PERIOD), reliable_beat={"misfire_policy": "skip"})

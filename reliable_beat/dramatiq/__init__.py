@@ -26,7 +26,7 @@ and the message is failed (``throws``: Dramatiq nacks it to ``<queue>.XQ``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -94,8 +94,8 @@ class ReliableBeat(Middleware):  # type: ignore[misc]
     Args:
         settings: a :class:`Settings`, or a mapping read by :meth:`Settings.from_mapping`
             (``{"database_url": ...}``, names with or without the ``reliable_beat_``
-            prefix; an unknown name raises ``ConfigurationError``); None: ``Settings()`` (the environment's
-            ``RELIABLE_BEAT_DATABASE_URL`` or the embedded default).
+            prefix; an unknown name raises ``ConfigurationError``); None: ``Settings()``
+            (the environment's ``RELIABLE_BEAT_DATABASE_URL`` or the embedded default).
         schedule: a ``BEAT_SCHEDULE`` mapping ``{name: {"actor", "schedule", "args"?,
             "kwargs"?, "options"?, "reliable_beat"?}}``, read by the beat.
 
@@ -587,4 +587,3 @@ def sync_entries(broker: Any, store: Any, settings: Settings,
     return sync_config_entries(store, definitions(broker, schedule, now=now, settings=settings))
 
 
-Resolve = Callable[[str], Any]

@@ -8,6 +8,7 @@ Waits poll the database with generous deadlines (the machine is shared).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,10 +24,10 @@ import sqlalchemy as sa
 
 pytest.importorskip("dramatiq")
 
-from reliable_beat import runs  # noqa: E402
-from reliable_beat.db.dialects import Store  # noqa: E402
-from reliable_beat.db.tables import dead_letters, outbox  # noqa: E402
-from reliable_beat.db.tables import runs as runs_table  # noqa: E402
+from reliable_beat import runs
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import dead_letters, outbox
+from reliable_beat.db.tables import runs as runs_table
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = ROOT / "tests" / "apps"
@@ -75,10 +76,8 @@ class DqEnv:
                        env=self.env, cwd=self.tmp, check=True, timeout=60)
 
     def killpg(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def kill_all(self) -> None:
         for proc in self.procs:

@@ -65,6 +65,10 @@ class DqEnv:
         return self._start(name, [sys.executable, "-m", "reliable_beat.cli", "dramatiq", "beat",
                                   "--broker", "dq_app:broker"])
 
+    def relay(self, name: str = "relay") -> subprocess.Popen[bytes]:
+        return self._start(name, [sys.executable, "-m", "reliable_beat.cli", "dramatiq",
+                                  "relay", "--broker", "dq_app:broker"])
+
     def send(self, actor: str, *args: Any, key: str | None = None, **kwargs: Any) -> None:
         """Send a message through the app's broker, from a separate process (like a client)."""
         code = ("import sys, json; import dq_app; a = dq_app.broker.get_actor(sys.argv[1]); "
@@ -229,3 +233,19 @@ def test_time_limit_interrupt_is_a_transient_failure(dq: DqEnv) -> None:
     dq.wait("succeeded after the time limit", lambda: dq.state("slow:tl") == "succeeded", 120)
     assert outcomes(dq.attempts("slow:tl")) == ["retrying", "succeeded"]
     assert len(dq.effects("slow:tl")) == 1
+
+
+def test_outbox_row_to_dramatiq_is_delivered_by_the_relay(dq: DqEnv) -> None:
+    """An actor commits an outbox row for the ``dramatiq`` destination with its run;
+    ``reliable-beat dramatiq relay`` delivers it as a Dramatiq message; the target runs once."""
+    dq.worker()
+    dq.send("fan_out", "fo", key="fan_out:fo")
+    dq.wait("fan_out succeeded", lambda: dq.state("fan_out:fo") == "succeeded", 90)
+    assert dq.rows(sa.select(outbox.c.state).where(outbox.c.destination == "dramatiq")
+                   ) == [{"state": "pending"}]
+    dq.relay()
+    dq.wait("the outbox row was delivered and ran", lambda: dq.state("effect:fo") == "succeeded",
+            120)
+    assert dq.rows(sa.select(outbox.c.state).where(outbox.c.destination == "dramatiq")
+                   ) == [{"state": "sent"}]
+    assert len(dq.effects("effect:fo")) == 1

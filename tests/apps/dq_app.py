@@ -105,6 +105,15 @@ def slow(name: str) -> None:
     _effect()
 
 
+@dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE, actor_name="fan_out")
+def fan_out(name: str) -> None:
+    """Commits, with its run, an outbox row to the ``dramatiq`` destination asking for
+    ``write_effect(name)``: the relay delivers it."""
+    rb = current()
+    with rb.transaction() as tx:
+        rb.outbox.add(tx, "dramatiq", {"actor": "write_effect", "args": [name]})
+
+
 if PERIOD:
     @dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE, actor_name="tick",
                     periodic=float(PERIOD), reliable_beat={"misfire_policy": "skip"})

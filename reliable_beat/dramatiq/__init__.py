@@ -31,13 +31,15 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, NoReturn
 
 import dramatiq
 from dramatiq.middleware import Middleware
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DataError, IntegrityError
 
 from reliable_beat import execution, runs
+from reliable_beat import values as rb_values
 from reliable_beat.errors import (
     ConfigurationError,
     IdempotencyKeyError,
@@ -310,13 +312,27 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         store = execution.store_for(settings.database_url)
         lease = timedelta(seconds=self.options.get("lease_seconds") or settings.lease_seconds)
         max_attempts = int(self.options.get("max_attempts") or settings.retry_max_attempts)
+        entry = opts.get("entry")
+        message_id = getattr(message, "message_id", None)
+        try:  # values the store can never take: refused (permanent, visible), never retried
+            fire_at = _parse_instant(opts.get("fire_at"))
+            rb_values.check_length("idempotency key", key, rb_values.MAX_IDEMPOTENCY_KEY)
+            if message_id is not None:
+                rb_values.check_length("task_id", str(message_id), rb_values.MAX_TASK_ID)
+            if entry is not None:
+                rb_values.check_entry_name(entry)
+            call_args = rb_values.to_json_value(list(args), "args")
+            call_kwargs = rb_values.to_json_value(dict(kwargs), "kwargs")
+        except ValueError as exc:
+            self._refuse(store, key, exc, message, args, kwargs)
         try:
             claim = runs.claim_run(
                 store, key, owner=settings.owner, lease=lease, task=self.actor_name,
-                args=list(args), kwargs=dict(kwargs), entry=opts.get("entry"),
-                fire_at=_parse_instant(opts.get("fire_at")),
-                task_id=getattr(message, "message_id", None), trigger=opts.get("trigger"),
+                args=call_args, kwargs=call_kwargs, entry=entry, fire_at=fire_at,
+                task_id=message_id, trigger=opts.get("trigger"),
             )
+        except (DataError, IntegrityError, runs.RunNotFound) as exc:
+            self._refuse(store, key, exc, message, args, kwargs)
         except Exception as exc:
             execution.raise_if_schema_missing(store, exc, self.actor_name, key)
             delay = backoff_delay(0, base=settings.retry_base_seconds,
@@ -404,6 +420,25 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         log.error("%s: %s dead-lettered (%s): %s", self.actor_name, claim.key, decision.reason,
                   exc)
         raise DeadLettered(f"{self.actor_name}: {claim.key}: {decision.reason}: {exc}") from exc
+
+    def _refuse(self, store: Any, key: str, exc: BaseException, message: Any,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+        """Refuse a message whose values the store can never take: a dead letter of kind
+        ``message`` (there is no run row), logged at ERROR, then :class:`DeadLettered`
+        (Dramatiq fails the message). Store unreachable while recording: retried."""
+        error = f"{type(exc).__name__}: {exc}"
+        log.error("%s[%s]: refusing the message for key %.80r: %s", self.actor_name,
+                  getattr(message, "message_id", None), key, error)
+        payload = {"actor": self.actor_name, "task": self.actor_name, "key": key,
+                   "task_id": getattr(message, "message_id", None),
+                   "args": [repr(a)[:2000] for a in args],
+                   "kwargs": {str(k): repr(v)[:2000] for k, v in kwargs.items()}}
+        try:
+            runs.record_refused_message(store, key=key, task=self.actor_name, payload=payload,
+                                        error=error)
+        except Exception as record_exc:
+            raise dramatiq.Retry(delay=1000) from record_exc
+        raise DeadLettered(f"{self.actor_name}: {key}: refused: {error}") from exc
 
     def _payload(self, claim: runs.Claim, message: Any) -> dict[str, Any]:
         opts = dict((message.options.get(OPTION) or {}) if message is not None else {})

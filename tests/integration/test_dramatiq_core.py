@@ -25,7 +25,7 @@ from sqlalchemy import select, update
 from reliable_beat import schedules as sch
 from reliable_beat.beat import Beat
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.db.tables import dead_letters, entries, outbox, runs
 from reliable_beat.entries import EntryDefinition
 from reliable_beat.loop import BeatLoop
 from reliable_beat.outbox import OutboxMessage
@@ -202,11 +202,16 @@ def test_idempotent_actor_in_process(stub: Any, sqlite_store: Store) -> None:
     act.send(1)  # the same work again: deduplicated
     keyless.send()  # no key: refused, nothing runs
     bad.send_with_key("bad:1")
+    act.send_with_key("x" * 401, 3)  # a key the store cannot take: refused, not retried
     stub.join(act.queue_name, fail_fast=False)
     assert calls == [1]
     assert _attempts(sqlite_store, "k:1") == ["succeeded", "deduplicated"]
     assert _attempts(sqlite_store, "bad:1") == ["dead"]
-    assert len(stub.dead_letters) == 2  # keyless + bad: failed, in Dramatiq's dead letters
+    # keyless, bad, the long key: failed, in Dramatiq's dead letters (no retry)
+    assert len(stub.dead_letters) == 3
+    with sqlite_store.engine.connect() as conn:
+        kinds = sorted(r.kind for r in conn.execute(select(dead_letters)))
+    assert kinds == ["message", "run"]
 
 
 def test_periodic_definitions_are_validated(stub: Any, sqlite_store: Store) -> None:

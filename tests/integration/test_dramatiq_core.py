@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Collection, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +163,7 @@ def stub(sqlite_url: str, sqlite_store: Store) -> Any:
     broker = StubBroker()
     broker.add_middleware(ReliableBeat(settings={
         "database_url": sqlite_url, "retry_max_attempts": 2, "retry_base_seconds": 0.01,
-        "retry_cap_seconds": 0.02}))
+        "retry_cap_seconds": 0.02, "lease_seconds": 1}))
     dramatiq.set_broker(broker)
     worker = dramatiq.Worker(broker, worker_timeout=50)
     worker.start()
@@ -205,7 +205,11 @@ def test_idempotent_actor_in_process(stub: Any, sqlite_store: Store) -> None:
     act.send_with_key("x" * 401, 3)  # a key the store cannot take: refused, not retried
     stub.join(act.queue_name, fail_fast=False)
     assert calls == [1]
-    assert _attempts(sqlite_store, "k:1") == ["succeeded", "deduplicated"]
+    # The two messages may run at once on the worker's threads: the second then finds the
+    # lease held (busy, retried after the lease) before it deduplicates.
+    got = _attempts(sqlite_store, "k:1")
+    assert got.count("succeeded") == 1 and got[-1] == "deduplicated", got
+    assert set(got) <= {"succeeded", "busy", "deduplicated"}, got
     assert _attempts(sqlite_store, "bad:1") == ["dead"]
     # keyless, bad, the long key: failed, in Dramatiq's dead letters (no retry)
     assert len(stub.dead_letters) == 3
@@ -229,3 +233,47 @@ def test_periodic_definitions_are_validated(stub: Any, sqlite_store: Store) -> N
     with pytest.raises(ConfigurationError, match="broken"):
         definitions(stub, {"broken": {"actor": "every5", "schedule": "not a cron"}},
                     now=now, settings=Settings())
+
+
+def test_publisher_and_handler_message_ids_are_deterministic(sqlite_url: str) -> None:
+    from dramatiq.brokers.stub import StubBroker
+
+    from reliable_beat.beat import build_trigger_payload, task_id_for
+    from reliable_beat.dramatiq import (
+        OPTION,
+        DramatiqHandler,
+        DramatiqPublisher,
+        IdempotentActor,
+        ReliableBeat,
+    )
+    from reliable_beat.handlers import MessageExpiredError
+
+    stub = StubBroker()  # no worker: the test reads the queue
+    stub.add_middleware(ReliableBeat(settings={"database_url": sqlite_url}))
+
+    @dramatiq.actor(actor_class=IdempotentActor, queue_name="qq", broker=stub)
+    def target(x: int) -> None: ...
+
+    at = datetime(2026, 1, 1, 2, 0, tzinfo=timezone.utc)
+    payload = build_trigger_payload(task="target", args=[1], kwargs={}, options={"expires": 60},
+                                    key="e@2026-01-01T02:00:00Z", entry="e", fire_at=at,
+                                    trigger="schedule")
+    row = OutboxMessage(id=7, message_id="trigger:e@2026-01-01T02:00:00Z",
+                        destination="dramatiq", payload=payload, run_id=1)
+    pub = DramatiqPublisher(stub)
+    assert pub.publish([row], at) == [(7, None)]
+    late = pub.publish([row], at + timedelta(seconds=61))
+    assert isinstance(late[0][1], MessageExpiredError)  # past expires_at: not published
+    (sent,) = [m for m in stub.queues["qq"].queue]  # type: ignore[attr-defined]
+    msg = dramatiq.Message.decode(sent)
+    assert msg.message_id == task_id_for("e@2026-01-01T02:00:00Z")
+    assert msg.options[OPTION] == {"key": "e@2026-01-01T02:00:00Z", "entry": "e",
+                                   "fire_at": "2026-01-01T02:00:00Z", "trigger": "schedule"}
+    assert pub.tracked_tasks() == ["target"]
+    app_row = OutboxMessage(id=8, message_id="k#1", destination="dramatiq",
+                            payload={"actor": "target", "args": [2]}, run_id=None)
+    handler = DramatiqHandler(stub)
+    handler(app_row)
+    handler(app_row)  # a re-delivery by the relay: the same message id
+    ids = [dramatiq.Message.decode(m).message_id for m in stub.queues["qq"].queue]
+    assert len(ids) == 3 and ids[1] == ids[2] != ids[0]

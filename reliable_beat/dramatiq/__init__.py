@@ -481,14 +481,23 @@ def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
     queue = options.pop("queue_name", None) or options.pop("queue", None)
     if queue is None:
         queue = broker.get_actor(actor_name).queue_name
+    message_options: dict[str, Any] = {OPTION: {
+        "key": headers.get("reliable_beat_key"), "entry": headers.get("reliable_beat_entry"),
+        "fire_at": headers.get("reliable_beat_fire_at"),
+        "trigger": headers.get("reliable_beat_trigger"),
+    }}
+    extra: dict[str, Any] = {}
+    fire_at = _parse_instant(headers.get("reliable_beat_fire_at"))
+    expires_at = _parse_instant(payload.get("expires_at"))
+    if fire_at is not None and expires_at is not None:
+        # ``expires`` counts from the slot, as for Celery entries: AgeLimit measures from
+        # message_timestamp, so a delivery later than slot + expires is skipped (its run is
+        # then retired as skipped/expired by the re-dispatch sweep, which will not re-send it).
+        extra["message_timestamp"] = int(fire_at.timestamp() * 1000)
+        message_options["max_age"] = max(1, int((expires_at - fire_at).total_seconds() * 1000))
     return dramatiq.Message(
         queue_name=queue, actor_name=actor_name, args=tuple(payload.get("args") or ()),
-        kwargs=dict(payload.get("kwargs") or {}),
-        options={OPTION: {
-            "key": headers.get("reliable_beat_key"), "entry": headers.get("reliable_beat_entry"),
-            "fire_at": headers.get("reliable_beat_fire_at"),
-            "trigger": headers.get("reliable_beat_trigger"),
-        }},
+        kwargs=dict(payload.get("kwargs") or {}), options=message_options, **extra,
         message_id=str(payload.get("task_id") or uuid.uuid4()),
     )
 

@@ -269,6 +269,9 @@ def test_publisher_and_handler_message_ids_are_deterministic(sqlite_url: str) ->
     assert msg.message_id == task_id_for("e@2026-01-01T02:00:00Z")
     assert msg.options[OPTION] == {"key": "e@2026-01-01T02:00:00Z", "entry": "e",
                                    "fire_at": "2026-01-01T02:00:00Z", "trigger": "schedule"}
+    # expires counts from the slot: Dramatiq's AgeLimit skips a delivery after slot + 60 s
+    assert msg.message_timestamp == int(at.timestamp() * 1000)
+    assert msg.options["max_age"] == 60_000
     assert pub.tracked_tasks() == ["target"]
     app_row = OutboxMessage(id=8, message_id="k#1", destination="dramatiq",
                             payload={"actor": "target", "args": [2]}, run_id=None)

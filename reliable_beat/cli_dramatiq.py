@@ -16,19 +16,39 @@ from typing import Any
 
 import click
 
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.celery.commands import CliContext, fail, pass_cli
+from reliable_beat.errors import ConfigurationError
 
 __all__ = ["register"]
 
 
 def _load_broker(spec: str) -> tuple[Any, Any]:
-    """``module:attr`` (attr default ``broker``) -> (the ReliableBeat middleware, broker)."""
+    """``module:attr`` (attr default ``broker``) -> (the ReliableBeat middleware, broker).
+
+    Exits with code 2 and one line naming ``spec`` and the fix when Dramatiq is not
+    installed, the module or attribute does not exist, or the broker has no ReliableBeat.
+    """
     module_name, _, attr = spec.partition(":")
-    module = importlib.import_module(module_name)
-    broker = getattr(module, attr or "broker")
+    try:
+        import dramatiq  # noqa: F401
+    except ImportError:
+        fail('the Dramatiq adapter needs dramatiq: pip install "reliable-beat[dramatiq]"', 2,
+             kind="usage")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        fail(f"--broker {spec}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?",
+             2, kind="usage")
+    broker = getattr(module, attr or "broker", None)
+    if broker is None:
+        fail(f"--broker {spec}: {module_name!r} has no attribute {attr or 'broker'!r}", 2,
+             kind="usage")
     from reliable_beat.dramatiq import _middleware
 
-    return _middleware(broker), broker
+    try:
+        return _middleware(broker), broker
+    except ConfigurationError as exc:
+        fail(f"--broker {spec}: {exc}", 2, kind="invalid")
 
 
 def _stop_event() -> threading.Event:
@@ -64,7 +84,10 @@ def beat(cli: CliContext, broker_spec: str, loglevel: str) -> None:
     settings = rb.settings
     store = Store.from_url(settings.database_url, role="beat")
     migrate.ensure_schema(store, run_migrations=False)
-    counts = sync_entries(broker, store, settings, rb.schedule)
+    try:
+        counts = sync_entries(broker, store, settings, rb.schedule)
+    except ConfigurationError as exc:  # every bad entry, each named
+        fail(str(exc), 2, kind="invalid")
     click.echo(f"dramatiq beat {settings.owner} on {store.safe_url}; entries {counts}", err=True)
     loop = BeatLoop(store=store, settings=settings, publisher=DramatiqPublisher(broker),
                     owner=settings.owner)

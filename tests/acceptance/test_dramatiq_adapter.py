@@ -249,3 +249,12 @@ def test_outbox_row_to_dramatiq_is_delivered_by_the_relay(dq: DqEnv) -> None:
     assert dq.rows(sa.select(outbox.c.state).where(outbox.c.destination == "dramatiq")
                    ) == [{"state": "sent"}]
     assert len(dq.effects("effect:fo")) == 1
+
+
+def test_beat_refuses_a_bad_periodic_entry_naming_it(dq: DqEnv) -> None:
+    dq.extra["RB_BAD_PERIODIC"] = "1"
+    beat = dq.beat("bad")
+    assert beat.wait(timeout=60) == 2, dq.logs()
+    out = dq.logs()
+    assert "bad_cron" in out and "61 * * * *" in out, out
+    assert "Traceback" not in out, out

@@ -121,3 +121,10 @@ if PERIOD:
     def tick() -> None:
         """The periodic actor: one effect per slot (the key is the slot's)."""
         _effect()
+
+
+if os.environ.get("RB_BAD_PERIODIC"):
+    @dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE, actor_name="bad_cron",
+                    periodic="61 * * * *")
+    def bad_cron() -> None:
+        """A periodic actor whose cron cannot be valid: the beat refuses to start."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -262,6 +263,9 @@ class _RunState:
     completed: bool = False
     transaction_used: bool = False
     outbox_count: int = 0
+    #: Stores the result of a run completed in the body's transaction (None: at once, on
+    #: the store); set by a transaction joined to an outer one (Django's ``atomic()``).
+    write_result: Callable[[Any], None] | None = None
     #: time.monotonic() of the next lease renewal (set by _LeaseRenewer.add).
     renew_at: float = 0.0
 

@@ -70,6 +70,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from reliable_beat import rows as rows_mod
+from reliable_beat.beat import TRIGGER_DESTINATIONS
 from reliable_beat.db.dialects import MYSQL_DIALECTS, Store, update_returning
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
@@ -361,7 +362,7 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
         outbox, (outbox.c.destination, outbox.c.run_id),
     )
     run_ids = sorted({run_id for destination, run_id in changed
-                      if destination == "celery" and run_id is not None})
+                      if destination in TRIGGER_DESTINATIONS and run_id is not None})
     if run_ids:
         scheduled = runs.c.state == "scheduled"
         at = literal(now, UTCDateTime())
@@ -419,7 +420,7 @@ def _move_runs(
 ) -> None:
     run_ids = select(outbox.c.run_id).where(
         outbox.c.id.in_(outbox_ids),
-        outbox.c.destination == "celery",
+        outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)),
         outbox.c.run_id.is_not(None),
     )
     values: dict[str, Any] = {"state": to, "updated_at": now}
@@ -554,9 +555,12 @@ class Relay:
         claim_lease_seconds: float = 60.0,
         purge_interval_seconds: float = 60.0,
         rng: random.Random | None = None,
+        redispatch: Callable[[], int] | None = None,
     ) -> None:
         self.store = store
         self.app = app
+        #: The re-dispatch sweep of a framework adapter (None: the Celery app's, when given).
+        self._redispatch = redispatch
         if settings is None:
             settings = Settings.from_celery(app) if app is not None else Settings()
         self.settings = settings
@@ -586,7 +590,8 @@ class Relay:
     def claim(self) -> list[OutboxMessage]:
         """Claim one batch in its own short transaction (see :func:`claim_outbox_batch`)."""
         destinations = [d for d in self.handlers
-                        if d != "celery" or time.monotonic() >= self._triggers_after]
+                        if d not in TRIGGER_DESTINATIONS
+                        or time.monotonic() >= self._triggers_after]
         if not destinations:
             return []
         scan = time.monotonic() - self._last_scan >= 60.0
@@ -627,9 +632,13 @@ class Relay:
     def maybe_redispatch(self) -> None:
         """Every few seconds, with an app: re-send triggers of stuck tracked runs (their
         message was lost; see :mod:`reliable_beat.redispatch`)."""
-        if self.app is None or time.monotonic() - self._last_redispatch < 5.0:
+        if (self.app is None and self._redispatch is None) or \
+                time.monotonic() - self._last_redispatch < 5.0:
             return
         self._last_redispatch = time.monotonic()
+        if self._redispatch is not None:
+            self._redispatch()
+            return
         from reliable_beat.redispatch import redispatch_stuck_runs
 
         redispatch_stuck_runs(self.store, self.app, self.settings)

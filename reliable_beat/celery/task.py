@@ -152,6 +152,8 @@ class _RunState:
     completed: bool = False
     transaction_used: bool = False
     outbox_count: int = 0
+    #: the JSON result declared with self.returns() (stored by the completing transaction)
+    returned: Any = None
     #: time.monotonic() of the next lease renewal (set by _LeaseRenewer.add).
     renew_at: float = 0.0
 
@@ -737,7 +739,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 yield conn
                 session.flush()
                 _renewer.discard(state)  # see below
-                runs.complete(conn, state.claim, None)
+                runs.complete(conn, state.claim, state.returned)
                 session.commit()
             except BaseException as exc:
                 session.rollback()
@@ -750,7 +752,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if bind.in_transaction():
                 yield bind
                 _renewer.discard(state)  # see below
-                runs.complete(bind, state.claim, None)  # joins the caller's transaction
+                runs.complete(bind, state.claim, state.returned)  # joins the caller's transaction
                 state.completed = True
                 return
             cm: Any = bind.begin()
@@ -770,11 +772,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # renewer serves). The fence is checked inside this transaction, so no
                 # takeover can slip in before the commit; the lease is no longer needed.
                 _renewer.discard(state)
-                runs.complete(tx, state.claim, None)
+                runs.complete(tx, state.claim, state.returned)
         except BaseException as exc:
             self._after_rollback(state, exc)
             raise
         state.completed = True
+
+    def returns(self, value: Any) -> None:
+        """Declare the run's result inside ``self.transaction()``: it is stored by the
+        completing transaction, with the effect (a workflow activity's result must be;
+        the body's return value is otherwise stored after the commit, best effort).
+
+        Raises:
+            TypeError: ``value`` is not JSON-serialisable.
+            RuntimeError: called outside an execution.
+        """
+        state = self._state()
+        state.returned = _storable_result(self.name, state.claim.key, value)
 
     @staticmethod
     def _check_same_database(engine: Engine, store: Store) -> None:
@@ -1006,7 +1020,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if state.completed:
                 # The effect committed with the run: the run succeeded, whatever happens
                 # now. Storing the result is best effort and never fails the call.
-                if state.transaction_used and stored is not None:
+                if state.transaction_used and stored is not None and state.returned is None:
                     try:
                         runs.set_result(store, claim, stored)
                     except Exception:

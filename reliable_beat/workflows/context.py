@@ -435,8 +435,9 @@ class WorkflowContext:
             def dispatch(conn: Connection) -> None:
                 outbox.add(conn, engine.WAKE_DESTINATION, payload, key=f"act:{key}")
 
-            self._record(seq, "activity", task_name, digest, call, state="scheduled",
-                         run_key=key, effect=dispatch)
+            # stored with its queue (not part of the digest), for the re-dispatch sweep
+            self._record(seq, "activity", task_name, digest, [*call, queue],
+                         state="scheduled", run_key=key, effect=dispatch)
             self._history[seq] = _Ev(seq, "activity", task_name, digest, "scheduled", None,
                                      None, None, key)
         return ActivityHandle(seq=seq, name=task_name, key=key)

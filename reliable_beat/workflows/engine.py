@@ -771,6 +771,40 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
         ).all()
         for r in rows:
             add_wake(conn, r.workflow_id, r.queue, f"sweep{r.fence_token}.{r.wake_seq}")
+        resent = _resend_lost_activities(conn, now, cutoff, older_than, limit)
+    return len(rows) + resent
+
+
+def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
+                            older_than: timedelta, limit: int) -> int:
+    """Activities scheduled before ``cutoff`` whose run never started (the broker lost the
+    message) or whose holder died (running, lease expired before ``cutoff``): publish the
+    activity message again (same key: the run deduplicates), at most once per
+    ``older_than`` window (the message id carries the window number)."""
+    j = workflow_events.join(workflows, workflows.c.id == workflow_events.c.workflow_pk
+                             ).outerjoin(runs, runs.c.idempotency_key == workflow_events.c.run_key)
+    rows = conn.execute(
+        select(workflow_events.c.run_key, workflow_events.c.name, workflow_events.c.args,
+               workflows.c.queue)
+        .select_from(j)
+        .where(
+            workflow_events.c.kind == "activity",
+            workflow_events.c.state == "scheduled",
+            workflow_events.c.created_at < cutoff,
+            workflows.c.state.in_(ACTIVE_STATES),
+            or_(runs.c.id.is_(None),
+                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff)),
+        )
+        .limit(limit)
+    ).all()
+    window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))
+    for r in rows:
+        call = list(r.args or [[], {}, None])
+        payload: dict[str, Any] = {"task": r.name, "args": call[0], "kwargs": call[1],
+                                   "headers": {"reliable_beat_key": r.run_key}}
+        if len(call) > 2 and call[2]:
+            payload["options"] = {"queue": call[2]}
+        outbox.add(conn, WAKE_DESTINATION, payload, key=f"act:{r.run_key}:r{window}")
     return len(rows)
 
 

@@ -426,7 +426,7 @@ def _run_program(store: Store, app: Celery, wid: str, program: list[list[Any]],
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=st.lists(OPS, min_size=1, max_size=7),
-       crash_at=st.lists(st.integers(1, 60), max_size=4),
+       crash_at=st.lists(st.integers(1, 25), max_size=5),
        signal_at=st.lists(st.integers(0, 30), max_size=4),
        dup=st.integers(0, 3))
 def test_random_program_random_crashes_equal_crash_free_run(

@@ -112,8 +112,9 @@ class WorkflowContext:
 
     def __init__(
         self, store: Store, claimed: engine.Claimed, history: dict[int, Any],
-        definition: engine.WorkflowDefinition,
+        definition: engine.WorkflowDefinition, *, dry_run: bool = False,
     ) -> None:
+        self._dry_run = dry_run  # offline replay: stop at the frontier, write nothing
         self._store = store
         self._claimed = claimed
         self._history = history
@@ -203,6 +204,27 @@ class WorkflowContext:
             logger.removeFilter(self._filter)
             _current.reset(token)
 
+    def replay_code(self, fn: Callable[..., Any]) -> str | None:
+        """Offline replay (``workflows replay``): run the code against the history, answer
+        every recorded call from it, write nothing. Returns the first mismatch (position,
+        both sides) or None."""
+        token = _current.set(self)
+        try:
+            try:
+                fn(self, *self._claimed.args, **self._claimed.kwargs)
+            except Suspend:
+                return None
+            except NonDeterminismError as exc:
+                return str(exc)
+            except Exception:  # noqa: BLE001 - the code failed as recorded (or not): check the tail
+                pass
+            if self._last_recorded > self._seq:
+                return (f"the code ended at seq {self._seq}, the history goes on to seq "
+                        f"{self._last_recorded}")
+            return None
+        finally:
+            _current.reset(token)
+
     def _swallowed(self) -> str | None:
         pending = self._pending
         if pending is None:
@@ -251,6 +273,8 @@ class WorkflowContext:
         seq = self._seq
         digest = engine.args_digest(kind, name, args)
         ev = self._history.get(seq)
+        if ev is None and self._dry_run:
+            raise self._suspend(f"replay reached the frontier at seq {seq}")
         if ev is not None and (ev.kind, ev.name, ev.args_digest) != (kind, name, digest):
             raise self._raise(NonDeterminismError(
                 f"seq {seq}: code did {kind} {name} (args digest {digest}), history has "
@@ -303,6 +327,8 @@ class WorkflowContext:
     def _complete(self, seq: int, state: str, result: Any = None, error: Any = None,
                   effect: Callable[[Connection], Any] | None = None) -> Any:
         """Complete the scheduled event at ``seq`` (fenced)."""
+        if self._dry_run:
+            raise self._suspend(f"replay stops before completing seq {seq}")
         engine.crash_point("complete.before")
         try:
             with self._store.begin() as conn:

@@ -736,6 +736,35 @@ def advance(
     return "waiting"
 
 
+def replay_check(store: Store, workflow_id: str) -> str | None:
+    """Run this process's code of a workflow against its stored history, writing nothing.
+
+    Returns:
+        None when the code matches the history up to its frontier (and, for an ended
+        workflow, to the end), else the first mismatch naming the position and both sides
+        (also when the workflow's name is not registered here).
+    """
+    from reliable_beat.workflows.context import WorkflowContext
+
+    with store.connect() as conn:
+        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+        history = load_history(conn, row.id, row.run_no)
+    definition = _registry.get(row.name)
+    if definition is None:
+        return f"workflow name {row.name!r} is not registered in this process"
+    claimed = Claimed(
+        pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
+        args=list(row.args or []), kwargs=dict(row.kwargs or {}), queue=row.queue,
+        random_seed=int(row.random_seed), fence_token=int(row.fence_token),
+        seen_wake_seq=int(row.wake_seq), history_len=int(row.history_len),
+        history_bytes=int(row.history_bytes), owner="replay", lease=timedelta(0),
+    )
+    ctx = WorkflowContext(store, claimed, history, definition, dry_run=True)
+    return ctx.replay_code(definition.fn)
+
+
 # ------------------------------------------------------------------ re-dispatch ----
 
 

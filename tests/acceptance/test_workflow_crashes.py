@@ -1,0 +1,239 @@
+"""Durable workflows on real processes: SIGKILL at every step boundary, timers across a full
+restart, signals racing a SIGSTOPped advance. Real ``celery worker`` (solo pool) and
+``reliable-beat relay`` processes, PostgreSQL and Redis (tests/apps/wf_app.py).
+
+Crash matrix: for each crash point, the three shapes of wf_app run together on a worker
+started with ``RB_WF_KILL_AT=<point>``; each time the worker SIGKILLs itself at that point a
+new one is started (at most three kills per point, one marker file each), then a clean one.
+Every workflow must end ``completed`` with exactly the expected event list and result, each
+transaction and activity effect exactly once, each step effect at least once.
+
+CI runs the short list of points; the full matrix is
+``RB_WF_POINTS=all pytest tests/acceptance/test_workflow_crashes.py -k matrix``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from reliable_beat.db.dialects import Store
+from reliable_beat.workflows import engine
+
+ROOT = Path(__file__).resolve().parents[2]
+APPS = ROOT / "tests" / "apps"
+sys.path.insert(0, str(APPS))
+from wf_app import meta, wf_effects  # noqa: E402
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(900)]
+
+SHORT_POINTS = [
+    "advance.after_claim", "record.transaction.in", "record.activity.in",
+    "activity.after_commit", "step.after_body", "advance.before_release",
+    "advance.before_finish",
+]
+FULL_POINTS = SHORT_POINTS + [
+    "advance.before_claim", "record.transaction.before", "record.transaction.after",
+    "record.activity.before", "record.activity.after", "record.step.before",
+    "record.step.in", "record.step.after", "record.timer.in", "record.timer.after",
+    "record.signal.in", "record.signal.after", "record.now.in", "complete.before",
+    "complete.after", "activity.before_return",
+]
+POINTS = FULL_POINTS if os.environ.get("RB_WF_POINTS") == "all" else SHORT_POINTS
+
+
+class Rig:
+    def __init__(self, pg_url: str, redis_url: str, store: Store, tmp: Path) -> None:
+        self.pg_url, self.redis_url, self.store, self.tmp = pg_url, redis_url, store, tmp
+        self.tag = uuid.uuid4().hex[:8]
+        self.queue = f"wf-{self.tag}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{APPS}",
+               "RB_BROKER_URL": self.redis_url, "RB_DATABASE_URL": self.pg_url,
+               "RB_LEASE_SECONDS": "2", "RB_WF_QUEUE": self.queue, **extra}
+        for k in ("RB_WF_KILL_AT", "RB_WF_KILL_FILE"):
+            if k not in extra:
+                env.pop(k, None)
+        return env
+
+    def start(self, name: str, args: list[str], **extra: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - lives with the process
+        proc = subprocess.Popen(args, env=self.env(**extra), stdout=log,
+                                stderr=subprocess.STDOUT, cwd=self.tmp)
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, concurrency: int = 1, **extra: str) -> subprocess.Popen[bytes]:
+        return self.start("worker", [sys.executable, "-m", "celery", "-A", "wf_app", "worker",
+                                     "--pool", "solo" if concurrency == 1 else "prefork",
+                                     "-c", str(concurrency), "-Q", self.queue,
+                                     "-n", f"w-{uuid.uuid4().hex[:6]}@%h", "--without-gossip",
+                                     "--without-mingle", "--without-heartbeat", "-l", "INFO"],
+                          **extra)
+
+    def relay(self) -> subprocess.Popen[bytes]:
+        return self.start("relay", [sys.executable, "-m", "reliable_beat.cli", "-A", "wf_app",
+                                    "relay", "--claim-lease-seconds", "3"])
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "reliable_beat.cli", "-A", "wf_app",
+                               *args], env=self.env(), cwd=self.tmp, capture_output=True,
+                              text=True, timeout=120)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted(self.tmp.glob("*.log")))
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                    p.kill()
+                except ProcessLookupError:
+                    pass
+            p.wait(timeout=10)
+
+    def effects(self) -> dict[tuple[str, str], int]:
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(sa.select(wf_effects.c.kind, wf_effects.c.key, sa.func.count())
+                                .group_by(wf_effects.c.kind, wf_effects.c.key)).all()
+        return {(k, key): n for k, key, n in rows}
+
+
+def wait(what: str, cond: Callable[[], Any], rig: Rig, timeout: float = 90.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}\n{rig.logs()}")
+
+
+@pytest.fixture
+def rig(pg_url: str, redis_url: str, pg_store: Store, tmp_path: Path) -> Iterator[Rig]:
+    meta.create_all(pg_store.engine)
+    r = Rig(pg_url, redis_url, pg_store, tmp_path)
+    try:
+        yield r
+    finally:
+        r.kill_all()
+
+
+def expected(shape: str, wid: str, order: str) -> tuple[list[tuple[Any, ...]], Any]:
+    """(events as (seq, kind, name, state, result), workflow result) of a crash-free run."""
+    if shape == "wfa.linear":
+        charge = {"charged": 500, "order": order}
+        evs = [(1, "transaction", "reserve", "completed", f"{order}:reserve"),
+               (2, "activity", "wfa.charge", "completed", charge),
+               (3, "step", "mail", "completed", f"{wid}:mail"),
+               (4, "timer", None, "completed", None),
+               (5, "activity", "wfa.label", "completed", f"label-{order}-1")]
+        return evs, [f"{order}:reserve", charge, f"{wid}:mail", f"label-{order}-1"]
+    if shape == "wfa.fanout":
+        charges = [{"charged": n, "order": order} for n in (1, 2, 3)]
+        evs = [(n, "activity", "wfa.charge", "completed", charges[n - 1]) for n in (1, 2, 3)]
+        evs.append((4, "transaction", "total", "completed", f"{order}:total"))
+        return evs, [charges, f"{order}:total"]
+    evs = [(1, "activity", "wfa.label", "completed", f"label-{order}-7"),
+           (2, "signal", "go", "completed", {"ok": order}),
+           (3, "transaction", "approved", "completed", f"{order}:approved"),
+           (4, "now", None, "completed", "NOW")]
+    return evs, [f"label-{order}-7", {"ok": order}, f"{order}:approved"]
+
+
+def events(store: Store, wid: str) -> list[tuple[Any, ...]]:
+    row = engine.get_workflow(store, wid, events=True)
+    return [(e["seq"], e["kind"], e["name"], e["state"],
+             "NOW" if e["kind"] == "now" else e["result"]) for e in row["events"]]
+
+
+SHAPES = ["wfa.linear", "wfa.fanout", "wfa.signal"]
+
+
+def run_shapes(rig: Rig, point: str | None) -> list[str]:
+    """Start one workflow of each shape; drive workers (killing at ``point``) to the end."""
+    wids = []
+    for shape in SHAPES:
+        order = f"{shape.split('.')[1]}-{uuid.uuid4().hex[:6]}"
+        wid = f"{point or 'clean'}/{order}"
+        engine.start(rig.store, shape, wid, [order], queue=rig.queue)
+        wids.append(wid)
+    kills = 0
+    marker = rig.tmp / f"kill-{point}-{kills}"
+    worker = rig.worker(**({"RB_WF_KILL_AT": point, "RB_WF_KILL_FILE": str(marker)}
+                           if point else {}))
+    signalled = False
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        states = [engine.get_workflow(rig.store, w)["state"] for w in wids]
+        if all(s in ("completed", "failed", "blocked") for s in states):
+            break
+        if not signalled and len(events(rig.store, wids[2])) >= 1:
+            engine.signal(rig.store, wids[2], "go", {"ok": wids[2].split("/")[1]},
+                          key=f"go:{wids[2]}")
+            signalled = True
+        if worker.poll() is not None:  # killed itself at the point
+            kills += 1
+            marker = rig.tmp / f"kill-{point}-{kills}"
+            extra = ({"RB_WF_KILL_AT": str(point), "RB_WF_KILL_FILE": str(marker)}
+                     if point and kills < 3 else {})
+            worker = rig.worker(**extra)
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"point {point}: not finished {states}\n{rig.logs()}")
+    worker.kill()
+    worker.wait(timeout=10)
+    return wids
+
+
+def check(rig: Rig, wids: list[str], point: str | None) -> None:
+    eff = rig.effects()
+    for shape, wid in zip(SHAPES, wids, strict=True):
+        order = wid.split("/")[1]
+        row = engine.get_workflow(rig.store, wid)
+        assert row["state"] == "completed", (point, wid, row, rig.logs())
+        evs, result = expected(shape, wid, order)
+        assert events(rig.store, wid) == evs, (point, wid)
+        assert row["result"] == result, (point, wid)
+        for kind, key in [(k, key) for (k, key) in eff if order in key or wid in key]:
+            n = eff[(kind, key)]
+            if kind == "step":
+                assert n >= 1
+            else:
+                assert n == 1, (point, kind, key, n)
+    # every expected effect is there
+    tx_keys = {key for (k, key) in eff if k == "transaction"}
+    assert len([w for w in wids if any(w.split("/")[1] in k for k in tx_keys)]) == 3
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_crash_matrix(rig: Rig, point: str) -> None:
+    rig.relay()
+    wids = run_shapes(rig, point)
+    check(rig, wids, point)
+    assert (rig.tmp / f"kill-{point}-0").exists(), f"{point} was never reached"
+
+
+def test_clean_run_and_cli(rig: Rig) -> None:
+    rig.relay()
+    wids = run_shapes(rig, None)
+    check(rig, wids, None)
+    out = rig.cli("workflows", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    assert wids[0] in out.stdout
+    out = rig.cli("workflows", "replay", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -45,7 +45,8 @@ def install(app: Any) -> Callable[[], Store]:
 
     if engine.ADVANCE_TASK not in app.tasks:
 
-        @app.task(name=engine.ADVANCE_TASK, shared=False, acks_late=True,
+        @app.task(  # type: ignore[untyped-decorator]
+            name=engine.ADVANCE_TASK, shared=False, acks_late=True,
                   reject_on_worker_lost=True, ignore_result=True)
         def advance_workflow(workflow_id: str) -> str:
             s = settings()

@@ -216,7 +216,7 @@ class WorkflowContext:
                 return None
             except NonDeterminismError as exc:
                 return str(exc)
-            except Exception:  # noqa: BLE001 - the code failed as recorded (or not): check the tail
+            except Exception:
                 pass
             if self._last_recorded > self._seq:
                 return (f"the code ended at seq {self._seq}, the history goes on to seq "
@@ -553,7 +553,7 @@ class WorkflowContext:
             index = first
         else:
             index = int(ev.result)
-        done, chosen = self._resolve(handles[index])
+        _, chosen = self._resolve(handles[index])
         return index, self._outcome(chosen.state, chosen.result, chosen.error, "activity",
                                     handles[index].name)
 
@@ -725,7 +725,7 @@ class _HistoryLimit(WorkflowControl):
     """The run reached its history limit (the workflow is blocked)."""
 
 
-class _NotYet(Exception):  # noqa: N818 - internal
+class _NotYet(Exception):
     """Nothing to consume yet (rolls the completion transaction back)."""
 
 

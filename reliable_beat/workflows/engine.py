@@ -927,5 +927,45 @@ def overdue_timers(conn: Connection, *, grace: timedelta) -> int:
     ).scalar_one())
 
 
-def _now_iso(value: datetime) -> str:
-    return value.isoformat()
+#: Advances of one workflow (claims since its last resume) past which it is crash-looping.
+CRASH_LOOP_ADVANCES = 50
+
+
+def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
+    """For ``reliable-beat status``: ``{"counts": {state: n}, "blocked": [ids],
+    "overdue_timers": n, "crash_looping": [ids], "problems": [str]}``.
+
+    ``overdue_timers``: timers / signal timeouts of waiting workflows still scheduled more
+    than ``grace`` after their fire_at (no relay publishes wakes?). ``crash_looping``: active
+    workflows claimed more than :data:`CRASH_LOOP_ADVANCES` times (an advance that dies every
+    time, e.g. a step that kills the worker).
+    """
+    with store.connect() as conn:
+        counts = workflow_counts(conn)
+        blocked = list(conn.execute(
+            select(workflows.c.workflow_id).where(workflows.c.state == "blocked")
+            .order_by(workflows.c.updated_at).limit(20)).scalars())
+        overdue = overdue_timers(conn, grace=grace)
+        looping = list(conn.execute(
+            select(workflows.c.workflow_id)
+            .where(workflows.c.state.in_(ACTIVE_STATES),
+                   workflows.c.advances > CRASH_LOOP_ADVANCES).limit(20)).scalars())
+    problems = []
+    if blocked:
+        problems.append(
+            f"BLOCKED WORKFLOWS: {counts.get('blocked', 0)} workflows wait for a person "
+            f"({', '.join(blocked[:10])}): `reliable-beat workflows show ID` gives the reason; "
+            "fix the code, then `reliable-beat workflows resume ID`"
+        )
+    if overdue:
+        problems.append(
+            f"OVERDUE TIMERS: {overdue} workflow timers are more than {grace.total_seconds():g}"
+            " s past due: is a relay running (`reliable-beat relay`)?"
+        )
+    if looping:
+        problems.append(
+            f"CRASH-LOOPING WORKFLOWS: {', '.join(looping[:10])} were claimed more than "
+            f"{CRASH_LOOP_ADVANCES} times: see the workers' logs"
+        )
+    return {"counts": counts, "blocked": blocked, "overdue_timers": overdue,
+            "crash_looping": looping, "problems": problems}

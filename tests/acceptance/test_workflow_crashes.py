@@ -42,7 +42,8 @@ SHORT_POINTS = [
     "activity.after_commit", "step.after_body", "advance.before_release",
     "advance.before_finish",
 ]
-FULL_POINTS = SHORT_POINTS + [
+FULL_POINTS = [
+    *SHORT_POINTS,
     "advance.before_claim", "record.transaction.before", "record.transaction.after",
     "record.activity.before", "record.activity.after", "record.step.before",
     "record.step.in", "record.step.after", "record.timer.in", "record.timer.after",

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
-from reliable_beat.workflows import engine
 from reliable_beat.workflows import (
     ActivityError,
     WorkflowBlockedError,
@@ -32,14 +31,14 @@ from reliable_beat.workflows import (
     WorkflowContext,
     WorkflowFailed,
     WorkflowUsageError,
-
+    engine,
     resume,
     signal,
     workflow,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
-from wf_driver import CrashPlan, Driver, events  # noqa: E402  (tests/apps)
+from wf_driver import CrashPlan, Driver, events
 
 effects = sa.Table(
     "wf_effects", sa.MetaData(),
@@ -238,7 +237,11 @@ def test_reordered_code_is_blocked_writing_nothing_and_resume_completes(
     assert events(wf_store, "v") == before  # nothing written
     with pytest.raises(WorkflowBlockedError):
         handle.result(timeout=1)
+    health = engine.workflow_health(wf_store, grace=timedelta(seconds=60))
+    assert health["blocked"] == ["v"] and "BLOCKED WORKFLOWS" in health["problems"][0]
+    assert engine.replay_check(wf_store, "v") is not None  # the deploy gate names it
     workflow(name="t.ver")(v1)  # roll back the code
+    assert engine.replay_check(wf_store, "v") is None
     resume(wf_store, "v")
     driver.run()
     assert handle.result(timeout=5) == "v1"
@@ -259,9 +262,9 @@ def test_tail_check_blocks_shortened_code(app: Celery, wf_store: Store) -> None:
 
 def test_swallowed_suspension_is_detected(app: Celery, wf_store: Store) -> None:
     def greedy(ctx: WorkflowContext) -> str:
-        try:
+        try:  # noqa: SIM105 - the bug under test, written the way people write it
             ctx.wait_signal("never")
-        except BaseException:  # noqa: BLE001 - the bug under test
+        except BaseException:
             pass
         return "went on"
 
@@ -276,7 +279,7 @@ def test_suspend_passes_through_except_exception(app: Celery, wf_store: Store) -
     def careful(ctx: WorkflowContext) -> Any:
         try:
             return ctx.wait_signal("go")
-        except Exception:  # noqa: BLE001
+        except Exception:
             return "caught"
 
     workflow(name="t.exc")(careful)
@@ -320,7 +323,7 @@ class _Dummy:
 def _catch(box: list[BaseException], fn: Any) -> None:
     try:
         fn()
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         box.append(exc)
 
 
@@ -376,6 +379,22 @@ def test_redispatch_finds_lost_wakes_and_dead_holders(app: Celery, wf_store: Sto
     assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) == 1  # same id
     Driver(wf_store, app).run()
     assert handle.result(timeout=1) == ["LOST:S0"]
+
+
+def test_redispatch_resends_an_activity_message_the_broker_lost(app: Celery,
+                                                                wf_store: Store) -> None:
+    handle = engine.start(wf_store, "t.interp", "lostact", [[["act", 2]]])
+    driver = Driver(wf_store, app)
+    assert driver.step()  # the advance: records the activity and its message
+    with wf_store.begin() as conn:  # the broker loses the activity message
+        conn.execute(sa.text("UPDATE reliable_beat_outbox SET state = 'sent' "
+                             "WHERE message_id LIKE 'act:%'"))
+    driver.run()
+    assert handle.status()["state"] == "waiting"
+    assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) == 1
+    driver.run()
+    assert handle.result(timeout=1) == [4]
+    assert sorted(count_effects(wf_store, "activity").values()) == [1]
 
 
 OPS = st.one_of(

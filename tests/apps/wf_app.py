@@ -17,6 +17,7 @@ fencing and the activities' keys keep transaction and activity effects single.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -111,3 +112,25 @@ def signalled(ctx: WorkflowContext, order: str) -> Any:
     done = ctx.transaction(_tx_effect, f"{order}:approved", name="approved")
     ctx.now()
     return [first, approval, done]
+
+
+def _slow(i: int) -> int:
+    time.sleep(0.3)  # widens the window in which a worker is mid-advance
+    return i
+
+
+@workflow(app, name="wfa.ticks", queue=QUEUE)
+def ticks(ctx: WorkflowContext, n: int) -> Any:
+    """Consumes ``n`` signals ``tick``, one inline step after each (the signal race)."""
+    got = []
+    for i in range(n):
+        got.append(ctx.wait_signal("tick"))
+        ctx.step(_slow, i, name="slow")
+    return got
+
+
+@workflow(app, name="wfa.sleeper", queue=QUEUE)
+def sleeper(ctx: WorkflowContext, order: str, seconds: float) -> Any:
+    """Sleeps, then one transaction (the timer across a full restart)."""
+    ctx.sleep(timedelta(seconds=seconds))
+    return ctx.transaction(_tx_effect, f"{order}:woke", name="woke")

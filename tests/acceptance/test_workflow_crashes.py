@@ -243,14 +243,14 @@ def test_clean_run_and_cli(rig: Rig) -> None:
 
 
 def test_timer_across_a_full_restart(rig: Rig) -> None:
-    """20 workflows sleep 8 s; every worker and relay is SIGKILLed during the sleep and
-    restarted after 12 s: each wakes once, soon after the restart; while they slept the only
-    worker (solo pool: one slot) ran other work, so no slot was held."""
+    """20 workflows sleep 20 s; every worker and relay is SIGKILLed during the sleep and
+    restarted only after every timer is due: each wakes once, soon after the restart; while
+    they slept the only worker (solo pool: one slot) ran other work, so no slot was held."""
     relay = rig.relay()
     worker = rig.worker()
     wids = [f"sleep/{i}" for i in range(20)]
     for i, wid in enumerate(wids):
-        engine.start(rig.store, "wfa.sleeper", wid, [f"sl{i}", 8.0], queue=rig.queue)
+        engine.start(rig.store, "wfa.sleeper", wid, [f"sl{i}", 20.0], queue=rig.queue)
     wait("all 20 asleep", lambda: all(
         engine.get_workflow(rig.store, w)["state"] == "waiting"
         and len(events(rig.store, w)) == 1 for w in wids), rig, timeout=60)
@@ -265,7 +265,11 @@ def test_timer_across_a_full_restart(rig: Rig) -> None:
     for p in (worker, relay):
         p.kill()
         p.wait(timeout=10)
-    time.sleep(12)  # longer than the sleep: every timer is due while nothing runs
+    with rig.store.engine.connect() as conn:  # every timer is due while nothing runs
+        last = conn.execute(sa.text(
+            "SELECT max(fire_at) - clock_timestamp() FROM reliable_beat_workflow_events "
+            "WHERE kind = 'timer'")).scalar_one()
+    time.sleep(max(last.total_seconds(), 0) + 3)
     restarted = time.monotonic()
     rig.relay()
     rig.worker()
@@ -284,34 +288,33 @@ def test_timer_across_a_full_restart(rig: Rig) -> None:
 
 
 def test_signals_in_a_tight_loop_with_a_stopped_worker(rig: Rig) -> None:
-    """Two workers; 30 signals sent in a tight loop while advances run; one worker is
-    SIGSTOPped mid-advance past its lease (2 s) and continued later: every signal is
-    consumed exactly once, in order, and the fenced-out advance writes nothing."""
+    """Two workers; 30 signals sent in a tight loop while advances run; the worker holding
+    the workflow is SIGSTOPped mid-advance, kept stopped until the other worker took the
+    workflow over (past the 2 s lease), then continued: every signal is consumed exactly
+    once, in order, and the fenced-out advance writes nothing after the takeover."""
     rig.relay()
-    a = rig.worker()
-    b = rig.worker()
+    workers = {p.pid: p for p in (rig.worker(), rig.worker())}
     n = 30
     engine.start(rig.store, "wfa.ticks", "ticks", [n], queue=rig.queue)
-    stopped_fence = None
-    for i in range(n):
+
+    def holder() -> int | None:
+        row = engine.get_workflow(rig.store, "ticks")
+        owner = row["leased_by"] or ""
+        pid = int(owner.rsplit(":", 1)[1]) if ":" in owner else None
+        return pid if row["state"] == "running" and pid in workers else None
+
+    for i in range(5):
         engine.signal(rig.store, "ticks", "tick", i, key=f"tick:{i}")
-        if stopped_fence is None and i >= 5:
-            row = engine.get_workflow(rig.store, "ticks")
-            holder = row["leased_by"] or ""
-            if row["state"] == "running" and holder.endswith(f":{a.pid}"):
-                os.kill(a.pid, signal.SIGSTOP)
-                stopped_fence = row["fence_token"]
-        time.sleep(0.05)
-    if stopped_fence is None:  # A never held it while we looked: stop it now, then wait
-        wait("worker A mid-advance", lambda: (engine.get_workflow(rig.store, "ticks")
-                                              ["leased_by"] or "").endswith(f":{a.pid}"),
-             rig, timeout=60)
-        os.kill(a.pid, signal.SIGSTOP)
-        stopped_fence = engine.get_workflow(rig.store, "ticks")["fence_token"]
-    # past A's lease, B (woken by a signal's wake or the relay's sweep) takes over
-    wait("another advance to take over from the stopped one", lambda: engine.get_workflow(
+    stopped = wait("an advance running", holder, rig, timeout=60)
+    stopped_fence = engine.get_workflow(rig.store, "ticks")["fence_token"]
+    os.kill(stopped, signal.SIGSTOP)
+    for i in range(5, n):  # the tight loop goes on while the holder is frozen
+        engine.signal(rig.store, "ticks", "tick", i, key=f"tick:{i}")
+    # past the frozen advance's lease, the other worker (woken by a signal's wake or the
+    # relay's sweep) takes the workflow over with a newer fence
+    wait("the other worker to take over", lambda: engine.get_workflow(
         rig.store, "ticks")["fence_token"] > stopped_fence, rig, timeout=90)
-    os.kill(a.pid, signal.SIGCONT)
+    os.kill(stopped, signal.SIGCONT)
     wait("all signals consumed", lambda: engine.get_workflow(rig.store, "ticks")["state"]
          == "completed", rig, timeout=180)
     row = engine.get_workflow(rig.store, "ticks", events=True)
@@ -319,8 +322,8 @@ def test_signals_in_a_tight_loop_with_a_stopped_worker(rig: Rig) -> None:
     assert [e["kind"] for e in row["events"]] == ["signal", "step"] * n
     consumed = [s["consumed_seq"] for s in row["signals"]]
     assert None not in consumed and len(set(consumed)) == n
-    # the stopped advance wrote nothing after it lost the workflow: every event it wrote
-    # precedes every event written by a newer fence
+    # the frozen advance wrote nothing once it lost the workflow: the fence tokens of the
+    # events never go down along the history
     fences = [e["fence_token"] for e in row["events"]]
     assert fences == sorted(fences)
-    del b
+    assert max(fences) > stopped_fence

@@ -88,10 +88,10 @@ class Rig:
         return self.start("relay", [sys.executable, "-m", "reliable_beat.cli", "-A", "wf_app",
                                     "relay", "--claim-lease-seconds", "3"])
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "reliable_beat.cli", "-A", "wf_app",
-                               *args], env=self.env(), cwd=self.tmp, capture_output=True,
-                              text=True, timeout=120)
+                               *args], env=self.env(**extra), cwd=self.tmp,
+                              capture_output=True, text=True, timeout=120)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
@@ -327,3 +327,47 @@ def test_signals_in_a_tight_loop_with_a_stopped_worker(rig: Rig) -> None:
     fences = [e["fence_token"] for e in row["events"]]
     assert fences == sorted(fences)
     assert max(fences) > stopped_fence
+
+
+def test_reordered_v2_blocks_parked_workflows_and_replay_names_them(rig: Rig) -> None:
+    """v1 workers park 5 workflows on wait_signal; the workers are replaced by a reordered
+    v2: every workflow woken is blocked with zero new events and nothing dispatched;
+    `workflows replay` under v2 exits 1 naming them; back on v1, `workflows resume`
+    completes them."""
+    rig.relay()
+    v1 = rig.worker()
+    wids = [f"ver/{i}" for i in range(5)]
+    for i, wid in enumerate(wids):
+        engine.start(rig.store, "wfa.signal", wid, [f"ver{i}"], queue=rig.queue)
+    wait("5 parked on the signal", lambda: all(
+        len(events(rig.store, w)) == 2 for w in wids), rig)
+    before = {w: events(rig.store, w) for w in wids}
+    v1.kill()
+    v1.wait(timeout=10)
+    rig.worker(RB_WF_V2="1")
+    for w in wids:
+        engine.signal(rig.store, w, "go", {"ok": w}, key=f"go:{w}")
+    wait("all blocked", lambda: all(
+        engine.get_workflow(rig.store, w)["state"] == "blocked" for w in wids), rig)
+    for w in wids:
+        row = engine.get_workflow(rig.store, w)
+        assert "seq 1: code did signal go" in row["block_reason"], row["block_reason"]
+        assert "history has activity wfa.label" in row["block_reason"]
+        assert events(rig.store, w) == before[w]  # nothing written
+    with rig.store.engine.connect() as conn:  # nothing dispatched by v2
+        n = conn.execute(sa.text("SELECT count(*) FROM reliable_beat_outbox WHERE "
+                                 "message_id LIKE 'act:%'")).scalar_one()
+    assert n == 5
+    out = rig.cli("workflows", "replay", "--json", RB_WF_V2="1")
+    assert out.returncode == 1, out.stdout + out.stderr
+    for w in wids:
+        assert w in out.stdout
+    out = rig.cli("workflows", "replay")  # the v1 code matches every history
+    assert out.returncode == 0, out.stdout + out.stderr
+    rig.kill_all()
+    rig.relay()
+    rig.worker()
+    for w in wids:
+        assert rig.cli("workflows", "resume", w, "--json").returncode == 0
+    wait("all completed on v1", lambda: all(
+        engine.get_workflow(rig.store, w)["state"] == "completed" for w in wids), rig)

@@ -107,8 +107,12 @@ def fanout(ctx: WorkflowContext, order: str) -> Any:
 
 @workflow(app, name="wfa.signal", queue=QUEUE)
 def signalled(ctx: WorkflowContext, order: str) -> Any:
-    first = ctx.activity(label, order, 7, queue=QUEUE)
-    approval = ctx.wait_signal("go")
+    if os.environ.get("RB_WF_V2"):  # a reordered "v2" deploy: the label comes second
+        approval = ctx.wait_signal("go")
+        first = ctx.activity(label, order, 7, queue=QUEUE)
+    else:
+        first = ctx.activity(label, order, 7, queue=QUEUE)
+        approval = ctx.wait_signal("go")
     done = ctx.transaction(_tx_effect, f"{order}:approved", name="approved")
     ctx.now()
     return [first, approval, done]

@@ -71,7 +71,8 @@ def _idle(store: Store, k: int) -> list[Any]:
                 history_bytes, advances, created_at, updated_at)
             SELECT 'idle-' || g, 'bench.sleeper', 1, 'waiting', '[]', '{}', g, 1, 1, 1, 1, 40,
                    1, now(), now()
-            FROM generate_series(CAST(:a AS integer), CAST(:k AS integer)) g"""), {"a": have + 1, "k": k})
+            FROM generate_series(CAST(:a AS integer), CAST(:k AS integer)) g"""),
+            {"a": have + 1, "k": k})
         conn.execute(sa.text("""
             INSERT INTO reliable_beat_workflow_events (workflow_pk, run_no, seq, kind,
                 args_digest, args, state, fire_at, fence_token, created_at)
@@ -82,7 +83,7 @@ def _idle(store: Store, k: int) -> list[Any]:
         conn.execute(sa.text("""
             INSERT INTO reliable_beat_outbox (message_id, destination, payload, headers, state,
                 attempts, available_at, created_at)
-            SELECT 'wake:' || workflow_id || '\:1t1', 'celery',
+            SELECT 'wake:' || workflow_id || ':' || '1t1', 'celery',
                    json_build_object('task', 'reliable_beat.workflow.advance',
                                      'args', json_build_array(workflow_id), 'kwargs', '{}')::jsonb,
                    '{}', 'pending', 0, now() + interval '1 hour', now()

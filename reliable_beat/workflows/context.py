@@ -20,6 +20,7 @@ Three kinds of step, three guarantees (docs/workflows.md):
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import random as _random
 import threading
@@ -27,14 +28,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import select, update
 
 from reliable_beat import outbox
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
-from reliable_beat.workflows import engine
+from reliable_beat.workflows import engine, tripwire
 from reliable_beat.workflows.errors import (
     ActivityError,
     FencedOut,
@@ -103,6 +104,23 @@ def _callable_name(fn: Any, name: str | None) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _durable(method: _F) -> _F:
+    """Engine code (and steps, transactions) run with the tripwire off."""
+
+    @functools.wraps(method)
+    def wrapper(self: WorkflowContext, *args: Any, **kwargs: Any) -> Any:
+        token = tripwire.in_workflow_code.set(False)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            tripwire.in_workflow_code.reset(token)
+
+    return cast(_F, wrapper)
+
+
 class WorkflowContext:
     """Passed as the first argument of a workflow function; see the module docstring.
 
@@ -167,10 +185,14 @@ class WorkflowContext:
         logger = self.logger.logger
         logger.addFilter(self._filter)
         try:
+            tripwire.install()
             try:
-                result = fn(self, *self._claimed.args, **self._claimed.kwargs)
+                result = self._call_code(fn)
             except Suspend:
                 return "suspended"
+            except tripwire.NondeterministicCallError as exc:
+                return engine.block(self._store, self._claimed,
+                                    f"tripwire at seq {self._seq}: {exc}")
             except NonDeterminismError as exc:
                 return engine.block(self._store, self._claimed, f"non-determinism: {exc}")
             except FencedOut:
@@ -203,6 +225,15 @@ class WorkflowContext:
         finally:
             logger.removeFilter(self._filter)
             _current.reset(token)
+
+    def _call_code(self, fn: Callable[..., Any]) -> Any:
+        """Run the workflow function with the tripwire armed (off again inside durable
+        calls, and once the function has returned or raised)."""
+        token = tripwire.in_workflow_code.set(True)
+        try:
+            return fn(self, *self._claimed.args, **self._claimed.kwargs)
+        finally:
+            tripwire.in_workflow_code.reset(token)
 
     def replay_code(self, fn: Callable[..., Any]) -> str | None:
         """Offline replay (``workflows replay``): run the code against the history, answer
@@ -362,6 +393,7 @@ class WorkflowContext:
 
     # ---------------------------------------------------------------- inline steps ----
 
+    @_durable
     def transaction(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
                     **kwargs: Any) -> Any:
         """Run ``fn(conn, *args, **kwargs)`` in the transaction that records it (fenced).
@@ -401,6 +433,7 @@ class WorkflowContext:
             raise ActivityError(err["type"], err["message"], kind="transaction",
                                 name=step_name) from exc
 
+    @_durable
     def step(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
              **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` inline, then checkpoint its result.
@@ -439,6 +472,7 @@ class WorkflowContext:
 
     # ---------------------------------------------------------------- activities ----
 
+    @_durable
     def start_activity(self, task: Any, *args: Any, queue: str | None = None,
                        **kwargs: Any) -> ActivityHandle:
         """Dispatch activity ``task`` (an ``IdempotentTask`` or its name) without waiting.
@@ -502,6 +536,7 @@ class WorkflowContext:
         self._history[handle.seq] = done
         return True, done
 
+    @_durable
     def wait(self, handle: ActivityHandle) -> Any:
         """The activity's result; suspends until it is there.
 
@@ -511,10 +546,12 @@ class WorkflowContext:
         """
         return self.wait_all(handle)[0]
 
+    @_durable
     def activity(self, task: Any, *args: Any, queue: str | None = None, **kwargs: Any) -> Any:
         """Start activity ``task`` and wait for its result (see :meth:`start_activity`)."""
         return self.wait(self.start_activity(task, *args, queue=queue, **kwargs))
 
+    @_durable
     def wait_all(self, *handles: ActivityHandle) -> list[Any]:
         """The results of all ``handles``, in order; suspends until every one is done.
 
@@ -532,6 +569,7 @@ class WorkflowContext:
         return [self._outcome(ev.state, ev.result, ev.error, "activity", h.name)
                 for h, (_, ev) in zip(handles, resolved, strict=True)]
 
+    @_durable
     def wait_any(self, *handles: ActivityHandle) -> tuple[int, Any]:
         """``(index, result)`` of the first of ``handles`` seen done; suspends until one is.
 
@@ -559,6 +597,7 @@ class WorkflowContext:
 
     # ---------------------------------------------------------------- timers ----
 
+    @_durable
     def sleep(self, duration: timedelta) -> None:
         """Durable sleep: suspends for ``duration`` (a ``timedelta`` >= 0) on the store's clock.
 
@@ -570,6 +609,7 @@ class WorkflowContext:
             raise ValueError(f"ctx.sleep needs a timedelta >= 0, got {duration!r}")
         self._timer(["sleep", duration.total_seconds()], lambda now: now + duration)
 
+    @_durable
     def sleep_until(self, instant: datetime) -> None:
         """Durable sleep until ``instant`` (tz-aware; naive datetimes are refused)."""
         if instant.tzinfo is None:
@@ -605,6 +645,7 @@ class WorkflowContext:
 
     # ---------------------------------------------------------------- signals ----
 
+    @_durable
     def wait_signal(self, name: str, timeout: timedelta | None = None) -> Any:
         """The payload of the oldest unconsumed signal ``name``; suspends until one comes.
 
@@ -694,6 +735,7 @@ class WorkflowContext:
 
     # ---------------------------------------------------------------- recorded values ----
 
+    @_durable
     def now(self) -> datetime:
         """The store's clock, recorded: replays return the same instant (UTC-aware)."""
         seq, digest, ev = self._next("now", None, None)
@@ -708,12 +750,14 @@ class WorkflowContext:
         value = self._record(seq, "now", None, digest, None, state="completed", effect=read)
         return datetime.fromisoformat(str(value))
 
+    @_durable
     def random(self) -> float:
         """A float in [0, 1) from a generator seeded per run (seed stored at start)."""
         if self._pending is not None:
             raise self._pending
         return self._random.random()
 
+    @_durable
     def uuid4(self) -> uuid.UUID:
         """A version-4 UUID from the run's seeded generator (stable across replays)."""
         if self._pending is not None:

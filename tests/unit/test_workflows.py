@@ -526,3 +526,35 @@ def test_upgrade_creates_workflow_tables(sqlite_url: str) -> None:
     assert {"reliable_beat_workflows", "reliable_beat_workflow_events",
             "reliable_beat_workflow_signals"} <= names
     store.dispose()
+
+
+def test_tripwire_blocks_io_in_workflow_code_but_not_in_steps(app: Celery, wf_store: Store,
+                                                              tmp_path: Any) -> None:
+    import socket
+
+    target = str(tmp_path / "out.txt")
+
+    def write_in_step(path: str) -> str:
+        with open(path, "w") as fh:  # allowed: steps may touch the outside world
+            fh.write("ok")
+        return "written"
+
+    def flow(ctx: WorkflowContext, mode: str) -> Any:
+        ctx.logger.info("logging is fine in workflow code")
+        done = ctx.step(write_in_step, target, name="write")
+        if mode == "socket":
+            socket.getaddrinfo("localhost", 80)
+        elif mode == "file":
+            with open(target, "a") as fh:
+                fh.write("no")
+        return done
+
+    workflow(name="t.wire")(flow)
+    for mode in ("socket", "file", "none"):
+        engine.start(wf_store, "t.wire", f"wire-{mode}", [mode])
+    Driver(wf_store, app).run()
+    for mode, needle in (("socket", "socket.getaddrinfo"), ("file", "open")):
+        row = engine.get_workflow(wf_store, f"wire-{mode}")
+        assert row["state"] == "blocked", row
+        assert f"tripwire at seq 1: {needle}" in row["block_reason"]
+    assert engine.get_workflow(wf_store, "wire-none")["result"] == "written"

@@ -558,3 +558,22 @@ def test_tripwire_blocks_io_in_workflow_code_but_not_in_steps(app: Celery, wf_st
         assert row["state"] == "blocked", row
         assert f"tripwire at seq 1: {needle}" in row["block_reason"]
     assert engine.get_workflow(wf_store, "wire-none")["result"] == "written"
+
+
+def test_logger_is_quiet_while_replaying(app: Celery, wf_store: Store,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    def flow(ctx: WorkflowContext) -> Any:
+        ctx.logger.warning("before the wait")
+        got = ctx.wait_signal("go")
+        ctx.logger.warning("after the wait")
+        return got
+
+    workflow(name="t.log")(flow)
+    engine.start(wf_store, "t.log", "log")
+    driver = Driver(wf_store, app)
+    with caplog.at_level("WARNING", logger="reliable_beat.workflows.t.log"):
+        driver.run()
+        signal(wf_store, "log", "go", 1)
+        driver.run()
+    messages = [r.getMessage() for r in caplog.records if r.name.endswith("t.log")]
+    assert messages == ["before the wait", "after the wait"]

@@ -31,6 +31,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 
 from reliable_beat import outbox
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
@@ -419,14 +420,19 @@ class WorkflowContext:
             self._in_step = True
             try:
                 value = fn(conn, *args, **kwargs)
+                return engine.to_json(value, f"transaction {step_name!r} result")
+            except OperationalError:
+                raise  # the database, not the step (deadlock, connection): the advance retries
+            except Exception as exc:
+                raise _StepFailed(exc) from exc
             finally:
                 self._in_step = False
-            return engine.to_json(value, f"transaction {step_name!r} result")
 
         try:
             return self._record(seq, "transaction", step_name, digest, call,
                                 state="completed", effect=effect)
-        except Exception as exc:  # fn failed: its writes rolled back; record the failure
+        except _StepFailed as failed:  # fn failed: its writes rolled back; record the failure
+            exc = failed.exc
             err = engine.error_json(exc)
             self._record(seq, "transaction", step_name, digest, call, state="failed",
                          error=err)
@@ -767,6 +773,14 @@ class WorkflowContext:
 
 class _HistoryLimit(WorkflowControl):
     """The run reached its history limit (the workflow is blocked)."""
+
+
+class _StepFailed(Exception):
+    """The user's function raised inside ``ctx.transaction`` (not the engine)."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
 
 
 class _NotYet(Exception):

@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from reliable_beat import outbox
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
@@ -116,6 +116,10 @@ def _durable(method: _F) -> _F:
         token = tripwire.in_workflow_code.set(False)
         try:
             return method(self, *args, **kwargs)
+        except DBAPIError as exc:
+            # the store failed under a durable call (connection lost, deadlock): not the
+            # workflow's business; it must not be caught by its code nor recorded
+            raise self._raise(_StoreTrouble(str(exc))) from exc
         finally:
             tripwire.in_workflow_code.reset(token)
 
@@ -191,6 +195,8 @@ class WorkflowContext:
                 result = self._call_code(fn)
             except Suspend:
                 return "suspended"
+            except _StoreTrouble as exc:
+                raise exc.__cause__ or exc from None  # the advance fails; the sweep retries
             except tripwire.NondeterministicCallError as exc:
                 return engine.block(self._store, self._claimed,
                                     f"tripwire at seq {self._seq}: {exc}")
@@ -773,6 +779,10 @@ class WorkflowContext:
 
 class _HistoryLimit(WorkflowControl):
     """The run reached its history limit (the workflow is blocked)."""
+
+
+class _StoreTrouble(WorkflowControl):
+    """A database error under a durable call; the advance fails and is retried."""
 
 
 class _StepFailed(Exception):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import sqlalchemy as sa
@@ -50,6 +50,7 @@ class Driver:
         self.delivered = 0
         self.duplicate = duplicate or (lambda n: False)
         self.crashes = 0
+        self.failures: list[Exception] = []
 
     def _due(self) -> tuple[Any, Any]:
         with self.store.connect() as conn:
@@ -78,9 +79,11 @@ class Driver:
 
     def expire_leases(self) -> None:
         with self.store.begin() as conn:
-            conn.execute(sa.update(workflows).values(lease_expires_at=None))
+            past = datetime(2000, 1, 1, tzinfo=timezone.utc)  # expired long ago
+            conn.execute(sa.update(workflows).where(workflows.c.lease_expires_at.is_not(None))
+                         .values(lease_expires_at=past))
             conn.execute(sa.update(runs).where(runs.c.state == "running")
-                         .values(lease_expires_at=None))
+                         .values(lease_expires_at=past))
 
     def step(self) -> bool:
         row, wait = self._due()
@@ -96,6 +99,9 @@ class Driver:
             self.crashes += 1
             self.expire_leases()
             return True  # not acked: delivered again
+        except Exception as exc:  # the task failed: Celery acks it; the sweep recovers
+            self.failures.append(exc)
+            self.expire_leases()
         with self.store.begin() as conn:
             conn.execute(sa.update(outbox).where(outbox.c.id == row.id)
                          .values(state="sent", sent_at=db_now(conn)))

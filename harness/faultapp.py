@@ -187,6 +187,10 @@ for _e in CONFIG.get("entries", []):
             "misfire_policy": "catch_up",
             "catch_up_limit": 1000,
             "misfire_grace": 600,
+            # Far above any delay the other faults cause (a few seconds), so every slot of
+            # the window still fires; bounds what the long outage (next_fire_at a week back)
+            # catches up: the slots of the last 2 minutes, not a week of them.
+            "catch_up_window": 120,
         }
         if _e["kind"] == "interval":
             rb["anchor"] = _e["anchor"]

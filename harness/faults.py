@@ -18,8 +18,10 @@ What it does (see ``docs/reliability.md``):
    a worker, a relay (restarted after a delay); a worker SIGSTOPped *inside its body* past
    its lease, then SIGCONTed (the zombie: its commit must be fenced out); ``pg_ctl restart
    -m fast``; a Redis restart; a paused Redis (SIGSTOP); a beat restarted with its clock
-   skewed by +-300 s. The app injects transient failures (a deterministic subset of slots
-   fails attempt 1) and permanent failures (a tiny deterministic subset -> dead letters).
+   skewed by +-300 s; a long outage (every beat down at once while every entry's
+   ``next_fire_at`` moves a simulated week back). The app injects transient failures (a
+   deterministic subset of slots fails attempt 1) and permanent failures (a tiny
+   deterministic subset -> dead letters).
 3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
    the ledger, prints a markdown table and exits non-zero on any missing or duplicated
    effect or failed check.
@@ -76,6 +78,8 @@ FAULT_KINDS = [
     "redis_restart",
     "redis_pause",
     "skewed_beat",
+    "long_outage",
+    "poison_row",
 ]
 APP_FAULT_KINDS = ["transient_failure", "permanent_failure"]
 COMPARE_FAULT_KINDS = ["kill_beat", "pause_beat"]
@@ -334,6 +338,8 @@ class Harness:
         self.redis: DurableRedis | None = None
         self.restart_timers: list[threading.Timer] = []
         self.stop_faults = threading.Event()
+        #: tags of the poison rows injected (one malformed row per table each time)
+        self.poisoned: list[str] = []
 
     # -- setup ---------------------------------------------------------------------------
     def _servers(self) -> tuple[str, str]:
@@ -535,8 +541,94 @@ class Harness:
                 p.kill(victim)
                 p.start(victim, extra_env={"RB_FAULTS_CLOCK_SKEW": str(skew)})
             self.result.faults[kind] += 1
+        elif kind == "long_outage":
+            self._long_outage()
+            self.result.faults[kind] += 1
+        elif kind == "poison_row":
+            self._poison()
         else:
             raise ValueError(kind)
+
+    def _long_outage(self) -> None:
+        """Every beat down at once; while they are down every entry's ``next_fire_at`` moves
+        a week back (as if the outage had lasted a simulated week), then all restart. Their
+        first claims plan a week of slots per entry: bounded work (a range row for the
+        skipped ones), the misfire policy for the rest; the UNIQUE(entry, fire_at) makes the
+        re-planned slots that already ran no-ops. Nothing in the window may go missing or
+        run twice."""
+        from reliable_beat.db.tables import entries
+
+        p = self.procs
+        beats = p.names("beat")
+        secs = self.rng.uniform(2.0, 5.0)
+        log(f"long outage: all {len(beats)} beats down, next_fire_at a simulated week back "
+            f"({secs:.1f} s real)")
+        with p.lock:
+            for name in beats:
+                p.down.add(name)
+                p.kill(name)
+        with self.engine.begin() as conn:
+            conn.execute(text(
+                f"UPDATE {entries.fullname} SET next_fire_at = next_fire_at - interval '7 days' "
+                "WHERE next_fire_at IS NOT NULL"))
+        time.sleep(secs)
+        with p.lock:
+            for name in beats:
+                p.down.discard(name)
+                if not p.alive(name):
+                    p.start(name)
+
+    def _poison(self) -> None:
+        """Write one malformed row into each table the pipeline reads (issue 12): a due
+        runtime entry whose ``options`` is a list, a ``celery`` outbox row whose payload is
+        not a trigger, a buffered run whose ``args`` is not a list. Beats and relays must
+        keep running and serving the others; each poison row must end quarantined (the
+        entry) or dead-lettered as ``malformed`` (the outbox row, the run)."""
+        from reliable_beat.db.tables import entries, outbox, runs
+
+        tag = f"poison{len(self.poisoned)}"
+        now = self.db_now()
+        with self.engine.begin() as conn:
+            conn.execute(entries.insert().values(
+                name=f"{tag}-entry", task="harness.faultapp.nothing", args=[], kwargs={},
+                options=["not", "an", "object"], schedule_kind="interval",
+                schedule={"kind": "interval", "every_seconds": 1, "anchor": fmt(now),
+                          "timezone": "UTC"},
+                origin="runtime", next_fire_at=now, created_at=now, updated_at=now,
+            ))
+            conn.execute(outbox.insert().values(
+                message_id=f"{tag}:outbox", destination="celery",
+                payload=["not", "a", "trigger"], headers={}, state="pending", attempts=0,
+                available_at=now, created_at=now,
+            ))
+            conn.execute(runs.insert().values(
+                idempotency_key=f"{tag}:run", entry_name=f"{tag}-run", fire_at=now,
+                trigger="schedule", task="harness.faultapp.nothing", args="not a list",
+                kwargs={}, state="buffered", created_at=now, updated_at=now,
+            ))
+        self.poisoned.append(tag)
+        log(f"poison rows {tag}: an entry, an outbox row and a run")
+        self.result.faults["poison_row"] += 1
+
+    def _check_poison(self) -> list[str]:
+        """Every poison row quarantined / dead-lettered as malformed."""
+        from reliable_beat.db.tables import dead_letters, entries, outbox, runs
+
+        problems: list[str] = []
+        with self.engine.connect() as conn:
+            for tag in self.poisoned:
+                reason = conn.execute(select(entries.c.quarantine_reason).where(
+                    entries.c.name == f"{tag}-entry")).scalar_one()
+                if not reason:
+                    problems.append(f"{tag}-entry not quarantined")
+                for key, table, col in ((f"{tag}:outbox", outbox, outbox.c.message_id),
+                                        (f"{tag}:run", runs, runs.c.idempotency_key)):
+                    state = conn.execute(select(table.c.state).where(col == key)).scalar_one()
+                    letters = conn.execute(select(dead_letters.c.reason).where(
+                        dead_letters.c.key == key)).scalars().all()
+                    if state != "dead" or letters != ["malformed"]:
+                        problems.append(f"{key}: state {state}, dead letters {letters}")
+        return problems
 
     def _restart_later(self, name: str, delay: float) -> None:
         def restart() -> None:
@@ -709,6 +801,7 @@ class Harness:
         names = {e["name"] for e in self.entries}
         unexpected_dl = sorted(
             key for kind, key, _ in dead
+            if not key.startswith(tuple(f"{t}:" for t in self.poisoned))
             if kind != "run" or key.rsplit("@", 1)[0] not in names
             or not is_permanent(key.rsplit("@", 1)[0], key.rsplit("@", 1)[-1], o.permanent_every)
         )
@@ -790,6 +883,11 @@ class Harness:
             r.failures.append(f"{stuck} runs left running with an expired lease")
         if not expected:
             r.failures.append("no slot in the checked window")
+        if self.poisoned:
+            poison = self._check_poison()
+            r.stats["poison_rows_unhandled"] = len(poison)
+            if poison:
+                r.failures.append(f"{len(poison)} poison rows not isolated: {poison[:5]}")
         if r.faults["zombie_worker"] and not outcomes["fenced_out"]:
             r.failures.append("zombie faults injected but no fenced_out attempt recorded")
 
@@ -901,6 +999,8 @@ class Harness:
             f"{s.get('sink_requests')} / {s.get('sink_redeliveries')} |",
             f"| messages never delivered / with mixed keys | {s.get('undelivered')} / "
             f"{s.get('mixed_keys')} |",
+            f"| poison rows not quarantined / dead-lettered | "
+            f"{s.get('poison_rows_unhandled', 0)} |",
             f"| processes that exited on their own (restarted) | "
             f"{', '.join(f'{k} {v}' for k, v in sorted(s.get('crashes', {}).items())) or 0} |",
             f"| max fire lateness (dispatched_at - fire_at) | "

@@ -27,24 +27,39 @@ never before its slot.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cache
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Table, and_, bindparam, cast, column, func, not_, or_, select, update
+from sqlalchemy import (
+    Table,
+    and_,
+    bindparam,
+    cast,
+    column,
+    func,
+    not_,
+    or_,
+    select,
+    type_coerce,
+    update,
+)
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
-from sqlalchemy.types import JSON, BigInteger, DateTime, Text, TypeEngine
+from sqlalchemy.types import JSON, BigInteger, DateTime, NullType, Text, TypeEngine
 
+from reliable_beat import rows as rows_mod
 from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
-from reliable_beat.planner import plan_entry
+from reliable_beat.identity import store_id as _store_id
+from reliable_beat.planner import SkippedRange, plan_entry
+from reliable_beat.redaction import get_logger
 from reliable_beat.slots import format_fire_at, idempotency_key
 
 __all__ = [
@@ -58,11 +73,33 @@ __all__ = [
     "trigger_outbox_row",
 ]
 
-log = logging.getLogger("reliable_beat.beat")
+log = get_logger("reliable_beat.beat")
 
 #: Run states that mean "not finished yet" for the overlap policy.
 ACTIVE_RUN_STATES = ("scheduled", "dispatched", "running", "retrying")
 TRIGGER_DESTINATION = "celery"
+#: Planning time one claim transaction may spend (seconds): entries claimed but not yet
+#: planned when it runs out are left untouched (their row locks go at the commit) and the
+#: next claim takes them at once. Keeps the transaction far below PostgreSQL's
+#: ``idle_in_transaction_session_timeout`` whatever the batch size and the downtime.
+PLAN_BUDGET_SECONDS = 0.5
+
+
+def slot_counter(schedule: sch.Schedule) -> Callable[[datetime, datetime], int | None]:
+    """``(first, last) -> n``: the due slots from ``first`` (an entry's ``next_fire_at``)
+    to the slot ``last``, both included, by arithmetic for an interval; None for other
+    schedules (counting a cron's slots means walking them)."""
+    if isinstance(schedule, sch.IntervalSchedule):
+        every = schedule.every
+        anchor = schedule.anchor
+
+        def count(first: datetime, last: datetime) -> int | None:
+            return 1 + (last - anchor) // every - (first - anchor) // every
+
+        return count
+    return lambda _first, _last: None
+#: SQLite: how often a claim also looks for rows whose instant is not readable (rows.py).
+UNREADABLE_SCAN_SECONDS = 60.0
 
 
 def due_clause() -> Any:
@@ -148,6 +185,10 @@ class TickResult:
         triggers: committed triggers to publish now.
         skipped: slots recorded as skipped.
         claimed: entries claimed.
+        more: the planning budget ran out before every claimed entry was planned (those are
+            left for the next claim, which should come at once).
+        quarantined: malformed entries this tick disabled with a reason (never fired; see
+            :mod:`reliable_beat.rows`).
         duplicates: slots another process had already fired (insert was a no-op).
         next_fire_at: the earliest ``next_fire_at`` of any due-able entry after the tick.
         next_claim_at: the earliest database instant at which a claim can find an entry
@@ -162,11 +203,13 @@ class TickResult:
     triggers: list[Trigger] = field(default_factory=list)
     skipped: int = 0
     claimed: int = 0
+    quarantined: int = 0
     duplicates: int = 0
     next_fire_at: datetime | None = None
     next_claim_at: datetime | None = None
     now: datetime | None = None
     monotonic: float = 0.0
+    more: bool = False
 
     @property
     def ahead(self) -> list[Trigger]:
@@ -293,11 +336,14 @@ def build_trigger_payload(
     entry: str | None,
     fire_at: datetime,
     trigger: str,
+    store_id: str | None = None,
 ) -> dict[str, Any]:
     """The outbox payload of a trigger (JSON): an ordinary Celery task message description.
 
-    Headers carry the entry, the fire time (ISO 8601 UTC) and the idempotency key; the task
-    id is :func:`task_id_for`; ``expires_at`` = slot + ``options["expires"]`` seconds.
+    Headers carry the entry, the fire time (ISO 8601 UTC), the idempotency key and the id
+    of the store the run was written to (``reliable_beat_store``, when known; see
+    :mod:`reliable_beat.identity`); the task id is :func:`task_id_for`; ``expires_at`` =
+    slot + ``options["expires"]`` seconds.
     """
     publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
     headers = dict(options.get("headers") or {})
@@ -307,6 +353,8 @@ def build_trigger_payload(
         reliable_beat_fire_at=format_fire_at(fire_at),
         reliable_beat_trigger=trigger,
     )
+    if store_id:
+        headers["reliable_beat_store"] = store_id
     expires = options.get("expires")
     expires_at = (
         format_fire_at(fire_at + timedelta(seconds=float(expires))) if expires else None
@@ -319,6 +367,28 @@ def build_trigger_payload(
         "headers": headers,
         "options": publish,
         "expires_at": expires_at,
+    }
+
+
+def _range_row(row: Any, rng: SkippedRange, now: datetime) -> dict[str, Any]:
+    """The one ``skipped`` run row standing for a :class:`SkippedRange`: keyed by its first
+    slot; ``reason`` is ``"<reason>; slots A..B skipped, n slots"`` and ``result`` holds
+    ``{"skipped_range": {"first", "last", "count"}}`` (ISO 8601 UTC; count None: not
+    enumerated)."""
+    return {
+        "idempotency_key": idempotency_key(row.name, rng.first),
+        "entry_name": row.name,
+        "fire_at": rng.first,
+        "trigger": "schedule",
+        "task": row.task,
+        "args": row.args,
+        "kwargs": row.kwargs,
+        "state": "skipped",
+        "reason": f"{rng.reason}; {rng.describe()}",
+        "result": {"skipped_range": {"first": format_fire_at(rng.first),
+                                     "last": format_fire_at(rng.last), "count": rng.count}},
+        "created_at": now,
+        "updated_at": now,
     }
 
 
@@ -347,9 +417,19 @@ class Beat:
     is_tracked: Callable[[str], bool] = lambda _task: True
     sweep_delay: timedelta = timedelta(seconds=10)
     claim_ahead: timedelta = timedelta(0)
+    plan_budget: float = PLAN_BUDGET_SECONDS
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
+    _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
+    _last_scan: float = field(default=float("-inf"), repr=False)
 
-    def _schedule(self, name: str, spec: dict[str, Any]) -> sch.Schedule:
+    def _scan_due(self) -> bool:
+        """True at most once per :data:`UNREADABLE_SCAN_SECONDS` (and on the first tick)."""
+        if time.monotonic() - self._last_scan < UNREADABLE_SCAN_SECONDS:
+            return False
+        self._last_scan = time.monotonic()
+        return True
+
+    def _schedule(self, name: str, spec: Mapping[str, Any]) -> sch.Schedule:
         cached = self._schedules.get(name)
         if cached is not None and cached[0] == spec:
             return cached[1]
@@ -373,6 +453,8 @@ class Beat:
             StoreUnavailableError: the database is down (nothing was written).
         """
         result = TickResult()
+        if self._sid is None:  # read outside the claim transaction (SQLite: one writer)
+            self._sid = _store_id(self.store)
         with self.store.begin() as conn:
             now = self.store.now(conn)
             result.monotonic = time.monotonic()
@@ -383,37 +465,95 @@ class Beat:
                      or_(entries.c.next_fire_at <= now, entries.c.overlap_policy == "allow"))
                 if ahead else entries.c.next_fire_at <= now
             )
+            if conn.dialect.name == "sqlite" and self._scan_due():
+                # a garbage instant (SQLite holds any text) is never due: once a minute the
+                # claim also takes such rows, to quarantine them (off the hot path: the test
+                # costs a function call per enabled entry)
+                claimable = or_(claimable, rows_mod.unreadable_instant(entries.c.next_fire_at))
             stmt = (
-                select(entries)
+                select(*rows_mod.raw_columns(entries, conn.dialect))
                 .where(due_clause(), claimable)
                 .order_by(entries.c.next_fire_at)
                 .limit(self.batch_size)
             )
-            rows = conn.execute(self.store.for_update_skip_locked(stmt)).all()
-            result.claimed = len(rows)
+            claimed = conn.execute(self.store.for_update_skip_locked(stmt)).all()
+            result.claimed = len(claimed)
+            rows = self._usable(conn, claimed, now, result)
             if rows:
-                self._fire(conn, list(rows), now, result)
+                self._fire(conn, rows, now, result)
             self._release_buffered(conn, now, result)
-            result.next_fire_at = conn.execute(
-                select(func.min(entries.c.next_fire_at)).where(due_clause())
-            ).scalar_one_or_none()
+            result.next_fire_at = self._min_next_fire_at(conn, now, result, due_clause())
             result.next_claim_at = result.next_fire_at
             if ahead and result.next_fire_at is not None:
                 # The earliest `allow` entry in the window [next_fire_at, + claim_ahead] can
                 # be claimed claim_ahead before its slot (an index range scan of that window).
-                first_allow = conn.execute(
-                    select(func.min(entries.c.next_fire_at)).where(
+                first_allow = self._min_next_fire_at(
+                    conn, now, result, and_(
                         due_clause(), entries.c.overlap_policy == "allow",
                         entries.c.next_fire_at <= result.next_fire_at + self.claim_ahead,
                     )
-                ).scalar_one_or_none()
+                )
                 if first_allow is not None:
                     result.next_claim_at = min(result.next_fire_at,
                                                first_allow - self.claim_ahead)
         return result
 
+    def _usable(
+        self, conn: Connection, claimed: Sequence[Any], now: datetime, result: TickResult
+    ) -> list[Any]:
+        """The claimed rows that are well-formed; each malformed one is quarantined (disabled
+        with its reason, logged at ERROR, counted in :attr:`TickResult.quarantined`) in this
+        transaction, so one bad row never stops the tick (:mod:`reliable_beat.rows`)."""
+        usable: list[Any] = []
+        for raw in claimed:
+            values, problems, unreadable = rows_mod.read_entry(
+                raw._mapping, conn.dialect, self._schedule
+            )
+            if problems:
+                rows_mod.quarantine_entry(conn, values, problems, now, unreadable=unreadable)
+                result.quarantined += 1
+                continue
+            usable.append(SimpleNamespace(**values))
+        return usable
+
+    def _min_next_fire_at(
+        self, conn: Connection, now: datetime, result: TickResult, where: Any
+    ) -> datetime | None:
+        """``min(next_fire_at)`` of the rows matching ``where``. On SQLite a value that is not
+        an instant (the column holds any text) quarantines its entries, then looks again."""
+        if conn.dialect.name != "sqlite":
+            value: datetime | None = conn.execute(
+                select(func.min(entries.c.next_fire_at)).where(where)
+            ).scalar_one_or_none()
+            return value
+        for _ in range(10):
+            raw = conn.execute(
+                select(type_coerce(func.min(entries.c.next_fire_at), NullType())).where(where)
+            ).scalar_one_or_none()
+            if raw is None:
+                return None
+            try:
+                decoded = rows_mod.decode_value(entries.c.next_fire_at, raw, conn.dialect)
+            except Exception:
+                decoded = None
+            if isinstance(decoded, datetime):
+                return decoded
+            bad = conn.execute(
+                select(*rows_mod.raw_columns(entries, conn.dialect)).where(
+                    where, type_coerce(entries.c.next_fire_at, NullType()) == raw
+                )
+            ).all()
+            for row in bad:
+                values, problems, unreadable = rows_mod.read_entry(row._mapping, conn.dialect)
+                rows_mod.quarantine_entry(conn, values, problems or [
+                    f"next_fire_at={rows_mod.raw_repr(raw)}: expected a UTC instant"
+                ], now, unreadable=unreadable | {"next_fire_at"})
+                result.quarantined += 1
+        return None
+
     def _fire(self, conn: Connection, rows: list[Any], now: datetime, result: TickResult) -> None:
         run_rows: list[dict[str, Any]] = []
+        range_rows: list[dict[str, Any]] = []
         entry_updates: list[dict[str, Any]] = []
         overlap_entries = [
             r.name for r in rows if r.overlap_policy != "allow" and self.is_tracked(r.task)
@@ -427,7 +567,16 @@ class Beat:
                 )
             ):
                 active.setdefault(name, set()).add(state)
-        for row in rows:
+        started = time.monotonic()
+        for index, row in enumerate(rows):
+            if index and time.monotonic() - started > self.plan_budget:
+                # Out of planning time: leave the rest untouched (their locks go at the
+                # commit); the caller claims again at once.
+                result.more = True
+                log.info("planning budget of %.2f s spent after %d of %d claimed entries; "
+                         "the rest are claimed again at once", self.plan_budget, index,
+                         len(rows))
+                break
             try:
                 schedule = self._schedule(row.name, row.schedule)
                 ahead_ok = self.claim_ahead > timedelta(0) and row.overlap_policy == "allow"
@@ -445,6 +594,8 @@ class Beat:
                     ),
                     end_at=row.end_at,
                     claim_until=now + self.claim_ahead if ahead_ok else None,
+                    previous_at_or_before=schedule.previous_at_or_before,
+                    count_slots=slot_counter(schedule),
                 )
             except Exception:
                 # One bad entry never stops the tick: log it and push it back a minute.
@@ -454,11 +605,9 @@ class Beat:
                      "b_last": row.last_fire_at, "b_now": now}
                 )
                 continue
-            if plan.unrecorded:
-                log.warning(
-                    "entry %r: %d missed slots older than the newest %d were dropped unrecorded",
-                    row.name, plan.unrecorded, len(plan.decisions),
-                )
+            for rng in plan.skipped_ranges:
+                log.warning("entry %r: %s (%s)", row.name, rng.describe(), rng.reason)
+                range_rows.append(_range_row(row, rng, now))
             states = active.get(row.name, set())
             tracked = row.overlap_policy != "allow" and self.is_tracked(row.task)
             for d in plan.decisions:
@@ -490,11 +639,16 @@ class Beat:
                         "_options": row.options,
                     }
                 )
-            last = plan.decisions[-1].fire_at if plan.decisions else row.last_fire_at
+            last = plan.last_slot or row.last_fire_at
             entry_updates.append(
                 {"b_id": row.id, "b_next": plan.next_fire_at, "b_last": last, "b_now": now}
             )
 
+        if range_rows:
+            inserted_ranges = _insert_rows(conn, self.store, runs, range_rows, ignore=True,
+                                           returning=("id",))
+            result.skipped += len(inserted_ranges)
+            result.duplicates += len(range_rows) - len(inserted_ranges)
         if run_rows:
             options_by_key = {r["idempotency_key"]: r.pop("_options") for r in run_rows}
             by_key = {r["idempotency_key"]: r for r in run_rows}
@@ -514,6 +668,7 @@ class Beat:
                     task=r["task"], args=r["args"], kwargs=r["kwargs"],
                     options=options_by_key[key], key=key, entry=r["entry_name"],
                     fire_at=r["fire_at"], trigger=r["trigger"],
+                    store_id=self._sid,
                 )
                 outbox_rows.append(
                     self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"])
@@ -542,13 +697,9 @@ class Beat:
 
     def _release_buffered(self, conn: Connection, now: datetime, result: TickResult) -> None:
         """Turn a ``buffered`` run into a trigger once its entry has no active run."""
-        buffered = conn.execute(
-            select(runs.c.id, runs.c.idempotency_key, runs.c.entry_name, runs.c.fire_at,
-                   runs.c.task, runs.c.args, runs.c.kwargs, runs.c.trigger)
-            .where(runs.c.state == "buffered")
-            .order_by(runs.c.id)
-            .limit(self.batch_size)
-        ).all()
+        # Rows read value by value and checked (reliable_beat.rows): a malformed buffered run
+        # is dead-lettered, an entry with malformed options quarantined; the others go on.
+        buffered = rows_mod.read_buffered_runs(conn, now, limit=self.batch_size)
         if not buffered:
             return
         names = {b.entry_name for b in buffered}
@@ -559,13 +710,9 @@ class Beat:
                 )
             ).scalars()
         )
-        options = dict(
-            conn.execute(
-                select(entries.c.name, entries.c.options).where(entries.c.name.in_(names))
-            ).all()
-        )
+        options = rows_mod.read_entry_options(conn, names, now)
         for b in buffered:
-            if b.entry_name in still_active:
+            if b.entry_name in still_active or options.get(b.entry_name, {}) is None:
                 continue
             done = conn.execute(
                 update(runs)
@@ -576,8 +723,10 @@ class Beat:
                 continue
             still_active.add(b.entry_name)  # one released run per entry at a time
             payload = build_trigger_payload(
-                task=b.task, args=b.args, kwargs=b.kwargs, options=options.get(b.entry_name, {}),
+                task=b.task, args=b.args, kwargs=b.kwargs,
+                options=options.get(b.entry_name) or {},
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
+                store_id=self._sid,
             )
             oid = conn.execute(
                 outbox.insert().returning(outbox.c.id),

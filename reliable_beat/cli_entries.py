@@ -38,6 +38,8 @@ from reliable_beat.errors import (
     EntryValidationError,
     StoreUnavailableError,
 )
+from reliable_beat.redaction import redact_value
+from reliable_beat.settings import celery_timezone
 
 __all__ = ["build_definition", "entries", "register"]
 
@@ -69,6 +71,8 @@ def handle_errors(fn: F) -> F:
 
 
 def _fmt(at: datetime | None) -> str:
+    if at is not None and not isinstance(at, datetime):  # a malformed row's raw value
+        return f"malformed: {at!r:.40}"
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
 
 
@@ -81,6 +85,8 @@ def _done(cli: CliContext, as_json: bool, outcome: str, name: str, text: str) ->
 
 def schedule_text(spec: dict[str, Any]) -> str:
     """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``."""
+    if not isinstance(spec, dict):  # a malformed (quarantined) row: show what is stored
+        return f"malformed: {spec!r:.60}"
     kind = spec.get("kind")
     tz = spec.get("timezone", "UTC")
     if kind == "cron":
@@ -93,6 +99,8 @@ def schedule_text(spec: dict[str, Any]) -> str:
 
 
 def _status(row: dict[str, Any]) -> str:
+    if row.get("quarantine_reason"):
+        return "quarantined"
     if not row["enabled"]:
         return "disabled"
     if row["paused"]:
@@ -175,7 +183,13 @@ def build_definition(
         raw["task"] = existing["task"]
         raw["args"] = existing["args"]
         raw["kwargs"] = existing["kwargs"]
-        options = dict(existing["options"] or {})
+        # A malformed stored value (a quarantined row, see reliable_beat.rows) is not
+        # carried over: args / kwargs must then be given again; options start empty.
+        for what, kind in (("args", list), ("kwargs", dict)):
+            if not isinstance(existing[what], kind) and params.get(what) is None:
+                problems.append(f"entry {name!r}: the stored {what} {existing[what]!r:.80} "
+                                f"are malformed: give --{what}")
+        options = dict(existing["options"]) if isinstance(existing["options"], dict) else {}
         rb = {
             "misfire_policy": existing["misfire_policy"],
             "misfire_grace": existing["misfire_grace_seconds"],
@@ -298,7 +312,8 @@ def entries() -> None:
 @pass_cli
 @handle_errors
 def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
-    """List entries with their schedule, next and last slot (UTC) and last run state."""
+    """List entries with their schedule, the time zone it is evaluated in (ZONE), next and
+    last slot (UTC) and last run state."""
     rows = list_entries(cli.store, include_disabled=show_all)
     if as_json:
         cli.echo_json(jsonable([_public(r) for r in rows]))
@@ -306,10 +321,12 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     if not rows:
         click.echo("no entries")
         return
-    header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "NEXT (UTC)", "LAST SLOT", "LAST STATE")
+    header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "ZONE", "NEXT (UTC)", "LAST SLOT",
+              "LAST STATE")
     table = [header] + [
         (r["name"], r["origin"], _status(r), schedule_text(r["schedule"]),
-         _fmt(r["next_fire_at"]), _fmt(r["last_fire_at"]), r["last_state"] or "-")
+         r.get("timezone") or "UTC", _fmt(r["next_fire_at"]), _fmt(r["last_fire_at"]),
+         r["last_state"] or "-")
         for r in rows
     ]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
@@ -333,7 +350,7 @@ def show_cmd(cli: CliContext, name: str, as_json: bool) -> None:
         if isinstance(value, datetime):
             value = _fmt(value)
         elif isinstance(value, (dict, list)):
-            value = json.dumps(value, sort_keys=True)
+            value = json.dumps(redact_value(value), sort_keys=True)
         click.echo(f"{key:24} {value}")
 
 
@@ -516,7 +533,7 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     misfire policy. Disabled entries come in paused; a name that already exists is left alone.
     """
     app = cli.app
-    zone = str(getattr(getattr(app, "conf", None), "timezone", None) or "UTC")
+    zone = celery_timezone(app) if app is not None else "UTC"
     if source == "redbeat":
         found = importers.read_redbeat(from_url, key_prefix=key_prefix)
     else:

@@ -16,6 +16,7 @@ import click
 
 from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.errors import ConfigurationError
+from reliable_beat.redaction import get_logger
 from reliable_beat.relay import Relay, outbox_status
 
 __all__ = ["register"]
@@ -50,10 +51,13 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
         raise _ConfigError(str(exc)) from exc
     click.echo(f"relay {worker.owner} on {cli.store.safe_url}; destinations: "
                + ", ".join(sorted(worker.handlers)), err=True)
+    warning = cli.settings.default_store_warning("relay")
+    if warning:
+        get_logger("reliable_beat.relay").warning("%s", warning)
     if cli.settings.metrics_port is not None and not once:
         from reliable_beat.metrics import serve
 
-        serve(cli.settings.metrics_port, cli.store)
+        serve(cli.settings.metrics_port, cli.store, addr=cli.settings.metrics_host)
     if once:
         claimed = worker.run_once()
         if as_json:

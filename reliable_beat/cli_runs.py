@@ -18,6 +18,7 @@ import click
 
 from reliable_beat import runs
 from reliable_beat.celery.commands import CliContext, fail, pass_cli
+from reliable_beat.redaction import redact_text, redact_value
 
 __all__ = ["register"]
 
@@ -44,8 +45,8 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, (dict, list)):
-        return json.dumps(value, default=str)
-    return str(value)
+        return json.dumps(redact_value(value), default=str)
+    return redact_text(value)
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
@@ -100,7 +101,7 @@ def runs_show(cli: CliContext, key: str, as_json: bool) -> None:
                  "created_at", "started_at", "finished_at"):
         click.echo(f"{name:17} {_fmt(run.get(name))}")
     if run.get("error"):
-        click.echo("error:\n  " + str(run["error"]).strip().replace("\n", "\n  "))
+        click.echo("error:\n  " + redact_text(run["error"]).strip().replace("\n", "\n  "))
     click.echo("")
     _table(tries, ["attempt", "fence_token", "outcome", "worker", "task_id", "started_at",
                    "finished_at", "retry_in_seconds"])

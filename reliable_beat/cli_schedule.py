@@ -13,7 +13,6 @@ wins, so old and new pods of a rolling deploy never flap the stored schedule).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from datetime import datetime, timezone
 from typing import Any
 
@@ -27,10 +26,11 @@ from reliable_beat.db.tables import entries, schedule_configs
 from reliable_beat.entries import definitions_from_beat_schedule, notify_entries_changed
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.groups import group_health, log_sync_result, schedule_group_of
+from reliable_beat.redaction import get_logger
 
 __all__ = ["register", "schedule"]
 
-log = logging.getLogger("reliable_beat.cli")
+log = get_logger("reliable_beat.cli")
 
 
 @click.group("schedule")
@@ -84,6 +84,7 @@ def list_cmd(cli: CliContext, as_json: bool) -> None:
 def sync_cmd(cli: CliContext, force: bool, group: str | None, as_json: bool) -> None:
     """Sync the app's beat_schedule into its schedule group, as a beat does at start."""
     from reliable_beat.entries import sync_schedule_group
+    from reliable_beat.settings import celery_timezone
 
     app = cli.app
     if app is None:
@@ -91,7 +92,7 @@ def sync_cmd(cli: CliContext, force: bool, group: str | None, as_json: bool) -> 
                                  "`celery -A proj reliable-beat schedule sync`)")
     group = group or schedule_group_of(app, cli.settings.schedule_group)
     defs = definitions_from_beat_schedule(
-        app.conf.beat_schedule or {}, default_timezone=str(app.conf.timezone or "UTC"),
+        app.conf.beat_schedule or {}, default_timezone=celery_timezone(app),  # as a beat does
         settings=cli.settings, now=datetime.now(timezone.utc),
     )
     result = sync_schedule_group(cli.store, defs, group=group, owner="cli", force=force)

@@ -25,12 +25,14 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import group_health
+from reliable_beat.rows import decode_labelled, raw_labelled
 
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
     "collect_status",
     "jsonable",
     "outbox_backlog",
+    "quarantine_counts",
     "register",
     "status",
 ]
@@ -75,6 +77,29 @@ def outbox_backlog(conn: Connection, now: datetime) -> list[dict[str, Any]]:
     return outbox_status(conn)
 
 
+def quarantine_counts(conn: Connection) -> dict[str, int]:
+    """Malformed rows isolated so far (:mod:`reliable_beat.rows`), per table.
+
+    Returns:
+        ``{"entries": quarantined entries, "outbox": outbox rows dead-lettered as malformed,
+        "runs": runs dead-lettered as malformed}`` (dead letters not requeued).
+    """
+    from reliable_beat.rows import MALFORMED
+
+    counts = {"entries": 0, "outbox": 0, "runs": 0}
+    counts["entries"] = int(conn.execute(
+        select(func.count()).select_from(entries)
+        .where(entries.c.quarantine_reason.is_not(None))
+    ).scalar_one())
+    for kind, n in conn.execute(
+        select(dead_letters.c.kind, func.count())
+        .where(dead_letters.c.reason == MALFORMED, dead_letters.c.requeued_at.is_(None))
+        .group_by(dead_letters.c.kind)
+    ):
+        counts["outbox" if kind == "outbox" else "runs"] += int(n)
+    return counts
+
+
 def collect_status(
     store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS,
     disabled_within_minutes: float = DEFAULT_DISABLED_WITHIN_MINUTES,
@@ -95,33 +120,43 @@ def collect_status(
             (``reliable_beat_redispatch_seconds``) counts as never acknowledged.
 
     Returns:
-        ``{"store" (URL, password hidden), "now" (UTC), "entries": [...], "missed": [names],
+        ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
+        see :mod:`reliable_beat.identity`), "now" (UTC), "entries": [...], "missed": [names],
         "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
         "unstarted": {entry: count of its triggers of the last 24 h that no worker started
         within ``redispatch_seconds``, for entries whose latest such trigger was not started
         either}, "groups": [...] (see :func:`~reliable_beat.groups.group_health`),
         "recently_disabled":
-        [names], "unregistered": {entry: task}, "problems": [str], "warnings": [str],
-        "ok" (bool)}``. Each entry: ``{"name", "task", "origin", "schedule_group",
-        "disabled_at",
-        "status" (active | paused | disabled | ended), "next_fire_at", "last_fire_at",
+        [names], "unregistered": {entry: task},
+        "quarantined": [{"name", "reason"}] (malformed entries, disabled),
+        "quarantined_rows": {"entries", "outbox", "runs"} (see :func:`quarantine_counts`),
+        "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
+        "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
+        ended | quarantined | malformed: a value that cannot be read, before a beat
+        quarantines it), "next_fire_at", "last_fire_at",
         "last_state", "lag_seconds" (float | None), "overdue_seconds" (float | None),
         "missed" (bool), "failing" (retrying runs), "dead" (dead letters not requeued)}``.
 
     Raises:
         StoreUnavailableError: the database cannot be reached.
     """
+    from reliable_beat.identity import store_id
+
+    sid = store_id(store)
     with store.engine.connect() as conn:
         now = store.now(conn)
         last = runs.alias("last_run")
-        rows = conn.execute(
-            select(
-                entries.c.name, entries.c.task, entries.c.origin, entries.c.enabled,
-                entries.c.paused, entries.c.next_fire_at, entries.c.last_fire_at,
-                entries.c.misfire_grace_seconds, last.c.state.label("last_state"),
-                entries.c.schedule_group, entries.c.disabled_at,
-                last.c.dispatched_at.label("last_dispatched_at"),
-            )
+        columns = {
+            "name": entries.c.name, "task": entries.c.task, "origin": entries.c.origin,
+            "enabled": entries.c.enabled, "paused": entries.c.paused,
+            "next_fire_at": entries.c.next_fire_at, "last_fire_at": entries.c.last_fire_at,
+            "misfire_grace_seconds": entries.c.misfire_grace_seconds,
+            "quarantine_reason": entries.c.quarantine_reason,
+            "schedule_group": entries.c.schedule_group, "disabled_at": entries.c.disabled_at,
+            "last_state": last.c.state, "last_dispatched_at": last.c.dispatched_at,
+        }
+        raw_rows = conn.execute(
+            select(*raw_labelled(columns, conn.dialect))
             .select_from(
                 entries.outerjoin(
                     last,
@@ -131,6 +166,9 @@ def collect_status(
             )
             .order_by(entries.c.name)
         ).all()
+        # value by value (reliable_beat.rows): a malformed row is shown as such, never fails
+        # the whole status
+        rows = [decode_labelled(dict(r._mapping), columns, conn.dialect) for r in raw_rows]
         failing: dict[str, int] = dict(
             conn.execute(
                 select(runs.c.entry_name, func.count())
@@ -153,12 +191,18 @@ def collect_status(
         backlog = outbox_backlog(conn, now)
         groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
         unstarted, starts_recorded = _unstarted(conn, now, redispatch_seconds)
+        quarantined_rows = quarantine_counts(conn)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
+    quarantined: list[dict[str, Any]] = []
     for r in rows:
-        status = ("disabled" if not r.enabled else "paused" if r.paused
+        status = ("quarantined" if r.quarantine_reason is not None
+                  else "malformed" if r.unreadable
+                  else "disabled" if not r.enabled else "paused" if r.paused
                   else "active" if r.next_fire_at is not None else "ended")
+        if status == "quarantined":
+            quarantined.append({"name": r.name, "reason": r.quarantine_reason})
         lag = None
         if r.last_dispatched_at is not None and r.last_fire_at is not None:
             lag = round((r.last_dispatched_at - r.last_fire_at).total_seconds(), 3)
@@ -166,7 +210,9 @@ def collect_status(
         is_missed = False
         if status == "active" and r.next_fire_at is not None and r.next_fire_at <= now:
             overdue = round((now - r.next_fire_at).total_seconds(), 3)
-            limit = timedelta(seconds=r.misfire_grace_seconds + margin_seconds)
+            grace = r.misfire_grace_seconds
+            grace = grace if isinstance(grace, (int, float)) and grace >= 0 else 0.0
+            limit = timedelta(seconds=grace + margin_seconds)
             is_missed = now - r.next_fire_at > limit
         if is_missed:
             missed.append(r.name)
@@ -185,6 +231,14 @@ def collect_status(
             f"misfire_grace + {margin_seconds:.0f} s ({', '.join(missed[:10])}"
             f"{', ...' if len(missed) > 10 else ''}): no beat is claiming entries. Start "
             "`celery -A APP beat` (any number may run) or check the beats' logs."
+        )
+    if quarantined:
+        problems.append(
+            f"QUARANTINED: {len(quarantined)} malformed entries are disabled and do not fire "
+            f"({', '.join(q['name'] for q in quarantined[:10])}"
+            f"{', ...' if len(quarantined) > 10 else ''}): see the reason with `reliable-beat "
+            "entries show NAME`, then fix the row (`entries update`, the beat_schedule, or SQL "
+            "and `entries resume NAME`)"
         )
     if dead_total:
         problems.append(
@@ -251,6 +305,7 @@ def collect_status(
     return {
         "workflows": wf_health,
         "store": store.safe_url,
+        "store_id": sid,
         "now": now,
         "entries": out_entries,
         "missed": missed,
@@ -260,6 +315,8 @@ def collect_status(
         "unstarted": unstarted,
         "recently_disabled": recent,
         "unregistered": unregistered,
+        "quarantined": quarantined,
+        "quarantined_rows": quarantined_rows,
         "problems": problems,
         "warnings": warnings,
         "ok": not problems,
@@ -347,7 +404,8 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
     if as_json:
         cli.echo_json(jsonable(info))
     else:
-        click.echo(f"store {info['store']}  now {_fmt(info['now'])} (store clock, UTC)")
+        click.echo(f"store {info['store']} (id {info['store_id'] or '-'})  now "
+                   f"{_fmt(info['now'])} (store clock, UTC)")
         for problem in info["problems"]:
             click.secho(f"!! {problem}", fg="red", bold=True)
         for warning in info["warnings"]:

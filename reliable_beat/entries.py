@@ -29,10 +29,12 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import and_, select, text, update
+from sqlalchemy import and_, select, text, type_coerce, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.types import NullType
 
 from reliable_beat import schedules as sch
 from reliable_beat import values as rb_values
@@ -47,6 +49,7 @@ from reliable_beat.groups import (
     record_config,
 )
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy
+from reliable_beat.rows import check_options, decode_row, decode_value, raw_columns
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -298,6 +301,11 @@ def definition_from_celery(
         elif not isinstance(exp, (int, float)) or isinstance(exp, bool) or exp <= 0:
             bad(f"options['expires']={exp!r}: give seconds (> 0) counted from the slot")
 
+    # the shapes a trigger needs (the beat checks stored rows the same way, rows.py)
+    expires_bad = any("options['expires']" in p for p in problems)
+    for problem in check_options(options):
+        if not (expires_bad and problem.startswith("options.expires")):
+            bad(problem)
     for problem in rb_values.entry_name_problems(name):
         bad(problem)
     args, kwargs = _encoded_arguments(args, kwargs, bad)
@@ -312,8 +320,6 @@ def definition_from_celery(
             f"reliable_beat_max_payload_bytes ({settings.max_payload_bytes}); they are copied "
             "into every run, trigger and broker message: pass a reference (an id, a key) "
             "and load the data in the task")
-    if raw.get("relative"):
-        bad("'relative=True' is not supported: slots sit on a fixed grid")
     tz = rb.get("timezone") or default_timezone
     try:
         tz = sch.validate_timezone(tz)
@@ -333,7 +339,16 @@ def definition_from_celery(
         bad("'schedule' is missing")
     else:
         try:
-            schedule = sch.from_celery(raw["schedule"], timezone=tz, anchor=anchor, entry=name)
+            # 'relative' as Celery reads it: it changes a number/timedelta (refused there),
+            # and is ignored on a crontab or a schedule object, as Celery ignores it
+            schedule = sch.from_celery(
+                raw["schedule"], timezone=tz, anchor=anchor, entry=name,
+                relative=bool(raw.get("relative", False)),
+            )
+            if rb.get("timezone") and schedule.timezone != tz:
+                bad(f"timezone={tz!r} conflicts with the schedule's own zone "
+                    f"{schedule.timezone!r} (a crontab's nowfun/tz or a Schedule object); "
+                    "set the zone in one place")
             if schedule.kind == "cron" and (rb.get("dst_nonexistent") or rb.get("dst_repeated")):
                 spec = schedule.to_spec()
                 spec["nonexistent"] = rb.get("dst_nonexistent") or spec.get("nonexistent")
@@ -443,6 +458,36 @@ def _lock_for_sync(conn: Connection, store: Store) -> None:
         conn.execute(text("SELECT pg_advisory_xact_lock(7262656175)"))
 
 
+def _read_for_upsert(conn: Connection, name: str) -> Any:
+    """The stored columns :func:`_upsert` compares, or None. Read value by value: a stored
+    value that cannot be decoded (SQLite: invalid JSON text, a non-instant) reads as None,
+    so a malformed row is simply rewritten from the definition (see :mod:`reliable_beat.rows`).
+    """
+    cols = (entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
+            entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at, entries.c.paused,
+            entries.c.schedule_group)
+    sqlite = conn.dialect.name == "sqlite"  # elsewhere the server enforces column types
+    raw = conn.execute(
+        select(*(type_coerce(c, NullType()).label(c.name) if sqlite else c for c in cols))
+        .where(entries.c.name == name).with_for_update()  # the row this sync rewrites
+    ).first()
+    if raw is None:
+        return None
+    values: dict[str, Any] = {}
+    for c in cols:
+        try:
+            value = raw._mapping[c.name]
+            values[c.name] = decode_value(c, value, conn.dialect) if sqlite else value
+        except Exception:
+            values[c.name] = None
+    if not isinstance(values["schedule"], dict):
+        values["schedule"] = None
+    for instant in ("last_fire_at", "next_fire_at"):
+        if not isinstance(values[instant], datetime):
+            values[instant] = None
+    return SimpleNamespace(**values)
+
+
 def _upsert(
     conn: Connection, store: Store, definition: EntryDefinition, now: datetime,
     group: str | None = None, after: datetime | None = None,
@@ -453,13 +498,7 @@ def _upsert(
 
     ``after``: a new entry's first slot is after this instant too (a renamed entry continues
     where its old name stopped)."""
-    row = conn.execute(
-        select(
-            entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
-            entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at, entries.c.paused,
-            entries.c.schedule_group,
-        ).where(entries.c.name == definition.name).with_for_update()
-    ).first()
+    row = _read_for_upsert(conn, definition.name)
     values = definition.row_values()
     if definition.origin == "config":
         values["schedule_group"] = group
@@ -491,7 +530,9 @@ def _upsert(
     else:
         base = max(now, row.last_fire_at) if row.last_fire_at else now
         next_fire_at = definition.first_fire_at(base)
-    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True, disabled_at=None)
+    # Rewriting the entry from its definition also lifts a quarantine (rows.py).
+    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True, disabled_at=None,
+                  quarantine_reason=None, quarantined_at=None)
     del values["name"]
     conn.execute(update(entries).where(entries.c.id == row.id).values(**values))
     return "adopted" if adopted else "updated"
@@ -693,8 +734,19 @@ def save_runtime_entry(store: Store, definition: EntryDefinition, *, create: boo
     return outcome
 
 
+class _Row(SimpleNamespace):
+    """A decoded entries row with ``._mapping`` like a SQLAlchemy row."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(**values)
+        self._mapping = values
+
+
 def _require(conn: Connection, name: str) -> Any:
-    row = conn.execute(select(entries).where(entries.c.name == name)).first()
+    raw = conn.execute(
+        select(*raw_columns(entries, conn.dialect)).where(entries.c.name == name)
+    ).first()
+    row = None if raw is None else _Row(decode_row(entries, dict(raw._mapping), conn.dialect)[0])
     if row is None:
         raise EntryNotFoundError(
             f"no entry named {name!r} (see `reliable-beat entries list`)"
@@ -709,7 +761,7 @@ def get_entry(store: Store, name: str) -> dict[str, Any]:
         EntryNotFoundError: no such entry.
     """
     with store.engine.connect() as conn:
-        return dict(_require(conn, name)._mapping)
+        return dict(_require(conn, name)._mapping)  # a malformed value is kept raw
 
 
 def list_entries(store: Store, *, include_disabled: bool = False) -> list[dict[str, Any]]:
@@ -724,7 +776,14 @@ def list_entries(store: Store, *, include_disabled: bool = False) -> list[dict[s
     if not include_disabled:
         stmt = stmt.where(entries.c.enabled.is_(True))
     with store.engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(stmt)]
+        # value by value: a malformed row (see reliable_beat.rows) is listed, its
+        # undecodable values as their raw text, instead of failing the whole list
+        rows = conn.execute(stmt.with_only_columns(
+            *raw_columns(entries, conn.dialect), last_state.label("last_state")
+        )).all()
+        return [
+            dict(decode_row(entries, dict(r._mapping), conn.dialect)[0]) for r in rows
+        ]
 
 
 def pause(store: Store, name: str) -> None:
@@ -758,6 +817,14 @@ def resume(store: Store, name: str) -> None:
             update(entries)
             .where(entries.c.name == name)
             .values(paused=False, paused_at=None, updated_at=now)
+        )
+        # A quarantined entry (malformed row, see reliable_beat.rows) is enabled again: the
+        # beat checks the row once more at its next claim and quarantines it again if the
+        # problem is still there.
+        conn.execute(
+            update(entries)
+            .where(entries.c.name == name, entries.c.quarantine_reason.is_not(None))
+            .values(enabled=True, quarantine_reason=None, quarantined_at=None)
         )
         notify_entries_changed(conn, store)
 

@@ -45,7 +45,6 @@ import importlib
 import importlib.util
 import ipaddress
 import json
-import logging
 import os
 import re
 import smtplib
@@ -66,6 +65,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger
 
 __all__ = [
     "CELERY_PROTOCOL_HEADERS",
@@ -89,7 +89,7 @@ __all__ = [
     "smtp_message_id",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Entry point group for user handlers: ``name = "package.module:attr"``.
 ENTRY_POINT_GROUP = "reliable_beat.outbox_handlers"
@@ -198,6 +198,7 @@ def publish_celery_batch(
     results: list[tuple[int, Result]] = []
     if not messages:
         return results
+    conn_errors: tuple[type[BaseException], ...] = ()
     try:
         with app.producer_or_acquire() as producer:
             conn_errors = _connection_errors(producer)
@@ -214,6 +215,8 @@ def publish_celery_batch(
                     except MessageExpiredError as exc:
                         results.append((message.id, exc))
                     except conn_errors + batch_error as exc:
+                        if not _is_connection_error(exc, conn_errors):
+                            raise  # the broker refused a command: isolate the culprit below
                         down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
                         down.__cause__ = exc
                         results.extend((m.id, down) for m in messages[index:])
@@ -223,12 +226,73 @@ def publish_celery_batch(
                 if wait is not None and batch_error:
                     wait()  # buffered: leaving the batch flushes, i.e. publishes
     except Exception as exc:  # flushing the batch, or acquiring / releasing the producer
+        done = {i: r for i, r in results if r is not None}
+        if conn_errors and not _is_connection_error(exc, conn_errors):
+            # The broker answered, but refused something in the batch (e.g. Redis WRONGTYPE:
+            # a queue name that is a key of another type). That error belongs to one
+            # message: publish the batch's messages one by one, so the culprit fails alone
+            # (and is charged an attempt) and the others go out. Messages of the batch the
+            # broker did take are published again, under the same task id (at least once).
+            log.warning("celery publish batch of %d refused by the broker (%r); publishing "
+                        "its messages one by one to isolate the culprit", len(messages), exc)
+            retry = [m for m in messages if m.id not in done]
+            singles = dict(_publish_one_by_one(app, retry, now))
+            return [(m.id, done[m.id] if m.id in done else singles[m.id]) for m in messages]
         down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
         down.__cause__ = exc
         # Buffered messages were not (or not surely) written: none counts as published.
         # The rows stay pending and the relay re-publishes them under the same task id.
-        done = {i: r for i, r in results if r is not None}
         results = [(m.id, done.get(m.id, down)) for m in messages]
+    return results
+
+
+def _is_connection_error(exc: BaseException, conn_errors: tuple[type[BaseException], ...]) -> bool:
+    """True when ``exc`` or an exception in its cause chain is a connection-level error (the
+    broker as a whole is unreachable), as opposed to the broker refusing one command."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, conn_errors):
+            from kombu.exceptions import OperationalError
+
+            # kombu wraps any transport error as OperationalError; look under it
+            if type(current) is not OperationalError or current.__cause__ is None:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _publish_one_by_one(
+    app: Any, messages: Sequence[OutboxMessage], now: datetime
+) -> list[tuple[int, Result]]:
+    """Publish each message with its own ``send_task`` (no pipeline): an error then belongs
+    to that message; a connection-level error fails the rest as unavailable."""
+    results: list[tuple[int, Result]] = []
+    try:
+        with app.producer_or_acquire() as producer:
+            conn_errors = _connection_errors(producer)
+            for index, message in enumerate(messages):
+                try:
+                    _send_one(app, producer, message, now)
+                    results.append((message.id, None))
+                except MessageExpiredError as exc:
+                    results.append((message.id, exc))
+                except Exception as exc:
+                    if _is_connection_error(exc, conn_errors):
+                        down = DestinationUnavailableError(
+                            f"celery broker unavailable: {exc!r}")
+                        down.__cause__ = exc
+                        results.extend((m.id, down) for m in messages[index:])
+                        break
+                    log.warning("celery trigger %s (outbox row %d) refused by the broker: %r",
+                                message.message_id, message.id, exc)
+                    results.append((message.id, exc))
+    except Exception as exc:  # acquiring / releasing the producer
+        down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
+        down.__cause__ = exc
+        got = dict(results)
+        results = [(m.id, got.get(m.id, down)) for m in messages]
     return results
 
 

@@ -51,6 +51,7 @@ from reliable_beat.errors import (
     EntryValidationError,
     StoreUnavailableError,
 )
+from reliable_beat.redaction import redact_text, redact_url
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -141,7 +142,13 @@ def read_redbeat(redis_url: str, *, key_prefix: str = "redbeat:") -> list[Foreig
         raise ConfigurationError(
             "reading RedBeat entries needs celery-redbeat: pip install 'reliable-beat[redbeat]'"
         ) from exc
-    client = redis.Redis.from_url(redis_url)
+    try:
+        client = redis.Redis.from_url(redis_url)
+    except (ValueError, TypeError):  # its text quotes pieces of the URL: not chained
+        raise ConfigurationError(
+            f"RedBeat's Redis URL {_safe(redis_url)!r} cannot be parsed; expected "
+            "redis://[:password@]host[:port]/db (percent-encode '@', ':' and '/' in a password)"
+        ) from None
     reserved = {f"{key_prefix}:schedule", f"{key_prefix}:statics", f"{key_prefix}:lock"}
     found: list[ForeignEntry] = []
     try:
@@ -156,7 +163,8 @@ def read_redbeat(redis_url: str, *, key_prefix: str = "redbeat:") -> list[Foreig
                 continue
             found.append(_from_redbeat(key, key_prefix, definition, meta, RedBeatJSONDecoder))
     except redis.RedisError as exc:
-        raise StoreUnavailableError(f"RedBeat's Redis at {_safe(redis_url)}: {exc}") from exc
+        raise StoreUnavailableError(
+            f"RedBeat's Redis at {_safe(redis_url)}: {redact_text(exc)}") from exc
     finally:
         client.close()
     return sorted(found, key=lambda e: e.name)
@@ -167,7 +175,7 @@ def _glob_escape(text: str) -> str:
 
 
 def _safe(url: str) -> str:
-    return sa.engine.make_url(url).render_as_string(hide_password=True) if "://" in url else url
+    return redact_url(url)
 
 
 def _from_redbeat(
@@ -257,7 +265,13 @@ def read_django_celery_beat(
         StoreUnavailableError: the database cannot be reached.
     """
     sch.validate_timezone(naive_timezone)
-    engine = sa.create_engine(database_url)
+    try:
+        engine = sa.create_engine(database_url, hide_parameters=True)
+    except Exception:  # its text may quote pieces of the URL: not chained
+        raise ConfigurationError(
+            f"the django-celery-beat database URL {_safe(database_url)!r} is not a "
+            "SQLAlchemy URL (percent-encode '@', ':' and '/' in a password)"
+        ) from None
     j = (
         _dcb_task.outerjoin(_dcb_cron, _dcb_cron.c.id == _dcb_task.c.crontab_id)
         .outerjoin(_dcb_interval, _dcb_interval.c.id == _dcb_task.c.interval_id)

@@ -8,6 +8,9 @@ they are read from the database, not counted in one process):
 =================================================  ===========================================
 ``reliable_beat_up``                               1 when the store answered the scrape, else 0
 ``reliable_beat_entries{status}``                  entries by active / paused / disabled / ended
+                                                   / quarantined (malformed row, disabled)
+``reliable_beat_quarantined_rows{table}``          malformed rows isolated: entries quarantined,
+                                                   outbox rows / runs dead-lettered as malformed
 ``reliable_beat_entries_late``                     enabled entries overdue by more than their
                                                    misfire_grace + margin: **no beat running**
 ``reliable_beat_runs{state}``                      runs by state
@@ -41,23 +44,25 @@ node-exporter textfile with ``reliable-beat metrics textfile PATH``.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
+from datetime import datetime, timedelta
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import click
-from sqlalchemy import func, select
+from sqlalchemy import func, select, type_coerce
+from sqlalchemy.types import NullType
 
-from reliable_beat.celery.commands import CliContext, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
+from reliable_beat.redaction import get_logger
 
 __all__ = [
+    "DEFAULT_METRICS_HOST",
     "LATENESS_BUCKETS",
     "MetricsServer",
     "StoreCollector",
@@ -67,7 +72,15 @@ __all__ = [
     "write_textfile",
 ]
 
-log = logging.getLogger("reliable_beat.metrics")
+if TYPE_CHECKING:
+    from reliable_beat.celery.commands import CliContext
+
+# ctx.obj of the reliable-beat group is the CliContext (click.pass_obj, not the group's
+# pass_cli: importing reliable_beat.celery.commands here would be circular, since it imports
+# this module to register the commands)
+pass_cli = click.pass_obj
+
+log = get_logger("reliable_beat.metrics")
 
 #: Upper bounds (seconds) of the fire lateness histogram buckets.
 LATENESS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -130,7 +143,7 @@ class StoreCollector:
         try:
             data = self._read()
         except Exception as exc:
-            log.warning("metrics scrape: store %s unavailable (%s)", self.store.safe_url, exc)
+            log.warning("metrics scrape failed: %s", self.store.describe_failure(exc))
             up.add_metric([], 0.0)
             yield up
             return
@@ -138,7 +151,7 @@ class StoreCollector:
         yield up
 
         fam = GaugeMetricFamily("reliable_beat_entries", "Entries by status", labels=["status"])
-        for status in ("active", "paused", "disabled", "ended"):
+        for status in ("active", "paused", "disabled", "ended", "quarantined"):
             fam.add_metric([status], float(data["entries"].get(status, 0)))
         yield fam
         yield GaugeMetricFamily(
@@ -146,6 +159,14 @@ class StoreCollector:
             "Enabled entries overdue by more than misfire_grace + margin (no beat claiming)",
             value=float(data["late"]),
         )
+        fam = GaugeMetricFamily(
+            "reliable_beat_quarantined_rows",
+            "Malformed rows isolated: entries quarantined (disabled with a reason), outbox "
+            "rows and runs dead-lettered as malformed (not requeued)", labels=["table"],
+        )
+        for table, n in sorted(data["quarantined"].items()):
+            fam.add_metric([table], float(n))
+        yield fam
         fam = GaugeMetricFamily("reliable_beat_runs", "Runs by state", labels=["state"])
         for state, n in sorted(data["runs"].items()):
             fam.add_metric([state], float(n))
@@ -208,30 +229,35 @@ class StoreCollector:
         )
 
     def _read(self) -> dict[str, Any]:
-        from reliable_beat.cli_status import outbox_backlog
+        from reliable_beat.cli_status import quarantine_counts
+        from reliable_beat.relay import outbox_status
 
         with self.store.engine.connect() as conn:
             now = self.store.now(conn)
             counts: dict[str, int] = {}
-            for enabled, paused, has_next, n in conn.execute(
-                select(entries.c.enabled, entries.c.paused,
-                       entries.c.next_fire_at.is_not(None), func.count())
-                .group_by(entries.c.enabled, entries.c.paused,
-                          entries.c.next_fire_at.is_not(None))
+            quarantined = entries.c.quarantine_reason.is_not(None)
+            # flags read untyped: a malformed row (SQLite: any value) never fails the scrape
+            flags = (type_coerce(entries.c.enabled, NullType()),
+                     type_coerce(entries.c.paused, NullType()))
+            for enabled, paused, has_next, bad, n in conn.execute(
+                select(*flags, entries.c.next_fire_at.is_not(None), quarantined, func.count())
+                .group_by(*flags, entries.c.next_fire_at.is_not(None), quarantined)
             ):
-                status = ("disabled" if not enabled else "paused" if paused
-                          else "active" if has_next else "ended")
+                status = ("quarantined" if bad else "disabled" if enabled not in (True, 1)
+                          else "paused" if paused not in (False, 0) else "active" if has_next
+                          else "ended")
                 counts[status] = counts.get(status, 0) + int(n)
             margin = timedelta(seconds=self.margin_seconds)
             late = sum(
                 1
                 for nfa, grace in conn.execute(
-                    select(entries.c.next_fire_at, entries.c.misfire_grace_seconds).where(
+                    select(type_coerce(entries.c.next_fire_at, NullType()),
+                           type_coerce(entries.c.misfire_grace_seconds, NullType())).where(
                         entries.c.enabled.is_(True), entries.c.paused.is_(False),
                         entries.c.next_fire_at < now - margin,
                     )
                 )
-                if now - nfa > margin + timedelta(seconds=grace)
+                if _late(nfa, grace, now, margin, conn.dialect)
             )
             by_state = {
                 str(s): int(n)
@@ -247,17 +273,16 @@ class StoreCollector:
                     .group_by(dead_letters.c.kind)
                 )
             }
-            backlog = outbox_backlog(conn, now)
+            backlog = outbox_status(conn)
+            quarantined_rows = quarantine_counts(conn)
             since = now - timedelta(seconds=self.window_seconds)
             lateness = [
                 max(0.0, (d - f).total_seconds())
-                for f, d in conn.execute(
-                    select(runs.c.fire_at, runs.c.dispatched_at)
+                for f, d in _instant_pairs(conn, runs.c.fire_at, runs.c.dispatched_at, lambda q: q
                     .where(runs.c.dispatched_at >= since, runs.c.fire_at.is_not(None),
                            runs.c.trigger.in_(("schedule", "catch_up")))
                     .order_by(runs.c.id.desc())
-                    .limit(LATENESS_SAMPLE)
-                )
+                    .limit(LATENESS_SAMPLE))
             ]
             outcomes = {
                 str(o): int(n)
@@ -270,26 +295,55 @@ class StoreCollector:
             slots: dict[str, int] = {}
             per_claim: dict[Any, int] = {}
             for created, state, n in conn.execute(
-                select(runs.c.created_at, runs.c.state, func.count())
+                select(type_coerce(runs.c.created_at, NullType()), runs.c.state, func.count())
                 .where(runs.c.created_at >= since, runs.c.trigger.in_(SCHEDULED_TRIGGERS))
                 .group_by(runs.c.created_at, runs.c.state)
-            ):
+            ):  # created_at untyped: only grouped on, never read (a malformed row is harmless)
                 key = "skipped" if state == "skipped" else "fired"
                 slots[key] = slots.get(key, 0) + int(n)
                 per_claim[created] = per_claim.get(created, 0) + int(n)
             batches = [float(n) for n in per_claim.values()]
             durations = [
                 max(0.0, (f - s).total_seconds())
-                for s, f in conn.execute(
-                    select(runs.c.started_at, runs.c.finished_at)
+                for s, f in _instant_pairs(conn, runs.c.started_at, runs.c.finished_at, lambda q: q
                     .where(runs.c.finished_at >= since, runs.c.started_at.is_not(None))
                     .order_by(runs.c.id.desc())
-                    .limit(LATENESS_SAMPLE)
-                )
+                    .limit(LATENESS_SAMPLE))
             ]
         return {"entries": counts, "late": late, "runs": by_state, "dead": dead,
                 "outbox": backlog, "lateness": lateness, "attempts": outcomes, "slots": slots,
-                "batches": batches, "durations": durations}
+                "batches": batches, "durations": durations, "quarantined": quarantined_rows}
+
+
+def _instant_pairs(conn: Any, first: Any, second: Any, where: Any) -> list[tuple[Any, Any]]:
+    """``(first, second)`` instants of the rows ``where(select(...))`` finds, read value by
+    value: a row whose values are not instants (malformed, see :mod:`reliable_beat.rows`)
+    is left out instead of failing the scrape."""
+    from reliable_beat.rows import decode_value
+
+    out: list[tuple[Any, Any]] = []
+    stmt = where(select(type_coerce(first, NullType()), type_coerce(second, NullType())))
+    for a, b in conn.execute(stmt):
+        try:
+            pair = (decode_value(first, a, conn.dialect), decode_value(second, b, conn.dialect))
+        except Exception:
+            continue
+        if all(isinstance(v, datetime) for v in pair):
+            out.append(pair)
+    return out
+
+
+def _late(raw_next: Any, raw_grace: Any, now: Any, margin: timedelta, dialect: Any) -> bool:
+    """Whether an entry is overdue by more than its grace + margin; a value that cannot be
+    read (a malformed row, see :mod:`reliable_beat.rows`) counts as not late."""
+    from reliable_beat.rows import decode_value
+
+    try:
+        nfa = decode_value(entries.c.next_fire_at, raw_next, dialect)
+        grace = float(raw_grace)
+        return bool(now - nfa > margin + timedelta(seconds=grace))
+    except Exception:
+        return False
 
 
 def make_registry(store: Store, **kwargs: Any) -> Any:
@@ -304,9 +358,26 @@ def make_registry(store: Store, **kwargs: Any) -> Any:
     return registry
 
 
+#: Default bind address of the metrics server: loopback only. Expose it deliberately
+#: (``reliable_beat_metrics_host = "0.0.0.0"`` or ``--addr``) behind a firewall.
+DEFAULT_METRICS_HOST = "127.0.0.1"
+#: Seconds a metrics connection may stay silent (request line, headers, body) before it is
+#: closed; each connection has its own thread, so a slow one never blocks a scrape.
+REQUEST_TIMEOUT_SECONDS = 10.0
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_SECONDS  # socket timeout per connection (socketserver)
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("metrics: " + format, *args)
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """One daemon thread per connection: an idle or slow client holds only its own."""
+
+    daemon_threads = True
+    block_on_close = False
 
 
 @dataclass
@@ -332,8 +403,15 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
-def serve(port: int, store: Store, *, addr: str = "0.0.0.0", **kwargs: Any) -> MetricsServer:
+def serve(
+    port: int, store: Store, *, addr: str = DEFAULT_METRICS_HOST, **kwargs: Any
+) -> MetricsServer:
     """Serve the store's metrics over HTTP at ``http://addr:port/metrics``, in a thread.
+
+    Each connection is served in a daemon thread of its own with a socket timeout of
+    :data:`REQUEST_TIMEOUT_SECONDS`, so an idle or slow client never blocks other scrapes.
+    The default address is loopback (:data:`DEFAULT_METRICS_HOST`): nothing is exposed
+    unless the operator says so.
 
     Args:
         port: TCP port (0 picks a free one; read :attr:`MetricsServer.port`).
@@ -350,7 +428,7 @@ def serve(port: int, store: Store, *, addr: str = "0.0.0.0", **kwargs: Any) -> M
     """
     prom = _prometheus()
     app = prom.make_wsgi_app(make_registry(store, **kwargs))
-    server = make_server(addr, port, app, WSGIServer, handler_class=_QuietHandler)
+    server = make_server(addr, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="rb-metrics", daemon=True)
     thread.start()
     return MetricsServer(server, thread)
@@ -373,10 +451,12 @@ def metrics() -> None:
 
 @metrics.command("serve")
 @click.option("--port", type=int, default=9808, show_default=True)
-@click.option("--addr", default="0.0.0.0", show_default=True)
+@click.option("--addr", default=None,
+              help="Bind address [default: reliable_beat_metrics_host, 127.0.0.1].")
 @pass_cli
-def serve_cmd(cli: CliContext, port: int, addr: str) -> None:
-    """Serve /metrics over HTTP until interrupted."""
+def serve_cmd(cli: CliContext, port: int, addr: str | None) -> None:
+    """Serve /metrics over HTTP until interrupted (loopback unless --addr says otherwise)."""
+    addr = addr or cli.settings.metrics_host
     try:
         server = serve(port, cli.store, addr=addr)
     except ImportError as exc:

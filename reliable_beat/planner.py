@@ -8,10 +8,13 @@ No I/O and no clock: the caller passes the database's ``now``. The rules (design
   or a downtime is never a burst of "on time" runs).
 * A slot late by more is **missed**; the misfire policy decides:
   ``catch_up`` fires every missed slot inside the catch-up window, oldest first, at most
-  ``catch_up_limit`` of them (the most recent ones); ``fire_once`` fires only the latest
-  missed slot (like APScheduler's ``coalesce``); ``skip`` fires none.
+  ``catch_up_limit`` of them (the most recent ones); ``fire_once`` fires **one** run per
+  plan: the latest due slot (trigger ``schedule`` when it is on time, ``catch_up`` when it
+  was missed too), like APScheduler's ``coalesce``; ``skip`` fires none.
 * Every slot not fired is returned as skipped, with its reason, so the caller records it and
-  "did 10:15 run?" is answered from data.
+  "did 10:15 run?" is answered from data. Past :data:`SKIP_RECORD_LIMIT` skipped slots in one
+  plan they are returned as one :class:`SkippedRange` ("slots A..B skipped, n slots") instead
+  of one decision each.
 * The next slot is computed from the last *slot* (grid anchoring, invariant 3), never from
   ``now`` or from when a run finished.
 * **Claim ahead** (``claim_until``): an entry whose next slot is still in the future but at
@@ -19,6 +22,12 @@ No I/O and no clock: the caller passes the database's ``now``. The rules (design
   happened yet), and advances one step on the grid. Due entries are planned against the
   real ``now`` exactly as without it, so looking ahead never makes an upcoming slot "missed"
   nor makes the earlier of two slots lose the "latest due slot" rule.
+
+**Bounded work.** Given ``previous_at_or_before``, a plan never walks the missed slots one by
+one: it jumps to the latest due slot (one backward step), then walks backwards at most
+``catch_up_limit`` + :data:`SKIP_RECORD_LIMIT` + 2 steps. A minutely cron one year behind
+costs the same as one an hour behind (design: the claim transaction must stay short,
+``idle_in_transaction_session_timeout`` counts this time).
 """
 
 from __future__ import annotations
@@ -29,11 +38,19 @@ from datetime import datetime, timedelta
 
 from reliable_beat.policies import MisfirePolicy
 
-__all__ = ["MAX_SLOTS_PER_PLAN", "Plan", "SlotDecision", "plan_entry"]
+__all__ = ["MAX_CATCH_UP_PER_PLAN", "SKIP_RECORD_LIMIT", "Plan", "SkippedRange", "SlotDecision",
+           "plan_entry"]
 
-#: Most due slots one plan enumerates for one entry (e.g. a 1 s cron after a day of downtime);
-#: slots older than that are neither fired nor individually recorded (the plan says how many).
-MAX_SLOTS_PER_PLAN = 10_000
+#: Most skipped slots one plan returns one by one; past it they become one
+#: :class:`SkippedRange` (so a 1 s entry a week behind is one row, not 604,800).
+SKIP_RECORD_LIMIT = 20
+
+#: Most missed slots one ``catch_up`` plan fires (a larger ``catch_up_limit`` acts as this):
+#: one plan is at most this many schedule steps (about 0.5 s for a cron). Older slots are
+#: recorded as skipped (``misfire:catch_up_limit``), never dropped.
+MAX_CATCH_UP_PER_PLAN = 10_000
+
+_EPS = timedelta(microseconds=1)
 
 
 @dataclass(frozen=True)
@@ -54,19 +71,44 @@ class SlotDecision:
     reason: str | None = None
 
 
+@dataclass(frozen=True)
+class SkippedRange:
+    """A run of consecutive due slots skipped for one reason, recorded as one row.
+
+    Attributes:
+        first: the first skipped slot (UTC-aware).
+        last: the last skipped slot (UTC-aware, ``>= first``).
+        count: how many slots ``first..last`` holds (both included), or None when counting
+            them would mean walking them (a cron schedule: its slots are not evenly spaced).
+        reason: as :attr:`SlotDecision.reason`.
+    """
+
+    first: datetime
+    last: datetime
+    count: int | None
+    reason: str
+
+    def describe(self) -> str:
+        """``"slots <first>..<last> skipped, <n> slots"`` (ISO 8601 UTC)."""
+        n = f"{self.count} slots" if self.count is not None else "count not enumerated"
+        return (f"slots {self.first:%Y-%m-%dT%H:%M:%SZ}..{self.last:%Y-%m-%dT%H:%M:%SZ} "
+                f"skipped, {n}")
+
+
 @dataclass
 class Plan:
     """What one tick does for one entry.
 
     Attributes:
-        decisions: every due slot in ascending order, fired or skipped.
+        decisions: due slots in ascending order, fired or skipped, one by one.
+        skipped_ranges: older due slots skipped in bulk (each before every decision),
+            ascending; empty unless more than :data:`SKIP_RECORD_LIMIT` slots were skipped.
         next_fire_at: the first slot after the last due one (None: the schedule has ended).
-        unrecorded: missed slots older than :data:`MAX_SLOTS_PER_PLAN` that were dropped.
     """
 
     decisions: list[SlotDecision] = field(default_factory=list)
+    skipped_ranges: list[SkippedRange] = field(default_factory=list)
     next_fire_at: datetime | None = None
-    unrecorded: int = 0
 
     @property
     def fired(self) -> list[SlotDecision]:
@@ -75,6 +117,25 @@ class Plan:
     @property
     def skipped(self) -> list[SlotDecision]:
         return [d for d in self.decisions if not d.fire]
+
+    @property
+    def last_slot(self) -> datetime | None:
+        """The latest slot this plan decided (fired or skipped), or None."""
+        if self.decisions:
+            return self.decisions[-1].fire_at
+        if self.skipped_ranges:
+            return self.skipped_ranges[-1].last
+        return None
+
+    @property
+    def skipped_count(self) -> int | None:
+        """Slots skipped in total (None: a range was not counted)."""
+        total = len(self.skipped)
+        for r in self.skipped_ranges:
+            if r.count is None:
+                return None
+            total += r.count
+        return total
 
 
 def plan_entry(
@@ -88,6 +149,8 @@ def plan_entry(
     catch_up_window: timedelta | None = None,
     end_at: datetime | None = None,
     claim_until: datetime | None = None,
+    previous_at_or_before: Callable[[datetime], datetime | None] | None = None,
+    count_slots: Callable[[datetime, datetime], int | None] | None = None,
 ) -> Plan:
     """Decide the due slots of one entry.
 
@@ -98,13 +161,22 @@ def plan_entry(
         next_after: the schedule's ``next_after`` (first slot strictly after an instant).
         misfire_policy: ``catch_up``, ``fire_once`` or ``skip``.
         misfire_grace: how late a slot may be and still count as on time.
-        catch_up_limit: most missed slots ``catch_up`` fires in one plan (the newest ones).
+        catch_up_limit: most missed slots ``catch_up`` fires in one plan (the newest ones);
+            at most :data:`MAX_CATCH_UP_PER_PLAN`.
         catch_up_window: ``catch_up`` only fires missed slots at most this old (None: no bound).
         end_at: no slot after this instant fires; the schedule ends there.
         claim_until: the look-ahead bound (UTC-aware, ``now + claim ahead``). When
             ``now < next_fire_at <= claim_until`` the plan fires that one slot with trigger
             ``schedule`` and ``next_fire_at`` becomes the following slot; the caller must
             not publish it before its instant. None (or a slot after it): nothing is due.
+        previous_at_or_before: the schedule's ``previous_at_or_before`` (latest slot at or
+            before an instant). Given, the plan costs at most ``catch_up_limit`` +
+            :data:`SKIP_RECORD_LIMIT` + 3 schedule steps whatever the downtime. None: the
+            due slots are walked forward one by one (test schedules only: unbounded).
+        count_slots: ``(first, last) -> n``, the number of due slots from ``first`` (the
+            entry's ``next_fire_at``, a slot or not) to ``last`` (a slot), both included; or
+            None when it cannot be had without walking. Only used for the ``count`` of a
+            :class:`SkippedRange`.
 
     Returns:
         A :class:`Plan`. Deterministic: the same inputs always give the same plan.
@@ -116,6 +188,7 @@ def plan_entry(
         if value is not None and value.tzinfo is None:
             raise ValueError(f"naive datetime {value!r}: pass UTC-aware datetimes")
     policy = MisfirePolicy(misfire_policy)
+    catch_up_limit = min(catch_up_limit, MAX_CATCH_UP_PER_PLAN)
     plan = Plan(next_fire_at=next_fire_at)
     if next_fire_at > now:
         if end_at is not None and next_fire_at > end_at:
@@ -128,56 +201,147 @@ def plan_entry(
                 following = None
             plan.next_fire_at = following
         return plan
-    due: list[datetime] = []
-    slot: datetime | None = next_fire_at
-    while slot is not None and slot <= now and (end_at is None or slot <= end_at):
-        due.append(slot)
-        if len(due) > MAX_SLOTS_PER_PLAN:
-            due.pop(0)
-            plan.unrecorded += 1
-        slot = next_after(slot)
-    if slot is not None and end_at is not None and slot > end_at:
-        slot = None
-    plan.next_fire_at = slot
-    if not due:
+    if end_at is not None and next_fire_at > end_at:
+        plan.next_fire_at = None
+        return plan
+    horizon = now if end_at is None else min(now, end_at)
+    fire_budget = 1 + (max(catch_up_limit, 0) if policy is MisfirePolicy.CATCH_UP else 0)
+    walk = fire_budget + SKIP_RECORD_LIMIT + 1
+
+    # The due slots: next_fire_at itself (a slot, or an instant a person or a retry set),
+    # then every slot after it up to the horizon. `tail` holds the newest `walk` of them.
+    tail, complete, last = _due_tail(next_fire_at, horizon, walk, next_after,
+                                     previous_at_or_before)
+    following = next_after(last)
+    if following is not None and end_at is not None and following > end_at:
+        following = None
+    plan.next_fire_at = following
+
+    on_time = now - last <= misfire_grace
+    # Which slots of the tail fire (always the newest ones), per policy.
+    fired: dict[datetime, str] = {}
+    if on_time:
+        fired[last] = "schedule"
+    missed_tail = tail[:-1] if on_time else tail
+    if policy is MisfirePolicy.CATCH_UP:
+        eligible = [s for s in missed_tail
+                    if catch_up_window is None or now - s <= catch_up_window]
+        for s in eligible[-catch_up_limit:] if catch_up_limit > 0 else []:
+            fired[s] = "catch_up"
+    elif policy is MisfirePolicy.FIRE_ONCE and not on_time and missed_tail:
+        # One run per plan: the latest due slot. When it is on time it is that run, and
+        # the missed ones before it are skipped (a paused 10 s entry resumed 27 s later
+        # fires once, not "the last missed slot and the current one").
+        fired[missed_tail[-1]] = "catch_up"
+
+    def reason_of(s: datetime) -> str:
+        if policy is MisfirePolicy.CATCH_UP:
+            if catch_up_window is not None and now - s > catch_up_window:
+                return "misfire:catch_up_window"
+            return "misfire:catch_up_limit"
+        return f"misfire:{policy.value}"
+
+    if complete:
+        for s in tail:
+            if s in fired:
+                plan.decisions.append(SlotDecision(s, True, fired[s]))
+            else:
+                plan.decisions.append(SlotDecision(s, False, reason=reason_of(s)))
         return plan
 
-    # A slot is on time only while it is the latest due one and at most misfire_grace late:
-    # once its successor is due too, it has been missed (whatever the grace), so a
-    # frequent entry found late (after downtime or a pause) is never a burst of "on time"
-    # runs; its policy decides.
-    missed = [s for i, s in enumerate(due) if now - s > misfire_grace or i < len(due) - 1]
-    fire_missed: set[datetime] = set()
-    reasons: dict[datetime, str] = {}
-    if policy is MisfirePolicy.CATCH_UP:
-        # sets, not lists: a day of 1 s slots must plan in milliseconds, inside the claim
-        # transaction (idle_in_transaction_session_timeout counts this time)
-        eligible = [s for s in missed if catch_up_window is None or now - s <= catch_up_window]
-        eligible_set = set(eligible)
-        for s in missed:
-            if s not in eligible_set:
-                reasons[s] = "misfire:catch_up_window"
-        keep = set(eligible[-catch_up_limit:]) if catch_up_limit > 0 else set()
-        for s in eligible:
-            if s in keep:
-                fire_missed.add(s)
-            else:
-                reasons[s] = "misfire:catch_up_limit"
-    elif policy is MisfirePolicy.FIRE_ONCE:
-        if missed:
-            fire_missed.add(missed[-1])
-        for s in missed[:-1]:
-            reasons[s] = "misfire:fire_once"
+    # More due slots than the walk: every slot older than the oldest fired one is skipped
+    # (fired slots are always the newest), recorded as ranges, not one by one.
+    first_fired = min(fired) if fired else None
+    keep = [s for s in tail if first_fired is not None and s >= first_fired]
+    older = [s for s in tail if first_fired is None or s < first_fired]
+    # `older` is not empty: the walk is longer than the fire budget.
+    skipped_last = older[-1]
+    boundary: datetime | None = None  # the last slot outside the catch-up window
+    if policy is MisfirePolicy.CATCH_UP and catch_up_window is not None:
+        cutoff = now - catch_up_window
+        if skipped_last < cutoff:
+            boundary = skipped_last
+        elif next_fire_at < cutoff:
+            outside = [s for s in older if s < cutoff]
+            boundary = (outside[-1] if outside
+                        else _latest_before(cutoff, next_fire_at, previous_at_or_before))
+    if boundary is not None:
+        plan.skipped_ranges.append(SkippedRange(
+            next_fire_at, boundary, _count(count_slots, next_fire_at, boundary),
+            "misfire:catch_up_window"))
+        if boundary < skipped_last:
+            start = next_after(boundary)
+            if start is None or start > skipped_last:  # pragma: no cover - a grid's own steps
+                start = skipped_last
+            plan.skipped_ranges.append(SkippedRange(
+                start, skipped_last, _count_from(count_slots, next_fire_at, boundary,
+                                                 skipped_last),
+                "misfire:catch_up_limit"))
     else:
-        for s in missed:
-            reasons[s] = "misfire:skip"
-
-    missed_set = set(missed)
-    for s in due:
-        if s not in missed_set:
-            plan.decisions.append(SlotDecision(s, True, "schedule"))
-        elif s in fire_missed:
-            plan.decisions.append(SlotDecision(s, True, "catch_up"))
+        plan.skipped_ranges.append(SkippedRange(
+            next_fire_at, skipped_last, _count(count_slots, next_fire_at, skipped_last),
+            reason_of(skipped_last)))
+    for s in keep:
+        if s in fired:
+            plan.decisions.append(SlotDecision(s, True, fired[s]))
         else:
-            plan.decisions.append(SlotDecision(s, False, reason=reasons[s]))
+            plan.decisions.append(SlotDecision(s, False, reason=reason_of(s)))
     return plan
+
+
+def _due_tail(
+    first: datetime,
+    horizon: datetime,
+    walk: int,
+    next_after: Callable[[datetime], datetime | None],
+    previous_at_or_before: Callable[[datetime], datetime | None] | None,
+) -> tuple[list[datetime], bool, datetime]:
+    """The newest ``walk`` due slots (ascending), whether they are all of them, and the
+    latest due slot. Due: ``first`` and every slot in ``(first, horizon]``."""
+    if previous_at_or_before is None:
+        tail: list[datetime] = []
+        slot: datetime | None = first
+        dropped = False
+        while slot is not None and slot <= horizon:
+            tail.append(slot)
+            if len(tail) > walk:
+                tail.pop(0)
+                dropped = True
+            slot = next_after(slot)
+        return tail, not dropped, tail[-1]
+    last = previous_at_or_before(horizon)
+    if last is None or last <= first:
+        return [first], True, first
+    newest_first = [last]
+    cur = last
+    while len(newest_first) < walk:
+        prev = previous_at_or_before(cur - _EPS)
+        if prev is None or prev <= first:
+            newest_first.append(first)
+            return newest_first[::-1], True, last
+        newest_first.append(prev)
+        cur = prev
+    return newest_first[::-1], False, last
+
+
+def _latest_before(cutoff: datetime, first: datetime,
+                   previous_at_or_before: Callable[[datetime], datetime | None] | None
+                   ) -> datetime:
+    """The latest due slot strictly before ``cutoff`` (``first`` is due and before it)."""
+    if previous_at_or_before is None:  # pragma: no cover - only with the forward walk
+        return first
+    found = previous_at_or_before(cutoff - _EPS)
+    return found if found is not None and found > first else first
+
+
+def _count(count_slots: Callable[[datetime, datetime], int | None] | None,
+           first: datetime, last: datetime) -> int | None:
+    return count_slots(first, last) if count_slots is not None else None
+
+
+def _count_from(count_slots: Callable[[datetime, datetime], int | None] | None,
+                first: datetime, boundary: datetime, last: datetime) -> int | None:
+    """Slots in ``(boundary, last]`` from two counts that start at ``first``."""
+    whole = _count(count_slots, first, last)
+    head = _count(count_slots, first, boundary)
+    return None if whole is None or head is None else whole - head

@@ -19,8 +19,9 @@ class MisfirePolicy(str, enum.Enum):
 
     * ``CATCH_UP``: every missed slot fires, oldest first, at most ``catch_up_limit`` of them
       (and only those inside the catch-up window); older ones are recorded as skipped.
-    * ``FIRE_ONCE`` (default, what stock beat users expect): one run, labelled with the
-      latest missed slot; the others are recorded as skipped.
+    * ``FIRE_ONCE`` (default, what stock beat users expect): one run for everything due at
+      once, the latest due slot (the on-time one when it is on time, else the latest missed
+      slot); the others are recorded as skipped.
     * ``SKIP``: none fire; every missed slot is recorded as skipped.
 
     A slot late by at most ``misfire_grace`` is not a misfire under any policy: it fires.

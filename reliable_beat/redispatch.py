@@ -27,23 +27,26 @@ rather let the broker redeliver first (Redis ``visibility_timeout``).
 
 from __future__ import annotations
 
-import logging
+import time
 from collections.abc import Collection
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, case, or_, select, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.beat import TRIGGER_DESTINATION, trigger_message_id
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox, runs
+from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
 __all__ = ["claim_stuck_runs", "redispatch_stuck_runs", "tracked_tasks"]
 
-log = logging.getLogger("reliable_beat.redispatch")
+log = get_logger("reliable_beat.redispatch")
 
 
 def claim_stuck_runs(
@@ -122,6 +125,32 @@ def claim_stuck_runs(
     return [OutboxMessage.from_row(r) for r in rows]
 
 
+def _still_claimed(store: Store, stuck: list[OutboxMessage],
+                   claimed_at: datetime) -> list[OutboxMessage]:
+    """The messages whose runs still carry this claim's stamp (``updated_at`` =
+    ``claimed_at``), re-stamped with the database's current time so no other process takes
+    them meanwhile; the others were claimed again (or finished) since."""
+    run_ids = [m.run_id for m in stuck if m.run_id is not None]
+    try:
+        with store.begin() as conn:
+            now = store.now(conn)
+            mine = set(conn.execute(
+                update(runs)
+                .where(runs.c.id.in_(run_ids), runs.c.updated_at == claimed_at,
+                       runs.c.state.in_(("dispatched", "running", "retrying")))
+                .values(updated_at=now,
+                        dispatched_at=case((runs.c.state == "dispatched", now),
+                                           else_=runs.c.dispatched_at),
+                        lease_expires_at=case((runs.c.state == "running", now),
+                                              else_=runs.c.lease_expires_at))
+                .returning(runs.c.id)
+            ).scalars())
+    except (StoreUnavailableError, DBAPIError) as exc:  # gone again: send nothing, retry later
+        log.error("could not re-check %d stuck runs before re-sending (%s)", len(stuck), exc)
+        return []
+    return [m for m in stuck if m.run_id in mine]
+
+
 def tracked_tasks(app: Any) -> list[str]:
     """Names of the ``IdempotentTask`` tasks registered in ``app`` (they keep run state)."""
     from reliable_beat.celery.task import IdempotentTask
@@ -144,10 +173,12 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
     tasks = tracked_tasks(app)
     if not tasks:
         return 0
+    after = timedelta(seconds=settings.redispatch_seconds)
+    started = time.monotonic()
     with store.begin() as conn:
         now = store.now(conn)
         stuck = claim_stuck_runs(
-            store, conn, now=now, after=timedelta(seconds=settings.redispatch_seconds),
+            store, conn, now=now, after=after,
             tasks=tasks, limit=settings.batch_size,
             retrying_after=timedelta(
                 seconds=settings.redispatch_seconds + settings.retry_cap_seconds
@@ -155,6 +186,11 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
         )
     if not stuck:
         return 0
+    if time.monotonic() - started > after.total_seconds() / 2:
+        # Paused between the claim and here: another process may have re-sent them since.
+        stuck = _still_claimed(store, stuck, now)
+        if not stuck:
+            return 0
     log.warning(
         "re-sending %d triggers whose runs never started or whose worker died (message lost "
         "by the broker?): %s", len(stuck), ", ".join(m.message_id for m in stuck[:5]),

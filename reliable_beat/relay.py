@@ -42,7 +42,6 @@ the claim runs under ``BEGIN IMMEDIATE``, which serialises claimers on the one h
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 import threading
 import time
@@ -70,6 +69,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
+from reliable_beat import rows as rows_mod
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
@@ -82,12 +82,15 @@ from reliable_beat.handlers import (
 )
 from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
 from reliable_beat.policies import backoff_delay
+from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.settings import Settings
 
 __all__ = [
     "EXPIRED_ERROR",
+    "MAX_UNCHARGED_RETURNS",
     "Relay",
     "claim_outbox_batch",
+    "dead_letter_malformed",
     "mark_expired",
     "mark_sent",
     "outbox_status",
@@ -95,11 +98,19 @@ __all__ = [
     "purge_sent",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: ``last_error`` of a trigger row not published because its ``expires_at`` had passed.
 EXPIRED_ERROR = "expired before publish"
+#: After a database outage a relay leaves beat triggers (destination ``celery``) alone this
+#: long (the beat's sweep delay): a beat that published one while the database was gone
+#: records it as sent first, so the relay does not send it a second time.
+TRIGGER_HOLD_AFTER_OUTAGE_SECONDS = 10.0
 _MAX_ERROR_CHARS = 2000
+#: How many times one row may be handed back uncharged ("destination unavailable") while its
+#: destination delivers other rows meanwhile; after that it is charged an attempt like any
+#: failure, so a row that only *looks* like an outage to the handler still dead-letters.
+MAX_UNCHARGED_RETURNS = 5
 Handler = Callable[[OutboxMessage], None]
 
 
@@ -116,6 +127,7 @@ def claim_outbox_batch(
     limit: int,
     destinations: Iterable[str] | None = None,
     max_bytes: int | None = None,
+    unreadable: bool = False,
 ) -> list[OutboxMessage]:
     """Claim up to ``limit`` due pending rows, lowest id first; run inside a short transaction.
 
@@ -138,6 +150,13 @@ def claim_outbox_batch(
             ones whose payload + headers (as stored JSON text) add up to at most this many
             bytes, and always the first one (a row larger than the budget is claimed alone);
             the rest stay unclaimed. None: no budget.
+        unreadable: SQLite: also claim pending rows whose ``available_at`` is not a
+            readable instant (never due otherwise), to dead-letter them as malformed. The
+            relay asks for it once a minute (it costs a function call per pending row).
+
+    A claimed row that cannot be read or has the wrong shape (:func:`reliable_beat.rows.
+    check_outbox`) is dead-lettered at once (:func:`dead_letter_malformed`) and not
+    returned: one malformed row never fails the claim of the others.
 
     Returns:
         The claimed rows as :class:`OutboxMessage`, sorted by id.
@@ -154,11 +173,14 @@ def claim_outbox_batch(
         )
         .exists()
     )
+    due = o.c.available_at <= now
+    if unreadable and conn.dialect.name == "sqlite":  # a garbage instant is never due
+        due = or_(due, rows_mod.unreadable_instant(o.c.available_at))
     sel = (
         select(o.c.id)
         .where(
             o.c.state == "pending",
-            o.c.available_at <= now,
+            due,
             or_(o.c.ordering_key.is_(None), ~earlier_pending),
         )
         .order_by(o.c.id)
@@ -174,10 +196,66 @@ def claim_outbox_batch(
         update(o)
         .where(o.c.id.in_(claimed_ids))
         .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
-        .returning(*o.c)
+        .returning(*rows_mod.raw_columns(o, conn.dialect))
     )
-    rows = conn.execute(stmt).all()
-    return sorted((OutboxMessage.from_row(r) for r in rows), key=lambda m: m.id)
+    claimed: list[OutboxMessage] = []
+    for raw in conn.execute(stmt).all():
+        values, problems = rows_mod.decode_row(o, dict(raw._mapping), conn.dialect)
+        undecoded = {rows_mod.column_of(p) for p in problems}
+        problems += [p for p in rows_mod.check_outbox(values)
+                     if rows_mod.column_of(p) not in undecoded]
+        if not problems:
+            try:
+                claimed.append(OutboxMessage.from_row(values))
+                continue
+            except Exception as exc:
+                problems.append(f"row: {type(exc).__name__}: {exc}")
+        dead_letter_malformed(conn, values, problems, now)
+    return sorted(claimed, key=lambda m: m.id)
+
+
+def dead_letter_malformed(
+    conn: Connection, values: Mapping[str, Any], problems: Sequence[str], now: datetime
+) -> None:
+    """Dead-letter one malformed outbox row (reason ``malformed``); joins the caller's
+    transaction.
+
+    The row goes ``dead`` with ``last_error`` = the problems; the dead letter's payload keeps
+    every original column value (undecodable ones as text), so a person can repair and
+    requeue it; a ``celery`` trigger's run goes ``scheduled -> dead``. Logged at ERROR with
+    the row and the fix. One malformed row never fails the claim of the others.
+    """
+    error = rows_mod.describe_problems(problems)
+    row_id = values["id"]
+    message_id = values.get("message_id")
+    destination = values.get("destination")
+    changed = conn.execute(
+        update(outbox).where(outbox.c.id == row_id, outbox.c.state == "pending")
+        .values(state="dead", claimed_by=None, last_error=error)
+    ).rowcount
+    if not changed:
+        return
+    log.error("outbox row %s (%s) to %s dead-lettered: malformed row: %s. Fix: repair the row "
+              "from the dead letter's payload and add it again, or requeue it "
+              "(`reliable-beat dead-letters show/requeue`)", row_id,
+              rows_mod.raw_repr(message_id), rows_mod.raw_repr(destination), error)
+    conn.execute(
+        dead_letters.insert().values(
+            kind="outbox",
+            run_id=values.get("run_id") if isinstance(values.get("run_id"), int) else None,
+            outbox_id=row_id,
+            key=(message_id if isinstance(message_id, str) and message_id
+                 else f"outbox:{row_id}")[:400],
+            destination=destination[:200] if isinstance(destination, str) else None,
+            payload=rows_mod.jsonable_raw(values),
+            reason=rows_mod.MALFORMED,
+            error=error,
+            attempts=values.get("attempts") if isinstance(values.get("attempts"), int) else 0,
+            created_at=now,
+        )
+    )
+    _move_runs(conn, [row_id], frm="scheduled", to="dead", now=now,
+               reason=f"trigger malformed: {error}"[:_MAX_ERROR_CHARS])
 
 
 def _json_bytes(conn: Connection, col: Any) -> Any:
@@ -445,12 +523,26 @@ class Relay:
         self._last_purge = float("-inf")
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
+        self._last_scan = float("-inf")  # last claim that also took unreadable rows
+        self._uncharged: dict[int, tuple[int, float]] = {}  # row id -> (returns, first at)
+        self._delivered_at: dict[str, float] = {}  # destination -> last success (monotonic)
         self._listener: _Listener | None = None
+        # After a database outage, beat triggers (destination ``celery``) are left alone for
+        # a sweep delay: the beat that published one during the outage records it first.
+        self._triggers_after = 0.0
+        self._retention: Any = None  # a RetentionThread while run_forever runs
 
     # -- one cycle -----------------------------------------------------------------------
 
     def claim(self) -> list[OutboxMessage]:
         """Claim one batch in its own short transaction (see :func:`claim_outbox_batch`)."""
+        destinations = [d for d in self.handlers
+                        if d != "celery" or time.monotonic() >= self._triggers_after]
+        if not destinations:
+            return []
+        scan = time.monotonic() - self._last_scan >= 60.0
+        if scan:
+            self._last_scan = time.monotonic()
         with self.store.begin() as conn:
             now = db_now(conn)
             return claim_outbox_batch(
@@ -460,8 +552,9 @@ class Relay:
                 now=now,
                 lease=self.claim_lease,
                 limit=self.batch_size,
-                destinations=self.handlers.keys(),
+                destinations=destinations,
                 max_bytes=self.settings.outbox_batch_bytes,
+                unreadable=scan,
             )
 
     def run_once(self) -> int:
@@ -508,6 +601,8 @@ class Relay:
             for m, err in zip(group, results, strict=True):
                 if err is None:
                     outcome.sent.append(m.id)
+                    self._delivered_at[destination] = time.monotonic()
+                    self._uncharged.pop(m.id, None)
                 elif isinstance(err, MessageExpiredError):
                     outcome.expired.append(m.id)
                 elif isinstance(err, DestinationUnavailableError):
@@ -554,7 +649,10 @@ class Relay:
         if outcome.failed:
             with self.store.begin() as conn:
                 self._record_failures(conn, outcome.failed, db_now(conn))
-        for destination, items in outcome.unavailable.items():
+        for destination, items in list(outcome.unavailable.items()):
+            items = self._charge_repeat_returns(destination, items)
+            if not items:
+                continue
             streak = self._down_streak.get(destination, 0)
             self._down_streak[destination] = streak + 1
             delay = max(
@@ -578,6 +676,39 @@ class Relay:
                             attempts=outbox.c.attempts - 1,
                             last_error=_describe(items[0][1]))
                 )
+
+    def _charge_repeat_returns(
+        self, destination: str, items: list[tuple[OutboxMessage, BaseException]]
+    ) -> list[tuple[OutboxMessage, BaseException]]:
+        """The rows to hand back uncharged; the others are charged as ordinary failures.
+
+        A row handed back :data:`MAX_UNCHARGED_RETURNS` times while the destination
+        delivered other rows since its first return is not an outage: it is charged (and so
+        dead-lettered after ``outbox_max_attempts``). A real outage delivers nothing, so it
+        never charges anyone (at-least-once, never dead-letter on an outage).
+        """
+        now = time.monotonic()
+        if len(self._uncharged) > 100_000:  # bounded memory
+            self._uncharged.clear()
+        keep: list[tuple[OutboxMessage, BaseException]] = []
+        charge: list[tuple[OutboxMessage, BaseException]] = []
+        delivered = self._delivered_at.get(destination, float("-inf"))
+        for m, err in items:
+            count, first = self._uncharged.get(m.id, (0, now))
+            count += 1
+            if count >= MAX_UNCHARGED_RETURNS and delivered > first:
+                log.error("outbox row %d (%s) to %r handed back %d times as 'unavailable' "
+                          "while the destination delivered other rows: charging it an "
+                          "attempt (%s)", m.id, m.message_id, destination, count, _describe(err))
+                self._uncharged.pop(m.id, None)
+                charge.append((m, err))
+            else:
+                self._uncharged[m.id] = (count, first)
+                keep.append((m, err))
+        if charge:
+            with self.store.begin() as conn:
+                self._record_failures(conn, charge, db_now(conn))
+        return keep
 
     def _record_failures(
         self, conn: Connection, failed: list[tuple[OutboxMessage, BaseException]], now: datetime
@@ -648,7 +779,13 @@ class Relay:
                    reason=f"trigger undeliverable: {error}"[:_MAX_ERROR_CHARS])
 
     def maybe_purge(self) -> int:
-        """Run one retention pass if the last one is older than ``purge_interval_seconds``."""
+        """Run one retention pass if the last one is older than ``purge_interval_seconds``.
+
+        Off while :meth:`run_forever` runs: its :class:`~reliable_beat.retention.
+        RetentionThread` purges every table in bounded batches until caught up.
+        """
+        if self._retention is not None or self.settings.outbox_retention_seconds is None:
+            return 0
         if time.monotonic() - self._last_purge < self.purge_interval_seconds:
             return 0
         self._last_purge = time.monotonic()
@@ -670,12 +807,16 @@ class Relay:
         """
         stop = stop_event or threading.Event()
         poll = self.settings.relay_poll_seconds
+        from reliable_beat.retention import start_retention
+
+        self._retention = start_retention(self.store, self.settings, role="relay")
         try:
             while not stop.is_set():
                 try:
                     claimed = self.run_once()
                 except StoreUnavailableError as exc:
                     log.warning("relay: store unavailable, retrying in %.1f s: %s", poll, exc)
+                    self._triggers_after = time.monotonic() + TRIGGER_HOLD_AFTER_OUTAGE_SECONDS
                     stop.wait(poll)
                     continue
                 except Exception:
@@ -686,6 +827,9 @@ class Relay:
                     continue
                 self._wait(stop, poll)
         finally:
+            if self._retention is not None:
+                self._retention.stop()
+                self._retention = None
             self.close()
 
     def _wait(self, stop: threading.Event, timeout: float) -> None:
@@ -735,7 +879,7 @@ class _Listener:
                     pass
             return got
         except Exception as exc:
-            log.warning("relay LISTEN connection failed (%s); polling instead", exc)
+            log.warning("relay LISTEN connection failed (%s); polling instead", redact_text(exc))
             self.close()
             time.sleep(timeout)
             return False
@@ -748,5 +892,5 @@ class _Listener:
 
 
 def _describe(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}"
+    text = redact_text(f"{type(err).__name__}: {err}")  # webhook URLs, tokens: never stored
     return text[:_MAX_ERROR_CHARS]

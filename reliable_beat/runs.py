@@ -23,7 +23,6 @@ All instants come from the database clock (:meth:`Store.now`), never the local c
 
 from __future__ import annotations
 
-import logging
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from sqlalchemy.types import Interval
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, runs
 from reliable_beat.errors import StaleFenceToken
+from reliable_beat.redaction import get_logger
 
 __all__ = [
     "UNFINISHED_STATES",
@@ -77,7 +77,7 @@ __all__ = [
     "undo_requeue",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: States the scheduler's overlap policy treats as "still running".
 UNFINISHED_STATES = ("scheduled", "dispatched", "running", "retrying")

@@ -41,6 +41,8 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
 from reliable_beat.entries import notify_entries_changed
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError
+from reliable_beat.identity import store_id as _store_id
+from reliable_beat.rows import check_options, check_run_call
 from reliable_beat.slots import idempotency_key
 
 __all__ = [
@@ -166,10 +168,18 @@ def trigger(store: Store, name: str, *, app: Any = None) -> str:
 
     Raises:
         EntryNotFoundError: no such entry.
+        ConfigurationError: the stored entry is malformed (quarantined).
         StoreUnavailableError: the database is down (nothing was written).
     """
+    sid = _store_id(store)  # outside the transaction (SQLite: one writer)
     with store.begin() as conn:
         row = _require(conn, name)
+        malformed = check_run_call(row.task, row.args, row.kwargs) + check_options(row.options)
+        if malformed:  # a quarantined row (reliable_beat.rows): refuse, naming the fix
+            raise ConfigurationError(
+                f"entry {name!r} is malformed ({'; '.join(malformed)}): fix it first "
+                f"(`reliable-beat entries update {name}` or the beat_schedule)"
+            )
         now = store.now(conn)
         key = manual_key(name, now)
         run_id = conn.execute(
@@ -183,7 +193,7 @@ def trigger(store: Store, name: str, *, app: Any = None) -> str:
         ).scalar_one()
         payload = build_trigger_payload(
             task=row.task, args=row.args, kwargs=row.kwargs, options=row.options, key=key,
-            entry=name, fire_at=now, trigger="manual",
+            entry=name, fire_at=now, trigger="manual", store_id=sid,
         )
         oid = conn.execute(
             outbox.insert().returning(outbox.c.id), [_outbox_row(key, run_id, payload, now)]
@@ -253,6 +263,7 @@ def backfill(
         )
     result = BackfillResult(entry=name)
     triggers: list[Trigger] = []
+    sid = _store_id(store)  # outside the transaction (SQLite: one writer)
     with store.begin() as conn:
         row = _require(conn, name)
         now = store.now(conn)
@@ -318,6 +329,7 @@ def backfill(
                 payload = build_trigger_payload(
                     task=row.task, args=row.args, kwargs=row.kwargs, options=row.options,
                     key=key, entry=name, fire_at=r["fire_at"], trigger="backfill",
+                    store_id=sid,
                 )
                 pending.append((run_id, key, payload, r["fire_at"]))
             ids = conn.execute(

@@ -21,7 +21,12 @@ RFC 5545 §3.3.5 / PEP 495 for the exact instant:
 Cron strings use croniter's syntax: a 6-field string has its **seconds field
 LAST** (``"* * * * * */15"`` = every 15 s). Other tools put seconds first; a
 6-field string whose last field is ``*`` is rejected as that mistake (except
-``"* * * * * *"``).
+``"* * * * * *"``), and so are the other seconds-first forms that can be told apart
+(a last field reading as days of the week, the shape ``0 m h * mon d``) and Quartz's
+``?``; each error gives the rewrite (docs/dst.md lists what cannot be told apart).
+When both day fields are restricted (neither is exactly ``*``), cron strings OR them
+(POSIX), computed as the union of two croniter walks because croniter alone ANDs some
+combinations (``L``, ``W``, ``#``).
 
 Interval entries are elapsed time: ``anchor + k * every`` in UTC for every integer
 ``k``; the zone only changes how slots are shown.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import heapq
+import re
 from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
@@ -42,18 +48,24 @@ from reliable_beat.errors import InvalidScheduleError, UnknownTimezoneError
 from reliable_beat.slots import format_fire_at, truncate
 
 __all__ = [
+    "MAX_CRON_LENGTH",
     "NONEXISTENT_RULES",
     "REPEATED_RULES",
     "CronSchedule",
     "IntervalSchedule",
     "OneOffSchedule",
     "Schedule",
+    "describe_crontab",
     "from_celery",
     "schedule_from_spec",
     "validate_timezone",
 ]
 
 UTC = timezone.utc
+
+#: Longest cron expression accepted (characters). Real expressions are far shorter (a list
+#: of all 60 minutes is 170); an 85 KB one was accepted once and cost 0.5 s per slot step.
+MAX_CRON_LENGTH = 256
 
 #: Allowed values of ``CronSchedule(nonexistent=...)`` (wall time inside a DST gap).
 NONEXISTENT_RULES = ("shift", "gap_end", "skip")
@@ -253,6 +265,71 @@ def _split_fields(expr: str) -> list[str]:
     return _ALIASES.get(text.lower(), text).split()
 
 
+_DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+_SMALL_LIST = re.compile(r"[0-7](-[0-7])?(,[0-7](-[0-7])?)*(/[0-9]+)?")
+
+
+def _day_of_week_like(field: str) -> bool:
+    """A field that reads as a day of week, not seconds: names, ``L``/``#``/``?``, or a
+    range or list within 0-7 (``1-5``, ``1,3,5``); a single number is not enough."""
+    f = field.lower()
+    if any(name in f for name in _DAY_NAMES) or any(c in f for c in "l#?"):
+        return True
+    return bool(_SMALL_LIST.fullmatch(f)) and ("-" in f or "," in f)
+
+
+def _valid_seconds_first(fields: list[str]) -> bool:
+    """Whether the 6 fields also parse as a seconds-first cron."""
+    try:
+        croniter(" ".join(fields).replace("?", "*"), _REFERENCE.replace(tzinfo=None),
+                 second_at_beginning=True)
+    except (CroniterError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _reads_seconds_first(fields: list[str]) -> bool:
+    """The seconds-first forms we can tell apart (docs/dst.md lists the ones we cannot).
+
+    Both readings must be valid, and the seconds-last reading implausible: a last field
+    that reads as a day of week (``1-5``, ``MON-FRI``, ``L5``, ``5#2``), or the usual
+    Spring/Quartz shape ``0 <minute> <hour> * <month> <0-7>`` (seconds ``0`` first,
+    day-of-month ``*``, a single day of week last), which read seconds-last would be
+    "second 0-7 of the matching minutes of <hour>th day of the month".
+    """
+    if not _valid_seconds_first(fields):
+        return False
+    if _day_of_week_like(fields[5]):
+        return True
+    return fields[0] == "0" and fields[3] == "*" and fields[5] in {str(d) for d in range(8)}
+
+
+def _seconds_first_why(fields: list[str]) -> str:
+    if _day_of_week_like(fields[5]):
+        return f"its last field {fields[5]!r} reads as days of the week, not seconds"
+    return (
+        f"'0' first, '*' fourth and {fields[5]!r} last is the seconds-first shape "
+        f"(read seconds-last it would be 'second {fields[5]} of day-of-month {fields[2]}')"
+    )
+
+
+def _seconds_first_fix(fields: list[str], *, ambiguous: bool = False) -> str:
+    """The rewrite for a seconds-first string: seconds moved last, or dropped when 0."""
+    rest = [f.replace("?", "*") for f in fields[1:]]
+    if len(fields) != 6:
+        return f"E.g. {' '.join(f.replace('?', '*') for f in fields)!r}"
+    moved = " ".join(rest) if fields[0] == "0" else " ".join([*rest, fields[0]])
+    text = f"If you meant seconds first, write {moved!r}" + (
+        " (5 fields: second 0 is the default)." if fields[0] == "0" else " (seconds last)."
+    )
+    if ambiguous:
+        text += (
+            " If you did mean seconds last, write the month field as '1-12' instead of '*' "
+            "(docs/dst.md lists the forms that cannot be told apart)."
+        )
+    return text
+
+
 class CronSchedule(Schedule):
     """A cron expression evaluated on the wall clock of an IANA zone.
 
@@ -275,7 +352,8 @@ class CronSchedule(Schedule):
 
     Raises:
         InvalidScheduleError: unreadable expression (croniter's error as
-            ``__cause__``), seconds-first 6-field string, an expression that never
+            ``__cause__``), longer than :data:`MAX_CRON_LENGTH` characters,
+            seconds-first 6-field string, an expression that never
             matches (none within 30 years), or an unknown rule name.
         UnknownTimezoneError: unknown zone.
     """
@@ -293,6 +371,12 @@ class CronSchedule(Schedule):
     ) -> None:
         if not isinstance(expr, str):
             raise InvalidScheduleError(f"cron expression must be a string, got {expr!r}")
+        if len(expr) > MAX_CRON_LENGTH:
+            raise InvalidScheduleError(
+                f"cron expression {expr[:40]!r}... is {len(expr)} characters long; at most "
+                f"{MAX_CRON_LENGTH} are accepted (each slot step re-reads it): use ranges and "
+                "steps ('0-59/5') instead of long lists, or split the entry in two"
+            )
         self.expr = expr
         self.timezone = validate_timezone(timezone)
         self.day_or = bool(day_or)
@@ -302,6 +386,16 @@ class CronSchedule(Schedule):
         fields = _split_fields(expr)
         self._croniter_expr = " ".join(fields)
         self._check_syntax(fields)
+        # POSIX OR of two restricted day fields (neither is exactly '*') is walked as the
+        # union of two croniter expressions with one day field each: croniter ANDs them
+        # when one holds L, W or #, and when it normalises the other to '*' ('1-31' with
+        # '*/2'): tests/unit/test_cron_oracle.py lists the cases.
+        self._exprs: tuple[str, ...] = (self._croniter_expr,)
+        if self.day_or and fields[2] != "*" and fields[4] != "*":
+            self._exprs = (
+                " ".join([*fields[:4], "*", *fields[5:]]),
+                " ".join([*fields[:2], "*", *fields[3:]]),
+            )
         self.fixed_time = not fields[0].startswith("*") and not fields[1].startswith("*")
         if nonexistent is not None and nonexistent not in NONEXISTENT_RULES:
             raise InvalidScheduleError(
@@ -331,25 +425,57 @@ class CronSchedule(Schedule):
             raise InvalidScheduleError(
                 f"cron {self.expr!r} has {len(fields)} fields; expected {hint}"
             )
+        if any("?" in f for f in fields):
+            raise InvalidScheduleError(
+                f"cron {self.expr!r}: '?' is Quartz syntax, not cron: write '*' instead. "
+                "Quartz also puts seconds FIRST and numbers days of the week 1=Sunday..7="
+                "Saturday (cron: 0=Sunday, 1=Monday), so write the days as names (MON-FRI). "
+                + _seconds_first_fix(fields)
+            )
         if len(fields) == 6 and fields[5] == "*" and fields != ["*"] * 6:
             raise InvalidScheduleError(
                 f"cron {self.expr!r}: a 6-field string has its seconds field LAST, so this "
                 "means 'every second' of the matching minutes; that is almost always the "
                 "seconds-first mistake. Put seconds last, e.g. '* * * * * */15' for every "
-                "15 seconds (or use '* * * * * *' for every second)"
+                "15 seconds (or use '* * * * * *' for every second). "
+                + _seconds_first_fix(fields)
             )
-        try:
-            croniter(self._croniter_expr, _REFERENCE.replace(tzinfo=None), day_or=self.day_or)
-        except (CroniterError, ValueError, KeyError, TypeError) as exc:
+        if len(fields) == 6 and _reads_seconds_first(fields):
             raise InvalidScheduleError(
-                f"cron {self.expr!r} is not valid: {exc}; expected {hint}"
+                f"cron {self.expr!r} looks like a seconds-FIRST cron (Spring/Quartz "
+                "'second minute hour day-of-month month day-of-week'): "
+                + _seconds_first_why(fields)
+                + ". reliable_beat reads 6 fields with the seconds field LAST (croniter). "
+                + _seconds_first_fix(fields, ambiguous=not _day_of_week_like(fields[5]))
+            )
+        dom = fields[2].lower()
+        if "w" in dom:
+            day = dom[:-1]
+            if not (dom.endswith("w") and day.isdigit() and 1 <= int(day) <= 28):
+                raise InvalidScheduleError(
+                    f"cron {self.expr!r}: day-of-month {fields[2]!r}: 'W' (nearest weekday) "
+                    "is supported as a single day 1W..28W only (a list, a range, LW or a day "
+                    "some months lack has no agreed meaning); use e.g. '15W', 'L', or a list "
+                    "of days"
+                )
+        try:
+            for expr in (self._croniter_expr,):
+                croniter(expr, _REFERENCE.replace(tzinfo=None), day_or=self.day_or)
+        except (CroniterError, ValueError, KeyError, TypeError) as exc:
+            extra = ""
+            if len(fields) == 6 and _valid_seconds_first(fields):
+                extra = " It reads as a seconds-FIRST (Spring/Quartz) cron. " + (
+                    _seconds_first_fix(fields)
+                )
+            raise InvalidScheduleError(
+                f"cron {self.expr!r} is not valid: {exc}; expected {hint}.{extra}"
             ) from exc
 
     # -- wall-clock iteration -------------------------------------------------------
 
-    def _iter(self, wall: datetime) -> croniter:
+    def _iter(self, expr: str, wall: datetime) -> croniter:
         return croniter(
-            self._croniter_expr,
+            expr,
             wall,
             day_or=self.day_or,
             max_years_between_matches=_MAX_YEARS,
@@ -358,30 +484,44 @@ class CronSchedule(Schedule):
     def _instants(self, wall: datetime) -> list[datetime]:
         return _wall_to_instants(wall, self._zone, self._nonexistent, self._repeated)
 
-    def _walls_forward(self, after_wall: datetime) -> Iterator[datetime]:
-        """Matching naive wall times strictly after ``after_wall``, ascending."""
-        it = self._iter(after_wall)
+    def _stream(self, expr: str, after_wall: datetime) -> Iterator[datetime]:
+        it = self._iter(expr, after_wall)
         while True:
             try:
                 yield it.get_next(datetime)
             except CroniterBadDateError:
                 return
 
+    def _walls_forward(self, after_wall: datetime) -> Iterator[datetime]:
+        """Matching naive wall times strictly after ``after_wall``, ascending, unique."""
+        if len(self._exprs) == 1:
+            yield from self._stream(self._exprs[0], after_wall)
+            return
+        last: datetime | None = None
+        for wall in heapq.merge(*(self._stream(e, after_wall) for e in self._exprs)):
+            if wall != last:
+                last = wall
+                yield wall
+
     def _wall_after(self, wall: datetime) -> datetime | None:
-        """First matching naive wall time strictly after ``wall`` (one croniter step)."""
-        try:
-            result: datetime = self._iter(wall).get_next(datetime)
-        except CroniterBadDateError:
-            return None
-        return result
+        """First matching naive wall time strictly after ``wall`` (one croniter step each)."""
+        found: list[datetime] = []
+        for expr in self._exprs:
+            try:
+                found.append(self._iter(expr, wall).get_next(datetime))
+            except CroniterBadDateError:
+                continue
+        return min(found) if found else None
 
     def _wall_before(self, wall: datetime) -> datetime | None:
-        """Last matching naive wall time strictly before ``wall`` (one croniter step)."""
-        try:
-            result: datetime = self._iter(wall).get_prev(datetime)
-        except CroniterBadDateError:
-            return None
-        return result
+        """Last matching naive wall time strictly before ``wall`` (one croniter step each)."""
+        found: list[datetime] = []
+        for expr in self._exprs:
+            try:
+                found.append(self._iter(expr, wall).get_prev(datetime))
+            except CroniterBadDateError:
+                continue
+        return max(found) if found else None
 
     def _transition_around(self, at: datetime) -> datetime | None:
         """The DST transition instant within ±3 h of ``at`` (UTC), or None."""
@@ -785,85 +925,314 @@ def schedule_from_spec(spec: Mapping[str, Any]) -> Schedule:
 
 
 _CELERY_FIELDS = (
-    # (attribute, original-string attribute, full range)
-    ("minute", "_orig_minute", range(60)),
-    ("hour", "_orig_hour", range(24)),
-    ("day_of_month", "_orig_day_of_month", range(1, 32)),
-    ("month_of_year", "_orig_month_of_year", range(1, 13)),
-    ("day_of_week", "_orig_day_of_week", range(7)),
+    # (attribute, original-value attribute, keyword, lowest, highest)
+    ("minute", "_orig_minute", "minute", 0, 59),
+    ("hour", "_orig_hour", "hour", 0, 23),
+    ("day_of_month", "_orig_day_of_month", "day_of_month", 1, 31),
+    ("month_of_year", "_orig_month_of_year", "month_of_year", 1, 12),
+    ("day_of_week", "_orig_day_of_week", "day_of_week", 0, 6),
 )
 
 
-def _crontab_expr(obj: Any) -> str:
-    """Render a Celery ``crontab`` as a 5-field croniter string.
+def describe_crontab(obj: Any) -> str:
+    """Quote a Celery ``crontab`` as the user wrote it: ``crontab(minute='*/2 5', hour=3)``.
 
-    A field whose original text starts with ``*`` (``"*"``, ``"*/10"``) keeps it, so
-    the fixed-time/wildcard distinction survives; every other field is rendered from
-    Celery's own expanded set (so Celery's parsing of names and ranges is what
-    counts). Day-of-week numbering is the same in both (0 = Sunday).
+    Built from Celery's ``_orig_*`` attributes (the arguments as given); fields left at
+    Celery's default ``'*'`` are omitted. Used in every error about a crontab, so a
+    message never quotes our rendered cron string instead of the user's text.
     """
     parts: list[str] = []
-    for attr, orig_attr, full in _CELERY_FIELDS:
-        values = sorted(int(v) for v in getattr(obj, attr))
-        orig = getattr(obj, orig_attr, None)
-        if isinstance(orig, str) and orig.strip().startswith("*"):
-            parts.append(orig.strip().replace(" ", ""))
-        elif values == list(full):
-            parts.append("*")
+    for _attr, orig_attr, keyword, _lo, _hi in _CELERY_FIELDS:
+        orig = getattr(obj, orig_attr, "*")
+        if isinstance(orig, str) and orig == "*":
+            continue
+        parts.append(f"{keyword}={orig!r}")
+    return f"crontab({', '.join(parts)})"
+
+
+def _runs(values: list[int]) -> str:
+    """``[1, 2, 3, 5, 7, 8]`` → ``"1-3,5,7,8"`` (runs of three or more become ranges)."""
+    out: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        if j - i >= 2:
+            out.append(f"{values[i]}-{values[j]}")
         else:
-            parts.append(",".join(str(v) for v in values))
-    return " ".join(parts)
+            out.extend(str(v) for v in values[i : j + 1])
+        i = j + 1
+    return ",".join(out)
 
 
-def from_celery(obj: object, *, timezone: str, anchor: datetime, entry: str = "?") -> Schedule:
-    """Convert a Celery ``beat_schedule`` value into a :class:`Schedule`.
+def _render_celery_field(values: list[int], lo: int, hi: int, star: bool) -> str | None:
+    """Render one expanded crontab field (Celery's own set) as a croniter field.
+
+    ``star`` (the user's text starts with ``*``) must survive for the minute and hour
+    fields, because it decides the DST rule (wildcard vs fixed-time, ``docs/dst.md``):
+    a star field renders as ``*``, ``*/n`` or ``*/n,<extra values>``; any other field as a
+    plain list with ranges, never starting with ``*``. Returns None when a star field
+    cannot be written (its set lacks the field's lowest value).
+    """
+    if not star:
+        step = values[1] - values[0] if len(values) >= 3 else 0
+        if step > 1 and values == list(range(values[0], values[-1] + 1, step)):
+            return f"{values[0]}-{values[-1]}/{step}"  # '0-58/2', short and not '*'
+        return _runs(values)
+    if values == list(range(lo, hi + 1)):
+        return "*"
+    if not values or values[0] != lo:
+        return None
+    have = set(values)
+    # smallest step whose progression lo, lo+s, ... lies inside the set (s = span: {lo})
+    step = next(s for s in range(2, hi - lo + 2) if set(range(lo, hi + 1, s)) <= have)
+    rest = sorted(have - set(range(lo, hi + 1, step)))
+    return f"*/{step}" + (f",{_runs(rest)}" if rest else "")
+
+
+def _croniter_sets(expr: str) -> list[set[int]]:
+    """The five field sets croniter expands ``expr`` to (``*`` → the full range; 7 → 0)."""
+    expanded = croniter(expr, _REFERENCE.replace(tzinfo=None), day_or=False).expanded
+    out: list[set[int]] = []
+    for field, (_a, _o, _k, lo, hi) in zip(expanded, _CELERY_FIELDS, strict=True):
+        if field == ["*"]:
+            out.append(set(range(lo, hi + 1)))
+        else:
+            out.append({int(v) % 7 if hi == 6 else int(v) for v in field})
+    return out
+
+
+def _crontab_expr(obj: Any, where: str) -> str:
+    """Render a Celery ``crontab`` as a 5-field croniter string, from Celery's own sets.
+
+    Every field is rendered from the set Celery expanded (``crontab.minute``, ``.hour``,
+    ``.day_of_month``, ``.month_of_year``, ``.day_of_week``), never from the text the user
+    wrote: Celery's parsing is what counts (``minute='*/2 5'`` is every 2 minutes in Celery,
+    and stays so). Only the *star-ness* of the minute and hour text is kept (it decides the
+    DST rule; a full set counts as ``*``). The result is checked: croniter must expand it
+    back to exactly Celery's sets. Day-of-week numbering is the same in both (0 = Sunday).
+
+    Raises:
+        InvalidScheduleError: the crontab cannot be written as a cron string with the same
+            meaning (quotes the crontab as written, never our rendering).
+    """
+    source = describe_crontab(obj)
+    celery_sets: list[set[int]] = []
+    parts: list[str] = []
+    for attr, orig_attr, keyword, lo, hi in _CELERY_FIELDS:
+        try:
+            values = sorted({int(v) for v in getattr(obj, attr)})
+        except (TypeError, ValueError) as exc:
+            raise InvalidScheduleError(
+                f"{where}{source}: field {keyword} is not a set of integers ({exc}); build "
+                "it with celery.schedules.crontab(...)"
+            ) from exc
+        if not values or values[0] < lo or values[-1] > hi:
+            raise InvalidScheduleError(
+                f"{where}{source}: Celery expanded {keyword} to {values!r}, outside "
+                f"{lo}-{hi}; give values in that range"
+            )
+        orig = getattr(obj, orig_attr, None)
+        if orig is None:  # pragma: no cover - every Celery 5 crontab keeps its arguments
+            star = values == list(range(lo, hi + 1))
+        else:
+            star = isinstance(orig, str) and orig.strip().startswith("*")
+        # a full set is '*' whatever its text (hour=range(24) stays an hourly wildcard)
+        star = star or values == list(range(lo, hi + 1))
+        rendered = _render_celery_field(values, lo, hi, star)
+        if rendered is None:
+            raise InvalidScheduleError(
+                f"{where}{source}: field {keyword}={orig!r} starts with '*' but Celery expanded "
+                f"it to {values!r}, which has no cron form that keeps the wildcard DST rule; "
+                "write the values as a list without '*'"
+            )
+        celery_sets.append(set(values))
+        parts.append(rendered)
+    expr = " ".join(parts)
+    try:
+        ours = _croniter_sets(expr)
+    except (CroniterError, ValueError, KeyError, TypeError) as exc:  # pragma: no cover
+        raise InvalidScheduleError(
+            f"{where}{source} cannot be converted to a cron string ({exc}); please report it"
+        ) from exc
+    for got, want, field in zip(ours, celery_sets, _CELERY_FIELDS, strict=True):
+        keyword = field[2]
+        if got != want:  # pragma: no cover - a rendering bug; refuse rather than guess
+            raise InvalidScheduleError(
+                f"{where}{source}: converting field {keyword} would change its meaning "
+                f"(Celery: {sorted(want)}, cron {expr!r}: {sorted(got)}); please report it, "
+                "and write the schedule as a cron string meanwhile"
+            )
+    return expr
+
+
+def _crontab_zone(obj: Any, where: str) -> str | None:
+    """The zone a crontab carries itself, or None (then Celery uses the app's ``timezone``).
+
+    Celery evaluates a crontab on the clock ``nowfun()`` returns (django-celery-beat's
+    ``TzAwareCrontab`` keeps it as ``.tz``); that zone is the crontab's meaning.
+
+    Raises:
+        InvalidScheduleError: ``nowfun`` gives a naive time (the host's local clock) or a
+            zone with no IANA name.
+    """
+    # an instance attribute only: BaseSchedule.tz is a property giving the app's zone
+    tz = vars(obj).get("tz")
+    if tz is None and getattr(obj, "nowfun", None) is not None:
+        try:
+            now = obj.nowfun()
+        except Exception as exc:
+            raise InvalidScheduleError(
+                f"{where}{describe_crontab(obj)}: its nowfun() failed ({exc!r}); drop nowfun "
+                "and set the entry's zone with options['reliable_beat']['timezone']"
+            ) from exc
+        if not isinstance(now, datetime) or now.tzinfo is None:
+            raise InvalidScheduleError(
+                f"{where}{describe_crontab(obj)}: its nowfun() returns a naive time (the "
+                "host's local clock), which no slot can be keyed on; drop nowfun and set the "
+                "entry's zone with options['reliable_beat']['timezone']"
+            )
+        tz = now.tzinfo
+    if tz is None:
+        return None
+    name = getattr(tz, "key", None) or getattr(tz, "zone", None)  # zoneinfo / pytz
+    if name is None and tz.utcoffset(None) == timedelta(0) and str(tz) == "UTC":
+        name = "UTC"
+    if not isinstance(name, str):
+        raise InvalidScheduleError(
+            f"{where}{describe_crontab(obj)} is evaluated in {tz!r}, which has no IANA zone "
+            "name; drop nowfun/tz and set the entry's zone with "
+            "options['reliable_beat']['timezone'] (e.g. 'Europe/Berlin')"
+        )
+    return validate_timezone(name)
+
+
+def _type_name(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _overrides(obj: object, base: type, names: tuple[str, ...]) -> list[str]:
+    """Methods of ``names`` that ``type(obj)`` redefines below ``base``."""
+    return [n for n in names if getattr(type(obj), n, None) is not getattr(base, n, None)]
+
+
+def from_celery(
+    obj: object,
+    *,
+    timezone: str,
+    anchor: datetime,
+    entry: str = "?",
+    relative: bool = False,
+) -> Schedule:
+    """Convert a Celery ``beat_schedule`` value into a :class:`Schedule`, same meaning or refused.
 
     * ``celery.schedules.crontab`` → :class:`CronSchedule` with ``day_or=False``
-      (Celery ANDs day_of_month and day_of_week; cron strings OR them).
+      (Celery ANDs day_of_month and day_of_week; cron strings OR them), rendered from the
+      field sets Celery itself expanded and checked against them, in the zone of its own
+      clock when it has one (``nowfun``, django-celery-beat's ``tz``), else ``timezone``.
     * ``celery.schedules.schedule``, :class:`~datetime.timedelta`, int/float seconds →
       :class:`IntervalSchedule` anchored at ``anchor``.
     * a cron string → :class:`CronSchedule` (POSIX ``day_or=True``).
     * one of our :class:`Schedule` objects → returned as is (its own zone is kept).
+
+    ``relative`` is the ``beat_schedule`` entry key of the same name, applied as Celery's
+    ``maybe_schedule`` applies it: only to a number or ``timedelta`` (it builds
+    ``schedule(td, relative=True)``); Celery ignores it on every other value, and so do
+    we.
 
     Args:
         obj: the schedule value.
         timezone: IANA zone of the entry (Celery's ``timezone`` setting).
         anchor: tz-aware grid anchor for intervals.
         entry: entry name, for error messages.
+        relative: the entry's ``relative`` key (Celery default False).
 
     Raises:
-        InvalidScheduleError: ``solar`` schedules (refused: no stable slots),
-            unsupported types, or invalid values; the message names the entry.
+        InvalidScheduleError: ``solar`` schedules (no stable slots), relative intervals
+            (``schedule(..., relative=True)``: Celery rounds each run to the interval's
+            resolution from when beat started, no fixed grid), custom ``BaseSchedule``
+            subclasses (decided at run time, no fixed slots), unsupported types, or
+            invalid values; the message names the entry, quotes what the user wrote and
+            says what to use instead.
         UnknownTimezoneError: unknown zone.
     """
+    where = f"entry {entry!r}: "
     if isinstance(obj, Schedule):
         return obj
     try:
         from celery import schedules as celery_schedules
     except ImportError:  # pragma: no cover - celery is a dependency
         celery_schedules = None  # type: ignore[assignment]
+    relative_hint = (
+        "Celery's relative=True rounds each run to the interval's resolution counted from "
+        "when beat started, so its slots move with every restart; reliable_beat slots sit "
+        "on a fixed grid (anchor + k x interval, the anchor kept with the entry). Drop "
+        "relative=True (set the grid with options['reliable_beat']['anchor'] if the phase "
+        "matters) or use a crontab"
+    )
     try:
         if celery_schedules is not None:
             if isinstance(obj, celery_schedules.solar):
                 raise InvalidScheduleError(
-                    f"entry {entry!r}: celery solar schedules are not supported (their "
+                    f"{where}celery solar schedules are not supported (their "
                     "slots move with the sun and cannot be keyed); use a crontab instead"
                 )
             if isinstance(obj, celery_schedules.crontab):
-                return CronSchedule(_crontab_expr(obj), timezone, day_or=False)
+                expr = _crontab_expr(obj, where)
+                zone = _crontab_zone(obj, where) or timezone
+                try:
+                    return CronSchedule(expr, zone, day_or=False)
+                except UnknownTimezoneError:
+                    raise
+                except InvalidScheduleError as exc:
+                    message = str(exc).replace(f"cron {expr!r}", describe_crontab(obj))
+                    raise InvalidScheduleError(f"{where}{message}") from exc
             if isinstance(obj, celery_schedules.schedule):
+                custom = _overrides(
+                    obj, celery_schedules.schedule, ("is_due", "remaining_estimate")
+                )
+                if custom:
+                    raise InvalidScheduleError(
+                        f"{where}{_type_name(obj)} (a celery schedule subclass) overrides "
+                        f"{', '.join(custom)}: when it runs is decided at run time, so it has "
+                        "no fixed slots to key runs by. Use a plain schedule/timedelta, a "
+                        "crontab or a cron string, or add/remove a runtime entry from your "
+                        "code when the condition changes"
+                    )
+                if getattr(obj, "relative", False):
+                    raise InvalidScheduleError(
+                        f"{where}schedule({obj.run_every!r}, relative=True): {relative_hint}"
+                    )
                 return IntervalSchedule(obj.run_every, anchor, timezone)
-        if isinstance(obj, timedelta):
-            return IntervalSchedule(obj, anchor, timezone)
-        if isinstance(obj, (int, float)) and not isinstance(obj, bool):
-            return IntervalSchedule(timedelta(seconds=obj), anchor, timezone)
+            if isinstance(obj, celery_schedules.BaseSchedule):
+                raise InvalidScheduleError(
+                    f"{where}{_type_name(obj)} is a custom celery schedule (a BaseSchedule "
+                    "subclass): its is_due() decides at run time whether to run (e.g. by a "
+                    "query per tick), so it has no fixed slots, and reliable_beat keys every "
+                    "run by its slot (what makes it run once). Use a cron string or crontab, "
+                    "or an interval (timedelta), whichever grid the condition is checked on "
+                    "(and check the condition in the task), or add and remove a runtime entry "
+                    "from your code when the condition changes (`reliable-beat entries add`)"
+                )
+        if isinstance(obj, (timedelta, int, float)) and not isinstance(obj, bool):
+            every = obj if isinstance(obj, timedelta) else timedelta(seconds=obj)
+            if relative:
+                raise InvalidScheduleError(
+                    f"{where}'relative': True with schedule {obj!r}: {relative_hint}"
+                )
+            return IntervalSchedule(every, anchor, timezone)
         if isinstance(obj, str):
             return CronSchedule(obj, timezone)
     except InvalidScheduleError as exc:
-        if str(exc).startswith(f"entry {entry!r}"):
+        if str(exc).startswith(where):
             raise
-        raise InvalidScheduleError(f"entry {entry!r}: {exc}") from exc
+        raise InvalidScheduleError(f"{where}{exc}") from exc
+    shown = repr(obj)
+    if " object at 0x" in shown:  # the default repr says nothing useful
+        shown = f"a {_type_name(obj)} object"
     raise InvalidScheduleError(
-        f"entry {entry!r}: unsupported schedule {obj!r} ({type(obj).__name__}); use a "
+        f"{where}unsupported schedule {shown} ({type(obj).__name__}); use a "
         "celery crontab or schedule, a timedelta, seconds, or a cron string"
     )

@@ -7,6 +7,7 @@ typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -14,8 +15,16 @@ from typing import Any
 
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy, RetryPolicy
+from reliable_beat.schedules import validate_timezone
 
-__all__ = ["DEFAULT_DATABASE_URL", "MAX_CLAIM_AHEAD_SECONDS", "PREFIX", "Settings"]
+__all__ = [
+    "DEFAULT_DATABASE_URL",
+    "MAX_CLAIM_AHEAD_SECONDS",
+    "PREFIX",
+    "Settings",
+    "celery_timezone",
+    "host_timezone",
+]
 
 PREFIX = "reliable_beat_"
 #: The embedded default store: a SQLite file in the working directory.
@@ -24,7 +33,12 @@ DEFAULT_DATABASE_URL = "sqlite:///reliable_beat.sqlite3"
 MAX_CLAIM_AHEAD_SECONDS = 60.0
 
 
-@dataclass(frozen=True)
+#: Settings whose None is a value (off / keep forever), not "use the default".
+_NULLABLE = ("catch_up_window_seconds", "metrics_port", "outbox_retention_seconds",
+             "runs_retention_seconds", "attempts_retention_seconds")
+
+
+@dataclass(frozen=True, repr=False)
 class Settings:
     """Every setting, with its unit in its name. Celery key = ``reliable_beat_`` + field name.
 
@@ -43,7 +57,17 @@ class Settings:
         retry_max_attempts / retry_base_seconds / retry_cap_seconds: task retry defaults.
         outbox_handlers: destination name -> dotted path of a handler callable.
         outbox_max_attempts / outbox_retry_base_seconds / outbox_retry_cap_seconds: relay retry.
-        outbox_retention_seconds: sent outbox rows older than this are purged (7 days).
+        outbox_retention_seconds: sent outbox rows older than this are purged (7 days;
+            None: never).
+        runs_retention_seconds: finished runs (``succeeded``, ``skipped``, a plain task's
+            ``dispatched``) not updated for this long are purged with their attempts (30
+            days; None: never; at least 3600). Their idempotency keys go with them.
+        attempts_retention_seconds: attempts of finished, not dead, runs older than this are
+            purged (7 days; None: never).
+        purge_batch_size: rows deleted per retention transaction.
+        purge_interval_seconds: a beat or relay starts a retention pass this often; a pass
+            runs until caught up (0: this process does not purge; see
+            :mod:`reliable_beat.retention`). Dead letters are never purged automatically.
         outbox_batch_size: rows claimed per relay transaction.
         relay_poll_seconds: relay idle poll period when no NOTIFY arrives.
         backfill_limit: most slots one backfill creates unless forced.
@@ -51,6 +75,8 @@ class Settings:
             ``running`` with a lease expired this long has its trigger sent again (its
             message was lost; see :mod:`reliable_beat.redispatch`).
         metrics_port: serve Prometheus metrics on this port (None: off).
+        metrics_host: the address the metrics server binds (default ``127.0.0.1``: loopback
+            only; ``0.0.0.0`` exposes it on every interface).
         owner_id: name of this process in leases and logs (default: host:pid).
         webhook_destinations: ``{name: {"base_url", "headers"?, "timeout_seconds"?,
             "max_concurrency"?, "methods"?, "block_private_networks"?}}``: where ``webhook``
@@ -101,12 +127,17 @@ class Settings:
     outbox_max_attempts: int = 10
     outbox_retry_base_seconds: float = 1.0
     outbox_retry_cap_seconds: float = 300.0
-    outbox_retention_seconds: float = 7 * 24 * 3600.0
+    outbox_retention_seconds: float | None = 7 * 24 * 3600.0
+    runs_retention_seconds: float | None = 30 * 24 * 3600.0
+    attempts_retention_seconds: float | None = 7 * 24 * 3600.0
+    purge_batch_size: int = 5000
+    purge_interval_seconds: float = 60.0
     outbox_batch_size: int = 200
     relay_poll_seconds: float = 1.0
     backfill_limit: int = 1000
     redispatch_seconds: float = 120.0
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     owner_id: str | None = None
     # repr=False: these may hold secrets given inline (auth headers, the SMTP password)
     webhook_destinations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict,
@@ -153,8 +184,15 @@ class Settings:
             elif f.type in ("str", "str | None") and not isinstance(value, str):
                 problems.append(f"{key}={value!r}: expected a string")
         if not problems:
+            if self.runs_retention_seconds is not None and self.runs_retention_seconds < 3600:
+                problems.append(
+                    f"{PREFIX}runs_retention_seconds={self.runs_retention_seconds!r}: at least "
+                    "3600 (a purged run's idempotency key no longer stops a late duplicate "
+                    "delivery); None keeps runs forever"
+                )
             for name in ("batch_size", "outbox_batch_size", "retry_max_attempts",
-                         "lease_seconds", "retry_base_seconds", "outbox_retry_base_seconds"):
+                         "purge_batch_size", "lease_seconds", "retry_base_seconds",
+                         "outbox_retry_base_seconds"):
                 if getattr(self, name) <= 0:
                     problems.append(f"{PREFIX}{name} must be > 0")
             if self.claim_ahead_seconds > MAX_CLAIM_AHEAD_SECONDS:
@@ -167,6 +205,25 @@ class Settings:
             problems.extend(self._outbound_problems())
         if problems:
             raise ConfigurationError("; ".join(problems))
+
+    def __repr__(self) -> str:
+        """Every field, with the database URL and any secret-named value redacted (error
+        reporters capture locals; a repr must never carry a password)."""
+        from reliable_beat.redaction import MASK, is_sensitive_name, redact_url, redact_value
+
+        shown = []
+        for f in fields(self):
+            if not f.repr:  # e.g. webhook destinations, SMTP: may hold inline secrets
+                continue
+            value = getattr(self, f.name)
+            if f.name.endswith("_url") and isinstance(value, str):
+                value = redact_url(value)
+            elif is_sensitive_name(f.name) and value not in (None, ""):
+                value = MASK
+            else:
+                value = redact_value(value)
+            shown.append(f"{f.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     def _outbound_problems(self) -> list[str]:
         """Shape checks of the webhook / SMTP / size settings (secrets are read by the relay)."""
@@ -210,42 +267,187 @@ class Settings:
         return [PREFIX + f.name for f in fields(cls)]
 
     @classmethod
-    def from_mapping(cls, conf: Mapping[str, Any]) -> Settings:
-        """Read the ``reliable_beat_*`` keys of ``conf`` (other keys are ignored).
+    def from_mapping(cls, conf: Mapping[str, Any], *, namespace: str | None = None) -> Settings:
+        """Read the reliable_beat keys of ``conf`` (other keys are ignored).
+
+        A setting ``reliable_beat_<name>`` is accepted in these forms (the name part in any
+        case, so ``RELIABLE_BEAT_LEASE_SECONDS`` of a settings module counts):
+
+        * ``reliable_beat_<name>``;
+        * ``<namespace>_reliable_beat_<name>`` when ``namespace`` is given, as Celery reads a
+          configuration loaded with ``config_from_object(obj, namespace="CELERY")``
+          (``CELERY_RELIABLE_BEAT_DATABASE_URL``).
+
+        The namespaced form wins over the plain one, as in Celery; the two forms with
+        different values in one mapping is an error (one of them would be ignored).
+        :meth:`from_celery` takes Celery's own answer for the forms Celery resolves.
+
+        Args:
+            conf: any mapping of setting name -> value.
+            namespace: the Celery app's configuration namespace (``app.namespace``, e.g.
+                ``"CELERY"``), or None.
 
         Raises:
-            ConfigurationError: an unknown ``reliable_beat_*`` key (the message lists the
-                valid ones) or an invalid value.
+            ConfigurationError: an unknown reliable_beat key in any form (the message names it
+                and lists the valid ones), a ``<X>_RELIABLE_BEAT_*`` key whose ``X`` is not the
+                namespace (Celery would ignore it), conflicting forms, or an invalid value.
         """
+        return cls._from_maps([conf], namespace=namespace)
+
+    @classmethod
+    def _from_maps(cls, maps: list[Any], *, namespace: str | None,
+                   celery_conf: Any = None) -> Settings:
         known = {f.name for f in fields(cls)}
+        ns = namespace.rstrip("_").lower() + "_" if namespace else None
         values: dict[str, Any] = {}
-        unknown = []
-        for key in list(conf.keys()):
-            if not isinstance(key, str) or not key.lower().startswith(PREFIX):
-                continue
-            name = key.lower()[len(PREFIX) :]
-            if name not in known:
-                unknown.append(key)
-                continue
-            value = conf[key]
-            if value is not None or name in ("catch_up_window_seconds", "metrics_port"):
-                values[name] = value
+        taken_from: dict[str, str] = {}
+        unknown: list[str] = []
+        foreign: list[str] = []
+        conflicts: list[str] = []
+        for mapping in maps:  # earlier maps override later ones (Celery's ChainMap order)
+            found: dict[str, list[tuple[int, str, Any]]] = {}
+            for key in list(mapping.keys()):
+                if not isinstance(key, str):
+                    continue
+                lower = key.lower()
+                rank = 1
+                if ns and lower.startswith(ns + PREFIX):
+                    rank, rest = 0, lower[len(ns) + len(PREFIX) :]
+                elif lower.startswith(PREFIX):
+                    rest = lower[len(PREFIX) :]
+                else:
+                    head, sep, _ = lower.partition("_" + PREFIX)
+                    if sep and head.isidentifier() and "_" not in head and key not in foreign:
+                        foreign.append(key)
+                    continue
+                if rest not in known:
+                    if key not in unknown:
+                        unknown.append(key)
+                    continue
+                found.setdefault(rest, []).append((rank, key, mapping[key]))
+            for name, forms in found.items():
+                if name in values or name in taken_from:
+                    continue  # an earlier map (e.g. app.conf changes) set it
+                forms.sort(key=lambda f: f[0])
+                if len({repr(v) for _, _, v in forms}) > 1:
+                    conflicts.append(" and ".join(f"{k}={v!r}" for _, k, v in forms))
+                _, key, value = forms[0]
+                taken_from[name] = key
+                if value is not None or name in _NULLABLE:
+                    values[name] = value
+        if celery_conf is not None:
+            # Where Celery itself resolves the key (its ``reliable_beat_*`` and namespaced
+            # forms), take Celery's answer: its precedence between layers and forms differs
+            # between Celery versions, and ours must be the one the app sees.
+            for name in list(taken_from):
+                try:
+                    value = celery_conf[PREFIX + name]
+                except KeyError:
+                    continue
+                if value is not None or name in _NULLABLE:
+                    values[name] = value
+        problems: list[str] = []
+        valid = cls.valid_keys()
         if unknown:
-            raise ConfigurationError(
-                f"unknown setting(s) {', '.join(sorted(unknown))}; valid reliable_beat settings: "
-                + ", ".join(cls.valid_keys())
+            named = []
+            for key in sorted(unknown):
+                lower = key.lower()
+                stem = lower[: lower.index(PREFIX)]
+                close = difflib.get_close_matches(lower[len(stem) :], valid, n=1)
+                hint = f"{stem}{close[0]}" if close else ""
+                hint = hint.upper() if key.isupper() else hint
+                named.append(f"{key} (did you mean {hint}?)" if hint else key)
+            problems.append(
+                f"unknown setting(s) {', '.join(named)}; valid reliable_beat "
+                f"settings: {', '.join(valid)}"
+                + (f" (or with the app's namespace: {namespace.rstrip('_').upper()}_"
+                   f"RELIABLE_BEAT_...)" if namespace else "")
             )
-        return cls(**values)
+        if foreign:
+            where = (f"the app's configuration namespace is {namespace.rstrip('_')!r}"
+                     if namespace else "the app's configuration has no namespace")
+            problems.append(
+                f"setting(s) {', '.join(sorted(foreign))} are not read: {where}, so Celery "
+                "ignores them too. Load them with app.config_from_object(..., "
+                "namespace='<their prefix>') or rename them to reliable_beat_<name>"
+            )
+        if conflicts:
+            problems.append(
+                "the same setting is given twice with different values: "
+                + "; ".join(conflicts) + ". Keep one"
+            )
+        if problems:
+            raise ConfigurationError("; ".join(problems))
+        settings = cls(**values)
+        object.__setattr__(settings, "_database_url_key", taken_from.get("database_url"))
+        object.__setattr__(settings, "_namespace", namespace)
+        return settings
 
     @classmethod
     def from_celery(cls, app_or_conf: Any) -> Settings:
-        """Read settings from a Celery app or its ``app.conf``."""
+        """Read settings from a Celery app or its ``app.conf``, as Celery resolves them.
+
+        The configuration is finalized first (Celery loads a ``config_from_object`` source
+        lazily), then every layer of ``app.conf`` is read in Celery's order (values set on
+        ``app.conf`` override the loaded object) with the app's namespace: after
+        ``app.config_from_object("django.conf:settings", namespace="CELERY")`` the settings
+        are ``CELERY_RELIABLE_BEAT_*`` (``RELIABLE_BEAT_*`` and ``reliable_beat_*`` are read
+        too). See :meth:`from_mapping` for the forms and the errors.
+
+        Raises:
+            ConfigurationError: see :meth:`from_mapping`.
+        """
         conf = getattr(app_or_conf, "conf", app_or_conf)
-        try:
-            items = dict(conf.items())
-        except AttributeError:
-            items = dict(conf)
-        return cls.from_mapping(items)
+        finalize = getattr(conf, "finalize", None)
+        if callable(finalize):
+            finalize()
+        namespace = getattr(conf, "prefix", None) or getattr(app_or_conf, "namespace", None)
+        maps = getattr(conf, "maps", None)
+        if not isinstance(maps, list):
+            try:
+                maps = [dict(conf.items())]
+            except AttributeError:
+                maps = [dict(conf)]
+        celery_conf = conf if callable(finalize) else None  # a Celery Settings view
+        return cls._from_maps(maps, namespace=namespace if isinstance(namespace, str) else None,
+                              celery_conf=celery_conf)
+
+    @property
+    def database_url_key(self) -> str:
+        """The key users set for the store URL, in the form their configuration uses.
+
+        ``CELERY_RELIABLE_BEAT_DATABASE_URL`` under a ``CELERY`` namespace, else
+        ``reliable_beat_database_url`` (or the form that was given).
+        """
+        given = getattr(self, "_database_url_key", None)
+        if given:
+            return str(given)
+        ns = getattr(self, "_namespace", None)
+        if ns:
+            return f"{ns.rstrip('_').upper()}_RELIABLE_BEAT_DATABASE_URL"
+        return PREFIX + "database_url"
+
+    @property
+    def is_default_store(self) -> bool:
+        """True when the store is the embedded default (:data:`DEFAULT_DATABASE_URL`)."""
+        return self.database_url == DEFAULT_DATABASE_URL
+
+    def default_store_warning(self, role: str) -> str | None:
+        """The WARNING a ``role`` process (beat, worker, relay) logs on the default store.
+
+        Returns:
+            The message, or None when a store was configured.
+        """
+        if not self.is_default_store:
+            return None
+        path = os.path.abspath("reliable_beat.sqlite3")
+        return (
+            f"reliable_beat: this {role} uses the embedded default store {DEFAULT_DATABASE_URL} "
+            f"({path}), a SQLite file of this working directory on this host only. Processes "
+            "on other hosts or in other directories do not share it: slots fire once per "
+            f"store, not once. Set {self.database_url_key} (or $RELIABLE_BEAT_DATABASE_URL) "
+            "to the database every beat, worker and relay shares"
+        )
 
     @property
     def retry_policy(self) -> RetryPolicy:
@@ -264,3 +466,71 @@ class Settings:
         import socket
 
         return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def host_timezone() -> str:
+    """The IANA name of this host's local time zone, the zone C's ``localtime`` uses.
+
+    Looked up in this order: ``$TZ`` (a zone name, or a path under a ``zoneinfo``
+    directory), the ``/etc/localtime`` symlink, ``/etc/timezone``.
+
+    Raises:
+        ConfigurationError: no IANA name can be found (the message says what to set).
+    """
+    tz = os.environ.get("TZ", "").lstrip(":")
+    candidates: list[str] = []
+    if tz:
+        candidates.append(tz.split("zoneinfo/", 1)[-1] if "zoneinfo/" in tz else tz)
+    else:
+        try:
+            target = os.path.realpath("/etc/localtime")
+            if "zoneinfo/" in target:
+                candidates.append(target.split("zoneinfo/", 1)[1])
+        except OSError:  # pragma: no cover - no /etc/localtime
+            pass
+        try:
+            with open("/etc/timezone", encoding="utf-8") as fh:
+                candidates.append(fh.read().strip())
+        except OSError:
+            pass
+        if not candidates and not os.path.exists("/etc/localtime"):
+            candidates.append("UTC")  # no zone configured at all: the C library uses UTC
+    for name in candidates:
+        if name in ("UTC0", "UTC", "Etc/UTC", "Universal", "Zulu"):
+            return "UTC"
+        try:
+            return validate_timezone(name)
+        except ConfigurationError:
+            continue
+    raise ConfigurationError(
+        "Celery's enable_utc is False and no timezone is set, so Celery evaluates schedules "
+        f"in this host's local zone, but its IANA name cannot be found (TZ={tz!r}, "
+        "/etc/localtime, /etc/timezone); set the app's timezone (e.g. "
+        "app.conf.timezone = 'America/New_York') or TZ to an IANA zone name"
+    )
+
+
+def celery_timezone(app_or_conf: Any) -> str:
+    """The IANA zone a Celery app evaluates schedules in, resolved as Celery does.
+
+    Celery's ``app.timezone``: the ``timezone`` setting (``CELERY_TIMEZONE`` under a
+    namespace, or Django's ``TIME_ZONE``); without one, UTC when ``enable_utc`` is true (the
+    default) and the host's local zone (:func:`host_timezone`) when it is false. Entries that
+    set no ``timezone`` of their own use this zone.
+
+    Raises:
+        ConfigurationError: ``enable_utc=False`` without ``timezone`` on a host whose local
+            zone has no IANA name.
+    """
+    conf = getattr(app_or_conf, "conf", app_or_conf)
+    zone = getattr(conf, "timezone", None)
+    if zone is None and hasattr(conf, "get"):
+        zone = conf.get("timezone") or conf.get("TIME_ZONE")
+    if zone:
+        return str(zone)
+    enable_utc = getattr(conf, "enable_utc", None)
+    if enable_utc is None and hasattr(conf, "get"):
+        enable_utc = conf.get("enable_utc", True)
+    if enable_utc is None or enable_utc:
+        return "UTC"
+    return host_timezone()

@@ -38,7 +38,8 @@ from harness.servers import PostgresServer, RedisServer
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 
-pytest_plugins = ("celery.contrib.pytest",)
+# The users' testing kit, dogfooded (its rb_* fixtures: reliable_beat/testing/pytest.py).
+pytest_plugins = ("celery.contrib.pytest", "reliable_beat.testing.pytest")
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SHARED_CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"

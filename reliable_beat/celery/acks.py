@@ -19,17 +19,17 @@ A failure to write is logged at WARNING and never fails the task.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery import signals
 from sqlalchemy import update
 
 from reliable_beat.db.tables import runs
+from reliable_beat.redaction import get_logger
 
 __all__ = ["record_start"]
 
-log = logging.getLogger("reliable_beat.acks")
+log = get_logger("reliable_beat.acks")
 
 KEY_HEADER = "reliable_beat_key"
 

@@ -38,6 +38,7 @@ from reliable_beat.errors import (
     ReliableBeatError,
     StoreUnavailableError,
 )
+from reliable_beat.redaction import redact_text, redact_value
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -91,6 +92,8 @@ def fail(message: str, code: int = 1, *, kind: str = "error",
     Raises:
         SystemExit: always, with ``code``.
     """
+    message = redact_text(message)  # URLs, tokens: never in an error line
+    problems = [redact_text(p) for p in problems] if problems else problems
     if wants_json():
         body: dict[str, Any] = {"message": message, "kind": kind, "exit_code": code}
         if problems:
@@ -111,6 +114,7 @@ COMMAND_MODULES = [
     "reliable_beat.cli_runs",
     "reliable_beat.cli_schedule",
     "reliable_beat.cli_workflows",
+    "reliable_beat.cli_purge",
 ]
 
 
@@ -119,7 +123,7 @@ class CliContext:
     """What every command needs: the app, the settings and the store."""
 
     app: Any = None
-    database_url: str | None = None
+    database_url: str | None = field(default=None, repr=False)  # may hold a password
     role: str = "cli"
     create_store: bool = False  # only `db upgrade` may create an embedded SQLite file
     _settings: Settings | None = field(default=None, repr=False)
@@ -150,8 +154,10 @@ class CliContext:
         return self._store
 
     def echo_json(self, value: Any) -> None:
-        """Print ``value`` as JSON (instants as ISO 8601 ``Z``, see :func:`jsonable`)."""
-        click.echo(json.dumps(jsonable(value), indent=2, default=str, sort_keys=True))
+        """Print ``value`` as JSON (instants as ISO 8601 ``Z``, see :func:`jsonable`; secrets
+        redacted, see :func:`reliable_beat.redaction.redact_value`)."""
+        click.echo(json.dumps(redact_value(jsonable(value)), indent=2, default=str,
+                              sort_keys=True))
 
 
 pass_cli = click.make_pass_decorator(CliContext)

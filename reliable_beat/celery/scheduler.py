@@ -53,18 +53,24 @@ from reliable_beat.groups import (
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
 from reliable_beat.logs import event
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.redispatch import redispatch_stuck_runs
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
+from reliable_beat.retention import RetentionThread, start_retention
 from reliable_beat.schedules import validate_timezone
-from reliable_beat.settings import Settings
+from reliable_beat.settings import Settings, celery_timezone
 from reliable_beat.slots import format_fire_at
 
 __all__ = ["ReliableScheduler", "publish_triggers"]
 
-log = logging.getLogger("reliable_beat.scheduler")
+log = get_logger("reliable_beat.scheduler")
 
 #: How often a beat sweeps trigger rows the fast path left unsent (seconds).
 SWEEP_SECONDS = 5.0
+#: How long a sweep's claim of a trigger row lasts before another sweep may take it.
+SWEEP_LEASE = timedelta(seconds=60)
+#: While published triggers wait for their "sent" mark (database gone), retry this often.
+UNMARKED_RETRY_SECONDS = 1.0
 #: Default wait bound on SQLite, which has no NOTIFY: entries added at runtime are seen
 #: within this many seconds.
 SQLITE_MAX_WAIT_SECONDS = 1.0
@@ -105,6 +111,7 @@ class _Held:
 def publish_triggers(
     store: Store, app: Any, triggers: list[Trigger], now: datetime, *,
     wait: Callable[[], None] | None = None,
+    unmarked: list[tuple[list[int], list[int]]] | None = None,
 ) -> int:
     """The fast path: publish committed triggers over one producer, then mark them.
 
@@ -118,6 +125,9 @@ def publish_triggers(
         wait: called right before the first message can reach the broker (see
             :func:`~reliable_beat.handlers.publish_celery_batch`): the beat sleeps there until
             the slot of triggers it claimed ahead.
+        unmarked: when the marks cannot be written (database gone), ``(sent ids, expired
+            ids)`` is appended here so the caller records them first when the database
+            returns (before any sweep of its own); None: they are only logged.
 
     Returns:
         How many triggers were published.
@@ -129,12 +139,13 @@ def publish_triggers(
         )
         for t in triggers
     ]
-    return publish_messages(store, app, messages, now, wait=wait)
+    return publish_messages(store, app, messages, now, wait=wait, unmarked=unmarked)
 
 
 def publish_messages(
     store: Store, app: Any, messages: list[OutboxMessage], now: datetime, *,
     wait: Callable[[], None] | None = None,
+    unmarked: list[tuple[list[int], list[int]]] | None = None,
 ) -> int:
     """Publish ``celery`` outbox rows over one producer and mark the outcome (see
     :func:`publish_triggers`). Returns how many were published."""
@@ -156,9 +167,39 @@ def publish_messages(
                     .values(available_at=at, claimed_by=None)
                 )
     except (StoreUnavailableError, DBAPIError) as exc:
-        # Published but not marked: a relay re-sends them later (at least once, same task id).
-        log.error("could not mark %d triggers sent (%s)", len(sent), exc)
+        # Published but not marked. The caller (a beat) records them first when the database
+        # returns; without one a sweep re-sends them later (at least once, same task id).
+        log.error("could not mark %d triggers sent (%s)%s", len(sent), exc,
+                  "; recording them first when the database returns"
+                  if unmarked is not None else "")
+        if unmarked is not None and (sent or expired):
+            unmarked.append((sent, expired))
     return len(sent)
+
+
+def record_unmarked(store: Store, unmarked: list[tuple[list[int], list[int]]]) -> bool:
+    """Write the marks a publish could not write (see :func:`publish_triggers`).
+
+    Returns:
+        True when nothing is left to record (``unmarked`` is emptied); False: the database
+        is still unavailable (``unmarked`` is kept).
+    """
+    if not unmarked:
+        return True
+    try:
+        with store.begin() as conn:
+            at = store.now(conn)
+            for sent, expired in unmarked:
+                mark_sent(conn, sent, at)
+                mark_expired(conn, expired, at)
+    except (StoreUnavailableError, DBAPIError) as exc:
+        log.error("still cannot record %d published triggers as sent (%s)",
+                  sum(len(a) + len(b) for a, b in unmarked), exc)
+        return False
+    log.warning("recorded %d triggers published while the database was unavailable",
+                sum(len(a) for a, _ in unmarked))
+    unmarked.clear()
+    return True
 
 
 def _sleep_until(at: float) -> None:
@@ -216,6 +257,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.settings = Settings.from_celery(app)
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self._listen: Any = None
+        self._retention: RetentionThread | None = None
         self._failures = 0
         self._last_sweep = 0.0
         self._metrics: Any = None
@@ -224,6 +266,12 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self._held: dict[datetime, _Held] = {}
         self._clock: tuple[datetime, float] | None = None  # (database now, monotonic)
         self._build_seconds_per_message = 0.0005
+        # Triggers this beat published but could not mark sent (database gone): recorded
+        # before anything else when the database returns; no sweep runs meanwhile.
+        self._unmarked: list[tuple[list[int], list[int]]] = []
+        # No sweep before this monotonic instant: after the database returns, a beat gives
+        # the beats that published during the outage a sweep delay to record their marks.
+        self._sweep_not_before = 0.0
         self.app = app
         self.group = schedule_group_of(app, self.settings.schedule_group)
         self._beat = Beat(
@@ -254,10 +302,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             ReliableScheduler._in_setup -= 1
 
     def _definitions(self, now: datetime) -> list[EntryDefinition]:
-        zone = str(self.app.conf.timezone or "UTC")
         try:
             try:
-                validate_timezone(zone)
+                zone = validate_timezone(celery_timezone(self.app))  # Celery's own resolution
             except ConfigurationError as exc:
                 raise ConfigurationError(f"Celery's timezone setting: {exc}") from None
             self._check_sqlite_directory()
@@ -290,6 +337,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         # Configuration first, on the local clock: a bad entry is reported at once, even while
         # the database is down. The definitions are rebuilt on the database clock below.
         self._definitions(datetime.now(timezone.utc))
+        warning = self.settings.default_store_warning("beat")
+        if warning:
+            log.warning("%s", warning)
         delay = 1.0
         while True:
             try:
@@ -298,8 +348,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     now = self.store.now(conn)
                 break
             except (StoreUnavailableError, DBAPIError) as exc:
-                log.error("database %s unavailable at start (%s); retrying in %.0f s",
-                          self.store.safe_url, exc, delay)
+                log.error("at start: %s; retrying in %.0f s",
+                          self.store.describe_failure(exc), delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
             except SchemaError as exc:
@@ -317,13 +367,16 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         if self.settings.metrics_port is not None and self._metrics is None:
             from reliable_beat.metrics import serve
 
-            self._metrics = serve(self.settings.metrics_port, self.store)
+            self._metrics = serve(self.settings.metrics_port, self.store,
+                                  addr=self.settings.metrics_host)
             log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
         result = sync_schedule_group(self.store, definitions, group=self.group,
                                      owner=self.settings.owner)
         log_sync_result(log, result, self.store.safe_url)
         record_beat(self.store, owner=self.settings.owner, group=self.group,
                     config_hash=result.config_hash, unregistered=unregistered)
+        if self._retention is None:  # bounded-batch purge of old history, in the background
+            self._retention = start_retention(self.store, self.settings, role="beat")
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -339,8 +392,10 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 schema = "BEHIND: run `reliable-beat db upgrade`"
         except Exception:
             schema = "unknown (database unavailable)"
+        warning = self.settings.default_store_warning("beat")
         return (
-            f"    . store -> {self.store.safe_url}\n"
+            (f"    . WARNING -> {warning}\n" if warning else "")
+            + f"    . store -> {self.store.safe_url}\n"
             f"    . owner -> {self.settings.owner}\n"
             f"    . schedule group -> {self.group}\n"
             f"    . schema -> {schema} (head {migrate.head()})"
@@ -390,7 +445,15 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             raise
 
     def _step(self) -> None:
-        self._publish_held(drain=False)
+        self._publish_held(drain=False)  # committed already: they need no database to leave
+        if self._unmarked:
+            # Published but not marked sent (the database was gone): record that first. Until
+            # it is recorded, no claim and no sweep (this beat's own sweep would re-send them).
+            if time.monotonic() < self._claim_at:
+                return
+            if not record_unmarked(self.store, self._unmarked):
+                self._claim_at = time.monotonic() + UNMARKED_RETRY_SECONDS
+                return
         claims = 0
         while time.monotonic() >= self._claim_at and claims < 10:
             claims += 1
@@ -412,10 +475,13 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         except (StoreUnavailableError, DBAPIError) as exc:
             self._failures += 1
             wait: float = min(30.0, 0.5 * 2.0 ** min(self._failures, 6))
-            log.error("tick failed: database %s unavailable (%s); retrying in %.1f s. "
+            log.error("tick failed: %s; retrying in %.1f s. "
                       "Slots due meanwhile are decided by the misfire policy when it returns.",
-                      self.store.safe_url, exc, wait)
+                      self.store.describe_failure(exc), wait)
             return wait
+        if self._failures:
+            # Back after an outage: other beats may hold published-but-unmarked triggers.
+            self._sweep_not_before = time.monotonic() + self._beat.sweep_delay.total_seconds()
         self._failures = 0
         assert result.now is not None
         self._clock = (result.now, result.monotonic)
@@ -446,7 +512,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
     def _next_claim(self, result: TickResult) -> float:
         """The monotonic instant of the next claim."""
         now = time.monotonic()
-        if result.claimed >= self.settings.batch_size:
+        if result.claimed >= self.settings.batch_size or result.more:
             return now  # more claimable entries are waiting
         latest = now + self._bound()
         if result.next_claim_at is None:
@@ -509,7 +575,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             if time.monotonic() - group.at > overrun:
                 raise _HoldOverran
             publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at),
-                             wait=at_instant)
+                             wait=at_instant, unmarked=self._unmarked)
         except _HoldOverran:
             triggers = self._take_back(triggers)
             log.warning("held triggers of %s published %.1f s late (this process was "
@@ -518,7 +584,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                         len(triggers), len(group.triggers))
             built.clear()
             if triggers:
-                publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at))
+                publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at),
+                                 unmarked=self._unmarked)
         if built:
             per = (built[0] - started) / max(1, len(triggers))
             self._build_seconds_per_message += 0.2 * (per - self._build_seconds_per_message)
@@ -543,31 +610,58 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
     def _take_back(self, triggers: list[Trigger]) -> list[Trigger]:
         """The triggers whose rows are still pending and claimed by this beat, re-leased for a
         sweep delay (one ``UPDATE ... RETURNING``); the others were swept meanwhile."""
+        ids = self._take_back_ids([t.outbox_id for t in triggers])
+        return [t for t in triggers if t.outbox_id in ids]
+
+    def _take_back_ids(self, outbox_ids: list[int]) -> set[int]:
+        """The ids of ``outbox_ids`` still ``pending`` and claimed by this beat, re-leased for
+        a sweep delay from now; empty when the database is unavailable."""
+        if not outbox_ids:
+            return set()
         try:
             with self.store.begin() as conn:
                 now = self.store.now(conn)
-                ids = set(conn.execute(
+                return set(conn.execute(
                     update(outbox)
-                    .where(outbox.c.id.in_([t.outbox_id for t in triggers]),
+                    .where(outbox.c.id.in_(outbox_ids),
                            outbox.c.state == "pending",
                            outbox.c.claimed_by == self.settings.owner)
                     .values(available_at=now + self._beat.sweep_delay)
                     .returning(outbox.c.id)
                 ).scalars())
         except (StoreUnavailableError, DBAPIError) as exc:
-            log.error("could not take back overran triggers (%s); the sweep sends them", exc)
-            return []
-        return [t for t in triggers if t.outbox_id in ids]
+            log.error("could not take back late triggers (%s); a sweep sends them", exc)
+            return set()
+
+    def _overran(self, since: float) -> bool:
+        """True when more than half the sweep delay passed since the monotonic ``since``
+        (this process was paused or starved: a sweep may have taken its rows meanwhile)."""
+        return time.monotonic() - since > self._beat.sweep_delay.total_seconds() / 2
 
     def _publish(self, result: TickResult) -> None:
+        """The fast path right after the claim's commit. A publish that comes late (this
+        process was paused between the commit and here) first takes back the rows still
+        pending under its own name, like a held slot that overran, and publishes only those."""
         assert result.now is not None
-        if result.triggers:
-            publish_triggers(self.store, self.app, result.triggers, result.now)
-        for t in result.triggers:
+        triggers = result.triggers
+        if triggers and self._overran(result.monotonic):
+            triggers = self._take_back(triggers)
+            log.warning("triggers claimed at %s published %.1f s after the claim (this process "
+                        "was paused); %d of %d still pending under this beat",
+                        format_fire_at(result.now), time.monotonic() - result.monotonic,
+                        len(triggers), len(result.triggers))
+        published = time.monotonic()  # the messages leave right after this
+        if triggers:
+            publish_triggers(self.store, self.app, triggers, result.now,
+                             unmarked=self._unmarked)
+        for t in triggers:
+            # true lateness: slot -> publish, on the database clock estimated from the claim
+            lateness = (result.now - t.fire_at).total_seconds() + (published - result.monotonic)
             event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
                 "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
                 key=t.key, task=t.payload["task"],
-                claim_lateness_ms=round((result.now - t.fire_at).total_seconds() * 1000, 1))
+                claim_lateness_ms=round((result.now - t.fire_at).total_seconds() * 1000, 1),
+                lateness_ms=round(lateness * 1000, 1))
         if result.skipped:
             event(log, logging.INFO, "slots.skipped", count=result.skipped)
         if result.duplicates:
@@ -578,19 +672,24 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         and publish, or the broker was down). A relay does the same; the beat does it too so
         plain-task users without a relay lose nothing. At most every ``SWEEP_SECONDS``."""
         now_mono = time.monotonic()
-        if now_mono - self._last_sweep < SWEEP_SECONDS:
+        if now_mono - self._last_sweep < SWEEP_SECONDS or now_mono < self._sweep_not_before:
             return
         self._last_sweep = now_mono
         with self.store.begin() as conn:
             now = self.store.now(conn)
             messages = claim_outbox_batch(
                 self.store, conn, owner=self.settings.owner, now=now,
-                lease=timedelta(seconds=60), limit=self.settings.batch_size,
+                lease=SWEEP_LEASE, limit=self.settings.batch_size,
                 destinations=[TRIGGER_DESTINATION],
             )
+        claimed = time.monotonic()
+        if messages and claimed - now_mono > SWEEP_LEASE.total_seconds() / 2:
+            # Paused between the claim and here: another sweep may own them by now.
+            ids = self._take_back_ids([m.id for m in messages])
+            messages = [m for m in messages if m.id in ids]
         if messages:
             log.warning("sweeping %d unsent triggers", len(messages))
-            publish_messages(self.store, self.app, messages, now)
+            publish_messages(self.store, self.app, messages, now, unmarked=self._unmarked)
         redispatch_stuck_runs(self.store, self.app, self.settings)
         beat_heartbeat(self.store, self.settings.owner, self.group)
 
@@ -635,7 +734,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                     notified = True
             return notified
         except Exception as exc:
-            log.debug("LISTEN unavailable (%s); sleeping instead", exc)
+            log.debug("LISTEN unavailable (%s); sleeping instead", redact_text(exc))
             with contextlib.suppress(Exception):
                 if self._listen is not None:
                     self._listen.close()
@@ -658,6 +757,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
                 self._listen.close()
         with contextlib.suppress(Exception):
             beat_stopped(self.store, self.settings.owner)
+        if self._retention is not None:
+            self._retention.stop()
+            self._retention = None
         self.store.dispose()
 
     @property

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import os
 import re
 import threading
@@ -52,9 +51,12 @@ from reliable_beat.errors import (
     IdempotencyKeyError,
     LeaseHeldError,
     PermanentError,
+    SchemaError,
     StaleFenceToken,
 )
+from reliable_beat.identity import STORE_HEADER, ForeignStoreError, store_id
 from reliable_beat.policies import backoff_delay
+from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -65,7 +67,7 @@ __all__ = [
     "IdempotentTask",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 KEY_HEADER = "reliable_beat_key"
 #: The form of a scheduled slot's key (:func:`reliable_beat.slots.idempotency_key`).
@@ -99,6 +101,64 @@ def _transient_defaults() -> tuple[type[BaseException], ...]:
     except ImportError:  # pragma: no cover
         pass
     return tuple(found)
+
+
+# ------------------------------------------------- default store, missing schema ----
+
+_warned_default_store: set[int] = set()
+
+
+def _warn_default_store_once(settings: Settings) -> None:
+    message = settings.default_store_warning("worker")
+    if message and os.getpid() not in _warned_default_store:
+        _warned_default_store.add(os.getpid())
+        log.warning("%s", message)
+
+
+def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """``celeryd_after_setup``: a worker running IdempotentTasks on the default store says so
+    at start, and bad reliable_beat settings are reported before the first task."""
+    app = getattr(instance, "app", None)
+    if app is None:
+        return
+    try:
+        tracked = any(isinstance(t, IdempotentTask) for t in list(app.tasks.values()))
+        if tracked:
+            _warn_default_store_once(Settings.from_celery(app))
+    except ConfigurationError as exc:
+        log.critical("reliable_beat: configuration refused: %s", exc)
+
+
+def _raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: str) -> None:
+    """A store whose reliable_beat schema is missing or behind is a permanent error.
+
+    A database error that is not a lost connection (e.g. ``no such table:
+    reliable_beat_runs``) is checked against the schema's revision; retrying cannot create
+    tables, so the task fails at once with :class:`SchemaError` logged at CRITICAL instead of
+    retrying forever.
+
+    Raises:
+        SchemaError: the schema is missing or behind (``__cause__`` is ``exc``).
+    """
+    if not isinstance(exc, DBAPIError) or exc.connection_invalidated:
+        return
+    from reliable_beat.db import migrate
+
+    try:
+        revision = migrate.current(store)
+        if revision == migrate.head():
+            return
+    except Exception:  # the check itself failed: leave it to the retry path
+        return
+    what = "has no reliable_beat schema" if revision is None else (
+        f"has reliable_beat schema {revision}, not {migrate.head()}")
+    message = (
+        f"{task}: run {key} refused: the store {store.safe_url} {what}: run `reliable-beat "
+        "db upgrade` against it, or point reliable_beat_database_url at the store the beat "
+        f"uses ({str(getattr(exc, 'orig', exc)).splitlines()[0]})"
+    )
+    log.critical("%s", message)
+    raise SchemaError(message) from exc
 
 
 # ------------------------------------------------------------ per-process stores ----
@@ -636,9 +696,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def reliable_beat_settings(self) -> Settings:
-        """The ``reliable_beat_*`` settings of this task's app (read once per process)."""
+        """The ``reliable_beat_*`` settings of this task's app (read once per process).
+
+        On the embedded default store a WARNING naming the setting to set is logged once per
+        process (see :meth:`Settings.default_store_warning`).
+        """
         if self._rb_settings is None:
-            self._rb_settings = Settings.from_celery(self.app)
+            settings = Settings.from_celery(self.app)
+            _warn_default_store_once(settings)
+            self._rb_settings = settings
         return self._rb_settings
 
     @property
@@ -790,6 +856,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
         state = self._state()
         state.returned = _storable_result(self.name, state.claim.key, value)
 
+    def _check_store_identity(self, store: Store, key: str) -> None:
+        """Refuse a trigger written to another store (its ``reliable_beat_store`` header).
+
+        Raises:
+            ForeignStoreError: the trigger's store id is not this worker's store id (logged
+                at CRITICAL; the run is not claimed; the caller records the message as a
+                ``message`` dead letter in this store, so ``status --check`` here alarms).
+        """
+        theirs = _header(self.request, STORE_HEADER)
+        if not theirs:
+            return  # an ad-hoc call, or a beat of a version without store identity
+        mine = store_id(store)
+        if mine is None or mine == theirs:
+            return
+        settings = self.reliable_beat_settings
+        message = (
+            f"{self.name}: trigger {key} refused: it was written to store {theirs} but this "
+            f"worker's store {store.safe_url} is {mine}. The beat and the workers use "
+            f"different stores: set {settings.database_url_key} to the same database in every "
+            "beat, worker and relay (`reliable-beat status` prints each store's id)"
+        )
+        log.critical("%s", message)
+        raise ForeignStoreError(message)
+
     @staticmethod
     def _check_same_database(engine: Engine, store: Store) -> None:
         a, b = engine.url, store.engine.url
@@ -835,6 +925,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except ValueError as exc:
             return self._refuse(key, exc, args, kwargs)
         try:
+            self._check_store_identity(store, key)
             claim = runs.claim_run(
                 store,
                 key,
@@ -852,11 +943,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # The database refused the values themselves, or the message names a slot whose
             # run has another key: no retry can succeed.
             return self._refuse(key, exc, args, kwargs)
+        except ForeignStoreError as exc:  # a trigger written to another store
+            return self._refuse(key, exc, args, kwargs)
         except StatementError as exc:
             if not isinstance(exc, DBAPIError):  # a value the driver could not bind
                 return self._refuse(key, exc, args, kwargs)
+            _raise_if_schema_missing(store, exc, self.name, key)
             raise self._internal_retry(key, self._store_backoff(), exc) from exc
         except self.transient_exceptions as exc:
+            _raise_if_schema_missing(store, exc, self.name, key)
             # The store itself is unreachable: nothing was recorded; retry later (an internal
             # retry: it does not count against the budget).
             raise self._internal_retry(key, self._store_backoff(), exc) from exc
@@ -1157,3 +1252,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
 # A worker that runs IdempotentTasks also records the starts of plain tasks' triggers.
 from reliable_beat.celery import acks as _acks  # noqa: E402, F401
+
+
+def _connect_signals() -> None:
+    from celery import signals
+
+    signals.celeryd_after_setup.connect(_on_worker_setup, weak=False,
+                                        dispatch_uid="reliable_beat.default_store")
+
+
+_connect_signals()

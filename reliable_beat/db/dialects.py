@@ -25,6 +25,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.dml import Insert
 
 from reliable_beat.errors import ConfigurationError, StoreUnavailableError
+from reliable_beat.redaction import redact_text, redact_url
 
 __all__ = ["ROLE_TIMEOUTS_MS", "Store", "redact_url"]
 
@@ -40,15 +41,7 @@ ROLE_TIMEOUTS_MS: dict[str, tuple[int, int]] = {
 }
 
 
-def redact_url(url: str) -> str:
-    """Return ``url`` with its password replaced by ``***`` (safe for logs and banners)."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL at all: show nothing secret
-        return "<unparseable database URL>"
-
-
-@dataclass
+@dataclass(repr=False)
 class Store:
     """A database engine plus the dialect choices reliable_beat makes for it.
 
@@ -57,10 +50,14 @@ class Store:
     Attributes:
         engine: the SQLAlchemy engine.
         url: the database URL (contains the password; use :attr:`safe_url` for display).
+            ``repr(store)`` shows only :attr:`safe_url` (error reporters capture locals).
     """
 
     engine: Engine
     url: str
+
+    def __repr__(self) -> str:
+        return f"Store({self.safe_url!r})"
 
     @classmethod
     def from_url(cls, url: str, *, role: str = "cli", echo: bool = False) -> Store:
@@ -76,18 +73,30 @@ class Store:
         """
         try:
             parsed = make_url(url)
+            parsed.port  # noqa: B018 - parse the port now, not in the first connect
         except Exception as exc:
+            # never chain the parser's error: its text quotes pieces of the URL
+            # ("invalid literal for int() with base 10: 'rd@...'") and tracebacks show it
             raise ConfigurationError(
-                f"reliable_beat_database_url {redact_url(url)!r} is not a SQLAlchemy URL; "
-                "expected e.g. 'postgresql+psycopg://user:pass@host/db' or 'sqlite:///file.sqlite3'"
-            ) from exc
+                f"reliable_beat_database_url {redact_url(url)!r} is not a SQLAlchemy URL "
+                f"({_parse_problem(exc)}); expected e.g. "
+                "'postgresql+psycopg://user:pass@host/db' or 'sqlite:///file.sqlite3' "
+                "(percent-encode '@', ':' and '/' in a password: %40, %3A, %2F)"
+            ) from None
         backend = parsed.get_backend_name()
-        kwargs: dict[str, Any] = {"echo": echo, "future": True}
+        # hide_parameters: a database error's text never carries bound values (task args,
+        # payloads, headers) into logs, last_error or tracebacks
+        kwargs: dict[str, Any] = {"echo": echo, "future": True, "hide_parameters": True}
         if backend == "sqlite":
             kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
         elif backend == "postgresql":
             idle_ms, lock_ms = ROLE_TIMEOUTS_MS.get(role, ROLE_TIMEOUTS_MS["cli"])
             opts = f"-c lock_timeout={lock_ms} -c idle_in_transaction_session_timeout={idle_ms}"
+            own = parsed.query.get("options")
+            if own:  # e.g. -csearch_path=tenant_a: keep it, ours come first so it may override
+                own_text = own if isinstance(own, str) else " ".join(own)
+                opts = f"{opts} {own_text}"
+                parsed = parsed.difference_update_query(["options"])
             kwargs["connect_args"] = {
                 "options": opts,
                 "application_name": f"reliable_beat:{role}",
@@ -101,7 +110,7 @@ class Store:
             )
         engine = create_engine(parsed, **kwargs)
         if backend == "sqlite":
-            _setup_sqlite(engine)
+            _setup_sqlite(engine, parsed.database)
         return cls(engine=engine, url=url)
 
     @property
@@ -148,9 +157,28 @@ class Store:
         except OperationalError as exc:
             if _is_disconnect(exc):
                 raise StoreUnavailableError(
-                    f"database {self.safe_url} is unavailable: {exc.orig!s}"
+                    f"database {self.safe_url} is unavailable: {redact_text(exc.orig)}"
                 ) from exc
             raise
+
+    def describe_failure(self, exc: BaseException) -> str:
+        """One line for a log: what went wrong talking to the store, secrets redacted.
+
+        A lock or statement timeout (SQLSTATE ``55P03`` / ``57014``, SQLite "database is
+        locked") is *not* "unavailable": the server answered, another transaction held the
+        rows longer than ``lock_timeout``. Bound parameters never appear (the engine is
+        created with ``hide_parameters=True``).
+        """
+        orig = getattr(exc, "orig", None) or exc
+        text = redact_text(str(orig).strip().splitlines()[0] if str(orig).strip() else repr(orig))
+        if isinstance(exc, StoreUnavailableError):
+            return redact_text(exc)
+        if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
+            if _is_lock_timeout(exc):
+                return (f"lock wait timed out on database {self.safe_url} (another "
+                        f"transaction holds the rows; {text})")
+            return f"database error on {self.safe_url}: {text}"
+        return f"database {self.safe_url} unavailable: {text}"
 
     def now(self, conn: Connection) -> datetime:
         """The store's clock as a UTC-aware ``datetime`` (design.md invariant 4).
@@ -185,7 +213,29 @@ class Store:
         self.engine.dispose()
 
 
+def _parse_problem(exc: BaseException) -> str:
+    """What is wrong with an unparseable URL, without quoting any of it."""
+    text = str(exc).lower()
+    if "int()" in text or "port" in text:
+        return "the port is not a number; an unescaped '@' or ':' in the password?"
+    return f"{type(exc).__name__}"
+
+
+#: SQLSTATEs (PostgreSQL) of a statement or lock timeout: the server is up, a lock is held.
+_TIMEOUT_SQLSTATES = frozenset({"55P03", "57014", "25P03"})
+
+
+def _is_lock_timeout(exc: DBAPIError) -> bool:
+    sqlstate = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    if sqlstate in _TIMEOUT_SQLSTATES:
+        return True
+    text = str(exc.orig).lower()
+    return "lock timeout" in text or "statement timeout" in text or "database is locked" in text
+
+
 def _is_disconnect(exc: DBAPIError) -> bool:
+    if _is_lock_timeout(exc):
+        return False  # the server answered: not "database unavailable"
     if exc.connection_invalidated:
         return True
     text = str(exc.orig).lower()
@@ -204,7 +254,30 @@ def _is_disconnect(exc: DBAPIError) -> bool:
     )
 
 
-def _setup_sqlite(engine: Engine) -> None:
+def _create_private_file(path: str | None) -> None:
+    """Create the SQLite file ``path`` as 0600 (owner only) if it does not exist yet.
+
+    The store holds task arguments, results and outbox payloads: not for other local users.
+    An existing file keeps its mode (the operator may have chosen it).
+    """
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return
+    import os
+
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return
+    except OSError:
+        return  # a missing directory etc.: sqlite3 reports it on connect, with the path
+    os.close(fd)
+
+
+def _setup_sqlite(engine: Engine, path: str | None = None) -> None:
+    @event.listens_for(engine, "do_connect")
+    def _before_connect(*_args: Any) -> None:
+        _create_private_file(path)  # before sqlite3 creates it 0644 (its -wal/-shm follow)
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves

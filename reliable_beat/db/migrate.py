@@ -9,7 +9,6 @@ SQLite under the write lock, so only one applies each revision.
 from __future__ import annotations
 
 import io
-import logging
 from pathlib import Path
 
 from alembic import command
@@ -21,6 +20,7 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import SchemaError
+from reliable_beat.redaction import get_logger
 
 __all__ = ["MIGRATIONS_DIR", "check", "current", "ensure_schema", "head", "upgrade"]
 
@@ -28,7 +28,7 @@ MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "reliable_beat_alembic_version"
 #: Arbitrary 64-bit key for pg_advisory_xact_lock while migrating ("rbeat").
 _ADVISORY_KEY = 0x7262656174
-log = logging.getLogger("reliable_beat.migrate")
+log = get_logger("reliable_beat.migrate")
 
 
 def _config(url: str = "", stdout: io.StringIO | None = None) -> Config:

@@ -49,6 +49,7 @@ __all__ = [
     "outbox",
     "runs",
     "schedule_configs",
+    "store_identity",
     "workflow_events",
     "workflow_signals",
     "workflows",
@@ -99,6 +100,10 @@ entries = Table(
     Column("last_fire_at", UTCDateTime, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
+    # A malformed row the beat could not use: disabled (enabled = false) with the problems
+    # found; cleared when the entry is rewritten (config sync, `entries update`, `resume`).
+    Column("quarantine_reason", Text, nullable=True),
+    Column("quarantined_at", UTCDateTime, nullable=True),
     Index(
         "ix_reliable_beat_entries_due",
         "next_fire_at",
@@ -168,6 +173,7 @@ runs = Table(
     UniqueConstraint("entry_name", "fire_at"),
     Index("ix_reliable_beat_runs_state", "state"),
     Index("ix_reliable_beat_runs_entry_name_created_at", "entry_name", "created_at"),
+    Index("ix_reliable_beat_runs_created_at", "created_at"),
 )
 
 attempts = Table(
@@ -233,7 +239,8 @@ dead_letters = Table(
     Column("destination", String(200), nullable=True),
     # What is needed to replay it: {"task", "args", "kwargs"} or the outbox row.
     Column("payload", JSONType, nullable=False),
-    # permanent | exhausted | retry_unsent | undeliverable
+    # permanent | exhausted | retry_unsent | undeliverable | malformed (a row that cannot be
+    # read or has the wrong shape; the payload keeps its original values)
     Column("reason", String(32), nullable=False),
     Column("error", Text, nullable=True),
     Column("attempts", Integer, nullable=False, server_default="0"),
@@ -328,4 +335,13 @@ workflow_signals = Table(
     Column("consumed_seq", Integer, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
     Index("ix_reliable_beat_workflow_signals_workflow_pk_name_id", "workflow_pk", "name", "id"),
+)
+
+#: One row: the store's identity, a random id written by the migration that created it.
+#: Triggers carry it (header ``reliable_beat_store``); a worker on another store refuses them.
+store_identity = Table(
+    "reliable_beat_store",
+    metadata,
+    Column("store_id", String(64), primary_key=True),
+    Column("created_at", UTCDateTime, nullable=False),
 )

@@ -15,6 +15,10 @@ Configured from the environment so each test can point it at its own servers:
 * RB_FREEZE_FLAG: a file path; when it exists, the next claim query (``... FOR UPDATE SKIP
   LOCKED``) removes it and the process SIGSTOPs itself right after the claim, i.e. frozen
   inside its claim transaction, holding the row locks, until someone sends SIGCONT.
+* RB_FREEZE_BEFORE_PUBLISH / RB_FREEZE_AFTER_PUBLISH: a file path; when it exists, the next
+  claim that committed due triggers (the fast path) removes it and the process SIGSTOPs
+  itself right after the commit, before publishing (BEFORE), or right after the broker
+  accepted the messages, before they are marked sent (AFTER).
 """
 
 from __future__ import annotations
@@ -91,3 +95,39 @@ for name, spec in json.loads(os.environ.get("RB_SCHEDULE", "{}")).items():
         item["options"] = {"reliable_beat": spec["reliable_beat"]}
     schedule[name] = item
 app.conf.beat_schedule = schedule
+
+
+def _freeze_here(flag: str, where: str) -> None:
+    if os.path.exists(flag):
+        os.unlink(flag)
+        print(f"beatapp: FROZEN {where}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        print("beatapp: THAWED", file=sys.stderr, flush=True)
+
+
+_before_publish = os.environ.get("RB_FREEZE_BEFORE_PUBLISH")
+if _before_publish:
+    from reliable_beat.beat import Beat as _Beat
+
+    _tick = _Beat.tick
+
+    def _tick_then_freeze(self: _Beat) -> object:
+        result = _tick(self)
+        if result.triggers and [t for t in result.triggers if t.fire_at <= result.now]:
+            _freeze_here(_before_publish, "after the claim's commit, before publishing")
+        return result
+
+    _Beat.tick = _tick_then_freeze  # type: ignore[method-assign,assignment]
+
+_after_publish = os.environ.get("RB_FREEZE_AFTER_PUBLISH")
+if _after_publish:
+    from reliable_beat.celery import scheduler as _scheduler
+
+    _publish_batch = _scheduler.publish_celery_batch
+
+    def _publish_then_freeze(*args: object, **kwargs: object) -> object:
+        outcomes = _publish_batch(*args, **kwargs)
+        _freeze_here(_after_publish, "after the broker accepted, before marking sent")
+        return outcomes
+
+    _scheduler.publish_celery_batch = _publish_then_freeze  # type: ignore[assignment]

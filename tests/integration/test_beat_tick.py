@@ -339,7 +339,10 @@ def test_broken_stored_schedule_does_not_stop_the_tick(store: Store) -> None:
     result = Beat(store, owner="t:1").tick()
     assert [t.payload["headers"]["reliable_beat_entry"] for t in result.triggers] == ["good"]
     bad = entry_row(store, "bad")
-    assert bad.next_fire_at > now + timedelta(seconds=30)  # pushed back, not hot-looping
+    # quarantined (issue 12): disabled with the reason, so it is neither retried nor lost
+    assert not bad.enabled and bad.quarantined_at is not None
+    assert "schedule=" in bad.quarantine_reason and "not a cron" in bad.quarantine_reason
+    assert result.quarantined == 1
     assert [r.entry_name for r in run_rows(store)] == ["good"]
 
 

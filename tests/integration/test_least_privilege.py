@@ -1,60 +1,153 @@
-"""Beat, worker and relay need only DML on the reliable_beat_* tables; migrations need DDL.
+"""The roles of docs/security.md, exactly as written there, on a real PostgreSQL.
 
-A role with SELECT/INSERT/UPDATE/DELETE (and sequence USAGE) but no CREATE runs a real
-``ReliableScheduler`` tick, an ``IdempotentTask`` and a relay cycle. The same role is refused
-``reliable-beat db upgrade``-style DDL, so the test proves the role really lacks it.
+The SQL blocks and the upgrade command are parsed out of ``docs/security.md`` (the blocks
+after ``<!-- least-privilege: ... -->`` markers) and run as the page says: the setup as the
+superuser, ``db upgrade`` as ``rb_owner``, the version-table revoke as ``rb_owner``. Then:
+
+* ``rb_app`` (DML only) runs a real ``ReliableScheduler`` tick, an ``IdempotentTask`` and a
+  relay cycle, and is refused ``CREATE TABLE``, temporary tables and writes to the migration
+  version table;
+* ``rb_monitor`` reads ``status`` and cannot write;
+* a table created later by ``rb_owner`` (a future migration) is usable by ``rb_app`` through
+  ``ALTER DEFAULT PRIVILEGES``.
 """
 
 from __future__ import annotations
 
+import re
+import shlex
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from click.testing import CliRunner
 
+from reliable_beat.celery.commands import reliable_beat
 from reliable_beat.celery.task import IdempotentTask
+from reliable_beat.cli_status import collect_status
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import attempts, outbox, runs
+from reliable_beat.db.migrate import head
+from reliable_beat.db.tables import attempts, entries, outbox, runs
 from reliable_beat.relay import Relay
 
-GRANTS = """
-CREATE ROLE rb_app LOGIN;
-GRANT CONNECT ON DATABASE {db} TO rb_app;
-GRANT USAGE ON SCHEMA public TO rb_app;
-REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO rb_app;
-GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO rb_app;
-"""
+SECURITY_MD = Path(__file__).resolve().parents[2] / "docs" / "security.md"
+ROLES = ("rb_app", "rb_monitor", "rb_owner")
+
+
+def doc_block(marker: str) -> tuple[str, str]:
+    """``(language, text)`` of the fenced block right after ``<!-- least-privilege: marker -->``."""
+    text = SECURITY_MD.read_text()
+    m = re.search(rf"<!-- least-privilege: {re.escape(marker)} -->\n```(\w+)\n(.*?)\n```",
+                  text, re.S)
+    assert m, f"docs/security.md has no block marked {marker!r}"
+    return m.group(1), m.group(2)
+
+
+def run_script(conn: sa.Connection, script: str) -> None:
+    """Run ``script`` as written (several statements, DO blocks) like ``psql -f`` would: on
+    the driver connection without parameters, so ``%I`` in it is no placeholder."""
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    driver.execute(script)
+
+
+def as_role(url: str, role: str) -> str:
+    return sa.engine.make_url(url).set(username=role, password=None).render_as_string(False)
+
+
+def _drop_roles(conn: sa.Connection) -> None:
+    for role in ROLES:
+        if conn.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first():
+            conn.execute(sa.text(f"DROP OWNED BY {role} CASCADE"))
+            conn.execute(sa.text(f"DROP ROLE {role}"))
 
 
 @pytest.fixture
-def app_url(pg_store: Store, pg_url: str) -> Iterator[str]:
-    """A URL for role ``rb_app`` (DML only) on the migrated database."""
-    db = sa.engine.make_url(pg_url).database
-    with pg_store.engine.begin() as conn:
-        conn.execute(sa.text("DROP ROLE IF EXISTS rb_app"))  # left by an earlier run
-    with pg_store.engine.begin() as conn:
-        for stmt in GRANTS.format(db=db).strip().split(";\n"):
-            conn.execute(sa.text(stmt.strip().rstrip(";")))
-    url = sa.engine.make_url(pg_url).set(username="rb_app").render_as_string(False)
-    yield url
-    pg_store.dispose()
-    with pg_store.engine.begin() as conn:
-        conn.execute(sa.text("DROP OWNED BY rb_app"))
-        conn.execute(sa.text("DROP ROLE rb_app"))
+def roles(pg_url: str) -> Iterator[str]:
+    """The documented setup run on a fresh, unmigrated database; yields its superuser URL."""
+    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    lang, setup = doc_block("setup")
+    assert lang == "postgresql"
+    with admin.connect() as conn:
+        _drop_roles(conn)  # left by an earlier, interrupted run (roles are cluster-wide)
+        run_script(conn, setup)
+    try:
+        yield pg_url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE usename = ANY(:r) AND pid <> pg_backend_pid()"), {"r": list(ROLES)})
+            _drop_roles(conn)
+        admin.dispose()
 
 
-def test_beat_worker_and_relay_run_without_ddl_rights(app_url: str) -> None:
+def test_documented_roles_have_exactly_what_they_need(roles: str) -> None:
+    owner_url = as_role(roles, "rb_owner")
+    app_url = as_role(roles, "rb_app")
+    monitor_url = as_role(roles, "rb_monitor")
+
+    # the documented upgrade command, with this test's URL for the owner
+    lang, command = doc_block("upgrade")
+    assert lang == "console"
+    argv = shlex.split(command.strip().removeprefix("$ "))
+    assert argv[0] == "reliable-beat" and argv[1] == "--database-url"
+    assert sa.engine.make_url(argv[2]).username == "rb_owner"
+    argv[2] = owner_url
+    result = CliRunner().invoke(reliable_beat, argv[1:], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert head() in result.output
+
+    lang, after = doc_block("after-first-upgrade")
+    assert lang == "postgresql"
+    owner = sa.create_engine(owner_url)
+    with owner.begin() as conn:
+        run_script(conn, after)
+
     store = Store.from_url(app_url)
-    with pytest.raises(sa.exc.ProgrammingError, match="permission denied"), store.begin() as c:
-        c.execute(sa.text("CREATE TABLE rb_should_fail (id int)"))
+    try:
+        _app_role_runs_beat_worker_and_relay(store, app_url)
+        for ddl in ("CREATE TABLE rb_should_fail (id int)",
+                    "CREATE TEMP TABLE rb_should_fail (id int)",
+                    "UPDATE reliable_beat_alembic_version SET version_num = 'x'",
+                    "DELETE FROM reliable_beat_alembic_version"):
+            with pytest.raises(sa.exc.ProgrammingError, match="permission denied"), \
+                    store.begin() as conn:
+                conn.execute(sa.text(ddl))
+        with store.connect() as conn:  # the schema check reads the version table
+            assert conn.execute(sa.text(
+                "SELECT version_num FROM reliable_beat_alembic_version")).scalar_one() == head()
 
+        # a later migration's table, created by the owner, is usable by the app role
+        with owner.begin() as conn:
+            conn.execute(sa.text(
+                "CREATE TABLE reliable_beat_future (id bigserial PRIMARY KEY, note text)"))
+        with store.begin() as conn:
+            conn.execute(sa.text("INSERT INTO reliable_beat_future (note) VALUES ('ok')"))
+    finally:
+        store.dispose()
+        owner.dispose()
+
+    monitor = Store.from_url(monitor_url)
+    try:
+        info = collect_status(monitor)
+        assert [e["name"] for e in info["entries"]] == ["hourly"]
+        with pytest.raises(sa.exc.ProgrammingError, match="permission denied"), \
+                monitor.begin() as conn:
+            conn.execute(sa.delete(entries))
+    finally:
+        monitor.dispose()
+
+
+def _app_role_runs_beat_worker_and_relay(store: Store, app_url: str) -> None:
     app = Celery("lp", broker="memory://")
     app.conf.update(
         reliable_beat_database_url=app_url,
-        beat_schedule={"every-second": {"task": "lp.pay", "schedule": timedelta(seconds=1)}},
+        # hourly: the slot the test makes due is the only one a slow (loaded) tick can find
+        beat_schedule={"hourly": {"task": "lp.pay", "schedule": timedelta(hours=1)}},
         task_always_eager=False,
         # one tick, one run: a slow first claim on a loaded machine would also claim the
         # next slot ahead (tests/integration/test_scheduler_hold.py covers that path)
@@ -95,4 +188,3 @@ def test_beat_worker_and_relay_run_without_ddl_rights(app_url: str) -> None:
             sa.select(outbox.c.state).where(outbox.c.destination == "celery")
         ).scalars().all()
     assert states and set(states) == {"sent"}
-    store.dispose()

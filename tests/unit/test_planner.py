@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from reliable_beat import schedules as sch
+from reliable_beat.beat import slot_counter
 from reliable_beat.entries import EntryDefinition
-from reliable_beat.planner import Plan, plan_entry
+from reliable_beat.planner import SKIP_RECORD_LIMIT, Plan, plan_entry
 
 UTC = timezone.utc
 ONE = timedelta(seconds=1)
@@ -107,7 +108,13 @@ def simulate(
                 # the stop at `end` ends the observation: nothing claimed for after it (a
                 # beat stopped while holding slots is proven in tests/acceptance)
                 claim_until=min(t + ahead, end - timedelta(microseconds=1)) if ahead else None,
+                previous_at_or_before=schedule.previous_at_or_before,
             )
+            for rng in plan.skipped_ranges:
+                # a range stands for every slot in it: expand it to check the slot sets
+                slots = [rng.first, *schedule.slots_between(
+                    rng.first + timedelta(microseconds=1), rng.last + ONE)]
+                sim.skipped.extend((s, rng.reason) for s in slots)
             if on_tick:
                 on_tick(max(t, plan.decisions[0].fire_at) if plan.decisions else t, plan)
             for d in plan.decisions:
@@ -348,27 +355,35 @@ def test_leap_day_after_restart(policy: str) -> None:
 
 
 # -- planner edge cases -------------------------------------------------------------------
-def test_catch_up_limit_keeps_newest_and_is_linear() -> None:
+def test_catch_up_limit_keeps_newest_and_is_bounded() -> None:
     schedule = sch.IntervalSchedule(timedelta(seconds=1), T("2026-01-01T00:00:00Z"))
     nfa = T("2026-01-01T00:00:01Z")
     now = nfa + timedelta(seconds=9_999)
     calls = 0
 
-    def next_after(at: datetime) -> datetime | None:
-        nonlocal calls
-        calls += 1
-        return schedule.next_after(at)
+    def counted(step: Callable[[datetime], datetime | None]) -> Callable[[datetime],
+                                                                          datetime | None]:
+        def call(at: datetime) -> datetime | None:
+            nonlocal calls
+            calls += 1
+            return step(at)
+        return call
 
-    plan = plan_entry(next_fire_at=nfa, now=now, next_after=next_after,
+    plan = plan_entry(next_fire_at=nfa, now=now, next_after=counted(schedule.next_after),
+                      previous_at_or_before=counted(schedule.previous_at_or_before),
+                      count_slots=slot_counter(schedule),
                       misfire_policy="catch_up", misfire_grace=timedelta(0),
                       catch_up_limit=5000)
-    # One next_after per slot of the 10,000-slot window (counted, not timed: a wall-time
-    # bound fails on a loaded machine); quadratic planning would make millions of calls.
-    assert calls <= 10_000 + 2, f"catch_up planning made {calls} next_after calls"
+    # Steps bounded by the catch-up limit, not by the 10,000-slot window (counted, not
+    # timed: a wall-time bound fails on a loaded machine).
+    assert calls <= 5000 + SKIP_RECORD_LIMIT + 4, f"catch_up planning made {calls} steps"
     assert len(plan.fired) == 5001  # 5000 missed + the on-time one at `now`
     assert plan.fired[0].fire_at == now - timedelta(seconds=5000)
-    assert len(plan.skipped) == 10_000 - 5001
-    assert {d.reason for d in plan.skipped} == {"misfire:catch_up_limit"}
+    skipped = len(plan.skipped) + sum(r.count or 0 for r in plan.skipped_ranges)
+    assert skipped == 10_000 - 5001 == plan.skipped_count
+    assert {d.reason for d in plan.skipped} | {r.reason for r in plan.skipped_ranges} == {
+        "misfire:catch_up_limit"}
+    assert plan.skipped_ranges[0].first == nfa
 
 
 def test_naive_rejected() -> None:

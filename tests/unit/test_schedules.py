@@ -621,7 +621,7 @@ def test_from_celery_kinds() -> None:
     converted = from_celery(
         crontab(minute="*/15", hour="9-17", day_of_week="mon-fri"), timezone="UTC", anchor=anchor
     )
-    assert converted.to_spec()["expr"] == "*/15 9,10,11,12,13,14,15,16,17 * * 1,2,3,4,5"
+    assert converted.to_spec()["expr"] == "*/15 9-17 * * 1-5"
     assert converted.to_spec()["day_or"] is False
 
 

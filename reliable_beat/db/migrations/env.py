@@ -28,7 +28,7 @@ def run_offline() -> None:
 def run_online() -> None:
     connection = config.attributes.get("connection")
     if connection is None:
-        engine = create_engine(config.get_main_option("sqlalchemy.url") or "")
+        engine = create_engine(config.get_main_option("sqlalchemy.url") or "", hide_parameters=True)
         with engine.begin() as conn:
             _run(conn)
         engine.dispose()

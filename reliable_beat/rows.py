@@ -1,0 +1,586 @@
+"""Rows are data: read each one defensively, check its shape, isolate the bad ones.
+
+Rows of the store are written by this library, but also by a person with ``psql``, a data
+migration, an older or newer version of the library, or a restore. A malformed row must
+never stop the pipeline that reads it (design.md: "loops never die on one bad item"). Every
+reader that serves many rows (the beat's claim, the relay's claim, the release of buffered
+runs) therefore:
+
+1. **reads each row without trusting its types** (:func:`raw_columns` + :func:`decode_row`):
+   on SQLite every column may hold any value (dynamic typing) and a JSON column may hold
+   text that is not JSON, which SQLAlchemy would otherwise fail to decode *while fetching
+   the whole result*; here each value of each row is decoded on its own and a failure
+   becomes a problem of that row only;
+2. **checks the row's shape** (:func:`check_entry`, :func:`check_outbox`,
+   :func:`check_run_call`): types of every column the pipeline uses, JSON shapes (``options``
+   an object, ``options.expires`` a positive number, ``options.headers`` an object, ``args`` a
+   list, ``kwargs`` an object, a schedule spec that rebuilds, a known time zone, ...);
+3. **quarantines** a row with problems and goes on with the others: an entry is disabled
+   with ``quarantine_reason`` / ``quarantined_at`` (shown by ``reliable-beat status`` and the
+   ``reliable_beat_quarantined_rows`` metric); an outbox row or a buffered run is
+   dead-lettered with reason ``malformed`` (its original values are kept in the dead
+   letter's payload). The problems are logged at ERROR, naming the row and the fix.
+
+Nothing here imports a task framework.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from types import SimpleNamespace
+from typing import Any
+
+from sqlalchemy import Table, and_, func, not_, or_, select, type_coerce, update
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.types import NullType, Text
+
+from reliable_beat import schedules as sch
+from reliable_beat.db.tables import dead_letters, entries, runs
+from reliable_beat.redaction import get_logger
+
+__all__ = [
+    "MALFORMED",
+    "check_entry",
+    "check_options",
+    "check_outbox",
+    "check_run_call",
+    "column_of",
+    "dead_letter_run",
+    "decode_labelled",
+    "decode_row",
+    "decode_value",
+    "describe_problems",
+    "jsonable_raw",
+    "quarantine_entry",
+    "raw_columns",
+    "raw_labelled",
+    "raw_repr",
+    "read_buffered_runs",
+    "read_entry",
+    "read_entry_options",
+    "unreadable_instant",
+]
+
+log = get_logger("reliable_beat.rows")
+
+#: ``reliable_beat_dead_letters.reason`` of a row dead-lettered because it is malformed.
+MALFORMED = "malformed"
+#: Largest duration (seconds, about 31 years) a row may hold; beyond it ``timedelta`` overflows.
+MAX_SECONDS = 1e9
+#: Longest quarantine reason / dead-letter error stored.
+MAX_REASON_CHARS = 2000
+_MISFIRE = frozenset({"catch_up", "fire_once", "skip"})
+_OVERLAP = frozenset({"allow", "skip", "buffer_one"})
+
+
+def raw_columns(table: Table, dialect: Dialect) -> list[Any]:
+    """The columns of ``table`` to select so that fetching never decodes a value.
+
+    SQLite (dynamic typing: any column may hold anything, a JSON column may hold invalid
+    text): every column coerced to an untyped expression labelled with its name, decoded
+    later by :func:`decode_row`, one value at a time. Other dialects: the typed columns
+    (the server enforces the column types; only JSON *shapes* can be wrong there).
+    """
+    if dialect.name != "sqlite":
+        return list(table.c)
+    return [type_coerce(c, NullType()).label(c.name) for c in table.c]
+
+
+def unreadable_instant(column: Any) -> Any:
+    """SQLite: a SQL predicate true when ``column`` (not NULL) holds no readable instant.
+
+    A claim ORs it into its "due" test so that a row whose instant is garbage is claimed,
+    found malformed and quarantined, instead of never being due and silently stuck (SQLite
+    compares text, so ``'zzz' <= now`` is false forever). Only for the SQLite dialect.
+    """
+    return and_(
+        column.is_not(None),
+        or_(func.datetime(column).is_(None),
+            not_(type_coerce(column, Text()).op("GLOB", is_comparison=True)(_INSTANT_GLOB))),
+    )
+
+
+_INSTANT_GLOB = "[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]*"
+
+
+def raw_labelled(columns: Mapping[str, Any], dialect: Dialect) -> list[Any]:
+    """``columns`` (label -> column) to select without decoding on SQLite, for
+    :func:`decode_labelled`; typed, labelled columns elsewhere."""
+    if dialect.name != "sqlite":
+        return [c.label(label) for label, c in columns.items()]
+    return [type_coerce(c, NullType()).label(label) for label, c in columns.items()]
+
+
+def decode_labelled(
+    row: Mapping[str, Any], columns: Mapping[str, Any], dialect: Dialect
+) -> SimpleNamespace:
+    """Decode a row read with :func:`raw_labelled`, value by value.
+
+    Returns:
+        The values by label as attributes (an undecodable value reads as None), plus
+        ``unreadable``: the set of labels that could not be decoded.
+    """
+    values: dict[str, Any] = {}
+    unreadable: set[str] = set()
+    for label, c in columns.items():
+        raw = row[label]
+        if dialect.name != "sqlite":
+            values[label] = raw
+            continue
+        try:
+            values[label] = decode_value(c, raw, dialect)
+        except Exception:
+            values[label] = None
+            unreadable.add(label)
+    return SimpleNamespace(unreadable=unreadable, **values)
+
+
+def decode_row(
+    table: Table, row: Mapping[str, Any], dialect: Dialect
+) -> tuple[dict[str, Any], list[str]]:
+    """Decode one row read with :func:`raw_columns`, each value on its own.
+
+    Args:
+        table: the table the row comes from.
+        row: the row's mapping (``row._mapping``), keyed by column name.
+        dialect: the connection's dialect.
+
+    Returns:
+        ``(values, problems)``: the decoded values by column name (an undecodable value is
+        kept raw), and one problem string per column that could not be decoded.
+    """
+    values = dict(row)
+    problems: list[str] = []
+    if dialect.name != "sqlite":
+        return values, problems
+    for c in table.c:
+        if c.name not in values:
+            continue
+        raw = values[c.name]
+        if raw is None:
+            continue
+        try:
+            values[c.name] = decode_value(c, raw, dialect)
+        except Exception as exc:
+            problems.append(f"{c.name}: unreadable value {raw_repr(raw)} ({_short(exc)})")
+    return values, problems
+
+
+def decode_value(column: Any, raw: Any, dialect: Dialect) -> Any:
+    """Decode one raw value of ``column`` as SQLAlchemy would when fetching it.
+
+    Raises:
+        Exception: whatever the column type's result processing raises on a bad value.
+    """
+    if raw is None:
+        return None
+    proc = column.type.dialect_impl(dialect).result_processor(dialect, None)
+    return raw if proc is None else proc(raw)
+
+
+def raw_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters (for log lines and reasons)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {raw_repr(str(exc), 160)[1:-1]}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def _is_instant(value: Any) -> bool:
+    return isinstance(value, datetime) and value.tzinfo is not None
+
+
+def _optional_str(problems: list[str], where: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        problems.append(f"{where}={raw_repr(value)}: expected a string or null")
+
+
+def check_options(options: Any, where: str = "options") -> list[str]:
+    """Problems of an entry's publish ``options`` (a JSON object), as the trigger uses them.
+
+    ``expires``: a number of seconds > 0 or null; ``headers``: an object or null;
+    ``queue`` / ``routing_key`` / ``exchange`` / ``serializer``: strings or null;
+    ``priority``: an integer 0..255 or null. Unknown keys are left alone (another version
+    may write them; the trigger only forwards the keys above).
+    """
+    if not isinstance(options, Mapping):
+        return [f"{where}={raw_repr(options)}: expected a JSON object "
+                "(publish options such as queue, expires, headers)"]
+    problems: list[str] = []
+    expires = options.get("expires")
+    if expires is not None and not (_is_number(expires) and 0 < expires <= MAX_SECONDS):
+        problems.append(f"{where}.expires={raw_repr(expires)}: expected seconds (a number > 0) "
+                        "or null")
+    headers = options.get("headers")
+    if headers is not None and not isinstance(headers, Mapping):
+        problems.append(f"{where}.headers={raw_repr(headers)}: expected a JSON object or null")
+    for key in ("queue", "routing_key", "exchange", "serializer"):
+        _optional_str(problems, f"{where}.{key}", options.get(key))
+    priority = options.get("priority")
+    if priority is not None and not (_is_int(priority) and 0 <= priority <= 255):
+        problems.append(f"{where}.priority={raw_repr(priority)}: expected an integer 0..255 "
+                        "or null")
+    return problems
+
+
+def check_run_call(task: Any, args: Any, kwargs: Any) -> list[str]:
+    """Problems of a task call (``task`` name, ``args`` list, ``kwargs`` object)."""
+    problems: list[str] = []
+    if not isinstance(task, str) or not task:
+        problems.append(f"task={raw_repr(task)}: expected the registered task name")
+    if not isinstance(args, list):
+        problems.append(f"args={raw_repr(args)}: expected a JSON array")
+    if not isinstance(kwargs, Mapping):
+        problems.append(f"kwargs={raw_repr(kwargs)}: expected a JSON object")
+    return problems
+
+
+def check_entry(
+    row: Mapping[str, Any],
+    schedule_of: Callable[[str, Mapping[str, Any]], Any] | None = None,
+) -> list[str]:
+    """Problems of one decoded ``reliable_beat_entries`` row that the beat would trip on.
+
+    Checks every column a tick reads: name, task, args, kwargs, options
+    (:func:`check_options`), the schedule spec (rebuilt with
+    :func:`reliable_beat.schedules.schedule_from_spec`: kind, expression, interval, anchor,
+    time zone), the ``timezone`` column, the policies and their numbers, the instants.
+
+    Args:
+        row: the decoded row, by column name.
+        schedule_of: ``(name, spec) -> Schedule``, a caching builder (the beat's: a cron
+            schedule costs about 0.7 ms to build); default
+            :func:`~reliable_beat.schedules.schedule_from_spec`.
+
+    Returns:
+        One string per problem, each naming the column and what is expected; empty: usable.
+    """
+    problems: list[str] = []
+    name = row.get("name")
+    if not isinstance(name, str) or not name:
+        problems.append(f"name={raw_repr(name)}: expected a non-empty string")
+    problems += check_run_call(row.get("task"), row.get("args"), row.get("kwargs"))
+    problems += check_options(row.get("options"))
+    spec = row.get("schedule")
+    if not isinstance(spec, Mapping):
+        problems.append(f"schedule={raw_repr(spec)}: expected a schedule spec object")
+    else:
+        try:
+            if schedule_of is not None and isinstance(name, str):
+                schedule_of(name, spec)
+            else:
+                sch.schedule_from_spec(spec)
+        except Exception as exc:
+            problems.append(f"schedule={raw_repr(dict(spec))}: {_short(exc)}")
+    tz = row.get("timezone")
+    try:
+        if not isinstance(tz, str):
+            raise TypeError("not a string")
+        sch.validate_timezone(tz)
+    except Exception as exc:
+        problems.append(f"timezone={raw_repr(tz)}: expected an IANA zone name ({_short(exc)})")
+    if row.get("misfire_policy") not in _MISFIRE:
+        problems.append(f"misfire_policy={raw_repr(row.get('misfire_policy'))}: expected one "
+                        "of catch_up, fire_once, skip")
+    if row.get("overlap_policy") not in _OVERLAP:
+        problems.append(f"overlap_policy={raw_repr(row.get('overlap_policy'))}: expected one "
+                        "of allow, skip, buffer_one")
+    grace: Any = row.get("misfire_grace_seconds")
+    if not (_is_number(grace) and 0 <= grace <= MAX_SECONDS):
+        problems.append(f"misfire_grace_seconds={raw_repr(grace)}: expected a number of "
+                        f"seconds 0..{MAX_SECONDS:.0e}")
+    limit: Any = row.get("catch_up_limit")
+    if not (_is_int(limit) and limit >= 0):
+        problems.append(f"catch_up_limit={raw_repr(limit)}: expected an integer >= 0")
+    window = row.get("catch_up_window_seconds")
+    if window is not None and not (_is_number(window) and 0 <= window <= MAX_SECONDS):
+        problems.append(f"catch_up_window_seconds={raw_repr(window)}: expected a number of "
+                        f"seconds 0..{MAX_SECONDS:.0e} or null")
+    if not _is_instant(row.get("next_fire_at")):
+        problems.append(f"next_fire_at={raw_repr(row.get('next_fire_at'))}: expected a UTC "
+                        "instant")
+    for col in ("last_fire_at", "end_at", "start_at"):
+        value = row.get(col)
+        if value is not None and not _is_instant(value):
+            problems.append(f"{col}={raw_repr(value)}: expected a UTC instant or null")
+    return problems
+
+
+def _check_instant_text(value: Any) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, str):
+        return False
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    return parsed.tzinfo is not None
+
+
+def check_outbox(row: Mapping[str, Any]) -> list[str]:
+    """Problems of one decoded ``reliable_beat_outbox`` row that the relay would trip on.
+
+    Every destination: ``message_id`` and ``destination`` non-empty strings, ``headers`` an
+    object, ``ordering_key`` a string or null, ``run_id`` an integer or null, ``attempts`` an
+    integer, ``available_at`` / ``created_at`` instants. Destination ``celery`` (the triggers)
+    also: ``payload`` an object with ``task`` (string), ``args`` (array), ``kwargs``
+    (object), ``options`` / ``headers`` (objects or null), ``task_id`` (string or null) and
+    ``expires_at`` (ISO 8601 with offset, or null). Other destinations' payload shapes are
+    their handler's business (a handler error fails that one message).
+    """
+    problems: list[str] = []
+    for col in ("message_id", "destination"):
+        value = row.get(col)
+        if not isinstance(value, str) or not value:
+            problems.append(f"{col}={raw_repr(value)}: expected a non-empty string")
+    if not isinstance(row.get("headers"), Mapping):
+        problems.append(f"headers={raw_repr(row.get('headers'))}: expected a JSON object")
+    _optional_str(problems, "ordering_key", row.get("ordering_key"))
+    run_id = row.get("run_id")
+    if run_id is not None and not _is_int(run_id):
+        problems.append(f"run_id={raw_repr(run_id)}: expected an integer or null")
+    if not _is_int(row.get("attempts")):
+        problems.append(f"attempts={raw_repr(row.get('attempts'))}: expected an integer")
+    for col in ("available_at", "created_at"):
+        if not _is_instant(row.get(col)):
+            problems.append(f"{col}={raw_repr(row.get(col))}: expected a UTC instant")
+    if row.get("destination") == "celery":
+        payload = row.get("payload")
+        if not isinstance(payload, Mapping):
+            problems.append(f"payload={raw_repr(payload)}: a celery trigger needs a JSON object")
+        else:
+            problems += [
+                f"payload.{p}"
+                for p in check_run_call(
+                    payload.get("task"),
+                    [] if payload.get("args") is None else payload.get("args"),
+                    {} if payload.get("kwargs") is None else payload.get("kwargs"),
+                )
+            ]
+            for key in ("options", "headers"):
+                value = payload.get(key)
+                if value is not None and not isinstance(value, Mapping):
+                    problems.append(f"payload.{key}={raw_repr(value)}: expected a JSON object "
+                                    "or null")
+            _optional_str(problems, "payload.task_id", payload.get("task_id"))
+            if not _check_instant_text(payload.get("expires_at")):
+                problems.append(f"payload.expires_at={raw_repr(payload.get('expires_at'))}: "
+                                "expected ISO 8601 with a UTC offset, or null")
+    return problems
+
+
+def describe_problems(problems: Sequence[str]) -> str:
+    """The problems as one line, cut to :data:`MAX_REASON_CHARS`."""
+    text = "; ".join(problems)
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+def jsonable_raw(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` made JSON-safe for a dead letter's payload: JSON values kept, anything
+    else (an undecodable text, a ``datetime``) as its ``str``."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            json.dumps(value, allow_nan=False)
+            out[key] = value
+        except (TypeError, ValueError):
+            out[key] = value.isoformat() if isinstance(value, datetime) else str(value)
+    return out
+
+
+# --------------------------------------------------------------------------- quarantine
+
+
+def _fix_hint(name: Any, origin: Any) -> str:
+    if origin == "config":
+        return ("it comes from beat_schedule: the next beat start rewrites it from the "
+                "configuration (correct the configuration if the problem is there)")
+    return (f"rewrite it with `reliable-beat entries update {name}` ..., or correct the "
+            f"columns named and run `reliable-beat entries resume {name}`")
+
+
+def quarantine_entry(
+    conn: Connection,
+    values: Mapping[str, Any],
+    problems: Sequence[str],
+    now: datetime,
+    *,
+    unreadable: Iterable[str] = (),
+) -> None:
+    """Disable one malformed entry with the reason; joins the caller's transaction.
+
+    Sets ``enabled = false``, ``quarantine_reason`` (the problems, at most
+    :data:`MAX_REASON_CHARS`), ``quarantined_at = now`` and ``updated_at = now``. Instants
+    that could not be read (``unreadable``, SQLite only) are set to NULL so that every
+    reader of the row works again; their original text is in the reason. Logs at ERROR,
+    naming the entry, the problems and the fix.
+
+    Args:
+        conn: a connection inside a transaction (the beat's claim transaction).
+        values: the decoded row (``id`` must be readable; it is the SQLite rowid).
+        problems: what is wrong, one string per problem.
+        now: the store's clock, UTC.
+        unreadable: names of columns whose value could not be decoded.
+    """
+    reason = describe_problems(problems)
+    name = values.get("name")
+    cleared: dict[str, datetime | None] = {
+        c: None for c in unreadable if c in _NULLABLE_INSTANTS
+    }
+    if "created_at" in unreadable:
+        cleared["created_at"] = now
+    conn.execute(
+        update(entries)
+        .where(entries.c.id == values["id"])
+        .values(enabled=False, quarantine_reason=reason, quarantined_at=now, updated_at=now,
+                **cleared)
+    )
+    log.error(
+        "entry %s (id %s) quarantined, it will not fire until fixed: malformed row: %s. "
+        "Fix: %s", raw_repr(name), values.get("id"), reason,
+        _fix_hint(name, values.get("origin")),
+    )
+
+
+_NULLABLE_INSTANTS = frozenset({"next_fire_at", "last_fire_at", "start_at", "end_at", "paused_at"})
+
+
+def read_entry(
+    row: Mapping[str, Any], dialect: Dialect,
+    schedule_of: Callable[[str, Mapping[str, Any]], Any] | None = None,
+) -> tuple[dict[str, Any], list[str], set[str]]:
+    """Decode and check one ``reliable_beat_entries`` row read with :func:`raw_columns`
+    (``schedule_of``: see :func:`check_entry`).
+
+    Returns:
+        ``(values, problems, unreadable columns)``; no problems: the row is usable.
+    """
+    values, problems = decode_row(entries, row, dialect)
+    unreadable = {p.split(":", 1)[0] for p in problems}
+    problems += [p for p in check_entry(values, schedule_of) if column_of(p) not in unreadable]
+    return values, problems, unreadable
+
+
+def column_of(problem: str) -> str:
+    """The column a problem string names (its leading identifier)."""
+    match = re.match(r"[A-Za-z_]+", problem)
+    return match.group() if match else ""
+
+
+def read_buffered_runs(conn: Connection, now: datetime, *, limit: int) -> list[Any]:
+    """The oldest ``buffered`` runs (at most ``limit``), each read and checked on its own.
+
+    A run that cannot be read or has the wrong shape (task, args, kwargs, key, entry, slot)
+    is dead-lettered with reason ``malformed`` (:func:`dead_letter_run`) instead of failing
+    the beat's tick. Joins the caller's transaction.
+
+    Returns:
+        The usable runs as objects with attribute access (``id``, ``idempotency_key``,
+        ``entry_name``, ``fire_at``, ``task``, ``args``, ``kwargs``, ``trigger``).
+    """
+    rows = conn.execute(
+        select(*raw_columns(runs, conn.dialect))
+        .where(runs.c.state == "buffered")
+        .order_by(runs.c.id)
+        .limit(limit)
+    ).all()
+    usable: list[Any] = []
+    for raw in rows:
+        values, problems = decode_row(runs, dict(raw._mapping), conn.dialect)
+        unreadable = {column_of(p) for p in problems}
+        checks = check_run_call(values.get("task"), values.get("args"), values.get("kwargs"))
+        for col in ("idempotency_key", "entry_name", "trigger"):
+            if not isinstance(values.get(col), str) or not values.get(col):
+                checks.append(f"{col}={raw_repr(values.get(col))}: expected a non-empty string")
+        if not _is_instant(values.get("fire_at")):
+            checks.append(f"fire_at={raw_repr(values.get('fire_at'))}: expected a UTC instant")
+        problems += [p for p in checks if column_of(p) not in unreadable]
+        if problems:
+            dead_letter_run(conn, values, problems, now)
+            continue
+        usable.append(SimpleNamespace(**values))
+    return usable
+
+
+def dead_letter_run(
+    conn: Connection, values: Mapping[str, Any], problems: Sequence[str], now: datetime
+) -> None:
+    """Dead-letter one malformed run (reason ``malformed``); joins the caller's transaction.
+
+    The run goes ``buffered -> dead`` with ``reason = "malformed: <problems>"``; the dead
+    letter keeps every original column value (undecodable ones as text). Logged at ERROR.
+    Safe from several beats at once: only the one that moves the run writes the dead letter.
+    """
+    error = describe_problems(problems)
+    key = values.get("idempotency_key")
+    entry = values.get("entry_name")
+    task = values.get("task")
+    changed = conn.execute(
+        update(runs).where(runs.c.id == values["id"], runs.c.state == "buffered")
+        .values(state="dead", reason=f"malformed: {error}"[:MAX_REASON_CHARS],
+                updated_at=now, finished_at=now)
+    ).rowcount
+    if not changed:  # another beat read it too and settled it first (the read takes no lock)
+        return
+    conn.execute(
+        dead_letters.insert().values(
+            kind="run", run_id=values["id"],
+            key=(key if isinstance(key, str) and key else f"run:{values['id']}")[:400],
+            entry_name=entry[:200] if isinstance(entry, str) else None,
+            task=task[:255] if isinstance(task, str) else None,
+            payload=jsonable_raw(values), reason=MALFORMED, error=error, attempts=0,
+            created_at=now,
+        )
+    )
+    log.error("run %s (%s) dead-lettered: malformed row: %s. Fix: repair the row from the "
+              "dead letter's payload and requeue it (`reliable-beat dead-letters show/requeue`)",
+              values["id"], raw_repr(key), error)
+
+
+def read_entry_options(
+    conn: Connection, names: Iterable[str], now: datetime
+) -> dict[str, dict[str, Any] | None]:
+    """``options`` of the named entries, each read and checked on its own.
+
+    Returns:
+        name -> options, or None for an entry whose options are malformed (that entry is
+        quarantined, :func:`quarantine_entry`). A name with no entry is absent.
+    """
+    out: dict[str, dict[str, Any] | None] = {}
+    rows = conn.execute(
+        select(*raw_columns(entries, conn.dialect)).where(entries.c.name.in_(list(names)))
+    ).all()
+    for raw in rows:
+        values, problems = decode_row(entries, dict(raw._mapping), conn.dialect)
+        problems = [p for p in problems if column_of(p) == "options"]
+        if not problems:
+            problems = check_options(values.get("options"))
+        name = values.get("name")
+        if not isinstance(name, str):
+            continue
+        if problems:
+            if not values.get("quarantine_reason"):  # once, not on every tick
+                quarantine_entry(conn, values, problems, now,
+                                 unreadable={column_of(p) for p in problems})
+            out[name] = None
+        else:
+            out[name] = dict(values["options"])
+    return out

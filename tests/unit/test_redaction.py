@@ -1,0 +1,138 @@
+"""reliable_beat.redaction: one function decides what of a URL / header / error text is shown."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import pytest
+
+from reliable_beat.beat import Beat
+from reliable_beat.db.dialects import Store
+from reliable_beat.errors import ConfigurationError
+from reliable_beat.redaction import (
+    MASK,
+    RedactingFilter,
+    redact_headers,
+    redact_text,
+    redact_url,
+    redact_value,
+)
+from reliable_beat.settings import Settings
+
+SECRET = "S3cr3tLEAK"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (f"postgresql+psycopg://app:{SECRET}@db:5432/x", "postgresql+psycopg://app:***@db:5432/x"),
+        (f"postgresql+psycopg://app@db/x?password={SECRET}&sslmode=require",
+         "postgresql+psycopg://app@db/x?password=***&sslmode=require"),
+        (f"redis://host:6379/0?password={SECRET}", "redis://host:6379/0?password=***"),
+        (f"redis://:{SECRET}@host:6379/0", "redis://:***@host:6379/0"),
+        # an unescaped '@' in the password: the host is after the last '@'
+        (f"redis://u:ab@{SECRET}@host:6379/0", "redis://u:***@host:6379/0"),
+        (f"postgresql://u:pa/ss?{SECRET}@h/db", "postgresql://u:***@h/db"),
+        (f"https://hooks.slack.com/services/T0/B0/{SECRET}", "https://hooks.slack.com/***"),
+        (f"https://acme.webhook.office.com/webhookb2/{SECRET}", "https://acme.webhook.office.com/***"),
+        (f"https://discord.com/api/webhooks/1/{SECRET}", "https://discord.com/***"),
+        (f"https://example.com/hook/{SECRET}0123456789?token={SECRET}&x=1#{SECRET}",
+         "https://example.com/hook/***?token=***&x=1"),
+        (f"https://example.com/x?key={SECRET}&sig={SECRET}&api_key={SECRET}",
+         "https://example.com/x?key=***&sig=***&api_key=***"),
+        (f"https://user:{SECRET}@example.com/path", "https://user:***@example.com/path"),
+        ("sqlite:///tmp/rb.sqlite3", "sqlite:///tmp/rb.sqlite3"),
+        ("https://example.com/orders/42", "https://example.com/orders/42"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    assert SECRET not in redact_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [f"redis://u:{SECRET}@host:notaport/0", f"post gres://u:{SECRET}@h/db", f"{SECRET}",
+     f"http://[{SECRET}", f"mailto:{SECRET}@example.com", "", "://", "redis://@"],
+)
+def test_malformed_urls_never_echo_a_fragment_and_never_raise(url: str) -> None:
+    assert SECRET not in redact_url(url)
+    assert redact_url(None) == "<unparseable URL>"
+
+
+def test_headers_and_json_values() -> None:
+    headers = {"Authorization": f"Bearer {SECRET}", "Cookie": SECRET, "X-Api-Key": SECRET,
+               "X-Auth-Token": SECRET, "Idempotency-Key": "k1", "Content-Type": "json"}
+    shown = redact_headers(headers)
+    assert shown == {"Authorization": MASK, "Cookie": MASK, "X-Api-Key": MASK,
+                     "X-Auth-Token": MASK, "Idempotency-Key": "k1", "Content-Type": "json"}
+    value = {"payload": {"url": f"https://hooks.slack.com/services/{SECRET}", "headers": headers,
+                         "smtp_password": SECRET, "body": {"text": "hi"}},
+             "key": "entry@2026-01-01T00:00:00Z", "fence_token": 3,
+             "error": f"webhook https://u:{SECRET}@h/x answered HTTP 500"}
+    shown_value = redact_value(value)
+    assert SECRET not in repr(shown_value)
+    # work identifiers stay visible: they are not secrets and operators need them
+    assert shown_value["key"] == value["key"]
+    assert shown_value["fence_token"] == 3
+    assert shown_value["payload"]["body"] == {"text": "hi"}
+
+
+def test_free_text() -> None:
+    text = (f"connection failed: host=db password={SECRET} user=u; see "
+            f"postgresql://u:{SECRET}@db/x?password={SECRET}. ok")
+    shown = redact_text(text)
+    assert SECRET not in shown
+    assert "host=db" in shown and "user=u" in shown
+
+
+def test_log_filter_redacts_message_args_and_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("test.redaction.filter")
+    logger.addFilter(RedactingFilter())
+    with caplog.at_level(logging.DEBUG, logger=logger.name):
+        try:
+            raise ValueError(f"webhook https://hooks.slack.com/services/{SECRET} failed")
+        except ValueError as exc:
+            logger.exception("delivery to %s failed: %s",
+                             f"https://x.example/?token={SECRET}", exc)
+    text = caplog.text + "".join(r.exc_text or "" for r in caplog.records)
+    assert "delivery to" in text and "Traceback" in text
+    assert SECRET not in text
+    # the template is kept (log aggregators group by it); only the arguments were redacted
+    assert caplog.records[0].msg == "delivery to %s failed: %s"
+
+
+def test_store_and_settings_reprs_hide_the_url(tmp_path: object) -> None:
+    url = f"postgresql+psycopg://app:{SECRET}@127.0.0.1:1/x?password={SECRET}"
+    store = Store.from_url(url)
+    settings = Settings(database_url=url)
+    beat = Beat(store, owner="test")
+    for shown in (repr(store), repr(settings), str(store), str(settings), repr(beat)):
+        assert SECRET not in shown
+    assert "127.0.0.1:1" in repr(store)
+    store.dispose()
+
+
+def test_malformed_store_url_error_and_traceback_quote_nothing() -> None:
+    url = f"postgresql+psycopg://u:ab@{SECRET}:notaport@host/db"
+    with pytest.raises(ConfigurationError) as info:
+        Store.from_url(url)
+    rendered = "".join(traceback.format_exception(info.value))
+    assert "port is not a number" in str(info.value)
+    assert SECRET not in rendered
+
+
+@pytest.mark.parametrize(
+    ("url", "error"),
+    [(f"redis://u:ab@{SECRET}@127.0.0.1:notaport/0", "ConfigurationError"),
+     (f"redis://:{SECRET}@127.0.0.1:1/0?password={SECRET}", "StoreUnavailableError")],
+)
+def test_redbeat_importer_errors_quote_no_secret(url: str, error: str) -> None:
+    pytest.importorskip("redbeat")
+    from reliable_beat.importers import read_redbeat
+
+    with pytest.raises(Exception) as info:
+        read_redbeat(url)
+    assert type(info.value).__name__ == error
+    assert SECRET not in "".join(traceback.format_exception(info.value))

@@ -489,9 +489,19 @@ class WorkflowContext:
                        **kwargs: Any) -> ActivityHandle:
         """Dispatch activity ``task`` (an ``IdempotentTask`` or its name) without waiting.
 
+        A plain Celery task cannot be an activity (nothing would record its completion):
+        given as an object it is refused with :class:`WorkflowUsageError`; given by name it
+        must name an ``IdempotentTask`` (not checked: the name may live on another app).
+
         Records the ``activity`` event and its message (outbox, key ``wf:<id>/<run>#<seq>``)
         in one fenced transaction. Wait for it with :meth:`wait_all` / :meth:`wait_any`.
         """
+        if not isinstance(task, str) and not callable(getattr(task, "returns", None)):
+            raise WorkflowUsageError(
+                f"activity {getattr(task, 'name', task)!r} is not an IdempotentTask: an "
+                "activity's completion must write the workflow's history with its effect; "
+                "use @app.task(base=IdempotentTask, bind=True) (a task given by name must be one)"
+            )
         task_name = task if isinstance(task, str) else str(task.name)
         call = engine.to_json([list(args), kwargs], f"activity {task_name!r} arguments")
         seq, digest, ev = self._next("activity", task_name, call)

@@ -308,6 +308,11 @@ def test_nested_and_foreign_thread_durable_calls_are_refused(app: Celery, wf_sto
     errors: list[str] = []
 
     def nested(ctx: WorkflowContext) -> None:
+        try:
+            ctx.start_activity(app.tasks["celery.backend_cleanup"])  # a plain task
+        except WorkflowUsageError as exc:
+            errors.append("plain:" + str(exc)[:40])
+
         def inner() -> None:
             ctx.now()
         try:
@@ -323,6 +328,7 @@ def test_nested_and_foreign_thread_durable_calls_are_refused(app: Celery, wf_sto
     workflow(name="t.nest")(nested)
     engine.start(wf_store, "t.nest", "n")
     Driver(wf_store, app).run()
+    assert errors[0].startswith("plain:activity 'celery.backend_cleanup' is not")
     assert errors[-2:] == ["WorkflowUsageError", "WorkflowUsageError"]
     with pytest.raises(WorkflowUsageError):
         WorkflowContext.step_key.fget(_Dummy())  # type: ignore[attr-defined]

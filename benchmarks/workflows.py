@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,7 @@ from reliable_beat.workflows.context import WorkflowContext
 
 REPLAY_SIZES = {"smoke": [100, 500], "full": [100, 500, 1000, 2000]}
 IDLE_SIZES = {"smoke": [10_000], "full": [10_000, 100_000]}
+RT_SIZES = {"smoke": int(os.environ.get("WFB_K", "20")), "full": 200}
 
 
 def _noop(i: int) -> int:
@@ -110,7 +112,7 @@ def _idle(store: Store, k: int) -> list[Any]:
 
 def run(env: Env) -> str:
     """The markdown of this part."""
-    rows, idle = [], []
+    rows, idle, trips = [], [], []
     with env.database("wfbench") as url:
         store = Store.from_url(url, role="worker")
         try:
@@ -118,6 +120,7 @@ def run(env: Env) -> str:
                 rows.append(_replay(store, n))
             for k in IDLE_SIZES.get(env.size.name, IDLE_SIZES["smoke"]):
                 idle.append(_idle(store, k))
+            trips = [_round_trips(env, url, RT_SIZES.get(env.size.name, 20))]
         finally:
             store.dispose()
     return "\n\n".join([
@@ -127,4 +130,77 @@ def run(env: Env) -> str:
         "### Workflows: idle cost of sleeping workflows (timers an hour away)",
         table(["sleeping workflows", "relay claim, nothing due (ms, median of 20)",
                "bytes per workflow (3 tables + indexes)", "workers / messages held"], idle),
+        "### Workflows: activity round trips vs a plain Celery chain (1 solo worker, 1 relay)",
+        table(["steps k", "chain links/s", "workflow activities/s",
+               "ms per activity round trip"], trips),
     ])
+
+
+def _round_trips(env: Env, url: str, k: int) -> list[Any]:
+    """One workflow of ``k`` sequential activities vs a Celery chain of ``k`` links, on one
+    solo worker and one relay: round trips per second of each."""
+    import subprocess
+    import tempfile
+
+    from celery import chain
+
+    from benchmarks.common import PY, ROOT
+
+    os.environ["WB_BROKER"], os.environ["WB_DB"] = env.redis_url, url
+    from benchmarks import workflow_app as wa
+
+    wa.done_table.create(sa.create_engine(url), checkfirst=True)
+    env.flush_redis()
+    tmp = tempfile.mkdtemp(prefix="wfbench")
+    penv = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = []
+    for name, args in (
+        ("worker", ["-m", "celery", "-A", "benchmarks.workflow_app:app", "worker", "-Q",
+                    wa.QUEUE, "--pool", "solo", "--loglevel=WARNING", "--without-gossip",
+                    "--without-mingle", "--without-heartbeat", "-n", "wfb@%h"]),
+        ("relay", ["-m", "reliable_beat.cli", "-A", "benchmarks.workflow_app:app", "relay",
+                   "--loglevel", os.environ.get("WFB_LOG", "WARNING")]),
+    ):
+        log = open(os.path.join(tmp, f"{name}.log"), "ab")  # noqa: SIM115
+        procs.append(subprocess.Popen([PY, *args], env=penv, cwd=ROOT, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    store = Store.from_url(url, role="cli")
+    eng = sa.create_engine(url)
+    try:
+        time.sleep(3)  # let the worker and relay start (outside the clock)
+        t0 = time.perf_counter()
+        chain(*[wa.link.si(i) for i in range(k)], wa.done.si("c")).apply_async()
+        deadline = time.monotonic() + 300
+        while True:
+            with eng.connect() as conn:
+                if conn.execute(sa.text("SELECT count(*) FROM bench_chain_done")).scalar():
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"chain did not finish (logs in {tmp})")
+            time.sleep(0.002)
+        chain_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        handle = wa.wf_chain.start("rt", args=(k,), store=store)
+        assert handle.result(timeout=600, interval=0.005) == k * (k - 1) // 2
+        wf_s = time.perf_counter() - t0
+        if os.environ.get("WFB_DEBUG"):
+            with eng.connect() as conn:
+                for r in conn.execute(sa.text(
+                        "SELECT message_id, created_at, available_at, sent_at, attempts "
+                        "FROM reliable_beat_outbox WHERE message_id NOT LIKE 'wake:idle%' ORDER BY id LIMIT 12")):
+                    print(r)
+                for r in conn.execute(sa.text(
+                        "SELECT idempotency_key, created_at, started_at, finished_at "
+                        "FROM reliable_beat_runs ORDER BY id LIMIT 5")):
+                    print(r)
+    finally:
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        store.dispose()
+        eng.dispose()
+    return [k, f"{k / chain_s:.0f}", f"{k / wf_s:.1f}", f"{wf_s / k * 1e3:.1f}"]

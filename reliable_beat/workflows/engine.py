@@ -373,6 +373,8 @@ def start(
     call_kwargs = to_json(dict(kwargs or {}), f"workflow {name!r} kwargs")
     with _tx(target) as conn:
         now = db_now(conn)
+        # RETURNING, not rowcount: with an implicit RETURNING of the id, psycopg reports no
+        # useful rowcount for INSERT ... ON CONFLICT DO NOTHING
         inserted = conn.execute(
             insert_ignore(conn, workflows).values(
                 workflow_id=workflow_id, name=name, run_no=1, state="pending",
@@ -380,9 +382,9 @@ def start(
                 random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
                 claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
                 created_at=now, updated_at=now,
-            )
-        ).rowcount
-        if inserted == 1:
+            ).returning(workflows.c.id)
+        ).first() is not None
+        if inserted:
             add_wake(conn, workflow_id, queue, "start")
         else:
             existing = conn.execute(
@@ -394,7 +396,7 @@ def start(
                     f"{name!r}; workflow ids are unique across names"
                 )
     store = target if isinstance(target, Store) else None
-    return WorkflowHandle(workflow_id, store=store, created=inserted == 1)
+    return WorkflowHandle(workflow_id, store=store, created=inserted)
 
 
 def signal(
@@ -440,12 +442,12 @@ def signal(
                 f"workflow {workflow_id!r} is {row.state}: signal {name!r} would never be "
                 "consumed; nothing was written"
             )
-        done = conn.execute(
+        stored = conn.execute(
             insert_ignore(conn, workflow_signals).values(
                 workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
-            )
-        ).rowcount
-        if done != 1:
+            ).returning(workflow_signals.c.id)
+        ).first()
+        if stored is None:
             return False
         add_wake(conn, workflow_id, row.queue, f"s{row.wake_seq}")
     return True

@@ -44,6 +44,9 @@ def _replay(store: Store, n: int) -> list[Any]:
                                               history_limit=10_000))
     wid = f"bench-{n}"
     engine.start(store, "bench.steps", wid, [n])
+    with store.begin() as conn:  # driven by hand here: its start message is not needed
+        conn.execute(sa.text("UPDATE reliable_beat_outbox SET state = 'sent' "
+                             "WHERE message_id = :m"), {"m": f"wake:{wid}:start"})
     t0 = time.perf_counter()
     assert engine.advance(store, wid, owner="bench") == "waiting"
     first = time.perf_counter() - t0
@@ -183,16 +186,6 @@ def _round_trips(env: Env, url: str, k: int) -> list[Any]:
         handle = wa.wf_chain.start("rt", args=(k,), store=store)
         assert handle.result(timeout=600, interval=0.005) == k * (k - 1) // 2
         wf_s = time.perf_counter() - t0
-        if os.environ.get("WFB_DEBUG"):
-            with eng.connect() as conn:
-                for r in conn.execute(sa.text(
-                        "SELECT message_id, created_at, available_at, sent_at, attempts "
-                        "FROM reliable_beat_outbox WHERE message_id NOT LIKE 'wake:idle%' ORDER BY id LIMIT 12")):
-                    print(r)
-                for r in conn.execute(sa.text(
-                        "SELECT idempotency_key, created_at, started_at, finished_at "
-                        "FROM reliable_beat_runs ORDER BY id LIMIT 5")):
-                    print(r)
     finally:
         for p in procs:
             p.terminate()

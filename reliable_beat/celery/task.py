@@ -214,6 +214,9 @@ class _RunState:
     outbox_count: int = 0
     #: the JSON result declared with self.returns() (stored by the completing transaction)
     returned: Any = None
+    #: Stores the result of a run completed in the body's transaction (None: at once, on
+    #: the store); set by a transaction joined to an outer one (Django's ``atomic()``).
+    write_result: Callable[[Any], None] | None = None
     #: time.monotonic() of the next lease renewal (set by _LeaseRenewer.add).
     renew_at: float = 0.0
 
@@ -768,7 +771,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @contextmanager
     def transaction(
-        self, *, bind: Engine | Connection | None = None, session: Any = None
+        self, *, bind: Engine | Connection | None = None, session: Any = None,
+        using: str | None = None,
     ) -> Iterator[Connection]:
         """One transaction for the body's effect; leaving the block completes the run.
 
@@ -786,18 +790,48 @@ class IdempotentTask(Task):  # type: ignore[misc]
             session: your own SQLAlchemy ``Session`` on the store's database: its
                 connection is yielded, the ORM can be used alongside, and the session is
                 flushed and committed at the end of the block (rolled back on error).
+            using: a Django database alias (``"default"``): the block is
+                ``transaction.atomic(using=using)`` on Django's own connection and yields a
+                ``Connection`` on it, so ORM writes in the block commit with the key (see
+                :mod:`reliable_beat.contrib.django.db` and ``docs/django.md``).
 
         Raises:
             StaleFenceToken: the fence moved (another runner claimed the run after this
                 one): everything written in the block was rolled back; the attempt is
                 recorded ``fenced_out``.
-            ConfigurationError: ``bind``/``session`` point at another database.
+            ConfigurationError: ``bind``/``session``/``using`` point at another database,
+                ``using`` is given with ``bind``/``session``, or Django is not installed.
             RuntimeError: called outside an execution, or twice in one execution.
         """
         state = self._state()
         if state.transaction_used:
             raise RuntimeError(f"{self.name}: self.transaction() may be used once per run")
         state.transaction_used = True
+        if using is not None:
+            if bind is not None or session is not None:
+                raise ConfigurationError(
+                    f"{self.name}: self.transaction(using={using!r}) runs on Django's "
+                    "connection; pass bind=/session= or using=, not both"
+                )
+            try:
+                django_db = importlib.import_module("reliable_beat.contrib.django.db")
+            except ImportError as exc:
+                raise ConfigurationError(
+                    f"{self.name}: self.transaction(using={using!r}) joins Django's connection "
+                    f"and needs Django ({exc}); pip install 'reliable-beat[django]'"
+                ) from exc
+            try:
+                with django_db.atomic_connection(using) as tx:
+                    self._check_same_database(tx.engine, state.store)
+                    yield tx
+                    _renewer.discard(state)  # see below
+                    runs.complete(tx, state.claim, state.returned)
+            except BaseException as exc:
+                self._after_rollback(state, exc)
+                raise
+            state.write_result = django_db.result_writer(using, state.store, state.claim)
+            state.completed = True
+            return
         if session is not None:
             conn = session.connection()
             self._check_same_database(conn.engine, state.store)
@@ -1117,7 +1151,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # now. Storing the result is best effort and never fails the call.
                 if state.transaction_used and stored is not None and state.returned is None:
                     try:
-                        runs.set_result(store, claim, stored)
+                        if state.write_result is not None:
+                            state.write_result(stored)
+                        else:
+                            runs.set_result(store, claim, stored)
                     except Exception:
                         log.exception("%s: %s succeeded; its result could not be stored",
                                       self.name, claim.key)

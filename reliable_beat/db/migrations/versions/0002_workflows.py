@@ -1,7 +1,7 @@
 """durable workflows: workflows, their events (the history), signals
 
 Revision ID: 0002_workflows
-Revises: 0004_quarantine
+Revises: 0002_mariadb
 Create Date: 2026-12-01
 """
 
@@ -14,7 +14,7 @@ from sqlalchemy.dialects import postgresql
 import reliable_beat.db.types
 
 revision = "0002_workflows"
-down_revision = "0004_quarantine"
+down_revision = "0002_mariadb"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,473 @@
+"""Django admin pages over the reliable_beat tables: operate it without SQL.
+
+Every page is read-only for active staff users by default (viewing needs no permission
+beyond ``is_staff``). Each action needs its own permission and shows a confirmation page
+first; it then calls reliable_beat's API (the same functions as the CLI), so validation,
+misfire rules and fencing are the CLI's:
+
+=====================  ======================================  ============================
+action                 API                                     permission
+=====================  ======================================  ============================
+pause / resume         ``entries.pause`` / ``entries.resume``  ``reliable_beat.pause_entry``
+trigger now            ``runtime.trigger``                     ``reliable_beat.trigger_entry``
+backfill a window      ``runtime.backfill``                    ``reliable_beat.backfill_entry``
+requeue a dead letter  ``runs.requeue_dead_letter`` + send     ``reliable_beat.requeue_deadletter``
+=====================  ======================================  ============================
+
+Nothing is ever requeued automatically; a requeue is a person's decision and records who.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+
+from reliable_beat import entries as rb_entries
+from reliable_beat import runs as rb_runs
+from reliable_beat import runtime
+from reliable_beat.contrib.django import conf
+from reliable_beat.contrib.django.models import (
+    Attempt,
+    DeadLetter,
+    Entry,
+    OutboxMessage,
+    Run,
+)
+from reliable_beat.errors import EntryValidationError, ReliableBeatError
+
+CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
+_KEY_HEADER = "reliable_beat_key"
+
+
+def _who(request: HttpRequest) -> str:
+    user = getattr(request, "user", None)
+    return f"django:{getattr(user, 'get_username', lambda: '?')()}"
+
+
+class _ReadOnlyAdmin(admin.ModelAdmin):
+    """Viewing for active staff; no add, change or delete (writes go through the API)."""
+
+    list_per_page = 50
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).using(conf.database_alias())
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.is_active and request.user.is_staff)
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.is_active and request.user.is_staff)
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return [f.name for f in self.model._meta.fields]
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def _perm(self, request: HttpRequest, codename: str) -> bool:
+        return bool(request.user.is_active and request.user.has_perm(f"reliable_beat.{codename}"))
+
+    def _confirm(self, request: HttpRequest, queryset: QuerySet[Any], *, action: str,
+                 title: str, question: str, items: list[str],
+                 form: forms.Form | None = None) -> HttpResponse:
+        """The confirmation page; posting it back runs the action (``confirm=yes``)."""
+        context = {
+            **self.admin_site.each_context(request),
+            "title": title,
+            "question": question,
+            "items": items,
+            "form": form,
+            "action": action,
+            "selected": [str(pk) for pk in queryset.values_list("pk", flat=True)],
+            "opts": self.model._meta,
+            "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, CONFIRM_TEMPLATE, context)
+
+
+class BackfillForm(forms.Form):
+    """The window of a backfill: ``[start, end)``, ISO 8601 instants with a UTC offset."""
+
+    start = forms.CharField(help_text="e.g. 2026-01-10T00:00:00Z (offset required)")
+    end = forms.CharField(help_text="exclusive; e.g. 2026-01-11T00:00:00Z")
+    force = forms.BooleanField(required=False,
+                               help_text="allow more slots than reliable_beat_backfill_limit")
+
+    @staticmethod
+    def _instant(value: str, what: str) -> datetime:
+        try:
+            parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+        except ValueError:
+            raise forms.ValidationError(f"{what}: {value!r} is not an ISO 8601 instant") from None
+        if parsed.tzinfo is None:
+            raise forms.ValidationError(f"{what}: {value!r} has no UTC offset (add Z or +02:00)")
+        return parsed
+
+    def clean_start(self) -> datetime:
+        return self._instant(self.cleaned_data["start"], "start")
+
+    def clean_end(self) -> datetime:
+        return self._instant(self.cleaned_data["end"], "end")
+
+
+class RuntimeEntryForm(forms.Form):
+    """A runtime entry, as ``reliable-beat entries add|update`` takes it (blank = not given;
+    on edit, not given = kept). Validated by the CLI's own ``build_definition``."""
+
+    name = forms.CharField(max_length=200)
+    task = forms.CharField(max_length=255, required=False)
+    cron = forms.CharField(required=False, help_text="croniter syntax; 6 fields = seconds LAST")
+    every = forms.IntegerField(required=False, min_value=1, help_text="interval, whole seconds")
+    at = forms.CharField(required=False, help_text="one-off instant, ISO 8601 with offset")
+    timezone = forms.CharField(required=False, help_text="IANA zone (default UTC)")
+    args = forms.CharField(required=False, help_text="JSON array")
+    kwargs = forms.CharField(required=False, help_text="JSON object")
+    queue = forms.CharField(required=False)
+    misfire_policy = forms.ChoiceField(required=False, choices=[
+        ("", "-"), ("skip", "skip"), ("fire_once", "fire_once"), ("catch_up", "catch_up")])
+    misfire_grace = forms.FloatField(required=False, min_value=0, help_text="seconds")
+    catch_up_limit = forms.IntegerField(required=False, min_value=0)
+    overlap_policy = forms.ChoiceField(required=False, choices=[
+        ("", "-"), ("allow", "allow"), ("skip", "skip"), ("buffer_one", "buffer_one")])
+
+    def params(self) -> dict[str, Any]:
+        """The cleaned values as the CLI's parameters (blank -> None)."""
+        return {k: (None if v in ("", None) else v) for k, v in self.cleaned_data.items()
+                if k != "name"}
+
+
+@admin.register(Entry)
+class EntryAdmin(_ReadOnlyAdmin):
+    list_display = ("name", "task", "schedule_in_words", "state", "next_fire_local",
+                    "last_fire_at", "misfire_policy", "overlap_policy", "origin")
+    list_filter = ("origin", "paused", "enabled", "schedule_kind")
+    search_fields = ("name", "task")
+    actions = ["pause_entries", "resume_entries", "trigger_entries", "backfill_entries"]
+    change_form_template = "admin/reliable_beat/entry_change_form.html"
+    change_list_template = "admin/reliable_beat/entry_change_list.html"
+    entry_form_template = "admin/reliable_beat/entry_form.html"
+
+    def get_urls(self) -> list[Any]:
+        from django.urls import path
+
+        wrap = self.admin_site.admin_view
+        return [
+            path("add-runtime/", wrap(self.runtime_entry_view),
+                 name="reliable_beat_entry_add_runtime"),
+            path("<path:object_id>/edit-runtime/", wrap(self.runtime_entry_view),
+                 name="reliable_beat_entry_edit_runtime"),
+            *super().get_urls(),
+        ]
+
+    def has_edit_permission(self, request: HttpRequest) -> bool:
+        return self._perm(request, "edit_entry")
+
+    def runtime_entry_view(self, request: HttpRequest, object_id: str | None = None
+                           ) -> HttpResponse:
+        """Add (no ``object_id``) or edit a runtime entry, validated like the CLI's
+        ``entries add|update`` (same function), written with ``save_runtime_entry``."""
+        from django.core.exceptions import PermissionDenied
+        from django.shortcuts import redirect
+
+        from reliable_beat.celery.commands import CliContext
+        from reliable_beat.cli_entries import build_definition
+
+        if not self.has_edit_permission(request):
+            raise PermissionDenied
+        store = conf.store()
+        existing: dict[str, Any] | None = None
+        if object_id is not None:
+            obj = self.get_object(request, object_id)
+            if obj is None:
+                return redirect("admin:reliable_beat_entry_changelist")
+            existing = rb_entries.get_entry(store, obj.name)
+            if existing["origin"] == "config":
+                self.message_user(request, f"{obj.name} comes from beat_schedule "
+                                  "(CELERY_BEAT_SCHEDULE): change it there", messages.ERROR)
+                return redirect("admin:reliable_beat_entry_change", obj.pk)
+        initial = {"name": existing["name"]} if existing else {}
+        form = RuntimeEntryForm(request.POST or None, initial=initial)
+        if existing is not None:
+            form.fields["name"].disabled = True  # the name is the entry's identity
+        problems: list[str] = []
+        if request.method == "POST" and form.is_valid():
+            name = existing["name"] if existing else form.cleaned_data["name"]
+            params = form.params()
+            cli = CliContext(app=conf.celery_app(), database_url=conf.store_url(),
+                             _store=store)
+            try:
+                if existing is None and params.get("task") is None:
+                    raise EntryValidationError([f"entry {name!r}: task is required"])
+                definition = build_definition(cli, name, params, existing=existing)
+                rb_entries.save_runtime_entry(store, definition, create=existing is None)
+            except EntryValidationError as exc:
+                problems = list(exc.problems)
+            except ReliableBeatError as exc:
+                problems = [str(exc)]
+            else:
+                self.message_user(request, f"{'changed' if existing else 'added'} runtime "
+                                  f"entry {name}", messages.SUCCESS)
+                return redirect("admin:reliable_beat_entry_change",
+                                rb_entries.get_entry(store, name)["id"])
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Edit runtime entry {existing['name']}" if existing
+                     else "Add a runtime entry",
+            "form": form, "problems": problems, "existing": existing,
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, self.entry_form_template, context)
+
+    @admin.display(description="schedule")
+    def schedule_in_words(self, obj: Entry) -> str:
+        from reliable_beat.celery.commands import reliable_beat  # noqa: F401 (CLI first)
+        from reliable_beat.cli_entries import schedule_text
+
+        return schedule_text(dict(obj.schedule or {}))
+
+    @admin.display(description="status")
+    def state(self, obj: Entry) -> str:
+        if not obj.enabled:
+            return "disabled"
+        if obj.paused:
+            return "paused"
+        return "active" if obj.next_fire_at is not None else "ended"
+
+    @admin.display(description="next fire (entry's zone)", ordering="next_fire_at")
+    def next_fire_local(self, obj: Entry) -> str:
+        if obj.next_fire_at is None:
+            return "-"
+        try:
+            zone = ZoneInfo(obj.timezone or "UTC")
+        except Exception:
+            zone = ZoneInfo("UTC")
+        return obj.next_fire_at.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z")
+
+    def has_pause_permission(self, request: HttpRequest) -> bool:
+        return self._perm(request, "pause_entry")
+
+    def has_trigger_permission(self, request: HttpRequest) -> bool:
+        return self._perm(request, "trigger_entry")
+
+    def has_backfill_permission(self, request: HttpRequest) -> bool:
+        return self._perm(request, "backfill_entry")
+
+    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "",
+                    extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        extra = dict(extra_context or {})
+        obj = self.get_object(request, object_id)
+        if obj is not None:
+            extra["recent_runs"] = list(
+                Run.objects.using(conf.database_alias()).filter(entry_name=obj.name)
+                .order_by("-created_at", "-id")[:10])
+            try:
+                extra["describe"] = runtime.describe(conf.store(), conf.celery_app(), obj.name)
+            except ReliableBeatError as exc:
+                extra["describe_error"] = str(exc)
+            if obj.origin == "config":
+                extra["origin_note"] = (
+                    "This entry comes from the Celery app's beat_schedule (CELERY_BEAT_SCHEDULE "
+                    "in Django settings): edit it there; a starting beat syncs it. Pause, "
+                    "resume, trigger and backfill work here.")
+            extra["next_fire_local"] = self.next_fire_local(obj)
+            extra["can_edit_runtime"] = (obj.origin == "runtime"
+                                         and self.has_edit_permission(request))
+            extra["schedule_in_words"] = self.schedule_in_words(obj)
+        return super().change_view(request, object_id, form_url, extra)
+
+    def changelist_view(self, request: HttpRequest,
+                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        extra = {**(extra_context or {}), "can_edit_runtime": self.has_edit_permission(request)}
+        return super().changelist_view(request, extra)
+
+    def _each(self, request: HttpRequest, queryset: QuerySet[Any], verb: str,
+              fn: Any) -> None:
+        done = []
+        for entry in queryset:
+            try:
+                result = fn(entry.name)
+            except ReliableBeatError as exc:
+                self.message_user(request, f"{entry.name}: not {verb}: {exc}", messages.ERROR)
+                continue
+            done.append(f"{entry.name}{result or ''}")
+        if done:
+            self.message_user(request, f"{verb}: {', '.join(done)}", messages.SUCCESS)
+
+    @admin.action(description="Pause selected entries", permissions=["pause"])
+    def pause_entries(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        if request.POST.get("confirm") != "yes":
+            return self._confirm(
+                request, queryset, action="pause_entries", title="Pause entries",
+                question="Pause these entries? They stop firing; their grid is kept.",
+                items=[e.name for e in queryset])
+        self._each(request, queryset, "paused",
+                   lambda name: rb_entries.pause(conf.store(), name))
+        return None
+
+    @admin.action(description="Resume selected entries", permissions=["pause"])
+    def resume_entries(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        if request.POST.get("confirm") != "yes":
+            return self._confirm(
+                request, queryset, action="resume_entries", title="Resume entries",
+                question="Resume these entries? Slots missed while paused go through each "
+                         "entry's misfire policy, as after downtime.",
+                items=[f"{e.name} (misfire policy {e.misfire_policy})" for e in queryset])
+        self._each(request, queryset, "resumed",
+                   lambda name: rb_entries.resume(conf.store(), name))
+        return None
+
+    @admin.action(description="Trigger selected entries now", permissions=["trigger"])
+    def trigger_entries(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        if request.POST.get("confirm") != "yes":
+            return self._confirm(
+                request, queryset, action="trigger_entries", title="Trigger entries now",
+                question="Run each of these entries once, now, outside its schedule? "
+                         "(a manual run with its own key; the relay delivers the trigger)",
+                items=[f"{e.name} -> {e.task}" for e in queryset])
+        self._each(request, queryset, "triggered",
+                   lambda name: f" ({runtime.trigger(conf.store(), name)})")
+        return None
+
+    @admin.action(description="Backfill a window of the selected entries",
+                  permissions=["backfill"])
+    def backfill_entries(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        form = BackfillForm(request.POST if request.POST.get("confirm") == "yes" else None)
+        if request.POST.get("confirm") != "yes" or not form.is_valid():
+            return self._confirm(
+                request, queryset, action="backfill_entries", title="Backfill entries",
+                question="Create the runs of every slot in [start, end) that has none "
+                         "(never a second run for a slot):",
+                items=[e.name for e in queryset], form=form)
+        limit = conf.store_settings().backfill_limit
+
+        def one(name: str) -> str:
+            result = runtime.backfill(
+                conf.store(), name, form.cleaned_data["start"], form.cleaned_data["end"],
+                limit=limit, force=form.cleaned_data["force"])
+            return f" ({result.created} created, {result.existing} existing)"
+
+        self._each(request, queryset, "backfilled", one)
+        return None
+
+
+class AttemptInline(admin.TabularInline):
+    model = Attempt
+    extra = 0
+    can_delete = False
+    fields = ("attempt", "fence_token", "outcome", "worker", "started_at", "finished_at",
+              "retry_in_seconds", "error")
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).using(conf.database_alias())
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.is_active and request.user.is_staff)
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Run)
+class RunAdmin(_ReadOnlyAdmin):
+    list_display = ("idempotency_key", "entry_name", "fire_at", "state", "attempts",
+                    "fence_token", "trigger", "finished_at")
+    list_filter = ("state", "trigger", "entry_name")
+    search_fields = ("idempotency_key", "entry_name", "task")
+    date_hierarchy = "created_at"
+    inlines = [AttemptInline]
+
+
+@admin.register(DeadLetter)
+class DeadLetterAdmin(_ReadOnlyAdmin):
+    list_display = ("id", "kind", "key", "task", "destination", "reason", "attempts",
+                    "created_at", "requeued_at", "requeued_by")
+    list_filter = ("kind", "reason")
+    search_fields = ("key", "task", "entry_name")
+    actions = ["requeue"]
+
+    def has_requeue_permission(self, request: HttpRequest) -> bool:
+        return self._perm(request, "requeue_deadletter")
+
+    @admin.action(description="Requeue selected dead letters (run again, same key)",
+                  permissions=["requeue"])
+    def requeue(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        if request.POST.get("confirm") != "yes":
+            return self._confirm(
+                request, queryset, action="requeue", title="Requeue dead letters",
+                question="Run these again under the SAME idempotency key? A run whose "
+                         "effect committed is refused.",
+                items=[f"#{d.pk} {d.task} {d.key!r} (died: {d.reason}, {d.attempts} "
+                       "attempts)" for d in queryset])
+        app = conf.celery_app()
+        if app is None:
+            self.message_user(request, "requeue sends the task through the Celery app: set "
+                              "RELIABLE_BEAT = {'CELERY_APP': 'proj.celery:app'} in settings",
+                              messages.ERROR)
+            return None
+        store = conf.store()
+        for dl in queryset:
+            if dl.kind != "run":
+                self.message_user(request, f"#{dl.pk} is a {dl.kind} dead letter; only run "
+                                  "dead letters can be requeued", messages.ERROR)
+                continue
+            try:
+                rb_runs.requeue_dead_letter(store, dl.pk, by=_who(request))
+            except (ValueError, LookupError) as exc:
+                self.message_user(request, f"#{dl.pk}: not requeued: {exc}", messages.ERROR)
+                continue
+            payload = dict(dl.payload or {})
+            headers = {**dict(payload.get("headers") or {}), _KEY_HEADER: payload["key"]}
+            try:
+                app.send_task(payload["task"], args=payload.get("args") or [],
+                              kwargs=payload.get("kwargs") or {}, headers=headers,
+                              task_id=str(uuid.uuid4()), queue=payload.get("queue"))
+            except Exception as exc:
+                rb_runs.undo_requeue(store, dl.pk)
+                self.message_user(request, f"#{dl.pk}: could not send the task ({exc}); the "
+                                  "run stays dead", messages.ERROR)
+                continue
+            rb_runs.mark_dispatched(store, payload["key"])
+            self.message_user(request, f"#{dl.pk}: requeued {payload['task']} under key "
+                              f"{payload['key']!r}", messages.SUCCESS)
+        return None
+
+
+@admin.register(OutboxMessage)
+class OutboxAdmin(_ReadOnlyAdmin):
+    list_display = ("id", "message_id", "destination", "state", "attempts", "available_at",
+                    "sent_at", "last_error")
+    list_filter = ("state", "destination")
+    search_fields = ("message_id", "destination")
+    change_list_template = "admin/reliable_beat/outbox_change_list.html"
+
+    def changelist_view(self, request: HttpRequest,
+                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        from reliable_beat.cli_status import outbox_backlog
+
+        with conf.store().engine.connect() as conn:
+            backlog = outbox_backlog(conn, datetime.now(timezone.utc))
+        return super().changelist_view(request, {**(extra_context or {}),
+                                                 "backlog": backlog})

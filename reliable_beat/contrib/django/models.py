@@ -1,0 +1,177 @@
+"""Unmanaged Django models over the reliable_beat tables (the admin reads them).
+
+The tables belong to reliable_beat's Alembic migrations (run by this app's Django migration,
+see ``migrations/0001_initial.py``), so every model is ``managed = False``: Django never
+creates, alters or drops them. Writes go through reliable_beat's API (pause, resume,
+trigger, backfill, requeue), never through these models, so validation, misfire rules and
+fencing are the same as the CLI's.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+__all__ = ["Attempt", "DeadLetter", "Entry", "OutboxMessage", "Run"]
+
+
+class Entry(models.Model):
+    """``reliable_beat_entries``: one row per named recurring definition."""
+
+    name = models.CharField(max_length=200, unique=True)
+    task = models.CharField(max_length=255)
+    args = models.JSONField(default=list)
+    kwargs = models.JSONField(default=dict)
+    options = models.JSONField(default=dict)
+    schedule_kind = models.CharField(max_length=16)
+    schedule = models.JSONField()
+    timezone = models.CharField(max_length=64)
+    misfire_policy = models.CharField(max_length=16)
+    misfire_grace_seconds = models.FloatField()
+    catch_up_limit = models.IntegerField()
+    catch_up_window_seconds = models.FloatField(null=True)
+    overlap_policy = models.CharField(max_length=16)
+    enabled = models.BooleanField()
+    paused = models.BooleanField()
+    paused_at = models.DateTimeField(null=True)
+    origin = models.CharField(max_length=16)
+    config_hash = models.CharField(max_length=64, null=True)
+    start_at = models.DateTimeField(null=True)
+    end_at = models.DateTimeField(null=True)
+    next_fire_at = models.DateTimeField(null=True)
+    last_fire_at = models.DateTimeField(null=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = "reliable_beat_entries"
+        verbose_name = "entry"
+        verbose_name_plural = "entries"
+        ordering = ["name"]
+        default_permissions = ("view",)
+        permissions = [
+            ("pause_entry", "Can pause and resume entries"),
+            ("trigger_entry", "Can trigger an entry now"),
+            ("backfill_entry", "Can backfill a window of an entry"),
+            ("edit_entry", "Can add and change runtime entries"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Run(models.Model):
+    """``reliable_beat_runs``: one row per (entry, slot) and per ad-hoc idempotency key."""
+
+    idempotency_key = models.CharField(max_length=400, unique=True)
+    entry_name = models.CharField(max_length=200, null=True)
+    fire_at = models.DateTimeField(null=True)
+    trigger = models.CharField(max_length=16)
+    task = models.CharField(max_length=255)
+    args = models.JSONField(default=list)
+    kwargs = models.JSONField(default=dict)
+    state = models.CharField(max_length=16)
+    fence_token = models.BigIntegerField()
+    leased_by = models.CharField(max_length=200, null=True)
+    lease_expires_at = models.DateTimeField(null=True)
+    attempts = models.IntegerField()
+    result = models.JSONField(null=True)
+    error = models.TextField(null=True)
+    reason = models.TextField(null=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    dispatched_at = models.DateTimeField(null=True)
+    started_at = models.DateTimeField(null=True)
+    finished_at = models.DateTimeField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "reliable_beat_runs"
+        ordering = ["-created_at", "-id"]
+        default_permissions = ("view",)
+
+    def __str__(self) -> str:
+        return self.idempotency_key
+
+
+class Attempt(models.Model):
+    """``reliable_beat_attempts``: one row per try of a run."""
+
+    run = models.ForeignKey(Run, on_delete=models.DO_NOTHING, db_constraint=False,
+                            related_name="attempt_rows")
+    attempt = models.IntegerField()
+    fence_token = models.BigIntegerField()
+    worker = models.CharField(max_length=200, null=True)
+    task_id = models.CharField(max_length=64, null=True)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True)
+    outcome = models.CharField(max_length=16)
+    error = models.TextField(null=True)
+    retry_in_seconds = models.FloatField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "reliable_beat_attempts"
+        ordering = ["id"]
+        default_permissions = ("view",)
+
+    def __str__(self) -> str:
+        return f"attempt {self.attempt} (fence {self.fence_token}): {self.outcome}"
+
+
+class OutboxMessage(models.Model):
+    """``reliable_beat_outbox``: messages written with the effect, delivered by a relay."""
+
+    message_id = models.CharField(max_length=400, unique=True)
+    destination = models.CharField(max_length=200)
+    payload = models.JSONField()
+    headers = models.JSONField(default=dict)
+    ordering_key = models.CharField(max_length=200, null=True)
+    run_id = models.BigIntegerField(null=True)
+    state = models.CharField(max_length=16)
+    attempts = models.IntegerField()
+    available_at = models.DateTimeField()
+    claimed_by = models.CharField(max_length=200, null=True)
+    created_at = models.DateTimeField()
+    sent_at = models.DateTimeField(null=True)
+    last_error = models.TextField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "reliable_beat_outbox"
+        verbose_name = "outbox message"
+        ordering = ["-id"]
+        default_permissions = ("view",)
+
+    def __str__(self) -> str:
+        return self.message_id
+
+
+class DeadLetter(models.Model):
+    """``reliable_beat_dead_letters``: work that exhausted attempts or failed permanently."""
+
+    kind = models.CharField(max_length=16)
+    run_id = models.BigIntegerField(null=True)
+    outbox_id = models.BigIntegerField(null=True)
+    key = models.CharField(max_length=400)
+    entry_name = models.CharField(max_length=200, null=True)
+    task = models.CharField(max_length=255, null=True)
+    destination = models.CharField(max_length=200, null=True)
+    payload = models.JSONField()
+    reason = models.CharField(max_length=32)
+    error = models.TextField(null=True)
+    attempts = models.IntegerField()
+    created_at = models.DateTimeField()
+    requeued_at = models.DateTimeField(null=True)
+    requeued_by = models.CharField(max_length=200, null=True)
+
+    class Meta:
+        managed = False
+        db_table = "reliable_beat_dead_letters"
+        verbose_name = "dead letter"
+        ordering = ["-created_at", "-id"]
+        default_permissions = ("view",)
+        permissions = [("requeue_deadletter", "Can requeue a dead letter")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.key}"

@@ -1,0 +1,327 @@
+"""The admin, ``manage.py migrate`` and ``manage.py reliable_beat``, through Django's test
+client on a real PostgreSQL (run by ``tests/integration/test_django.py``).
+
+Users: ``admin`` (superuser: every permission), ``viewer`` (staff, no permission: the
+default is read-only), ``pauser`` (staff + ``reliable_beat.pause_entry`` only), ``outsider``
+(active, not staff). Every action is checked three ways: no permission -> not offered and
+not run; first POST -> a confirmation page and nothing changed; confirmed POST -> done
+through reliable_beat's API (state read back from the store, not from the page).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
+from django.test import Client, override_settings
+
+from reliable_beat import entries as rb_entries
+from reliable_beat import runs as rb_runs
+from reliable_beat import schedules as sch
+from reliable_beat.contrib.django import conf
+from reliable_beat.contrib.django.db import database_url
+from reliable_beat.db.migrate import current, head
+from reliable_beat.entries import EntryDefinition
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJ = ROOT / "tests" / "apps" / "djproj"
+CHECKBOX = "_selected_action"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def migrated() -> None:
+    """``manage.py migrate`` alone: Django's tables and reliable_beat's (Alembic, at head)."""
+    call_command("migrate", verbosity=0)
+
+
+@pytest.fixture(scope="session")
+def users(migrated: None) -> dict[str, User]:
+    made = {
+        "admin": User.objects.create_superuser("admin", "a@example.com", "pw"),
+        "viewer": User.objects.create_user("viewer", password="pw", is_staff=True),
+        "pauser": User.objects.create_user("pauser", password="pw", is_staff=True),
+        "outsider": User.objects.create_user("outsider", password="pw"),
+    }
+    made["pauser"].user_permissions.add(
+        Permission.objects.get(codename="pause_entry", content_type__app_label="reliable_beat"))
+    return made
+
+
+def client(user: User) -> Client:
+    c = Client()
+    c.force_login(user)
+    return c
+
+
+@pytest.fixture
+def seeded() -> Iterator[dict[str, Any]]:
+    """A runtime cron entry in Berlin time, a config interval entry, a run dead-lettered
+    (permanent), a pending outbox row (from a trigger)."""
+    store = conf.store()
+    tag = os.urandom(3).hex()
+    nightly, hourly = f"nightly-{tag}", f"cfg-hourly-{tag}"
+    rb_entries.save_runtime_entry(store, EntryDefinition(
+        name=nightly, task="dj.pay", schedule=sch.CronSchedule("0 2 * * *", "Europe/Berlin"),
+        args=["m-nightly"]), create=True)
+    rb_entries.sync_config_entries(store, [EntryDefinition(
+        name=hourly, task="dj.pay", args=["m-cfg"], schedule=sch.IntervalSchedule(
+            timedelta(hours=1), datetime(2026, 1, 1, tzinfo=timezone.utc)))],
+        group=f"test-{tag}")  # one schedule group per test: each is its own app's config
+    claim = rb_runs.claim_run(store, f"dead:{tag}", owner="test", lease=timedelta(seconds=30),
+                              task="dj.pay", args=[f"m-dead-{tag}"])
+    rb_runs.record_failure(store, claim, "PermanentError: bank said no", dead_reason="permanent",
+                           payload={"task": "dj.pay", "args": [f"m-dead-{tag}"], "kwargs": {},
+                                    "key": f"dead:{tag}", "headers": {}, "queue": None})
+    [dl] = [d for d in rb_runs.list_dead_letters(store) if d["key"] == f"dead:{tag}"]
+    yield {"nightly": nightly, "hourly": hourly, "dead_letter": dl["id"], "tag": tag}
+
+
+def entry_pk(name: str) -> int:
+    return int(rb_entries.get_entry(conf.store(), name)["id"])
+
+
+def runs_of(name: str) -> list[dict[str, Any]]:
+    return [r for r in rb_runs.list_runs(conf.store(), entry=name, limit=100)]
+
+
+# -- migrate ----------------------------------------------------------------------------------
+
+
+def test_migrate_alone_brings_the_store_to_head() -> None:
+    assert current(conf.store()) == head()
+    # The store is the Django database, with the driver Django uses.
+    url = sa.engine.make_url(database_url())
+    assert url.drivername == f"postgresql+{os.environ['RB_DJANGO_DRIVER']}"
+    assert url.database == sa.engine.make_url(os.environ["RB_DATABASE_URL"]).database
+    call_command("migrate", verbosity=0)  # again: a no-op, no error
+    assert current(conf.store()) == head()
+
+
+# -- viewing and permissions ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", ["entry", "run", "deadletter", "outboxmessage"])
+def test_staff_without_permissions_can_view_every_page(
+        page: str, users: dict[str, User], seeded: dict[str, Any]) -> None:
+    res = client(users["viewer"]).get(f"/admin/reliable_beat/{page}/")
+    assert res.status_code == 200, res.content[:500]
+
+
+def test_outsider_is_sent_to_login(users: dict[str, User]) -> None:
+    res = client(users["outsider"]).get("/admin/reliable_beat/entry/")
+    assert res.status_code == 302 and "/login/" in res["Location"]
+
+
+def test_viewer_is_offered_no_action_and_cannot_post_one(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    c = client(users["viewer"])
+    page = c.get("/admin/reliable_beat/entry/").content.decode()
+    for action in ("pause_entries", "trigger_entries", "backfill_entries", "delete_selected"):
+        assert f'value="{action}"' not in page
+    name = seeded["nightly"]
+    c.post("/admin/reliable_beat/entry/", {"action": "pause_entries", "confirm": "yes",
+                                            CHECKBOX: [entry_pk(name)]})
+    assert rb_entries.get_entry(conf.store(), name)["paused"] is False
+    assert c.get(f"/admin/reliable_beat/entry/{entry_pk(name)}/change/").status_code == 200
+    # no add / delete pages for anyone
+    assert c.get("/admin/reliable_beat/entry/add/").status_code == 403
+    assert client(users["admin"]).get("/admin/reliable_beat/entry/add/").status_code == 403
+
+
+def test_entry_page_shows_schedule_zone_five_questions_and_last_slots(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    name = seeded["nightly"]
+    page = client(users["viewer"]).get(
+        f"/admin/reliable_beat/entry/{entry_pk(name)}/change/").content.decode()
+    assert "cron &#x27;0 2 * * *&#x27; Europe/Berlin" in page
+    assert "02:00:00 CE" in page  # next fire in the entry's zone (CET or CEST)
+    assert 'id="rb-five-questions"' in page
+    for q in ("run_twice", "overlap", "machine_dies", "retry", "idempotent"):
+        assert q in page
+    assert 'id="rb-last-slots"' in page and "no runs yet" in page
+    assert 'id="rb-origin-note"' not in page  # a runtime entry
+    listing = client(users["viewer"]).get("/admin/reliable_beat/entry/?q=" + name)
+    assert "02:00:00 CE" in listing.content.decode()
+
+
+def test_config_entry_page_says_where_it_comes_from(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    page = client(users["viewer"]).get(
+        f"/admin/reliable_beat/entry/{entry_pk(seeded['hourly'])}/change/").content.decode()
+    assert 'id="rb-origin-note"' in page and "beat_schedule" in page
+
+
+# -- actions ----------------------------------------------------------------------------------
+
+
+def test_pause_and_resume_confirm_first_then_go_through_the_api(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    name = seeded["nightly"]
+    c = client(users["pauser"])
+    page = c.get("/admin/reliable_beat/entry/").content.decode()
+    assert 'value="pause_entries"' in page and 'value="trigger_entries"' not in page
+    first = c.post("/admin/reliable_beat/entry/", {"action": "pause_entries",
+                                                   CHECKBOX: [entry_pk(name)]})
+    assert first.status_code == 200 and 'id="rb-question"' in first.content.decode()
+    assert name in first.content.decode()
+    assert rb_entries.get_entry(conf.store(), name)["paused"] is False  # not yet
+    done = c.post("/admin/reliable_beat/entry/", {"action": "pause_entries", "confirm": "yes",
+                                                  CHECKBOX: [entry_pk(name)]})
+    assert done.status_code == 302
+    assert rb_entries.get_entry(conf.store(), name)["paused"] is True
+    c.post("/admin/reliable_beat/entry/", {"action": "resume_entries", "confirm": "yes",
+                                            CHECKBOX: [entry_pk(name)]})
+    assert rb_entries.get_entry(conf.store(), name)["paused"] is False
+    # the pauser may not trigger: posting it anyway does nothing
+    c.post("/admin/reliable_beat/entry/", {"action": "trigger_entries", "confirm": "yes",
+                                            CHECKBOX: [entry_pk(name)]})
+    assert runs_of(name) == []
+
+
+def test_trigger_now_creates_one_manual_run_and_an_outbox_row(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    name = seeded["nightly"]
+    c = client(users["admin"])
+    first = c.post("/admin/reliable_beat/entry/", {"action": "trigger_entries",
+                                                   CHECKBOX: [entry_pk(name)]})
+    assert 'id="rb-question"' in first.content.decode() and runs_of(name) == []
+    c.post("/admin/reliable_beat/entry/", {"action": "trigger_entries", "confirm": "yes",
+                                            CHECKBOX: [entry_pk(name)]})
+    [run] = runs_of(name)
+    assert run["trigger"] == "manual" and run["state"] == "scheduled"
+    backlog = c.get("/admin/reliable_beat/outboxmessage/").content.decode()
+    assert 'id="rb-backlog"' in backlog and "celery" in backlog
+    # the entry page now lists that run among its last slots
+    page = c.get(f"/admin/reliable_beat/entry/{entry_pk(name)}/change/").content.decode()
+    assert run["idempotency_key"] in page
+
+
+def test_backfill_validates_the_window_and_creates_each_slot_once(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    name = seeded["nightly"]
+    c = client(users["admin"])
+    url = "/admin/reliable_beat/entry/"
+    bad = c.post(url, {"action": "backfill_entries", "confirm": "yes",
+                       CHECKBOX: [entry_pk(name)], "start": "2026-01-10T00:00:00",
+                       "end": "2026-01-13T00:00:00Z"})
+    assert bad.status_code == 200 and "has no UTC offset" in bad.content.decode()
+    assert runs_of(name) == []
+    window = {"action": "backfill_entries", "confirm": "yes", CHECKBOX: [entry_pk(name)],
+              "start": "2026-01-10T00:00:00Z", "end": "2026-01-13T00:00:00Z"}
+    c.post(url, window)
+    got = sorted(r["fire_at"] for r in runs_of(name))
+    assert [g.isoformat() for g in got] == [  # 02:00 Berlin = 01:00 UTC in January
+        "2026-01-10T01:00:00+00:00", "2026-01-11T01:00:00+00:00", "2026-01-12T01:00:00+00:00"]
+    c.post(url, window)  # again: nothing new
+    assert len(runs_of(name)) == 3
+
+
+def test_dead_letter_requeue_confirm_then_sent_under_the_same_key(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    dl = seeded["dead_letter"]
+    key = f"dead:{seeded['tag']}"
+    url = "/admin/reliable_beat/deadletter/"
+    assert 'value="requeue"' not in client(users["viewer"]).get(url).content.decode()
+    c = client(users["admin"])
+    first = c.post(url, {"action": "requeue", CHECKBOX: [dl]})
+    assert 'id="rb-question"' in first.content.decode() and key in first.content.decode()
+    assert rb_runs.get_run(conf.store(), key)["state"] == "dead"
+    with override_settings(RELIABLE_BEAT={}):
+        c.post(url, {"action": "requeue", "confirm": "yes", CHECKBOX: [dl]})
+        assert rb_runs.get_run(conf.store(), key)["state"] == "dead"  # no app: refused
+    with override_settings(RELIABLE_BEAT={"CELERY_APP": "djtask_app:app"}):
+        res = c.post(url, {"action": "requeue", "confirm": "yes", CHECKBOX: [dl]}, follow=True)
+    assert "requeued dj.pay" in res.content.decode()
+    assert rb_runs.get_run(conf.store(), key)["state"] == "dispatched"
+    assert rb_runs.get_dead_letter(conf.store(), dl)["requeued_by"] == "django:admin"
+
+
+def test_runs_filter_by_state_and_show_attempts(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    c = client(users["viewer"])
+    key = f"dead:{seeded['tag']}"
+    listing = c.get("/admin/reliable_beat/run/?state__exact=dead").content.decode()
+    assert key in listing
+    assert key not in c.get("/admin/reliable_beat/run/?state__exact=succeeded").content.decode()
+    run_id = rb_runs.get_run(conf.store(), key)["id"]
+    page = c.get(f"/admin/reliable_beat/run/{run_id}/change/").content.decode()
+    assert "bank said no" in page and "dead" in page
+
+
+def test_runtime_entry_add_and_edit_validated_like_the_cli(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    from reliable_beat.errors import EntryNotFoundError
+
+    add = "/admin/reliable_beat/entry/add-runtime/"
+    viewer = client(users["viewer"])
+    assert viewer.get(add).status_code == 403
+    assert 'id="rb-add-runtime"' not in viewer.get("/admin/reliable_beat/entry/").content.decode()
+    c = client(users["admin"])
+    assert 'id="rb-add-runtime"' in c.get("/admin/reliable_beat/entry/").content.decode()
+    name = f"weekly-{seeded['tag']}"
+    bad = c.post(add, {"name": name, "task": "dj.pay", "cron": "61 * * * *",
+                       "args": "[1", "timezone": "Mars/Olympus"})
+    page = bad.content.decode()
+    assert bad.status_code == 200 and 'id="rb-problems"' in page and "Nothing was written" in page
+    assert page.count(f"entry &#x27;{name}&#x27;") >= 3  # every problem names the entry
+    with pytest.raises(EntryNotFoundError):
+        rb_entries.get_entry(conf.store(), name)
+    ok = c.post(add, {"name": name, "task": "dj.pay", "cron": "0 9 * * 1",
+                      "timezone": "Asia/Tokyo", "args": '["m-weekly"]',
+                      "misfire_policy": "skip"})
+    assert ok.status_code == 302
+    row = rb_entries.get_entry(conf.store(), name)
+    assert (row["origin"], row["timezone"], row["args"], row["misfire_policy"]) == (
+        "runtime", "Asia/Tokyo", ["m-weekly"], "skip")
+    edit = f"/admin/reliable_beat/entry/{row['id']}/edit-runtime/"
+    assert 'id="rb-edit-runtime"' in c.get(
+        f"/admin/reliable_beat/entry/{row['id']}/change/").content.decode()
+    c.post(edit, {"name": "ignored", "cron": "30 9 * * 1"})
+    row2 = rb_entries.get_entry(conf.store(), name)
+    assert row2["schedule"]["expr"] == "30 9 * * 1"
+    assert (row2["timezone"], row2["args"], row2["misfire_policy"]) == (
+        "Asia/Tokyo", ["m-weekly"], "skip")  # not given: kept
+    cfg = rb_entries.get_entry(conf.store(), seeded["hourly"])
+    refused = c.post(f"/admin/reliable_beat/entry/{cfg['id']}/edit-runtime/",
+                     {"name": "x", "every": "60"}, follow=True)
+    assert "comes from beat_schedule" in refused.content.decode()
+    assert rb_entries.get_entry(conf.store(), seeded["hourly"])["schedule"] == cfg["schedule"]
+
+
+# -- manage.py reliable_beat ------------------------------------------------------------------
+
+
+def manage(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "django", "reliable_beat", *args],
+                          env=dict(os.environ), capture_output=True, text=True, timeout=120,
+                          cwd=PROJ)
+
+
+def test_manage_py_runs_the_cli_on_the_django_database(seeded: dict[str, Any]) -> None:
+    res = manage("entries", "list")
+    assert res.returncode == 0, res.stderr
+    assert seeded["nightly"] in res.stdout
+    bad = manage("entries", "pause", "no-such-entry")
+    assert bad.returncode != 0 and "no-such-entry" in (bad.stderr + bad.stdout)
+
+
+def test_manage_py_imports_django_celery_beat(seeded: dict[str, Any]) -> None:
+    seed = subprocess.run([sys.executable, str(ROOT / "tests" / "apps" / "dcb_seed.py"),
+                           os.environ["RB_STORE_URL"]], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, DJANGO_SETTINGS_MODULE=""))
+    assert seed.returncode == 0, seed.stderr
+    dry = manage("import", "django-celery-beat", "--dry-run")
+    assert dry.returncode == 0, dry.stderr + dry.stdout
+    assert "dry run: nothing written" in dry.stdout
+    res = manage("import", "django-celery-beat")
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "imported" in res.stdout

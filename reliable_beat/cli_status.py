@@ -298,7 +298,12 @@ def collect_status(
             "group's beat does not register: "
             + ", ".join(f"{k} -> {v}" for k, v in sorted(unregistered.items())[:10])
         )
+    from reliable_beat.workflows.engine import workflow_health
+
+    wf_health = workflow_health(store, grace=timedelta(seconds=redispatch_seconds))
+    problems.extend(wf_health.pop("problems"))
     return {
+        "workflows": wf_health,
         "store": store.safe_url,
         "store_id": sid,
         "now": now,

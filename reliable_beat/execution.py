@@ -263,6 +263,8 @@ class _RunState:
     completed: bool = False
     transaction_used: bool = False
     outbox_count: int = 0
+    #: the JSON result declared with self.returns() (stored by the completing transaction)
+    returned: Any = None
     #: Stores the result of a run completed in the body's transaction (None: at once, on
     #: the store); set by a transaction joined to an outer one (Django's ``atomic()``).
     write_result: Callable[[Any], None] | None = None

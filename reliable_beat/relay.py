@@ -642,6 +642,11 @@ class Relay:
         from reliable_beat.redispatch import redispatch_stuck_runs
 
         redispatch_stuck_runs(self.store, self.app, self.settings)
+        # durable workflows: dead advances, lost wakes, lost activity messages
+        from reliable_beat.workflows.engine import redispatch_workflows
+
+        redispatch_workflows(self.store, older_than=timedelta(
+            seconds=self.settings.redispatch_seconds))
 
     def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
         """Deliver claimed rows outside any transaction; never raises for one bad row."""

@@ -644,7 +644,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     self._check_same_database(tx.engine, state.store)
                     yield tx
                     _renewer.discard(state)  # see below
-                    runs.complete(tx, state.claim, None)
+                    runs.complete(tx, state.claim, state.returned)
             except BaseException as exc:
                 self._after_rollback(state, exc)
                 raise
@@ -658,7 +658,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 yield conn
                 session.flush()
                 _renewer.discard(state)  # see below
-                runs.complete(conn, state.claim, None)
+                runs.complete(conn, state.claim, state.returned)
                 session.commit()
             except BaseException as exc:
                 session.rollback()
@@ -671,7 +671,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if bind.in_transaction():
                 yield bind
                 _renewer.discard(state)  # see below
-                runs.complete(bind, state.claim, None)  # joins the caller's transaction
+                runs.complete(bind, state.claim, state.returned)  # joins the caller's transaction
                 state.completed = True
                 return
             cm: Any = bind.begin()
@@ -691,11 +691,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # renewer serves). The fence is checked inside this transaction, so no
                 # takeover can slip in before the commit; the lease is no longer needed.
                 _renewer.discard(state)
-                runs.complete(tx, state.claim, None)
+                runs.complete(tx, state.claim, state.returned)
         except BaseException as exc:
             self._after_rollback(state, exc)
             raise
         state.completed = True
+
+    def returns(self, value: Any) -> None:
+        """Declare the run's result inside ``self.transaction()``: it is stored by the
+        completing transaction, with the effect (a workflow activity's result must be;
+        the body's return value is otherwise stored after the commit, best effort).
+
+        Raises:
+            TypeError: ``value`` is not JSON-serialisable.
+            RuntimeError: called outside an execution.
+        """
+        state = self._state()
+        state.returned = _storable_result(self.name, state.claim.key, value)
 
     def _check_store_identity(self, store: Store, key: str) -> None:
         """Refuse a trigger written to another store (its ``reliable_beat_store`` header).
@@ -956,7 +968,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if state.completed:
                 # The effect committed with the run: the run succeeded, whatever happens
                 # now. Storing the result is best effort and never fails the call.
-                if state.transaction_used and stored is not None:
+                if state.transaction_used and stored is not None and state.returned is None:
                     try:
                         if state.write_result is not None:
                             state.write_result(stored)

@@ -322,3 +322,20 @@ def test_cli_without_a_store_or_database_gives_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(group, ["--database-url", down, "runs"])
     assert result.exit_code == 1
     assert "Traceback" not in result.output and "database error" in result.output
+
+
+@pytest.mark.parametrize("garbage", [{"every_seconds": 60}, [1, 2, 3]])
+def test_update_of_an_entry_with_a_garbage_schedule_names_the_entry_and_the_fix(
+        store: Store, garbage: Any) -> None:
+    ok(cli(store, "entries", "add", "broken", "--task", "shop.tick", "--every", "5"))
+    with store.begin() as conn:
+        conn.execute(update(entries).where(entries.c.name == "broken").values(schedule=garbage))
+    r = cli(store, "entries", "update", "broken", "--args", "[1]")
+    assert r.exit_code == 2, r.output
+    assert "'broken'" in r.output and "--every" in r.output and "--cron" in r.output, r.output
+    # the fix it names works
+    ok(cli(store, "entries", "update", "broken", "--args", "[1]", "--every", "60"))
+    with store.engine.connect() as conn:
+        row = conn.execute(select(entries.c.schedule, entries.c.args)
+                           .where(entries.c.name == "broken")).one()
+    assert row.schedule["every_seconds"] == 60 and row.args == [1]

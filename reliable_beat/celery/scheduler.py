@@ -594,11 +594,13 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
                 "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
                 key=t.key, task=t.payload["task"], claimed_ahead=True)
-        # built_ms < 0: the messages were ready before the instant (they left at it);
+        # built_ms: the time taken to build the messages (never negative); ready_ahead_ms:
+        # how long before the instant they were ready (they left at it; 0 when late);
         # marked_ms: the instant to the rows marked sent.
         event(log, logging.INFO, "slots.published", fire_at=format_fire_at(group.fire_at),
               count=len(triggers),
-              built_ms=round((built[0] - group.at) * 1000, 2) if built else None,
+              built_ms=round(max(0.0, built[0] - started) * 1000, 2) if built else None,
+              ready_ahead_ms=round(max(0.0, group.at - built[0]) * 1000, 2) if built else None,
               marked_ms=round((done - group.at) * 1000, 2))
 
     def _db_now(self, at_least: datetime) -> datetime:

@@ -42,6 +42,7 @@ the claim runs under ``BEGIN IMMEDIATE``, which serialises claimers on the one h
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -74,6 +75,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
+from reliable_beat.logs import RepeatedLog
 from reliable_beat.handlers import (
     DestinationUnavailableError,
     MessageExpiredError,
@@ -524,6 +526,7 @@ class Relay:
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
         self._last_scan = float("-inf")  # last claim that also took unreadable rows
+        self._outage_log = RepeatedLog(log)  # "store unavailable": first, then every 30 s
         self._uncharged: dict[int, tuple[int, float]] = {}  # row id -> (returns, first at)
         self._delivered_at: dict[str, float] = {}  # destination -> last success (monotonic)
         self._listener: _Listener | None = None
@@ -810,7 +813,9 @@ class Relay:
                 try:
                     claimed = self.run_once()
                 except StoreUnavailableError as exc:
-                    log.warning("relay: store unavailable, retrying in %.1f s: %s", poll, exc)
+                    self._outage_log.log(logging.WARNING,
+                                         "relay: store unavailable, retrying in %.1f s: %s",
+                                         poll, exc)
                     self._triggers_after = time.monotonic() + TRIGGER_HOLD_AFTER_OUTAGE_SECONDS
                     stop.wait(poll)
                     continue
@@ -818,6 +823,7 @@ class Relay:
                     log.exception("relay cycle failed; retrying in %.1f s", poll)
                     stop.wait(poll)
                     continue
+                self._outage_log.reset()
                 if claimed:
                     continue
                 self._wait(stop, poll)
@@ -853,6 +859,7 @@ class _Listener:
             hide_password=False
         )
         self.conn: Any = None
+        self._failures = RepeatedLog(log)  # one per poll during an outage: first, then 30 s
 
     def _connect(self) -> None:
         import psycopg
@@ -866,6 +873,7 @@ class _Listener:
         try:
             if self.conn is None or self.conn.closed:
                 self._connect()
+                self._failures.reset()
             got = False
             for _ in self.conn.notifies(timeout=timeout, stop_after=1):
                 got = True
@@ -874,7 +882,9 @@ class _Listener:
                     pass
             return got
         except Exception as exc:
-            log.warning("relay LISTEN connection failed (%s); polling instead", redact_text(exc))
+            self._failures.log(logging.WARNING,
+                               "relay LISTEN connection failed (%s); polling instead",
+                               redact_text(exc))
             self.close()
             time.sleep(timeout)
             return False

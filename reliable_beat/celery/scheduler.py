@@ -51,7 +51,7 @@ from reliable_beat.groups import (
     schedule_group_of,
 )
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
-from reliable_beat.logs import event
+from reliable_beat.logs import RepeatedLog, event
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.redispatch import redispatch_stuck_runs
@@ -177,6 +177,10 @@ def publish_messages(
     return len(sent)
 
 
+#: "still cannot record ..." is retried every tick during an outage: first, then every 30 s
+_STILL_UNMARKED = RepeatedLog(log)
+
+
 def record_unmarked(store: Store, unmarked: list[tuple[list[int], list[int]]]) -> bool:
     """Write the marks a publish could not write (see :func:`publish_triggers`).
 
@@ -193,9 +197,11 @@ def record_unmarked(store: Store, unmarked: list[tuple[list[int], list[int]]]) -
                 mark_sent(conn, sent, at)
                 mark_expired(conn, expired, at)
     except (StoreUnavailableError, DBAPIError) as exc:
-        log.error("still cannot record %d published triggers as sent (%s)",
-                  sum(len(a) + len(b) for a, b in unmarked), exc)
+        _STILL_UNMARKED.log(logging.ERROR,
+                            "still cannot record %d published triggers as sent (%s)",
+                            sum(len(a) + len(b) for a, b in unmarked), exc)
         return False
+    _STILL_UNMARKED.reset()
     log.warning("recorded %d triggers published while the database was unavailable",
                 sum(len(a) for a, _ in unmarked))
     unmarked.clear()

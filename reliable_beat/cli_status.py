@@ -279,7 +279,7 @@ def collect_status(
             f"(since {_fmt(u['due_since'])}) and no relay claims them: no running relay has a "
             f"handler for {u['destination']!r} (a typo in `outbox.add(..., destination)`?), "
             "no relay runs, or an earlier row of their ordering key is stuck. Fix the name "
-            "(`reliable-beat outbox list`) or start a relay with that handler."
+            "(`reliable-beat outbox status`) or start a relay with that handler."
         )
     if dead_total:
         problems.append(

@@ -75,13 +75,13 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
-from reliable_beat.logs import RepeatedLog
 from reliable_beat.handlers import (
     DestinationUnavailableError,
     MessageExpiredError,
     load_handlers,
     publish_celery_batch,
 )
+from reliable_beat.logs import RepeatedLog
 from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger, redact_text

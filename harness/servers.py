@@ -1,12 +1,16 @@
-"""Throwaway PostgreSQL and Redis servers started from the local binaries.
+"""Throwaway PostgreSQL, MariaDB and Redis servers started from the local binaries.
 
 Used by the test suite, the fault-injection harness, the benchmarks and the examples.
 pytest-postgresql's executor runs ``pg_ctl`` as the current user, and PostgreSQL refuses to
 run as root (which CI is), so this module starts it as the ``postgres`` system user with
 ``runuser`` when running as root, in a data directory that user owns.
 
+MariaDB (Debian's ``mariadb-server``) likewise runs as the ``mysql`` system user when root,
+with its own data directory, port and socket; it never touches the system's ``/var/lib/mysql``.
+
 Environment:
-    RELIABLE_BEAT_TEST_POSTGRES_URL / RELIABLE_BEAT_TEST_REDIS_URL: use these servers instead.
+    RELIABLE_BEAT_TEST_POSTGRES_URL / RELIABLE_BEAT_TEST_REDIS_URL /
+    RELIABLE_BEAT_TEST_MARIADB_URL: use these servers instead.
     RELIABLE_BEAT_PG_BIN: directory of ``initdb``/``pg_ctl`` (default: found on PATH or in
     ``/usr/lib/postgresql/*/bin``).
 """
@@ -24,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PostgresServer", "RedisServer", "find_pg_bin", "free_port"]
+__all__ = ["MariaDBServer", "PostgresServer", "RedisServer", "find_mariadbd", "find_pg_bin",
+           "free_port"]
 
 
 def free_port() -> int:
@@ -153,6 +158,148 @@ class PostgresServer:
         """Run ``sql`` with psql as the superuser; returns stdout."""
         return self._run("psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
                          "-d", self.dbname, "-At", "-c", sql).stdout
+
+
+def find_mariadbd() -> Path | None:
+    """The ``mariadbd`` (or ``mysqld``) server binary, or None when MariaDB is absent.
+
+    ``RELIABLE_BEAT_MARIADBD`` names it explicitly.
+    """
+    env = os.environ.get("RELIABLE_BEAT_MARIADBD")
+    if env:
+        return Path(env)
+    for name in ("mariadbd", "mysqld"):
+        found = shutil.which(name) or (f"/usr/sbin/{name}"
+                                       if os.path.exists(f"/usr/sbin/{name}") else None)
+        if found:
+            return Path(found)
+    return None
+
+
+@dataclass
+class MariaDBServer:
+    """A private MariaDB server on 127.0.0.1 (no password, no durability: tests only).
+
+    Use as a context manager; :attr:`url` is a ``mysql+pymysql://`` URL of database
+    ``reliable_beat`` as ``root`` (which may create and drop the per-test databases).
+    The server runs in UTC (``default-time-zone=+00:00``) with the InnoDB defaults that
+    matter to reliable_beat left as in production (REPEATABLE READ server default; the
+    store sets READ COMMITTED per session, see :mod:`reliable_beat.db.dialects`).
+    """
+
+    port: int = field(default_factory=free_port)
+    datadir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rb-maria-")))
+    dbname: str = "reliable_beat"
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        exe = find_mariadbd()
+        if exe is None or not exe.exists():
+            raise FileNotFoundError("MariaDB server binary (mariadbd) not found "
+                                    "(apt-get install mariadb-server)")
+        self.exe = exe
+        self._as_root = os.geteuid() == 0
+
+    @property
+    def socket(self) -> Path:
+        return self.datadir / "mysqld.sock"
+
+    @property
+    def url(self) -> str:
+        return f"mysql+pymysql://root@127.0.0.1:{self.port}/{self.dbname}?charset=utf8mb4"
+
+    def _user(self, cmd: list[str]) -> list[str]:
+        return ["runuser", "-u", "mysql", "--", *cmd] if self._as_root else cmd
+
+    def __enter__(self) -> MariaDBServer:
+        self.start(init=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self.datadir, ignore_errors=True)
+
+    def _args(self) -> list[str]:
+        data = self.datadir / "data"
+        return [
+            str(self.exe), "--no-defaults", f"--datadir={data}", f"--port={self.port}",
+            "--bind-address=127.0.0.1", f"--socket={self.socket}",
+            f"--pid-file={self.datadir / 'mysqld.pid'}", f"--log-error={self.datadir / 'log'}",
+            "--skip-name-resolve", "--default-time-zone=+00:00", "--max-connections=300",
+            "--innodb-buffer-pool-size=64M", "--innodb-log-file-size=32M",
+            "--innodb-flush-log-at-trx-commit=0", "--sync-binlog=0", "--skip-log-bin",
+            "--innodb-doublewrite=0", "--character-set-server=utf8mb4",
+            "--collation-server=utf8mb4_bin", "--performance-schema=0",
+        ]
+
+    def start(self, *, init: bool = False) -> None:
+        data = self.datadir / "data"
+        if init:
+            if self._as_root:
+                shutil.chown(self.datadir, "mysql", "mysql")
+            installer = shutil.which("mariadb-install-db") or shutil.which("mysql_install_db")
+            if installer is None:
+                raise FileNotFoundError("mariadb-install-db not found")
+            subprocess.run(
+                self._user([installer, "--no-defaults", f"--datadir={data}",
+                            "--auth-root-authentication-method=normal", "--skip-test-db",
+                            "--skip-name-resolve", "--innodb-log-file-size=32M"]),
+                check=True, capture_output=True, text=True, timeout=180,
+            )
+        for attempt in range(3):
+            self.proc = subprocess.Popen(self._user(self._args()),
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if self._wait_ready(90):
+                break
+            log = (self.datadir / "log").read_text(errors="replace")
+            if not init or attempt == 2 or "Address already in use" not in log:
+                raise OSError(f"mariadbd did not start on 127.0.0.1:{self.port}: "
+                              f"{log[-2000:]}")
+            self.port = free_port()  # free_port() is check-then-use: another server took it
+        if init:
+            self.sql(f"CREATE DATABASE {self.dbname}; "
+                     "CREATE USER IF NOT EXISTS 'root'@'127.0.0.1'; "
+                     "GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        """True once our server accepts connections on its socket; False if it exited."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if self.socket.exists():
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                        return True
+            time.sleep(0.1)
+        raise TimeoutError(f"mariadbd not ready on 127.0.0.1:{self.port} after {timeout} s")
+
+    def sql(self, statements: str) -> str:
+        """Run ``statements`` as root over the server's socket; returns stdout (tab-separated)."""
+        client = shutil.which("mariadb") or shutil.which("mysql") or "mariadb"
+        return subprocess.run(
+            [client, "--no-defaults", f"--socket={self.socket}", "-uroot", "-N", "-B",
+             "-e", statements],
+            check=True, capture_output=True, text=True, timeout=60,
+        ).stdout
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.terminate()
+                try:
+                    self.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        """Stop (clients lose their connections) and start again on the same port."""
+        self.stop()
+        self.start()
 
 
 @dataclass

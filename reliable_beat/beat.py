@@ -56,7 +56,7 @@ from sqlalchemy.types import JSON, BigInteger, DateTime, NullType, Text, TypeEng
 from reliable_beat import rows as rows_mod
 from reliable_beat import schedules as sch
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import entries, outbox, runs
+from reliable_beat.db.tables import MYSQL_DIALECTS, entries, outbox, runs
 from reliable_beat.identity import store_id as _store_id
 from reliable_beat.planner import SkippedRange, plan_entry
 from reliable_beat.redaction import get_logger
@@ -116,6 +116,20 @@ def due_clause() -> Any:
         not_(entries.c.paused),
         entries.c.next_fire_at.is_not(None),
     )
+
+
+def due_clause_for_min(dialect: str) -> Any:
+    """:func:`due_clause` for ``MIN(next_fire_at)``.
+
+    On MySQL/MariaDB without ``next_fire_at IS NOT NULL`` (``MIN`` skips NULLs anyway):
+    with it the optimizer reads every entry of the enabled range of
+    ``ix_reliable_beat_entries_due_mysql`` (10,000 index reads for 10,000 entries),
+    without it one (``Select tables optimized away``). Elsewhere exactly :func:`due_clause`,
+    which PostgreSQL needs to match its partial index.
+    """
+    if dialect in MYSQL_DIALECTS:
+        return and_(entries.c.enabled, not_(entries.c.paused))
+    return due_clause()
 
 
 def task_id_for(key: str) -> str:
@@ -482,14 +496,16 @@ class Beat:
             if rows:
                 self._fire(conn, rows, now, result)
             self._release_buffered(conn, now, result)
-            result.next_fire_at = self._min_next_fire_at(conn, now, result, due_clause())
+            result.next_fire_at = self._min_next_fire_at(
+                conn, now, result, due_clause_for_min(self.store.dialect))
             result.next_claim_at = result.next_fire_at
             if ahead and result.next_fire_at is not None:
                 # The earliest `allow` entry in the window [next_fire_at, + claim_ahead] can
                 # be claimed claim_ahead before its slot (an index range scan of that window).
                 first_allow = self._min_next_fire_at(
                     conn, now, result, and_(
-                        due_clause(), entries.c.overlap_policy == "allow",
+                        due_clause_for_min(self.store.dialect),
+                        entries.c.overlap_policy == "allow",
                         entries.c.next_fire_at <= result.next_fire_at + self.claim_ahead,
                     )
                 )

@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 from reliable_beat.celery.commands import CliContext, fail, jsonable, pass_cli
 from reliable_beat.cli_entries import handle_errors
 from reliable_beat.cli_status import BEAT_ALIVE_SECONDS
+from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import entries, schedule_configs
 from reliable_beat.entries import definitions_from_beat_schedule, notify_entries_changed
 from reliable_beat.errors import ConfigurationError
@@ -119,13 +120,14 @@ def retire_cmd(cli: CliContext, group: str, as_json: bool) -> None:
     store = cli.store
     with store.begin() as conn:
         now = store.now(conn)
-        names = list(conn.execute(
+        names = [r.name for r in update_returning(
+            conn,
             update(entries)
             .where(entries.c.origin == "config", entries.c.schedule_group == group,
                    entries.c.enabled.is_(True))
-            .values(enabled=False, disabled_at=now, updated_at=now)
-            .returning(entries.c.name)
-        ).scalars())
+            .values(enabled=False, disabled_at=now, updated_at=now),
+            entries, (entries.c.name,),
+        )]
         conn.execute(update(schedule_configs)
                      .where(schedule_configs.c.schedule_group == group,
                             schedule_configs.c.superseded_at.is_(None))

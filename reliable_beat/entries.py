@@ -38,8 +38,9 @@ from sqlalchemy.types import NullType
 
 from reliable_beat import schedules as sch
 from reliable_beat import values as rb_values
-from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import entries, runs
+from reliable_beat.db.dialects import Store, update_returning
+from reliable_beat.db.migrate import VERSION_TABLE
+from reliable_beat.db.tables import MYSQL_DIALECTS, entries, runs
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
 from reliable_beat.groups import (
     DEFAULT_GROUP,
@@ -456,6 +457,10 @@ def notify_entries_changed(conn: Connection, store: Store) -> None:
 def _lock_for_sync(conn: Connection, store: Store) -> None:
     if store.dialect == "postgresql":
         conn.execute(text("SELECT pg_advisory_xact_lock(7262656175)"))
+    elif store.dialect in MYSQL_DIALECTS:
+        # No transaction-level advisory lock on MySQL/MariaDB (GET_LOCK outlives the
+        # commit): lock the schema's one version row instead, released at commit.
+        conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE} FOR UPDATE"))
 
 
 def _read_for_upsert(conn: Connection, name: str) -> Any:
@@ -560,7 +565,8 @@ def sync_schedule_group(
     groups and runtime entries are never touched; a name that is an enabled config entry of
     another group is reported in ``conflicts`` and left to that group; a config entry with no
     group (stored before groups existed) or disabled in another group is adopted. Safe when
-    several beats sync at once (PostgreSQL advisory lock; SQLite write lock).
+    several beats sync at once (PostgreSQL advisory lock; MySQL/MariaDB: the row of
+    ``reliable_beat_alembic_version`` locked; SQLite write lock).
 
     Args:
         group: the schedule group (the Celery app's main name, or
@@ -605,11 +611,11 @@ def sync_schedule_group(
         )
         if names:
             stale = stale.where(entries.c.name.not_in(names))
-        gone = sorted(conn.execute(
-            stale.values(enabled=False, disabled_at=now, updated_at=now).returning(
-                entries.c.name, entries.c.config_hash, entries.c.last_fire_at,
-                entries.c.schedule)
-        ).all(), key=lambda r: r.name)
+        gone = sorted(update_returning(
+            conn, stale.values(enabled=False, disabled_at=now, updated_at=now), entries,
+            (entries.c.name, entries.c.config_hash, entries.c.last_fire_at,
+             entries.c.schedule),
+        ), key=lambda r: r.name)
         result.disabled = [r.name for r in gone]
         renamed = _renames(conn, defs, gone)
         for d in defs:

@@ -37,7 +37,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.beat import TRIGGER_DESTINATION, trigger_message_id
-from reliable_beat.db.dialects import Store
+from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.outbox import OutboxMessage
@@ -134,7 +134,8 @@ def _still_claimed(store: Store, stuck: list[OutboxMessage],
     try:
         with store.begin() as conn:
             now = store.now(conn)
-            mine = set(conn.execute(
+            mine = {r.id for r in update_returning(
+                conn,
                 update(runs)
                 .where(runs.c.id.in_(run_ids), runs.c.updated_at == claimed_at,
                        runs.c.state.in_(("dispatched", "running", "retrying")))
@@ -142,9 +143,9 @@ def _still_claimed(store: Store, stuck: list[OutboxMessage],
                         dispatched_at=case((runs.c.state == "dispatched", now),
                                            else_=runs.c.dispatched_at),
                         lease_expires_at=case((runs.c.state == "running", now),
-                                              else_=runs.c.lease_expires_at))
-                .returning(runs.c.id)
-            ).scalars())
+                                              else_=runs.c.lease_expires_at)),
+                runs, (runs.c.id,),
+            )}
     except (StoreUnavailableError, DBAPIError) as exc:  # gone again: send nothing, retry later
         log.error("could not re-check %d stuck runs before re-sending (%s)", len(stuck), exc)
         return []

@@ -71,7 +71,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from reliable_beat import rows as rows_mod
-from reliable_beat.db.dialects import Store
+from reliable_beat.db.dialects import MYSQL_DIALECTS, Store, update_returning
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
@@ -190,6 +190,8 @@ def claim_outbox_batch(
     )
     if destinations is not None:
         sel = sel.where(o.c.destination.in_(sorted(destinations)))
+    if store.dialect in MYSQL_DIALECTS:
+        return _claim_mysql(conn, sel, owner, now, lease, max_bytes)
     claim = store.for_update_skip_locked(sel).cte("claim")
     claimed_ids = select(claim.c.id)
     if max_bytes is not None:
@@ -200,8 +202,15 @@ def claim_outbox_batch(
         .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
         .returning(*rows_mod.raw_columns(o, conn.dialect))
     )
+    return _decode_claimed(conn, conn.execute(stmt).all(), now)
+
+
+def _decode_claimed(conn: Connection, raws: Sequence[Any], now: datetime
+                    ) -> list[OutboxMessage]:
+    """The claimed rows (read raw) as messages, sorted by id; malformed ones dead-lettered."""
+    o = outbox
     claimed: list[OutboxMessage] = []
-    for raw in conn.execute(stmt).all():
+    for raw in raws:
         values, problems = rows_mod.decode_row(o, dict(raw._mapping), conn.dialect)
         undecoded = {rows_mod.column_of(p) for p in problems}
         problems += [p for p in rows_mod.check_outbox(values)
@@ -260,6 +269,37 @@ def dead_letter_malformed(
                reason=f"trigger malformed: {error}"[:_MAX_ERROR_CHARS])
 
 
+def _claim_mysql(conn: Connection, sel: Any, owner: str, now: datetime, lease: timedelta,
+                 max_bytes: int | None) -> list[OutboxMessage]:
+    """The claim on MySQL/MariaDB, which allow ``FOR UPDATE`` neither in a CTE nor a
+    RETURNING on UPDATE: lock the ids (with their stored sizes when there is a byte budget)
+    with ``SKIP LOCKED``, update those, read them back. Rows locked but not claimed (over
+    the budget) are released at commit."""
+    o = outbox
+    if max_bytes is None:
+        ids = list(conn.execute(sel.with_for_update(skip_locked=True)).scalars())
+    else:
+        size = _json_bytes(conn, o.c.payload) + _json_bytes(conn, o.c.headers)
+        ids, running = [], 0
+        sized = sel.add_columns(size.label("nbytes")).with_for_update(skip_locked=True)
+        for row in conn.execute(sized).all():
+            row_id, nbytes = row[0], row[1]
+            running += int(nbytes)
+            if ids and running > max_bytes:
+                break
+            ids.append(row_id)
+    if not ids:
+        return []
+    conn.execute(
+        update(o).where(o.c.id.in_(ids))
+        .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
+    )
+    raws = conn.execute(
+        select(*rows_mod.raw_columns(o, conn.dialect)).where(o.c.id.in_(ids)).order_by(o.c.id)
+    ).all()
+    return _decode_claimed(conn, raws, now)
+
+
 def _json_bytes(conn: Connection, col: Any) -> Any:
     """SQL: the byte length of a JSON column as stored text (0 for NULL)."""
     if conn.dialect.name == "postgresql":
@@ -314,13 +354,14 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
     """
     if not ids:
         return 0
-    changed = conn.execute(
+    changed = update_returning(
+        conn,
         update(outbox)
         .where(_ids_clause(conn, outbox.c.id, [int(i) for i in ids]),
                outbox.c.state == "pending")
-        .values(state="sent", sent_at=now, last_error=None)
-        .returning(outbox.c.destination, outbox.c.run_id)
-    ).all()
+        .values(state="sent", sent_at=now, last_error=None),
+        outbox, (outbox.c.destination, outbox.c.run_id),
+    )
     run_ids = sorted({run_id for destination, run_id in changed
                       if destination == "celery" and run_id is not None})
     if run_ids:
@@ -408,6 +449,14 @@ def purge_sent(conn: Connection, *, older_than: datetime, limit: int = 1000) -> 
         .order_by(outbox.c.id)
         .limit(limit)
     )
+    if conn.dialect.name in MYSQL_DIALECTS:
+        # MySQL/MariaDB refuse LIMIT inside an IN subquery (error 1235): ids first.
+        ids = list(conn.execute(victims).scalars())
+        if not ids:
+            return 0
+        result = conn.execute(delete(outbox).where(outbox.c.id.in_(ids),
+                                                   outbox.c.state == "sent"))
+        return int(result.rowcount or 0)
     result = conn.execute(delete(outbox).where(outbox.c.id.in_(victims.scalar_subquery())))
     return int(result.rowcount or 0)
 

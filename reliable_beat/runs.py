@@ -45,10 +45,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Row
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.types import Interval
 
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import attempts, dead_letters, runs
+from reliable_beat.db.tables import MYSQL_DIALECTS, attempts, dead_letters, runs
 from reliable_beat.errors import StaleFenceToken
 from reliable_beat.redaction import get_logger
 
@@ -388,12 +389,50 @@ def claim_run(
                     args=tuple(got.args or ()), kwargs=dict(got.kwargs or {}),
                     entry_name=got.entry_name, fire_at=got.fire_at,
                 )
+        if store.dialect in MYSQL_DIALECTS:
+            return _claim_mysql(
+                store, conn, key, owner=owner, lease=lease, task=task, args=args,
+                kwargs=kwargs, entry=entry, fire_at=fire_at, task_id=task_id,
+                trigger=trigger,
+            )
         with conn.begin():
             return _claim_locked(
                 store, conn, key, owner=owner, lease=lease, task=task, args=args,
                 kwargs=kwargs, entry=entry, fire_at=fire_at, task_id=task_id,
                 trigger=trigger, insert_first=not pg,
             )
+
+
+#: MySQL/MariaDB: how many times a claim transaction the server chose as a deadlock victim
+#: (error 1213: rolled back whole) is tried again.
+MYSQL_DEADLOCK_RETRIES = 5
+_MYSQL_DEADLOCK = 1213
+
+
+def _claim_mysql(store: Store, conn: Connection, key: str, **kw: Any) -> Claim:
+    """The claim on MySQL/MariaDB: lock an existing row first (``SELECT ... FOR UPDATE``),
+    insert only when there is none.
+
+    InnoDB's ``INSERT IGNORE`` of an existing key takes a *shared* lock on it; racers that
+    all hold it and then ask ``FOR UPDATE`` deadlock. Locking first takes the exclusive
+    lock at once. Racing creators of a new key can still deadlock (the losers' ignored
+    inserts share the lock after the winner commits); the server then rolls one
+    transaction back whole, and it is tried again (it finds the row and locks it).
+    """
+    retries = 0
+    while True:
+        try:
+            with conn.begin():
+                exists = conn.execute(
+                    select(runs.c.id).where(runs.c.idempotency_key == key).with_for_update()
+                ).first()
+                return _claim_locked(store, conn, key, insert_first=exists is None, **kw)
+        except OperationalError as exc:
+            code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
+            if code != _MYSQL_DEADLOCK or retries >= MYSQL_DEADLOCK_RETRIES:
+                raise
+            retries += 1
+            log.info("claim of %s chosen as deadlock victim; trying again (%d)", key, retries)
 
 
 def _claim_locked(
@@ -714,7 +753,9 @@ def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
     row's lock (``SET LOCAL lock_timeout``), not the role's 30 s: one process renews the
     leases of all its executions in turn, so a row held by someone else (a claimer frozen
     inside its transaction) must not hold up the others. The lease is still valid then;
-    the caller tries again at its next interval.
+    the caller tries again at its next interval. On MySQL/MariaDB the same bound in whole
+    seconds (1 .. 5 s; ``innodb_lock_wait_timeout`` for this statement, then the role's
+    value again).
 
     Returns:
         True when renewed; False when the fence moved (another runner claimed the run, or
@@ -724,8 +765,10 @@ def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
     Raises:
         StoreUnavailableError: the database cannot be reached (the lease is not lost yet).
         sqlalchemy.exc.OperationalError: the row lock was not granted in time (PostgreSQL
-            ``lock_not_available``; the lease is not lost yet).
+            ``lock_not_available``, MySQL 1205; the lease is not lost yet).
     """
+    mysql = store.dialect in MYSQL_DIALECTS
+    role_wait: Any = None
     with store.begin() as conn:
         if store.dialect == "postgresql":
             wait_ms = int(min(max(lease.total_seconds() * 1000 / 6, 50), 5000))
@@ -733,15 +776,24 @@ def renew_lease(store: Store, claim: Claim, lease: timedelta) -> bool:
             now: Any = func.clock_timestamp()
         else:
             now = store.now(conn)
-        done = conn.execute(
-            update(runs)
-            .where(
-                runs.c.id == claim.run_id,
-                runs.c.fence_token == claim.fence_token,
-                runs.c.state == "running",
+        if mysql:
+            role_wait = conn.exec_driver_sql("SELECT @@innodb_lock_wait_timeout").scalar_one()
+            wait_s = int(min(max(lease.total_seconds() / 6, 1), 5))
+            conn.exec_driver_sql(f"SET SESSION innodb_lock_wait_timeout = {wait_s}")
+        try:
+            done = conn.execute(
+                update(runs)
+                .where(
+                    runs.c.id == claim.run_id,
+                    runs.c.fence_token == claim.fence_token,
+                    runs.c.state == "running",
+                )
+                .values(lease_expires_at=now + lease, updated_at=now)
             )
-            .values(lease_expires_at=now + lease, updated_at=now)
-        )
+        finally:
+            if mysql:
+                conn.exec_driver_sql(
+                    f"SET SESSION innodb_lock_wait_timeout = {int(role_wait)}")
         return done.rowcount == 1
 
 

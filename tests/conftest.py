@@ -1,4 +1,4 @@
-"""Shared fixtures: a real PostgreSQL and a real Redis, started by the test session.
+"""Shared fixtures: a real PostgreSQL, a real MariaDB and a real Redis, started by the session.
 
 Servers come from ``RELIABLE_BEAT_TEST_POSTGRES_URL`` / ``RELIABLE_BEAT_TEST_REDIS_URL`` when
 set, else are started from the local binaries (:mod:`harness.servers`).
@@ -8,6 +8,10 @@ fails them.
 Isolation between tests (the servers are shared by the whole session):
 
 * PostgreSQL: ``pg_url`` is a fresh database per test, dropped afterwards.
+* MariaDB: ``mariadb_url`` likewise (``RELIABLE_BEAT_TEST_MARIADB_URL`` names a server to use
+  instead; its user must be able to create databases). The ``store`` fixture runs each test
+  on SQLite, PostgreSQL and MariaDB; ``RELIABLE_BEAT_TEST_DIALECTS`` (comma-separated, e.g.
+  ``sqlite,postgresql``) narrows that, e.g. for a CI job without MariaDB.
 * Redis: ``redis_url`` is a Redis database (``/N``) of the test's own, flushed before and
   after. kombu keeps its Redis state per database (queues, bindings, ``unacked``,
   ``unacked_index`` and the ``unacked_mutex`` restore lock, which a worker SIGKILLed while
@@ -34,7 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import sqlalchemy as sa
 
-from harness.servers import PostgresServer, RedisServer
+from harness.servers import MariaDBServer, PostgresServer, RedisServer
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 
@@ -83,6 +87,26 @@ def postgres_server() -> Iterator[str]:
             server.__enter__()
     except (FileNotFoundError, OSError) as exc:
         _unavailable(f"PostgreSQL not available: {exc}")
+        return
+    try:
+        yield server.url
+    finally:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[str]:
+    """URL of a database on a real MariaDB as a user that may create databases (session-wide)."""
+    url = os.environ.get("RELIABLE_BEAT_TEST_MARIADB_URL")
+    if url:
+        yield url
+        return
+    try:
+        with _unmarked():
+            server = MariaDBServer()
+            server.__enter__()
+    except (FileNotFoundError, OSError) as exc:
+        _unavailable(f"MariaDB not available: {exc}")
         return
     try:
         yield server.url
@@ -213,6 +237,32 @@ def pg_url(postgres_server: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def mariadb_url(mariadb_server: str) -> Iterator[str]:
+    """A fresh, empty MariaDB database for one test; dropped afterwards."""
+    try:
+        import pymysql  # noqa: F401
+    except ImportError:
+        _unavailable("PyMySQL not installed (pip install 'reliable-beat[mysql]')")
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(mariadb_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    url = sa.engine.make_url(mariadb_server).set(database=name).render_as_string(False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            for (pid,) in conn.execute(
+                sa.text("SELECT id FROM information_schema.processlist WHERE db = :n"),
+                {"n": name},
+            ):
+                with suppress(sa.exc.DBAPIError):
+                    conn.execute(sa.text(f"KILL {int(pid)}"))
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
+        admin.dispose()
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """A SQLite file URL in the test's temp dir."""
     return f"sqlite:///{tmp_path / 'rb.sqlite3'}"
@@ -228,6 +278,15 @@ def pg_store(pg_url: str) -> Iterator[Store]:
 
 
 @pytest.fixture
+def mariadb_store(mariadb_url: str) -> Iterator[Store]:
+    """A migrated MariaDB store."""
+    store = Store.from_url(mariadb_url, role="cli")
+    upgrade(store)
+    yield store
+    store.dispose()
+
+
+@pytest.fixture
 def sqlite_store(sqlite_url: str) -> Iterator[Store]:
     """A migrated SQLite store."""
     store = Store.from_url(sqlite_url, role="cli")
@@ -236,10 +295,39 @@ def sqlite_store(sqlite_url: str) -> Iterator[Store]:
     store.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+#: The dialects the ``store`` fixture runs each test on (``RELIABLE_BEAT_TEST_DIALECTS``).
+DIALECTS = [d for d in os.environ.get("RELIABLE_BEAT_TEST_DIALECTS",
+                                      "sqlite,postgresql,mariadb").split(",") if d]
+_STORE_FIXTURE = {"sqlite": "sqlite_store", "postgresql": "pg_store",
+                  "mariadb": "mariadb_store"}
+
+
+@pytest.fixture(params=[pytest.param(d, marks=pytest.mark.mariadb) if d == "mariadb" else d
+                        for d in DIALECTS])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    """The same test on a migrated SQLite store and a migrated PostgreSQL store."""
-    if request.param == "sqlite":
-        yield request.getfixturevalue("sqlite_store")
-    else:
-        yield request.getfixturevalue("pg_store")
+    """The same test on a migrated SQLite, PostgreSQL and MariaDB store (``-k mariadb``)."""
+    yield request.getfixturevalue(_STORE_FIXTURE[request.param])
+
+
+#: The server databases the acceptance suites' ``server_url`` / ``server_store`` run on.
+SERVER_DIALECTS = [
+    d if d == "postgresql" else pytest.param(d, marks=pytest.mark.mariadb)
+    for d in ("postgresql", "mariadb") if d in DIALECTS
+]
+_URL_FIXTURE = {"postgresql": "pg_url", "mariadb": "mariadb_url"}
+
+
+@pytest.fixture(params=SERVER_DIALECTS)
+def server_url(request: pytest.FixtureRequest) -> str:
+    """A fresh, empty database on PostgreSQL and on MariaDB (for suites with real processes:
+    only server databases can be shared by several processes on several hosts)."""
+    return str(request.getfixturevalue(_URL_FIXTURE[request.param]))
+
+
+@pytest.fixture
+def server_store(server_url: str) -> Iterator[Store]:
+    """A migrated store on :func:`server_url`."""
+    store = Store.from_url(server_url, role="cli")
+    upgrade(store)
+    yield store
+    store.dispose()

@@ -7,12 +7,21 @@
 * SQLite: every write transaction is ``BEGIN IMMEDIATE`` (serialised writers, the
   single-writer equivalent of SKIP LOCKED), WAL journal, a busy timeout; ``ON CONFLICT DO
   NOTHING``; the clock is the single host's clock (there is no server).
-* MySQL 8 / MariaDB 10.6+: left possible (SKIP LOCKED exists there); not tested yet.
+* MySQL 8 / MariaDB 10.6+ (driver: PyMySQL, ``mysql+pymysql://``; tested on MariaDB):
+  ``FOR UPDATE SKIP LOCKED``; ``INSERT IGNORE`` for duplicates, checked so that only
+  duplicate-key warnings (1062) are ignored and any other downgraded error (a truncated
+  string, a NULL into NOT NULL) raises; no ``RETURNING`` on ``UPDATE`` (see
+  :func:`update_returning`); the clock is ``UTC_TIMESTAMP(6)``; every session runs READ
+  COMMITTED (PostgreSQL's semantics: no gap locks, each statement sees the latest commits),
+  UTC, strict SQL mode, ``innodb_lock_wait_timeout`` from the role and, on MariaDB,
+  ``idle_transaction_timeout`` (MySQL 8 has no idle-in-transaction bound: a frozen process
+  holds its row locks until its connection dies, see docs/stacks.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -21,13 +30,17 @@ from typing import Any
 from sqlalchemy import Engine, Select, Table, create_engine, event, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.sql.dml import Insert
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.sql.dml import Insert, Update
 
+from reliable_beat.db.tables import MYSQL_DIALECTS
 from reliable_beat.errors import ConfigurationError, StoreUnavailableError
 from reliable_beat.redaction import redact_text, redact_url
 
-__all__ = ["ROLE_TIMEOUTS_MS", "Store", "redact_url"]
+__all__ = ["MYSQL_DIALECTS", "ROLE_TIMEOUTS_MS", "Store", "redact_url", "update_returning"]
+
+# MYSQL_DIALECTS: SQLAlchemy dialect names of the MySQL family (``mysql+pymysql://``
+# against MariaDB is still ``mysql``; ``mariadb+pymysql://`` is ``mariadb``).
 
 #: Server-side bounds per process role, in milliseconds: (idle in transaction, lock wait).
 #: The beat's claim transactions are short, so a beat frozen inside one (GC pause, SIGSTOP)
@@ -103,14 +116,21 @@ class Store:
                 "connect_timeout": 10,
             }
             kwargs["pool_pre_ping"] = True
-        elif backend not in ("mysql", "mariadb"):
+        elif backend in MYSQL_DIALECTS:
+            kwargs["isolation_level"] = "READ COMMITTED"
+            kwargs["pool_pre_ping"] = True
+            kwargs["pool_recycle"] = 3600  # below the server's wait_timeout (8 h default)
+            kwargs["connect_args"] = {"connect_timeout": 10}
+        else:
             raise ConfigurationError(
-                f"reliable_beat_database_url uses {backend!r}; supported: postgresql, sqlite "
-                "(mysql/mariadb 10.6+ planned)"
+                f"reliable_beat_database_url uses {backend!r}; supported: postgresql, "
+                "mysql/mariadb (mysql+pymysql://, MariaDB 10.6+ / MySQL 8), sqlite"
             )
         engine = create_engine(parsed, **kwargs)
         if backend == "sqlite":
             _setup_sqlite(engine, parsed.database)
+        elif backend in MYSQL_DIALECTS:
+            _setup_mysql(engine, role)
         return cls(engine=engine, url=url)
 
     @property
@@ -126,7 +146,7 @@ class Store:
     @property
     def has_skip_locked(self) -> bool:
         """True where ``FOR UPDATE SKIP LOCKED`` exists (PostgreSQL, MySQL 8, MariaDB 10.6+)."""
-        return self.dialect in ("postgresql", "mysql", "mariadb")
+        return self.dialect in ("postgresql", *MYSQL_DIALECTS)
 
     @contextmanager
     def begin(self) -> Iterator[Connection]:
@@ -183,13 +203,14 @@ class Store:
     def now(self, conn: Connection) -> datetime:
         """The store's clock as a UTC-aware ``datetime`` (design.md invariant 4).
 
-        PostgreSQL: ``clock_timestamp()`` of the server. SQLite: this host's clock (a SQLite
-        store is single-host, so the host clock is the one clock).
+        PostgreSQL: ``clock_timestamp()`` of the server. MySQL/MariaDB: ``UTC_TIMESTAMP(6)``
+        of the server (microseconds; constant within one statement). SQLite: this host's
+        clock (a SQLite store is single-host, so the host clock is the one clock).
         """
         if self.dialect == "postgresql":
             value = conn.execute(select(func.clock_timestamp())).scalar_one()
             return value.astimezone(timezone.utc)  # type: ignore[no-any-return]
-        if self.dialect in ("mysql", "mariadb"):
+        if self.dialect in MYSQL_DIALECTS:
             value = conn.execute(select(func.utc_timestamp(6))).scalar_one()
             return value.replace(tzinfo=timezone.utc)  # type: ignore[no-any-return]
         return datetime.now(timezone.utc)
@@ -201,7 +222,13 @@ class Store:
         return stmt
 
     def insert_ignore(self, table: Table) -> Insert:
-        """``INSERT ... ON CONFLICT DO NOTHING``: a duplicate is a no-op, not an error."""
+        """``INSERT ... ON CONFLICT DO NOTHING``: a duplicate is a no-op, not an error.
+
+        MySQL/MariaDB: ``INSERT IGNORE`` (with ``RETURNING`` on MariaDB, only the rows
+        inserted come back). IGNORE would also turn other errors into warnings; the engine
+        checks the warnings of every ``INSERT IGNORE`` and raises
+        :class:`~sqlalchemy.exc.IntegrityError` for any but a duplicate key (1062).
+        """
         if self.dialect == "postgresql":
             return postgresql.insert(table).on_conflict_do_nothing()
         if self.dialect == "sqlite":
@@ -211,6 +238,44 @@ class Store:
     def dispose(self) -> None:
         """Close all pooled connections (call after ``fork`` in the child, or at shutdown)."""
         self.engine.dispose()
+
+
+def update_returning(
+    conn: Connection, stmt: Update, table: Table, returning: Sequence[Any],
+) -> list[Any]:
+    """Run ``stmt`` (an ``UPDATE`` of ``table``) and return ``returning`` of the rows it changed.
+
+    Where the dialect has ``UPDATE ... RETURNING`` (PostgreSQL, SQLite) this is that. On
+    MySQL/MariaDB, which have none, it is three statements in the caller's transaction:
+    ``SELECT pk ... FOR UPDATE`` with the statement's ``WHERE`` (locks the rows it will
+    change), the ``UPDATE`` restricted to those primary keys, and a ``SELECT`` of
+    ``returning`` by primary key (the values after the update, as RETURNING gives).
+    The rows stay locked until commit, so nobody changes them in between.
+
+    Args:
+        conn: a connection inside a transaction (the caller commits).
+        stmt: the ``UPDATE``. Its ``WHERE`` is applied twice on MySQL (lock, then update);
+            MariaDB allows it to read ``table`` in a subquery, MySQL 8 does not (error
+            1093): give MySQL 8 a ``WHERE`` on the row's own columns.
+        table: the table updated; its primary key is one column.
+        returning: columns (or expressions) of ``table`` to return.
+
+    Returns:
+        One row (``Row``) per changed row, in primary-key order on MySQL (unspecified
+        elsewhere).
+    """
+    if conn.dialect.update_returning:
+        return list(conn.execute(stmt.returning(*returning)).all())
+    (pk,) = table.primary_key.columns
+    where = stmt.whereclause
+    lock = select(pk).order_by(pk).with_for_update()
+    if where is not None:
+        lock = lock.where(where)
+    ids = list(conn.execute(lock).scalars())
+    if not ids:
+        return []
+    conn.execute(stmt.where(pk.in_(ids)))
+    return list(conn.execute(select(*returning).where(pk.in_(ids)).order_by(pk)).all())
 
 
 def _parse_problem(exc: BaseException) -> str:
@@ -225,9 +290,17 @@ def _parse_problem(exc: BaseException) -> str:
 _TIMEOUT_SQLSTATES = frozenset({"55P03", "57014", "25P03"})
 
 
+#: MySQL/MariaDB error codes of the same: lock wait timeout (1205), MariaDB
+#: max_statement_time (1969), MySQL max_execution_time (3024).
+_MYSQL_TIMEOUT_CODES = frozenset({1205, 1969, 3024})
+
+
 def _is_lock_timeout(exc: DBAPIError) -> bool:
     sqlstate = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
     if sqlstate in _TIMEOUT_SQLSTATES:
+        return True
+    args = getattr(exc.orig, "args", ())
+    if args and args[0] in _MYSQL_TIMEOUT_CODES:
         return True
     text = str(exc.orig).lower()
     return "lock timeout" in text or "statement timeout" in text or "database is locked" in text
@@ -252,6 +325,50 @@ def _is_disconnect(exc: DBAPIError) -> bool:
             "no connection to the server",
         )
     )
+
+
+#: MySQL/MariaDB warnings INSERT IGNORE may leave that mean "duplicate, skipped".
+_DUPLICATE_KEY = 1062
+
+
+def _setup_mysql(engine: Engine, role: str) -> None:
+    """Per-connection session setup on MySQL/MariaDB and the INSERT IGNORE warning check."""
+    idle_ms, lock_ms = ROLE_TIMEOUTS_MS.get(role, ROLE_TIMEOUTS_MS["cli"])
+    lock_s = max(1, math.ceil(lock_ms / 1000))  # innodb_lock_wait_timeout: whole seconds
+    idle_s = math.ceil(idle_ms / 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        mariadb = "mariadb" in str(dbapi_conn.get_server_info()).lower()
+        cur = dbapi_conn.cursor()
+        cur.execute("SET SESSION time_zone = '+00:00'")
+        # SIMULTANEOUS_ASSIGNMENT (MariaDB 10.3.5+): ``UPDATE ... SET a = x, b = CASE WHEN
+        # a ...`` reads the old ``a``, as in standard SQL and PostgreSQL. Without it MySQL
+        # assigns left to right and the second expression sees the new value.
+        mode = ("STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,"
+                "NO_ENGINE_SUBSTITUTION" + (",SIMULTANEOUS_ASSIGNMENT" if mariadb else ""))
+        cur.execute(f"SET SESSION sql_mode = '{mode}'")
+        cur.execute(f"SET SESSION innodb_lock_wait_timeout = {lock_s}")
+        if mariadb:
+            # MariaDB only: roll back and disconnect a session idle inside a transaction.
+            cur.execute(f"SET SESSION idle_transaction_timeout = {idle_s}")
+        cur.close()
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _check_ignored(conn: Connection, cursor: Any, statement: str, _params: Any,
+                       _context: Any, _executemany: bool) -> None:
+        if not statement.startswith("INSERT IGNORE") or not getattr(cursor, "warning_count", 0):
+            return
+        check = cursor.connection.cursor()
+        check.execute("SHOW WARNINGS")
+        others = [w for w in check.fetchall() if int(w[1]) != _DUPLICATE_KEY]
+        check.close()
+        if others:
+            raise IntegrityError(
+                statement, None,
+                Exception(f"INSERT IGNORE downgraded an error other than a duplicate key: "
+                          f"{others[:3]}; the row is not stored as given (fix the value)"),
+            )
 
 
 def _create_private_file(path: str | None) -> None:

@@ -3,7 +3,8 @@
 The migrations ship inside the package (``reliable_beat/db/migrations``) and record their
 revision in their own table, ``reliable_beat_alembic_version``. Several processes may call
 :func:`upgrade` at once: on PostgreSQL it runs under a transaction-level advisory lock, on
-SQLite under the write lock, so only one applies each revision.
+MySQL/MariaDB under the named lock ``GET_LOCK('reliable_beat_migrate')``, on SQLite under
+the write lock, so only one applies each revision.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "reliable_beat_alembic_version"
 #: Arbitrary 64-bit key for pg_advisory_xact_lock while migrating ("rbeat").
 _ADVISORY_KEY = 0x7262656174
+#: MySQL/MariaDB named lock (GET_LOCK) held while migrating, and how long to wait for it.
+_MYSQL_LOCK = "reliable_beat_migrate"
+_MYSQL_LOCK_WAIT_SECONDS = 300
 log = get_logger("reliable_beat.migrate")
 
 
@@ -74,9 +78,24 @@ def upgrade(store: Store, revision: str = "head") -> None:
     with store.engine.begin() as conn:
         if store.dialect == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADVISORY_KEY})
-        cfg = _config(store.url)
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
+        mysql = store.dialect in ("mysql", "mariadb")
+        if mysql:
+            # A session-level named lock: MySQL DDL commits implicitly, so no transaction
+            # lock would outlive the first CREATE TABLE.
+            got = conn.execute(text("SELECT GET_LOCK(:n, :t)"),
+                               {"n": _MYSQL_LOCK, "t": _MYSQL_LOCK_WAIT_SECONDS}).scalar()
+            if got != 1:
+                raise SchemaError(
+                    f"database {store.safe_url}: another `reliable-beat db upgrade` held the "
+                    f"migration lock {_MYSQL_LOCK!r} for {_MYSQL_LOCK_WAIT_SECONDS} s; "
+                    "run it again when that one has finished")
+        try:
+            cfg = _config(store.url)
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+        finally:
+            if mysql:
+                conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": _MYSQL_LOCK})
 
 
 def upgrade_sql(url: str, revision: str = "head") -> str:

@@ -41,10 +41,12 @@ from sqlalchemy import (
 from reliable_beat.db.types import JSONType, UTCDateTime
 
 __all__ = [
+    "MYSQL_DIALECTS",
     "attempts",
     "beats",
     "dead_letters",
     "entries",
+    "exists_on",
     "metadata",
     "outbox",
     "runs",
@@ -61,6 +63,22 @@ NAMING_CONVENTION = {
 }
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+#: Dialect names of the MySQL family (the same as :data:`reliable_beat.db.dialects.MYSQL_DIALECTS`).
+MYSQL_DIALECTS = ("mysql", "mariadb")
+
+
+def exists_on(obj: object, dialect: str) -> bool:
+    """False for a schema item declared only for other dialects (``Index(...).ddl_if``).
+
+    Alembic's autogenerate does not read ``ddl_if``; migrations/env.py and the drift test
+    use this as ``include_object`` so a MySQL-only index is no drift on PostgreSQL.
+    """
+    ddl_if = getattr(obj, "_ddl_if", None)
+    wanted = getattr(ddl_if, "dialect", None)
+    if wanted is None:
+        return True
+    return dialect in ((wanted,) if isinstance(wanted, str) else tuple(wanted))
 
 # BIGINT ids on server databases; SQLite needs INTEGER PRIMARY KEY for rowid aliasing.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -108,6 +126,11 @@ entries = Table(
         sqlite_where=text("enabled AND NOT paused AND next_fire_at IS NOT NULL"),
     ),
     Index("ix_reliable_beat_entries_schedule_group", "schedule_group"),
+    # MySQL/MariaDB have no partial indexes: the due scan (enabled AND NOT paused AND
+    # next_fire_at <= now ORDER BY next_fire_at) is a range of this one, disabled and paused
+    # entries outside it. Created only there (``ddl_if``; migration 0005_composite_due_index).
+    Index("ix_reliable_beat_entries_due_mysql", "enabled", "paused", "next_fire_at").ddl_if(
+        dialect=MYSQL_DIALECTS),  # type: ignore[arg-type]  # a tuple is documented, typed str
 )
 
 # One row per beat_schedule version a schedule group has synced: the row with
@@ -220,6 +243,8 @@ outbox = Table(
         sqlite_where=text("state = 'pending'"),
     ),
     Index("ix_reliable_beat_outbox_ordering_key_id", "ordering_key", "id"),
+    # (state, sent_at) also serves the relay's pending scan on MySQL/MariaDB, which have no
+    # partial index: state = 'pending' is a ref of it, sent rows outside (test_mariadb.py).
     Index("ix_reliable_beat_outbox_state_sent_at", "state", "sent_at"),
 )
 

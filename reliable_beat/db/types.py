@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import JSON, DateTime
+from sqlalchemy.dialects.mysql import DATETIME as MYSQL_DATETIME
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator, TypeEngine
@@ -17,7 +18,9 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 
 
 class UTCDateTime(TypeDecorator[datetime]):
-    """A tz-aware UTC instant: ``timestamptz`` on PostgreSQL, UTC text on SQLite.
+    """A tz-aware UTC instant: ``timestamptz`` on PostgreSQL, UTC text on SQLite,
+    ``DATETIME(6)`` holding UTC on MySQL/MariaDB (microseconds kept; a bare ``DATETIME``
+    would round them away, and ``TIMESTAMP`` ends in 2038).
 
     Writes: a tz-aware ``datetime`` (any offset) is converted to UTC; a naive one is
     rejected with :class:`ValueError` (never guessed). Reads: always UTC-aware, whatever
@@ -29,6 +32,8 @@ class UTCDateTime(TypeDecorator[datetime]):
     cache_ok = True
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(MYSQL_DATETIME(fsp=6))
         return dialect.type_descriptor(DateTime(timezone=True))
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
@@ -37,7 +42,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value.tzinfo is None or value.utcoffset() is None:
             raise ValueError(f"naive datetime {value!r}: pass a tz-aware UTC datetime")
         value = value.astimezone(timezone.utc)
-        if dialect.name == "sqlite":
+        if dialect.name in ("sqlite", "mysql", "mariadb"):
             return value.replace(tzinfo=None)
         return value
 

@@ -93,6 +93,15 @@ def h(pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[H
     harness.redis.close()
 
 
+@pytest.fixture
+def hx(server_store: Store, redis_url: str, procs: procs_mod.BeatProcs) -> Iterator[Harness]:
+    """:func:`h` on PostgreSQL and on MariaDB (the core invariant tests run on both)."""
+    harness = Harness(server_store, redis_url, procs)
+    yield harness
+    harness.redis.delete(harness.queue)
+    harness.redis.close()
+
+
 def every_second(n_cron: int, n_interval: int, **rb: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     for i in range(n_cron):
@@ -242,7 +251,8 @@ def owner_of(beat: procs_mod.Beat) -> str:
 
 
 # -- 3 beats, 50 entries every second ---------------------------------------------------------
-def test_three_beats_fifty_entries_every_second(h: Harness) -> None:
+def test_three_beats_fifty_entries_every_second(hx: Harness) -> None:
+    h = hx
     spec = every_second(25, 25, misfire_policy="catch_up")
     h.schedule(spec)
     for i in range(3):
@@ -266,7 +276,8 @@ def test_three_beats_fifty_entries_every_second(h: Harness) -> None:
 
 
 # -- SIGKILL one beat mid-run, start it again ------------------------------------------------
-def test_sigkill_and_restart_one_beat(h: Harness) -> None:
+def test_sigkill_and_restart_one_beat(hx: Harness) -> None:
+    h = hx
     spec = every_second(10, 10, misfire_policy="catch_up")
     h.schedule(spec)
     beats = [h.procs.start(f"beat{i}") for i in range(3)]
@@ -285,7 +296,8 @@ def test_sigkill_and_restart_one_beat(h: Harness) -> None:
 
 
 # -- SIGSTOP for 15 s, one of them frozen inside its claim transaction -----------------------
-def test_sigstop_inside_claim_transaction(h: Harness, tmp_path: Path) -> None:
+def test_sigstop_inside_claim_transaction(hx: Harness, tmp_path: Path) -> None:
+    h = hx
     spec = every_second(10, 10, misfire_policy="catch_up")
     h.schedule(spec)
     flag = tmp_path / "freeze-now"
@@ -311,7 +323,8 @@ def test_sigstop_inside_claim_transaction(h: Harness, tmp_path: Path) -> None:
     stop_all(h)
     figures = check_window(h, sorted(spec), t0, t1, "SIGSTOP 15 s (one inside its claim)")
     # the others took the frozen beat's entries over within the bound
-    # (idle_in_transaction_session_timeout = lock_timeout = 5 s), not after the 15 s pause
+    # (idle_in_transaction_session_timeout = lock_timeout = 5 s; MariaDB:
+    # idle_transaction_timeout = innodb_lock_wait_timeout = 5 s), not after the 15 s pause
     late = [(r.idempotency_key, (r.created_at - r.fire_at).total_seconds())
             for r in h.runs() if frozen_at <= r.fire_at <= thawed_at]
     worst = max(s for _, s in late)
@@ -368,7 +381,8 @@ def test_local_clock_off_by_five_minutes(h: Harness) -> None:
 
 
 # -- downtime: all beats stopped, one comes back ---------------------------------------------
-def test_downtime_misfire_policies(h: Harness) -> None:
+def test_downtime_misfire_policies(hx: Harness) -> None:
+    h = hx
     spec = {p: {"every": 1, "reliable_beat": {"misfire_policy": p, "misfire_grace": 2}}
             for p in ("catch_up", "fire_once", "skip")}
     h.schedule(spec)
@@ -567,7 +581,8 @@ def test_broker_down_triggers_stay_in_outbox(h: Harness, redis_url: str) -> None
 
 
 # -- claim ahead: published at the slot, never before ----------------------------------------
-def test_claimed_ahead_triggers_published_at_their_slot_never_before(h: Harness) -> None:
+def test_claimed_ahead_triggers_published_at_their_slot_never_before(hx: Harness) -> None:
+    h = hx
     """3 beats claiming up to 1 s ahead: runs are committed before their slot, and every
     message reaches Redis at or after its slot (stamped by a BRPOP recorder on the database's
     clock), never before its run row is committed; no slot is missing or doubled."""
@@ -594,7 +609,8 @@ def test_claimed_ahead_triggers_published_at_their_slot_never_before(h: Harness)
     assert {(r.state, r.trigger) for r in rows} == {("dispatched", "schedule")}
 
 
-def test_sigkill_while_holding_claimed_ahead_triggers(h: Harness) -> None:
+def test_sigkill_while_holding_claimed_ahead_triggers(hx: Harness) -> None:
+    h = hx
     """A beat claiming 20 s ahead is SIGKILLed holding ~20 s of committed triggers. Their
     outbox rows become sweepable at slot + sweep delay (10 s), not at claim + 10 s (which
     is before many of those slots): another beat's sweep publishes every one of them,

@@ -142,9 +142,10 @@ class Env:
 
 
 @pytest.fixture
-def env(pg_url: str, redis_url: str, pg_store: Store, tmp_path: Path) -> Iterator[Env]:
-    meta.create_all(pg_store.engine)
-    e = Env(pg_url, redis_url, pg_store, tmp_path)
+def env(server_url: str, redis_url: str, server_store: Store, tmp_path: Path) -> Iterator[Env]:
+    """Workers on PostgreSQL and on MariaDB (``server_url``)."""
+    meta.create_all(server_store.engine)
+    e = Env(server_url, redis_url, server_store, tmp_path)
     try:
         yield e
     finally:
@@ -203,8 +204,10 @@ def test_sigstop_past_lease_is_fenced_out_on_wake(env: Env) -> None:
     os.kill(a.pid, signal.SIGSTOP)
     try:
         # A's uncommitted effect row exists; its lease (2 s) runs out while it is stopped.
+        clock = ("clock_timestamp()" if env.store.dialect == "postgresql"
+                 else "UTC_TIMESTAMP(6)")  # the store's clock, as the claim reads it
         env.wait("A's lease expired", lambda: env.scalar(
-            sa.text("SELECT lease_expires_at < clock_timestamp() FROM reliable_beat_runs "
+            sa.text(f"SELECT lease_expires_at < {clock} FROM reliable_beat_runs "
                     "WHERE idempotency_key = :k").bindparams(k=key)), 20)
         env.send("rb.write_effect", ["paused"], "stop-b", key=key)  # a duplicate trigger
         env.wait("B committed", lambda: env.state(key) == "succeeded", 30)

@@ -103,9 +103,10 @@ def wait(what: str, cond: Callable[[], Any], rig: Rig, timeout: float = 40.0) ->
 
 
 @pytest.fixture
-def rig(pg_url: str, redis_url: str, pg_store: Store, tmp_path: Path) -> Iterator[Rig]:
-    meta.create_all(pg_store.engine)
-    r = Rig(pg_url, redis_url, pg_store, tmp_path)
+def rig(server_url: str, redis_url: str, server_store: Store, tmp_path: Path) -> Iterator[Rig]:
+    """The rig on PostgreSQL and on MariaDB (``server_url``)."""
+    meta.create_all(server_store.engine)
+    r = Rig(server_url, redis_url, server_store, tmp_path)
     try:
         yield r
     finally:

@@ -53,14 +53,14 @@ def states(store: Store) -> Counter[str]:
         return Counter(conn.execute(sa.select(outbox_t.c.state)).scalars())
 
 
-def test_sigkill_between_publish_and_mark_sent(pg_store: Store, redis_url: str,
+def test_sigkill_between_publish_and_mark_sent(server_store: Store, redis_url: str,
                                                tmp_path: Path) -> None:
     redis_queue.flush(redis_url)
-    with pg_store.begin() as conn:
+    with server_store.begin() as conn:
         ids = [outbox.add(conn, "celery", {"task": "t", "args": [i]}, key=f"job:{i}")
                for i in range(50)]
     delivered = tmp_path / "delivered.txt"
-    victim = relay_process(pg_store, redis_url, tmp_path, sleep_after=120, batch_size=20)
+    victim = relay_process(server_store, redis_url, tmp_path, sleep_after=120, batch_size=20)
     try:
         wait_for(lambda: delivered.exists() and len(delivered.read_text().split()) >= 20, 30,
                  "the first batch to be published")
@@ -71,11 +71,11 @@ def test_sigkill_between_publish_and_mark_sent(pg_store: Store, redis_url: str,
             victim.kill()
     killed_batch = delivered.read_text().split()
     assert len(killed_batch) == 20
-    assert states(pg_store) == Counter({"pending": 50})  # published, never marked
+    assert states(server_store) == Counter({"pending": 50})  # published, never marked
 
-    survivor = relay_process(pg_store, redis_url, tmp_path, sleep_after=0, batch_size=20)
+    survivor = relay_process(server_store, redis_url, tmp_path, sleep_after=0, batch_size=20)
     try:
-        wait_for(lambda: states(pg_store) == Counter({"sent": 50}), 60, "all rows sent")
+        wait_for(lambda: states(server_store) == Counter({"sent": 50}), 60, "all rows sent")
     finally:
         survivor.send_signal(signal.SIGTERM)
         assert survivor.wait(15) == 0
@@ -89,6 +89,6 @@ def test_sigkill_between_publish_and_mark_sent(pg_store: Store, redis_url: str,
     for m in published:
         task_ids.setdefault(m["headers"]["reliable_beat_message_id"], set()).add(m["headers"]["id"])
     assert all(len(v) == 1 for v in task_ids.values())  # same task id on every delivery
-    with pg_store.begin() as conn:
+    with server_store.begin() as conn:
         attempts = dict(conn.execute(sa.select(outbox_t.c.message_id, outbox_t.c.attempts)).all())
     assert {attempts[k] for k in killed_batch} == {2}

@@ -1,7 +1,7 @@
 """Schedule groups and config versions: several apps, and old and new pods, on one store.
 
 Real ``ReliableScheduler`` instances (the start-up sync a ``celery beat`` runs) of different
-Celery apps on one real PostgreSQL store.
+Celery apps on one real PostgreSQL store, and on one real MariaDB store.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ def _tick(main: str, cron: str = "* * * * *", *args: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def start(pg_store: Store) -> Iterator[Any]:
+def start(server_store: Store) -> Iterator[Any]:
     """Start (set up) a ``ReliableScheduler`` of a new app: what `celery beat` does first."""
     from reliable_beat.celery.scheduler import ReliableScheduler
 
     started: list[Any] = []
 
     def go(main: str, schedule: dict[str, Any], **conf: Any) -> Any:
-        app = _app(main, pg_store.url, schedule, **conf)
+        app = _app(main, server_store.url, schedule, **conf)
         sched = ReliableScheduler(app=app)  # checks the schema, syncs beat_schedule
         started.append(sched)
         return sched
@@ -65,13 +65,13 @@ def _rows(store: Store) -> dict[str, Any]:
 
 
 def test_two_apps_on_one_store_keep_each_others_entries(
-    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+    server_store: Store, start: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Fails on the code before groups: the later sync disabled the other app's entries."""
     start("billing", {"invoice": _tick("billing"), "dunning": _tick("billing")})
     with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
         start("reports", {"daily": _tick("reports", "0 6 * * *")})
-    rows = _rows(pg_store)
+    rows = _rows(server_store)
     assert {n: r.enabled for n, r in rows.items()} == {
         "invoice": True, "dunning": True, "daily": True}
     assert "disabled" not in caplog.text
@@ -82,12 +82,12 @@ def test_two_apps_on_one_store_keep_each_others_entries(
     with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
         start("billing", {"invoice": _tick("billing"), "dunning": _tick("billing")})
     assert "is current" in caplog.text and "WARNING" not in caplog.text
-    assert all(r.enabled for r in _rows(pg_store).values())
+    assert all(r.enabled for r in _rows(server_store).values())
     # billing drops 'dunning': disabled by a billing beat, at WARNING, with the name.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
         start("billing", {"invoice": _tick("billing")})
-    rows = _rows(pg_store)
+    rows = _rows(server_store)
     assert rows["dunning"].enabled is False and rows["dunning"].disabled_at is not None
     assert rows["daily"].enabled is True and rows["invoice"].enabled is True
     warn = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -95,21 +95,21 @@ def test_two_apps_on_one_store_keep_each_others_entries(
     assert "'billing'" in warn[0].getMessage()
 
 
-def test_group_setting_overrides_main_name(pg_store: Store, start: Any) -> None:
+def test_group_setting_overrides_main_name(server_store: Store, start: Any) -> None:
     start("proj", {"a": _tick("proj")}, reliable_beat_schedule_group="web")
     start("proj", {"b": _tick("proj")}, reliable_beat_schedule_group="batch")
-    rows = _rows(pg_store)
+    rows = _rows(server_store)
     assert {n: (r.enabled, r.schedule_group) for n, r in rows.items()} == {
         "a": (True, "web"), "b": (True, "batch")}
 
 
 def test_same_name_in_two_groups_is_refused_per_entry(
-    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+    server_store: Store, start: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     start("one", {"shared": _tick("one"), "mine": _tick("one")})
     with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
         start("two", {"shared": _tick("two", "0 * * * *"), "theirs": _tick("two")})
-    rows = _rows(pg_store)
+    rows = _rows(server_store)
     # 'shared' stays one's (and one's definition); two's other entry is synced.
     assert rows["shared"].schedule_group == "one" and rows["shared"].task == "one.tick"
     assert rows["theirs"].enabled and rows["theirs"].schedule_group == "two"
@@ -117,14 +117,14 @@ def test_same_name_in_two_groups_is_refused_per_entry(
     assert any("'shared'" in m and "'one'" in m for m in err), err
     # one drops it: disabled there; two's next start adopts it.
     start("one", {"mine": _tick("one")})
-    assert _rows(pg_store)["shared"].enabled is False
+    assert _rows(server_store)["shared"].enabled is False
     start("two", {"shared": _tick("two", "0 * * * *"), "theirs": _tick("two")})
-    shared = _rows(pg_store)["shared"]
+    shared = _rows(server_store)["shared"]
     assert (shared.enabled, shared.schedule_group, shared.task) == (True, "two", "two.tick")
 
 
 def test_older_config_of_a_rolling_deploy_does_not_flap(
-    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+    server_store: Store, start: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     old = {"keep": _tick("app"), "cron": _tick("app", "*/5 * * * *"),
            "removed": _tick("app"), "old-name": _tick("app", "* * * * *", "r")}
@@ -140,7 +140,7 @@ def test_older_config_of_a_rolling_deploy_does_not_flap(
 
     def state() -> dict[str, Any]:
         return {n: (r.enabled, r.schedule["expr"] if r.schedule_kind == "cron" else None)
-                for n, r in _rows(pg_store).items()}
+                for n, r in _rows(server_store).items()}
 
     want = {"keep": (True, "* * * * *"), "cron": (True, "*/10 * * * *"),
             "added": (True, "* * * * *"), "new-name": (True, "* * * * *"),
@@ -158,20 +158,20 @@ def test_older_config_of_a_rolling_deploy_does_not_flap(
         assert "synced" not in caplog.text and "disabled" not in caplog.text
     # A rollback is a person's decision: `schedule sync --force` with the old config.
     runner = CliRunner()
-    res = runner.invoke(reliable_beat, ["--database-url", pg_store.url, "schedule", "list",
+    res = runner.invoke(reliable_beat, ["--database-url", server_store.url, "schedule", "list",
                                         "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     configs = json.loads(res.output)
     assert [c["current"] for c in configs if c["schedule_group"] == "app"].count(True) == 1
 
 
-def test_status_shows_disabled_and_alarms(pg_store: Store, start: Any) -> None:
+def test_status_shows_disabled_and_alarms(server_store: Store, start: Any) -> None:
     start("web", {"a": _tick("web"), "b": _tick("web")})
     sched = start("web", {"a": _tick("web")})
     runner = CliRunner()
 
     def status(*args: str) -> Any:
-        return runner.invoke(reliable_beat, ["--database-url", pg_store.url, "status", *args],
+        return runner.invoke(reliable_beat, ["--database-url", server_store.url, "status", *args],
                              catch_exceptions=False)
 
     info = json.loads(status("--json").output)
@@ -186,38 +186,38 @@ def test_status_shows_disabled_and_alarms(pg_store: Store, start: Any) -> None:
     from reliable_beat.db.tables import beats
 
     sched.close()
-    with pg_store.begin() as conn:
-        conn.execute(update(beats).values(seen_at=pg_store.now(conn) - timedelta(minutes=5),
+    with server_store.begin() as conn:
+        conn.execute(update(beats).values(seen_at=server_store.now(conn) - timedelta(minutes=5),
                                           stopped_at=None))
     r = status("--check", "--disabled-within", "0")
     assert r.exit_code == 1 and "NO BEAT" in r.output and "'web'" in r.output
 
 
 def test_unregistered_task_is_an_error_and_counted(
-    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+    server_store: Store, start: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
         start("web", {"ok": _tick("web"), "typo": {"task": "web.tikc", "schedule": 60.0}})
     err = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any("'typo'" in m and "'web.tikc'" in m for m in err), err
-    res = CliRunner().invoke(reliable_beat, ["--database-url", pg_store.url, "status",
+    res = CliRunner().invoke(reliable_beat, ["--database-url", server_store.url, "status",
                                              "--json"], catch_exceptions=False)
     info = json.loads(res.output)
     assert info["unregistered"] == {"typo": "web.tikc"}
 
 
-def test_a_renamed_entry_continues_the_old_names_grid(pg_store: Store, start: Any) -> None:
+def test_a_renamed_entry_continues_the_old_names_grid(server_store: Store, start: Any) -> None:
     every = {"task": "app.tick", "schedule": 3600.0, "args": [1]}
     start("app", {"old-name": every, "other": _tick("app")})
-    before = _rows(pg_store)["old-name"]
+    before = _rows(server_store)["old-name"]
     anchor = datetime.fromisoformat(before.schedule["anchor"].replace("Z", "+00:00"))
     last = anchor + timedelta(hours=1)  # the old name fired its slot an hour after its anchor
-    with pg_store.begin() as conn:
+    with server_store.begin() as conn:
         conn.execute(update(entries).where(entries.c.name == "old-name")
                      .values(last_fire_at=last, next_fire_at=last + timedelta(hours=1)))
     time.sleep(1.1)  # a new entry would get a new anchor
     start("app", {"new-name": every, "other": _tick("app")})
-    rows = _rows(pg_store)
+    rows = _rows(server_store)
     assert rows["old-name"].enabled is False
     new = rows["new-name"]
     # same grid (anchor), first slot after the old name's last: none repeated, none skipped
@@ -226,7 +226,7 @@ def test_a_renamed_entry_continues_the_old_names_grid(pg_store: Store, start: An
 
 
 def test_a_config_that_would_disable_the_whole_group_is_refused(
-    pg_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+    server_store: Store, start: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     start("tasks", {"a": _tick("tasks"), "b": _tick("tasks")}, reliable_beat_owner_id="b1")
     # A beat whose settings did not load (empty beat_schedule), and another app that happens
@@ -234,12 +234,12 @@ def test_a_config_that_would_disable_the_whole_group_is_refused(
     with caplog.at_level(logging.INFO, logger=SCHEDULER_LOG):
         start("tasks", {}, reliable_beat_owner_id="b2")
         start("tasks", {"x": _tick("tasks")}, reliable_beat_owner_id="b3")
-    rows = _rows(pg_store)
+    rows = _rows(server_store)
     assert {n: r.enabled for n, r in rows.items()} == {"a": True, "b": True}
     err = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any("is empty" in m and "schedule retire tasks" in m for m in err), err
     assert any("shares no entry" in m and "reliable_beat_schedule_group" in m for m in err)
-    res = CliRunner().invoke(reliable_beat, ["--database-url", pg_store.url, "status",
+    res = CliRunner().invoke(reliable_beat, ["--database-url", server_store.url, "status",
                                              "--json"], catch_exceptions=False)
     info = json.loads(res.output)
     tasks = next(g for g in info["groups"] if g["group"] == "tasks")
@@ -247,5 +247,5 @@ def test_a_config_that_would_disable_the_whole_group_is_refused(
     assert any("2 of 3 live beats" in w for w in info["warnings"])
     # A real change that keeps an entry is synced as usual.
     start("tasks", {"a": _tick("tasks"), "c": _tick("tasks", "0 * * * *")})
-    rows = _rows(pg_store)
+    rows = _rows(server_store)
     assert {n: r.enabled for n, r in rows.items()} == {"a": True, "b": False, "c": True}

@@ -6,11 +6,17 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from reliable_beat.db.tables import metadata
+from reliable_beat.db.tables import exists_on, metadata
 
 VERSION_TABLE = "reliable_beat_alembic_version"
 
 config = context.config
+
+
+def include_object(obj: object, name: str | None, type_: str, reflected: bool,
+                   compare_to: object) -> bool:
+    """Autogenerate skips items declared for other dialects only (``Index.ddl_if``)."""
+    return reflected or exists_on(obj, context.get_context().dialect.name)
 
 
 def run_offline() -> None:
@@ -20,6 +26,7 @@ def run_offline() -> None:
         literal_binds=True,
         version_table=VERSION_TABLE,
         render_as_batch=True,
+        include_object=include_object,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -42,6 +49,7 @@ def _run(connection: object) -> None:
         target_metadata=metadata,
         version_table=VERSION_TABLE,
         render_as_batch=True,
+        include_object=include_object,
         transaction_per_migration=False,
     )
     with context.begin_transaction():

@@ -42,6 +42,7 @@ the claim runs under ``BEGIN IMMEDIATE``, which serialises claimers on the one h
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -81,6 +82,7 @@ from reliable_beat.handlers import (
     load_handlers,
     publish_celery_batch,
 )
+from reliable_beat.logs import RepeatedLog
 from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger, redact_text
@@ -577,6 +579,8 @@ class Relay:
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
         self._last_scan = float("-inf")  # last claim that also took unreadable rows
+        self._last_unhandled_check = float("-inf")
+        self._outage_log = RepeatedLog(log)  # "store unavailable": first, then every 30 s
         self._uncharged: dict[int, tuple[int, float]] = {}  # row id -> (returns, first at)
         self._delivered_at: dict[str, float] = {}  # destination -> last success (monotonic)
         self._listener: _Listener | None = None
@@ -625,9 +629,44 @@ class Relay:
         if messages:
             outcome = self.deliver(messages)
             self.settle(outcome)
+        self.maybe_warn_unhandled()
         self.maybe_purge()
         self.maybe_redispatch()
         return len(messages)
+
+    def maybe_warn_unhandled(self) -> list[tuple[str, int]]:
+        """Once a minute: WARN about due rows of destinations no relay takes.
+
+        A pending row due for more than :data:`UNHANDLED_AFTER_SECONDS` whose destination
+        this relay has no handler for (and that no other relay claimed meanwhile: a claim
+        moves ``available_at`` a lease ahead) waits forever: usually a typo in
+        ``outbox.add(conn, "emial", ...)``. Logged at WARNING once per check, naming the
+        destination, the row count and this relay's handlers; ``status --check`` alarms on
+        the same rows after ``--outbox-stuck`` minutes.
+
+        Returns:
+            ``[(destination, rows)]`` warned about (empty when the check was not due).
+        """
+        if time.monotonic() - self._last_unhandled_check < UNHANDLED_CHECK_SECONDS:
+            return []
+        self._last_unhandled_check = time.monotonic()
+        with self.store.begin() as conn:
+            cutoff = db_now(conn) - timedelta(seconds=UNHANDLED_AFTER_SECONDS)
+            found = [(str(d), int(n)) for d, n in conn.execute(
+                select(outbox.c.destination, func.count())
+                .where(outbox.c.state == "pending", outbox.c.available_at <= cutoff,
+                       outbox.c.destination.not_in(list(self.handlers)))
+                .group_by(outbox.c.destination)
+                .order_by(outbox.c.destination)
+            )]
+        for destination, n in found:
+            log.warning(
+                "relay: %d outbox rows for destination %r are due and no relay claims them: "
+                "this relay has no handler for %r (its handlers: %s). A typo in "
+                "outbox.add(..., destination)? Or start a relay with that handler "
+                "(reliable_beat_outbox_handlers).",
+                n, destination, destination, ", ".join(sorted(self.handlers)) or "none")
+        return found
 
     def maybe_redispatch(self) -> None:
         """Every few seconds, with an app: re-send triggers of stuck tracked runs (their
@@ -873,7 +912,9 @@ class Relay:
                 try:
                     claimed = self.run_once()
                 except StoreUnavailableError as exc:
-                    log.warning("relay: store unavailable, retrying in %.1f s: %s", poll, exc)
+                    self._outage_log.log(logging.WARNING,
+                                         "relay: store unavailable, retrying in %.1f s: %s",
+                                         poll, exc)
                     self._triggers_after = time.monotonic() + TRIGGER_HOLD_AFTER_OUTAGE_SECONDS
                     stop.wait(poll)
                     continue
@@ -881,6 +922,7 @@ class Relay:
                     log.exception("relay cycle failed; retrying in %.1f s", poll)
                     stop.wait(poll)
                     continue
+                self._outage_log.reset()
                 if claimed:
                     continue
                 self._wait(stop, poll)
@@ -908,6 +950,12 @@ class Relay:
             self._listener = None
 
 
+#: Seconds between two checks for due rows of destinations this relay has no handler for.
+UNHANDLED_CHECK_SECONDS = 60.0
+#: A row due this long and still unclaimed is reported (other relays had time to take it).
+UNHANDLED_AFTER_SECONDS = 60.0
+
+
 class _Listener:
     """A dedicated autocommit psycopg connection ``LISTEN``-ing on the outbox channel."""
 
@@ -916,6 +964,7 @@ class _Listener:
             hide_password=False
         )
         self.conn: Any = None
+        self._failures = RepeatedLog(log)  # one per poll during an outage: first, then 30 s
 
     def _connect(self) -> None:
         import psycopg
@@ -929,6 +978,7 @@ class _Listener:
         try:
             if self.conn is None or self.conn.closed:
                 self._connect()
+                self._failures.reset()
             got = False
             for _ in self.conn.notifies(timeout=timeout, stop_after=1):
                 got = True
@@ -937,7 +987,9 @@ class _Listener:
                     pass
             return got
         except Exception as exc:
-            log.warning("relay LISTEN connection failed (%s); polling instead", redact_text(exc))
+            self._failures.log(logging.WARNING,
+                               "relay LISTEN connection failed (%s); polling instead",
+                               redact_text(exc))
             self.close()
             time.sleep(timeout)
             return False

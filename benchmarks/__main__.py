@@ -19,6 +19,7 @@ PARTS = {
     "lateness": ("benchmarks.lateness", "run"),
     "task_overhead": ("benchmarks.task_overhead", "run"),
     "relay": ("benchmarks.dispatch", "run_relay"),
+    "workflows": ("benchmarks.workflows", "run"),
 }
 
 

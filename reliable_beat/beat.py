@@ -65,6 +65,7 @@ from reliable_beat.slots import format_fire_at, idempotency_key
 
 __all__ = [
     "ACTIVE_RUN_STATES",
+    "TRIGGER_DESTINATIONS",
     "Beat",
     "TickResult",
     "Trigger",
@@ -79,6 +80,11 @@ log = get_logger("reliable_beat.beat")
 #: Run states that mean "not finished yet" for the overlap policy.
 ACTIVE_RUN_STATES = ("scheduled", "dispatched", "running", "retrying")
 TRIGGER_DESTINATION = "celery"
+#: Every outbox destination that carries a beat's triggers (one per framework adapter): rows
+#: of these destinations move their runs (``scheduled -> dispatched`` on send, ``skipped`` on
+#: expiry, ``dead`` when undeliverable) and are found by the re-dispatch sweep. The
+#: destination is data: the Celery adapter writes ``celery``, the Dramatiq one ``dramatiq``.
+TRIGGER_DESTINATIONS = frozenset({"celery", "dramatiq"})
 #: Planning time one claim transaction may spend (seconds): entries claimed but not yet
 #: planned when it runs out are left untouched (their row locks go at the commit) and the
 #: next claim takes them at once. Keeps the transaction far below PostgreSQL's
@@ -163,15 +169,17 @@ def trigger_outbox_row(
     *,
     available_at: datetime,
     claimed_by: str | None,
+    destination: str = TRIGGER_DESTINATION,
 ) -> dict[str, Any]:
-    """The ``reliable_beat_outbox`` row of a run's trigger (destination ``celery``).
+    """The ``reliable_beat_outbox`` row of a run's trigger (``destination``: one of
+    :data:`TRIGGER_DESTINATIONS`, ``celery`` by default).
 
     ``available_at`` is when a relay or a beat's sweep may publish it: the beat gives its own
     fast path a head start (now + sweep delay); a manual trigger is due at once.
     """
     return {
         "message_id": trigger_message_id(key),
-        "destination": TRIGGER_DESTINATION,
+        "destination": destination,
         "payload": payload,
         "headers": {},
         "run_id": run_id,
@@ -447,6 +455,8 @@ class Beat:
     claim_ahead: timedelta = timedelta(0)
     plan_budget: float = PLAN_BUDGET_SECONDS
     schedule_group: str | None = None
+    #: The outbox destination of this beat's trigger rows (one of TRIGGER_DESTINATIONS).
+    trigger_destination: str = TRIGGER_DESTINATION
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
     _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
     _last_scan: float = field(default=float("-inf"), repr=False)
@@ -732,7 +742,8 @@ class Beat:
         # holding it never lets a relay publish it before its instant.
         start = max(now, fire_at) if fire_at is not None else now
         return trigger_outbox_row(key, run_id, payload, now,
-                                  available_at=start + self.sweep_delay, claimed_by=self.owner)
+                                  available_at=start + self.sweep_delay, claimed_by=self.owner,
+                                  destination=self.trigger_destination)
 
     def _release_buffered(self, conn: Connection, now: datetime, result: TickResult) -> None:
         """Turn a ``buffered`` run into a trigger once its entry has no active run."""

@@ -236,12 +236,21 @@ def build_definition(
             except ConfigurationError:
                 raw["schedule"] = sch.OneOffSchedule(at)  # the zone problem is reported below
     elif existing is not None:
-        spec = dict(existing["schedule"])
-        spec["timezone"] = tz
+        stored = existing["schedule"]
         try:
-            raw["schedule"] = sch.schedule_from_spec(spec)
-        except ConfigurationError:
-            raw["schedule"] = sch.schedule_from_spec(existing["schedule"])
+            spec = dict(stored, timezone=tz)
+            try:
+                raw["schedule"] = sch.schedule_from_spec(spec)
+            except ConfigurationError:
+                raw["schedule"] = sch.schedule_from_spec(stored)
+        except (ConfigurationError, TypeError, ValueError) as exc:
+            # a malformed stored schedule (a quarantined row): keeping it is impossible, so
+            # the update must give a new one; say so, as the quarantine message does
+            problems.append(
+                f"entry {name!r}: its stored schedule is unusable ({exc}); give a new one "
+                f"with --cron EXPR, --every SECONDS or --at ISO-INSTANT, e.g. "
+                f"`reliable-beat entries update {name} --every 60 ...`"
+            )
     else:
         problems.append(f"entry {name!r}: no schedule: give --cron EXPR, --every SECONDS or "
                         "--at ISO-INSTANT")

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat.celery.commands import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import dead_letters, entries, runs
+from reliable_beat.db.tables import dead_letters, entries, outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import group_health
 from reliable_beat.rows import decode_labelled, raw_labelled
@@ -35,6 +35,7 @@ __all__ = [
     "quarantine_counts",
     "register",
     "status",
+    "undelivered_outbox",
 ]
 
 #: Extra slack (seconds) on top of an entry's ``misfire_grace`` before a due entry counts as
@@ -45,6 +46,8 @@ DEFAULT_MARGIN_SECONDS = 60.0
 DEFAULT_DISABLED_WITHIN_MINUTES = 60.0
 #: A beat whose heartbeat (every few seconds) is older than this counts as gone.
 BEAT_ALIVE_SECONDS = 60.0
+#: ``--check`` alarms on pending outbox rows due this many minutes and claimed by no relay.
+DEFAULT_OUTBOX_STUCK_MINUTES = 10.0
 #: Triggers dispatched within this many hours are looked at for "never started by a worker".
 UNSTARTED_WINDOW_HOURS = 24.0
 
@@ -77,6 +80,29 @@ def outbox_backlog(conn: Connection, now: datetime) -> list[dict[str, Any]]:
     return outbox_status(conn)
 
 
+def undelivered_outbox(conn: Connection, now: datetime,
+                       minutes: float) -> list[dict[str, Any]]:
+    """Pending outbox rows due for more than ``minutes`` that no relay claimed, per destination.
+
+    A relay's claim moves ``available_at`` a lease ahead and a retry moves it to the next
+    attempt, so a pending row whose ``available_at`` is older than ``now - minutes`` is one no
+    running relay takes: its destination has no handler in any relay (a typo such as
+    ``"emial"``), no relay runs at all, or an earlier row of its ordering key is stuck.
+
+    Returns:
+        ``[{"destination": str, "rows": int, "due_since": datetime (UTC)}]``, by destination.
+    """
+    cutoff = now - timedelta(minutes=minutes)
+    stmt = (
+        select(outbox.c.destination, func.count(), func.min(outbox.c.available_at))
+        .where(outbox.c.state == "pending", outbox.c.available_at <= cutoff)
+        .group_by(outbox.c.destination)
+        .order_by(outbox.c.destination)
+    )
+    return [{"destination": d, "rows": int(n), "due_since": _utc(since)}
+            for d, n, since in conn.execute(stmt)]
+
+
 def quarantine_counts(conn: Connection) -> dict[str, int]:
     """Malformed rows isolated so far (:mod:`reliable_beat.rows`), per table.
 
@@ -105,6 +131,7 @@ def collect_status(
     disabled_within_minutes: float = DEFAULT_DISABLED_WITHIN_MINUTES,
     beat_alive_seconds: float = BEAT_ALIVE_SECONDS,
     redispatch_seconds: float = 120.0,
+    outbox_stuck_minutes: float = DEFAULT_OUTBOX_STUCK_MINUTES,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -118,6 +145,8 @@ def collect_status(
         beat_alive_seconds: a beat whose heartbeat is older than this counts as gone.
         redispatch_seconds: a trigger no worker started this long after it was dispatched
             (``reliable_beat_redispatch_seconds``) counts as never acknowledged.
+        outbox_stuck_minutes: pending outbox rows due this many minutes and claimed by no
+            relay are an alarm, per destination (see :func:`undelivered_outbox`).
 
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
@@ -131,6 +160,8 @@ def collect_status(
         [names], "unregistered": {entry: task},
         "quarantined": [{"name", "reason"}] (malformed entries, disabled),
         "quarantined_rows": {"entries", "outbox", "runs"} (see :func:`quarantine_counts`),
+        "undelivered_outbox": [{"destination", "rows", "due_since"}] (see
+        :func:`undelivered_outbox`),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
         "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
         ended | quarantined | malformed: a value that cannot be read, before a beat
@@ -193,6 +224,7 @@ def collect_status(
         groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
         unstarted, starts_recorded = _unstarted(conn, now, redispatch_seconds)
         quarantined_rows = quarantine_counts(conn)
+        undelivered = undelivered_outbox(conn, now, outbox_stuck_minutes)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
@@ -240,6 +272,15 @@ def collect_status(
             f"{', ...' if len(quarantined) > 10 else ''}): see the reason with `reliable-beat "
             "entries show NAME`, then fix the row (`entries update`, the beat_schedule, or SQL "
             "and `entries resume NAME`)"
+        )
+    for u in undelivered:
+        problems.append(
+            f"UNDELIVERED OUTBOX: {u['rows']} pending rows for destination "
+            f"{u['destination']!r} have been due for more than {outbox_stuck_minutes:g} min "
+            f"(since {_fmt(u['due_since'])}) and no relay claims them: no running relay has a "
+            f"handler for {u['destination']!r} (a typo in `outbox.add(..., destination)`?), "
+            "no relay runs, or an earlier row of their ordering key is stuck. Fix the name "
+            "(`reliable-beat outbox status`) or start a relay with that handler."
         )
     if dead_total:
         problems.append(
@@ -309,7 +350,12 @@ def collect_status(
             "group's beat does not register: "
             + ", ".join(f"{k} -> {v}" for k, v in sorted(unregistered.items())[:10])
         )
+    from reliable_beat.workflows.engine import workflow_health
+
+    wf_health = workflow_health(store, grace=timedelta(seconds=redispatch_seconds))
+    problems.extend(wf_health.pop("problems"))
     return {
+        "workflows": wf_health,
         "store": store.safe_url,
         "store_id": sid,
         "now": now,
@@ -323,6 +369,7 @@ def collect_status(
         "unregistered": unregistered,
         "quarantined": quarantined,
         "quarantined_rows": quarantined_rows,
+        "undelivered_outbox": undelivered,
         "problems": problems,
         "warnings": warnings,
         "ok": not problems,
@@ -388,22 +435,28 @@ def _secs(value: float | None) -> str:
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--check", is_flag=True,
-              help="Exit 1 when something needs a person (missed slots, dead letters).")
+              help="Exit 1 when something needs a person (missed slots, dead letters, "
+                   "undelivered outbox rows).")
 @click.option("--margin", type=click.FloatRange(min=0), default=DEFAULT_MARGIN_SECONDS,
               show_default=True,
               help="Seconds beyond an entry's misfire_grace before an overdue slot is 'missed'.")
 @click.option("--disabled-within", type=click.FloatRange(min=0),
               default=DEFAULT_DISABLED_WITHIN_MINUTES, show_default=True,
               help="Minutes: config entries disabled by a sync this recently are an alarm.")
+@click.option("--outbox-stuck", type=click.FloatRange(min=0),
+              default=DEFAULT_OUTBOX_STUCK_MINUTES, show_default=True,
+              help="Minutes: pending outbox rows due this long and claimed by no relay are an "
+                   "alarm (per destination).")
 @click.option("--all", "show_all", is_flag=True, help="Include disabled entries.")
 @pass_cli
 def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all: bool,
-           disabled_within: float) -> None:
+           disabled_within: float, outbox_stuck: float) -> None:
     """Entries (next fire, last slot, state, lag, failing/dead), outbox backlog, alarms."""
     try:
         info = collect_status(cli.store, margin_seconds=margin,
                               disabled_within_minutes=disabled_within,
-                              redispatch_seconds=cli.settings.redispatch_seconds)
+                              redispatch_seconds=cli.settings.redispatch_seconds,
+                              outbox_stuck_minutes=outbox_stuck)
     except StoreUnavailableError as exc:
         fail(str(exc), 1, kind="store_unavailable")
     if not show_all:

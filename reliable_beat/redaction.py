@@ -101,8 +101,8 @@ _HOSTPORT = re.compile(rf"{_ONE_HOST}(?:,{_ONE_HOST})*")
 # scheme://... up to whitespace or a quote/bracket that commonly ends a URL in prose
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 # an HTTP auth scheme and its credential ("Bearer abc", "Basic dXNlcjpw")
-_SCHEME_CREDENTIAL = re.compile(r"\b(Bearer|Basic|Token|Digest|Negotiate)\s+(?!\*\*\*)[^\s'\",;]+",
-                                re.I)
+_SCHEME_CREDENTIAL = re.compile(
+    r"\b(Bearer|Basic|Token|Digest|Negotiate)\s+(?!\*\*\*)([^\s'\",;]+)", re.I)
 # a bare request target ("/hook/abc123...?token=x", as a server echoes it): after a space,
 # a quote or the start, never inside a URL (those were redacted whole, above)
 _PATH_IN_TEXT = re.compile(r"(?:(?<=[\s'\"(\[=])|^)(/[^\s'\"<>`]+)")
@@ -266,10 +266,10 @@ def redact_text(text: object) -> str:
     # cheap substring checks first: most log lines (events of the beat's hot path) have
     # nothing any pattern below could match, and skip every regular expression
     if "://" in s:
-        s = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), s)
+        s = _URL_IN_TEXT.sub(_redact_url_in_text, s)
     low = s.lower()
     if any(w in low for w in _CREDENTIAL_SCHEMES):
-        s = _SCHEME_CREDENTIAL.sub(lambda m: f"{m.group(1)} {MASK}", s)
+        s = _SCHEME_CREDENTIAL.sub(_redact_scheme_credential, s)
     if "/" in s:
         s = _PATH_IN_TEXT.sub(_redact_bare_path, s)
     if ("=" not in s and ":" not in s) or not _mentions_sensitive_word(low):
@@ -284,6 +284,31 @@ def redact_text(text: object) -> str:
 
 
 _CREDENTIAL_SCHEMES = ("bearer", "basic", "token", "digest", "negotiate")
+# punctuation that ends a sentence or a clause after a URL in prose ("see https://x/y.",
+# "url=postgresql://h/db?a=b: inserted 4"): not part of the URL (as linkifiers decide)
+_URL_TRAILING = ".,;:!?"
+# a "Token <credential>" value: "token" is an ordinary word ("fence token 1 is stale"), so
+# only a value shaped like a credential (letters and digits mixed, or long) is one
+_TOKEN_CREDENTIAL = re.compile(
+    r"^(?=.*\d)(?=.*[A-Za-z]).{8,}$|^.{20,}$"
+)
+
+
+def _redact_url_in_text(m: re.Match[str]) -> str:
+    url = m.group(0)
+    core = url.rstrip(_URL_TRAILING)
+    if core.endswith(")") and core.count("(") < core.count(")"):
+        core = core[:-1]  # "(see https://x/y)": the bracket closes the prose, not the URL
+    return redact_url(core) + url[len(core):]
+
+
+def _redact_scheme_credential(m: re.Match[str]) -> str:
+    scheme, value = m.group(1), m.group(2)
+    if value.isdigit() and len(value) < 8:
+        return m.group(0)  # "fence token 1", "basic 2 retries": a count, never a credential
+    if scheme.lower() == "token" and not _TOKEN_CREDENTIAL.match(value):
+        return m.group(0)  # "the token is stale": the English word, not the HTTP scheme
+    return f"{scheme} {MASK}"
 _TEXT_WORDS = (*SENSITIVE_WORDS, *_EXACT_SENSITIVE)
 
 

@@ -28,7 +28,7 @@ rather let the broker redeliver first (Redis ``visibility_timeout``).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -36,7 +36,7 @@ from sqlalchemy import and_, case, or_, select, true, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from reliable_beat.beat import TRIGGER_DESTINATION, trigger_message_id
+from reliable_beat.beat import TRIGGER_DESTINATIONS, trigger_message_id
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import outbox, runs
 from reliable_beat.errors import StoreUnavailableError
@@ -125,7 +125,7 @@ def claim_stuck_runs(
     rows = conn.execute(
         select(outbox).where(
             outbox.c.message_id.in_([trigger_message_id(r.idempotency_key) for r in stuck]),
-            outbox.c.destination == TRIGGER_DESTINATION,
+            outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)),
         ).order_by(outbox.c.run_id)
     ).all()
     return [OutboxMessage.from_row(r) for r in rows]
@@ -166,18 +166,44 @@ def tracked_tasks(app: Any) -> list[str]:
 
 
 def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
-    """Find stuck runs (:func:`claim_stuck_runs`) and publish their triggers again.
-
-    Called every few seconds by beats and relays that have the Celery app. A trigger whose
-    ``expires_at`` has passed is not re-sent: its run becomes ``skipped`` (reason
-    ``expired``).
+    """Find stuck runs (:func:`claim_stuck_runs`) of the Celery app's tracked tasks and
+    publish their triggers again over Celery (see :func:`redispatch_with`).
 
     Returns:
         How many triggers were published again.
     """
-    from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
+    from reliable_beat.handlers import publish_celery_batch
 
-    tasks = tracked_tasks(app)
+    def publish(messages: list[OutboxMessage], now: datetime
+                ) -> list[tuple[int, BaseException | None]]:
+        return publish_celery_batch(app, messages, now=now)
+
+    return redispatch_with(store, settings, tracked_tasks(app), publish,
+                           schedule_group=schedule_group_of(app, settings.schedule_group))
+
+
+#: ``publish(messages, now) -> [(outbox id, None or the error)]``, one per message, in order.
+PublishFn = Callable[[list[OutboxMessage], datetime], list[tuple[int, "BaseException | None"]]]
+
+
+def redispatch_with(
+    store: Store, settings: Settings, tasks: Collection[str], publish: PublishFn,
+    *, schedule_group: str | None = None,
+) -> int:
+    """Find stuck runs of ``tasks`` (:func:`claim_stuck_runs`) and ``publish`` their trigger
+    rows again: the framework-neutral re-dispatch, called every few seconds by beats and
+    relays of any adapter. A trigger whose ``expires_at`` has passed
+    (:class:`~reliable_beat.handlers.MessageExpiredError`) is not re-sent: its run becomes
+    ``skipped`` (reason ``expired``).
+
+    ``schedule_group``: only runs of this group's entries and of group-less ones (the
+    caller publishes into its own app's broker; see :func:`claim_stuck_runs`); None: any.
+
+    Returns:
+        How many triggers were published again.
+    """
+    from reliable_beat.handlers import MessageExpiredError
+
     if not tasks:
         return 0
     after = timedelta(seconds=settings.redispatch_seconds)
@@ -190,7 +216,7 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
             retrying_after=timedelta(
                 seconds=settings.redispatch_seconds + settings.retry_cap_seconds
             ),
-            schedule_group=schedule_group_of(app, settings.schedule_group),
+            schedule_group=schedule_group,
         )
     if not stuck:
         return 0
@@ -204,7 +230,7 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
         "by the broker?): %s", len(stuck), ", ".join(m.message_id for m in stuck[:5]),
     )
     # Their outbox rows are already `sent`: publish without re-marking them.
-    outcomes = publish_celery_batch(app, stuck, now=now)
+    outcomes = publish(stuck, now)
     expired = [
         m.run_id
         for m, (_, err) in zip(stuck, outcomes, strict=True)

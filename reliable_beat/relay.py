@@ -42,6 +42,7 @@ the claim runs under ``BEGIN IMMEDIATE``, which serialises claimers on the one h
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -70,6 +71,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from reliable_beat import rows as rows_mod
+from reliable_beat.beat import TRIGGER_DESTINATION, TRIGGER_DESTINATIONS
 from reliable_beat.db.dialects import MYSQL_DIALECTS, Store, update_returning
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
@@ -81,6 +83,7 @@ from reliable_beat.handlers import (
     load_handlers,
     publish_celery_batch,
 )
+from reliable_beat.logs import RepeatedLog
 from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger, redact_text
@@ -196,7 +199,7 @@ def claim_outbox_batch(
     if destinations is not None:
         sel = sel.where(o.c.destination.in_(sorted(destinations)))
     if schedule_group is not None:
-        sel = sel.where(or_(o.c.destination != "celery",
+        sel = sel.where(or_(o.c.destination != TRIGGER_DESTINATION,
                             run_in_group(o.c.run_id, schedule_group)))
     if store.dialect in MYSQL_DIALECTS:
         return _claim_mysql(conn, sel, owner, now, lease, max_bytes)
@@ -371,7 +374,7 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
         outbox, (outbox.c.destination, outbox.c.run_id),
     )
     run_ids = sorted({run_id for destination, run_id in changed
-                      if destination == "celery" and run_id is not None})
+                      if destination in TRIGGER_DESTINATIONS and run_id is not None})
     if run_ids:
         scheduled = runs.c.state == "scheduled"
         at = literal(now, UTCDateTime())
@@ -429,7 +432,7 @@ def _move_runs(
 ) -> None:
     run_ids = select(outbox.c.run_id).where(
         outbox.c.id.in_(outbox_ids),
-        outbox.c.destination == "celery",
+        outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)),
         outbox.c.run_id.is_not(None),
     )
     values: dict[str, Any] = {"state": to, "updated_at": now}
@@ -566,9 +569,12 @@ class Relay:
         claim_lease_seconds: float = 60.0,
         purge_interval_seconds: float = 60.0,
         rng: random.Random | None = None,
+        redispatch: Callable[[], int] | None = None,
     ) -> None:
         self.store = store
         self.app = app
+        #: The re-dispatch sweep of a framework adapter (None: the Celery app's, when given).
+        self._redispatch = redispatch
         if settings is None:
             settings = Settings.from_celery(app) if app is not None else Settings()
         self.settings = settings
@@ -590,6 +596,8 @@ class Relay:
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
         self._last_scan = float("-inf")  # last claim that also took unreadable rows
+        self._last_unhandled_check = float("-inf")
+        self._outage_log = RepeatedLog(log)  # "store unavailable": first, then every 30 s
         self._uncharged: dict[int, tuple[int, float]] = {}  # row id -> (returns, first at)
         self._delivered_at: dict[str, float] = {}  # destination -> last success (monotonic)
         self._listener: _Listener | None = None
@@ -603,7 +611,8 @@ class Relay:
     def claim(self) -> list[OutboxMessage]:
         """Claim one batch in its own short transaction (see :func:`claim_outbox_batch`)."""
         destinations = [d for d in self.handlers
-                        if d != "celery" or time.monotonic() >= self._triggers_after]
+                        if d not in TRIGGER_DESTINATIONS
+                        or time.monotonic() >= self._triggers_after]
         if not destinations:
             return []
         scan = time.monotonic() - self._last_scan >= 60.0
@@ -638,19 +647,63 @@ class Relay:
         if messages:
             outcome = self.deliver(messages)
             self.settle(outcome)
+        self.maybe_warn_unhandled()
         self.maybe_purge()
         self.maybe_redispatch()
         return len(messages)
 
+    def maybe_warn_unhandled(self) -> list[tuple[str, int]]:
+        """Once a minute: WARN about due rows of destinations no relay takes.
+
+        A pending row due for more than :data:`UNHANDLED_AFTER_SECONDS` whose destination
+        this relay has no handler for (and that no other relay claimed meanwhile: a claim
+        moves ``available_at`` a lease ahead) waits forever: usually a typo in
+        ``outbox.add(conn, "emial", ...)``. Logged at WARNING once per check, naming the
+        destination, the row count and this relay's handlers; ``status --check`` alarms on
+        the same rows after ``--outbox-stuck`` minutes.
+
+        Returns:
+            ``[(destination, rows)]`` warned about (empty when the check was not due).
+        """
+        if time.monotonic() - self._last_unhandled_check < UNHANDLED_CHECK_SECONDS:
+            return []
+        self._last_unhandled_check = time.monotonic()
+        with self.store.begin() as conn:
+            cutoff = db_now(conn) - timedelta(seconds=UNHANDLED_AFTER_SECONDS)
+            found = [(str(d), int(n)) for d, n in conn.execute(
+                select(outbox.c.destination, func.count())
+                .where(outbox.c.state == "pending", outbox.c.available_at <= cutoff,
+                       outbox.c.destination.not_in(list(self.handlers)))
+                .group_by(outbox.c.destination)
+                .order_by(outbox.c.destination)
+            )]
+        for destination, n in found:
+            log.warning(
+                "relay: %d outbox rows for destination %r are due and no relay claims them: "
+                "this relay has no handler for %r (its handlers: %s). A typo in "
+                "outbox.add(..., destination)? Or start a relay with that handler "
+                "(reliable_beat_outbox_handlers).",
+                n, destination, destination, ", ".join(sorted(self.handlers)) or "none")
+        return found
+
     def maybe_redispatch(self) -> None:
         """Every few seconds, with an app: re-send triggers of stuck tracked runs (their
         message was lost; see :mod:`reliable_beat.redispatch`)."""
-        if self.app is None or time.monotonic() - self._last_redispatch < 5.0:
+        if (self.app is None and self._redispatch is None) or \
+                time.monotonic() - self._last_redispatch < 5.0:
             return
         self._last_redispatch = time.monotonic()
+        if self._redispatch is not None:
+            self._redispatch()
+            return
         from reliable_beat.redispatch import redispatch_stuck_runs
 
         redispatch_stuck_runs(self.store, self.app, self.settings)
+        # durable workflows: dead advances, lost wakes, lost activity messages
+        from reliable_beat.workflows.engine import redispatch_workflows
+
+        redispatch_workflows(self.store, older_than=timedelta(
+            seconds=self.settings.redispatch_seconds))
 
     def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
         """Deliver claimed rows outside any transaction; never raises for one bad row."""
@@ -877,7 +930,9 @@ class Relay:
                 try:
                     claimed = self.run_once()
                 except StoreUnavailableError as exc:
-                    log.warning("relay: store unavailable, retrying in %.1f s: %s", poll, exc)
+                    self._outage_log.log(logging.WARNING,
+                                         "relay: store unavailable, retrying in %.1f s: %s",
+                                         poll, exc)
                     self._triggers_after = time.monotonic() + TRIGGER_HOLD_AFTER_OUTAGE_SECONDS
                     stop.wait(poll)
                     continue
@@ -885,6 +940,7 @@ class Relay:
                     log.exception("relay cycle failed; retrying in %.1f s", poll)
                     stop.wait(poll)
                     continue
+                self._outage_log.reset()
                 if claimed:
                     continue
                 self._wait(stop, poll)
@@ -912,6 +968,12 @@ class Relay:
             self._listener = None
 
 
+#: Seconds between two checks for due rows of destinations this relay has no handler for.
+UNHANDLED_CHECK_SECONDS = 60.0
+#: A row due this long and still unclaimed is reported (other relays had time to take it).
+UNHANDLED_AFTER_SECONDS = 60.0
+
+
 class _Listener:
     """A dedicated autocommit psycopg connection ``LISTEN``-ing on the outbox channel."""
 
@@ -920,6 +982,7 @@ class _Listener:
             hide_password=False
         )
         self.conn: Any = None
+        self._failures = RepeatedLog(log)  # one per poll during an outage: first, then 30 s
 
     def _connect(self) -> None:
         import psycopg
@@ -933,6 +996,7 @@ class _Listener:
         try:
             if self.conn is None or self.conn.closed:
                 self._connect()
+                self._failures.reset()
             got = False
             for _ in self.conn.notifies(timeout=timeout, stop_after=1):
                 got = True
@@ -941,7 +1005,9 @@ class _Listener:
                     pass
             return got
         except Exception as exc:
-            log.warning("relay LISTEN connection failed (%s); polling instead", redact_text(exc))
+            self._failures.log(logging.WARNING,
+                               "relay LISTEN connection failed (%s); polling instead",
+                               redact_text(exc))
             self.close()
             time.sleep(timeout)
             return False

@@ -362,7 +362,7 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     for col in ("available_at", "created_at"):
         if not _is_instant(row.get(col)):
             problems.append(f"{col}={raw_repr(row.get(col))}: expected a UTC instant")
-    if row.get("destination") == "celery":
+    if row.get("destination") == "celery":  # the Celery trigger payload's shape
         payload = row.get("payload")
         if not isinstance(payload, Mapping):
             problems.append(f"payload={raw_repr(payload)}: a celery trigger needs a JSON object")

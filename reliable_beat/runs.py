@@ -681,6 +681,7 @@ def complete(conn: Connection, claim: Claim, result: Any) -> None:
         }).first()
         if row is None:
             raise StaleFenceToken(claim.key, claim.fence_token)
+        _workflow_hook(conn, claim.key, "succeeded", result)
         return
     now = db_now(conn)
     done = conn.execute(
@@ -704,6 +705,17 @@ def complete(conn: Connection, claim: Claim, result: Any) -> None:
         .where(attempts.c.id == claim.attempt_id)
         .values(outcome="succeeded", finished_at=now)
     )
+    _workflow_hook(conn, claim.key, "succeeded", result)
+
+
+def _workflow_hook(conn: Connection, key: str, state: str, result: Any = None,
+                   error: str | None = None) -> None:
+    """An activity of a durable workflow (key ``wf:...``): write its outcome into the
+    workflow's history in this same transaction (reliable_beat.workflows.engine)."""
+    if key.startswith("wf:"):
+        from reliable_beat.workflows.engine import on_run_finished
+
+        on_run_finished(conn, key, state, result, error)
 
 
 def set_result(store: Store, claim: Claim, result: Any) -> bool:
@@ -896,6 +908,7 @@ def record_failure(
                     created_at=now,
                 )
             )
+            _workflow_hook(conn, claim.key, "dead", error=error)
         return state
 
 

@@ -247,6 +247,34 @@ def _aware(value: datetime, what: str) -> datetime:
     return value.astimezone(timezone.utc)
 
 
+def _in_skipped_ranges(conn: Connection, name: str, slots: list[datetime]) -> set[datetime]:
+    """The ``slots`` that lie inside a recorded skipped range of entry ``name``.
+
+    After a long downtime the beat records the older skipped slots as **one** ``skipped``
+    run row keyed by the first slot (``result = {"skipped_range": {"first", "last",
+    "count"}}``, see :mod:`reliable_beat.beat`). Every slot of that range is recorded (as
+    skipped) just as a slot with its own skipped row is, so backfill leaves them alone too.
+    """
+    found: set[datetime] = set()
+    ranges = conn.execute(
+        select(runs.c.result).where(
+            runs.c.entry_name == name, runs.c.state == "skipped",
+            runs.c.fire_at <= slots[-1], runs.c.reason.contains("; slots "),
+        )
+    ).scalars()
+    for result in ranges:
+        rng = result.get("skipped_range") if isinstance(result, dict) else None
+        if not isinstance(rng, dict):
+            continue
+        try:
+            first = datetime.fromisoformat(str(rng["first"]).replace("Z", "+00:00"))
+            last = datetime.fromisoformat(str(rng["last"]).replace("Z", "+00:00"))
+        except (KeyError, ValueError):
+            continue  # a malformed range row: its slots are not known, treat as unrecorded
+        found.update(slot for slot in slots if first <= slot <= last)
+    return found
+
+
 def backfill(
     store: Store,
     name: str,
@@ -264,7 +292,9 @@ def backfill(
     slot's ordinary idempotency key (``"<entry>@<slot>"``) and ``trigger='backfill'``; the
     insert is ``ON CONFLICT DO NOTHING``, so a slot that has a run (fired, skipped, or made by
     an earlier backfill) is never run twice, and backfilling the same window again creates
-    nothing.
+    nothing. A slot inside a recorded skipped *range* (one row standing for many skipped
+    slots after a long downtime) counts as skipped, like a slot with its own skipped row: it
+    is left alone (``entries trigger`` runs a skipped slot's work by hand).
 
     Overlap: for an ``allow`` entry every created run is ``scheduled`` and triggered at once.
     For ``skip`` and ``buffer_one`` entries the created runs are ``buffered``: the beat releases
@@ -328,6 +358,7 @@ def backfill(
                     )
                 ).scalars()
             )
+        existing.update(_in_skipped_ranges(conn, name, slots))
         buffered = row.overlap_policy != "allow"
         state = "buffered" if buffered else "scheduled"
         rows = [

@@ -51,7 +51,8 @@ def record_start(sender: Any = None, task: Any = None, **_: Any) -> None:
     if task is None or getattr(task, "request", None) is None:
         return
     try:
-        from reliable_beat.celery.task import IdempotentTask, _store_for
+        from reliable_beat.celery.task import IdempotentTask
+        from reliable_beat.execution import _store_for
     except ImportError:  # pragma: no cover - ships together
         return
     if isinstance(task, IdempotentTask):

@@ -113,7 +113,9 @@ COMMAND_MODULES = [
     "reliable_beat.metrics",
     "reliable_beat.cli_runs",
     "reliable_beat.cli_schedule",
+    "reliable_beat.cli_workflows",
     "reliable_beat.cli_purge",
+    "reliable_beat.cli_dramatiq",
 ]
 
 

@@ -52,7 +52,7 @@ from reliable_beat.groups import (
     schedule_group_of,
 )
 from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
-from reliable_beat.logs import event
+from reliable_beat.logs import RepeatedLog, event
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.redispatch import redispatch_stuck_runs
@@ -178,6 +178,10 @@ def publish_messages(
     return len(sent)
 
 
+#: "still cannot record ..." is retried every tick during an outage: first, then every 30 s
+_STILL_UNMARKED = RepeatedLog(log)
+
+
 def record_unmarked(store: Store, unmarked: list[tuple[list[int], list[int]]]) -> bool:
     """Write the marks a publish could not write (see :func:`publish_triggers`).
 
@@ -194,9 +198,11 @@ def record_unmarked(store: Store, unmarked: list[tuple[list[int], list[int]]]) -
                 mark_sent(conn, sent, at)
                 mark_expired(conn, expired, at)
     except (StoreUnavailableError, DBAPIError) as exc:
-        log.error("still cannot record %d published triggers as sent (%s)",
-                  sum(len(a) + len(b) for a, b in unmarked), exc)
+        _STILL_UNMARKED.log(logging.ERROR,
+                            "still cannot record %d published triggers as sent (%s)",
+                            sum(len(a) + len(b) for a, b in unmarked), exc)
         return False
+    _STILL_UNMARKED.reset()
     log.warning("recorded %d triggers published while the database was unavailable",
                 sum(len(a) for a, _ in unmarked))
     unmarked.clear()
@@ -598,11 +604,13 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
                 "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
                 key=t.key, task=t.payload["task"], claimed_ahead=True)
-        # built_ms < 0: the messages were ready before the instant (they left at it);
+        # built_ms: the time taken to build the messages (never negative); ready_ahead_ms:
+        # how long before the instant they were ready (they left at it; 0 when late);
         # marked_ms: the instant to the rows marked sent.
         event(log, logging.INFO, "slots.published", fire_at=format_fire_at(group.fire_at),
               count=len(triggers),
-              built_ms=round((built[0] - group.at) * 1000, 2) if built else None,
+              built_ms=round(max(0.0, built[0] - started) * 1000, 2) if built else None,
+              ready_ahead_ms=round(max(0.0, group.at - built[0]) * 1000, 2) if built else None,
               marked_ms=round((done - group.at) * 1000, 2))
 
     def _db_now(self, at_least: datetime) -> datetime:

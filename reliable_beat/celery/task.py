@@ -23,8 +23,6 @@ import importlib
 import json
 import os
 import re
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +49,6 @@ from reliable_beat.errors import (
     IdempotencyKeyError,
     LeaseHeldError,
     PermanentError,
-    SchemaError,
     StaleFenceToken,
 )
 from reliable_beat.identity import STORE_HEADER, ForeignStoreError, store_id
@@ -129,191 +126,15 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
         log.critical("reliable_beat: configuration refused: %s", exc)
 
 
-def _raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: str) -> None:
-    """A store whose reliable_beat schema is missing or behind is a permanent error.
-
-    A database error that is not a lost connection (e.g. ``no such table:
-    reliable_beat_runs``) is checked against the schema's revision; retrying cannot create
-    tables, so the task fails at once with :class:`SchemaError` logged at CRITICAL instead of
-    retrying forever.
-
-    Raises:
-        SchemaError: the schema is missing or behind (``__cause__`` is ``exc``).
-    """
-    if not isinstance(exc, DBAPIError) or exc.connection_invalidated:
-        return
-    from reliable_beat.db import migrate
-
-    try:
-        revision = migrate.current(store)
-        if revision == migrate.head():
-            return
-    except Exception:  # the check itself failed: leave it to the retry path
-        return
-    what = "has no reliable_beat schema" if revision is None else (
-        f"has reliable_beat schema {revision}, not {migrate.head()}")
-    message = (
-        f"{task}: run {key} refused: the store {store.safe_url} {what}: run `reliable-beat "
-        "db upgrade` against it, or point reliable_beat_database_url at the store the beat "
-        f"uses ({str(getattr(exc, 'orig', exc)).splitlines()[0]})"
-    )
-    log.critical("%s", message)
-    raise SchemaError(message) from exc
-
-
-# ------------------------------------------------------------ per-process stores ----
-
-_stores: dict[str, Store] = {}
-_stores_pid = os.getpid()
-_stores_lock = threading.Lock()
-
-
-def _forget_stores_after_fork() -> None:
-    """In a forked child: drop the parent's pooled connections without closing them."""
-    global _stores_pid
-    for store in _stores.values():
-        store.engine.dispose(close=False)
-    _stores.clear()
-    _stores_pid = os.getpid()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_stores_after_fork)
-
-
-def _store_for(url: str) -> Store:
-    """The process's :class:`Store` for ``url`` (role ``worker``), created on first use.
-
-    Survives prefork: the fork hook, and a pid check as a second line, give each child
-    process its own engine (SQLAlchemy engines must not be shared across ``fork``).
-    """
-    with _stores_lock:
-        if _stores_pid != os.getpid():
-            _forget_stores_after_fork()
-        store = _stores.get(url)
-        if store is None:
-            store = _stores[url] = Store.from_url(url, role="worker")
-        return store
-
-
-# ------------------------------------------------------------ per-execution state ----
-
-#: ``_current.states``: id(task) -> the _RunState of the execution running in this thread.
-_current = threading.local()
-
-
-@dataclass(eq=False)  # hashed by identity: a member of the renewer's set
-class _RunState:
-    claim: runs.Claim
-    store: Store
-    lease: timedelta
-    task_name: str = ""
-    lease_lost: bool = False
-    completed: bool = False
-    transaction_used: bool = False
-    outbox_count: int = 0
-    #: Stores the result of a run completed in the body's transaction (None: at once, on
-    #: the store); set by a transaction joined to an outer one (Django's ``atomic()``).
-    write_result: Callable[[Any], None] | None = None
-    #: time.monotonic() of the next lease renewal (set by _LeaseRenewer.add).
-    renew_at: float = 0.0
-
-
-def _renew_interval(state: _RunState) -> float:
-    """Seconds between renewals of ``state``'s lease: a third of the lease (>= 0.05 s)."""
-    return max(state.lease.total_seconds() / 3.0, 0.05)
-
-
-class _LeaseRenewer:
-    """One daemon thread per process renewing the lease of every execution in flight.
-
-    An execution is added when its body starts and discarded when its completion begins or
-    the body ends; both are a set operation under a lock. The thread sleeps until the
-    earliest ``renew_at`` and renews each due lease (:func:`runs.renew_lease`, one short
-    fenced transaction each, oldest due first), then schedules the next one a third of the
-    lease later. Adding an execution wakes the thread only when it would otherwise sleep
-    past that execution's first renewal (an idle renewer, or a shorter lease), so a busy
-    worker pays no thread start and no context switch per task. A renewal that finds the
-    fence moved sets the execution's ``lease_lost`` and drops it; one that fails (store
-    unreachable) is tried again an interval later, as the lease is not lost yet.
-
-    Threads do not survive ``fork``: a prefork child gets a fresh renewer on first use.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._states: set[_RunState] = set()
-        #: When the thread will next look (monotonic); None while it waits for work.
-        self._wake_at: float | None = None
-        self._thread: threading.Thread | None = None
-
-    def add(self, state: _RunState) -> None:
-        """Start renewing ``state``'s lease, first after one interval."""
-        state.renew_at = time.monotonic() + _renew_interval(state)
-        with self._cond:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="rb-lease-renewer", daemon=True
-                )
-                self._thread.start()
-            self._states.add(state)
-            if self._wake_at is None or state.renew_at < self._wake_at:
-                self._cond.notify()
-
-    def discard(self, state: _RunState) -> None:
-        """Stop renewing ``state``'s lease (no-op when it is not renewed)."""
-        with self._cond:
-            self._states.discard(state)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    now = time.monotonic()
-                    due = sorted(
-                        (s for s in self._states if s.renew_at <= now),
-                        key=lambda s: s.renew_at,
-                    )
-                    if due:
-                        self._wake_at = now  # awake: add() need not notify
-                        break
-                    self._wake_at = min((s.renew_at for s in self._states), default=None)
-                    self._cond.wait(None if self._wake_at is None else self._wake_at - now)
-            for state in due:
-                self._renew(state)
-
-    def _renew(self, state: _RunState) -> None:
-        try:
-            ok = runs.renew_lease(state.store, state.claim, state.lease)
-        except Exception:  # store briefly unreachable: the lease is not lost yet
-            log.warning("%s: lease renewal failed", state.task_name, exc_info=True)
-            ok = True
-        with self._cond:
-            if state not in self._states:
-                return  # completion began or the body ended meanwhile
-            if ok:
-                state.renew_at = time.monotonic() + _renew_interval(state)
-                return
-            self._states.discard(state)
-        if not state.completed:
-            state.lease_lost = True
-            log.warning(
-                "%s: lease on %s lost (fence %d moved)",
-                state.task_name, state.claim.key, state.claim.fence_token,
-            )
-
-
-_renewer = _LeaseRenewer()
-
-
-def _new_renewer_after_fork() -> None:
-    """In a forked child: the parent's renewer thread does not exist here; start afresh."""
-    global _renewer
-    _renewer = _LeaseRenewer()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_renewer_after_fork)
+# The framework-neutral worker protocol (schema check, per-process stores, run state, the
+# lease renewer) lives in reliable_beat.execution, shared with the Dramatiq adapter.
+from reliable_beat.execution import (  # noqa: E402
+    _current,
+    _raise_if_schema_missing,
+    _renewer,
+    _RunState,
+    _store_for,
+)
 
 
 class _Outbox:
@@ -823,7 +644,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     self._check_same_database(tx.engine, state.store)
                     yield tx
                     _renewer.discard(state)  # see below
-                    runs.complete(tx, state.claim, None)
+                    runs.complete(tx, state.claim, state.returned)
             except BaseException as exc:
                 self._after_rollback(state, exc)
                 raise
@@ -837,7 +658,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 yield conn
                 session.flush()
                 _renewer.discard(state)  # see below
-                runs.complete(conn, state.claim, None)
+                runs.complete(conn, state.claim, state.returned)
                 session.commit()
             except BaseException as exc:
                 session.rollback()
@@ -850,7 +671,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if bind.in_transaction():
                 yield bind
                 _renewer.discard(state)  # see below
-                runs.complete(bind, state.claim, None)  # joins the caller's transaction
+                runs.complete(bind, state.claim, state.returned)  # joins the caller's transaction
                 state.completed = True
                 return
             cm: Any = bind.begin()
@@ -870,11 +691,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # renewer serves). The fence is checked inside this transaction, so no
                 # takeover can slip in before the commit; the lease is no longer needed.
                 _renewer.discard(state)
-                runs.complete(tx, state.claim, None)
+                runs.complete(tx, state.claim, state.returned)
         except BaseException as exc:
             self._after_rollback(state, exc)
             raise
         state.completed = True
+
+    def returns(self, value: Any) -> None:
+        """Declare the run's result inside ``self.transaction()``: it is stored by the
+        completing transaction, with the effect (a workflow activity's result must be;
+        the body's return value is otherwise stored after the commit, best effort).
+
+        Raises:
+            TypeError: ``value`` is not JSON-serialisable.
+            RuntimeError: called outside an execution.
+        """
+        state = self._state()
+        state.returned = _storable_result(self.name, state.claim.key, value)
 
     def _check_store_identity(self, store: Store, key: str) -> None:
         """Refuse a trigger written to another store (its ``reliable_beat_store`` header).
@@ -1135,7 +968,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if state.completed:
                 # The effect committed with the run: the run succeeded, whatever happens
                 # now. Storing the result is best effort and never fails the call.
-                if state.transaction_used and stored is not None:
+                if state.transaction_used and stored is not None and state.returned is None:
                     try:
                         if state.write_result is not None:
                             state.write_result(stored)

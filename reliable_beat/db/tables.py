@@ -52,6 +52,9 @@ __all__ = [
     "runs",
     "schedule_configs",
     "store_identity",
+    "workflow_events",
+    "workflow_signals",
+    "workflows",
 ]
 
 NAMING_CONVENTION = {
@@ -270,6 +273,93 @@ dead_letters = Table(
     Column("requeued_at", UTCDateTime, nullable=True),
     Column("requeued_by", String(200), nullable=True),
     Index("ix_reliable_beat_dead_letters_created_at", "created_at"),
+)
+
+# ------------------------------------------------------------------ durable workflows ----
+# Workflow states: pending -> running <-> waiting -> completed | failed; blocked (a person
+# acts: non-determinism, unknown workflow, history cap, swallowed suspension).
+# See reliable_beat.workflows and docs/workflows.md.
+workflows = Table(
+    "reliable_beat_workflows",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("workflow_id", String(400), nullable=False, unique=True),  # business id
+    Column("name", String(255), nullable=False),  # registered workflow name (stable)
+    Column("run_no", Integer, nullable=False, server_default="1"),
+    Column("state", String(16), nullable=False),
+    Column("args", JSONType, nullable=False, default=list),
+    Column("kwargs", JSONType, nullable=False, default=dict),
+    Column("result", JSONType, nullable=True),
+    Column("error", JSONType, nullable=True),  # {"type", "message", "traceback"}
+    Column("block_reason", Text, nullable=True),
+    Column("queue", String(200), nullable=True),  # where advance messages go
+    Column("random_seed", BigInteger, nullable=False, server_default="0"),
+    Column("fence_token", BigInteger, nullable=False, server_default="0"),
+    Column("leased_by", String(200), nullable=True),
+    Column("lease_expires_at", UTCDateTime, nullable=True),
+    Column("wake_seq", BigInteger, nullable=False, server_default="0"),
+    Column("claimed_wake_seq", BigInteger, nullable=False, server_default="0"),
+    Column("history_len", Integer, nullable=False, server_default="0"),
+    Column("history_bytes", BigInteger, nullable=False, server_default="0"),
+    Column("advances", Integer, nullable=False, server_default="0"),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Column("finished_at", UTCDateTime, nullable=True),
+    Index(
+        "ix_reliable_beat_workflows_active",
+        "updated_at",
+        postgresql_where=text("state IN ('pending', 'running', 'waiting')"),
+        sqlite_where=text("state IN ('pending', 'running', 'waiting')"),
+    ),
+    Index("ix_reliable_beat_workflows_name_state", "name", "state"),
+)
+
+# The history: one row per durable call, keyed by its position (seq) in the run.
+# kind: activity | step | transaction | timer | signal | now | wait_any
+# state: scheduled | completed | failed
+workflow_events = Table(
+    "reliable_beat_workflow_events",
+    metadata,
+    Column(
+        "workflow_pk",
+        BigId,
+        ForeignKey("reliable_beat_workflows.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("run_no", Integer, primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("kind", String(16), nullable=False),
+    Column("name", String(255), nullable=True),
+    Column("args_digest", String(16), nullable=False),
+    Column("args", JSONType, nullable=True),
+    Column("state", String(12), nullable=False),
+    Column("result", JSONType, nullable=True),
+    Column("error", JSONType, nullable=True),
+    Column("fire_at", UTCDateTime, nullable=True),  # timers and signal timeouts
+    Column("run_key", String(400), nullable=True),  # reliable_beat_runs key of an activity
+    Column("fence_token", BigInteger, nullable=False),  # the advance that wrote it
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("completed_at", UTCDateTime, nullable=True),
+)
+
+# Signals: an inbox row per signal, written in the sender's transaction, consumed by one event.
+workflow_signals = Table(
+    "reliable_beat_workflow_signals",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column(
+        "workflow_pk",
+        BigId,
+        ForeignKey("reliable_beat_workflows.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("name", String(200), nullable=False),
+    Column("payload", JSONType, nullable=True),
+    Column("dedup_key", String(400), nullable=True, unique=True),
+    Column("consumed_run_no", Integer, nullable=True),
+    Column("consumed_seq", Integer, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Index("ix_reliable_beat_workflow_signals_workflow_pk_name_id", "workflow_pk", "name", "id"),
 )
 
 #: One row: the store's identity, a random id written by the migration that created it.

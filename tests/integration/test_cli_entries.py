@@ -322,3 +322,46 @@ def test_cli_without_a_store_or_database_gives_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(group, ["--database-url", down, "runs"])
     assert result.exit_code == 1
     assert "Traceback" not in result.output and "database error" in result.output
+
+
+@pytest.mark.parametrize("garbage", [{"every_seconds": 60}, [1, 2, 3]])
+def test_update_of_an_entry_with_a_garbage_schedule_names_the_entry_and_the_fix(
+        store: Store, garbage: Any) -> None:
+    ok(cli(store, "entries", "add", "broken", "--task", "shop.tick", "--every", "5"))
+    with store.begin() as conn:
+        conn.execute(update(entries).where(entries.c.name == "broken").values(schedule=garbage))
+    r = cli(store, "entries", "update", "broken", "--args", "[1]")
+    assert r.exit_code == 2, r.output
+    assert "'broken'" in r.output and "--every" in r.output and "--cron" in r.output, r.output
+    # the fix it names works
+    ok(cli(store, "entries", "update", "broken", "--args", "[1]", "--every", "60"))
+    with store.engine.connect() as conn:
+        row = conn.execute(select(entries.c.schedule, entries.c.args)
+                           .where(entries.c.name == "broken")).one()
+    assert row.schedule["every_seconds"] == 60 and row.args == [1]
+
+
+def test_backfill_leaves_slots_inside_a_skipped_range_alone(store: Store) -> None:
+    """A long downtime under misfire_policy=skip records the older skipped slots as one range
+    row; backfill treats those slots as recorded, exactly like single skipped slot rows."""
+    ok(cli(store, "entries", "add", "min", "--task", "t", "--cron", "* * * * *",
+           "--misfire-policy", "skip"))
+    now = db_now(store)
+    top = now.replace(second=0, microsecond=0)
+    down_since = top - timedelta(minutes=40)
+    with store.begin() as conn:
+        conn.execute(update(entries).where(entries.c.name == "min")
+                     .values(next_fire_at=down_since))
+    Beat(store, owner="t").tick()  # 40 missed slots: recorded as a skipped range row
+    with store.engine.connect() as conn:
+        skipped = conn.execute(select(runs.c.fire_at, runs.c.reason)
+                               .where(runs.c.entry_name == "min", runs.c.state == "skipped")
+                               .order_by(runs.c.fire_at)).all()
+    assert any("; slots " in (r.reason or "") for r in skipped), skipped  # a range row exists
+    before = count(store, runs, runs.c.entry_name == "min")
+    res = json.loads(ok(cli(store, "entries", "backfill", "min", iso(down_since),
+                            iso(top - timedelta(minutes=1)), "--json")))
+    assert res["slots"] == 39
+    assert res["created"] == 0 and res["existing"] == 39, res  # range and single rows alike
+    assert count(store, runs, runs.c.entry_name == "min") == before
+    assert count(store, runs, runs.c.trigger == "backfill") == 0

@@ -10,6 +10,7 @@ another beat's sweep may have sent its rows).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -112,3 +113,18 @@ def test_close_publishes_what_is_held_at_its_slot(scheduler: Any, pg_store: Stor
     assert time.monotonic() >= group.at
     assert _queued(redis_url) == ["c"]
     assert scheduler._held == {}
+
+
+def test_slots_published_log_fields_are_never_negative(
+    scheduler: Any, pg_store: Store, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    _seed(pg_store, ["n"], 2)
+    scheduler._claim()
+    with caplog.at_level(logging.INFO, logger="reliable_beat"):
+        scheduler._publish_held(drain=True)  # built well before the instant, sent at it
+    [record] = [r for r in caplog.records if getattr(r, "event", None) == "slots.published"]
+    fields = record.__dict__
+    assert fields["count"] == 1
+    assert fields["built_ms"] >= 0, record.getMessage()
+    assert fields["ready_ahead_ms"] > 0, record.getMessage()  # held ~2 s for its slot
+    assert fields["marked_ms"] >= 0, record.getMessage()

@@ -136,3 +136,25 @@ def test_redbeat_importer_errors_quote_no_secret(url: str, error: str) -> None:
         read_redbeat(url)
     assert type(info.value).__name__ == error
     assert SECRET not in "".join(traceback.format_exception(info.value))
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("fence token 1 is stale", "fence token 1 is stale"),
+    ("fence token 12 is stale (current 13)", "fence token 12 is stale (current 13)"),
+    ("the token is stale", "the token is stale"),
+    ("postgresql://u:pw@h/db?application_name=fu: inserted 4",
+     "postgresql://u:***@h/db?application_name=fu: inserted 4"),
+    ("see https://example.com/x?a=b.", "see https://example.com/x?a=b."),
+    ("(see https://example.com/x?a=b)", "(see https://example.com/x?a=b)"),
+])
+def test_free_text_does_not_over_mask(text: str, shown: str) -> None:
+    assert redact_text(text) == shown
+
+
+@pytest.mark.parametrize("text", [
+    f"Authorization: Token {SECRET}", f"token {SECRET}", f"Bearer {SECRET}",
+    f"Basic {SECRET}", f"failed: postgresql://u:{SECRET}@h/db?password={SECRET}: boom",
+    f"see https://example.com/x?token={SECRET}.",
+])
+def test_free_text_still_masks_credentials(text: str) -> None:
+    assert SECRET not in redact_text(text)

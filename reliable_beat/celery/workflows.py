@@ -1,0 +1,60 @@
+"""Celery adapter of the workflow engine: the advance task.
+
+:func:`install` registers ``reliable_beat.workflow.advance`` on an app (once). Its body is
+:func:`reliable_beat.workflows.engine.advance`; everything else (history, replay, fencing,
+timers, signals) is framework-neutral. Activities are ordinary ``IdempotentTask`` tasks: their
+completion writes the workflow's history inside their own completing transaction
+(:func:`reliable_beat.runs.complete` -> :func:`reliable_beat.workflows.engine.on_run_finished`).
+
+The advance is ``acks_late``: a worker killed mid-advance leaves its message to be redelivered
+and its lease to expire; the next advance takes over with a new fence token and replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from reliable_beat.db.dialects import Store
+from reliable_beat.execution import _store_for
+from reliable_beat.redaction import get_logger
+from reliable_beat.settings import Settings
+from reliable_beat.workflows import engine
+
+__all__ = ["install"]
+
+log = get_logger("reliable_beat.workflows")
+
+
+def install(app: Any) -> Callable[[], Store]:
+    """Register the advance task on ``app`` (idempotent) and return its store factory.
+
+    The store is this process's (created lazily, per process after fork), from the app's
+    ``reliable_beat_database_url``; the lease is ``reliable_beat_lease_seconds``.
+    """
+    settings_box: dict[str, Settings] = {}
+
+    def settings() -> Settings:
+        if "s" not in settings_box:
+            settings_box["s"] = Settings.from_celery(app)
+        return settings_box["s"]
+
+    def store_factory() -> Store:
+        return _store_for(settings().database_url)
+
+    if engine.ADVANCE_TASK not in app.tasks:
+
+        @app.task(  # type: ignore[untyped-decorator]
+            name=engine.ADVANCE_TASK, shared=False, acks_late=True,
+                  reject_on_worker_lost=True, ignore_result=True)
+        def advance_workflow(workflow_id: str) -> str:
+            s = settings()
+            outcome = engine.advance(
+                store_factory(), workflow_id, owner=s.owner,
+                lease=timedelta(seconds=s.lease_seconds),
+            )
+            log.info("workflow %s advanced: %s", workflow_id, outcome)
+            return outcome
+
+    return store_factory

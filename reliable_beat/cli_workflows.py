@@ -1,0 +1,157 @@
+"""``reliable-beat workflows list|show|signal|resume|replay`` (docs/cli.md, docs/workflows.md).
+
+``replay`` imports the current code (``-A APP``: the module that registers the workflows)
+and runs it against stored histories, writing nothing; it exits 1 if any workflow's history
+does not match the code: a deploy gate.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from reliable_beat.celery.commands import CliContext, fail, pass_cli
+from reliable_beat.cli_runs import _fmt, _table
+from reliable_beat.workflows import engine
+from reliable_beat.workflows.errors import WorkflowConflict, WorkflowNotFound
+
+__all__ = ["register"]
+
+STATES = ["pending", "running", "waiting", "completed", "failed", "blocked"]
+
+
+@click.group("workflows")
+def workflows_group() -> None:
+    """Durable workflows: list, show, signal, resume, replay."""
+
+
+@workflows_group.command("list")
+@click.option("--state", default=None, type=click.Choice(STATES))
+@click.option("--name", default=None, help="Only workflows of this registered name.")
+@click.option("--limit", default=50, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_cli
+def wf_list(cli: CliContext, state: str | None, name: str | None, limit: int,
+            as_json: bool) -> None:
+    """Workflows, newest first: state, run, history length, fence token."""
+    rows = engine.list_workflows(cli.store, state=state, name=name, limit=limit)
+    if as_json:
+        cli.echo_json(rows)
+        return
+    _table(rows, ["workflow_id", "name", "state", "run_no", "history_len", "fence_token",
+                  "advances", "updated_at", "block_reason"])
+
+
+@workflows_group.command("show")
+@click.argument("workflow_id")
+@click.option("--events", "with_events", is_flag=True, help="Also the history and signals.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_cli
+def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool) -> None:
+    """One workflow (and with --events its history: seq, kind, name, state, result)."""
+    try:
+        row = engine.get_workflow(cli.store, workflow_id, events=with_events)
+    except WorkflowNotFound as exc:
+        fail(str(exc), 1, kind="not_found")
+    if as_json:
+        cli.echo_json(row)
+        return
+    for key in ("workflow_id", "name", "state", "run_no", "args", "kwargs", "result", "error",
+                "block_reason", "queue", "fence_token", "leased_by", "lease_expires_at",
+                "wake_seq", "claimed_wake_seq", "history_len", "advances", "created_at",
+                "updated_at", "finished_at"):
+        value = row.get(key)
+        if key == "error" and value:
+            value = f"{value.get('type')}: {value.get('message')}"
+        click.echo(f"{key:17} {_fmt(value)}")
+    if with_events:
+        click.echo("")
+        _table(row["events"], ["seq", "kind", "name", "state", "result", "error", "fire_at",
+                               "run_key", "fence_token"])
+        if row["signals"]:
+            click.echo("")
+            _table(row["signals"], ["id", "name", "payload", "dedup_key", "consumed_seq",
+                                    "created_at"])
+
+
+@workflows_group.command("signal")
+@click.argument("workflow_id")
+@click.argument("name")
+@click.argument("payload", default="null")
+@click.option("--key", default=None, help="Dedup key: a second signal with it is a no-op.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_cli
+def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str, key: str | None,
+              as_json: bool) -> None:
+    """Send signal NAME with a JSON PAYLOAD (default null) to WORKFLOW_ID."""
+    try:
+        data = json.loads(payload)
+    except ValueError as exc:
+        fail(f"PAYLOAD is not JSON: {exc}", 2, kind="usage")
+    try:
+        stored = engine.signal(cli.store, workflow_id, name, data, key=key)
+    except WorkflowNotFound as exc:
+        fail(str(exc), 1, kind="not_found")
+    except WorkflowConflict as exc:
+        fail(str(exc), 1, kind="conflict")
+    if as_json:
+        cli.echo_json({"workflow_id": workflow_id, "name": name, "stored": stored})
+    else:
+        click.echo("signal stored" if stored else f"signal with key {key!r} already stored")
+
+
+@workflows_group.command("resume")
+@click.argument("workflow_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_cli
+def wf_resume(cli: CliContext, workflow_id: str, as_json: bool) -> None:
+    """Unblock a blocked workflow after the code was fixed (waiting + a wake)."""
+    try:
+        row = engine.resume(cli.store, workflow_id)
+    except WorkflowNotFound as exc:
+        fail(str(exc), 1, kind="not_found")
+    except WorkflowConflict as exc:
+        fail(str(exc), 1, kind="conflict")
+    if as_json:
+        cli.echo_json(row)
+    else:
+        click.echo(f"{workflow_id}: {row['state']}")
+
+
+@workflows_group.command("replay")
+@click.option("--state", "states", multiple=True, type=click.Choice(STATES),
+              help="States to check (repeatable; default: pending, running, waiting, blocked).")
+@click.option("--name", default=None, help="Only workflows of this registered name.")
+@click.option("--limit", default=1000, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_cli
+def wf_replay(cli: CliContext, states: tuple[str, ...], name: str | None, limit: int,
+              as_json: bool) -> None:
+    """Replay stored histories against the current code; exit 1 on any mismatch.
+
+    Needs -A APP (the code that registers the workflows). Writes nothing.
+    """
+    wanted = list(states) or ["pending", "running", "waiting", "blocked"]
+    checked: list[dict[str, Any]] = []
+    for state in wanted:
+        for row in engine.list_workflows(cli.store, state=state, name=name, limit=limit):
+            problem = engine.replay_check(cli.store, row["workflow_id"])
+            checked.append({"workflow_id": row["workflow_id"], "name": row["name"],
+                            "state": row["state"], "mismatch": problem})
+    bad = [c for c in checked if c["mismatch"]]
+    if as_json:
+        cli.echo_json({"checked": len(checked), "mismatches": bad})
+    else:
+        for c in bad:
+            click.echo(f"MISMATCH {c['workflow_id']} ({c['name']}, {c['state']}): "
+                       f"{c['mismatch']}")
+        click.echo(f"{len(checked)} workflows replayed, {len(bad)} mismatches")
+    if bad:
+        raise SystemExit(1)
+
+
+def register(group: click.Group) -> None:
+    """Add ``workflows`` to the ``reliable-beat`` group."""
+    group.add_command(workflows_group)

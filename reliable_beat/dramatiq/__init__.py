@@ -1,0 +1,633 @@
+"""The Dramatiq adapter: ``ReliableBeat`` middleware, ``IdempotentActor``, periodic entries,
+a trigger publisher for the core :class:`~reliable_beat.loop.BeatLoop`, and a ``dramatiq``
+outbox destination handler. See ``docs/dramatiq.md``.
+
+::
+
+    broker = RedisBroker(url="redis://...")
+    broker.add_middleware(ReliableBeat(settings={"database_url": "postgresql+psycopg://..."}))
+    dramatiq.set_broker(broker)     # before any actor module is imported
+
+    @dramatiq.actor(actor_class=IdempotentActor, periodic="0 2 * * *")
+    def pay_merchants():
+        rb = current()
+        with rb.transaction() as tx:
+            tx.execute(insert(payouts).values(run_id=rb.run_id))
+            rb.outbox.add(tx, "webhook", {...})
+
+The worker protocol is the core's (:mod:`reliable_beat.execution`): key -> claim (lease +
+fence) -> body under the process's lease renewer -> fenced completion -> classification.
+Retries are decided by us and counted in the database (``dramatiq.Retry(delay=ms)``);
+Dramatiq's own retry counter is switched off on idempotent actors (``max_retries=None``).
+A permanent failure or an exhausted budget is a dead letter in ``reliable_beat_dead_letters``
+and the message is failed (``throws``: Dramatiq nacks it to ``<queue>.XQ``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, NoReturn
+
+import dramatiq
+from dramatiq.middleware import Middleware
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DataError, IntegrityError
+
+from reliable_beat import execution, runs
+from reliable_beat import values as rb_values
+from reliable_beat.errors import (
+    ConfigurationError,
+    IdempotencyKeyError,
+    SchemaError,
+    StaleFenceToken,
+)
+from reliable_beat.outbox import OutboxMessage
+from reliable_beat.policies import backoff_delay
+from reliable_beat.redaction import get_logger
+from reliable_beat.settings import Settings
+
+__all__ = [
+    "OPTION",
+    "TRIGGER_DESTINATION",
+    "DeadLettered",
+    "DramatiqHandler",
+    "DramatiqPublisher",
+    "IdempotentActor",
+    "ReliableBeat",
+    "RunContext",
+    "current",
+    "definitions",
+]
+
+log = get_logger("reliable_beat.dramatiq")
+
+#: The outbox destination of Dramatiq triggers (a member of beat.TRIGGER_DESTINATIONS).
+TRIGGER_DESTINATION = "dramatiq"
+#: The message option carrying ``{"key", "entry", "fire_at", "trigger"}``; survives retries.
+OPTION = "reliable_beat"
+#: Actor options our middleware declares (Dramatiq refuses undeclared ones at decoration).
+ACTOR_OPTIONS = frozenset({
+    "periodic", "periodic_name", "reliable_beat", "idempotency_key", "lease_seconds",
+    "max_attempts",
+})
+
+_message: ContextVar[Any] = ContextVar("reliable_beat_dramatiq_message", default=None)
+_run: ContextVar[RunContext | None] = ContextVar("reliable_beat_dramatiq_run", default=None)
+
+
+class DeadLettered(Exception):
+    """Raised after a dead letter was recorded: listed in ``throws``, so Dramatiq fails the
+    message (no retry) and its broker keeps it in ``<queue>.XQ``."""
+
+
+_THROWS = (DeadLettered, StaleFenceToken, IdempotencyKeyError, SchemaError)
+
+
+# ---------------------------------------------------------------------- middleware ----
+
+class ReliableBeat(Middleware):  # type: ignore[misc]
+    """The reliable_beat middleware; add it to the broker before importing actor modules.
+
+    Args:
+        settings: a :class:`Settings`, or a mapping read by :meth:`Settings.from_mapping`
+            (``{"database_url": ...}``, names with or without the ``reliable_beat_``
+            prefix; an unknown name raises ``ConfigurationError``); None: ``Settings()``
+            (the environment's ``RELIABLE_BEAT_DATABASE_URL`` or the embedded default).
+        schedule: a ``BEAT_SCHEDULE`` mapping ``{name: {"actor", "schedule", "args"?,
+            "kwargs"?, "options"?, "reliable_beat"?}}``, read by the beat.
+
+    Declares the actor options ``periodic``, ``periodic_name``, ``reliable_beat``,
+    ``idempotency_key``, ``lease_seconds``, ``max_attempts``; on an :class:`IdempotentActor`
+    it sets ``max_retries=None`` (our budget counts tries in the database) and adds
+    :class:`DeadLettered`, ``StaleFenceToken``, ``IdempotencyKeyError``, ``SchemaError`` to
+    ``throws``. Its hooks never raise (Dramatiq swallows hook exceptions): control flow goes
+    through the actor class.
+    """
+
+    def __init__(self, settings: Settings | Mapping[str, Any] | None = None,
+                 schedule: Mapping[str, Any] | None = None) -> None:
+        if settings is None:
+            self.settings = Settings()
+        elif isinstance(settings, Settings):
+            self.settings = settings
+        else:
+            # Both ``database_url`` and ``reliable_beat_database_url`` forms; an unknown
+            # name is refused by from_mapping (it names the key and lists the valid ones).
+            self.settings = Settings.from_mapping({
+                k if k.lower().startswith("reliable_beat_") else f"reliable_beat_{k}": v
+                for k, v in settings.items()})
+        self.schedule = dict(schedule or {})
+
+    @property
+    def actor_options(self) -> set[str]:
+        return set(ACTOR_OPTIONS)
+
+    def after_declare_actor(self, broker: Any, actor: Any) -> None:
+        if isinstance(actor, IdempotentActor):
+            actor.options["max_retries"] = None
+            throws = actor.options.get("throws") or ()
+            throws = throws if isinstance(throws, tuple) else (throws,)
+            actor.options["throws"] = tuple(dict.fromkeys((*throws, *_THROWS)))
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        _message.set(message)
+
+    def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
+        _message.set(None)
+
+    def after_skip_message(self, broker: Any, message: Any) -> None:
+        _message.set(None)
+
+
+def _middleware(broker: Any) -> ReliableBeat:
+    for m in broker.middleware:
+        if isinstance(m, ReliableBeat):
+            return m
+    raise ConfigurationError(
+        "reliable_beat: the broker has no ReliableBeat middleware: "
+        "broker.add_middleware(ReliableBeat(settings=...)) before importing actors")
+
+
+# ----------------------------------------------------------------- the worker side ----
+
+class _Outbox:
+    """``current().outbox``: outbox rows stamped with the run, keyed ``<key>#<n>``."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self._ctx = ctx
+
+    def add(self, tx: Connection, destination: str, payload: Any, *, key: str | None = None,
+            headers: Mapping[str, Any] | None = None, delay: timedelta | float | None = None,
+            ordering_key: str | None = None) -> str:
+        """Add an outbox row in ``tx`` (the body's transaction); see
+        :func:`reliable_beat.outbox.add`. ``key`` defaults to ``f"{run key}#{n}"`` (n = 1,
+        2, ... per attempt), so a retried attempt produces the same message ids.
+
+        Returns:
+            The outbox message id.
+        """
+        from reliable_beat import outbox
+
+        state = self._ctx.state
+        state.outbox_count += 1
+        return outbox.add(
+            tx, destination, payload, key=key or f"{state.claim.key}#{state.outbox_count}",
+            headers=headers, ordering_key=ordering_key, run_id=state.claim.run_id,
+            delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
+            max_bytes=self._ctx.settings.max_payload_bytes,
+        )
+
+
+@dataclass
+class RunContext:
+    """The run an :class:`IdempotentActor` body executes (``current()``).
+
+    Attributes:
+        state: the core run state (claim, lease, flags).
+        settings: the middleware's settings.
+    """
+
+    state: execution.RunState
+    settings: Settings
+    _outbox: _Outbox | None = field(default=None, repr=False)
+
+    @property
+    def idempotency_key(self) -> str:
+        return self.state.claim.key
+
+    @property
+    def run_id(self) -> int:
+        """``reliable_beat_runs.id``; stamp it on every row the body writes."""
+        return self.state.claim.run_id
+
+    @property
+    def fence_token(self) -> int:
+        """This runner's fence token; stamp it on writes to other stores to fence them."""
+        return self.state.claim.fence_token
+
+    @property
+    def attempt(self) -> int:
+        """This try's number (1 = first), counted in the database, crashes included."""
+        return self.state.claim.attempt
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a renewal found the fence moved: the commit will be rejected."""
+        return self.state.lease_lost
+
+    @property
+    def outbox(self) -> _Outbox:
+        if self._outbox is None:
+            self._outbox = _Outbox(self)
+        return self._outbox
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """One transaction on the store's database for the body's effect; leaving the block
+        marks the run ``succeeded`` (fenced) in it and commits: effect, outbox rows and key
+        together or not at all. Use it once per execution.
+
+        Raises:
+            StaleFenceToken: the fence moved (a newer runner owns the run); everything
+                rolled back, the attempt is recorded ``fenced_out``.
+            RuntimeError: used twice in one execution.
+        """
+        state = self.state
+        if state.transaction_used:
+            raise RuntimeError(f"{state.task_name}: transaction() may be used once per run")
+        state.transaction_used = True
+        try:
+            with state.store.begin() as conn:
+                yield conn
+                execution.renewer().discard(state)
+                runs.complete(conn, state.claim, None)
+        except StaleFenceToken:
+            runs.record_fenced_out(state.store, state.claim)
+            raise
+        state.completed = True
+
+
+def current() -> RunContext:
+    """The run of the :class:`IdempotentActor` body executing in this context.
+
+    Raises:
+        RuntimeError: not inside an IdempotentActor execution.
+    """
+    ctx = _run.get()
+    if ctx is None:
+        raise RuntimeError("reliable_beat.dramatiq.current(): not inside an IdempotentActor")
+    return ctx
+
+
+def _parse_instant(value: Any) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).astimezone(timezone.utc)
+
+
+class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
+    """``@dramatiq.actor(actor_class=IdempotentActor, ...)``: the twin of ``IdempotentTask``.
+
+    Key, in order: the message option ``reliable_beat["key"]`` (the beat, a requeue,
+    :meth:`send_with_key`), else the actor option ``idempotency_key`` (a string, or a callable
+    of the call's arguments returning one). Neither -> :class:`IdempotencyKeyError` (nothing
+    runs, the message is failed). Never a random key.
+
+    Actor options: ``lease_seconds`` / ``max_attempts`` (None: the settings). Classification
+    (first match): ``PermanentError``, ``ValueError``, ``TypeError`` -> dead letter; connection
+    errors, timeouts, ``OSError``, SQLAlchemy/redis errors, Dramatiq's ``TimeLimitExceeded``
+    -> retry; others -> retry (the attempt budget bounds them).
+    """
+
+    def send_with_key(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        """``send(*args, **kwargs)`` under the explicit idempotency ``key``."""
+        options: dict[str, Any] = {OPTION: {"key": key}}
+        return self.send_with_options(args=args, kwargs=kwargs, **options)
+
+    def _resolve_key(self, message: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        opts = (message.options.get(OPTION) or {}) if message is not None else {}
+        key = opts.get("key")
+        if not key:
+            derive = self.options.get("idempotency_key")
+            key = derive(*args, **kwargs) if callable(derive) else derive
+        if not key:
+            raise IdempotencyKeyError(
+                f"{self.actor_name}[{getattr(message, 'message_id', None)}]: no idempotency key "
+                f"(no {OPTION}['key'] message option, no idempotency_key actor option); "
+                "refusing to run: use send_with_key(key, ...) or idempotency_key=callable")
+        return str(key)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        message = _message.get()
+        rb = _middleware(self.broker)
+        settings = rb.settings
+        key = self._resolve_key(message, args, kwargs)
+        opts = (message.options.get(OPTION) or {}) if message is not None else {}
+        store = execution.store_for(settings.database_url)
+        lease = timedelta(seconds=self.options.get("lease_seconds") or settings.lease_seconds)
+        max_attempts = int(self.options.get("max_attempts") or settings.retry_max_attempts)
+        entry = opts.get("entry")
+        message_id = getattr(message, "message_id", None)
+        try:  # values the store can never take: refused (permanent, visible), never retried
+            fire_at = _parse_instant(opts.get("fire_at"))
+            rb_values.check_length("idempotency key", key, rb_values.MAX_IDEMPOTENCY_KEY)
+            if message_id is not None:
+                rb_values.check_length("task_id", str(message_id), rb_values.MAX_TASK_ID)
+            if entry is not None:
+                rb_values.check_entry_name(entry)
+            call_args = rb_values.to_json_value(list(args), "args")
+            call_kwargs = rb_values.to_json_value(dict(kwargs), "kwargs")
+        except ValueError as exc:
+            self._refuse(store, key, exc, message, args, kwargs)
+        try:
+            claim = runs.claim_run(
+                store, key, owner=settings.owner, lease=lease, task=self.actor_name,
+                args=call_args, kwargs=call_kwargs, entry=entry, fire_at=fire_at,
+                task_id=message_id, trigger=opts.get("trigger"),
+            )
+        except (DataError, IntegrityError, runs.RunNotFound) as exc:
+            self._refuse(store, key, exc, message, args, kwargs)
+        except Exception as exc:
+            execution.raise_if_schema_missing(store, exc, self.actor_name, key)
+            delay = backoff_delay(0, base=settings.retry_base_seconds,
+                                  cap=settings.retry_cap_seconds)
+            log.warning("%s: claim of %s failed (%r); retry in %.1fs", self.actor_name, key,
+                        exc, delay)
+            raise dramatiq.Retry(delay=int(delay * 1000)) from exc
+        decision = execution.claim_decision(claim, lease, max_attempts)
+        if decision.verb == "return_stored":
+            log.info("%s: %s already succeeded; not run again", self.actor_name, key)
+            return decision.result
+        if decision.verb == "skip":
+            log.warning("%s: %s: %s", self.actor_name, key, decision.reason)
+            return None
+        if decision.verb == "retry_in":
+            log.info("%s: %s %s; retry in %.1fs", self.actor_name, key, decision.reason,
+                     decision.seconds)
+            raise dramatiq.Retry(delay=int(decision.seconds * 1000))
+        if decision.verb == "dead":
+            runs.record_failure(store, claim, decision.reason, dead_reason="exhausted",
+                                payload=self._payload(claim, message), ran_body=False)
+            raise DeadLettered(f"{self.actor_name}: {key}: {decision.reason}")
+        return self._execute(claim, store, lease, settings, max_attempts, message, args, kwargs)
+
+    def _execute(self, claim: runs.Claim, store: Any, lease: timedelta, settings: Settings,
+                 max_attempts: int, message: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        state = execution.RunState(claim=claim, store=store, lease=lease,
+                                   task_name=self.actor_name)
+        token = _run.set(RunContext(state=state, settings=settings))
+        renewer = execution.renewer()
+        renewer.add(state)
+        try:
+            try:
+                result = super().__call__(*args, **kwargs)
+            finally:
+                renewer.discard(state)
+            stored = execution.storable_result(self.actor_name, claim.key, result)
+            if state.completed:
+                if stored is not None:
+                    try:
+                        runs.set_result(store, claim, stored)
+                    except Exception:
+                        log.exception("%s: %s succeeded; result not stored", self.actor_name,
+                                      claim.key)
+                return result
+            try:
+                with store.begin() as conn:
+                    runs.complete(conn, claim, stored)
+            except StaleFenceToken:
+                runs.record_fenced_out(store, claim)
+                raise
+            state.completed = True
+            return result
+        except StaleFenceToken:
+            raise
+        except BaseException as exc:
+            # TimeLimitExceeded / Shutdown are BaseExceptions injected asynchronously: only
+            # the fenced database state is truth, so a failure after completion is ignored.
+            if state.completed or not isinstance(exc, (Exception, _interrupts())):
+                raise
+            return self._on_body_error(exc, claim, store, settings, max_attempts, message)
+        finally:
+            _run.reset(token)
+
+    def _on_body_error(self, exc: BaseException, claim: runs.Claim, store: Any,
+                       settings: Settings, max_attempts: int, message: Any) -> Any:
+        kind = execution.classify(exc, transient=execution.transient_defaults(
+            *_interrupts(), *_broker_errors()))
+        try:
+            decision = execution.failure_decision(
+                store, claim, exc, kind, max_attempts=max_attempts,
+                base_seconds=settings.retry_base_seconds, cap_seconds=settings.retry_cap_seconds,
+                payload=self._payload(claim, message))
+        except Exception as record_exc:  # store unreachable: never drop the work
+            log.exception("%s: could not record the failure of %s; retrying", self.actor_name,
+                          claim.key)
+            raise dramatiq.Retry(delay=int(settings.retry_base_seconds * 1000)) from record_exc
+        if decision.verb == "fenced_out":
+            raise StaleFenceToken(claim.key, claim.fence_token) from exc
+        if decision.verb == "retry_in":
+            log.warning("%s: %s attempt %d failed (%s); retry in %.2fs", self.actor_name,
+                        claim.key, claim.attempt, type(exc).__name__, decision.seconds)
+            raise dramatiq.Retry(delay=max(1, int(decision.seconds * 1000))) from exc
+        log.error("%s: %s dead-lettered (%s): %s", self.actor_name, claim.key, decision.reason,
+                  exc)
+        raise DeadLettered(f"{self.actor_name}: {claim.key}: {decision.reason}: {exc}") from exc
+
+    def _refuse(self, store: Any, key: str, exc: BaseException, message: Any,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+        """Refuse a message whose values the store can never take: a dead letter of kind
+        ``message`` (there is no run row), logged at ERROR, then :class:`DeadLettered`
+        (Dramatiq fails the message). Store unreachable while recording: retried."""
+        error = f"{type(exc).__name__}: {exc}"
+        log.error("%s[%s]: refusing the message for key %.80r: %s", self.actor_name,
+                  getattr(message, "message_id", None), key, error)
+        payload = {"actor": self.actor_name, "task": self.actor_name, "key": key,
+                   "task_id": getattr(message, "message_id", None),
+                   "args": [repr(a)[:2000] for a in args],
+                   "kwargs": {str(k): repr(v)[:2000] for k, v in kwargs.items()}}
+        try:
+            runs.record_refused_message(store, key=key, task=self.actor_name, payload=payload,
+                                        error=error)
+        except Exception as record_exc:
+            raise dramatiq.Retry(delay=1000) from record_exc
+        raise DeadLettered(f"{self.actor_name}: {key}: refused: {error}") from exc
+
+    def _payload(self, claim: runs.Claim, message: Any) -> dict[str, Any]:
+        opts = dict((message.options.get(OPTION) or {}) if message is not None else {})
+        opts["key"] = claim.key
+        return {"actor": self.actor_name, "task": self.actor_name, "args": list(claim.args),
+                "kwargs": dict(claim.kwargs or {}), "key": claim.key,
+                "queue": self.queue_name, "options": {OPTION: opts}}
+
+
+def _interrupts() -> tuple[type[BaseException], ...]:
+    from dramatiq.middleware.shutdown import Shutdown
+    from dramatiq.middleware.time_limit import TimeLimitExceeded
+
+    return (TimeLimitExceeded, Shutdown)
+
+
+def _broker_errors() -> tuple[type[BaseException], ...]:
+    import dramatiq.errors as errors
+
+    # dramatiq >= 2.1 renamed ConnectionError to BrokerConnectionError (the old name warns).
+    if hasattr(errors, "BrokerConnectionError"):
+        return (errors.BrokerConnectionError,)
+    return (errors.ConnectionError,)  # pragma: no cover (dramatiq < 2.1)
+
+
+# ------------------------------------------------------------- the publishing side ----
+
+def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
+    """The ``dramatiq.Message`` of a trigger payload
+    (:func:`reliable_beat.beat.build_trigger_payload`): ``message_id`` = the run's
+    deterministic id, ``options["reliable_beat"]`` = key / entry / fire_at / trigger,
+    ``queue_name`` from the actor (or ``options.queue``).
+
+    Raises:
+        KeyError: the actor is not registered on ``broker`` and no queue is given.
+    """
+    headers = payload.get("headers") or {}
+    options = dict(payload.get("options") or {})
+    actor_name = str(payload["task"])
+    queue = options.pop("queue_name", None) or options.pop("queue", None)
+    if queue is None:
+        queue = broker.get_actor(actor_name).queue_name
+    message_options: dict[str, Any] = {OPTION: {
+        "key": headers.get("reliable_beat_key"), "entry": headers.get("reliable_beat_entry"),
+        "fire_at": headers.get("reliable_beat_fire_at"),
+        "trigger": headers.get("reliable_beat_trigger"),
+    }}
+    extra: dict[str, Any] = {}
+    fire_at = _parse_instant(headers.get("reliable_beat_fire_at"))
+    expires_at = _parse_instant(payload.get("expires_at"))
+    if fire_at is not None and expires_at is not None:
+        # ``expires`` counts from the slot, as for Celery entries: AgeLimit measures from
+        # message_timestamp, so a delivery later than slot + expires is skipped (its run is
+        # then retired as skipped/expired by the re-dispatch sweep, which will not re-send it).
+        extra["message_timestamp"] = int(fire_at.timestamp() * 1000)
+        message_options["max_age"] = max(1, int((expires_at - fire_at).total_seconds() * 1000))
+    return dramatiq.Message(
+        queue_name=queue, actor_name=actor_name, args=tuple(payload.get("args") or ()),
+        kwargs=dict(payload.get("kwargs") or {}), options=message_options, **extra,
+        message_id=str(payload.get("task_id") or uuid.uuid4()),
+    )
+
+
+def _publish_errors(exc: Exception) -> Exception:
+    from reliable_beat.handlers import DestinationUnavailableError
+
+    transient: tuple[type[BaseException], ...] = (*_broker_errors(), ConnectionError, OSError)
+    try:
+        import redis.exceptions
+
+        transient += (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(exc, transient):
+        return DestinationUnavailableError(f"dramatiq broker unreachable: {exc!r}")
+    return exc
+
+
+@dataclass
+class DramatiqPublisher:
+    """The core loop's :class:`~reliable_beat.loop.Publisher` for a Dramatiq broker."""
+
+    broker: Any
+    destination: str = TRIGGER_DESTINATION
+
+    def publish(self, messages: Sequence[OutboxMessage], now: datetime
+                ) -> list[tuple[int, BaseException | None]]:
+        from reliable_beat.handlers import MessageExpiredError
+
+        out: list[tuple[int, BaseException | None]] = []
+        for m in messages:
+            try:
+                payload = m.payload if isinstance(m.payload, Mapping) else {}
+                expires_at = _parse_instant(payload.get("expires_at"))
+                if expires_at is not None and now >= expires_at:
+                    raise MessageExpiredError(f"{m.message_id}: expired at {expires_at}")
+                self.broker.enqueue(message_for_trigger(self.broker, payload))
+                out.append((m.id, None))
+            except Exception as exc:
+                out.append((m.id, _publish_errors(exc)))
+        return out
+
+    def tracked_tasks(self) -> Collection[str]:
+        return sorted(n for n, a in self.broker.actors.items() if isinstance(a, IdempotentActor))
+
+
+class DramatiqHandler:
+    """Outbox handler of destination ``dramatiq`` (application messages) and of the beat's
+    Dramatiq triggers: payload ``{"actor", "args"?, "kwargs"?, "queue"?, "delay_ms"?,
+    "options"?}`` or a trigger payload; ``message_id`` = uuid5 of the outbox message id, so a
+    re-delivery by the relay carries the same id.
+    """
+
+    def __init__(self, broker: Any = None) -> None:
+        self.broker = broker or dramatiq.get_broker()
+
+    def __call__(self, message: OutboxMessage) -> None:
+        payload = message.payload if isinstance(message.payload, Mapping) else {}
+        try:
+            if "actor" not in payload:  # a beat's trigger
+                self.broker.enqueue(message_for_trigger(self.broker, payload))
+                return
+            actor = str(payload["actor"])
+            queue = payload.get("queue") or self.broker.get_actor(actor).queue_name
+            options = dict(payload.get("options") or {})
+            options["reliable_beat_message_id"] = message.message_id
+            msg: Any = dramatiq.Message(
+                queue_name=queue, actor_name=actor, args=tuple(payload.get("args") or ()),
+                kwargs=dict(payload.get("kwargs") or {}), options=options,
+                message_id=str(uuid.uuid5(uuid.NAMESPACE_URL,
+                                          "reliable_beat:" + message.message_id)))
+            self.broker.enqueue(msg, delay=payload.get("delay_ms"))
+        except Exception as exc:
+            raise _publish_errors(exc) from exc
+
+
+# ------------------------------------------------------------------ periodic entries ----
+
+def definitions(broker: Any, schedule: Mapping[str, Any] | None = None, *,
+                now: datetime, settings: Settings) -> list[Any]:
+    """The entry definitions of ``broker``'s actors declared with ``periodic=`` plus a
+    ``BEAT_SCHEDULE`` mapping (``"actor"`` for Celery's ``"task"``), validated like Celery's
+    ``beat_schedule`` (:func:`reliable_beat.entries.definition_from_celery`).
+
+    Raises:
+        ConfigurationError: every bad entry, each named, in one error.
+    """
+    from reliable_beat.entries import definition_from_celery
+
+    def is_idempotent(name: str) -> bool | None:
+        actor = broker.actors.get(name)
+        return None if actor is None else isinstance(actor, IdempotentActor)
+
+    raw: dict[str, dict[str, Any]] = {}
+    for name, actor in sorted(broker.actors.items()):
+        periodic = actor.options.get("periodic")
+        if periodic is None:
+            continue
+        item: dict[str, Any] = {"task": name, "schedule": periodic}
+        if actor.options.get("reliable_beat"):
+            item["reliable_beat"] = actor.options["reliable_beat"]
+        raw[str(actor.options.get("periodic_name") or name)] = item
+    for name, spec in (schedule or {}).items():
+        item = dict(spec)
+        if "actor" in item:
+            item["task"] = item.pop("actor")
+        raw[name] = item
+    out: list[Any] = []
+    problems: list[str] = []
+    for name, item in raw.items():
+        try:
+            out.append(definition_from_celery(
+                name, item, default_timezone="UTC", settings=settings, now=now,
+                is_idempotent=is_idempotent))
+        except (ConfigurationError, ValueError, TypeError) as exc:
+            problems.append(f"{name}: {exc}")
+    if problems:
+        raise ConfigurationError("bad Dramatiq periodic entries: " + "; ".join(problems))
+    return out
+
+
+def sync_entries(broker: Any, store: Any, settings: Settings,
+                 schedule: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """Validate and sync the broker's periodic entries into the store (config entries)."""
+    from reliable_beat.entries import sync_config_entries
+    from reliable_beat.outbox import db_now
+
+    with store.begin() as conn:
+        now = db_now(conn)
+    return sync_config_entries(store, definitions(broker, schedule, now=now, settings=settings))
+
+

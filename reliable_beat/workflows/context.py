@@ -1,0 +1,824 @@
+"""The workflow context: every durable call a workflow function makes goes through it.
+
+Each durable call takes the next position (``seq``) in the run. A recorded position must
+match the call's kind, name and argument digest (else :class:`NonDeterminismError`) and
+answers from the history; the first unrecorded position (the frontier) is recorded in one
+fenced transaction with whatever it dispatches; a call whose answer is not there yet raises
+:class:`Suspend` and the advance ends, holding nothing.
+
+Three kinds of step, three guarantees (docs/workflows.md):
+
+* ``ctx.transaction(fn, *a)``: ``fn(conn, *a)`` runs inline inside the transaction that
+  records it, fenced: **exactly once** for what ``fn`` writes through ``conn``.
+* ``ctx.step(fn, *a)``: runs inline, then checkpoints its result: **at least once** (a crash
+  between the body and the checkpoint runs it again); pass ``ctx.step_key`` to the far end.
+* ``ctx.activity(task, *a)``: an ``IdempotentTask`` run keyed ``wf:<id>/<run>#<seq>``
+  dispatched through the outbox; its completing transaction writes the result into the
+  history with its effect.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import random as _random
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from reliable_beat import outbox
+from reliable_beat.db.tables import runs, workflow_events, workflow_signals
+from reliable_beat.outbox import db_now
+from reliable_beat.redaction import get_logger
+from reliable_beat.workflows import engine, tripwire
+from reliable_beat.workflows.errors import (
+    ActivityError,
+    FencedOut,
+    NonDeterminismError,
+    Suspend,
+    WorkflowControl,
+    WorkflowUsageError,
+)
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from reliable_beat.db.dialects import Store
+
+__all__ = ["ActivityHandle", "WorkflowContext", "WorkflowInfo", "current_context"]
+
+_current: contextvars.ContextVar[WorkflowContext | None] = contextvars.ContextVar(
+    "reliable_beat_workflow_context", default=None
+)
+
+
+def current_context() -> WorkflowContext | None:
+    """The context of the workflow code running in this thread, if any."""
+    return _current.get()
+
+
+@dataclass(frozen=True)
+class WorkflowInfo:
+    """What the workflow code may know about itself (all replay-stable).
+
+    Attributes:
+        workflow_id: the business id; name: the registered name; run_no: the run.
+        history_length: events recorded before this advance started.
+        history_limit: the cap past which the workflow is blocked.
+    """
+
+    workflow_id: str
+    name: str
+    run_no: int
+    history_length: int
+    history_limit: int
+
+
+@dataclass(frozen=True)
+class ActivityHandle:
+    """A started activity (``ctx.start_activity``): wait for it with ``ctx.wait_all`` /
+    ``ctx.wait_any`` (or ``ctx.wait(handle)``)."""
+
+    seq: int
+    name: str
+    key: str
+
+
+class _ReplayFilter(logging.Filter):
+    def __init__(self, ctx: WorkflowContext) -> None:
+        super().__init__()
+        self._ctx = ctx
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self._ctx.is_replaying
+
+
+def _callable_name(fn: Any, name: str | None) -> str:
+    if name:
+        return name
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _durable(method: _F) -> _F:
+    """Engine code (and steps, transactions) run with the tripwire off."""
+
+    @functools.wraps(method)
+    def wrapper(self: WorkflowContext, *args: Any, **kwargs: Any) -> Any:
+        token = tripwire.in_workflow_code.set(False)
+        try:
+            return method(self, *args, **kwargs)
+        except DBAPIError as exc:
+            # the store failed under a durable call (connection lost, deadlock): not the
+            # workflow's business; it must not be caught by its code nor recorded
+            raise self._raise(_StoreTrouble(str(exc))) from exc
+        finally:
+            tripwire.in_workflow_code.reset(token)
+
+    return cast(_F, wrapper)
+
+
+class WorkflowContext:
+    """Passed as the first argument of a workflow function; see the module docstring.
+
+    Not thread-safe by design: durable calls from a thread other than the advance's are
+    refused (their positions would depend on scheduling).
+    """
+
+    def __init__(
+        self, store: Store, claimed: engine.Claimed, history: dict[int, Any],
+        definition: engine.WorkflowDefinition, *, dry_run: bool = False,
+    ) -> None:
+        self._dry_run = dry_run  # offline replay: stop at the frontier, write nothing
+        self._store = store
+        self._claimed = claimed
+        self._history = history
+        self._last_recorded = max(history) if history else 0
+        self._definition = definition
+        self._seq = 0
+        self._thread = threading.get_ident()
+        self._pending: WorkflowControl | None = None
+        self._in_step = False
+        self._step_key: str | None = None
+        self._random = _random.Random(claimed.random_seed * 1000003 + claimed.run_no)
+        self.info = WorkflowInfo(
+            workflow_id=claimed.workflow_id, name=claimed.name, run_no=claimed.run_no,
+            history_length=claimed.history_len, history_limit=definition.history_limit,
+        )
+        base = get_logger(f"reliable_beat.workflows.{claimed.name}")
+        self.logger = logging.LoggerAdapter(base, {"workflow_id": claimed.workflow_id})
+        self._filter = _ReplayFilter(self)
+
+    # ---------------------------------------------------------------- properties ----
+
+    @property
+    def fence_token(self) -> int:
+        """This advance's fence token: pass it to other stores to fence their writes."""
+        return self._claimed.fence_token
+
+    @property
+    def is_replaying(self) -> bool:
+        """True while the code is answered from the history (before the frontier)."""
+        return self._seq < self._last_recorded
+
+    @property
+    def step_key(self) -> str:
+        """Inside ``ctx.step``: the step's stable idempotency key ``wf:<id>/<run>#<seq>``,
+        the same on every attempt; pass it to the far end (e.g. an Idempotency-Key header).
+
+        Raises:
+            WorkflowUsageError: outside a step.
+        """
+        if self._step_key is None:
+            raise WorkflowUsageError("ctx.step_key is only defined inside ctx.step(...)")
+        return self._step_key
+
+    # ---------------------------------------------------------------- running ----
+
+    def run_code(self, fn: Callable[..., Any]) -> str:
+        """Run the workflow function; return ``suspended``, ``completed``, ``failed``,
+        ``blocked`` or ``fenced`` (used by :func:`engine.advance`)."""
+        token = _current.set(self)
+        logger = self.logger.logger
+        logger.addFilter(self._filter)
+        try:
+            tripwire.install()
+            try:
+                result = self._call_code(fn)
+            except Suspend:
+                return "suspended"
+            except _StoreTrouble as exc:
+                raise exc.__cause__ or exc from None  # the advance fails; the sweep retries
+            except tripwire.NondeterministicCallError as exc:
+                return engine.block(self._store, self._claimed,
+                                    f"tripwire at seq {self._seq}: {exc}")
+            except NonDeterminismError as exc:
+                return engine.block(self._store, self._claimed, f"non-determinism: {exc}")
+            except FencedOut:
+                return "fenced"
+            except _HistoryLimit as exc:
+                return engine.block(self._store, self._claimed, str(exc))
+            except Exception as exc:
+                swallowed = self._swallowed()
+                if swallowed:
+                    return swallowed
+                tail = self._tail_check()
+                if tail:
+                    return tail
+                engine.crash_point("advance.before_finish")
+                return engine._finish(self._store, self._claimed, state="failed",
+                                      error=engine.error_json(exc))
+            swallowed = self._swallowed()
+            if swallowed:
+                return swallowed
+            tail = self._tail_check()
+            if tail:
+                return tail
+            try:
+                value = engine.to_json(result, f"workflow {self._claimed.name!r} result")
+            except TypeError as exc:
+                return engine._finish(self._store, self._claimed, state="failed",
+                                      error=engine.error_json(exc))
+            engine.crash_point("advance.before_finish")
+            return engine._finish(self._store, self._claimed, state="completed", result=value)
+        finally:
+            logger.removeFilter(self._filter)
+            _current.reset(token)
+
+    def _call_code(self, fn: Callable[..., Any]) -> Any:
+        """Run the workflow function with the tripwire armed (off again inside durable
+        calls, and once the function has returned or raised)."""
+        token = tripwire.in_workflow_code.set(True)
+        try:
+            return fn(self, *self._claimed.args, **self._claimed.kwargs)
+        finally:
+            tripwire.in_workflow_code.reset(token)
+
+    def replay_code(self, fn: Callable[..., Any]) -> str | None:
+        """Offline replay (``workflows replay``): run the code against the history, answer
+        every recorded call from it, write nothing. Returns the first mismatch (position,
+        both sides) or None."""
+        token = _current.set(self)
+        try:
+            try:
+                fn(self, *self._claimed.args, **self._claimed.kwargs)
+            except Suspend:
+                return None
+            except NonDeterminismError as exc:
+                return str(exc)
+            except Exception:
+                pass
+            if self._last_recorded > self._seq:
+                return (f"the code ended at seq {self._seq}, the history goes on to seq "
+                        f"{self._last_recorded}")
+            return None
+        finally:
+            _current.reset(token)
+
+    def _swallowed(self) -> str | None:
+        pending = self._pending
+        if pending is None:
+            return None
+        if isinstance(pending, FencedOut):
+            return "fenced"
+        return engine.block(
+            self._store, self._claimed,
+            f"suspension swallowed: the workflow code caught the engine's "
+            f"{type(pending).__name__} at seq {self._seq} (a bare `except:` or "
+            f"`except BaseException:` around a durable call) and went on; remove it. "
+            f"{pending}",
+        )
+
+    def _tail_check(self) -> str | None:
+        if self._last_recorded > self._seq:
+            ev = self._history[self._seq + 1]
+            return engine.block(
+                self._store, self._claimed,
+                f"non-determinism: the code ended at seq {self._seq}, the history goes on "
+                f"to seq {self._last_recorded} (seq {self._seq + 1}: {ev.kind} {ev.name}); "
+                "the code now does less than the run that recorded it",
+            )
+        return None
+
+    def _raise(self, exc: WorkflowControl) -> WorkflowControl:
+        self._pending = exc
+        return exc
+
+    def _next(self, kind: str, name: str | None, args: Any) -> tuple[int, str, Any]:
+        """Take the next position; check it against the history. Returns (seq, digest,
+        recorded event or None)."""
+        if self._pending is not None:
+            raise self._pending  # the code swallowed it once; it does not get further
+        if threading.get_ident() != self._thread:
+            raise WorkflowUsageError(
+                "durable calls must come from the advance's thread (positions would depend "
+                "on thread scheduling)"
+            )
+        if self._in_step:
+            raise WorkflowUsageError(
+                f"{kind} {name!r} called inside ctx.step/ctx.transaction: durable calls "
+                "cannot be nested"
+            )
+        self._seq += 1
+        seq = self._seq
+        digest = engine.args_digest(kind, name, args)
+        ev = self._history.get(seq)
+        if ev is None and self._dry_run:
+            raise self._suspend(f"replay reached the frontier at seq {seq}")
+        if ev is not None and (ev.kind, ev.name, ev.args_digest) != (kind, name, digest):
+            raise self._raise(NonDeterminismError(
+                f"seq {seq}: code did {kind} {name} (args digest {digest}), history has "
+                f"{ev.kind} {ev.name} (args digest {ev.args_digest})"
+            ))
+        return seq, digest, ev
+
+    def _record(
+        self, seq: int, kind: str, name: str | None, digest: str, args: Any, *,
+        state: str, result: Any = None, error: Any = None,
+        fire_at: datetime | None = None, run_key: str | None = None,
+        effect: Callable[[Connection], Any] | None = None,
+        holder: dict[str, Any] | None = None,
+    ) -> Any:
+        """Record position ``seq`` (the frontier) in one fenced transaction with ``effect``
+        (``effect(conn)`` runs first; its return value is the event's result). ``effect``
+        may set ``holder["fire_at"]`` (computed on the DB clock in this transaction) and
+        ``holder["done"]`` (the event is recorded ``completed`` at once)."""
+        if self._claimed.history_len + seq - self._last_recorded > self._definition.history_limit:
+            raise _HistoryLimit(
+                f"history_limit: run {self._claimed.run_no} would pass "
+                f"{self._definition.history_limit} events at seq {seq} ({kind} {name}); "
+                "continue-as-new is the fix (part 2) or raise the limit, then resume"
+            )
+        engine.crash_point(f"record.{kind}.before")
+        try:
+            with self._store.begin() as conn:
+                size = len(engine.canonical_json([args, result]))
+                engine.fence_check(conn, self._claimed, events=1, size=size)
+                if effect is not None:
+                    result = effect(conn)
+                if holder:
+                    fire_at = holder.get("fire_at", fire_at)
+                    if holder.get("done"):
+                        state = "completed"
+                now = db_now(conn)
+                conn.execute(workflow_events.insert().values(
+                    workflow_pk=self._claimed.pk, run_no=self._claimed.run_no, seq=seq,
+                    kind=kind, name=name, args_digest=digest, args=args, state=state,
+                    result=result, error=error, fire_at=fire_at, run_key=run_key,
+                    fence_token=self._claimed.fence_token, created_at=now,
+                    completed_at=now if state != "scheduled" else None,
+                ))
+                engine.crash_point(f"record.{kind}.in")
+        except FencedOut as exc:
+            raise self._raise(exc) from None
+        engine.crash_point(f"record.{kind}.after")
+        return result
+
+    def _complete(self, seq: int, state: str, result: Any = None, error: Any = None,
+                  effect: Callable[[Connection], Any] | None = None) -> Any:
+        """Complete the scheduled event at ``seq`` (fenced)."""
+        if self._dry_run:
+            raise self._suspend(f"replay stops before completing seq {seq}")
+        engine.crash_point("complete.before")
+        try:
+            with self._store.begin() as conn:
+                engine.fence_check(conn, self._claimed)
+                if effect is not None:
+                    result = effect(conn)
+                conn.execute(
+                    update(workflow_events)
+                    .where(workflow_events.c.workflow_pk == self._claimed.pk,
+                           workflow_events.c.run_no == self._claimed.run_no,
+                           workflow_events.c.seq == seq,
+                           workflow_events.c.state == "scheduled")
+                    .values(state=state, result=result, error=error,
+                            completed_at=db_now(conn))
+                )
+        except FencedOut as exc:
+            raise self._raise(exc) from None
+        engine.crash_point("complete.after")
+        return result
+
+    def _suspend(self, why: str) -> Suspend:
+        return self._raise(Suspend(why))  # type: ignore[return-value]
+
+    @staticmethod
+    def _outcome(ev_state: str, result: Any, error: Any, kind: str, name: str) -> Any:
+        if ev_state == "failed":
+            err = error or {}
+            raise ActivityError(str(err.get("type")), str(err.get("message")), kind=kind,
+                                name=name)
+        return result
+
+    # ---------------------------------------------------------------- inline steps ----
+
+    @_durable
+    def transaction(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
+                    **kwargs: Any) -> Any:
+        """Run ``fn(conn, *args, **kwargs)`` in the transaction that records it (fenced).
+
+        Exactly once for what ``fn`` writes through ``conn`` (the store's database): the
+        effect, the history record and the fence check commit together or not at all.
+        Replays return the recorded result without running ``fn``.
+
+        Returns:
+            ``fn``'s JSON-serialisable return value.
+
+        Raises:
+            ActivityError: ``fn`` raised (its writes rolled back; the failure is recorded and
+                raised the same way on every replay).
+        """
+        step_name = _callable_name(fn, name)
+        call = engine.to_json([list(args), kwargs], f"transaction {step_name!r} arguments")
+        seq, digest, ev = self._next("transaction", step_name, call)
+        if ev is not None:
+            return self._outcome(ev.state, ev.result, ev.error, "transaction", step_name)
+
+        def effect(conn: Connection) -> Any:
+            self._in_step = True
+            try:
+                value = fn(conn, *args, **kwargs)
+                return engine.to_json(value, f"transaction {step_name!r} result")
+            except OperationalError:
+                raise  # the database, not the step (deadlock, connection): the advance retries
+            except Exception as exc:
+                raise _StepFailed(exc) from exc
+            finally:
+                self._in_step = False
+
+        try:
+            return self._record(seq, "transaction", step_name, digest, call,
+                                state="completed", effect=effect)
+        except _StepFailed as failed:  # fn failed: its writes rolled back; record the failure
+            exc = failed.exc
+            err = engine.error_json(exc)
+            self._record(seq, "transaction", step_name, digest, call, state="failed",
+                         error=err)
+            raise ActivityError(err["type"], err["message"], kind="transaction",
+                                name=step_name) from exc
+
+    @_durable
+    def step(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
+             **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` inline, then checkpoint its result.
+
+        At least once: a crash after ``fn`` returns and before the checkpoint commits runs
+        it again on the next advance; ``ctx.step_key`` is the same on each attempt, so pass
+        it to the far end. Keep it short (well under the lease and the broker's visibility
+        timeout); long work is an activity.
+
+        Raises:
+            ActivityError: ``fn`` raised (recorded; raised the same way on replay).
+        """
+        step_name = _callable_name(fn, name)
+        call = engine.to_json([list(args), kwargs], f"step {step_name!r} arguments")
+        seq, digest, ev = self._next("step", step_name, call)
+        if ev is not None:
+            return self._outcome(ev.state, ev.result, ev.error, "step", step_name)
+        self._in_step = True
+        self._step_key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no,
+                                             seq)
+        try:
+            value = fn(*args, **kwargs)
+            value = engine.to_json(value, f"step {step_name!r} result")
+        except Exception as exc:
+            self._in_step = False
+            err = engine.error_json(exc)
+            self._record(seq, "step", step_name, digest, call, state="failed", error=err)
+            raise ActivityError(err["type"], err["message"], kind="step",
+                                name=step_name) from exc
+        finally:
+            self._in_step = False
+            self._step_key = None
+        engine.crash_point("step.after_body")
+        return self._record(seq, "step", step_name, digest, call, state="completed",
+                            result=value)
+
+    # ---------------------------------------------------------------- activities ----
+
+    @_durable
+    def start_activity(self, task: Any, *args: Any, queue: str | None = None,
+                       **kwargs: Any) -> ActivityHandle:
+        """Dispatch activity ``task`` (an ``IdempotentTask`` or its name) without waiting.
+
+        A plain Celery task cannot be an activity (nothing would record its completion):
+        given as an object it is refused with :class:`WorkflowUsageError`; given by name it
+        must name an ``IdempotentTask`` (not checked: the name may live on another app).
+
+        Records the ``activity`` event and its message (outbox, key ``wf:<id>/<run>#<seq>``)
+        in one fenced transaction. Wait for it with :meth:`wait_all` / :meth:`wait_any`.
+        """
+        if not isinstance(task, str) and not callable(getattr(task, "returns", None)):
+            raise WorkflowUsageError(
+                f"activity {getattr(task, 'name', task)!r} is not an IdempotentTask: an "
+                "activity's completion must write the workflow's history with its effect; "
+                "use @app.task(base=IdempotentTask, bind=True) (a task given by name must be one)"
+            )
+        task_name = task if isinstance(task, str) else str(task.name)
+        call = engine.to_json([list(args), kwargs], f"activity {task_name!r} arguments")
+        seq, digest, ev = self._next("activity", task_name, call)
+        key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no, seq)
+        if ev is None:
+            payload: dict[str, Any] = {
+                "task": task_name, "args": call[0], "kwargs": call[1],
+                "headers": {"reliable_beat_key": key},
+            }
+            if queue:
+                payload["options"] = {"queue": queue}
+
+            def dispatch(conn: Connection) -> None:
+                outbox.add(conn, engine.WAKE_DESTINATION, payload, key=f"act:{key}")
+
+            # stored with its queue (not part of the digest), for the re-dispatch sweep
+            self._record(seq, "activity", task_name, digest, [*call, queue],
+                         state="scheduled", run_key=key, effect=dispatch)
+            self._history[seq] = _Ev(seq, "activity", task_name, digest, "scheduled", None,
+                                     None, None, key)
+        return ActivityHandle(seq=seq, name=task_name, key=key)
+
+    def _resolve(self, handle: ActivityHandle) -> tuple[bool, Any]:
+        """(done, event) for a started activity; records its completion if the run ended."""
+        ev = self._history[handle.seq]
+        if ev.state != "scheduled":
+            return True, ev
+        with self._store.connect() as conn:
+            run = conn.execute(
+                select(runs.c.state, runs.c.result, runs.c.error)
+                .where(runs.c.idempotency_key == handle.key)
+            ).first()
+            event = conn.execute(
+                select(workflow_events.c.state, workflow_events.c.result,
+                       workflow_events.c.error)
+                .where(workflow_events.c.workflow_pk == self._claimed.pk,
+                       workflow_events.c.run_no == self._claimed.run_no,
+                       workflow_events.c.seq == handle.seq)
+            ).first()
+        if event is not None and event.state != "scheduled":  # completed by the hook
+            done = _Ev(handle.seq, "activity", handle.name, ev.args_digest, event.state,
+                       event.result, event.error, None, handle.key)
+        elif run is not None and run.state in ("succeeded", "dead"):
+            # the completion hook's write is missing (e.g. an older worker): repair from the
+            # run row, which committed with the activity's effect
+            state = "completed" if run.state == "succeeded" else "failed"
+            error = None if state == "completed" else {"type": "dead",
+                                                        "message": (run.error or "")[-2000:]}
+            self._complete(handle.seq, state, run.result, error)
+            done = _Ev(handle.seq, "activity", handle.name, ev.args_digest, state,
+                       run.result, error, None, handle.key)
+        else:
+            return False, ev
+        self._history[handle.seq] = done
+        return True, done
+
+    @_durable
+    def wait(self, handle: ActivityHandle) -> Any:
+        """The activity's result; suspends until it is there.
+
+        Raises:
+            ActivityError: the activity died (dead letter: permanent error or attempts
+                exhausted); ``type`` is ``"dead"``, ``message`` its error.
+        """
+        return self.wait_all(handle)[0]
+
+    @_durable
+    def activity(self, task: Any, *args: Any, queue: str | None = None, **kwargs: Any) -> Any:
+        """Start activity ``task`` and wait for its result (see :meth:`start_activity`)."""
+        return self.wait(self.start_activity(task, *args, queue=queue, **kwargs))
+
+    @_durable
+    def wait_all(self, *handles: ActivityHandle) -> list[Any]:
+        """The results of all ``handles``, in order; suspends until every one is done.
+
+        Records nothing itself (the answer is fixed by the activities' events).
+
+        Raises:
+            ActivityError: the first (in argument order) that failed.
+        """
+        if self._pending is not None:
+            raise self._pending
+        resolved = [self._resolve(h) for h in handles]
+        if not all(done for done, _ in resolved):
+            waiting = [h.name for h, (done, _) in zip(handles, resolved, strict=True) if not done]
+            raise self._suspend(f"waiting for activities {waiting}")
+        return [self._outcome(ev.state, ev.result, ev.error, "activity", h.name)
+                for h, (_, ev) in zip(handles, resolved, strict=True)]
+
+    @_durable
+    def wait_any(self, *handles: ActivityHandle) -> tuple[int, Any]:
+        """``(index, result)`` of the first of ``handles`` seen done; suspends until one is.
+
+        Which one was first is recorded (a ``wait_any`` event), so a replay picks the same
+        one even if more have finished since.
+
+        Raises:
+            ActivityError: the chosen activity failed.
+        """
+        seqs = [h.seq for h in handles]
+        seq, digest, ev = self._next("wait_any", None, seqs)
+        if ev is None:
+            resolved = [self._resolve(h) for h in handles]
+            first = next((i for i, (done, _) in enumerate(resolved) if done), None)
+            if first is None:
+                self._seq -= 1  # not recorded: the position is taken when it is satisfied
+                raise self._suspend("waiting for any activity")
+            self._record(seq, "wait_any", None, digest, seqs, state="completed", result=first)
+            index = first
+        else:
+            index = int(ev.result)
+        _, chosen = self._resolve(handles[index])
+        return index, self._outcome(chosen.state, chosen.result, chosen.error, "activity",
+                                    handles[index].name)
+
+    # ---------------------------------------------------------------- timers ----
+
+    @_durable
+    def sleep(self, duration: timedelta) -> None:
+        """Durable sleep: suspends for ``duration`` (a ``timedelta`` >= 0) on the store's clock.
+
+        Records a ``timer`` event with ``fire_at = db now + duration`` and an outbox wake
+        with ``available_at = fire_at`` in one transaction; nothing holds a worker or a
+        message meanwhile. Precision: the relay's poll.
+        """
+        if not isinstance(duration, timedelta) or duration < timedelta(0):
+            raise ValueError(f"ctx.sleep needs a timedelta >= 0, got {duration!r}")
+        self._timer(["sleep", duration.total_seconds()], lambda now: now + duration)
+
+    @_durable
+    def sleep_until(self, instant: datetime) -> None:
+        """Durable sleep until ``instant`` (tz-aware; naive datetimes are refused)."""
+        if instant.tzinfo is None:
+            raise ValueError(f"ctx.sleep_until needs a tz-aware datetime, got {instant!r}")
+        self._timer(["until", instant.isoformat()], lambda now: max(now, instant))
+
+    def _timer(self, args: Any, fire: Callable[[datetime], datetime]) -> None:
+        seq, digest, ev = self._next("timer", None, args)
+        if ev is None:
+            holder: dict[str, datetime] = {}
+
+            def schedule(conn: Connection) -> None:
+                now = db_now(conn)
+                holder["fire_at"] = fire_at = fire(now)
+                engine.add_wake(conn, self._claimed.workflow_id, self._claimed.queue,
+                                f"{self._claimed.run_no}t{seq}", delay=fire_at - now)
+
+            self._record(seq, "timer", None, digest, args, state="scheduled", effect=schedule,
+                         holder=holder)
+            fire_at = holder["fire_at"]
+            state = "scheduled"
+        else:
+            fire_at, state = ev.fire_at, ev.state
+        if state != "scheduled":
+            return
+        with self._store.connect() as conn:
+            now = db_now(conn)
+        if now < fire_at:
+            raise self._suspend(f"timer at seq {seq} fires at {fire_at.isoformat()}")
+        self._complete(seq, "completed")
+        self._history[seq] = _Ev(seq, "timer", None, digest, "completed", None, None, fire_at,
+                                 None)
+
+    # ---------------------------------------------------------------- signals ----
+
+    @_durable
+    def wait_signal(self, name: str, timeout: timedelta | None = None) -> Any:
+        """The payload of the oldest unconsumed signal ``name``; suspends until one comes.
+
+        Consuming the signal and recording it are one fenced transaction: each signal is
+        consumed by exactly one wait. With ``timeout``, returns None if none came in time
+        (which came first is decided once, by the advance that sees it, then replayed).
+        """
+        args = [name, None if timeout is None else timeout.total_seconds()]
+        seq, digest, ev = self._next("signal", name, args)
+        if ev is not None and ev.state != "scheduled":
+            return ev.result
+        if ev is None:
+            holder: dict[str, Any] = {}
+
+            def first(conn: Connection) -> Any:
+                consumed = self._consume(conn, name, seq)
+                if consumed is not _NOTHING:
+                    holder["done"] = True
+                    return consumed
+                if timeout is not None:
+                    now = db_now(conn)
+                    holder["fire_at"] = now + timeout
+                    engine.add_wake(conn, self._claimed.workflow_id, self._claimed.queue,
+                                    f"{self._claimed.run_no}t{seq}", delay=timeout)
+                return None
+
+            result = self._record(seq, "signal", name, digest, args, state="scheduled",
+                                  effect=first, holder=holder)
+            if holder.get("done"):
+                self._history[seq] = _Ev(seq, "signal", name, digest, "completed", result,
+                                         None, None, None)
+                return result
+            fire_at = holder.get("fire_at")
+        else:
+            fire_at = ev.fire_at
+        # scheduled: a signal may have come since
+        outcome: dict[str, Any] = {}
+
+        def consume(conn: Connection) -> Any:
+            value = self._consume(conn, name, seq)
+            if value is not _NOTHING:
+                outcome["done"] = True
+                return value
+            if fire_at is not None and db_now(conn) >= fire_at:
+                outcome["done"] = True
+                return None
+            raise _NotYet
+
+        with self._store.connect() as conn:
+            pending = conn.execute(
+                select(workflow_signals.c.id).where(
+                    workflow_signals.c.workflow_pk == self._claimed.pk,
+                    workflow_signals.c.name == name,
+                    workflow_signals.c.consumed_seq.is_(None),
+                ).limit(1)
+            ).first()
+            now = db_now(conn)
+        if pending is None and (fire_at is None or now < fire_at):
+            raise self._suspend(f"waiting for signal {name!r} at seq {seq}")
+        try:
+            result = self._complete(seq, "completed", effect=consume)
+        except _NotYet:
+            raise self._suspend(f"waiting for signal {name!r} at seq {seq}") from None
+        self._history[seq] = _Ev(seq, "signal", name, digest, "completed", result, None,
+                                 fire_at, None)
+        return result
+
+    def _consume(self, conn: Connection, name: str, seq: int) -> Any:
+        row = conn.execute(
+            select(workflow_signals.c.id, workflow_signals.c.payload)
+            .where(workflow_signals.c.workflow_pk == self._claimed.pk,
+                   workflow_signals.c.name == name,
+                   workflow_signals.c.consumed_seq.is_(None))
+            .order_by(workflow_signals.c.id)
+            .limit(1)
+        ).first()
+        if row is None:
+            return _NOTHING
+        done = conn.execute(
+            update(workflow_signals)
+            .where(workflow_signals.c.id == row.id, workflow_signals.c.consumed_seq.is_(None))
+            .values(consumed_run_no=self._claimed.run_no, consumed_seq=seq)
+        ).rowcount
+        if done != 1:  # pragma: no cover - only the fenced advance consumes
+            return _NOTHING
+        return row.payload
+
+    # ---------------------------------------------------------------- recorded values ----
+
+    @_durable
+    def now(self) -> datetime:
+        """The store's clock, recorded: replays return the same instant (UTC-aware)."""
+        seq, digest, ev = self._next("now", None, None)
+        if ev is not None:
+            return datetime.fromisoformat(str(ev.result))
+        holder: dict[str, str] = {}
+
+        def read(conn: Connection) -> str:
+            holder["v"] = db_now(conn).isoformat()
+            return holder["v"]
+
+        value = self._record(seq, "now", None, digest, None, state="completed", effect=read)
+        return datetime.fromisoformat(str(value))
+
+    @_durable
+    def random(self) -> float:
+        """A float in [0, 1) from a generator seeded per run (seed stored at start)."""
+        if self._pending is not None:
+            raise self._pending
+        return self._random.random()
+
+    @_durable
+    def uuid4(self) -> uuid.UUID:
+        """A version-4 UUID from the run's seeded generator (stable across replays)."""
+        if self._pending is not None:
+            raise self._pending
+        return uuid.UUID(int=self._random.getrandbits(128), version=4)
+
+
+class _HistoryLimit(WorkflowControl):
+    """The run reached its history limit (the workflow is blocked)."""
+
+
+class _StoreTrouble(WorkflowControl):
+    """A database error under a durable call; the advance fails and is retried."""
+
+
+class _StepFailed(Exception):
+    """The user's function raised inside ``ctx.transaction`` (not the engine)."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+class _NotYet(Exception):
+    """Nothing to consume yet (rolls the completion transaction back)."""
+
+
+_NOTHING = object()
+
+
+@dataclass
+class _Ev:
+    seq: int
+    kind: str
+    name: str | None
+    args_digest: str
+    state: str
+    result: Any
+    error: Any
+    fire_at: datetime | None
+    run_key: str | None

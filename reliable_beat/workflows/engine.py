@@ -1,0 +1,993 @@
+"""The durable workflow engine: start, signal, the advance (claim, replay, record, release).
+
+Framework-neutral: messages are outbox rows (destination :data:`WAKE_DESTINATION`, payload
+``{"task", "args", "kwargs", "headers"?, "options"?}``) that an adapter's relay publishes;
+the Celery adapter (:mod:`reliable_beat.celery.workflows`) registers the advance task
+:data:`ADVANCE_TASK` that calls :func:`advance`.
+
+The protocol (docs/workflows.md):
+
+1. **claim**: ``UPDATE workflows SET fence_token = fence_token + 1, lease_expires_at = db now
+   + lease, state = 'running', claimed_wake_seq = wake_seq WHERE workflow_id = :id AND state
+   IN ('pending', 'waiting', 'running') AND (lease_expires_at IS NULL OR lease_expires_at <
+   db now)``. No row: someone holds a live lease (it will see our ``wake_seq`` bump) or the
+   workflow is terminal / blocked.
+2. **load** the run's events, **run** the function from the top with a
+   :class:`~reliable_beat.workflows.context.WorkflowContext`: recorded calls are answered from
+   the history, the first unrecorded call (the frontier) is recorded in one transaction that
+   starts with the fence check (``UPDATE ... WHERE fence_token = :mine``) and holds whatever it
+   dispatches (activity run message, timer wake row).
+3. **release**: ``UPDATE ... SET state = 'waiting', lease NULL WHERE fence_token = :mine AND
+   wake_seq = :seen``; zero rows with our fence means something woke the workflow while we
+   ran: run again (bounded), so no wake-up is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal as _signal
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat import outbox
+from reliable_beat.db.dialects import MYSQL_DIALECTS, Store
+from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
+from reliable_beat.errors import ConfigurationError
+from reliable_beat.outbox import db_now, insert_ignore
+from reliable_beat.redaction import get_logger
+from reliable_beat.workflows.errors import (
+    WorkflowBlockedError,
+    WorkflowConflict,
+    WorkflowFailed,
+    WorkflowNotFound,
+)
+
+__all__ = [
+    "ACTIVE_STATES",
+    "ADVANCE_TASK",
+    "DEFAULT_HISTORY_LIMIT",
+    "TERMINAL_STATES",
+    "WAKE_DESTINATION",
+    "WorkflowDefinition",
+    "WorkflowHandle",
+    "activity_key",
+    "advance",
+    "args_digest",
+    "get_definition",
+    "get_workflow",
+    "list_workflows",
+    "on_run_finished",
+    "redispatch_workflows",
+    "register",
+    "resume",
+    "signal",
+    "start",
+]
+
+log = get_logger("reliable_beat.workflows")
+
+#: Name of the advance task (a Celery task registered by the adapter).
+ADVANCE_TASK = "reliable_beat.workflow.advance"
+#: Outbox destination of advance and activity messages.
+WAKE_DESTINATION = "celery"
+ACTIVE_STATES = ("pending", "running", "waiting")
+TERMINAL_STATES = ("completed", "failed")
+#: Events per run past which a frontier record blocks the workflow (``history_limit``).
+DEFAULT_HISTORY_LIMIT = 2000
+#: Longest workflow id (its activity keys and wake message ids must fit 400 characters).
+MAX_WORKFLOW_ID = 300
+#: Advance loops (a wake arrived while running) before the advance hands over to a message.
+MAX_LOOPS = 20
+
+# ------------------------------------------------------------------ crash points ----
+
+#: Test seam: called with the name of each crash point (see :func:`crash_point`).
+crash_hook: Callable[[str], None] | None = None
+_kill_counts: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """A named point where tests crash the process (docs/workflows.md lists them).
+
+    ``crash_hook`` (in-process tests) is called with the name. With ``RB_WF_KILL_AT=name``
+    (optionally ``name:n``, the n-th hit in this process) and ``RB_WF_KILL_FILE=path`` in the
+    environment, the process SIGKILLs itself at that point once: the file records that the
+    kill happened so the restarted process goes on.
+    """
+    if crash_hook is not None:
+        crash_hook(name)
+    spec = os.environ.get("RB_WF_KILL_AT")
+    if not spec:
+        return
+    point, _, nth = spec.partition(":")
+    if point != name:
+        return
+    _kill_counts[name] = _kill_counts.get(name, 0) + 1
+    if _kill_counts[name] != int(nth or 1):
+        return
+    marker = os.environ.get("RB_WF_KILL_FILE")
+    if marker:
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, name.encode())
+        os.close(fd)
+    os.kill(os.getpid(), _signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ helpers ----
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys and no spaces (the digest's input)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def args_digest(kind: str, name: str | None, args: Any) -> str:
+    """``sha256(canonical JSON of [kind, name, args])[:16]``: what a position must match."""
+    return hashlib.sha256(canonical_json([kind, name, args]).encode()).hexdigest()[:16]
+
+
+def to_json(value: Any, what: str) -> Any:
+    """``value`` after a JSON round trip (what replay will see), or a clear TypeError."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{what} must be JSON-serialisable (workflow data is stored as JSON): {exc}"
+        ) from exc
+
+
+def error_json(exc: BaseException) -> dict[str, str]:
+    """``{"type", "message", "traceback"}`` of an exception (stored, never pickled)."""
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc)[:2000],
+        "traceback": "".join(traceback.format_exception(exc))[-8000:],
+    }
+
+
+def activity_key(workflow_id: str, run_no: int, seq: int) -> str:
+    """The idempotency key of the activity at ``seq``: ``wf:<workflow id>/<run>#<seq>``."""
+    return f"wf:{workflow_id}/{run_no}#{seq}"
+
+
+def parse_activity_key(key: str) -> tuple[str, int, int] | None:
+    """``(workflow id, run, seq)`` of an activity key, or None for any other key."""
+    if not key.startswith("wf:"):
+        return None
+    head, _, seq = key[3:].rpartition("#")
+    wf, _, run = head.rpartition("/")
+    if not (wf and run.isdigit() and seq.isdigit()):
+        return None
+    return wf, int(run), int(seq)
+
+
+def require_supported_store(dialect: str) -> None:
+    """Durable workflows run on PostgreSQL and SQLite only (their statements use ``UPDATE ...
+    RETURNING``, which MySQL lacks and MariaDB does not have for ``UPDATE``).
+
+    Raises:
+        ConfigurationError: the store is MySQL or MariaDB.
+    """
+    if dialect in MYSQL_DIALECTS:
+        raise ConfigurationError(
+            f"durable workflows need a PostgreSQL or SQLite store; this store is {dialect} "
+            "(MySQL/MariaDB support for workflows is not built yet: periodic entries, "
+            "IdempotentTask and the outbox do run on it)"
+        )
+
+
+@contextmanager
+def _tx(target: Store | Connection) -> Iterator[Connection]:
+    """Join the caller's transaction (a Connection) or run one on the store."""
+    require_supported_store(
+        target.dialect.name if isinstance(target, Connection) else target.dialect
+    )
+    if isinstance(target, Connection):
+        if not target.in_transaction():
+            with target.begin():
+                yield target
+            return
+        yield target
+        return
+    with target.begin() as conn:
+        yield conn
+
+
+def _wake_payload(workflow_id: str, queue: str | None) -> dict[str, Any]:
+    payload: dict[str, Any] = {"task": ADVANCE_TASK, "args": [workflow_id], "kwargs": {}}
+    if queue:
+        payload["options"] = {"queue": queue}
+    return payload
+
+
+def add_wake(
+    conn: Connection, workflow_id: str, queue: str | None, what: str,
+    delay: timedelta | None = None,
+) -> str:
+    """Add the advance message ``wake:<workflow id>:<what>`` to the outbox (joins ``conn``)."""
+    return outbox.add(
+        conn, WAKE_DESTINATION, _wake_payload(workflow_id, queue),
+        key=f"wake:{workflow_id}:{what}", delay=delay,
+    )
+
+
+# ------------------------------------------------------------------ registry ----
+
+
+@dataclass
+class WorkflowDefinition:
+    """A registered workflow function.
+
+    Attributes:
+        name: the stable registered name (recorded on each workflow row; never rename it).
+        fn: ``fn(ctx, *args, **kwargs) -> JSON value``.
+        queue: queue of its advance messages (None: the adapter's default routing).
+        history_limit: events per run before the workflow is blocked (``history_limit``).
+        store_factory: returns this process's store (set by the adapter).
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    queue: str | None = None
+    history_limit: int = DEFAULT_HISTORY_LIMIT
+    store_factory: Callable[[], Store] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function directly (only inside tests that pass a context)."""
+        return self.fn(*args, **kwargs)
+
+    def _store(self, store: Store | None) -> Store:
+        if store is not None:
+            return store
+        if self.store_factory is None:
+            raise WorkflowNotFound(
+                f"workflow {self.name!r} has no store: pass store= or conn=, or register it "
+                "with an app (@workflow(app, name=...))"
+            )
+        return self.store_factory()
+
+    def start(
+        self,
+        workflow_id: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        conn: Connection | None = None,
+        store: Store | None = None,
+    ) -> WorkflowHandle:
+        """Start this workflow under ``workflow_id``; idempotent on the id.
+
+        See :func:`start`. With ``conn`` the start joins the caller's transaction
+        (transactional start: it exists if, and only if, the caller commits).
+        """
+        target: Store | Connection = conn if conn is not None else self._store(store)
+        handle = start(target, self.name, workflow_id, args, kwargs, queue=self.queue)
+        if conn is None:
+            handle.store = target if isinstance(target, Store) else None
+        elif store is not None or self.store_factory is not None:
+            handle.store = self._store(store)
+        return handle
+
+
+_registry: dict[str, WorkflowDefinition] = {}
+
+
+def register(definition: WorkflowDefinition) -> WorkflowDefinition:
+    """Register ``definition`` under its name (a second registration replaces the first)."""
+    _registry[definition.name] = definition
+    return definition
+
+
+def get_definition(name: str) -> WorkflowDefinition | None:
+    """The workflow registered as ``name`` in this process, or None."""
+    return _registry.get(name)
+
+
+# ------------------------------------------------------------------ start / signal ----
+
+
+@dataclass
+class WorkflowHandle:
+    """A started workflow: read its status, wait for its result (polls the row).
+
+    Attributes:
+        workflow_id: the business id.
+        store: the store to read from (None when started with ``conn=`` and no store known).
+        created: True if this call created the workflow, False if it existed.
+    """
+
+    workflow_id: str
+    store: Store | None = None
+    created: bool = False
+
+    def _need_store(self) -> Store:
+        if self.store is None:
+            raise WorkflowNotFound("this handle has no store; set handle.store first")
+        return self.store
+
+    def status(self) -> dict[str, Any]:
+        """The workflow row: ``{"workflow_id", "name", "state", "run_no", "result",
+        "error", "block_reason", "history_len", "fence_token", "wake_seq", ...}``.
+
+        Raises:
+            WorkflowNotFound: no such workflow (e.g. its start was rolled back).
+        """
+        return get_workflow(self._need_store(), self.workflow_id)
+
+    def result(self, timeout: float | None = None, interval: float = 0.2) -> Any:
+        """Wait until the workflow ends and return its result.
+
+        Args:
+            timeout: seconds to wait (None: forever).
+            interval: seconds between polls of the row.
+
+        Raises:
+            WorkflowFailed: it ended ``failed`` (``.error`` holds the recorded error).
+            WorkflowBlockedError: it is ``blocked`` (a person must act).
+            TimeoutError: still running after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            row = self.status()
+            if row["state"] == "completed":
+                return row["result"]
+            if row["state"] == "failed":
+                raise WorkflowFailed(self.workflow_id, row["error"])
+            if row["state"] == "blocked":
+                raise WorkflowBlockedError(
+                    f"workflow {self.workflow_id!r} is blocked: {row['block_reason']} (fix the "
+                    f"code, then `reliable-beat workflows resume {self.workflow_id}`)"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"workflow {self.workflow_id!r} still {row['state']} after {timeout} s"
+                )
+            time.sleep(interval)
+
+
+def start(
+    target: Store | Connection,
+    name: str,
+    workflow_id: str,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    queue: str | None = None,
+) -> WorkflowHandle:
+    """Create workflow ``workflow_id`` of registered name ``name`` and send its first advance.
+
+    Idempotent on ``workflow_id``: if it exists (any state) nothing is written and the
+    existing workflow's handle is returned (``created`` False). The row and its wake message
+    (outbox, ``wake:<id>:start``) are written in one transaction: the caller's when
+    ``target`` is a Connection (transactional start), else a new one.
+
+    Args:
+        target: the store, or a connection inside the caller's transaction on it.
+        name: the registered workflow name.
+        workflow_id: the business id, 1..300 characters (e.g. ``"order:42"``).
+        args / kwargs: JSON-serialisable arguments of the workflow function.
+        queue: the queue of its advance messages.
+
+    Raises:
+        WorkflowConflict: ``workflow_id`` names a workflow of another name.
+        ValueError: bad id; TypeError: arguments not JSON-serialisable.
+    """
+    if not (0 < len(workflow_id) <= MAX_WORKFLOW_ID):
+        raise ValueError(f"workflow_id must be 1..{MAX_WORKFLOW_ID} characters: {workflow_id!r}")
+    call_args = to_json(list(args), f"workflow {name!r} args")
+    call_kwargs = to_json(dict(kwargs or {}), f"workflow {name!r} kwargs")
+    with _tx(target) as conn:
+        now = db_now(conn)
+        # RETURNING, not rowcount: with an implicit RETURNING of the id, psycopg reports no
+        # useful rowcount for INSERT ... ON CONFLICT DO NOTHING
+        inserted = conn.execute(
+            insert_ignore(conn, workflows).values(
+                workflow_id=workflow_id, name=name, run_no=1, state="pending",
+                args=call_args, kwargs=call_kwargs, queue=queue,
+                random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
+                claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
+                created_at=now, updated_at=now,
+            ).returning(workflows.c.id)
+        ).first() is not None
+        if inserted:
+            add_wake(conn, workflow_id, queue, "start")
+        else:
+            existing = conn.execute(
+                select(workflows.c.name).where(workflows.c.workflow_id == workflow_id)
+            ).scalar_one()
+            if existing != name:
+                raise WorkflowConflict(
+                    f"workflow id {workflow_id!r} already names a {existing!r} workflow, not "
+                    f"{name!r}; workflow ids are unique across names"
+                )
+    store = target if isinstance(target, Store) else None
+    return WorkflowHandle(workflow_id, store=store, created=inserted)
+
+
+def signal(
+    target: Store | Connection,
+    workflow_id: str,
+    name: str,
+    payload: Any = None,
+    *,
+    key: str | None = None,
+) -> bool:
+    """Send signal ``name`` with ``payload`` to a workflow; it wakes the workflow.
+
+    Writes the inbox row, bumps ``wake_seq`` and adds a wake message in one transaction
+    (the caller's when ``target`` is a Connection). Each signal is consumed by exactly one
+    ``ctx.wait_signal(name)``, oldest first.
+
+    Args:
+        key: dedup key (<= 400 characters): a second signal with the same key is a no-op.
+
+    Returns:
+        True if the signal was stored, False if ``key`` was seen before.
+
+    Raises:
+        WorkflowNotFound: no such workflow.
+        WorkflowError-derived WorkflowConflict: the workflow has ended (the signal would be
+            lost; nothing is written).
+    """
+    data = to_json(payload, f"signal {name!r} payload")
+    with _tx(target) as conn:
+        now = db_now(conn)
+        # the workflow row first (same lock order as the advance: no deadlock)
+        row = conn.execute(
+            update(workflows)
+            .where(workflows.c.workflow_id == workflow_id)
+            .values(wake_seq=workflows.c.wake_seq + 1)
+            .returning(workflows.c.id, workflows.c.state, workflows.c.queue,
+                       workflows.c.wake_seq)
+        ).first()
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
+        if row.state in TERMINAL_STATES:
+            raise WorkflowConflict(
+                f"workflow {workflow_id!r} is {row.state}: signal {name!r} would never be "
+                "consumed; nothing was written"
+            )
+        stored = conn.execute(
+            insert_ignore(conn, workflow_signals).values(
+                workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
+            ).returning(workflow_signals.c.id)
+        ).first()
+        if stored is None:
+            return False
+        add_wake(conn, workflow_id, row.queue, f"s{row.wake_seq}")
+    return True
+
+
+def resume(store: Store, workflow_id: str) -> dict[str, Any]:
+    """Unblock a ``blocked`` workflow (after the code was fixed): ``waiting`` + a wake.
+
+    Returns the row as :func:`get_workflow` does.
+
+    Raises:
+        WorkflowNotFound: no such workflow.
+        WorkflowConflict: it is not blocked.
+    """
+    with store.begin() as conn:
+        now = db_now(conn)
+        row = conn.execute(
+            update(workflows)
+            .where(workflows.c.workflow_id == workflow_id, workflows.c.state == "blocked")
+            .values(state="waiting", block_reason=None, wake_seq=workflows.c.wake_seq + 1,
+                    advances=0, updated_at=now)
+            .returning(workflows.c.queue, workflows.c.wake_seq)
+        ).first()
+        if row is None:
+            state = conn.execute(
+                select(workflows.c.state).where(workflows.c.workflow_id == workflow_id)
+            ).scalar()
+            if state is None:
+                raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+            raise WorkflowConflict(f"workflow {workflow_id!r} is {state}, not blocked")
+        add_wake(conn, workflow_id, row.queue, f"resume{row.wake_seq}")
+    return get_workflow(store, workflow_id)
+
+
+# ------------------------------------------------------------------ completion hook ----
+
+
+def on_run_finished(
+    conn: Connection, key: str, state: str, result: Any = None, error: str | None = None
+) -> bool:
+    """Write an activity's outcome into its workflow's history, in the caller's transaction.
+
+    Called by :func:`reliable_beat.runs.complete` (``state='succeeded'``, in the activity's
+    completing transaction: effect, run, result and history commit together) and by
+    :func:`reliable_beat.runs.record_failure` when the run dies (``state='dead'``). A no-op
+    for keys that are not activity keys, or whose event is no longer ``scheduled``.
+    Retrying activities do not wake the workflow (retries are the activity's business).
+
+    Returns:
+        True if an event was completed (and the workflow woken).
+    """
+    parsed = parse_activity_key(key)
+    if parsed is None:
+        return False
+    workflow_id, run_no, seq = parsed
+    # the workflow row first: the same lock order as an advance's record transaction
+    wf = conn.execute(
+        update(workflows)
+        .where(workflows.c.workflow_id == workflow_id, workflows.c.run_no == run_no)
+        .values(wake_seq=workflows.c.wake_seq + 1)
+        .returning(workflows.c.id, workflows.c.queue, workflows.c.wake_seq)
+    ).first()
+    if wf is None:
+        return False
+    now = db_now(conn)
+    values: dict[str, Any] = {"completed_at": now}
+    if state == "succeeded":
+        values.update(state="completed", result=result)
+    else:
+        values.update(state="failed", error={"type": "dead", "message": (error or "")[-2000:]})
+    done = conn.execute(
+        update(workflow_events)
+        .where(
+            workflow_events.c.workflow_pk == wf.id,
+            workflow_events.c.run_no == run_no,
+            workflow_events.c.seq == seq,
+            workflow_events.c.run_key == key,
+            workflow_events.c.state == "scheduled",
+        )
+        .values(**values)
+    ).rowcount
+    if done != 1:
+        return False
+    add_wake(conn, workflow_id, wf.queue, f"{run_no}#{seq}")
+    return True
+
+
+# ------------------------------------------------------------------ the advance ----
+
+
+@dataclass
+class Claimed:
+    """The workflow row an advance claimed (its fence token is the advance's identity)."""
+
+    pk: int
+    workflow_id: str
+    name: str
+    run_no: int
+    args: list[Any]
+    kwargs: dict[str, Any]
+    queue: str | None
+    random_seed: int
+    fence_token: int
+    seen_wake_seq: int
+    history_len: int
+    history_bytes: int
+    owner: str
+    lease: timedelta
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
+    require_supported_store(store.dialect)
+    with store.begin() as conn:
+        now = db_now(conn)
+        done = conn.execute(
+            update(workflows)
+            .where(
+                workflows.c.workflow_id == workflow_id,
+                workflows.c.state.in_(ACTIVE_STATES),
+                or_(workflows.c.lease_expires_at.is_(None), workflows.c.lease_expires_at < now),
+            )
+            .values(
+                fence_token=workflows.c.fence_token + 1, leased_by=owner,
+                lease_expires_at=now + lease, state="running",
+                claimed_wake_seq=workflows.c.wake_seq, advances=workflows.c.advances + 1,
+                updated_at=now,
+            )
+        ).rowcount
+        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
+        if row is None:
+            return "missing"
+        if done != 1:
+            return "busy" if row.state in ACTIVE_STATES else row.state  # type: ignore[no-any-return]
+        return Claimed(
+            pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
+            args=list(row.args or []), kwargs=dict(row.kwargs or {}), queue=row.queue,
+            random_seed=int(row.random_seed), fence_token=int(row.fence_token),
+            seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
+            history_bytes=int(row.history_bytes), owner=owner, lease=lease,
+        )
+
+
+def load_history(conn: Connection, pk: int, run_no: int) -> dict[int, Any]:
+    """The run's events by seq (only the columns replay needs)."""
+    rows = conn.execute(
+        select(
+            workflow_events.c.seq, workflow_events.c.kind, workflow_events.c.name,
+            workflow_events.c.args_digest, workflow_events.c.state, workflow_events.c.result,
+            workflow_events.c.error, workflow_events.c.fire_at, workflow_events.c.run_key,
+        )
+        .where(workflow_events.c.workflow_pk == pk, workflow_events.c.run_no == run_no)
+        .order_by(workflow_events.c.seq)
+    ).all()
+    return {r.seq: r for r in rows}
+
+
+def fence_check(conn: Connection, claimed: Claimed, *, events: int = 0, size: int = 0) -> None:
+    """First statement of every write of an advance: ``UPDATE ... WHERE fence = mine``.
+
+    Raises:
+        FencedOut: a newer advance claimed the workflow (the caller's transaction must roll
+            back: nothing of this advance is written).
+    """
+    from reliable_beat.workflows.errors import FencedOut
+
+    now = db_now(conn)
+    done = conn.execute(
+        update(workflows)
+        .where(workflows.c.id == claimed.pk, workflows.c.fence_token == claimed.fence_token)
+        .values(
+            history_len=workflows.c.history_len + events,
+            history_bytes=workflows.c.history_bytes + size,
+            lease_expires_at=now + claimed.lease,
+            updated_at=now,
+        )
+    ).rowcount
+    if done != 1:
+        raise FencedOut(f"workflow {claimed.workflow_id!r}: fence {claimed.fence_token} is stale")
+
+
+def _finish(store: Store, claimed: Claimed, **values: Any) -> str:
+    """Record the end (completed / failed / blocked), fenced. Returns the state or 'fenced'."""
+    with store.begin() as conn:
+        now = db_now(conn)
+        if values.get("state") in TERMINAL_STATES:
+            values["finished_at"] = now
+        done = conn.execute(
+            update(workflows)
+            .where(workflows.c.id == claimed.pk, workflows.c.fence_token == claimed.fence_token)
+            .values(leased_by=None, lease_expires_at=None, updated_at=now, **values)
+        ).rowcount
+    if done != 1:
+        return "fenced"
+    return str(values["state"])
+
+
+def block(store: Store, claimed: Claimed, reason: str) -> str:
+    """Park the workflow ``blocked`` with ``reason``, fenced; writes no event."""
+    log.error("workflow %s blocked: %s", claimed.workflow_id, reason)
+    return _finish(store, claimed, state="blocked", block_reason=reason[:4000])
+
+
+def advance(
+    store: Store,
+    workflow_id: str,
+    *,
+    owner: str,
+    lease: timedelta = timedelta(seconds=60),
+    max_loops: int = MAX_LOOPS,
+) -> str:
+    """Advance one workflow as far as it can go now; the body of the advance task.
+
+    Claims the workflow (fence + lease on the store's clock), replays its history through
+    the registered function, records the frontier, and releases it (``waiting``) or ends it
+    (``completed`` / ``failed`` / ``blocked``). Safe to call any number of times, from any
+    number of processes: a second caller finds the lease held and returns ``"busy"`` (the
+    holder sees the ``wake_seq`` bump that sent the second message).
+
+    Args:
+        store: the store.
+        workflow_id: the business id.
+        owner: this process's name, written to ``leased_by``.
+        lease: how long the claim lasts without a write (each record renews it).
+        max_loops: re-runs within this advance when wakes arrive while it runs.
+
+    Returns:
+        ``waiting``, ``completed``, ``failed``, ``blocked``, ``busy`` (another advance holds
+        a live lease), ``fenced`` (a newer advance took over mid-way; this one wrote nothing
+        after that), ``missing``, or the terminal state found.
+    """
+    from reliable_beat.workflows.context import WorkflowContext
+
+    crash_point("advance.before_claim")
+    claimed = _claim(store, workflow_id, owner, lease)
+    if isinstance(claimed, str):
+        return claimed
+    crash_point("advance.after_claim")
+    definition = _registry.get(claimed.name)
+    if definition is None:
+        return block(
+            store, claimed,
+            f"unknown workflow {claimed.name!r}: no @workflow with that name is registered in "
+            f"this process ({owner}); deploy the code, then `workflows resume`",
+        )
+    for _ in range(max_loops):
+        with store.connect() as conn:
+            history = load_history(conn, claimed.pk, claimed.run_no)
+        ctx = WorkflowContext(store, claimed, history, definition)
+        outcome = ctx.run_code(definition.fn)
+        if outcome != "suspended":
+            return outcome
+        crash_point("advance.before_release")
+        with store.begin() as conn:
+            now = db_now(conn)
+            released = conn.execute(
+                update(workflows)
+                .where(
+                    workflows.c.id == claimed.pk,
+                    workflows.c.fence_token == claimed.fence_token,
+                    workflows.c.wake_seq == claimed.seen_wake_seq,
+                )
+                .values(state="waiting", leased_by=None, lease_expires_at=None, updated_at=now)
+            ).rowcount
+            if released == 1:
+                return "waiting"
+            row = conn.execute(
+                update(workflows)
+                .where(workflows.c.id == claimed.pk,
+                       workflows.c.fence_token == claimed.fence_token)
+                .values(claimed_wake_seq=workflows.c.wake_seq,
+                        lease_expires_at=now + lease, updated_at=now)
+                .returning(workflows.c.wake_seq)
+            ).first()
+            if row is None:
+                return "fenced"
+            claimed.seen_wake_seq = int(row.wake_seq)
+    # woken max_loops times in a row: hand over to a fresh message rather than spin here
+    with store.begin() as conn:
+        now = db_now(conn)
+        done = conn.execute(
+            update(workflows)
+            .where(workflows.c.id == claimed.pk, workflows.c.fence_token == claimed.fence_token)
+            .values(state="waiting", leased_by=None, lease_expires_at=None, updated_at=now)
+        ).rowcount
+        if done != 1:
+            return "fenced"
+        add_wake(conn, workflow_id, claimed.queue, f"loop{claimed.fence_token}")
+    return "waiting"
+
+
+def replay_check(store: Store, workflow_id: str) -> str | None:
+    """Run this process's code of a workflow against its stored history, writing nothing.
+
+    Returns:
+        None when the code matches the history up to its frontier (and, for an ended
+        workflow, to the end), else the first mismatch naming the position and both sides
+        (also when the workflow's name is not registered here).
+    """
+    from reliable_beat.workflows.context import WorkflowContext
+
+    with store.connect() as conn:
+        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+        history = load_history(conn, row.id, row.run_no)
+    definition = _registry.get(row.name)
+    if definition is None:
+        return f"workflow name {row.name!r} is not registered in this process"
+    claimed = Claimed(
+        pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
+        args=list(row.args or []), kwargs=dict(row.kwargs or {}), queue=row.queue,
+        random_seed=int(row.random_seed), fence_token=int(row.fence_token),
+        seen_wake_seq=int(row.wake_seq), history_len=int(row.history_len),
+        history_bytes=int(row.history_bytes), owner="replay", lease=timedelta(0),
+    )
+    ctx = WorkflowContext(store, claimed, history, definition, dry_run=True)
+    return ctx.replay_code(definition.fn)
+
+
+# ------------------------------------------------------------------ re-dispatch ----
+
+
+def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 500) -> int:
+    """Send a wake to workflows whose advance died or whose wake was lost.
+
+    Two cases (the sweep beside :func:`reliable_beat.redispatch.claim_stuck_runs`):
+    ``running`` with a lease expired more than ``older_than`` ago (the holder died), and
+    ``pending`` / ``waiting`` with ``wake_seq > claimed_wake_seq`` untouched for
+    ``older_than`` (a wake the broker lost). The wake's message id carries the fence token
+    and wake_seq, so each stuck state is re-sent once.
+
+    Returns:
+        How many wakes were added.
+    """
+    with store.begin() as conn:
+        now = db_now(conn)
+        cutoff = now - older_than
+        rows = conn.execute(
+            select(workflows.c.workflow_id, workflows.c.queue, workflows.c.fence_token,
+                   workflows.c.wake_seq)
+            .where(
+                workflows.c.state.in_(ACTIVE_STATES),
+                workflows.c.updated_at < cutoff,
+                or_(
+                    and_(workflows.c.state == "running", workflows.c.lease_expires_at < cutoff),
+                    and_(workflows.c.state != "running",
+                         workflows.c.wake_seq > workflows.c.claimed_wake_seq),
+                ),
+            )
+            .order_by(workflows.c.updated_at)
+            .limit(limit)
+        ).all()
+        for r in rows:
+            add_wake(conn, r.workflow_id, r.queue, f"sweep{r.fence_token}.{r.wake_seq}")
+        resent = _resend_lost_activities(conn, now, cutoff, older_than, limit)
+    return len(rows) + resent
+
+
+def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
+                            older_than: timedelta, limit: int) -> int:
+    """Activities scheduled before ``cutoff`` whose run never started (the broker lost the
+    message) or whose holder died (running, lease expired before ``cutoff``): publish the
+    activity message again (same key: the run deduplicates), at most once per
+    ``older_than`` window (the message id carries the window number)."""
+    j = workflow_events.join(workflows, workflows.c.id == workflow_events.c.workflow_pk
+                             ).outerjoin(runs, runs.c.idempotency_key == workflow_events.c.run_key)
+    rows = conn.execute(
+        select(workflow_events.c.run_key, workflow_events.c.name, workflow_events.c.args,
+               workflows.c.queue)
+        .select_from(j)
+        .where(
+            workflow_events.c.kind == "activity",
+            workflow_events.c.state == "scheduled",
+            workflow_events.c.created_at < cutoff,
+            workflows.c.state.in_(ACTIVE_STATES),
+            or_(runs.c.id.is_(None),
+                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff)),
+        )
+        .limit(limit)
+    ).all()
+    window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))
+    for r in rows:
+        call = list(r.args or [[], {}, None])
+        payload: dict[str, Any] = {"task": r.name, "args": call[0], "kwargs": call[1],
+                                   "headers": {"reliable_beat_key": r.run_key}}
+        if len(call) > 2 and call[2]:
+            payload["options"] = {"queue": call[2]}
+        outbox.add(conn, WAKE_DESTINATION, payload, key=f"act:{r.run_key}:r{window}")
+    return len(rows)
+
+
+# ------------------------------------------------------------------ reading ----
+
+
+def _row_dict(row: Any) -> dict[str, Any]:
+    m = dict(row._mapping)
+    return {
+        "workflow_id": m["workflow_id"], "name": m["name"], "state": m["state"],
+        "run_no": m["run_no"], "args": m["args"], "kwargs": m["kwargs"],
+        "result": m["result"], "error": m["error"], "block_reason": m["block_reason"],
+        "queue": m["queue"], "fence_token": m["fence_token"], "leased_by": m["leased_by"],
+        "lease_expires_at": m["lease_expires_at"], "wake_seq": m["wake_seq"],
+        "claimed_wake_seq": m["claimed_wake_seq"], "history_len": m["history_len"],
+        "advances": m["advances"], "created_at": m["created_at"],
+        "updated_at": m["updated_at"], "finished_at": m["finished_at"],
+    }
+
+
+def get_workflow(store: Store, workflow_id: str, *, events: bool = False) -> dict[str, Any]:
+    """One workflow as a dict (see :meth:`WorkflowHandle.status`); with ``events`` also
+    ``"events"`` (``[{"seq", "kind", "name", "state", "result", "error", "fire_at",
+    "run_key", "args_digest"}]``) and ``"signals"`` (pending and consumed).
+
+    Raises:
+        WorkflowNotFound: no such workflow.
+    """
+    with store.connect() as conn:
+        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
+        out = _row_dict(row)
+        if events:
+            evs = conn.execute(
+                select(workflow_events)
+                .where(workflow_events.c.workflow_pk == row.id,
+                       workflow_events.c.run_no == row.run_no)
+                .order_by(workflow_events.c.seq)
+            ).all()
+            out["events"] = [
+                {k: e._mapping[k] for k in ("seq", "kind", "name", "args_digest", "state",
+                                            "result", "error", "fire_at", "run_key",
+                                            "fence_token", "created_at", "completed_at")}
+                for e in evs
+            ]
+            sigs = conn.execute(
+                select(workflow_signals).where(workflow_signals.c.workflow_pk == row.id)
+                .order_by(workflow_signals.c.id)
+            ).all()
+            out["signals"] = [
+                {k: s._mapping[k] for k in ("id", "name", "payload", "dedup_key",
+                                            "consumed_run_no", "consumed_seq", "created_at")}
+                for s in sigs
+            ]
+    return out
+
+
+def list_workflows(
+    store: Store, *, state: str | None = None, name: str | None = None, limit: int = 100
+) -> list[dict[str, Any]]:
+    """Workflows newest first, optionally of one state / name."""
+    q = select(workflows).order_by(workflows.c.id.desc()).limit(limit)
+    if state:
+        q = q.where(workflows.c.state == state)
+    if name:
+        q = q.where(workflows.c.name == name)
+    with store.connect() as conn:
+        return [_row_dict(r) for r in conn.execute(q).all()]
+
+
+def workflow_counts(conn: Connection) -> dict[str, int]:
+    """``{state: count}`` over all workflows (for ``status`` and metrics)."""
+    rows = conn.execute(
+        select(workflows.c.state, func.count()).group_by(workflows.c.state)
+    ).all()
+    return {str(s): int(n) for s, n in rows}
+
+
+def overdue_timers(conn: Connection, *, grace: timedelta) -> int:
+    """Timer / timeout events still ``scheduled`` more than ``grace`` after their fire_at
+    on a workflow that is not running (a wake that did not arrive)."""
+    now = db_now(conn)
+    return int(conn.execute(
+        select(func.count())
+        .select_from(workflow_events.join(workflows,
+                                          workflows.c.id == workflow_events.c.workflow_pk))
+        .where(workflow_events.c.state == "scheduled",
+               workflow_events.c.fire_at < now - grace,
+               workflows.c.state == "waiting")
+    ).scalar_one())
+
+
+#: Advances of one workflow (claims since its last resume) past which it is crash-looping.
+CRASH_LOOP_ADVANCES = 50
+
+
+def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
+    """For ``reliable-beat status``: ``{"counts": {state: n}, "blocked": [ids],
+    "overdue_timers": n, "crash_looping": [ids], "problems": [str]}``.
+
+    ``overdue_timers``: timers / signal timeouts of waiting workflows still scheduled more
+    than ``grace`` after their fire_at (no relay publishes wakes?). ``crash_looping``: active
+    workflows claimed more than :data:`CRASH_LOOP_ADVANCES` times (an advance that dies every
+    time, e.g. a step that kills the worker).
+    """
+    with store.connect() as conn:
+        counts = workflow_counts(conn)
+        blocked = list(conn.execute(
+            select(workflows.c.workflow_id).where(workflows.c.state == "blocked")
+            .order_by(workflows.c.updated_at).limit(20)).scalars())
+        overdue = overdue_timers(conn, grace=grace)
+        looping = list(conn.execute(
+            select(workflows.c.workflow_id)
+            .where(workflows.c.state.in_(ACTIVE_STATES),
+                   workflows.c.advances > CRASH_LOOP_ADVANCES).limit(20)).scalars())
+    problems = []
+    if blocked:
+        problems.append(
+            f"BLOCKED WORKFLOWS: {counts.get('blocked', 0)} workflows wait for a person "
+            f"({', '.join(blocked[:10])}): `reliable-beat workflows show ID` gives the reason; "
+            "fix the code, then `reliable-beat workflows resume ID`"
+        )
+    if overdue:
+        problems.append(
+            f"OVERDUE TIMERS: {overdue} workflow timers are more than {grace.total_seconds():g}"
+            " s past due: is a relay running (`reliable-beat relay`)?"
+        )
+    if looping:
+        problems.append(
+            f"CRASH-LOOPING WORKFLOWS: {', '.join(looping[:10])} were claimed more than "
+            f"{CRASH_LOOP_ADVANCES} times: see the workers' logs"
+        )
+    return {"counts": counts, "blocked": blocked, "overdue_timers": overdue,
+            "crash_looping": looping, "problems": problems}

@@ -1,0 +1,140 @@
+"""Celery app of the workflow acceptance tests (real workers, relay, PostgreSQL, Redis).
+
+Environment: ``RB_BROKER_URL``, ``RB_DATABASE_URL``, ``RB_LEASE_SECONDS`` (default 2),
+``RB_WF_QUEUE`` (the per-test queue of advances and activities), and for crash tests
+``RB_WF_KILL_AT`` / ``RB_WF_KILL_FILE`` (see :func:`reliable_beat.workflows.engine.crash_point`).
+
+Three workflow shapes, each touching every kind of durable call it can:
+
+* ``wfa.linear``: transaction -> activity -> step -> sleep 1 s -> activity;
+* ``wfa.fanout``: three activities started together, ``wait_all``, then a transaction;
+* ``wfa.signal``: activity -> ``wait_signal("go")`` -> transaction -> ``now``.
+
+Effects: ``wf_effects`` rows (kind, key, pid) with no unique constraint: only the engine's
+fencing and the activities' keys keep transaction and activity effects single.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery
+
+from reliable_beat.celery.task import IdempotentTask
+from reliable_beat.workflows import WorkflowContext, engine, workflow
+
+meta = sa.MetaData()
+wf_effects = sa.Table(
+    "wf_effects", meta,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("kind", sa.String(20), nullable=False),
+    sa.Column("key", sa.String(400), nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+)
+
+QUEUE = os.environ.get("RB_WF_QUEUE", "workflows")
+
+app = Celery("wf_app", broker=os.environ.get("RB_BROKER_URL", "memory://"))
+app.conf.update(
+    broker_transport_options={
+        "visibility_timeout": 5, "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1, "unacked_mutex_expire": 3,
+    },
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+    task_ignore_result=True,
+    worker_hijack_root_logger=False,
+    task_default_queue=QUEUE,
+    reliable_beat_database_url=os.environ.get("RB_DATABASE_URL", "sqlite:///wf.sqlite3"),
+    reliable_beat_lease_seconds=float(os.environ.get("RB_LEASE_SECONDS", "2")),
+    reliable_beat_redispatch_seconds=float(os.environ.get("RB_REDISPATCH_SECONDS", "8")),
+    reliable_beat_retry_max_attempts=6,
+    reliable_beat_retry_base_seconds=0.5,
+    reliable_beat_retry_cap_seconds=2.0,
+)
+
+
+@app.task(base=IdempotentTask, bind=True, name="wfa.charge")
+def charge(self: IdempotentTask, order: str, cents: int) -> dict[str, Any]:
+    """An activity with an effect; its result is declared inside the transaction."""
+    with self.transaction() as tx:
+        tx.execute(wf_effects.insert().values(kind="activity", key=self.idempotency_key,
+                                              pid=os.getpid()))
+        self.returns({"charged": cents, "order": order})
+    engine.crash_point("activity.after_commit")  # effect committed, message not acked
+    return {"ignored": True}
+
+
+@app.task(base=IdempotentTask, bind=True, name="wfa.label")
+def label(self: IdempotentTask, order: str, n: int) -> str:
+    """An activity without an explicit transaction: its return value is the result."""
+    engine.crash_point("activity.before_return")
+    return f"label-{order}-{n}"
+
+
+def _tx_effect(conn: sa.Connection, key: str) -> str:
+    conn.execute(wf_effects.insert().values(kind="transaction", key=key, pid=os.getpid()))
+    return key
+
+
+def _step_effect(key: str) -> str:
+    with sa.create_engine(app.conf.reliable_beat_database_url).begin() as conn:
+        conn.execute(wf_effects.insert().values(kind="step", key=key, pid=os.getpid()))
+    return key
+
+
+@workflow(app, name="wfa.linear", queue=QUEUE)
+def linear(ctx: WorkflowContext, order: str) -> Any:
+    a = ctx.transaction(_tx_effect, f"{order}:reserve", name="reserve")
+    b = ctx.activity(charge, order, 500, queue=QUEUE)
+    c = ctx.step(_step_effect, ctx.info.workflow_id + ":mail", name="mail")
+    ctx.sleep(timedelta(seconds=1))
+    d = ctx.activity(label, order, 1, queue=QUEUE)
+    return [a, b, c, d]
+
+
+@workflow(app, name="wfa.fanout", queue=QUEUE)
+def fanout(ctx: WorkflowContext, order: str) -> Any:
+    handles = [ctx.start_activity(charge, order, n, queue=QUEUE) for n in (1, 2, 3)]
+    results = ctx.wait_all(*handles)
+    done = ctx.transaction(_tx_effect, f"{order}:total", name="total")
+    return [results, done]
+
+
+@workflow(app, name="wfa.signal", queue=QUEUE)
+def signalled(ctx: WorkflowContext, order: str) -> Any:
+    if os.environ.get("RB_WF_V2"):  # a reordered "v2" deploy: the label comes second
+        approval = ctx.wait_signal("go")
+        first = ctx.activity(label, order, 7, queue=QUEUE)
+    else:
+        first = ctx.activity(label, order, 7, queue=QUEUE)
+        approval = ctx.wait_signal("go")
+    done = ctx.transaction(_tx_effect, f"{order}:approved", name="approved")
+    ctx.now()
+    return [first, approval, done]
+
+
+def _slow(i: int) -> int:
+    time.sleep(0.3)  # widens the window in which a worker is mid-advance
+    return i
+
+
+@workflow(app, name="wfa.ticks", queue=QUEUE)
+def ticks(ctx: WorkflowContext, n: int) -> Any:
+    """Consumes ``n`` signals ``tick``, one inline step after each (the signal race)."""
+    got = []
+    for i in range(n):
+        got.append(ctx.wait_signal("tick"))
+        ctx.step(_slow, i, name="slow")
+    return got
+
+
+@workflow(app, name="wfa.sleeper", queue=QUEUE)
+def sleeper(ctx: WorkflowContext, order: str, seconds: float) -> Any:
+    """Sleeps, then one transaction (the timer across a full restart)."""
+    ctx.sleep(timedelta(seconds=seconds))
+    return ctx.transaction(_tx_effect, f"{order}:woke", name="woke")

@@ -25,6 +25,7 @@ from typing import Protocol
 from reliable_beat import relay as rb_relay
 from reliable_beat.beat import Beat
 from reliable_beat.db.dialects import Store
+from reliable_beat.groups import DEFAULT_GROUP
 from reliable_beat.outbox import OutboxMessage, db_now
 from reliable_beat.redaction import get_logger
 from reliable_beat.redispatch import redispatch_with
@@ -113,6 +114,10 @@ class BeatLoop:
         owner: this process's id (``host:pid``).
         is_tracked: task name -> True when it keeps run state (overlap policies other than
             ``allow`` need it); default: the publisher's :meth:`Publisher.tracked_tasks`.
+
+    It fires only the entries of its schedule group (:attr:`schedule_group`) and group-less
+    ones: another group's entries belong to another app (e.g. a Celery app on the same
+    store), whose workers alone know their tasks.
     """
 
     store: Store
@@ -124,12 +129,19 @@ class BeatLoop:
     _last_sweep: float = field(default=float("-inf"), repr=False)
 
     @property
+    def schedule_group(self) -> str:
+        """``reliable_beat_schedule_group``, else :data:`~reliable_beat.groups.DEFAULT_GROUP`
+        (the group its config entries are synced into)."""
+        return self.settings.schedule_group or DEFAULT_GROUP
+
+    @property
     def beat(self) -> Beat:
         if self._beat is None:
             tracked = self.is_tracked or (lambda t: t in set(self.publisher.tracked_tasks()))
             self._beat = Beat(
                 store=self.store, owner=self.owner, batch_size=self.settings.batch_size,
                 is_tracked=tracked, trigger_destination=self.publisher.destination,
+                schedule_group=self.schedule_group,
             )
         return self._beat
 
@@ -169,7 +181,8 @@ class BeatLoop:
                     ) -> list[tuple[int, BaseException | None]]:
             return self.publisher.publish(messages, at)
 
-        redispatch_with(self.store, self.settings, list(self.publisher.tracked_tasks()), publish)
+        redispatch_with(self.store, self.settings, list(self.publisher.tracked_tasks()), publish,
+                        schedule_group=self.schedule_group)
 
     def run_forever(self, stop: threading.Event | None = None) -> None:
         """Step until ``stop`` is set; a failing step (database or broker down) is logged and

@@ -628,6 +628,10 @@ def sync_entries(broker: Any, store: Any, settings: Settings,
 
     with store.begin() as conn:
         now = db_now(conn)
-    return sync_config_entries(store, definitions(broker, schedule, now=now, settings=settings))
+    from reliable_beat.groups import DEFAULT_GROUP
+
+    # the group its BeatLoop fires (reliable_beat.loop.BeatLoop.schedule_group)
+    return sync_config_entries(store, definitions(broker, schedule, now=now, settings=settings),
+                               group=settings.schedule_group or DEFAULT_GROUP)
 
 

@@ -244,3 +244,35 @@ def test_entries_import_with_an_app_gives_its_group(pg_store: Store, redis_url: 
     _cli(pg_store, "entries", "import", "redbeat", "--from-url", redis_url,
          "--key-prefix", prefix, app=True)
     assert _groups(pg_store) == {"poll": "cliapp", "sync": "cliapp"}
+
+
+class _Published:
+    """A :class:`reliable_beat.loop.Publisher` that records what it publishes."""
+
+    destination = "dramatiq"
+
+    def __init__(self) -> None:
+        self.published: list[Any] = []
+
+    def publish(self, messages: Any, now: datetime) -> list[tuple[int, BaseException | None]]:
+        self.published += messages
+        return [(m.id, None) for m in messages]
+
+    def tracked_tasks(self) -> list[str]:
+        return []
+
+
+def test_the_core_beat_loop_fires_only_its_groups_entries(pg_store: Store) -> None:
+    """Fails on the old loop (Dramatiq's beat): it fired a Celery app's entries too, as
+    Dramatiq messages no actor knows."""
+    from reliable_beat.groups import DEFAULT_GROUP
+    from reliable_beat.loop import BeatLoop
+    from reliable_beat.settings import Settings
+
+    _seed(pg_store)
+    with pg_store.begin() as conn:  # a Dramatiq entry: synced into the default group
+        conn.execute(update(entries).where(entries.c.name == "b-proj2")
+                     .values(schedule_group=DEFAULT_GROUP))
+    pub = _Published()
+    BeatLoop(store=pg_store, settings=Settings(), publisher=pub, owner="dq:1").step()
+    assert sorted(m.payload["args"][0] for m in pub.published) == ["b-proj2", "c-none"]

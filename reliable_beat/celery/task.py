@@ -207,24 +207,10 @@ def _parse_fire_at(value: Any) -> datetime | None:
     return parsed.astimezone(timezone.utc)
 
 
-#: The key of the note stored instead of a result that cannot be stored as JSON.
-RESULT_NOTE_KEY = "reliable_beat_unstored_result"
-
-
-def _storable_result(task_name: str, key: str, result: Any) -> Any:
-    """``result`` as Celery's JSON serializer (kombu) would carry it, for the runs table.
-
-    ``Decimal``, ``datetime``, ``UUID`` ... become kombu's ``{"__type__", "__value__"}``
-    objects (decoded back by :func:`_loaded_result` for a deduplicated call). A result that
-    even kombu cannot carry is replaced by a note ``{RESULT_NOTE_KEY: "<why>"}`` and logged:
-    the body has returned, so the run succeeded whatever its return value is.
-    """
-    try:
-        return rb_values.to_json_value(result, "result")
-    except ValueError as exc:
-        note = f"the result ({type(result).__name__}) could not be stored as JSON: {exc}"
-        log.warning("%s: %s: %s; storing a note instead", task_name, key, note)
-        return {RESULT_NOTE_KEY: note}
+# The note stored instead of a result that cannot be stored as JSON, and the conversion: one
+# definition, shared with the Dramatiq adapter (reliable_beat.execution).
+from reliable_beat.execution import RESULT_NOTE_KEY  # noqa: E402, F401 (re-exported)
+from reliable_beat.execution import storable_result as _storable_result  # noqa: E402
 
 
 def _loaded_result(stored: Any) -> Any:

@@ -142,7 +142,11 @@ def test_admin_pages_render_in_chromium(browser: Any, live: str, shots: Path) ->
     assert rb_entries.get_entry(store, name)["paused"] is False
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
     try:
-        WebDriverWait(browser, 30).until(  # back on the list, with the outcome shown
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        # back on the list, with the outcome shown (the body read while the page is being
+        # replaced goes stale: look again)
+        WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,)).until(
             lambda d: f"paused: {name}" in d.find_element(By.TAG_NAME, "body").text.lower())
     except Exception:
         pytest.fail(f"no outcome shown at {browser.current_url}:\n"

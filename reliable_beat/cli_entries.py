@@ -39,6 +39,7 @@ from reliable_beat.errors import (
     StoreUnavailableError,
 )
 from reliable_beat.groups import schedule_group_of
+from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 from reliable_beat.redaction import redact_value
 from reliable_beat.settings import celery_timezone
 
@@ -298,7 +299,7 @@ def _schedule_options(fn: F) -> F:
         click.option("--misfire-policy", type=click.Choice(["skip", "fire_once", "catch_up"])),
         click.option("--misfire-grace", type=click.FloatRange(min=0),
                      help="Seconds a slot may be late and still count as on time."),
-        click.option("--catch-up-limit", type=click.IntRange(min=0),
+        click.option("--catch-up-limit", type=click.IntRange(min=0, max=MAX_CATCH_UP_LIMIT),
                      help="Most missed slots catch_up fires."),
         click.option("--overlap-policy", type=click.Choice(["allow", "skip", "buffer_one"])),
         click.option("--dst-nonexistent", type=click.Choice(["shift", "gap_end", "skip"]),

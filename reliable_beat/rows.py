@@ -40,6 +40,7 @@ from sqlalchemy.types import NullType, Text
 
 from reliable_beat import schedules as sch
 from reliable_beat.db.tables import dead_letters, entries, runs
+from reliable_beat.policies import catch_up_limit_problem
 from reliable_beat.redaction import get_logger
 
 __all__ = [
@@ -309,6 +310,8 @@ def check_entry(
     limit: Any = row.get("catch_up_limit")
     if not (_is_int(limit) and limit >= 0):
         problems.append(f"catch_up_limit={raw_repr(limit)}: expected an integer >= 0")
+    elif (limit_problem := catch_up_limit_problem(limit)) is not None:
+        problems.append(limit_problem)
     window = row.get("catch_up_window_seconds")
     if window is not None and not (_is_number(window) and 0 <= window <= MAX_SECONDS):
         problems.append(f"catch_up_window_seconds={raw_repr(window)}: expected a number of "

@@ -56,6 +56,7 @@ __all__ = [
     "decode_value",
     "describe_problems",
     "jsonable_raw",
+    "quarantine_counts",
     "quarantine_entry",
     "raw_columns",
     "raw_labelled",
@@ -587,3 +588,24 @@ def read_entry_options(
         else:
             out[name] = dict(values["options"])
     return out
+
+
+def quarantine_counts(conn: Connection) -> dict[str, int]:
+    """Malformed rows isolated so far (:mod:`reliable_beat.rows`), per table.
+
+    Returns:
+        ``{"entries": quarantined entries, "outbox": outbox rows dead-lettered as malformed,
+        "runs": runs dead-lettered as malformed}`` (dead letters not requeued).
+    """
+    counts = {"entries": 0, "outbox": 0, "runs": 0}
+    counts["entries"] = int(conn.execute(
+        select(func.count()).select_from(entries)
+        .where(entries.c.quarantine_reason.is_not(None))
+    ).scalar_one())
+    for kind, n in conn.execute(
+        select(dead_letters.c.kind, func.count())
+        .where(dead_letters.c.reason == MALFORMED, dead_letters.c.requeued_at.is_(None))
+        .group_by(dead_letters.c.kind)
+    ):
+        counts["outbox" if kind == "outbox" else "runs"] += int(n)
+    return counts

@@ -26,7 +26,7 @@ and the message is failed (``throws``: Dramatiq nacks it to ``<queue>.XQ``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -60,6 +60,7 @@ __all__ = [
     "IdempotentActor",
     "ReliableBeat",
     "RunContext",
+    "beat_loop",
     "current",
     "definitions",
 ]
@@ -541,6 +542,33 @@ class DramatiqPublisher:
                 out.append((m.id, _publish_errors(exc)))
         return out
 
+    def publish_at(self, messages: Sequence[OutboxMessage], now: datetime,
+                   wait: Callable[[], None]) -> list[tuple[int, BaseException | None]]:
+        """Build every message first, call ``wait()`` (the core loop sleeps there until the
+        slot of triggers it claimed ahead), then enqueue them back to back. A ``wait`` that
+        raises abandons the batch before anything was enqueued."""
+        from reliable_beat.handlers import MessageExpiredError
+
+        built: list[tuple[int, Any]] = []
+        out: dict[int, BaseException | None] = {}
+        for m in messages:
+            try:
+                payload = m.payload if isinstance(m.payload, Mapping) else {}
+                expires_at = _parse_instant(payload.get("expires_at"))
+                if expires_at is not None and now >= expires_at:
+                    raise MessageExpiredError(f"{m.message_id}: expired at {expires_at}")
+                built.append((m.id, message_for_trigger(self.broker, payload)))
+            except Exception as exc:
+                out[m.id] = _publish_errors(exc)
+        wait()
+        for outbox_id, message in built:
+            try:
+                self.broker.enqueue(message)
+                out[outbox_id] = None
+            except Exception as exc:
+                out[outbox_id] = _publish_errors(exc)
+        return [(m.id, out[m.id]) for m in messages]
+
     def tracked_tasks(self) -> Collection[str]:
         return sorted(n for n, a in self.broker.actors.items() if isinstance(a, IdempotentActor))
 
@@ -635,3 +663,25 @@ def sync_entries(broker: Any, store: Any, settings: Settings,
                                group=settings.schedule_group or DEFAULT_GROUP)
 
 
+def beat_loop(broker: Any, store: Any = None) -> Any:
+    """The core :class:`~reliable_beat.loop.BeatLoop` of a Dramatiq beat for ``broker``:
+    its :class:`DramatiqPublisher`, its periodic entries (:func:`definitions`, synced by
+    :meth:`~reliable_beat.loop.BeatLoop.start` into ``reliable_beat_schedule_group``, default
+    ``default``), its idempotent actors tracked, logging as ``reliable_beat.loop``.
+
+    Raises:
+        ConfigurationError: the broker has no :class:`ReliableBeat` middleware.
+    """
+    from reliable_beat.db.dialects import Store
+    from reliable_beat.loop import BeatLoop
+
+    rb = _middleware(broker)
+    settings = rb.settings
+    if store is None:
+        store = Store.from_url(settings.database_url, role="beat")
+
+    def entries(now: datetime) -> list[Any]:
+        return definitions(broker, rb.schedule, now=now, settings=settings)
+
+    return BeatLoop(store, settings, DramatiqPublisher(broker), settings.owner,
+                    definitions=entries, is_registered=lambda name: name in broker.actors)

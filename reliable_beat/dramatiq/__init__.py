@@ -364,29 +364,10 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         state = execution.RunState(claim=claim, store=store, lease=lease,
                                    task_name=self.actor_name)
         token = _run.set(RunContext(state=state, settings=settings))
-        renewer = execution.renewer()
-        renewer.add(state)
+        body = super().__call__
         try:
-            try:
-                result = super().__call__(*args, **kwargs)
-            finally:
-                renewer.discard(state)
-            stored = execution.storable_result(self.actor_name, claim.key, result)
-            if state.completed:
-                if stored is not None:
-                    try:
-                        runs.set_result(store, claim, stored)
-                    except Exception:
-                        log.exception("%s: %s succeeded; result not stored", self.actor_name,
-                                      claim.key)
-                return result
-            try:
-                with store.begin() as conn:
-                    runs.complete(conn, claim, stored)
-            except StaleFenceToken:
-                runs.record_fenced_out(store, claim)
-                raise
-            state.completed = True
+            result = execution.run_body(state, lambda: body(*args, **kwargs))
+            execution.complete_after_body(state, result, logger=log)
             return result
         except StaleFenceToken:
             raise
@@ -403,17 +384,15 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
                        settings: Settings, max_attempts: int, message: Any) -> Any:
         kind = execution.classify(exc, transient=execution.transient_defaults(
             *_interrupts(), *_broker_errors()))
-        try:
-            decision = execution.failure_decision(
-                store, claim, exc, kind, max_attempts=max_attempts,
-                base_seconds=settings.retry_base_seconds, cap_seconds=settings.retry_cap_seconds,
-                payload=self._payload(claim, message))
-        except Exception as record_exc:  # store unreachable: never drop the work
-            log.exception("%s: could not record the failure of %s; retrying", self.actor_name,
-                          claim.key)
-            raise dramatiq.Retry(delay=int(settings.retry_base_seconds * 1000)) from record_exc
+        decision = execution.failure_decision(
+            store, claim, exc, kind, max_attempts=max_attempts,
+            base_seconds=settings.retry_base_seconds, cap_seconds=settings.retry_cap_seconds,
+            payload=self._payload(claim, message), task_name=self.actor_name, logger=log)
         if decision.verb == "fenced_out":
             raise StaleFenceToken(claim.key, claim.fence_token) from exc
+        if decision.verb == "retry_unrecorded":  # the dead letter could not be written
+            raise dramatiq.Retry(delay=max(1, int(decision.seconds * 1000))
+                                 ) from decision.unrecorded
         if decision.verb == "retry_in":
             log.warning("%s: %s attempt %d failed (%s); retry in %.2fs", self.actor_name,
                         claim.key, claim.attempt, type(exc).__name__, decision.seconds)

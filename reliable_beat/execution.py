@@ -42,6 +42,7 @@ __all__ = [
     "classify",
     "complete_after_body",
     "failure_decision",
+    "run_and_complete",
     "run_body",
     "storable_result",
     "transient_defaults",
@@ -198,6 +199,21 @@ def run_body(state: RunState, body: Callable[[], Any]) -> Any:
         return body()
     finally:
         r.discard(state)
+
+
+def run_and_complete(state: RunState, body: Callable[[], Any], *,
+                     logger: logging.Logger | None = None) -> Any:
+    """:func:`run_body` then :func:`complete_after_body`: the happy path of an execution.
+
+    Returns:
+        What ``body()`` returned.
+
+    Raises:
+        StaleFenceToken: see :func:`complete_after_body`; anything ``body()`` raises.
+    """
+    result = run_body(state, body)
+    complete_after_body(state, result, logger=logger)
+    return result
 
 
 def complete_after_body(state: RunState, result: Any, *,

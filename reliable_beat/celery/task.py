@@ -945,9 +945,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         states[id(self)] = state
         body = super().__call__
         try:
-            result = execution.run_body(state, lambda: body(*args, **kwargs))
-            execution.complete_after_body(state, result, logger=log)
-            return result
+            return execution.run_and_complete(state, lambda: body(*args, **kwargs), logger=log)
         except StaleFenceToken:
             raise
         except (Retry, Ignore, Reject) as exc:

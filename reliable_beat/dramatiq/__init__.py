@@ -366,9 +366,7 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         token = _run.set(RunContext(state=state, settings=settings))
         body = super().__call__
         try:
-            result = execution.run_body(state, lambda: body(*args, **kwargs))
-            execution.complete_after_body(state, result, logger=log)
-            return result
+            return execution.run_and_complete(state, lambda: body(*args, **kwargs), logger=log)
         except StaleFenceToken:
             raise
         except BaseException as exc:
@@ -499,27 +497,18 @@ def _publish_errors(exc: Exception) -> Exception:
 
 @dataclass
 class DramatiqPublisher:
-    """The core loop's :class:`~reliable_beat.loop.Publisher` for a Dramatiq broker."""
+    """The core loop's :class:`~reliable_beat.loop.HoldingPublisher` for a Dramatiq broker:
+    one ``dramatiq.Message`` per trigger row (:func:`message_for_trigger`), enqueued on the
+    broker; an expired trigger is :class:`~reliable_beat.handlers.MessageExpiredError`, an
+    unreachable broker :class:`~reliable_beat.handlers.DestinationUnavailableError`."""
 
     broker: Any
     destination: str = TRIGGER_DESTINATION
 
     def publish(self, messages: Sequence[OutboxMessage], now: datetime
                 ) -> list[tuple[int, BaseException | None]]:
-        from reliable_beat.handlers import MessageExpiredError
-
-        out: list[tuple[int, BaseException | None]] = []
-        for m in messages:
-            try:
-                payload = m.payload if isinstance(m.payload, Mapping) else {}
-                expires_at = _parse_instant(payload.get("expires_at"))
-                if expires_at is not None and now >= expires_at:
-                    raise MessageExpiredError(f"{m.message_id}: expired at {expires_at}")
-                self.broker.enqueue(message_for_trigger(self.broker, payload))
-                out.append((m.id, None))
-            except Exception as exc:
-                out.append((m.id, _publish_errors(exc)))
-        return out
+        """Enqueue trigger rows now (see :meth:`publish_at`)."""
+        return self.publish_at(messages, now, lambda: None)
 
     def publish_at(self, messages: Sequence[OutboxMessage], now: datetime,
                    wait: Callable[[], None]) -> list[tuple[int, BaseException | None]]:
@@ -537,7 +526,7 @@ class DramatiqPublisher:
                 if expires_at is not None and now >= expires_at:
                     raise MessageExpiredError(f"{m.message_id}: expired at {expires_at}")
                 built.append((m.id, message_for_trigger(self.broker, payload)))
-            except Exception as exc:
+            except Exception as exc:  # expired, or no such actor: this message only
                 out[m.id] = _publish_errors(exc)
         wait()
         for outbox_id, message in built:

@@ -66,10 +66,12 @@ def test_core_modules_import_without_celery_or_kombu() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _seed_due(store: Store, name: str = "e", task: str = "t") -> datetime:
+def _seed_due(store: Store, name: str = "e", task: str = "t",
+              ahead: timedelta = timedelta(seconds=-30)) -> datetime:
+    """An entry every 60 s whose next slot is ``ahead`` from now (default 30 s ago: due)."""
     with store.begin() as conn:
         now = store.now(conn).replace(microsecond=0)
-    anchor = now - timedelta(seconds=30)
+    anchor = now + ahead
     d = EntryDefinition(name=name, task=task, schedule=sch.IntervalSchedule(
         timedelta(seconds=60), anchor))
     with store.begin() as conn:
@@ -172,16 +174,7 @@ def test_beat_loop_claims_ahead_holds_and_publishes_at_the_slot(sqlite_store: St
     pub = _TimedRecorder()
     loop = BeatLoop(store=store, settings=Settings(claim_ahead_seconds=3), publisher=pub,
                     owner="t:1")
-    with store.begin() as conn:
-        now = store.now(conn)
-    slot = now.replace(microsecond=0) + timedelta(seconds=2)  # 1-2 s away
-    d = EntryDefinition(name="ahead", task="t", schedule=sch.IntervalSchedule(
-        timedelta(seconds=60), slot))
-    with store.begin() as conn:
-        values = d.row_values()
-        values.update(next_fire_at=slot, created_at=now, updated_at=now, enabled=True,
-                      paused=False)
-        conn.execute(entries.insert().values(**values))
+    slot = _seed_due(store, "ahead", ahead=timedelta(seconds=2))  # 1-2 s away
     loop.step()
     assert pub.published == []  # claimed and committed, but held until the slot
     assert _run_state(store) == "scheduled"

@@ -73,10 +73,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from reliable_beat.celery.commands import CliContext
+    from reliable_beat.cli import CliContext
 
 # ctx.obj of the reliable-beat group is the CliContext (click.pass_obj, not the group's
-# pass_cli: importing reliable_beat.celery.commands here would be circular, since it imports
+# pass_cli: importing reliable_beat.cli here would be circular, since it imports
 # this module to register the commands)
 pass_cli = click.pass_obj
 
@@ -229,7 +229,7 @@ class StoreCollector:
         )
 
     def _read(self) -> dict[str, Any]:
-        from reliable_beat.cli_status import quarantine_counts
+        from reliable_beat.cli.status import quarantine_counts
         from reliable_beat.relay import outbox_status
 
         with self.store.engine.connect() as conn:

@@ -34,6 +34,7 @@ from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.beat import TRIGGER_DESTINATION, Beat, TickResult, Trigger, trigger_message_id
 from reliable_beat.celery.brokers import warn_broker_timeouts
+from reliable_beat.celery.publishing import publish_celery_batch
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
@@ -51,7 +52,7 @@ from reliable_beat.groups import (
     record_beat,
     schedule_group_of,
 )
-from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
+from reliable_beat.handlers import MessageExpiredError
 from reliable_beat.logs import RepeatedLog, event
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger, redact_text
@@ -124,8 +125,8 @@ def publish_triggers(
     Args:
         now: the store's clock at the publish (UTC), for the ``expires_at`` check.
         wait: called right before the first message can reach the broker (see
-            :func:`~reliable_beat.handlers.publish_celery_batch`): the beat sleeps there until
-            the slot of triggers it claimed ahead.
+            :func:`~reliable_beat.celery.publishing.publish_celery_batch`): the beat sleeps
+            there until the slot of triggers it claimed ahead.
         unmarked: when the marks cannot be written (database gone), ``(sent ids, expired
             ids)`` is appended here so the caller records them first when the database
             returns (before any sweep of its own); None: they are only logged.

@@ -1,10 +1,15 @@
-"""The ``reliable-beat`` click group: standalone (``reliable-beat ...``) and as a Celery
-sub-command (``celery -A proj reliable-beat ...``, through the ``celery.commands`` entry point).
+"""The ``reliable-beat`` command line: the root click group and what every command shares.
 
-Each command gets a :class:`CliContext` (``ctx.find_object(CliContext)``) holding the Celery
-app (when one was given), the :class:`~reliable_beat.settings.Settings` read from it, and a
-lazily created :class:`~reliable_beat.db.dialects.Store`. Command modules register themselves
-in :data:`COMMAND_MODULES`.
+Framework-neutral: standalone (``reliable-beat ...``, :func:`main`), and mounted by each
+adapter (``celery -A proj reliable-beat ...`` through the ``celery.commands`` entry point,
+:mod:`reliable_beat.celery.commands`). ``-A`` names a Celery app, loaded through the Celery
+adapter (:func:`load_app`; without ``reliable-beat[celery]`` installed it is a clear error,
+every command without ``-A`` works).
+
+Each command gets a :class:`CliContext` (``ctx.find_object(CliContext)``) holding the
+framework app (when one was given), the :class:`~reliable_beat.settings.Settings` read from
+it, and a lazily created :class:`~reliable_beat.db.dialects.Store`. Command modules register
+themselves in :data:`COMMAND_MODULES`.
 
 Output conventions, the same for every command:
 
@@ -21,7 +26,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, NoReturn
@@ -46,8 +50,9 @@ __all__ = [
     "CliContext",
     "fail",
     "jsonable",
+    "load_app",
+    "main",
     "pass_cli",
-    "prepare_app",
     "reliable_beat",
 ]
 
@@ -106,16 +111,16 @@ def fail(message: str, code: int = 1, *, kind: str = "error",
 
 #: Modules whose import adds commands to :func:`reliable_beat` (each defines ``register(group)``).
 COMMAND_MODULES = [
-    "reliable_beat.cli_db",
-    "reliable_beat.cli_entries",
-    "reliable_beat.cli_relay",
-    "reliable_beat.cli_status",
+    "reliable_beat.cli.db",
+    "reliable_beat.cli.entries",
+    "reliable_beat.cli.relay",
+    "reliable_beat.cli.status",
     "reliable_beat.metrics",
-    "reliable_beat.cli_runs",
-    "reliable_beat.cli_schedule",
-    "reliable_beat.cli_workflows",
-    "reliable_beat.cli_purge",
-    "reliable_beat.cli_dramatiq",
+    "reliable_beat.cli.runs",
+    "reliable_beat.cli.schedule",
+    "reliable_beat.cli.workflows",
+    "reliable_beat.cli.purge",
+    "reliable_beat.cli.dramatiq",
 ]
 
 
@@ -210,35 +215,35 @@ class _Group(click.Group):
             fail(exc.format_message(), exc.exit_code)
 
 
-def _load_app(spec: str) -> Any:
-    from celery.app.utils import find_app
-
-    sys.path.insert(0, ".")
-    return find_app(spec)
+#: The ``-A`` loader: ``(load(spec) -> app, prepare(app) -> app)``, from the Celery adapter.
+CELERY_EXTRA_HINT = "pip install 'reliable-beat[celery]'"
 
 
-def prepare_app(app: Any) -> Any:
-    """Load the app's tasks the way ``celery -A proj worker`` does before it consumes: import
-    the modules of ``imports`` / ``include`` and the packages given to ``autodiscover_tasks``
-    (the loader's ``import_default_modules``, which sends ``import_modules``), then finalize
-    the app. So ``entries add --task proj.tasks.record`` and ``entries describe`` know every
-    task a worker of the same app knows.
+def load_app(spec: str | None, parent_app: Any = None) -> Any:
+    """The app for ``-A spec`` (or the one ``celery -A proj reliable-beat`` already loaded,
+    ``parent_app``), with its task modules imported, or None when neither is given.
 
-    Returns:
-        ``app``.
+    ``-A`` names a Celery app (``module`` or ``module:attr``); it is loaded by the Celery
+    adapter (:func:`reliable_beat.celery.commands.load_celery_app`,
+    :func:`~reliable_beat.celery.commands.prepare_app`).
 
     Raises:
-        click.ClickException: a task module fails to import (the message names it; exit 1).
+        click.ClickException: the Celery adapter cannot be imported (Celery is not installed:
+            the message names the ``reliable-beat[celery]`` extra), or a task module of the
+            app fails to import.
     """
+    if not spec and parent_app is None:
+        return None
     try:
-        app.loader.import_default_modules()
-        app.finalize(auto=True)
-    except Exception as exc:
+        from reliable_beat.celery.commands import load_celery_app, prepare_app
+    except ImportError as exc:
+        what = f"-A {spec}" if spec else "the parent command's app"
         raise click.ClickException(
-            f"could not load the task modules of app {getattr(app, 'main', app)!r}: "
-            f"{type(exc).__name__}: {exc}"
+            f"{what}: loading a Celery app needs the Celery adapter, which cannot be imported "
+            f"({exc}); install it with {CELERY_EXTRA_HINT}, or run without -A "
+            "(--database-url) for the commands that need no app"
         ) from exc
-    return app
+    return prepare_app(load_celery_app(spec) if spec else parent_app)
 
 
 @click.group(name="reliable-beat", cls=_Group)
@@ -251,13 +256,9 @@ def prepare_app(app: Any) -> Any:
 @click.pass_context
 def reliable_beat(ctx: click.Context, app_spec: str | None, database_url: str | None) -> None:
     """Effectively-once periodic tasks for Celery: schema, entries, runs, relay, status."""
-    app: Any = None
     parent = ctx.find_object(object) if ctx.parent is not None else None
-    if app_spec:
-        app = prepare_app(_load_app(app_spec))
-    elif getattr(parent, "app", None) is not None:
-        # running as `celery -A proj reliable-beat ...`: Celery loaded the app, not its tasks
-        app = prepare_app(parent.app)  # type: ignore[attr-defined]
+    # mounted as `celery -A proj reliable-beat ...`: Celery loaded the app, not its tasks
+    app = load_app(app_spec, getattr(parent, "app", None))
     ctx.obj = CliContext(app=app, database_url=database_url)
 
 
@@ -267,3 +268,8 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+def main() -> None:
+    """Run the ``reliable-beat`` command line (the console script)."""
+    reliable_beat(prog_name="reliable-beat")

@@ -20,8 +20,8 @@ import click
 
 from reliable_beat import importers, runtime
 from reliable_beat import schedules as sch
-from reliable_beat.celery.commands import CliContext, fail, pass_cli
-from reliable_beat.cli_status import jsonable
+from reliable_beat.cli import CliContext, fail, pass_cli
+from reliable_beat.cli.status import jsonable
 from reliable_beat.entries import (
     EntryDefinition,
     definition_from_celery,
@@ -55,7 +55,7 @@ _POLICY_OPTIONS = (
 
 def handle_errors(fn: F) -> F:
     """Map library errors to exit codes: bad input 2, not found / database down 1 (printed
-    by :func:`~reliable_beat.celery.commands.fail`: text or, with ``--json``, JSON)."""
+    by :func:`~reliable_beat.cli.fail`: text or, with ``--json``, JSON)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -12,6 +12,7 @@ it through the adapter hook (:mod:`reliable_beat.adapters`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __all__ = ["CELERY_RANGE", "KOMBU_RANGE", "IdempotentTask", "ReliableScheduler"]
@@ -23,15 +24,9 @@ _EXTRA = "pip install 'reliable-beat[celery]'"
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
-    parts: list[int] = []
-    for piece in text.split("."):
-        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-        if not piece.isdigit():
-            break
-    return tuple(parts)
+    """The release numbers of a version string: ``"5.3.0rc1"`` -> ``(5, 3, 0)``."""
+    match = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(p) for p in match.group(0).split(".")) if match else ()
 
 
 def _check(dist: str, low: tuple[int, ...], high: tuple[int, ...]) -> None:

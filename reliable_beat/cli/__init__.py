@@ -215,7 +215,7 @@ class _Group(click.Group):
             fail(exc.format_message(), exc.exit_code)
 
 
-#: The ``-A`` loader: ``(load(spec) -> app, prepare(app) -> app)``, from the Celery adapter.
+#: How to install the Celery adapter (named by every error about a missing Celery).
 CELERY_EXTRA_HINT = "pip install 'reliable-beat[celery]'"
 
 
@@ -238,10 +238,10 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
         from reliable_beat.celery.commands import load_celery_app, prepare_app
     except ImportError as exc:
         what = f"-A {spec}" if spec else "the parent command's app"
+        hint = "" if CELERY_EXTRA_HINT in str(exc) else f" ({CELERY_EXTRA_HINT})"
         raise click.ClickException(
-            f"{what}: loading a Celery app needs the Celery adapter, which cannot be imported "
-            f"({exc}); install it with {CELERY_EXTRA_HINT}, or run without -A "
-            "(--database-url) for the commands that need no app"
+            f"{what}: a Celery app needs the Celery adapter: {exc}{hint}; the commands run "
+            "with --database-url instead of -A work without Celery"
         ) from exc
     return prepare_app(load_celery_app(spec) if spec else parent_app)
 

@@ -74,10 +74,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from reliable_beat.celery.commands import CliContext
+    from reliable_beat.cli import CliContext
 
 # ctx.obj of the reliable-beat group is the CliContext (click.pass_obj, not the group's
-# pass_cli: importing reliable_beat.celery.commands here would be circular, since it imports
+# pass_cli: importing reliable_beat.cli here would be circular, since it imports
 # this module to register the commands)
 pass_cli = click.pass_obj
 

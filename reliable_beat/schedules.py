@@ -37,6 +37,7 @@ from __future__ import annotations
 import abc
 import heapq
 import re
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta, timezone
@@ -1175,10 +1176,9 @@ def from_celery(
     where = f"entry {entry!r}: "
     if isinstance(obj, Schedule):
         return obj
-    try:
-        from celery import schedules as celery_schedules
-    except ImportError:  # pragma: no cover - celery is a dependency
-        celery_schedules = None  # type: ignore[assignment]
+    # A Celery schedule object exists only once celery.schedules is imported: look it up
+    # instead of importing Celery (the core imports no framework; Celery is an extra).
+    celery_schedules: Any = sys.modules.get("celery.schedules")
     relative_hint = (
         "Celery's relative=True rounds each run to the interval's resolution counted from "
         "when beat started, so its slots move with every restart; reliable_beat slots sit "

@@ -31,12 +31,12 @@ from celery.beat import Scheduler
 from reliable_beat import loop as core
 from reliable_beat.beat import TRIGGER_DESTINATION, Trigger
 from reliable_beat.celery.brokers import warn_broker_timeouts
+from reliable_beat.celery.publishing import publish_celery_batch
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.entries import EntryDefinition, definitions_from_beat_schedule
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.groups import schedule_group_of
-from reliable_beat.handlers import publish_celery_batch
 from reliable_beat.logs import RepeatedLog
 from reliable_beat.loop import SWEEP_SECONDS, BeatLoop, deferred_stop_signals
 from reliable_beat.outbox import OutboxMessage
@@ -55,8 +55,8 @@ log = get_logger("reliable_beat.scheduler")
 @dataclass
 class CeleryPublisher:
     """The core loop's :class:`~reliable_beat.loop.HoldingPublisher` for a Celery app:
-    :func:`~reliable_beat.handlers.publish_celery_batch` (one producer; on Redis one pipeline,
-    built ahead and flushed at the slot's instant; on RabbitMQ publisher confirms).
+    :func:`~reliable_beat.celery.publishing.publish_celery_batch` (one producer; on Redis one
+    pipeline, built ahead and flushed at the slot's instant; on RabbitMQ publisher confirms).
 
     Attributes:
         app: the Celery app (its ``send_task``, routes and registered tasks).
@@ -95,7 +95,12 @@ def publish_triggers(
     Args:
         now: the store's clock at the publish (UTC), for the ``expires_at`` check.
         wait: called right before the first message can reach the broker (see
-            :func:`~reliable_beat.handlers.publish_celery_batch`).
+<<<<<<< HEAD
+            :func:`~reliable_beat.celery.publishing.publish_celery_batch`).
+=======
+            :func:`~reliable_beat.celery.publishing.publish_celery_batch`): the beat sleeps
+            there until the slot of triggers it claimed ahead.
+>>>>>>> layout
         unmarked: when the marks cannot be written (database gone), ``(sent ids, expired
             ids)`` is appended here; None: they are only logged.
 

@@ -190,8 +190,8 @@ class EntryAdmin(_ReadOnlyAdmin):
         from django.core.exceptions import PermissionDenied
         from django.shortcuts import redirect
 
-        from reliable_beat.celery.commands import CliContext
-        from reliable_beat.cli_entries import build_definition
+        from reliable_beat.cli import CliContext
+        from reliable_beat.cli.entries import build_definition
 
         if not self.has_edit_permission(request):
             raise PermissionDenied
@@ -241,8 +241,8 @@ class EntryAdmin(_ReadOnlyAdmin):
 
     @admin.display(description="schedule")
     def schedule_in_words(self, obj: Entry) -> str:
-        from reliable_beat.celery.commands import reliable_beat  # noqa: F401 (CLI first)
-        from reliable_beat.cli_entries import schedule_text
+        from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
+        from reliable_beat.cli.entries import schedule_text
 
         return schedule_text(dict(obj.schedule or {}))
 
@@ -467,7 +467,7 @@ class OutboxAdmin(_ReadOnlyAdmin):
 
     def changelist_view(self, request: HttpRequest,
                         extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        from reliable_beat.cli_status import outbox_backlog
+        from reliable_beat.cli.status import outbox_backlog
 
         with conf.store().engine.connect() as conn:
             backlog = outbox_backlog(conn, datetime.now(timezone.utc))

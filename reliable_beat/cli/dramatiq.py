@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from reliable_beat.celery.commands import CliContext, fail, pass_cli
+from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.errors import ConfigurationError
 
 __all__ = ["register"]

@@ -20,7 +20,7 @@ import click
 from sqlalchemy import and_, func, select
 from sqlalchemy.engine import Connection
 
-from reliable_beat.celery.commands import CliContext, fail, jsonable, pass_cli
+from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, outbox, runs
 from reliable_beat.errors import StoreUnavailableError

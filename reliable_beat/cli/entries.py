@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 
 import click
 
-from reliable_beat import importers, runtime
+from reliable_beat import runtime
 from reliable_beat import schedules as sch
-from reliable_beat.celery.commands import CliContext, fail, pass_cli
-from reliable_beat.cli_status import jsonable
+from reliable_beat.cli import CliContext, fail, pass_cli
+from reliable_beat.cli.status import jsonable
 from reliable_beat.entries import (
     EntryDefinition,
     definition_from_celery,
@@ -56,7 +56,7 @@ _POLICY_OPTIONS = (
 
 def handle_errors(fn: F) -> F:
     """Map library errors to exit codes: bad input 2, not found / database down 1 (printed
-    by :func:`~reliable_beat.celery.commands.fail`: text or, with ``--json``, JSON)."""
+    by :func:`~reliable_beat.cli.fail`: text or, with ``--json``, JSON)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -567,6 +567,12 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     last run: that slot is not sent twice, and one missed at the cutover meets the entry's
     misfire policy. Disabled entries come in paused; a name that already exists is left alone.
     """
+    try:  # RedBeat and django-celery-beat are Celery's: their importers are the adapter's
+        from reliable_beat.celery import importers
+    except ImportError as exc:
+        raise click.ClickException(
+            f"importing {source} entries needs the Celery adapter ({exc}); install it with "
+            "pip install 'reliable-beat[celery]'") from exc
     app = cli.app
     zone = celery_timezone(app) if app is not None else "UTC"
     if source == "redbeat":

@@ -340,11 +340,12 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
 
     Every destination: ``message_id`` and ``destination`` non-empty strings, ``headers`` an
     object, ``ordering_key`` a string or null, ``run_id`` an integer or null, ``attempts`` an
-    integer, ``available_at`` / ``created_at`` instants. Destination ``celery`` (the triggers)
-    also: ``payload`` an object with ``task`` (string), ``args`` (array), ``kwargs``
-    (object), ``options`` / ``headers`` (objects or null), ``task_id`` (string or null) and
-    ``expires_at`` (ISO 8601 with offset, or null). Other destinations' payload shapes are
-    their handler's business (a handler error fails that one message).
+    integer, ``available_at`` / ``created_at`` instants. A trigger destination (``celery``,
+    ``dramatiq``: :data:`reliable_beat.beat.TRIGGER_DESTINATIONS`) also: ``payload`` an
+    object with ``task`` (string), ``args`` (array), ``kwargs`` (object), ``options`` /
+    ``headers`` (objects or null), ``task_id`` (string or null) and ``expires_at`` (ISO 8601
+    with offset, or null). Other destinations' payload shapes are their handler's business
+    (a handler error fails that one message).
     """
     problems: list[str] = []
     for col in ("message_id", "destination"):
@@ -362,10 +363,13 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     for col in ("available_at", "created_at"):
         if not _is_instant(row.get(col)):
             problems.append(f"{col}={raw_repr(row.get(col))}: expected a UTC instant")
-    if row.get("destination") == "celery":  # the Celery trigger payload's shape
+    from reliable_beat.beat import TRIGGER_DESTINATIONS  # beat imports this module
+
+    if row.get("destination") in TRIGGER_DESTINATIONS:  # a beat trigger payload's shape
         payload = row.get("payload")
         if not isinstance(payload, Mapping):
-            problems.append(f"payload={raw_repr(payload)}: a celery trigger needs a JSON object")
+            problems.append(f"payload={raw_repr(payload)}: a {row.get('destination')} trigger "
+                            "needs a JSON object")
         else:
             problems += [
                 f"payload.{p}"

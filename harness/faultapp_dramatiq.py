@@ -20,7 +20,7 @@ from typing import Any
 import dramatiq
 
 from harness.faultcore import CONFIG, effect_body, reliable_settings
-from reliable_beat.dramatiq import IdempotentActor, ReliableBeat, current
+from reliable_beat.dramatiq import IdempotentActor, ReliableBeat, current, rabbitmq_url
 
 __all__ = ["ACTOR", "QUEUE", "broker", "effect", "schedule"]
 
@@ -34,7 +34,7 @@ def _broker() -> Any:
     if url.startswith("amqp"):
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-        return RabbitmqBroker(url=url, confirm_delivery=True)
+        return RabbitmqBroker(url=rabbitmq_url(url), confirm_delivery=True)
     from dramatiq.brokers.redis import RedisBroker
 
     return RedisBroker(url=url, namespace="faults", heartbeat_timeout=10_000,  # type: ignore[no-untyped-call]

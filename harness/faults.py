@@ -789,12 +789,13 @@ class Harness:
         """Enqueue the trigger again, as Dramatiq's broker would redeliver it (same
         ``message_id``), on a broker of the harness's own (no middleware, no actors)."""
         from harness.faultapp_dramatiq import QUEUE
-        from reliable_beat.dramatiq import message_for_trigger
+        from reliable_beat.dramatiq import message_for_trigger, rabbitmq_url
 
         if self.broker_url.startswith("amqp"):
             from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-            broker: Any = RabbitmqBroker(url=self.broker_url, confirm_delivery=True)
+            broker: Any = RabbitmqBroker(url=rabbitmq_url(self.broker_url),
+                                         confirm_delivery=True)
         else:
             from dramatiq.brokers.redis import RedisBroker
 

@@ -62,6 +62,7 @@ __all__ = [
     "RunContext",
     "current",
     "definitions",
+    "rabbitmq_url",
     "record_skipped_message",
     "requeue_dead_letter",
 ]
@@ -625,6 +626,22 @@ class DramatiqHandler:
             self.broker.enqueue(msg, delay=payload.get("delay_ms"))
         except Exception as exc:
             raise _publish_errors(exc) from exc
+
+
+def rabbitmq_url(url: str) -> str:
+    """An ``amqp://`` URL as pika (Dramatiq's ``RabbitmqBroker``) reads it.
+
+    Celery/kombu write the default vhost ``/`` as a trailing ``//``
+    (``amqp://guest@host:5672//``); pika reads that path as the vhost ``""`` and RabbitMQ
+    refuses the connection (``NOT_ALLOWED - vhost  not found``). This returns the same URL
+    with the vhost spelled ``%2F``; any other URL is returned unchanged.
+    """
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.scheme.startswith("amqp") and parts.path == "//":
+        return urlunsplit(parts._replace(path="/%2F"))
+    return url
 
 
 def requeue_dead_letter(broker: Any, store: Any, dead_letter_id: int, *, by: str,

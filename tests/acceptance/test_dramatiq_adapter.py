@@ -86,7 +86,9 @@ class DqEnv:
         if self.amqp:
             import pika
 
-            conn = pika.BlockingConnection(pika.URLParameters(self.redis_url))
+            from reliable_beat.dramatiq import rabbitmq_url
+
+            conn = pika.BlockingConnection(pika.URLParameters(rabbitmq_url(self.redis_url)))
             try:
                 return int(conn.channel().queue_declare(queue, passive=True)
                            .method.message_count)

@@ -48,7 +48,9 @@ if BROKER_URL.startswith("amqp"):
     # broker; a killed worker's unacked deliveries come back when its connection drops.
     from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-    broker = RabbitmqBroker(url=BROKER_URL, confirm_delivery=True)
+    from reliable_beat.dramatiq import rabbitmq_url
+
+    broker = RabbitmqBroker(url=rabbitmq_url(BROKER_URL), confirm_delivery=True)
 else:
     broker = RedisBroker(url=BROKER_URL, namespace=os.environ.get("RB_NAMESPACE", "dramatiq"),
                          heartbeat_timeout=3000, maintenance_chance=1_000_000)

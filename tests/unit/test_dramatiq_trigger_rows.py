@@ -42,3 +42,16 @@ def test_a_well_formed_dramatiq_trigger_passes() -> None:
 
 def test_other_destinations_payloads_are_their_handlers_business() -> None:
     assert check_outbox(_row("webhook", ["anything"])) == []
+
+
+def test_rabbitmq_url_spells_the_default_vhost_for_pika() -> None:
+    """kombu's ``//`` (vhost ``/``) is read by pika as the vhost ``""`` (refused by
+    RabbitMQ); ``rabbitmq_url`` spells it ``%2F``."""
+    pytest.importorskip("dramatiq")
+    from reliable_beat.dramatiq import rabbitmq_url
+
+    assert rabbitmq_url("amqp://guest:guest@h:5672//") == "amqp://guest:guest@h:5672/%2F"
+    assert rabbitmq_url("amqp://u:p@h:5672/prod") == "amqp://u:p@h:5672/prod"
+    assert rabbitmq_url("redis://h:6379/0") == "redis://h:6379/0"
+    pika = pytest.importorskip("pika")
+    assert pika.URLParameters(rabbitmq_url("amqp://g:g@h:1//")).virtual_host == "/"

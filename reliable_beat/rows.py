@@ -341,7 +341,8 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     Every destination: ``message_id`` and ``destination`` non-empty strings, ``headers`` an
     object, ``ordering_key`` a string or null, ``run_id`` an integer or null, ``attempts`` an
     integer, ``available_at`` / ``created_at`` instants. A trigger destination (``celery``,
-    ``dramatiq``: :data:`reliable_beat.beat.TRIGGER_DESTINATIONS`) also: ``payload`` an
+    ``dramatiq``: :data:`reliable_beat.beat.TRIGGER_DESTINATIONS`; a ``dramatiq`` row whose
+    payload names an ``actor`` is an application message, not a trigger) also: ``payload`` an
     object with ``task`` (string), ``args`` (array), ``kwargs`` (object), ``options`` /
     ``headers`` (objects or null), ``task_id`` (string or null) and ``expires_at`` (ISO 8601
     with offset, or null). Other destinations' payload shapes are their handler's business
@@ -365,8 +366,13 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
             problems.append(f"{col}={raw_repr(row.get(col))}: expected a UTC instant")
     from reliable_beat.beat import TRIGGER_DESTINATIONS  # beat imports this module
 
-    if row.get("destination") in TRIGGER_DESTINATIONS:  # a beat trigger payload's shape
-        payload = row.get("payload")
+    payload = row.get("payload")
+    destination = row.get("destination")
+    # The ``dramatiq`` destination also carries application messages, ``{"actor": ...}``
+    # (reliable_beat.dramatiq.DramatiqHandler): their shape is the handler's business.
+    app_message = (destination != "celery" and isinstance(payload, Mapping)
+                   and "actor" in payload)
+    if destination in TRIGGER_DESTINATIONS and not app_message:  # a trigger payload's shape
         if not isinstance(payload, Mapping):
             problems.append(f"payload={raw_repr(payload)}: a {row.get('destination')} trigger "
                             "needs a JSON object")

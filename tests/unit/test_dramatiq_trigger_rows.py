@@ -55,3 +55,12 @@ def test_rabbitmq_url_spells_the_default_vhost_for_pika() -> None:
     assert rabbitmq_url("redis://h:6379/0") == "redis://h:6379/0"
     pika = pytest.importorskip("pika")
     assert pika.URLParameters(rabbitmq_url("amqp://g:g@h:1//")).virtual_host == "/"
+
+
+def test_a_dramatiq_application_message_is_not_checked_as_a_trigger() -> None:
+    """The ``dramatiq`` destination also carries ``{"actor", ...}`` application messages
+    (``rb.outbox.add(tx, "dramatiq", {...})``): never dead-lettered as malformed triggers
+    (a regression the RabbitMQ run of the relay test caught)."""
+    assert check_outbox(_row("dramatiq", {"actor": "write_effect", "args": ["x"]})) == []
+    # a celery row is always a trigger, whatever it holds
+    assert check_outbox(_row("celery", {"actor": "write_effect"}))

@@ -22,7 +22,7 @@ from reliable_beat.celery.commands import CliContext, fail, pass_cli
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.redaction import get_logger
 
-__all__ = ["register", "wait_for_database"]
+__all__ = ["register", "start_entries", "wait_for_database"]
 
 _log = get_logger("reliable_beat.dramatiq.beat")
 
@@ -94,16 +94,46 @@ def beat(cli: CliContext, broker_spec: str, loglevel: str) -> None:
         definitions(broker, rb.schedule, now=datetime.now(timezone.utc), settings=settings)
     except ConfigurationError as exc:  # every bad entry, each named
         fail(str(exc), 2, kind="invalid")
-    if not wait_for_database(store, stop, run_migrations=settings.run_migrations):
-        return
     try:
-        counts = sync_entries(broker, store, settings, rb.schedule)
+        counts = start_entries(store, stop, lambda: sync_entries(broker, store, settings,
+                                                                 rb.schedule),
+                               run_migrations=settings.run_migrations)
     except ConfigurationError as exc:  # every bad entry, each named
         fail(str(exc), 2, kind="invalid")
+    if counts is None:  # stopped while waiting
+        return
     click.echo(f"dramatiq beat {settings.owner} on {store.safe_url}; entries {counts}", err=True)
     loop = BeatLoop(store=store, settings=settings, publisher=DramatiqPublisher(broker),
                     owner=settings.owner)
     loop.run_forever(stop)
+
+
+def start_entries(store: Any, stop: threading.Event, sync: Any, *,
+                  run_migrations: bool = False, max_delay: float = 30.0) -> Any:
+    """Wait for the database (:func:`wait_for_database`), then ``sync()`` the entries; a
+    database lost during the sync (a restart between the two) is waited for again, said on
+    stderr, never an exit. ``ConfigurationError`` from ``sync`` propagates (bad entries).
+
+    Returns:
+        What ``sync()`` returned, or None when ``stop`` was set while waiting.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    from reliable_beat.errors import StoreUnavailableError
+
+    delay = 1.0
+    while wait_for_database(store, stop, run_migrations=run_migrations, max_delay=max_delay):
+        try:
+            return sync()
+        except (StoreUnavailableError, DBAPIError) as exc:
+            msg = (f"dramatiq beat: database {store.safe_url} lost while syncing the entries "
+                   f"({store.describe_failure(exc)}); waiting for it, retrying in "
+                   f"{delay:.0f} s")
+            _log.error("%s", msg)
+            click.echo(msg, err=True)
+            stop.wait(delay)
+            delay = min(delay * 2, max_delay)
+    return None
 
 
 def wait_for_database(store: Any, stop: threading.Event, *, run_migrations: bool = False,

@@ -464,6 +464,13 @@ class BeatLoop:
                 migrate.ensure_schema(self.store, run_migrations=self.settings.run_migrations)
                 with self.store.begin() as conn:
                     now = self.store.now(conn)
+                definitions = (self.check_definitions(now) if self.definitions is not None
+                               else None)
+                unregistered = self._unregistered(definitions or [])
+                if definitions is not None:
+                    # inside the retry: a database lost between the wait and the sync (a
+                    # restart at that moment) is waited for again, never an exit
+                    self._sync(definitions, unregistered)
                 break
             except (StoreUnavailableError, DBAPIError) as exc:
                 why = self.store.describe_failure(exc)
@@ -477,16 +484,12 @@ class BeatLoop:
                 self.log.error("%s; waiting for it (checking again in %.0f s)", exc, delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
-        definitions = self.check_definitions(now) if self.definitions is not None else None
-        unregistered = self._unregistered(definitions or [])
         if self.settings.metrics_port is not None and self._metrics is None:
             from reliable_beat.metrics import serve
 
             self._metrics = serve(self.settings.metrics_port, self.store,
                                   addr=self.settings.metrics_host)
             self.log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
-        if definitions is not None:
-            self._sync(definitions, unregistered)
         if self._retention is None:  # bounded-batch purge of old history, in the background
             self._retention = start_retention(self.store, self.settings, role="beat")
         return True

@@ -344,11 +344,13 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
 
     Every destination: ``message_id`` and ``destination`` non-empty strings, ``headers`` an
     object, ``ordering_key`` a string or null, ``run_id`` an integer or null, ``attempts`` an
-    integer, ``available_at`` / ``created_at`` instants. Destination ``celery`` (the triggers)
-    also: ``payload`` an object with ``task`` (string), ``args`` (array), ``kwargs``
-    (object), ``options`` / ``headers`` (objects or null), ``task_id`` (string or null) and
-    ``expires_at`` (ISO 8601 with offset, or null). Other destinations' payload shapes are
-    their handler's business (a handler error fails that one message).
+    integer, ``available_at`` / ``created_at`` instants. A trigger destination (``celery``,
+    ``dramatiq``: :data:`reliable_beat.beat.TRIGGER_DESTINATIONS`; a ``dramatiq`` row whose
+    payload names an ``actor`` is an application message, not a trigger) also: ``payload`` an
+    object with ``task`` (string), ``args`` (array), ``kwargs`` (object), ``options`` /
+    ``headers`` (objects or null), ``task_id`` (string or null) and ``expires_at`` (ISO 8601
+    with offset, or null). Other destinations' payload shapes are their handler's business
+    (a handler error fails that one message).
     """
     problems: list[str] = []
     for col in ("message_id", "destination"):
@@ -366,10 +368,18 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     for col in ("available_at", "created_at"):
         if not _is_instant(row.get(col)):
             problems.append(f"{col}={raw_repr(row.get(col))}: expected a UTC instant")
-    if row.get("destination") == "celery":  # the Celery trigger payload's shape
-        payload = row.get("payload")
+    from reliable_beat.beat import TRIGGER_DESTINATIONS  # beat imports this module
+
+    payload = row.get("payload")
+    destination = row.get("destination")
+    # The ``dramatiq`` destination also carries application messages, ``{"actor": ...}``
+    # (reliable_beat.dramatiq.DramatiqHandler): their shape is the handler's business.
+    app_message = (destination != "celery" and isinstance(payload, Mapping)
+                   and "actor" in payload)
+    if destination in TRIGGER_DESTINATIONS and not app_message:  # a trigger payload's shape
         if not isinstance(payload, Mapping):
-            problems.append(f"payload={raw_repr(payload)}: a celery trigger needs a JSON object")
+            problems.append(f"payload={raw_repr(payload)}: a {row.get('destination')} trigger "
+                            "needs a JSON object")
         else:
             problems += [
                 f"payload.{p}"

@@ -433,7 +433,7 @@ def test_beat_waits_for_the_database_at_start_and_says_so(dq: DqEnv) -> None:
     url = make_url(dq.pg_url).set(database=name).render_as_string(hide_password=False)
     dq.extra["RB_DATABASE_URL"] = url
     beat = dq.beat("waiting")
-    dq.wait("database unavailable said", lambda: "unavailable at start" in dq.logs(), 90)
+    dq.wait("database unavailable said", lambda: "at start: " in dq.logs(), 90)
     assert beat.poll() is None, dq.logs()
     admin = sa.create_engine(dq.pg_url, isolation_level="AUTOCOMMIT")
     try:

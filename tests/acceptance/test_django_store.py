@@ -135,7 +135,7 @@ def test_beat_worker_and_status_use_the_django_database(project: Project, pg_url
     status = project.manage("reliable_beat", "status")
     assert status.returncode == 0, status.stdout + status.stderr
     first = status.stdout.splitlines()[0]
-    assert driver in first and f"from Django DATABASES['default']" in first, status.stdout
+    assert driver in first and "from Django DATABASES['default']" in first, status.stdout
     assert "auto-tick" in status.stdout
     # Nothing fell back to the embedded default store; no password in any banner.
     assert not (project.tmp / "reliable_beat.sqlite3").exists()

@@ -13,6 +13,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "djauto.settings")
 
 app = Celery("djauto")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()  # djshop/tasks.py, when the app's task modules are loaded
 
 
 @app.task(base=IdempotentTask, bind=True, name="djauto.record")

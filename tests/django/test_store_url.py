@@ -13,7 +13,7 @@ import pytest
 from django.conf import settings as django_settings
 from django.test import override_settings
 
-from reliable_beat.contrib.django import conf, database_url
+from reliable_beat.contrib.django import database_url
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.settings import Settings, database_url_from_sources
 

@@ -175,3 +175,34 @@ def test_the_setting_wins_over_the_django_database(project: Project, pg_url: str
                                  "WHERE datname = :n"), {"n": other})
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS {other}"))
         admin.dispose()
+
+
+@pytest.mark.mariadb
+def test_a_mysql_django_database_is_the_store(project: Project, mariadb_url: str) -> None:
+    """``DATABASES["default"]`` on Django's mysql backend (MariaDB here): the beat and
+    ``manage.py reliable_beat status`` derive ``mysql+pymysql://`` from it (the store's
+    driver, whatever Django's is)."""
+    beat, beat_log = project.beat(RB_DJANGO_MYSQL_URL=mariadb_url)
+    engine = sa.create_engine(mariadb_url)
+    deadline, fired = time.monotonic() + 150, 0
+    while time.monotonic() < deadline and fired < 2:
+        assert beat.poll() is None, project.logs()
+        try:
+            with engine.connect() as conn:
+                fired = int(conn.execute(sa.select(sa.func.count()).select_from(runs).where(
+                    runs.c.entry_name == "auto-tick")).scalar_one())
+        except sa.exc.ProgrammingError:  # no schema yet
+            fired = 0
+        time.sleep(0.5)
+    engine.dispose()
+    assert fired >= 2, f"no runs in the MariaDB database after 150 s\n{project.logs()}"
+    line = next(ln for ln in beat_log.read_text(errors="replace").splitlines()
+                if "store ->" in ln)
+    assert "mysql+pymysql://" in line and FROM_DJANGO in line, line
+    status = project.manage("reliable_beat", "status", RB_DJANGO_MYSQL_URL=mariadb_url)
+    assert status.returncode == 0, status.stdout + status.stderr
+    first = status.stdout.splitlines()[0]
+    assert "mysql+pymysql://" in first and "from Django DATABASES['default']" in first, (
+        status.stdout)
+    assert "auto-tick" in status.stdout
+    assert not (project.tmp / "reliable_beat.sqlite3").exists()

@@ -59,10 +59,10 @@ class Command(BaseCommand):
                 a.startswith("--app=") for a in args):
             app = conf.celery_app()
             if app is not None:  # handed over as `celery -A proj reliable-beat` does
-                extra["parent"] = click.Context(click.Group(prog_name.split(" ")[0]),
-                                                info_name=prog_name.split(" ")[0],
+                head, _, prog_name = prog_name.rpartition(" ")
+                extra["parent"] = click.Context(click.Group(head or "manage.py"),
+                                                info_name=head or "manage.py",
                                                 obj=SimpleNamespace(app=app))
-                prog_name = prog_name.split(" ", 1)[-1]
         try:
             reliable_beat.main(args=args, prog_name=prog_name, standalone_mode=True, **extra)
         except SystemExit as exc:

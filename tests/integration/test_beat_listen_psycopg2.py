@@ -1,4 +1,4 @@
-"""The beat's ``LISTEN reliable_beat_entries`` works where only psycopg2 is installed.
+"""The beat's and the relay's ``LISTEN`` work where only psycopg2 is installed.
 
 Before: ``_wait_for_notify`` imported psycopg 3 unconditionally, so a beat on a psycopg2-only
 install (a Django project on psycopg2) died with ModuleNotFoundError on its first idle wait.
@@ -55,3 +55,34 @@ def test_wait_for_notify_on_psycopg2_only(scheduler: Any, pg_store: Store,
     t.join()
     assert woken is True and took < 10.0, (woken, took)
     assert scheduler._wait_for_notify(0.1) is False  # the notification was consumed
+
+
+def test_relay_listener_on_psycopg2_only(pg_store: Store,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's LISTEN too: before, it failed to connect on every poll (a WARNING every
+    30 s) and only polled."""
+    pytest.importorskip("psycopg2", reason="pip install psycopg2-binary")
+    from reliable_beat.outbox import NOTIFY_CHANNEL as OUTBOX_CHANNEL
+    from reliable_beat.relay import _Listener
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    listener = _Listener(pg_store)
+    try:
+        assert listener.wait(0.2) is False
+        assert type(listener.conn).__module__.startswith("psycopg2")
+
+        def notify() -> None:
+            time.sleep(0.5)
+            with pg_store.engine.begin() as conn:
+                conn.execute(sa.text(f"NOTIFY {OUTBOX_CHANNEL}"))
+
+        t = threading.Thread(target=notify)
+        t.start()
+        started = time.monotonic()
+        woken = listener.wait(20.0)
+        took = time.monotonic() - started
+        t.join()
+        assert woken is True and took < 10.0, (woken, took)
+        assert listener.wait(0.1) is False
+    finally:
+        listener.close()

@@ -1,6 +1,6 @@
 """The store is the Django database when no ``reliable_beat_database_url`` is set: real
-``celery beat``, ``celery worker`` and ``manage.py reliable_beat status`` processes of a
-Django project (``tests/apps/djproj/djauto``, laid out as Celery's Django docs show) on a
+``celery beat``, ``celery worker``, ``manage.py reliable_beat relay`` and ``status`` processes
+of a Django project (``tests/apps/djproj/djauto``, laid out as Celery's Django docs show) on a
 real PostgreSQL (psycopg 3 and psycopg2) and Redis.
 
 Before: without the setting every process used its own ``sqlite:///reliable_beat.sqlite3``
@@ -70,6 +70,16 @@ class Project:
                           f"{self.queue}@%h", "--without-gossip", "--without-mingle",
                           "--without-heartbeat", "-l", "INFO")
 
+    def relay(self) -> tuple[subprocess.Popen[bytes], Path]:
+        """``manage.py reliable_beat relay`` (delivers the triggers' sweep and the outbox)."""
+        log = self.tmp / f"relay-{len(self.procs)}.log"
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "django", "reliable_beat", "relay"],
+                                    cwd=self.tmp, env=self.env(), stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((proc, log))
+        return proc, log
+
     def manage(self, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
         """``manage.py <args>`` (``python -m django`` is manage.py without the file)."""
         return subprocess.run([sys.executable, "-m", "django", *args], cwd=self.tmp,
@@ -114,9 +124,11 @@ def test_beat_worker_and_status_use_the_django_database(project: Project, pg_url
     password = sa.engine.make_url(pg_url).password
     beat, beat_log = project.beat()
     worker, worker_log = project.worker()
+    relay, relay_log = project.relay()
     deadline, done = time.monotonic() + 150, 0
     while time.monotonic() < deadline and done < 3:
         assert beat.poll() is None and worker.poll() is None, project.logs()
+        assert relay.poll() is None, project.logs()
         done = _succeeded(engine, "auto-tick")
         time.sleep(0.5)
     assert done >= 3, f"no runs in the Django database after 150 s\n{project.logs()}"
@@ -132,6 +144,10 @@ def test_beat_worker_and_status_use_the_django_database(project: Project, pg_url
     store_lines = [ln for ln in worker_text.splitlines() if "reliable_beat: store" in ln]
     assert store_lines and driver in store_lines[0] and FROM_DJANGO in store_lines[0], (
         worker_text[-3000:])
+    relay_text = relay_log.read_text(errors="replace")
+    store_lines = [ln for ln in relay_text.splitlines() if ln.startswith("relay ")]
+    assert store_lines and driver in store_lines[0] and FROM_DJANGO in store_lines[0], (
+        relay_text[-3000:])
     status = project.manage("reliable_beat", "status")
     assert status.returncode == 0, status.stdout + status.stderr
     first = status.stdout.splitlines()[0]

@@ -39,6 +39,7 @@ from reliable_beat.errors import (
     StoreUnavailableError,
 )
 from reliable_beat.groups import schedule_group_of
+from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 from reliable_beat.redaction import redact_value
 from reliable_beat.settings import celery_timezone
 
@@ -218,7 +219,10 @@ def build_definition(
             rb[key] = params[key]
     if params.get("timezone") is not None:
         rb["timezone"] = params["timezone"]
-    tz = rb.get("timezone") or "UTC"
+    # An entry without a zone of its own runs in the app's zone, as a beat_schedule entry
+    # does (Celery's app.timezone); without -A there is no app zone: UTC.
+    app_zone = celery_timezone(cli.app) if cli.app is not None else "UTC"
+    tz = rb.get("timezone") or app_zone
 
     given = [k for k in ("cron", "every", "at") if params.get(k) is not None]
     if len(given) > 1:
@@ -275,7 +279,7 @@ def build_definition(
     definition: EntryDefinition | None = None
     try:
         definition = definition_from_celery(
-            name, raw, default_timezone="UTC", settings=cli.settings, now=now,
+            name, raw, default_timezone=app_zone, settings=cli.settings, now=now,
             origin="runtime", is_idempotent=_task_checker(app),
         )
     except EntryValidationError as exc:
@@ -291,14 +295,15 @@ def _schedule_options(fn: F) -> F:
         click.option("--cron", help="Cron string (croniter syntax; 6 fields = seconds LAST)."),
         click.option("--every", type=click.IntRange(min=1), help="Interval in whole seconds."),
         click.option("--at", help="One-off instant, ISO 8601 with offset (e.g. ...T02:00:00Z)."),
-        click.option("--timezone", help="IANA zone the cron is evaluated in (default UTC)."),
+        click.option("--timezone", help="IANA zone the cron is evaluated in (default: the "
+                     "app's timezone with -A, as for beat_schedule entries; else UTC)."),
         click.option("--args", help="Positional arguments as a JSON array."),
         click.option("--kwargs", help="Keyword arguments as a JSON object."),
         click.option("--queue", help="Queue to publish the trigger to."),
         click.option("--misfire-policy", type=click.Choice(["skip", "fire_once", "catch_up"])),
         click.option("--misfire-grace", type=click.FloatRange(min=0),
                      help="Seconds a slot may be late and still count as on time."),
-        click.option("--catch-up-limit", type=click.IntRange(min=0),
+        click.option("--catch-up-limit", type=click.IntRange(min=0, max=MAX_CATCH_UP_LIMIT),
                      help="Most missed slots catch_up fires."),
         click.option("--overlap-policy", type=click.Choice(["allow", "skip", "buffer_one"])),
         click.option("--dst-nonexistent", type=click.Choice(["shift", "gap_end", "skip"]),

@@ -66,6 +66,7 @@ from urllib.parse import quote, unquote, urlsplit
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
+from reliable_beat.values import to_plain_json
 
 __all__ = [
     "CELERY_PROTOCOL_HEADERS",
@@ -1301,7 +1302,7 @@ class WebhookHandler:
     def _send(self, message: OutboxMessage, req: _WebhookRequest) -> None:
         httpcore = self._httpcore
         try:
-            content = json.dumps(req.body).encode()
+            content = json.dumps(to_plain_json(req.body)).encode()
         except (TypeError, ValueError) as exc:
             raise PermanentDeliveryError(f"{req.label}: body is not JSON ({exc})") from exc
         headers = [(k, v) for k, v in req.headers.items()]

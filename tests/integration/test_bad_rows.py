@@ -46,6 +46,7 @@ BAD_JSON: dict[str, dict[str, Any]] = {
                                    "timezone": "Mars/Olympus"}},
     "timezone_column": {"timezone": "Nowhere/Land"},
     "policy": {"misfire_policy": "sometimes"},
+    "limit_huge": {"catch_up_limit": 50_000},
 }
 #: SQLite only: text that is not JSON, or not an instant, in typed columns
 BAD_SQLITE_TEXT: dict[str, tuple[str, str]] = {

@@ -1,7 +1,8 @@
 """The beat's and the relay's ``LISTEN`` work where only psycopg2 is installed.
 
-Before: ``_wait_for_notify`` imported psycopg 3 unconditionally, so a beat on a psycopg2-only
-install (a Django project on psycopg2) died with ModuleNotFoundError on its first idle wait.
+Before: the beat loop's ``_wait_for_notify`` imported psycopg 3 unconditionally, so a beat on
+a psycopg2-only install (a Django project on psycopg2) died with ModuleNotFoundError on its
+first idle wait.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def scheduler(pg_store: Store) -> Iterator[Any]:
 def test_wait_for_notify_on_psycopg2_only(scheduler: Any, pg_store: Store,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)  # a psycopg2-only install
-    assert scheduler._wait_for_notify(0.2) is False  # connects, LISTENs, times out
-    assert type(scheduler._listen).__module__.startswith("psycopg2")
+    loop = scheduler.loop  # reliable_beat.loop.BeatLoop: the core loop the scheduler drives
+    assert loop._wait_for_notify(0.2) is False  # connects, LISTENs, times out
+    assert type(loop._listen).__module__.startswith("psycopg2")
 
     def notify() -> None:
         time.sleep(0.5)
@@ -50,11 +52,11 @@ def test_wait_for_notify_on_psycopg2_only(scheduler: Any, pg_store: Store,
     t = threading.Thread(target=notify)
     t.start()
     started = time.monotonic()
-    woken = scheduler._wait_for_notify(20.0)
+    woken = loop._wait_for_notify(20.0)
     took = time.monotonic() - started
     t.join()
     assert woken is True and took < 10.0, (woken, took)
-    assert scheduler._wait_for_notify(0.1) is False  # the notification was consumed
+    assert loop._wait_for_notify(0.1) is False  # the notification was consumed
 
 
 def test_relay_listener_on_psycopg2_only(pg_store: Store,

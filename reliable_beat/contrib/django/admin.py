@@ -42,6 +42,7 @@ from reliable_beat.contrib.django.models import (
     Run,
 )
 from reliable_beat.errors import EntryValidationError, ReliableBeatError
+from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
 _KEY_HEADER = "reliable_beat_key"
@@ -145,7 +146,8 @@ class RuntimeEntryForm(forms.Form):
     misfire_policy = forms.ChoiceField(required=False, choices=[
         ("", "-"), ("skip", "skip"), ("fire_once", "fire_once"), ("catch_up", "catch_up")])
     misfire_grace = forms.FloatField(required=False, min_value=0, help_text="seconds")
-    catch_up_limit = forms.IntegerField(required=False, min_value=0)
+    catch_up_limit = forms.IntegerField(required=False, min_value=0,
+                                        max_value=MAX_CATCH_UP_LIMIT)
     overlap_policy = forms.ChoiceField(required=False, choices=[
         ("", "-"), ("allow", "allow"), ("skip", "skip"), ("buffer_one", "buffer_one")])
 

@@ -893,23 +893,35 @@ class BeatLoop:
 
     def _wait_for_notify(self, timeout: float) -> bool:
         """Block up to ``timeout`` s on ``LISTEN reliable_beat_entries`` (or sleep when that
-        connection cannot be had). True: woken by a NOTIFY."""
-        import psycopg
-
+        connection cannot be had). True: woken by a NOTIFY. On psycopg 3, else psycopg2 (a
+        psycopg2-only install, e.g. a Django project on psycopg2, has no ``psycopg``)."""
         try:
             if self._listen is None or self._listen.closed:
                 url = make_url(self.store.url).set(drivername="postgresql")
-                self._listen = psycopg.connect(
-                    url.render_as_string(hide_password=False), autocommit=True,
-                    connect_timeout=5,
-                )
-                self._listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                dsn = url.render_as_string(hide_password=False)
+                try:
+                    import psycopg
+                except ImportError:
+                    import psycopg2  # type: ignore[import-untyped]
+
+                    self._listen = psycopg2.connect(dsn, connect_timeout=5)
+                    self._listen.autocommit = True
+                    with self._listen.cursor() as cur:
+                        cur.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                else:
+                    self._listen = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+                    self._listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
             conn = self._listen
             ready, _, _ = _select.select([conn.fileno()], [], [], timeout)
             notified = False
             if ready:
-                for _ in conn.notifies(timeout=0):
-                    notified = True
+                if hasattr(conn, "poll"):  # psycopg2
+                    conn.poll()
+                    notified = bool(conn.notifies)
+                    conn.notifies.clear()
+                else:
+                    for _ in conn.notifies(timeout=0):
+                        notified = True
             return notified
         except Exception as exc:
             self.log.debug("LISTEN unavailable (%s); sleeping instead", redact_text(exc))

@@ -973,7 +973,8 @@ UNHANDLED_AFTER_SECONDS = 60.0
 
 
 class _Listener:
-    """A dedicated autocommit psycopg connection ``LISTEN``-ing on the outbox channel."""
+    """A dedicated autocommit connection ``LISTEN``-ing on the outbox channel: psycopg 3,
+    else psycopg2 (a psycopg2-only install, e.g. a Django project on psycopg2)."""
 
     def __init__(self, store: Store) -> None:
         self.conninfo = store.engine.url.set(drivername="postgresql").render_as_string(
@@ -983,11 +984,31 @@ class _Listener:
         self._failures = RepeatedLog(log)  # one per poll during an outage: first, then 30 s
 
     def _connect(self) -> None:
-        import psycopg
+        try:
+            import psycopg
+        except ImportError:
+            import psycopg2  # type: ignore[import-untyped]
 
+            self.conn = psycopg2.connect(self.conninfo, connect_timeout=10,
+                                         application_name="reliable_beat:relay-listen")
+            self.conn.autocommit = True
+            with self.conn.cursor() as cur:
+                cur.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            return
         self.conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10,
                                     application_name="reliable_beat:relay-listen")
         self.conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+
+    def _wait_psycopg2(self, timeout: float) -> bool:
+        import select as _select
+
+        ready, _, _ = _select.select([self.conn.fileno()], [], [], timeout)
+        if not ready:
+            return False
+        self.conn.poll()
+        got = bool(self.conn.notifies)
+        self.conn.notifies.clear()  # one cycle serves them all
+        return got
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a notification; True if one arrived."""
@@ -995,6 +1016,8 @@ class _Listener:
             if self.conn is None or self.conn.closed:
                 self._connect()
                 self._failures.reset()
+            if hasattr(self.conn, "poll"):  # psycopg2
+                return self._wait_psycopg2(timeout)
             got = False
             for _ in self.conn.notifies(timeout=timeout, stop_after=1):
                 got = True

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,9 +28,12 @@ __all__ = [
     "DEFAULT_DATABASE_URL",
     "MAX_CLAIM_AHEAD_SECONDS",
     "PREFIX",
+    "DatabaseUrlSource",
     "Settings",
     "celery_timezone",
+    "database_url_from_sources",
     "host_timezone",
+    "register_database_url_source",
 ]
 
 PREFIX = "reliable_beat_"
@@ -37,6 +41,58 @@ PREFIX = "reliable_beat_"
 DEFAULT_DATABASE_URL = "sqlite:///reliable_beat.sqlite3"
 #: Upper bound of ``reliable_beat_claim_ahead_seconds``.
 MAX_CLAIM_AHEAD_SECONDS = 60.0
+
+
+#: A store-URL source: returns ``(url, origin)`` (origin: where the URL came from, for the
+#: banners, e.g. ``"Django DATABASES['default']"``) or None when it has nothing to say.
+DatabaseUrlSource = Callable[[], "tuple[str, str] | None"]
+_sources: dict[str, DatabaseUrlSource] = {}
+_sources_lock = threading.Lock()
+#: The environment variable read when no ``reliable_beat_database_url`` setting is given.
+DATABASE_URL_ENV = "RELIABLE_BEAT_DATABASE_URL"
+
+
+def register_database_url_source(name: str, source: DatabaseUrlSource) -> None:
+    """Register a framework's store-URL source (a hook: the core imports no framework).
+
+    When no ``reliable_beat_database_url`` setting (in any of its forms) is given and
+    ``$RELIABLE_BEAT_DATABASE_URL`` is not set, the store URL is the first answer of the
+    registered sources (in registration order), before :data:`DEFAULT_DATABASE_URL`. The
+    Django app registers one in its ``AppConfig.ready()``: the store is then the Django
+    database (:func:`reliable_beat.contrib.django.conf.django_store_url`). Registering the
+    same ``name`` again replaces the source. Safe from several threads.
+
+    Args:
+        name: a stable name of the source (e.g. ``"django"``).
+        source: ``() -> (url, origin) | None``; it may raise ``ConfigurationError`` (e.g.
+            an unsupported Django database ENGINE): that stops the process with the message.
+    """
+    with _sources_lock:
+        _sources[name] = source
+
+
+def database_url_from_sources() -> tuple[str, str] | None:
+    """The first ``(url, origin)`` of the registered sources, or None.
+
+    Raises:
+        ConfigurationError: a source could not derive a URL (its message names the fix).
+    """
+    with _sources_lock:
+        sources = list(_sources.values())
+    for source in sources:
+        found = source()
+        if found is not None:
+            return found
+    return None
+
+
+def _default_database_url() -> str:
+    """``$RELIABLE_BEAT_DATABASE_URL``, else a registered source's URL, else the default."""
+    env = os.environ.get(DATABASE_URL_ENV)
+    if env:
+        return env
+    found = database_url_from_sources()
+    return found[0] if found is not None else DEFAULT_DATABASE_URL
 
 
 #: Settings whose None is a value (off / keep forever), not "use the default".
@@ -50,7 +106,9 @@ class Settings:
 
     Attributes:
         database_url: SQLAlchemy URL of the store. Default: ``$RELIABLE_BEAT_DATABASE_URL``,
-            else :data:`DEFAULT_DATABASE_URL`.
+            else a registered source's (:func:`register_database_url_source`: under Django,
+            the Django database), else :data:`DEFAULT_DATABASE_URL`.
+            :attr:`database_url_origin` says which.
         run_migrations: upgrade a server database's schema on start (SQLite always is).
         batch_size: entries claimed per tick transaction.
         claim_ahead_seconds: a beat claims an entry whose next slot is at most this far in
@@ -120,9 +178,7 @@ class Settings:
             config entries (see :mod:`reliable_beat.groups`).
     """
 
-    database_url: str = field(
-        default_factory=lambda: os.environ.get("RELIABLE_BEAT_DATABASE_URL", DEFAULT_DATABASE_URL)
-    )
+    database_url: str = field(default_factory=_default_database_url)
     run_migrations: bool = False
     batch_size: int = 500
     claim_ahead_seconds: float = 0.5
@@ -312,7 +368,8 @@ class Settings:
 
     @classmethod
     def _from_maps(cls, maps: list[Any], *, namespace: str | None,
-                   celery_conf: Any = None) -> Settings:
+                   celery_conf: Any = None,
+                   database_url: tuple[str, str] | None = None) -> Settings:
         known = {f.name for f in fields(cls)}
         ns = namespace.rstrip("_").lower() + "_" if namespace else None
         values: dict[str, Any] = {}
@@ -394,13 +451,21 @@ class Settings:
             )
         if problems:
             raise ConfigurationError("; ".join(problems))
+        origin = None
+        if database_url is not None:
+            values["database_url"], origin = database_url
+        elif "database_url" in values:
+            origin = taken_from["database_url"]
         settings = cls(**values)
         object.__setattr__(settings, "_database_url_key", taken_from.get("database_url"))
         object.__setattr__(settings, "_namespace", namespace)
+        if origin is not None:
+            object.__setattr__(settings, "_database_url_origin", origin)
         return settings
 
     @classmethod
-    def from_celery(cls, app_or_conf: Any) -> Settings:
+    def from_celery(cls, app_or_conf: Any, *,
+                    database_url: tuple[str, str] | None = None) -> Settings:
         """Read settings from a Celery app or its ``app.conf``, as Celery resolves them.
 
         The configuration is finalized first (Celery loads a ``config_from_object`` source
@@ -409,6 +474,11 @@ class Settings:
         ``app.config_from_object("django.conf:settings", namespace="CELERY")`` the settings
         are ``CELERY_RELIABLE_BEAT_*`` (``RELIABLE_BEAT_*`` and ``reliable_beat_*`` are read
         too). See :meth:`from_mapping` for the forms and the errors.
+
+        Args:
+            app_or_conf: the Celery app or its ``conf``.
+            database_url: ``(url, origin)`` overriding every store-URL setting (the CLI's
+                ``--database-url``); ``origin`` is what :attr:`database_url_origin` says.
 
         Raises:
             ConfigurationError: see :meth:`from_mapping`.
@@ -426,7 +496,14 @@ class Settings:
                 maps = [dict(conf)]
         celery_conf = conf if callable(finalize) else None  # a Celery Settings view
         return cls._from_maps(maps, namespace=namespace if isinstance(namespace, str) else None,
-                              celery_conf=celery_conf)
+                              celery_conf=celery_conf, database_url=database_url)
+
+    @classmethod
+    def with_database_url(cls, url: str, origin: str) -> Settings:
+        """Default settings on store ``url``; :attr:`database_url_origin` is ``origin``."""
+        settings = cls(database_url=url)
+        object.__setattr__(settings, "_database_url_origin", origin)
+        return settings
 
     @property
     def database_url_key(self) -> str:
@@ -442,6 +519,44 @@ class Settings:
         if ns:
             return f"{ns.rstrip('_').upper()}_RELIABLE_BEAT_DATABASE_URL"
         return PREFIX + "database_url"
+
+    @property
+    def database_url_origin(self) -> str:
+        """Where :attr:`database_url` came from, for banners and ``status``.
+
+        One of: the setting's key as given (``CELERY_RELIABLE_BEAT_DATABASE_URL``,
+        ``reliable_beat_database_url`` ...), ``--database-url``,
+        ``$RELIABLE_BEAT_DATABASE_URL``, a registered source's origin (``Django
+        DATABASES['default']``, ``Django RELIABLE_BEAT['DATABASE_URL']``), ``the embedded
+        default``, or ``Settings(database_url=...)`` for a URL passed in code.
+        """
+        origin = getattr(self, "_database_url_origin", None)
+        if origin:
+            return str(origin)
+        env = os.environ.get(DATABASE_URL_ENV)
+        if env and env == self.database_url:
+            origin = "$" + DATABASE_URL_ENV
+        else:
+            try:
+                found = database_url_from_sources()
+            except ConfigurationError:
+                found = None
+            if found is not None and found[0] == self.database_url:
+                origin = found[1]
+            elif self.is_default_store:
+                origin = "the embedded default"
+            else:
+                origin = "Settings(database_url=...)"
+        object.__setattr__(self, "_database_url_origin", origin)
+        return origin
+
+    @property
+    def database_url_text(self) -> str:
+        """The store URL, password hidden, and where it came from, e.g.
+        ``"postgresql+psycopg://shop:***@db/shop (from Django DATABASES['default'])"``."""
+        from reliable_beat.redaction import redact_url
+
+        return f"{redact_url(self.database_url)} (from {self.database_url_origin})"
 
     @property
     def is_default_store(self) -> bool:

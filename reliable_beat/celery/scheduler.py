@@ -218,7 +218,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         warning = self.settings.default_store_warning("beat")
         return (
             (f"    . WARNING -> {warning}\n" if warning else "")
-            + f"    . store -> {self.store.safe_url}\n"
+            + f"    . store -> {self.store.safe_url} (from {self.settings.database_url_origin})\n"
             f"    . owner -> {self.settings.owner}\n"
             f"    . schedule group -> {self.group}\n"
             f"    . schema -> {self.loop.schema_status()} (head {migrate.head()})"

@@ -121,7 +121,9 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
     try:
         tracked = any(isinstance(t, IdempotentTask) for t in list(app.tasks.values()))
         if tracked:
-            _warn_default_store_once(Settings.from_celery(app))
+            settings = Settings.from_celery(app)
+            log.info("reliable_beat: store %s", settings.database_url_text)
+            _warn_default_store_once(settings)
     except ConfigurationError as exc:
         log.critical("reliable_beat: configuration refused: %s", exc)
 

@@ -49,7 +49,8 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
                        claim_lease_seconds=claim_lease_seconds)
     except ConfigurationError as exc:  # e.g. a destination's secret not in the environment
         raise _ConfigError(str(exc)) from exc
-    click.echo(f"relay {worker.owner} on {cli.store.safe_url}; destinations: "
+    click.echo(f"relay {worker.owner} on {cli.store.safe_url} (from "
+               f"{cli.settings.database_url_origin}); destinations: "
                + ", ".join(sorted(worker.handlers)), err=True)
     warning = cli.settings.default_store_warning("relay")
     if warning:

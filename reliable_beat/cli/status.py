@@ -436,6 +436,7 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                               outbox_stuck_minutes=outbox_stuck)
     except StoreUnavailableError as exc:
         fail(str(exc), 1, kind="store_unavailable")
+    info["store_from"] = cli.settings.database_url_origin  # e.g. Django DATABASES['default']
     if not show_all:
         # Disabled config entries stay visible: a vanished entry is news.
         info["entries"] = [e for e in info["entries"]
@@ -443,7 +444,8 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
     if as_json:
         cli.echo_json(jsonable(info))
     else:
-        click.echo(f"store {info['store']} (id {info['store_id'] or '-'})  now "
+        click.echo(f"store {info['store']} (from {info['store_from']}; id "
+                   f"{info['store_id'] or '-'})  now "
                    f"{_fmt(info['now'])} (store clock, UTC)")
         for problem in info["problems"]:
             click.secho(f"!! {problem}", fg="red", bold=True)

@@ -1,5 +1,8 @@
-"""The shop's Celery app: Django settings (namespace CELERY), reliable_beat's scheduler, and
-the store = Django's own database (so the ORM effect commits with the key)."""
+"""The shop's Celery app: Django settings (namespace CELERY) and reliable_beat's scheduler.
+
+No ``reliable_beat_database_url``: with ``reliable_beat.contrib.django`` installed, the store
+is Django's own database (``DATABASES["default"]``), so the ORM effect commits with the key;
+every beat, worker and relay banner says ``(from Django DATABASES['default'])``."""
 
 from __future__ import annotations
 
@@ -13,12 +16,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "examples.django_shop.shop.setti
 app = Celery("shop")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
-from reliable_beat.contrib.django import database_url  # noqa: E402
-
 _hook = urlsplit(os.environ.get("SHOP_WEBHOOK_URL", "http://127.0.0.1:8765/hook"))
 app.conf.update(
     beat_scheduler="reliable_beat.ReliableScheduler",
-    reliable_beat_database_url=database_url("default"),
     reliable_beat_lease_seconds=float(os.environ.get("SHOP_LEASE_SECONDS", "10")),
     reliable_beat_redispatch_seconds=20.0,
     reliable_beat_webhook_destinations={

@@ -58,8 +58,8 @@ TEMPLATES = [{
 STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-# reliable_beat: the Celery app (for the admin's requeue and `manage.py reliable_beat`)
-RELIABLE_BEAT = {"CELERY_APP": "examples.django_shop.shop.celery:app"}
+# reliable_beat: nothing to set. The store is DATABASES["default"] and the Celery app is the
+# `celery_app` of this package (shop/__init__.py), for the admin and `manage.py reliable_beat`.
 
 # Celery, read with namespace="CELERY"
 CELERY_BROKER_URL = os.environ.get("SHOP_BROKER_URL", "redis://127.0.0.1:6379/0")

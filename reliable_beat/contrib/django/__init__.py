@@ -36,7 +36,7 @@ def default_database_url() -> str | None:
         return None
     from reliable_beat.contrib.django import conf
 
-    return conf.store_url()
+    return conf.django_store_url()
 
 
 def __getattr__(name: str) -> Any:

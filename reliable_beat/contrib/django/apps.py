@@ -16,7 +16,13 @@ class ReliableBeatConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
 
+        from reliable_beat.contrib.django import conf
         from reliable_beat.contrib.django.signals import on_post_migrate
+        from reliable_beat.settings import register_database_url_source
+
+        # Without a reliable_beat_database_url setting, beats, workers, relays and the CLI
+        # of this project use the Django database (their banners say so).
+        register_database_url_source("django", conf.database_url_source)
 
         post_migrate.connect(on_post_migrate, sender=self,
                              dispatch_uid="reliable_beat_post_migrate")

@@ -19,7 +19,8 @@ Django's ``atomic()`` alone ends the transaction. Nothing is pooled by us, so no
 shared across ``fork`` (prefork workers), and ``CONN_MAX_AGE`` / persistent connections are
 Django's business as usual.
 
-Supported Django backends: PostgreSQL on psycopg 3 or psycopg2, and SQLite (tests).
+Supported Django backends: PostgreSQL on psycopg 3 or psycopg2, and SQLite (tests), for
+joining; :func:`database_url` also derives a store URL from a MySQL/MariaDB database.
 """
 
 from __future__ import annotations
@@ -113,23 +114,75 @@ def _settings_of(alias: str) -> dict[str, Any]:
         ) from None
 
 
-def _driver_of(alias: str) -> str:
-    """``psycopg``, ``psycopg2`` or ``sqlite``: the DBAPI module Django uses for ``alias``.
+#: Django's own backends by ENGINE (others, e.g. a wrapping third-party backend, are asked
+#: for their ``vendor``): the MySQL one is known without importing its driver (mysqlclient),
+#: which the store does not use (it speaks PyMySQL).
+_ENGINE_VENDORS = {
+    "django.db.backends.postgresql": "postgresql",
+    "django.db.backends.postgresql_psycopg2": "postgresql",
+    "django.contrib.gis.db.backends.postgis": "postgresql",
+    "django.db.backends.sqlite3": "sqlite",
+    "django.contrib.gis.db.backends.spatialite": "sqlite",
+    "django.db.backends.mysql": "mysql",
+    "django.contrib.gis.db.backends.mysql": "mysql",
+}
+#: What the message of an unsupported backend tells the user to do.
+_STORE_FIX = (
+    "set the store yourself: RELIABLE_BEAT = {'DATABASE_URL': '<a SQLAlchemy URL>'} in Django "
+    "settings (or CELERY_RELIABLE_BEAT_DATABASE_URL / $RELIABLE_BEAT_DATABASE_URL) naming a "
+    "PostgreSQL, MySQL/MariaDB or SQLite database; effect and key only commit together when "
+    "it is also the database your tasks write"
+)
+
+
+def _vendor_of(alias: str) -> str:
+    """``postgresql``, ``mysql``, ``sqlite`` or another backend's ``vendor`` for ``alias``."""
+    engine = str(_settings_of(alias).get("ENGINE") or "")
+    vendor = _ENGINE_VENDORS.get(engine)
+    if vendor is not None:
+        return vendor
+    try:
+        return str(connections[alias].vendor)
+    except Exception as exc:  # an ENGINE that cannot be imported
+        raise ConfigurationError(
+            f"Django DATABASES[{alias!r}]['ENGINE'] = {engine!r} cannot be loaded "
+            f"({type(exc).__name__}: {exc}); {_STORE_FIX}"
+        ) from exc
+
+
+def _driver_of(alias: str, *, join: bool = True) -> str:
+    """The driver of ``alias``: ``psycopg``, ``psycopg2`` or ``sqlite`` (the DBAPI module
+    Django uses), or ``pymysql`` (the store's MySQL/MariaDB driver; not with ``join``).
+
+    Args:
+        join: for joining Django's connection (:func:`atomic_connection`), where only
+            PostgreSQL and SQLite connections can be lent; else for a store URL.
 
     Raises:
-        ConfigurationError: another backend (MySQL, Oracle, a third-party one).
+        ConfigurationError: an unknown alias, or another backend (Oracle, a third-party
+            one; with ``join`` MySQL too), naming the fix.
     """
-    _settings_of(alias)  # an unknown alias: ConfigurationError naming it
-    vendor = connections[alias].vendor
+    vendor = _vendor_of(alias)
     if vendor == "sqlite":
         return "sqlite"
     if vendor == "postgresql":
         from django.db.backends.postgresql.psycopg_any import is_psycopg3
 
         return "psycopg" if is_psycopg3 else "psycopg2"
+    engine = _settings_of(alias).get("ENGINE")
+    if vendor == "mysql" and not join:
+        return "pymysql"
+    if vendor == "mysql":
+        raise ConfigurationError(
+            f"Django database {alias!r} is MySQL/MariaDB: reliable_beat.contrib.django joins "
+            "PostgreSQL (psycopg 3 or psycopg2) and SQLite connections only, so "
+            "self.transaction(using=...) / atomic_connection() cannot run on it; use "
+            "self.transaction() (the store's own connection) and write the effect with "
+            "SQLAlchemy there"
+        )
     raise ConfigurationError(
-        f"Django database {alias!r} uses the {vendor!r} backend; reliable_beat.contrib.django "
-        "joins PostgreSQL (psycopg 3 or psycopg2) and SQLite connections only"
+        f"Django DATABASES[{alias!r}] uses ENGINE {engine!r} (vendor {vendor!r}): "
+        f"reliable_beat cannot derive its store from it; {_STORE_FIX}"
     )
 
 
@@ -145,8 +198,19 @@ def _url(alias: str, driver: str, *, for_store: bool) -> URL:
         return URL.create("sqlite" if for_store else f"sqlite+{_DRIVERS[driver]}",
                           database=os.path.abspath(name))
     options = cfg.get("OPTIONS") or {}
-    query = {k: str(options[k]) for k in _LIBPQ_OPTIONS if options.get(k) is not None}
     port = cfg.get("PORT")
+    if driver == "pymysql":
+        charset = options.get("charset")
+        return URL.create(
+            "mysql+pymysql",
+            username=cfg.get("USER") or None,
+            password=cfg.get("PASSWORD") or None,
+            host=cfg.get("HOST") or None,
+            port=int(port) if port not in (None, "") else None,
+            database=cfg.get("NAME") or None,
+            query={"charset": str(charset)} if charset else {},
+        )
+    query = {k: str(options[k]) for k in _LIBPQ_OPTIONS if options.get(k) is not None}
     return URL.create(
         f"postgresql+{driver if for_store else _DRIVERS[driver]}",
         username=cfg.get("USER") or None,
@@ -164,17 +228,23 @@ def database_url(using: str = DEFAULT_DB_ALIAS) -> str:
     Derived from ``settings.DATABASES[using]`` (``NAME``, ``USER``, ``PASSWORD``, ``HOST``,
     ``PORT`` and the ``OPTIONS`` ``sslmode``/``sslrootcert``/``sslcert``/``sslkey``/
     ``target_session_attrs``), with the driver Django itself uses (psycopg 3 or psycopg2),
-    so our tables live in the database of the effects, which invariant 5 requires.
+    so our tables live in the database of the effects, which invariant 5 requires. A
+    MySQL/MariaDB database (``django.db.backends.mysql``) gives a ``mysql+pymysql`` URL
+    (``OPTIONS["charset"]`` kept): the store's driver, whatever Django's is.
 
     Returns:
         A SQLAlchemy URL string with the password in clear (do not log it; the banner and
         the CLI show :func:`reliable_beat.db.dialects.redact_url` of it), e.g.
-        ``"postgresql+psycopg://shop:...@db:5432/shop"`` or ``"sqlite:////srv/db.sqlite3"``.
+        ``"postgresql+psycopg://shop:...@db:5432/shop"``, ``"mysql+pymysql://shop:...@db/shop"``
+        or ``"sqlite:////srv/db.sqlite3"``.
 
     Raises:
-        ConfigurationError: unknown alias, an unsupported backend, or in-memory SQLite.
+        ConfigurationError: unknown alias, an unsupported backend (Oracle, a third-party
+            one: the message says to set ``RELIABLE_BEAT["DATABASE_URL"]``), or in-memory
+            SQLite.
     """
-    return _url(using, _driver_of(using), for_store=True).render_as_string(hide_password=False)
+    driver = _driver_of(using, join=False)
+    return _url(using, driver, for_store=True).render_as_string(hide_password=False)
 
 
 _engines: dict[tuple[int, str, str], Engine] = {}

@@ -39,6 +39,14 @@ DATABASES = {
 # the same server: a transaction there cannot hold the key.
 DATABASES["other"] = {**DATABASES["default"]}
 DATABASES["elsewhere"] = {**DATABASES["default"], "NAME": "postgres"}
+# Backends the store URL is derived from without connecting (tests/django/test_store_url.py):
+# MySQL/MariaDB (no mysqlclient needed), a SQLite file, and an unsupported ENGINE.
+DATABASES["maria"] = {"ENGINE": "django.db.backends.mysql", "NAME": "shop", "USER": "shop",
+                      "PASSWORD": "s3cret-maria", "HOST": "db.internal", "PORT": "3307",
+                      "OPTIONS": {"charset": "utf8mb4"}}
+DATABASES["lite"] = {"ENGINE": "django.db.backends.sqlite3",
+                     "NAME": os.path.join(os.environ.get("RB_SQLITE_DIR", "/tmp"), "rb.sqlite3")}
+DATABASES["legacy"] = {"ENGINE": "django.db.backends.oracle", "NAME": "xe"}
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",

@@ -1,7 +1,9 @@
 """``python manage.py reliable_beat ...``: the ``reliable-beat`` CLI with Django's settings.
 
-The store is :func:`reliable_beat.contrib.django.conf.store_url` (the Django database unless
-``RELIABLE_BEAT["DATABASE_URL"]`` says otherwise) and ``-A`` is ``RELIABLE_BEAT["CELERY_APP"]``.
+The Celery app (``-A``) is :func:`reliable_beat.contrib.django.conf.celery_app`
+(``RELIABLE_BEAT["CELERY_APP"]``, else the project's ``celery_app``), and the store is the one
+its beats and workers use: the app's ``reliable_beat_database_url`` setting, else the Django
+database (``status`` says which: ``from Django DATABASES['default']``).
 Every sub-command of ``reliable-beat`` works (``db upgrade``, ``entries ...``, ``runs``,
 ``dead-letters ...``, ``relay``, ``status``). One shorthand::
 
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 from typing import Any
 
+import click
 from django.core.management.base import BaseCommand
 
 from reliable_beat.contrib.django import conf
@@ -50,12 +54,17 @@ class Command(BaseCommand):
             args = ["entries", *args]
             if "--from-url" not in args:
                 args += ["--from-url", database_url("default")]
-        head = ["--database-url", conf.store_url()]
-        app = conf.option("CELERY_APP")
-        if app and "-A" not in args and "--app" not in args:
-            head = ["-A", str(app), *head]
+        extra: dict[str, Any] = {}
+        if "-A" not in args and "--app" not in args and not any(
+                a.startswith("--app=") for a in args):
+            app = conf.celery_app()
+            if app is not None:  # handed over as `celery -A proj reliable-beat` does
+                head, _, prog_name = prog_name.rpartition(" ")
+                extra["parent"] = click.Context(click.Group(head or "manage.py"),
+                                                info_name=head or "manage.py",
+                                                obj=SimpleNamespace(app=app))
         try:
-            reliable_beat.main(args=head + args, prog_name=prog_name, standalone_mode=True)
+            reliable_beat.main(args=args, prog_name=prog_name, standalone_mode=True, **extra)
         except SystemExit as exc:
             return int(exc.code or 0) if not isinstance(exc.code, str) else 1
         return 0

@@ -1,0 +1,30 @@
+"""workflows: the code version a run started under; an index for retention
+
+Revision ID: 0007_wfversions
+Revises: 0006_workflows
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0007_wfversions"
+down_revision = "0006_workflows"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("reliable_beat_workflows", schema=None) as batch_op:
+        # @workflow(version=...) recorded at start; min_supported_version guards against it
+        batch_op.add_column(sa.Column("version", sa.String(length=64), nullable=True))
+        batch_op.create_index("ix_reliable_beat_workflows_finished_at", ["finished_at"],
+                              unique=False)
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("reliable_beat_workflows", schema=None) as batch_op:
+        batch_op.drop_index("ix_reliable_beat_workflows_finished_at")
+        batch_op.drop_column("version")

@@ -20,6 +20,7 @@ Three kinds of step, three guarantees (docs/workflows.md):
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import logging
 import random as _random
@@ -260,7 +261,10 @@ class WorkflowContext:
         calls, and once the function has returned or raised)."""
         token = tripwire.in_workflow_code.set(True)
         try:
-            return fn(self, *self._claimed.args, **self._claimed.kwargs)
+            # fresh copies on every pass: a wake during the advance runs the code again in
+            # this advance, and the code may have mutated what it was given
+            return fn(self, *copy.deepcopy(self._claimed.args),
+                      **copy.deepcopy(self._claimed.kwargs))
         finally:
             tripwire.in_workflow_code.reset(token)
 
@@ -271,7 +275,8 @@ class WorkflowContext:
         token = _current.set(self)
         try:
             try:
-                fn(self, *self._claimed.args, **self._claimed.kwargs)
+                fn(self, *copy.deepcopy(self._claimed.args),
+                   **copy.deepcopy(self._claimed.kwargs))
             except Suspend:
                 return None
             except NonDeterminismError as exc:

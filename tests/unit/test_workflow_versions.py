@@ -316,3 +316,33 @@ def test_all_settled_lets_the_code_wait_first(app: Celery, wf_store: Store) -> N
     Driver(wf_store, app).run()
     assert handle.result(timeout=1) == "done"
     assert sorted(CALLS) == ["x0", "x1"]
+
+
+# ------------------------------------------------------------------ arguments per run ----
+
+
+def test_code_that_mutates_its_arguments_replays_them_fresh(app: Celery, wf_store: Store
+                                                            ) -> None:
+    """A wake during an advance runs the code again in the same advance: it must get its
+    arguments as stored, not as the previous pass left them (found by the continue-as-new
+    loop, whose carried state is a list the code appends to)."""
+    sent: list[int] = []
+
+    def hook(name: str) -> None:
+        if name == "advance.before_release" and not sent:
+            sent.append(1)
+            signal(wf_store, "mut", "x", "payload")
+
+    def flow(ctx: WorkflowContext, items: list[str]) -> Any:
+        items.append("a")
+        if len(items) > 1:  # only if the arguments were mutated by an earlier pass
+            ctx.step(str, 1, name="diverged")
+        return [ctx.wait_signal("x"), items]
+
+    workflow(name="t.mut")(flow)
+    handle = engine.start(wf_store, "t.mut", "mut", [[]])
+    engine.crash_hook = hook
+    Driver(wf_store, app).run()
+    assert sent
+    assert handle.result(timeout=1) == ["payload", ["a"]]
+    assert handle.status()["args"] == [[]]

@@ -103,21 +103,36 @@ def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str, key: s
 
 
 @workflows_group.command("resume")
-@click.argument("workflow_id")
+@click.argument("workflow_ids", nargs=-1, required=True, metavar="ID...")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_cli
-def wf_resume(cli: CliContext, workflow_id: str, as_json: bool) -> None:
-    """Unblock a blocked workflow after the code was fixed (waiting + a wake)."""
-    try:
-        row = engine.resume(cli.store, workflow_id)
-    except WorkflowNotFound as exc:
-        fail(str(exc), 1, kind="not_found")
-    except WorkflowConflict as exc:
-        fail(str(exc), 1, kind="conflict")
+def wf_resume(cli: CliContext, workflow_ids: tuple[str, ...], as_json: bool) -> None:
+    """Unblock blocked workflows after the code was fixed (waiting + a wake).
+
+    Each ID is resumed on its own; an unknown or unblocked one is reported and the others
+    are still resumed (exit 1 if any was refused).
+    """
+    rows: list[dict[str, Any]] = []
+    refused: list[dict[str, str]] = []
+    for workflow_id in workflow_ids:
+        try:
+            rows.append(engine.resume(cli.store, workflow_id))
+        except WorkflowNotFound as exc:
+            refused.append({"workflow_id": workflow_id, "kind": "not_found", "error": str(exc)})
+        except WorkflowConflict as exc:
+            refused.append({"workflow_id": workflow_id, "kind": "conflict", "error": str(exc)})
+    if len(workflow_ids) == 1 and refused:
+        fail(refused[0]["error"], 1, kind=refused[0]["kind"])
     if as_json:
-        cli.echo_json(row)
+        cli.echo_json(rows[0] if len(workflow_ids) == 1 else
+                      {"resumed": rows, "refused": refused})
     else:
-        click.echo(f"{workflow_id}: {row['state']}")
+        for row in rows:
+            click.echo(f"{row['workflow_id']}: {row['state']}")
+        for r in refused:
+            click.echo(f"{r['workflow_id']}: NOT RESUMED: {r['error']}", err=True)
+    if refused:
+        raise SystemExit(1)
 
 
 @workflows_group.command("replay")

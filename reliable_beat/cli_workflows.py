@@ -1,4 +1,5 @@
-"""``reliable-beat workflows list|show|signal|resume|replay|purge`` (docs/cli.md, docs/workflows.md).
+"""``reliable-beat workflows list|show|signal|resume|replay|purge`` (docs/cli.md,
+docs/workflows.md).
 
 ``replay`` imports the current code (``-A APP``: the module that registers the workflows)
 and runs it against stored histories, writing nothing; it exits 1 if any workflow's history

@@ -31,13 +31,13 @@ class ContinueAsNew(WorkflowControl):
     """Raised by ``ctx.continue_as_new``: the engine ends the run and starts the next one.
 
     Attributes:
-        args / kwargs: the next run's arguments (JSON, already checked).
+        next_args / next_kwargs: the next run's arguments (JSON, already checked).
     """
 
     def __init__(self, args: list[Any], kwargs: dict[str, Any]) -> None:
         super().__init__(f"continue as new with args {args!r} kwargs {kwargs!r}")
-        self.args = args
-        self.kwargs = kwargs
+        self.next_args = args
+        self.next_kwargs = kwargs
 
 
 class ContinueAsNewRefused(WorkflowControl):
@@ -81,7 +81,7 @@ def switch_run(ctx: WorkflowContext, request: ContinueAsNew) -> str:
             .where(workflows.c.id == claimed.pk,
                    workflows.c.fence_token == claimed.fence_token)
             .values(
-                run_no=claimed.run_no + 1, args=request.args, kwargs=request.kwargs,
+                run_no=claimed.run_no + 1, args=request.next_args, kwargs=request.next_kwargs,
                 state="pending", history_len=0, history_bytes=0,
                 version=ctx._definition.version, wake_seq=workflows.c.wake_seq + 1,
                 leased_by=None, lease_expires_at=None, updated_at=now,

@@ -16,19 +16,32 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from reliable_beat.db.dialects import Store
 from reliable_beat.workflows import engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_workflow_crashes import Rig, events, rig, wait  # noqa: E402,F401 - rig: fixture
+from test_workflow_crashes import Rig, events, wait
+from wf_app import meta
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(900)]
 
 RUNS = int(os.environ.get("RB_WF_ROLL", "20"))
+
+
+@pytest.fixture
+def rig(pg_url: str, redis_url: str, pg_store: Store, tmp_path: Path) -> Iterator[Rig]:
+    meta.create_all(pg_store.engine)
+    r = Rig(pg_url, redis_url, pg_store, tmp_path)
+    try:
+        yield r
+    finally:
+        r.kill_all()
 
 
 def _activity_messages(rig: Rig) -> int:
@@ -42,7 +55,7 @@ def test_reordered_deploy_blocks_parked_runs_and_a_patched_one_completes_them(ri
                                                                                ) -> None:
     rig.relay()
     v1 = rig.worker(concurrency=2)
-    timer = 30.0 + RUNS * 0.5  # long enough to park them all under v1 first
+    timer = 30.0 + RUNS * 1.5  # long enough to park them all under v1 first (loaded CI)
     wids = [f"roll/{i}" for i in range(RUNS)]
     started = time.monotonic()
     for i, wid in enumerate(wids):
@@ -60,7 +73,7 @@ def test_reordered_deploy_blocks_parked_runs_and_a_patched_one_completes_them(ri
     wait("every run blocked as its timer fires", lambda: all(
         engine.get_workflow(rig.store, w)["state"] == "blocked" for w in wids), rig,
         timeout=timer + 120)
-    for i, w in enumerate(wids):
+    for w in wids:
         row = engine.get_workflow(rig.store, w)
         assert row["block_reason"].startswith("non-determinism: seq 1: code did activity "
                                               "wfa.label"), row["block_reason"]
@@ -90,7 +103,7 @@ def test_reordered_deploy_blocks_parked_runs_and_a_patched_one_completes_them(ri
         assert [e[1] for e in events(rig.store, w)] == ["activity", "timer", "activity"]
     new = engine.get_workflow(rig.store, "roll/new")
     assert new["result"] == ["v2", "label-new-2", "label-new-1"]
-    assert [e[1:3] for e in events(rig.store, "roll/new")][0] == ("patch", "labels-swapped")
+    assert events(rig.store, "roll/new")[0][1:3] == ("patch", "labels-swapped")
     assert _activity_messages(rig) == 2 * RUNS + 2
     print(f"VERSION ROLL: {RUNS} runs parked under v1 in {parked_in:.1f} s; reordered v2: "
           f"{RUNS} blocked, 0 new events, 0 activities dispatched, replay exit 1 naming "

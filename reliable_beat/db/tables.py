@@ -313,6 +313,10 @@ workflows = Table(
         sqlite_where=text("state IN ('pending', 'running', 'waiting')"),
     ),
     Index("ix_reliable_beat_workflows_name_state", "name", "state"),
+    # a child's parent event (0007): the child's end completes it and wakes the parent
+    Column("parent_pk", BigId, nullable=True),
+    Column("parent_run_no", Integer, nullable=True),
+    Column("parent_seq", Integer, nullable=True),
     Index("ix_reliable_beat_workflows_finished_at", "finished_at"),  # retention (0007)
 )
 

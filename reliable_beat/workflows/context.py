@@ -38,7 +38,7 @@ from reliable_beat import outbox
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
-from reliable_beat.workflows import continuation, engine, tripwire, versioning
+from reliable_beat.workflows import children, continuation, engine, tripwire, versioning
 from reliable_beat.workflows.errors import (
     ActivityError,
     FencedOut,
@@ -837,6 +837,40 @@ class WorkflowContext:
         exist, replace ``if ctx.patched(id): new else: old`` by ``deprecate_patch(id); new``;
         once no run with the marker can exist either, remove the call."""
         versioning.deprecate_patch(self, patch_id)
+
+    # ---------------------------------------------------------------- children ----
+
+    @_durable
+    def start_child(self, wf: Any, *args: Any, workflow_id: str | None = None,
+                    **kwargs: Any) -> children.ChildHandle:
+        """Start child workflow ``wf`` (a ``@workflow`` definition or its registered name)
+        without waiting; wait with :meth:`wait_child`.
+
+        The ``child`` event, the child's row (idempotent on its id, default
+        ``<parent id>/child<run>.<seq>``) and its first wake commit in one fenced
+        transaction; the child's end completes the event and wakes this workflow in the
+        child's terminal transaction.
+
+        Raises:
+            WorkflowUsageError: ``workflow_id`` already names another parent's child.
+            WorkflowConflict: ``workflow_id`` names a workflow of another name.
+        """
+        return children.start_child(self, wf, args, kwargs, workflow_id)
+
+    @_durable
+    def wait_child(self, handle: children.ChildHandle) -> Any:
+        """The child's result; suspends until it ends.
+
+        Raises:
+            ActivityError: the child failed (``type``/``message`` of its error) or was
+                cancelled (``type`` ``"cancelled"``); ``kind`` is ``"child"``.
+        """
+        return children.wait_child(self, handle)
+
+    @_durable
+    def child(self, wf: Any, *args: Any, workflow_id: str | None = None, **kwargs: Any) -> Any:
+        """Start child workflow ``wf`` and wait for its result (see :meth:`start_child`)."""
+        return self.wait_child(self.start_child(wf, *args, workflow_id=workflow_id, **kwargs))
 
     # ---------------------------------------------------------------- continue-as-new ----
 

@@ -6,8 +6,8 @@ fenced transaction on the workflow row (``run_no + 1``, the new arguments, histo
 back to 0, the current code's ``version``, ``pending`` + a wake). Signals not yet consumed stay
 in the inbox and are consumed by the next run. What cannot cross the boundary is refused
 (the workflow is ``blocked`` with the reason, nothing is written): activities still open (their
-completion belongs to the old run's history), saga blocks still open (their compensations
-too).
+completion belongs to the old run's history), children still running (their end completes
+an event of the old run), saga blocks still open (their compensations too).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sqlalchemy import update
 
 from reliable_beat.db.tables import workflows
 from reliable_beat.outbox import db_now
-from reliable_beat.workflows import engine
+from reliable_beat.workflows import children, engine
 from reliable_beat.workflows.errors import WorkflowControl
 
 if TYPE_CHECKING:
@@ -59,6 +59,11 @@ def open_work(ctx: WorkflowContext) -> list[str]:
                                                   key=str(ev.run_key)))
             if not done:
                 found.append(f"activity {ev.name} at seq {seq}")
+        elif ev.kind == children.CHILD_KIND and ev.state == "scheduled":
+            done, _ = children.resolve(ctx, children.ChildHandle(
+                seq=seq, name=str(ev.name), workflow_id=str(ev.run_key)))
+            if not done:
+                found.append(f"child workflow {ev.run_key} at seq {seq}")
     # saga blocks (reliable_beat.workflows.saga) count their open blocks here
     sagas = int(getattr(ctx, "_open_sagas", 0) or 0)
     if sagas:

@@ -703,6 +703,11 @@ def _finish(store: Store, claimed: Claimed, **values: Any) -> str:
             .where(workflows.c.id == claimed.pk, workflows.c.fence_token == claimed.fence_token)
             .values(leased_by=None, lease_expires_at=None, updated_at=now, **values)
         ).rowcount
+        if done == 1:  # a child's end tells its parent in the same transaction
+            from reliable_beat.workflows.children import notify_parent
+
+            notify_parent(conn, claimed.pk, str(values.get("state")), values.get("result"),
+                          values.get("error"))
     if done != 1:
         return "fenced"
     return str(values["state"])

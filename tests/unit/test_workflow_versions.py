@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from reliable_beat.workflows import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
-from wf_driver import Driver, events
+from wf_driver import Crash, Driver, events
 
 CALLS: list[str] = []
 
@@ -346,3 +347,110 @@ def test_code_that_mutates_its_arguments_replays_them_fresh(app: Celery, wf_stor
     assert sent
     assert handle.result(timeout=1) == ["payload", ["a"]]
     assert handle.status()["args"] == [[]]
+
+
+# ------------------------------------------------------------------ children ----
+
+
+def kid(ctx: WorkflowContext, n: int) -> int:
+    got = ctx.wait_signal("go")
+    if got == "fail":
+        raise ValueError(f"child {n} failed")
+    return int(ctx.transaction(_kid_effect, n, name="kid_effect"))
+
+
+KID_EFFECTS: list[int] = []
+
+
+def _kid_effect(conn: sa.Connection, n: int) -> int:
+    conn.execute(sa.text("SELECT 1"))
+    KID_EFFECTS.append(n)  # in-process: counts how often the transaction's body ran
+    return n * 10
+
+
+def parent(ctx: WorkflowContext) -> Any:
+    h1 = ctx.start_child("t.kid", 1)
+    h2 = ctx.start_child("t.kid", 2, workflow_id="kid-two")
+    out: list[Any] = [ctx.wait_child(h1)]
+    try:
+        out.append(ctx.wait_child(h2))
+    except Exception as exc:  # ActivityError(kind="child")
+        out.append(f"{getattr(exc, 'kind', '')}:{getattr(exc, 'type', '')}")
+    return out
+
+
+def _parent_event(store: Store, seq: int) -> tuple[str, Any]:
+    with store.connect() as conn:
+        row = conn.execute(sa.text(
+            "SELECT e.state, e.result FROM reliable_beat_workflow_events e JOIN "
+            "reliable_beat_workflows w ON w.id = e.workflow_pk WHERE w.workflow_id = 'par' "
+            "AND e.seq = :s"), {"s": seq}).one()
+    return row.state, row.result
+
+
+@pytest.mark.parametrize("trouble", ["none", "crash_in_child_finish", "parent_wake_lost"])
+def test_child_end_wakes_its_parent_in_the_same_transaction(app: Celery, wf_store: Store,
+                                                            trouble: str) -> None:
+    KID_EFFECTS.clear()
+    workflow(name="t.kid")(kid)
+    workflow(name="t.par")(parent)
+    handle = engine.start(wf_store, "t.par", "par")
+    driver = Driver(wf_store, app)
+    driver.run()
+    assert handle.status()["state"] == "waiting"
+    assert kinds(wf_store, "par") == [("child", "t.kid"), ("child", "t.kid")]
+    assert engine.get_workflow(wf_store, "par/child1.1")["state"] == "waiting"
+    crashed: list[str] = []
+
+    def hook(name: str) -> None:
+        if name == "child.notify.in" and not crashed:
+            crashed.append(name)  # after the parent's event and wake, before the commit
+            raise Crash(name)
+
+    if trouble == "crash_in_child_finish":
+        engine.crash_hook = hook
+    signal(wf_store, "par/child1.1", "go", "ok")
+    # deliver only the child's wake: the parent must be told by the child's own transaction
+    row, _ = driver._due()
+    assert row.payload["args"] == ["par/child1.1"]
+    driver.step()
+    if trouble == "crash_in_child_finish":
+        assert crashed and driver.crashes == 1, driver.failures
+        # rolled back together: the child is not over and the parent was not told
+        assert engine.get_workflow(wf_store, "par/child1.1")["state"] != "completed"
+        assert _parent_event(wf_store, 1)[0] == "scheduled"
+        driver.step()  # the redelivered advance
+    assert engine.get_workflow(wf_store, "par/child1.1")["state"] == "completed"
+    assert _parent_event(wf_store, 1) == ("completed", 10)
+    with wf_store.connect() as conn:
+        wakes = conn.execute(sa.text(
+            "SELECT count(*) FROM reliable_beat_outbox WHERE message_id = 'wake:par:1c1' "
+            "AND state = 'pending'")).scalar_one()
+    assert wakes == 1
+    if trouble == "parent_wake_lost":
+        with wf_store.begin() as conn:  # the broker lost the parent's wake
+            conn.execute(sa.text("UPDATE reliable_beat_outbox SET state = 'sent' WHERE "
+                                 "message_id = 'wake:par:1c1'"))
+        driver.run()
+        assert handle.status()["state"] == "waiting"
+        assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) >= 1
+    signal(wf_store, "kid-two", "go", "fail")
+    driver.run()
+    assert handle.result(timeout=1) == [10, "child:ValueError"]
+    assert KID_EFFECTS == [1]  # the child's transaction ran once, even when crashed around
+
+
+def test_continue_as_new_with_a_running_child_is_refused(app: Celery, wf_store: Store
+                                                         ) -> None:
+    workflow(name="t.kid")(kid)
+
+    def flow(ctx: WorkflowContext) -> None:
+        ctx.start_child("t.kid", 5)
+        ctx.continue_as_new()
+
+    workflow(name="t.canchild")(flow)
+    engine.start(wf_store, "t.canchild", "cc")
+    Driver(wf_store, app).run()
+    row = engine.get_workflow(wf_store, "cc")
+    assert row["state"] == "blocked" and "child workflow cc/child1.1 at seq 1" in \
+        row["block_reason"]

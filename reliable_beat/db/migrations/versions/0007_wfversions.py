@@ -1,4 +1,4 @@
-"""workflows: the code version a run started under; an index for retention
+"""workflows: the code version a run started under, the parent of a child; retention index
 
 Revision ID: 0007_wfversions
 Revises: 0006_workflows
@@ -15,6 +15,8 @@ down_revision = "0006_workflows"
 branch_labels = None
 depends_on = None
 
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
 
 def upgrade() -> None:
     with op.batch_alter_table("reliable_beat_workflows", schema=None) as batch_op:
@@ -22,9 +24,16 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("version", sa.String(length=64), nullable=True))
         batch_op.create_index("ix_reliable_beat_workflows_finished_at", ["finished_at"],
                               unique=False)
+        # a child workflow's parent event: its end completes (parent, run, seq) and wakes it
+        batch_op.add_column(sa.Column("parent_pk", BigId, nullable=True))
+        batch_op.add_column(sa.Column("parent_run_no", sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column("parent_seq", sa.Integer(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("reliable_beat_workflows", schema=None) as batch_op:
+        batch_op.drop_column("parent_seq")
+        batch_op.drop_column("parent_run_no")
+        batch_op.drop_column("parent_pk")
         batch_op.drop_index("ix_reliable_beat_workflows_finished_at")
         batch_op.drop_column("version")

@@ -317,7 +317,11 @@ workflows = Table(
     Column("parent_pk", BigId, nullable=True),
     Column("parent_run_no", Integer, nullable=True),
     Column("parent_seq", Integer, nullable=True),
+    # started by a beat entry's slot (0007): the overlap policy reads these
+    Column("entry_name", String(200), nullable=True),
+    Column("fire_at", UTCDateTime, nullable=True),
     Index("ix_reliable_beat_workflows_finished_at", "finished_at"),  # retention (0007)
+    Index("ix_reliable_beat_workflows_entry_name_state", "entry_name", "state"),
 )
 
 # The history: one row per durable call, keyed by its position (seq) in the run.

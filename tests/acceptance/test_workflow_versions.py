@@ -50,8 +50,7 @@ def _activity_messages(rig: Rig) -> int:
     with rig.store.engine.connect() as conn:
         return int(conn.execute(sa.text(
             "SELECT count(*) FROM reliable_beat_outbox WHERE message_id LIKE 'act:%' "
-            "AND message_id NOT LIKE 'act:%#%:r%'"
-        )).scalar_one())
+            "AND message_id NOT LIKE :resent"), {"resent": "act:%#%:r%"}).scalar_one())
 
 
 def test_reordered_deploy_blocks_parked_runs_and_a_patched_one_completes_them(rig: Rig

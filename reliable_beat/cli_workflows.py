@@ -61,7 +61,8 @@ def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool)
     if as_json:
         cli.echo_json(row)
         return
-    for key in ("workflow_id", "name", "state", "run_no", "args", "kwargs", "result", "error",
+    for key in ("workflow_id", "name", "version", "state", "run_no", "args", "kwargs", "result",
+                "error", "entry_name", "slot_fire_at",
                 "block_reason", "queue", "fence_token", "leased_by", "lease_expires_at",
                 "wake_seq", "claimed_wake_seq", "history_len", "advances", "created_at",
                 "updated_at", "finished_at"):

@@ -761,8 +761,12 @@ def advance(
             f"unknown workflow {claimed.name!r}: no @workflow with that name is registered in "
             f"this process ({owner}); deploy the code, then `workflows resume`",
         )
-    from reliable_beat.workflows.versioning import version_block_reason
+    from reliable_beat.workflows.versioning import record_first_version, version_block_reason
 
+    if claimed.version is None and definition.version is not None:
+        # started by a process that does not register the workflow (start by name): the
+        # first advance, before anything is recorded, records the version it runs under
+        record_first_version(store, claimed, definition.version)
     too_old = version_block_reason(definition, claimed.version)
     if too_old:
         return block(store, claimed, too_old)

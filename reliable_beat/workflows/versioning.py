@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 from reliable_beat.workflows.errors import WorkflowUsageError
 
 if TYPE_CHECKING:
+    from reliable_beat.db.dialects import Store
     from reliable_beat.workflows.context import WorkflowContext
-    from reliable_beat.workflows.engine import WorkflowDefinition
+    from reliable_beat.workflows.engine import Claimed, WorkflowDefinition
 
 __all__ = ["deprecate_patch", "parse_version", "patched", "version_block_reason"]
 
@@ -72,6 +73,26 @@ def version_block_reason(definition: WorkflowDefinition, recorded: str | None) -
         "ctx.patched for the change, keep the old branch), then `workflows resume`; or "
         "cancel it"
     )
+
+
+def record_first_version(store: Store, claimed: Claimed, version: str) -> None:
+    """Record ``version`` on a run that has none and no history yet (fenced; a run that has
+    recorded events keeps its missing version: it was started by unversioned code)."""
+    from sqlalchemy import update
+
+    from reliable_beat.db.tables import workflows
+
+    with store.begin() as conn:
+        done = conn.execute(
+            update(workflows)
+            .where(workflows.c.id == claimed.pk,
+                   workflows.c.fence_token == claimed.fence_token,
+                   workflows.c.version.is_(None), workflows.c.history_len == 0,
+                   workflows.c.run_no == 1)
+            .values(version=version)
+        ).rowcount
+    if done == 1:
+        claimed.version = version
 
 
 def _check_caller(ctx: WorkflowContext, what: str) -> None:

@@ -454,3 +454,21 @@ def test_continue_as_new_with_a_running_child_is_refused(app: Celery, wf_store: 
     row = engine.get_workflow(wf_store, "cc")
     assert row["state"] == "blocked" and "child workflow cc/child1.1 at seq 1" in \
         row["block_reason"]
+
+
+def test_a_run_started_by_name_elsewhere_gets_the_version_of_its_first_advance(
+    app: Celery, wf_store: Store
+) -> None:
+    def flow(ctx: WorkflowContext) -> str:
+        return str(ctx.info.version)
+
+    workflow(name="t.byname", version="3", min_supported_version="3")(flow)
+    registered = engine._registry.pop("t.byname")  # a web process that only knows the name
+    try:
+        engine.start(wf_store, "t.byname", "bn")
+    finally:
+        engine.register(registered)
+    assert engine.get_workflow(wf_store, "bn")["version"] is None
+    Driver(wf_store, app).run()
+    row = engine.get_workflow(wf_store, "bn")
+    assert (row["state"], row["version"], row["result"]) == ("completed", "3", "3")

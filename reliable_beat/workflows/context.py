@@ -362,7 +362,8 @@ class WorkflowContext:
             raise _HistoryLimit(
                 f"history_limit: run {self._claimed.run_no} would pass "
                 f"{self._definition.history_limit} events at seq {seq} ({kind} {name}); "
-                "continue-as-new is the fix (part 2) or raise the limit, then resume"
+                "continue as new before it (ctx.continue_as_new when "
+                "ctx.info.continue_as_new_suggested) or raise the limit, then resume"
             )
         engine.crash_point(f"record.{kind}.before")
         try:

@@ -40,6 +40,7 @@ from sqlalchemy.types import NullType, Text
 
 from reliable_beat import schedules as sch
 from reliable_beat.db.tables import dead_letters, entries, runs
+from reliable_beat.policies import catch_up_limit_problem
 from reliable_beat.redaction import get_logger
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "decode_value",
     "describe_problems",
     "jsonable_raw",
+    "quarantine_counts",
     "quarantine_entry",
     "raw_columns",
     "raw_labelled",
@@ -309,6 +311,8 @@ def check_entry(
     limit: Any = row.get("catch_up_limit")
     if not (_is_int(limit) and limit >= 0):
         problems.append(f"catch_up_limit={raw_repr(limit)}: expected an integer >= 0")
+    elif (limit_problem := catch_up_limit_problem(limit)) is not None:
+        problems.append(limit_problem)
     window = row.get("catch_up_window_seconds")
     if window is not None and not (_is_number(window) and 0 <= window <= MAX_SECONDS):
         problems.append(f"catch_up_window_seconds={raw_repr(window)}: expected a number of "
@@ -584,3 +588,24 @@ def read_entry_options(
         else:
             out[name] = dict(values["options"])
     return out
+
+
+def quarantine_counts(conn: Connection) -> dict[str, int]:
+    """Malformed rows isolated so far (:mod:`reliable_beat.rows`), per table.
+
+    Returns:
+        ``{"entries": quarantined entries, "outbox": outbox rows dead-lettered as malformed,
+        "runs": runs dead-lettered as malformed}`` (dead letters not requeued).
+    """
+    counts = {"entries": 0, "outbox": 0, "runs": 0}
+    counts["entries"] = int(conn.execute(
+        select(func.count()).select_from(entries)
+        .where(entries.c.quarantine_reason.is_not(None))
+    ).scalar_one())
+    for kind, n in conn.execute(
+        select(dead_letters.c.kind, func.count())
+        .where(dead_letters.c.reason == MALFORMED, dead_letters.c.requeued_at.is_(None))
+        .group_by(dead_letters.c.kind)
+    ):
+        counts["outbox" if kind == "outbox" else "runs"] += int(n)
+    return counts

@@ -176,9 +176,9 @@ def _publisher(app: Any, name: str, schedule_group: str | None) -> Any:
 
 
 def _publish(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> int:
-    from reliable_beat.celery.scheduler import publish_triggers
+    from reliable_beat.adapters import adapter_for
 
-    return publish_triggers(store, app, triggers, now)
+    return adapter_for(app).publish_triggers(store, app, triggers, now)
 
 
 def trigger(store: Store, name: str, *, app: Any = None) -> str:
@@ -424,16 +424,9 @@ def task_kind(app: Any, task: str) -> str:
     """
     if app is None:
         return "unknown"
-    registry = getattr(app, "tasks", None)
-    if registry is None or task not in registry:
-        return "unknown"
-    try:
-        from reliable_beat.celery.task import (  # type: ignore[import-not-found]
-            IdempotentTask,
-        )
-    except ImportError:  # the task module is not installed: every task is plain
-        return "plain"
-    return "idempotent" if isinstance(registry[task], IdempotentTask) else "plain"
+    from reliable_beat.adapters import adapter_for
+
+    return adapter_for(app).task_kind(app, task)
 
 
 def _answer(answer: str, why: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ and the message is failed (``throws``: Dramatiq nacks it to ``<queue>.XQ``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -60,6 +60,7 @@ __all__ = [
     "IdempotentActor",
     "ReliableBeat",
     "RunContext",
+    "beat_loop",
     "current",
     "definitions",
 ]
@@ -363,30 +364,9 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         state = execution.RunState(claim=claim, store=store, lease=lease,
                                    task_name=self.actor_name)
         token = _run.set(RunContext(state=state, settings=settings))
-        renewer = execution.renewer()
-        renewer.add(state)
+        body = super().__call__
         try:
-            try:
-                result = super().__call__(*args, **kwargs)
-            finally:
-                renewer.discard(state)
-            stored = execution.storable_result(self.actor_name, claim.key, result)
-            if state.completed:
-                if stored is not None:
-                    try:
-                        runs.set_result(store, claim, stored)
-                    except Exception:
-                        log.exception("%s: %s succeeded; result not stored", self.actor_name,
-                                      claim.key)
-                return result
-            try:
-                with store.begin() as conn:
-                    runs.complete(conn, claim, stored)
-            except StaleFenceToken:
-                runs.record_fenced_out(store, claim)
-                raise
-            state.completed = True
-            return result
+            return execution.run_and_complete(state, lambda: body(*args, **kwargs), logger=log)
         except StaleFenceToken:
             raise
         except BaseException as exc:
@@ -402,17 +382,15 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
                        settings: Settings, max_attempts: int, message: Any) -> Any:
         kind = execution.classify(exc, transient=execution.transient_defaults(
             *_interrupts(), *_broker_errors()))
-        try:
-            decision = execution.failure_decision(
-                store, claim, exc, kind, max_attempts=max_attempts,
-                base_seconds=settings.retry_base_seconds, cap_seconds=settings.retry_cap_seconds,
-                payload=self._payload(claim, message))
-        except Exception as record_exc:  # store unreachable: never drop the work
-            log.exception("%s: could not record the failure of %s; retrying", self.actor_name,
-                          claim.key)
-            raise dramatiq.Retry(delay=int(settings.retry_base_seconds * 1000)) from record_exc
+        decision = execution.failure_decision(
+            store, claim, exc, kind, max_attempts=max_attempts,
+            base_seconds=settings.retry_base_seconds, cap_seconds=settings.retry_cap_seconds,
+            payload=self._payload(claim, message), task_name=self.actor_name, logger=log)
         if decision.verb == "fenced_out":
             raise StaleFenceToken(claim.key, claim.fence_token) from exc
+        if decision.verb == "retry_unrecorded":  # the dead letter could not be written
+            raise dramatiq.Retry(delay=max(1, int(decision.seconds * 1000))
+                                 ) from decision.unrecorded
         if decision.verb == "retry_in":
             log.warning("%s: %s attempt %d failed (%s); retry in %.2fs", self.actor_name,
                         claim.key, claim.attempt, type(exc).__name__, decision.seconds)
@@ -519,27 +497,45 @@ def _publish_errors(exc: Exception) -> Exception:
 
 @dataclass
 class DramatiqPublisher:
-    """The core loop's :class:`~reliable_beat.loop.Publisher` for a Dramatiq broker."""
+    """The core loop's :class:`~reliable_beat.loop.HoldingPublisher` for a Dramatiq broker:
+    one ``dramatiq.Message`` per trigger row (:func:`message_for_trigger`), enqueued on the
+    broker; an expired trigger is :class:`~reliable_beat.handlers.MessageExpiredError`, an
+    unreachable broker :class:`~reliable_beat.handlers.DestinationUnavailableError`."""
 
     broker: Any
     destination: str = TRIGGER_DESTINATION
 
     def publish(self, messages: Sequence[OutboxMessage], now: datetime
                 ) -> list[tuple[int, BaseException | None]]:
+        """Enqueue trigger rows now (see :meth:`publish_at`)."""
+        return self.publish_at(messages, now, lambda: None)
+
+    def publish_at(self, messages: Sequence[OutboxMessage], now: datetime,
+                   wait: Callable[[], None]) -> list[tuple[int, BaseException | None]]:
+        """Build every message first, call ``wait()`` (the core loop sleeps there until the
+        slot of triggers it claimed ahead), then enqueue them back to back. A ``wait`` that
+        raises abandons the batch before anything was enqueued."""
         from reliable_beat.handlers import MessageExpiredError
 
-        out: list[tuple[int, BaseException | None]] = []
+        built: list[tuple[int, Any]] = []
+        out: dict[int, BaseException | None] = {}
         for m in messages:
             try:
                 payload = m.payload if isinstance(m.payload, Mapping) else {}
                 expires_at = _parse_instant(payload.get("expires_at"))
                 if expires_at is not None and now >= expires_at:
                     raise MessageExpiredError(f"{m.message_id}: expired at {expires_at}")
-                self.broker.enqueue(message_for_trigger(self.broker, payload))
-                out.append((m.id, None))
+                built.append((m.id, message_for_trigger(self.broker, payload)))
+            except Exception as exc:  # expired, or no such actor: this message only
+                out[m.id] = _publish_errors(exc)
+        wait()
+        for outbox_id, message in built:
+            try:
+                self.broker.enqueue(message)
+                out[outbox_id] = None
             except Exception as exc:
-                out.append((m.id, _publish_errors(exc)))
-        return out
+                out[outbox_id] = _publish_errors(exc)
+        return [(m.id, out[m.id]) for m in messages]
 
     def tracked_tasks(self) -> Collection[str]:
         return sorted(n for n, a in self.broker.actors.items() if isinstance(a, IdempotentActor))
@@ -635,3 +631,25 @@ def sync_entries(broker: Any, store: Any, settings: Settings,
                                group=settings.schedule_group or DEFAULT_GROUP)
 
 
+def beat_loop(broker: Any, store: Any = None) -> Any:
+    """The core :class:`~reliable_beat.loop.BeatLoop` of a Dramatiq beat for ``broker``:
+    its :class:`DramatiqPublisher`, its periodic entries (:func:`definitions`, synced by
+    :meth:`~reliable_beat.loop.BeatLoop.start` into ``reliable_beat_schedule_group``, default
+    ``default``), its idempotent actors tracked, logging as ``reliable_beat.loop``.
+
+    Raises:
+        ConfigurationError: the broker has no :class:`ReliableBeat` middleware.
+    """
+    from reliable_beat.db.dialects import Store
+    from reliable_beat.loop import BeatLoop
+
+    rb = _middleware(broker)
+    settings = rb.settings
+    if store is None:
+        store = Store.from_url(settings.database_url, role="beat")
+
+    def entries(now: datetime) -> list[Any]:
+        return definitions(broker, rb.schedule, now=now, settings=settings)
+
+    return BeatLoop(store, settings, DramatiqPublisher(broker), settings.owner,
+                    definitions=entries, is_registered=lambda name: name in broker.actors)

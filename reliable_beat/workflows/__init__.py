@@ -126,9 +126,9 @@ def workflow(
                                         min_supported_version=min_supported_version,
                                         continue_as_new_after=continue_as_new_after)
         if app is not None:
-            from reliable_beat.celery.workflows import install  # the adapter, only with an app
+            from reliable_beat.adapters import adapter_for  # the app's adapter, only with one
 
-            definition.store_factory = install(app)
+            definition.store_factory = adapter_for(app).install_workflows(app)
         return register(definition)
 
     return decorate

@@ -258,3 +258,37 @@ def test_beat_refuses_a_bad_periodic_entry_naming_it(dq: DqEnv) -> None:
     out = dq.logs()
     assert "bad_cron" in out and "61 * * * *" in out, out
     assert "Traceback" not in out, out
+
+
+def test_beat_started_before_the_schema_waits_then_fires(
+    pg_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """A Dramatiq beat started before the deploy's migration step (an empty database) says
+    why it waits and keeps waiting; once ``db upgrade`` ran it syncs and fires. Fails on the
+    old Dramatiq beat: it exited at once on the missing schema (the core loop's start-up
+    wait was only in the Celery scheduler)."""
+    from reliable_beat.db.migrate import upgrade
+
+    sys.path.insert(0, str(APPS))
+    try:
+        from dq_app import meta
+    finally:
+        sys.path.remove(str(APPS))
+    store = Store.from_url(pg_url, role="cli")
+    env = DqEnv(pg_url, redis_url, store, tmp_path)
+    env.extra["RB_PERIOD"] = "1"
+    try:
+        beat = env.beat("early")
+        env.wait("the beat to say it waits for the schema",
+                 lambda: "waiting for it" in env.logs(), 90)
+        time.sleep(1.5)
+        assert beat.poll() is None, env.logs()  # still waiting, not exited
+        upgrade(store)
+        meta.create_all(store.engine)
+        env.worker()
+        env.wait("a slot run by the beat that waited", lambda: env.rows(
+            sa.select(runs_table).where(runs_table.c.state == "succeeded")), 120)
+        assert beat.poll() is None, env.logs()
+    finally:
+        env.kill_all()
+        store.dispose()

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from reliable_beat.celery.commands import CliContext, fail, pass_cli
+from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.errors import ConfigurationError
 
 __all__ = ["register"]
@@ -75,23 +75,14 @@ def beat(cli: CliContext, broker_spec: str, loglevel: str) -> None:
     """Fire the broker's periodic entries until SIGTERM / SIGINT."""
     logging.basicConfig(level=loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from reliable_beat.db import migrate
-    from reliable_beat.db.dialects import Store
-    from reliable_beat.dramatiq import DramatiqPublisher, sync_entries
-    from reliable_beat.loop import BeatLoop
+    from reliable_beat.dramatiq import beat_loop
 
-    rb, broker = _load_broker(broker_spec)
-    settings = rb.settings
-    store = Store.from_url(settings.database_url, role="beat")
-    migrate.ensure_schema(store, run_migrations=False)
-    try:
-        counts = sync_entries(broker, store, settings, rb.schedule)
-    except ConfigurationError as exc:  # every bad entry, each named
-        fail(str(exc), 2, kind="invalid")
-    click.echo(f"dramatiq beat {settings.owner} on {store.safe_url}; entries {counts}", err=True)
-    loop = BeatLoop(store=store, settings=settings, publisher=DramatiqPublisher(broker),
-                    owner=settings.owner)
-    loop.run_forever(_stop_event())
+    _rb, broker = _load_broker(broker_spec)
+    loop = beat_loop(broker)  # the core loop: waits for the database, syncs, then fires
+    click.echo(f"dramatiq beat {loop.owner} on {loop.store.safe_url}", err=True)
+    loop.stop_event = _stop_event()
+    if loop.start():
+        loop.run_forever(loop.stop_event)
 
 
 @dramatiq_group.command("relay")

@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from reliable_beat import runs
-from reliable_beat.celery.commands import CliContext, fail, pass_cli
+from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.redaction import redact_text, redact_value
 
 __all__ = ["register"]

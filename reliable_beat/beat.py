@@ -616,6 +616,11 @@ class Beat:
                 )
             ):
                 active.setdefault(name, set()).add(state)
+            # entries that start workflows: the previous slot's workflow, not its start run
+            from reliable_beat.workflows.scheduled import active_entries
+
+            for name in active_entries(conn, overlap_entries):
+                active.setdefault(name, set()).add("running")
         started = time.monotonic()
         for index, row in enumerate(rows):
             if index and time.monotonic() - started > self.plan_budget:

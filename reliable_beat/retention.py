@@ -22,6 +22,10 @@ What is purged, each table by its own setting (None: keep forever):
   is finished and not dead (the run row keeps its summary: state, attempts, error).
 * ``sent`` outbox rows whose ``sent_at`` is older than ``reliable_beat_outbox_retention_seconds``
   (default 7 days). Never ``pending`` or ``dead`` rows.
+* workflows (:mod:`reliable_beat.workflows.retention`): ended ones finished more than
+  ``reliable_beat_workflow_retention_seconds`` (default 30 days) ago, with their events and
+  signals, and continued runs' histories; never pending, running, waiting or blocked ones;
+  at most 1,000 workflows per transaction.
 * dead letters: never automatically (design.md invariant 8); ``reliable-beat purge
   --dead-letters-before`` deletes them when a person decides.
 
@@ -64,6 +68,8 @@ log = get_logger("reliable_beat.retention")
 PURGED_RUN_STATES = ("succeeded", "skipped", "dispatched")
 _FINISHED_NOT_DEAD = ("succeeded", "skipped")
 TABLES = ("runs", "attempts", "outbox")
+#: Most workflows deleted per transaction (each takes its events and signals with it).
+WORKFLOW_BATCH = 1000
 
 
 @dataclass
@@ -73,6 +79,8 @@ class PurgeResult:
     Attributes:
         runs / attempts / outbox: rows deleted (attempts deleted by the runs' cascade are not
             counted in ``attempts``).
+        workflows / workflow_events / workflow_signals: ended workflows deleted, and the
+            events and signals deleted with them or with continued runs.
         cutoffs: table -> ISO 8601 UTC instant (``Z``) before which rows are purged; a table
             whose retention is None (keep forever) is absent.
         batches: transactions used.
@@ -83,6 +91,9 @@ class PurgeResult:
     runs: int = 0
     attempts: int = 0
     outbox: int = 0
+    workflows: int = 0
+    workflow_events: int = 0
+    workflow_signals: int = 0
     cutoffs: dict[str, str] = field(default_factory=dict)
     batches: int = 0
     seconds: float = 0.0
@@ -91,11 +102,14 @@ class PurgeResult:
     @property
     def total(self) -> int:
         """Rows deleted over all tables."""
-        return self.runs + self.attempts + self.outbox
+        return (self.runs + self.attempts + self.outbox + self.workflows
+                + self.workflow_events + self.workflow_signals)
 
     def as_dict(self) -> dict[str, Any]:
         """The result as a JSON-serialisable dict."""
         return {"runs": self.runs, "attempts": self.attempts, "outbox": self.outbox,
+                "workflows": self.workflows, "workflow_events": self.workflow_events,
+                "workflow_signals": self.workflow_signals,
                 "total": self.total, "cutoffs": dict(self.cutoffs), "batches": self.batches,
                 "seconds": round(self.seconds, 3), "dry_run": self.dry_run}
 
@@ -206,6 +220,17 @@ def purge(
             setattr(result, table, getattr(result, table) + deleted)
             if deleted < limit:
                 break
+    if settings.workflow_retention_seconds is not None:
+        from reliable_beat.workflows.retention import purge_workflows
+
+        cutoff = now - timedelta(seconds=settings.workflow_retention_seconds)
+        result.cutoffs["workflows"] = _iso(cutoff)
+        remaining = None if max_seconds is None else max(
+            0.0, max_seconds - (time.monotonic() - started))
+        wf = purge_workflows(store, before=cutoff, batch_size=min(limit, WORKFLOW_BATCH),
+                             dry_run=dry_run, max_seconds=remaining, stop=stop)
+        result.workflows, result.workflow_events = wf.workflows, wf.events
+        result.workflow_signals, result.batches = wf.signals, result.batches + wf.batches
     result.seconds = time.monotonic() - started
     return result
 

@@ -97,7 +97,8 @@ def _default_database_url() -> str:
 
 #: Settings whose None is a value (off / keep forever), not "use the default".
 _NULLABLE = ("catch_up_window_seconds", "metrics_port", "outbox_retention_seconds",
-             "runs_retention_seconds", "attempts_retention_seconds")
+             "runs_retention_seconds", "attempts_retention_seconds",
+             "workflow_retention_seconds")
 
 
 @dataclass(frozen=True, repr=False)
@@ -128,6 +129,10 @@ class Settings:
             days; None: never; at least 3600). Their idempotency keys go with them.
         attempts_retention_seconds: attempts of finished, not dead, runs older than this are
             purged (7 days; None: never).
+        workflow_retention_seconds: ended workflows (``completed``, ``failed``,
+            ``cancelled``) finished this long ago are purged with their events and signals,
+            and continued runs' histories older than this (30 days; None: never). Never
+            pending, running, waiting or blocked workflows.
         purge_batch_size: rows deleted per retention transaction.
         purge_interval_seconds: a beat or relay starts a retention pass this often; a pass
             runs until caught up (0: this process does not purge; see
@@ -198,6 +203,7 @@ class Settings:
     outbox_retention_seconds: float | None = 7 * 24 * 3600.0
     runs_retention_seconds: float | None = 30 * 24 * 3600.0
     attempts_retention_seconds: float | None = 7 * 24 * 3600.0
+    workflow_retention_seconds: float | None = 30 * 24 * 3600.0
     purge_batch_size: int = 5000
     purge_interval_seconds: float = 60.0
     outbox_batch_size: int = 200

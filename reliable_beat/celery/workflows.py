@@ -21,6 +21,7 @@ from reliable_beat.execution import _store_for
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 from reliable_beat.workflows import engine
+from reliable_beat.workflows.scheduled import START_TASK, start_for_slot
 
 __all__ = ["install"]
 
@@ -56,5 +57,18 @@ def install(app: Any) -> Callable[[], Store]:
             )
             log.info("workflow %s advanced: %s", workflow_id, outcome)
             return outcome
+
+    if START_TASK not in app.tasks:
+        from reliable_beat.celery.task import IdempotentTask
+
+        @app.task(  # type: ignore[untyped-decorator]
+            name=START_TASK, shared=False, base=IdempotentTask, bind=True)
+        def start_workflow(self: IdempotentTask, name: str, *args: Any,
+                           **kwargs: Any) -> str:
+            """A beat entry's slot starts workflow ``name`` with id = the slot's key."""
+            with self.transaction() as tx:
+                workflow_id = start_for_slot(tx, name, self.idempotency_key, args, kwargs)
+                self.returns(workflow_id)
+            return workflow_id
 
     return store_factory

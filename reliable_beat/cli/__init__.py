@@ -130,6 +130,7 @@ class CliContext:
 
     app: Any = None
     database_url: str | None = field(default=None, repr=False)  # may hold a password
+    database_url_origin: str = "--database-url"  # where database_url came from
     role: str = "cli"
     create_store: bool = False  # only `db upgrade` may create an embedded SQLite file
     _settings: Settings | None = field(default=None, repr=False)
@@ -138,12 +139,14 @@ class CliContext:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            base = Settings.from_celery(self.app) if self.app is not None else Settings()
-            if self.database_url:
-                from dataclasses import replace
-
-                base = replace(base, database_url=self.database_url)
-            self._settings = base
+            given = ((self.database_url, self.database_url_origin) if self.database_url
+                     else None)
+            if self.app is not None:
+                self._settings = Settings.from_celery(self.app, database_url=given)
+            elif given is not None:
+                self._settings = Settings.with_database_url(*given)
+            else:
+                self._settings = Settings()
         return self._settings
 
     @property
@@ -259,7 +262,11 @@ def reliable_beat(ctx: click.Context, app_spec: str | None, database_url: str | 
     parent = ctx.find_object(object) if ctx.parent is not None else None
     # mounted as `celery -A proj reliable-beat ...`: Celery loaded the app, not its tasks
     app = load_app(app_spec, getattr(parent, "app", None))
-    ctx.obj = CliContext(app=app, database_url=database_url)
+    from_env = (ctx.get_parameter_source("database_url")
+                == click.core.ParameterSource.ENVIRONMENT)
+    ctx.obj = CliContext(app=app, database_url=database_url,
+                         database_url_origin=("$RELIABLE_BEAT_DATABASE_URL" if from_env
+                                              else "--database-url"))
 
 
 def _register_all() -> None:

@@ -50,10 +50,11 @@ def purge_cmd(cli: CliContext, dry_run: bool, as_json: bool, batch_size: int | N
     verb = "would delete" if dry_run else "deleted"
     rate = result.total / result.seconds if result.seconds and not dry_run else 0.0
     click.echo(f"{verb}: {out['runs']} runs, {out['attempts']} attempts, {out['outbox']} "
-               f"sent outbox rows" + (f", {out['dead_letters']} dead letters"
+               f"sent outbox rows, {out['workflows']} ended workflows ({out['workflow_events']} "
+               f"events)" + (f", {out['dead_letters']} dead letters"
                                       if "dead_letters" in out else "")
                + ("" if dry_run else f" in {result.seconds:.2f} s ({rate:,.0f} rows/s)"))
-    for table in ("runs", "attempts", "outbox"):
+    for table in ("runs", "attempts", "outbox", "workflows"):
         cutoff = out["cutoffs"].get(table)
         click.echo(f"  {table}: " + (f"older than {cutoff}" if cutoff else "kept forever"))
 

@@ -1,4 +1,5 @@
-"""``reliable-beat workflows list|show|signal|resume|replay`` (docs/cli.md, docs/workflows.md).
+"""``reliable-beat workflows list|show|signal|resume|replay|purge`` (docs/cli.md,
+docs/workflows.md).
 
 ``replay`` imports the current code (``-A APP``: the module that registers the workflows)
 and runs it against stored histories, writing nothing; it exits 1 if any workflow's history
@@ -8,6 +9,8 @@ does not match the code: a deploy gate.
 from __future__ import annotations
 
 import json
+import time
+from datetime import timedelta
 from typing import Any
 
 import click
@@ -24,7 +27,7 @@ STATES = ["pending", "running", "waiting", "completed", "failed", "blocked"]
 
 @click.group("workflows")
 def workflows_group() -> None:
-    """Durable workflows: list, show, signal, resume, replay."""
+    """Durable workflows: list, show, signal, resume, replay, purge."""
 
 
 @workflows_group.command("list")
@@ -58,7 +61,8 @@ def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool)
     if as_json:
         cli.echo_json(row)
         return
-    for key in ("workflow_id", "name", "state", "run_no", "args", "kwargs", "result", "error",
+    for key in ("workflow_id", "name", "version", "state", "run_no", "args", "kwargs", "result",
+                "error", "entry_name", "slot_fire_at",
                 "block_reason", "queue", "fence_token", "leased_by", "lease_expires_at",
                 "wake_seq", "claimed_wake_seq", "history_len", "advances", "created_at",
                 "updated_at", "finished_at"):
@@ -103,21 +107,36 @@ def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str, key: s
 
 
 @workflows_group.command("resume")
-@click.argument("workflow_id")
+@click.argument("workflow_ids", nargs=-1, required=True, metavar="ID...")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_cli
-def wf_resume(cli: CliContext, workflow_id: str, as_json: bool) -> None:
-    """Unblock a blocked workflow after the code was fixed (waiting + a wake)."""
-    try:
-        row = engine.resume(cli.store, workflow_id)
-    except WorkflowNotFound as exc:
-        fail(str(exc), 1, kind="not_found")
-    except WorkflowConflict as exc:
-        fail(str(exc), 1, kind="conflict")
+def wf_resume(cli: CliContext, workflow_ids: tuple[str, ...], as_json: bool) -> None:
+    """Unblock blocked workflows after the code was fixed (waiting + a wake).
+
+    Each ID is resumed on its own; an unknown or unblocked one is reported and the others
+    are still resumed (exit 1 if any was refused).
+    """
+    rows: list[dict[str, Any]] = []
+    refused: list[dict[str, str]] = []
+    for workflow_id in workflow_ids:
+        try:
+            rows.append(engine.resume(cli.store, workflow_id))
+        except WorkflowNotFound as exc:
+            refused.append({"workflow_id": workflow_id, "kind": "not_found", "error": str(exc)})
+        except WorkflowConflict as exc:
+            refused.append({"workflow_id": workflow_id, "kind": "conflict", "error": str(exc)})
+    if len(workflow_ids) == 1 and refused:
+        fail(refused[0]["error"], 1, kind=refused[0]["kind"])
     if as_json:
-        cli.echo_json(row)
+        cli.echo_json(rows[0] if len(workflow_ids) == 1 else
+                      {"resumed": rows, "refused": refused})
     else:
-        click.echo(f"{workflow_id}: {row['state']}")
+        for row in rows:
+            click.echo(f"{row['workflow_id']}: {row['state']}")
+        for r in refused:
+            click.echo(f"{r['workflow_id']}: NOT RESUMED: {r['error']}", err=True)
+    if refused:
+        raise SystemExit(1)
 
 
 @workflows_group.command("replay")
@@ -150,6 +169,63 @@ def wf_replay(cli: CliContext, states: tuple[str, ...], name: str | None, limit:
         click.echo(f"{len(checked)} workflows replayed, {len(bad)} mismatches")
     if bad:
         raise SystemExit(1)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_age(text: str) -> timedelta:
+    """``"30d"``, ``"12h"``, ``"90m"``, ``"45s"``, ``"2w"`` or plain seconds -> timedelta.
+
+    Raises:
+        click.BadParameter: anything else, or a negative age (names the option and the fix).
+    """
+    raw = text.strip().lower()
+    unit = raw[-1:] if raw[-1:] in _UNITS else "s"
+    number = raw[:-1] if raw[-1:] in _UNITS else raw
+    try:
+        value = float(number)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not an age: a number with a unit s, m, h, d or w (e.g. 30d)",
+            param_hint="--older-than") from None
+    if value < 0:
+        raise click.BadParameter(f"{text!r}: an age cannot be negative",
+                                 param_hint="--older-than")
+    return timedelta(seconds=value * _UNITS[unit])
+
+
+@workflows_group.command("purge")
+@click.option("--older-than", "older_than", required=True, metavar="AGE",
+              help="Ended workflows finished, and continued runs written, longer ago than "
+                   "this: 30d, 12h, 90m, 45s, 2w.")
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Workflows (or old-run events) per transaction.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_cli
+def wf_purge(cli: CliContext, older_than: str, dry_run: bool, batch_size: int,
+             as_json: bool) -> None:
+    """Delete ended workflows (completed, failed, cancelled) and continued runs' histories
+    older than --older-than, in batches. Never touches pending, running, waiting or blocked
+    workflows, a current run's history, or an unconsumed signal. Relays and beats also do
+    this on their own (reliable_beat_workflow_retention_seconds, default 30 days).
+    """
+    from reliable_beat.workflows.retention import purge_workflows
+
+    age = parse_age(older_than)
+    with cli.store.connect() as conn:
+        cutoff = cli.store.now(conn) - age
+    started = time.monotonic()
+    out = purge_workflows(cli.store, before=cutoff, batch_size=batch_size, dry_run=dry_run)
+    data = {**out.as_dict(), "cutoff": cutoff.isoformat(), "dry_run": dry_run,
+            "seconds": round(time.monotonic() - started, 3)}
+    if as_json:
+        cli.echo_json(data)
+        return
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(f"{verb}: {out.workflows} ended workflows, {out.events} events, {out.signals} "
+               f"consumed signals (older than {cutoff.isoformat()})")
 
 
 def register(group: click.Group) -> None:

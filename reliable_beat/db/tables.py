@@ -285,6 +285,7 @@ workflows = Table(
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("workflow_id", String(400), nullable=False, unique=True),  # business id
     Column("name", String(255), nullable=False),  # registered workflow name (stable)
+    Column("version", String(64), nullable=True),  # @workflow(version=) at start (0007)
     Column("run_no", Integer, nullable=False, server_default="1"),
     Column("state", String(16), nullable=False),
     Column("args", JSONType, nullable=False, default=list),
@@ -312,6 +313,15 @@ workflows = Table(
         sqlite_where=text("state IN ('pending', 'running', 'waiting')"),
     ),
     Index("ix_reliable_beat_workflows_name_state", "name", "state"),
+    # a child's parent event (0007): the child's end completes it and wakes the parent
+    Column("parent_pk", BigId, nullable=True),
+    Column("parent_run_no", Integer, nullable=True),
+    Column("parent_seq", Integer, nullable=True),
+    # started by a beat entry's slot (0007): the overlap policy reads these
+    Column("entry_name", String(200), nullable=True),
+    Column("fire_at", UTCDateTime, nullable=True),
+    Index("ix_reliable_beat_workflows_finished_at", "finished_at"),  # retention (0007)
+    Index("ix_reliable_beat_workflows_entry_name_state", "entry_name", "state"),
 )
 
 # The history: one row per durable call, keyed by its position (seq) in the run.

@@ -92,6 +92,9 @@ def workflow(
     name: str,
     queue: str | None = None,
     history_limit: int = DEFAULT_HISTORY_LIMIT,
+    version: str | None = None,
+    min_supported_version: str | None = None,
+    continue_as_new_after: int | None = None,
 ) -> Callable[[Callable[..., Any]], WorkflowDefinition]:
     """Register a workflow function under the stable ``name``.
 
@@ -102,6 +105,16 @@ def workflow(
         name: the registered name, recorded on every workflow row: never rename it.
         queue: the queue of its advance messages (None: default routing).
         history_limit: events per run past which the workflow is blocked (default 2,000).
+        version: this code's version (``"3"``, ``"2.1"``), recorded on each run it starts
+            or continues (optional pinning; ``ctx.patched`` is the tool for changes).
+        min_supported_version: runs recorded under a lower version (or none) are parked
+            ``blocked`` with the reason instead of replayed (a guard, not routing).
+        continue_as_new_after: position from which ``ctx.info.continue_as_new_suggested``
+            is True (default: half of ``history_limit``).
+
+    Raises:
+        ValueError: a version that is not dot-separated integers, a minimum above the
+            version, or ``continue_as_new_after`` not below ``history_limit``.
 
     Returns:
         A decorator giving a :class:`WorkflowDefinition` (``.start(...)``).
@@ -109,7 +122,9 @@ def workflow(
 
     def decorate(fn: Callable[..., Any]) -> WorkflowDefinition:
         definition = WorkflowDefinition(name=name, fn=fn, queue=queue,
-                                        history_limit=history_limit)
+                                        history_limit=history_limit, version=version,
+                                        min_supported_version=min_supported_version,
+                                        continue_as_new_after=continue_as_new_after)
         if app is not None:
             from reliable_beat.adapters import adapter_for  # the app's adapter, only with one
 

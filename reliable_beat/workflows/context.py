@@ -20,6 +20,7 @@ Three kinds of step, three guarantees (docs/workflows.md):
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import logging
 import random as _random
@@ -37,7 +38,7 @@ from reliable_beat import outbox
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
-from reliable_beat.workflows import engine, tripwire
+from reliable_beat.workflows import children, continuation, engine, tripwire, versioning
 from reliable_beat.workflows.errors import (
     ActivityError,
     FencedOut,
@@ -72,6 +73,11 @@ class WorkflowInfo:
         workflow_id: the business id; name: the registered name; run_no: the run.
         history_length: events recorded before this advance started.
         history_limit: the cap past which the workflow is blocked.
+        position: the position (``seq``) the code has reached in this run.
+        continue_as_new_suggested: ``position`` reached the definition's
+            ``continue_as_new_after`` (replay-stable: it depends on the position only);
+            call ``ctx.continue_as_new(...)`` at the next convenient point.
+        version: the definition's ``version`` in this process (None if it declares none).
     """
 
     workflow_id: str
@@ -79,6 +85,9 @@ class WorkflowInfo:
     run_no: int
     history_length: int
     history_limit: int
+    position: int = 0
+    continue_as_new_suggested: bool = False
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,15 +159,24 @@ class WorkflowContext:
         self._in_step = False
         self._step_key: str | None = None
         self._random = _random.Random(claimed.random_seed * 1000003 + claimed.run_no)
-        self.info = WorkflowInfo(
-            workflow_id=claimed.workflow_id, name=claimed.name, run_no=claimed.run_no,
-            history_length=claimed.history_len, history_limit=definition.history_limit,
-        )
+        self._patches: dict[str, bool] = {}  # ctx.patched answers, memoized per run
         base = get_logger(f"reliable_beat.workflows.{claimed.name}")
         self.logger = logging.LoggerAdapter(base, {"workflow_id": claimed.workflow_id})
         self._filter = _ReplayFilter(self)
 
     # ---------------------------------------------------------------- properties ----
+
+    @property
+    def info(self) -> WorkflowInfo:
+        """Ids, run, history length and limit, position, ``continue_as_new_suggested``."""
+        d = self._definition
+        return WorkflowInfo(
+            workflow_id=self._claimed.workflow_id, name=self._claimed.name,
+            run_no=self._claimed.run_no, history_length=self._claimed.history_len,
+            history_limit=d.history_limit, position=self._seq,
+            continue_as_new_suggested=self._seq >= d.suggest_continue_at,
+            version=d.version,
+        )
 
     @property
     def fence_token(self) -> int:
@@ -207,6 +225,10 @@ class WorkflowContext:
                 return "fenced"
             except _HistoryLimit as exc:
                 return engine.block(self._store, self._claimed, str(exc))
+            except continuation.ContinueAsNewRefused as exc:
+                return engine.block(self._store, self._claimed, str(exc))
+            except continuation.ContinueAsNew as request:
+                return continuation.switch_run(self, request)
             except Exception as exc:
                 swallowed = self._swallowed()
                 if swallowed:
@@ -239,7 +261,10 @@ class WorkflowContext:
         calls, and once the function has returned or raised)."""
         token = tripwire.in_workflow_code.set(True)
         try:
-            return fn(self, *self._claimed.args, **self._claimed.kwargs)
+            # fresh copies on every pass: a wake during the advance runs the code again in
+            # this advance, and the code may have mutated what it was given
+            return fn(self, *copy.deepcopy(self._claimed.args),
+                      **copy.deepcopy(self._claimed.kwargs))
         finally:
             tripwire.in_workflow_code.reset(token)
 
@@ -250,7 +275,8 @@ class WorkflowContext:
         token = _current.set(self)
         try:
             try:
-                fn(self, *self._claimed.args, **self._claimed.kwargs)
+                fn(self, *copy.deepcopy(self._claimed.args),
+                   **copy.deepcopy(self._claimed.kwargs))
             except Suspend:
                 return None
             except NonDeterminismError as exc:
@@ -336,7 +362,8 @@ class WorkflowContext:
             raise _HistoryLimit(
                 f"history_limit: run {self._claimed.run_no} would pass "
                 f"{self._definition.history_limit} events at seq {seq} ({kind} {name}); "
-                "continue-as-new is the fix (part 2) or raise the limit, then resume"
+                "continue as new before it (ctx.continue_as_new when "
+                "ctx.info.continue_as_new_suggested) or raise the limit, then resume"
             )
         engine.crash_point(f"record.{kind}.before")
         try:
@@ -786,6 +813,105 @@ class WorkflowContext:
         if self._pending is not None:
             raise self._pending
         return uuid.UUID(int=self._random.getrandbits(128), version=4)
+
+    # ---------------------------------------------------------------- versioning ----
+
+    @_durable
+    def patched(self, patch_id: str) -> bool:
+        """Whether this run takes the new code path of change ``patch_id`` (Temporal's
+        semantics; truth table in :mod:`reliable_beat.workflows.versioning`).
+
+        A new run (the frontier) records the marker ``patch <id>`` and gets True; a replay
+        finding the marker at the next position consumes it and gets True; a replay finding
+        another event there (the run passed this point under the old code) gets False and
+        takes no position. Memoized per id for the run.
+
+        Raises:
+            ValueError: ``patch_id`` not a string of 1..255 characters.
+        """
+        return versioning.patched(self, patch_id)
+
+    @_durable
+    def deprecate_patch(self, patch_id: str) -> None:
+        """Step 2 of removing a patch: consumes the marker ``patch <id>`` if the history has
+        it at the next position, never records one. Once no run without the marker can
+        exist, replace ``if ctx.patched(id): new else: old`` by ``deprecate_patch(id); new``;
+        once no run with the marker can exist either, remove the call."""
+        versioning.deprecate_patch(self, patch_id)
+
+    # ---------------------------------------------------------------- children ----
+
+    @_durable
+    def start_child(self, wf: Any, *args: Any, workflow_id: str | None = None,
+                    **kwargs: Any) -> children.ChildHandle:
+        """Start child workflow ``wf`` (a ``@workflow`` definition or its registered name)
+        without waiting; wait with :meth:`wait_child`.
+
+        The ``child`` event, the child's row (idempotent on its id, default
+        ``<parent id>/child<run>.<seq>``) and its first wake commit in one fenced
+        transaction; the child's end completes the event and wakes this workflow in the
+        child's terminal transaction.
+
+        Raises:
+            WorkflowUsageError: ``workflow_id`` already names another parent's child.
+            WorkflowConflict: ``workflow_id`` names a workflow of another name.
+        """
+        return children.start_child(self, wf, args, kwargs, workflow_id)
+
+    @_durable
+    def wait_child(self, handle: children.ChildHandle) -> Any:
+        """The child's result; suspends until it ends.
+
+        Raises:
+            ActivityError: the child failed (``type``/``message`` of its error) or was
+                cancelled (``type`` ``"cancelled"``); ``kind`` is ``"child"``.
+        """
+        return children.wait_child(self, handle)
+
+    @_durable
+    def child(self, wf: Any, *args: Any, workflow_id: str | None = None, **kwargs: Any) -> Any:
+        """Start child workflow ``wf`` and wait for its result (see :meth:`start_child`)."""
+        return self.wait_child(self.start_child(wf, *args, workflow_id=workflow_id, **kwargs))
+
+    # ---------------------------------------------------------------- continue-as-new ----
+
+    @_durable
+    def all_settled(self) -> bool:
+        """True when nothing of this run is open (activities started and not finished, saga
+        blocks): :meth:`continue_as_new` may be called. Decide to *wait* with it (e.g.
+        ``ctx.wait_all(...)``), not which durable calls to make: on a replay more may have
+        finished."""
+        return not continuation.open_work(self)
+
+    @_durable
+    def continue_as_new(self, *args: Any, **kwargs: Any) -> None:
+        """End this run and start the next one under the same workflow id: an empty history,
+        ``fn(ctx, *args, **kwargs)`` from the top, ``info.run_no + 1``. Never returns.
+
+        Unconsumed signals carry over to the next run. Open activities and saga blocks cannot
+        cross the boundary: the call is refused and the workflow ``blocked`` (wait for them
+        first; :meth:`all_settled`). The next run records the current code's ``version``.
+
+        Raises:
+            TypeError: the arguments are not JSON-serialisable (raised into the code).
+        """
+        call_args = engine.to_json(list(args), "continue_as_new args")
+        call_kwargs = engine.to_json(dict(kwargs), "continue_as_new kwargs")
+        if self._pending is not None:
+            raise self._pending
+        if self._in_step:
+            raise WorkflowUsageError("ctx.continue_as_new inside ctx.step/ctx.transaction")
+        if self._dry_run:
+            raise self._suspend(f"replay reached continue_as_new at seq {self._seq}")
+        still_open = continuation.open_work(self)
+        if still_open:
+            raise self._raise(continuation.ContinueAsNewRefused(
+                f"continue_as_new refused at seq {self._seq} of run {self._claimed.run_no}: "
+                f"{', '.join(still_open)} still open (their completions belong to this run); "
+                "wait for them (ctx.wait_all) before continuing, e.g. `if ctx.all_settled():`; "
+                "fix the code, then `workflows resume`"
+            ))
+        raise self._raise(continuation.ContinueAsNew(call_args, call_kwargs))
 
 
 class _HistoryLimit(WorkflowControl):

@@ -238,6 +238,11 @@ class WorkflowDefinition:
         queue: queue of its advance messages (None: the adapter's default routing).
         history_limit: events per run before the workflow is blocked (``history_limit``).
         store_factory: returns this process's store (set by the adapter).
+        version: this code's version (dot-separated integers), recorded on runs it starts.
+        min_supported_version: runs recorded under a lower version (or none) are parked
+            ``blocked`` by this code instead of replayed.
+        continue_as_new_after: the position from which ``ctx.info.continue_as_new_suggested``
+            is True (None: half the ``history_limit``); must be below ``history_limit``.
     """
 
     name: str
@@ -245,6 +250,37 @@ class WorkflowDefinition:
     queue: str | None = None
     history_limit: int = DEFAULT_HISTORY_LIMIT
     store_factory: Callable[[], Store] | None = None
+    version: str | None = None
+    min_supported_version: str | None = None
+    continue_as_new_after: int | None = None
+
+    def __post_init__(self) -> None:
+        from reliable_beat.workflows.versioning import parse_version
+
+        if self.version is not None:
+            parse_version(self.version, f"workflow {self.name!r} version")
+        if self.min_supported_version is not None:
+            minimum = parse_version(self.min_supported_version,
+                                    f"workflow {self.name!r} min_supported_version")
+            if self.version is None or parse_version(self.version) < minimum:
+                raise ValueError(
+                    f"workflow {self.name!r}: min_supported_version "
+                    f"{self.min_supported_version} needs a version at least as high (version="
+                    f"{self.version!r}); this code would refuse the runs it starts"
+                )
+        after = self.continue_as_new_after
+        if after is not None and not (0 < after < self.history_limit):
+            raise ValueError(
+                f"workflow {self.name!r}: continue_as_new_after must be between 1 and "
+                f"history_limit - 1 ({self.history_limit - 1}), got {after}"
+            )
+
+    @property
+    def suggest_continue_at(self) -> int:
+        """The position from which ``continue_as_new_suggested`` is True."""
+        if self.continue_as_new_after is not None:
+            return self.continue_as_new_after
+        return max(1, self.history_limit // 2)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the function directly (only inside tests that pass a context)."""
@@ -275,7 +311,8 @@ class WorkflowDefinition:
         (transactional start: it exists if, and only if, the caller commits).
         """
         target: Store | Connection = conn if conn is not None else self._store(store)
-        handle = start(target, self.name, workflow_id, args, kwargs, queue=self.queue)
+        handle = start(target, self.name, workflow_id, args, kwargs, queue=self.queue,
+                       version=self.version)
         if conn is None:
             handle.store = target if isinstance(target, Store) else None
         elif store is not None or self.store_factory is not None:
@@ -367,6 +404,7 @@ def start(
     kwargs: Mapping[str, Any] | None = None,
     *,
     queue: str | None = None,
+    version: str | None = None,
 ) -> WorkflowHandle:
     """Create workflow ``workflow_id`` of registered name ``name`` and send its first advance.
 
@@ -381,6 +419,8 @@ def start(
         workflow_id: the business id, 1..300 characters (e.g. ``"order:42"``).
         args / kwargs: JSON-serialisable arguments of the workflow function.
         queue: the queue of its advance messages.
+        version: the code version to record (``@workflow(version=...)``; None: the
+            registered definition's, if any).
 
     Raises:
         WorkflowConflict: ``workflow_id`` names a workflow of another name.
@@ -390,13 +430,15 @@ def start(
         raise ValueError(f"workflow_id must be 1..{MAX_WORKFLOW_ID} characters: {workflow_id!r}")
     call_args = to_json(list(args), f"workflow {name!r} args")
     call_kwargs = to_json(dict(kwargs or {}), f"workflow {name!r} kwargs")
+    if version is None and name in _registry:
+        version = _registry[name].version
     with _tx(target) as conn:
         now = db_now(conn)
         # RETURNING, not rowcount: with an implicit RETURNING of the id, psycopg reports no
         # useful rowcount for INSERT ... ON CONFLICT DO NOTHING
         inserted = conn.execute(
             insert_ignore(conn, workflows).values(
-                workflow_id=workflow_id, name=name, run_no=1, state="pending",
+                workflow_id=workflow_id, name=name, version=version, run_no=1, state="pending",
                 args=call_args, kwargs=call_kwargs, queue=queue,
                 random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
                 claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
@@ -576,6 +618,7 @@ class Claimed:
     owner: str
     lease: timedelta
     extra: dict[str, Any] = field(default_factory=dict)
+    version: str | None = None  # recorded at start / continue-as-new
 
 
 def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
@@ -607,6 +650,7 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Clai
             random_seed=int(row.random_seed), fence_token=int(row.fence_token),
             seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
             history_bytes=int(row.history_bytes), owner=owner, lease=lease,
+            version=row.version,
         )
 
 
@@ -659,6 +703,11 @@ def _finish(store: Store, claimed: Claimed, **values: Any) -> str:
             .where(workflows.c.id == claimed.pk, workflows.c.fence_token == claimed.fence_token)
             .values(leased_by=None, lease_expires_at=None, updated_at=now, **values)
         ).rowcount
+        if done == 1:  # a child's end tells its parent in the same transaction
+            from reliable_beat.workflows.children import notify_parent
+
+            notify_parent(conn, claimed.pk, str(values.get("state")), values.get("result"),
+                          values.get("error"))
     if done != 1:
         return "fenced"
     return str(values["state"])
@@ -712,6 +761,15 @@ def advance(
             f"unknown workflow {claimed.name!r}: no @workflow with that name is registered in "
             f"this process ({owner}); deploy the code, then `workflows resume`",
         )
+    from reliable_beat.workflows.versioning import record_first_version, version_block_reason
+
+    if claimed.version is None and definition.version is not None:
+        # started by a process that does not register the workflow (start by name): the
+        # first advance, before anything is recorded, records the version it runs under
+        record_first_version(store, claimed, definition.version)
+    too_old = version_block_reason(definition, claimed.version)
+    if too_old:
+        return block(store, claimed, too_old)
     for _ in range(max_loops):
         with store.connect() as conn:
             history = load_history(conn, claimed.pk, claimed.run_no)
@@ -782,7 +840,13 @@ def replay_check(store: Store, workflow_id: str) -> str | None:
         random_seed=int(row.random_seed), fence_token=int(row.fence_token),
         seen_wake_seq=int(row.wake_seq), history_len=int(row.history_len),
         history_bytes=int(row.history_bytes), owner="replay", lease=timedelta(0),
+        version=row.version,
     )
+    from reliable_beat.workflows.versioning import version_block_reason
+
+    too_old = version_block_reason(definition, row.version)
+    if too_old:
+        return too_old
     ctx = WorkflowContext(store, claimed, history, definition, dry_run=True)
     return ctx.replay_code(definition.fn)
 
@@ -868,7 +932,9 @@ def _row_dict(row: Any) -> dict[str, Any]:
         "workflow_id": m["workflow_id"], "name": m["name"], "state": m["state"],
         "run_no": m["run_no"], "args": m["args"], "kwargs": m["kwargs"],
         "result": m["result"], "error": m["error"], "block_reason": m["block_reason"],
-        "queue": m["queue"], "fence_token": m["fence_token"], "leased_by": m["leased_by"],
+        "version": m.get("version"), "queue": m["queue"], "fence_token": m["fence_token"],
+        "leased_by": m["leased_by"], "entry_name": m.get("entry_name"),
+        "slot_fire_at": m.get("fire_at"),
         "lease_expires_at": m["lease_expires_at"], "wake_seq": m["wake_seq"],
         "claimed_wake_seq": m["claimed_wake_seq"], "history_len": m["history_len"],
         "advances": m["advances"], "created_at": m["created_at"],

@@ -138,3 +138,36 @@ def sleeper(ctx: WorkflowContext, order: str, seconds: float) -> Any:
     """Sleeps, then one transaction (the timer across a full restart)."""
     ctx.sleep(timedelta(seconds=seconds))
     return ctx.transaction(_tx_effect, f"{order}:woke", name="woke")
+
+
+# ------------------------------------------------------------------ versioning roll ----
+# RB_WF_VERSION selects the deploy: "1" (default), "2" (reordered: the labels swap places
+# around the timer, no patch: every parked v1 run must block), "2p" (the same change behind
+# ctx.patched: parked v1 runs keep the old path, new runs take the new one).
+ROLL = os.environ.get("RB_WF_VERSION", "1")
+
+
+def _roll_v1(ctx: WorkflowContext, order: str, seconds: float) -> Any:
+    a = ctx.activity(label, order, 1, queue=QUEUE)
+    ctx.sleep(timedelta(seconds=seconds))
+    b = ctx.activity(label, order, 2, queue=QUEUE)
+    return ["v1", a, b]
+
+
+def _roll_v2(ctx: WorkflowContext, order: str, seconds: float) -> Any:
+    b = ctx.activity(label, order, 2, queue=QUEUE)
+    ctx.sleep(timedelta(seconds=seconds))
+    a = ctx.activity(label, order, 1, queue=QUEUE)
+    return ["v2", b, a]
+
+
+@workflow(app, name="wfa.roll", queue=QUEUE)
+def roll(ctx: WorkflowContext, order: str, seconds: float) -> Any:
+    """Label, sleep, label; the labels' order is what the deploys change."""
+    if ROLL == "2":
+        return _roll_v2(ctx, order, seconds)
+    if ROLL == "2p":
+        if ctx.patched("labels-swapped"):
+            return _roll_v2(ctx, order, seconds)
+        return _roll_v1(ctx, order, seconds)
+    return _roll_v1(ctx, order, seconds)

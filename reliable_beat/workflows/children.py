@@ -1,0 +1,184 @@
+"""Child workflows: ``ctx.child(wf, ...)`` / ``ctx.start_child`` + ``ctx.wait_child``
+(docs/workflows.md, "Children").
+
+Starting a child records a ``child`` event at the parent's next position and, in the same
+fenced transaction, starts the child (idempotent on its workflow id, which defaults to
+``<parent id>/child<run>.<seq>``) and links it to that event (``parent_pk``, ``parent_run_no``,
+``parent_seq`` on the child's row). The child's end (``completed``, ``failed``, ``cancelled``)
+completes the parent's event and wakes the parent **in the child's terminal transaction**:
+there is no moment where the child is over and its parent was not told. If that write is
+ever missing (a child ended by an older worker), the parent's wait repairs it from the
+child's row, fenced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat.db.tables import workflow_events, workflows
+from reliable_beat.outbox import db_now
+from reliable_beat.workflows import engine
+from reliable_beat.workflows.errors import ActivityError, WorkflowUsageError
+
+if TYPE_CHECKING:
+    from reliable_beat.workflows.context import WorkflowContext
+
+__all__ = ["CHILD_KIND", "ChildHandle", "child_id_for", "notify_parent", "resolve",
+           "start_child", "wait_child"]
+
+CHILD_KIND = "child"
+#: Child states that end the parent's wait.
+ENDED = ("completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class ChildHandle:
+    """A started child workflow (``ctx.start_child``): wait with ``ctx.wait_child``."""
+
+    seq: int
+    name: str
+    workflow_id: str
+
+
+def child_id_for(parent_id: str, run_no: int, seq: int) -> str:
+    """The default id of the child started at ``seq``: ``<parent id>/child<run>.<seq>``."""
+    return f"{parent_id}/child{run_no}.{seq}"
+
+
+def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                workflow_id: str | None) -> ChildHandle:
+    """See :meth:`WorkflowContext.start_child`."""
+    name = wf if isinstance(wf, str) else getattr(wf, "name", None)
+    if not isinstance(name, str):
+        raise WorkflowUsageError(
+            f"ctx.start_child needs a @workflow definition or a registered workflow name, "
+            f"got {wf!r}"
+        )
+    call = engine.to_json([list(args), kwargs, workflow_id], f"child {name!r} arguments")
+    seq, digest, ev = ctx._next(CHILD_KIND, name, call)
+    claimed = ctx._claimed
+    child_id = workflow_id or child_id_for(claimed.workflow_id, claimed.run_no, seq)
+    if ev is None:
+        definition = engine.get_definition(name)
+        queue = definition.queue if definition is not None else claimed.queue
+
+        def launch(conn: Connection) -> None:
+            engine.start(conn, name, child_id, call[0], call[1], queue=queue)
+            linked = conn.execute(
+                update(workflows)
+                .where(workflows.c.workflow_id == child_id, workflows.c.parent_pk.is_(None))
+                .values(parent_pk=claimed.pk, parent_run_no=claimed.run_no, parent_seq=seq)
+            ).rowcount
+            if linked != 1:
+                raise WorkflowUsageError(
+                    f"child workflow id {child_id!r} already belongs to another parent: give "
+                    "ctx.start_child a workflow_id of its own"
+                )
+
+        ctx._record(seq, CHILD_KIND, name, digest, call, state="scheduled", effect=launch,
+                    run_key=child_id)
+        from reliable_beat.workflows.context import _Ev
+
+        ctx._history[seq] = _Ev(seq, CHILD_KIND, name, digest, "scheduled", None, None, None,
+                                child_id)
+    return ChildHandle(seq=seq, name=name, workflow_id=child_id)
+
+
+def resolve(ctx: WorkflowContext, handle: ChildHandle) -> tuple[bool, Any]:
+    """(done, event) for a started child; repairs a missing completion from the child's row."""
+    from reliable_beat.workflows.context import _Ev
+
+    ev = ctx._history[handle.seq]
+    if ev.state != "scheduled":
+        return True, ev
+    with ctx._store.connect() as conn:
+        event = conn.execute(
+            select(workflow_events.c.state, workflow_events.c.result, workflow_events.c.error)
+            .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
+                   workflow_events.c.run_no == ctx._claimed.run_no,
+                   workflow_events.c.seq == handle.seq)
+        ).first()
+        child = conn.execute(
+            select(workflows.c.state, workflows.c.result, workflows.c.error)
+            .where(workflows.c.workflow_id == handle.workflow_id)
+        ).first()
+    if event is not None and event.state != "scheduled":
+        done = _Ev(handle.seq, CHILD_KIND, handle.name, ev.args_digest, event.state,
+                   event.result, event.error, None, handle.workflow_id)
+    elif child is not None and child.state in ENDED:
+        state, result, error = _outcome_of(child.state, child.result, child.error)
+        ctx._complete(handle.seq, state, result, error)
+        done = _Ev(handle.seq, CHILD_KIND, handle.name, ev.args_digest, state, result, error,
+                   None, handle.workflow_id)
+    else:
+        return False, ev
+    ctx._history[handle.seq] = done
+    return True, done
+
+
+def wait_child(ctx: WorkflowContext, handle: ChildHandle) -> Any:
+    """See :meth:`WorkflowContext.wait_child`."""
+    if ctx._pending is not None:
+        raise ctx._pending
+    done, ev = resolve(ctx, handle)
+    if not done:
+        raise ctx._suspend(f"waiting for child workflow {handle.workflow_id!r}")
+    if ev.state == "failed":
+        err = ev.error or {}
+        raise ActivityError(str(err.get("type")), str(err.get("message")), kind=CHILD_KIND,
+                            name=handle.name)
+    return ev.result
+
+
+def _outcome_of(state: str, result: Any, error: Any) -> tuple[str, Any, Any]:
+    if state == "completed":
+        return "completed", result, None
+    if state == "cancelled":
+        return "failed", None, {"type": "cancelled", "message": "the child was cancelled"}
+    err = error or {}
+    return "failed", None, {"type": err.get("type"), "message": err.get("message")}
+
+
+def notify_parent(conn: Connection, child_pk: int, state: str, result: Any = None,
+                  error: Any = None) -> bool:
+    """In the child's terminal transaction: complete the parent's ``child`` event and wake it.
+
+    A no-op for a workflow without a parent, a parent that has moved to another run, or an
+    event no longer ``scheduled``. Returns True if the parent was told.
+    """
+    if state not in ENDED:
+        return False
+    link = conn.execute(
+        select(workflows.c.parent_pk, workflows.c.parent_run_no, workflows.c.parent_seq)
+        .where(workflows.c.id == child_pk)
+    ).first()
+    if link is None or link.parent_pk is None:
+        return False
+    parent = conn.execute(
+        update(workflows)
+        .where(workflows.c.id == link.parent_pk, workflows.c.run_no == link.parent_run_no)
+        .values(wake_seq=workflows.c.wake_seq + 1)
+        .returning(workflows.c.workflow_id, workflows.c.queue)
+    ).first()
+    if parent is None:
+        return False
+    ev_state, ev_result, ev_error = _outcome_of(state, result, error)
+    done = conn.execute(
+        update(workflow_events)
+        .where(workflow_events.c.workflow_pk == link.parent_pk,
+               workflow_events.c.run_no == link.parent_run_no,
+               workflow_events.c.seq == link.parent_seq,
+               workflow_events.c.kind == CHILD_KIND,
+               workflow_events.c.state == "scheduled")
+        .values(state=ev_state, result=ev_result, error=ev_error, completed_at=db_now(conn))
+    ).rowcount
+    if done != 1:
+        return False
+    engine.add_wake(conn, parent.workflow_id, parent.queue,
+                    f"{link.parent_run_no}c{link.parent_seq}")
+    engine.crash_point("child.notify.in")
+    return True

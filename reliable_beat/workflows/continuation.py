@@ -1,0 +1,103 @@
+"""``ctx.continue_as_new``: end this run and start the next one under the same workflow id,
+with an empty history and the arguments given (docs/workflows.md, "Continue-as-new").
+
+Events are keyed by ``(workflow, run_no, seq)`` and signals by workflow: the switch is one
+fenced transaction on the workflow row (``run_no + 1``, the new arguments, history counters
+back to 0, the current code's ``version``, ``pending`` + a wake). Signals not yet consumed stay
+in the inbox and are consumed by the next run. What cannot cross the boundary is refused
+(the workflow is ``blocked`` with the reason, nothing is written): activities still open (their
+completion belongs to the old run's history), children still running (their end completes
+an event of the old run), saga blocks still open (their compensations too).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import update
+
+from reliable_beat.db.tables import workflows
+from reliable_beat.outbox import db_now
+from reliable_beat.workflows import children, engine
+from reliable_beat.workflows.errors import WorkflowControl
+
+if TYPE_CHECKING:
+    from reliable_beat.workflows.context import WorkflowContext
+
+__all__ = ["ContinueAsNew", "ContinueAsNewRefused", "open_work", "switch_run"]
+
+
+class ContinueAsNew(WorkflowControl):
+    """Raised by ``ctx.continue_as_new``: the engine ends the run and starts the next one.
+
+    Attributes:
+        next_args / next_kwargs: the next run's arguments (JSON, already checked).
+    """
+
+    def __init__(self, args: list[Any], kwargs: dict[str, Any]) -> None:
+        super().__init__(f"continue as new with args {args!r} kwargs {kwargs!r}")
+        self.next_args = args
+        self.next_kwargs = kwargs
+
+
+class ContinueAsNewRefused(WorkflowControl):
+    """``ctx.continue_as_new`` while work of this run is still open (the workflow blocks)."""
+
+
+def open_work(ctx: WorkflowContext) -> list[str]:
+    """What of this run cannot cross a run boundary: ``["activity wfa.charge at seq 3",
+    "saga block"]``; empty when ``continue_as_new`` may be called."""
+    from reliable_beat.workflows.context import ActivityHandle
+
+    found: list[str] = []
+    for seq in sorted(ctx._history):
+        if seq > ctx._seq:
+            break
+        ev = ctx._history[seq]
+        if ev.kind == "activity" and ev.state == "scheduled":
+            done, _ = ctx._resolve(ActivityHandle(seq=seq, name=str(ev.name),
+                                                  key=str(ev.run_key)))
+            if not done:
+                found.append(f"activity {ev.name} at seq {seq}")
+        elif ev.kind == children.CHILD_KIND and ev.state == "scheduled":
+            done, _ = children.resolve(ctx, children.ChildHandle(
+                seq=seq, name=str(ev.name), workflow_id=str(ev.run_key)))
+            if not done:
+                found.append(f"child workflow {ev.run_key} at seq {seq}")
+    # saga blocks (reliable_beat.workflows.saga) count their open blocks here
+    sagas = int(getattr(ctx, "_open_sagas", 0) or 0)
+    if sagas:
+        found.append(f"{sagas} saga block(s)")
+    return found
+
+
+def switch_run(ctx: WorkflowContext, request: ContinueAsNew) -> str:
+    """End run *n* and start run *n + 1* in one fenced transaction. Returns ``continued``,
+    ``fenced`` or the state a failed check led to (``blocked``)."""
+    claimed = ctx._claimed
+    tail = ctx._tail_check()
+    if tail:
+        return tail
+    engine.crash_point("continue.before")
+    with ctx._store.begin() as conn:
+        now = db_now(conn)
+        row = conn.execute(
+            update(workflows)
+            .where(workflows.c.id == claimed.pk,
+                   workflows.c.fence_token == claimed.fence_token)
+            .values(
+                run_no=claimed.run_no + 1, args=request.next_args, kwargs=request.next_kwargs,
+                state="pending", history_len=0, history_bytes=0,
+                version=ctx._definition.version, wake_seq=workflows.c.wake_seq + 1,
+                leased_by=None, lease_expires_at=None, updated_at=now,
+                advances=0,  # the crash-loop budget is per run: a long loop is not a crash loop
+            )
+            .returning(workflows.c.wake_seq)
+        ).first()
+        if row is None:
+            return "fenced"
+        engine.add_wake(conn, claimed.workflow_id, claimed.queue, f"run{claimed.run_no + 1}")
+    engine.crash_point("continue.after")
+    engine.log.info("workflow %s continued as new: run %d -> %d", claimed.workflow_id,
+                    claimed.run_no, claimed.run_no + 1)
+    return "continued"

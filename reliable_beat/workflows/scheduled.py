@@ -1,0 +1,89 @@
+"""Scheduled workflows: a beat entry whose task is :data:`START_TASK` starts a workflow per
+slot (docs/workflows.md, "Scheduled workflows").
+
+::
+
+    app.conf.beat_schedule = {
+        "nightly-report": {"task": "reliable_beat.workflow.start",
+                           "schedule": crontab(hour=2, minute=0),
+                           "args": ["shop.report", "eu"],      # workflow name, then its args
+                           "options": {"overlap_policy": "skip"}},
+    }
+
+The start task is an ``IdempotentTask`` keyed like every slot (``<entry>@<slot ISO Z>``), and
+that key is the **workflow id**: the run's completion and the workflow's row (and its first
+wake) commit in one transaction, and ``start`` is idempotent on the id, so a slot starts its
+workflow once whatever the beats, relays and brokers duplicate. The workflow row records the
+entry and the slot (``entry_name``, ``fire_at``); the beat's overlap policy (``skip``,
+``buffer_one``) treats an entry whose previous slot's workflow is still ``pending``,
+``running``, ``waiting`` or ``blocked`` as running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.engine import Connection
+
+from reliable_beat.db.tables import runs, workflows
+from reliable_beat.workflows import engine
+from reliable_beat.workflows.errors import WorkflowNotFound
+
+__all__ = ["OVERLAP_STATES", "START_TASK", "active_entries", "start_for_slot"]
+
+#: The task a beat entry names to start a workflow (args: workflow name, then its args).
+START_TASK = "reliable_beat.workflow.start"
+#: Workflow states in which an entry's previous slot counts as still running (overlap).
+OVERLAP_STATES = ("pending", "running", "waiting", "blocked")
+
+
+def start_for_slot(conn: Connection, name: str, key: str, args: Sequence[Any],
+                   kwargs: dict[str, Any]) -> str:
+    """Start workflow ``name`` with id ``key`` (the slot's idempotency key) in ``conn``'s
+    transaction, recording the slot's entry and fire time from its run row.
+
+    Returns:
+        The workflow id (``key``).
+
+    Raises:
+        WorkflowNotFound: no workflow ``name`` is registered in this process (the run
+            retries, then dead-letters naming it).
+    """
+    definition = engine.get_definition(name)
+    if definition is None:
+        raise WorkflowNotFound(
+            f"{START_TASK}: no workflow {name!r} is registered in this process: the entry's "
+            "first argument must be a @workflow name (deploy the code that registers it)"
+        )
+    engine.start(conn, name, key, args, kwargs, queue=definition.queue,
+                 version=definition.version)
+    slot = conn.execute(
+        select(runs.c.entry_name, runs.c.fire_at).where(runs.c.idempotency_key == key)
+    ).first()
+    if slot is not None and slot.entry_name is not None:
+        conn.execute(
+            update(workflows)
+            .where(workflows.c.workflow_id == key, workflows.c.entry_name.is_(None))
+            .values(entry_name=slot.entry_name, fire_at=slot.fire_at)
+        )
+    return key
+
+
+def active_entries(conn: Connection, names: Iterable[str]) -> set[str]:
+    """The entries among ``names`` with a workflow still pending, running, waiting or
+    blocked (the beat's overlap policy reads it beside the runs' states)."""
+    wanted = list(names)
+    if not wanted:
+        return set()
+    return {str(n) for n in conn.execute(
+        select(workflows.c.entry_name).distinct().where(
+            workflows.c.entry_name.in_(wanted), workflows.c.state.in_(OVERLAP_STATES))
+    ).scalars()}
+
+
+def slot_of(workflow: dict[str, Any]) -> tuple[str | None, datetime | None]:
+    """``(entry, fire_at)`` of a workflow started by a beat entry (from its row)."""
+    return workflow.get("entry_name"), workflow.get("fire_at")

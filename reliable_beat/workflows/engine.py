@@ -551,7 +551,8 @@ def on_run_finished(
     ).rowcount
     if done != 1:
         return False
-    add_wake(conn, workflow_id, wf.queue, f"{run_no}#{seq}")
+    # wake_seq in the id: a requeued compensation completes the same seq a second time
+    add_wake(conn, workflow_id, wf.queue, f"{run_no}#{seq}.{wf.wake_seq}")
     return True
 
 

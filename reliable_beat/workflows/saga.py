@@ -245,9 +245,11 @@ def _run_compensation(ctx: WorkflowContext, seq: int, original: dict[str, str] |
         ctx._history[seq] = ev
     if ev.state == "failed":
         err = ev.error or {}
+        lines = [ln for ln in str(err.get("message") or "").strip().splitlines() if ln]
+        cause = lines[-1] if lines else "no error text"  # the exception line, not the traceback
         reason = (
             f"compensation_failed: compensation {ev.name} (seq {seq}, key {ev.run_key}) "
-            f"dead-lettered: {err.get('message')}; the compensations after it in the undo "
+            f"dead-lettered: {cause}; the compensations after it in the undo "
             "order have not run. Fix the cause, then `reliable-beat workflows compensate "
             f"{ctx._claimed.workflow_id}` (requeues it and runs the rest from the history)"
         )

@@ -227,7 +227,7 @@ def test_dead_compensation_blocks_and_compensate_finishes_from_data(
     assert row["block_reason"].startswith("compensation_failed: compensation saga.undo (seq 3")
     assert "workflows compensate o2" in row["block_reason"]
     assert rows(store, "undo") == [("undo", "o2:c:nothing")]  # a is not run past b
-    with pytest.raises(WorkflowConflict, match="not blocked: .* use `workflows cancel ID`"):
+    with pytest.raises(WorkflowConflict, match=r"not blocked: .* use `workflows cancel ID`"):
         _compensate_live(store, app)
     BROKEN.clear()  # the cause is fixed
     engine.register(engine.WorkflowDefinition(name="t.three", fn=lambda ctx, o: 1 / 0))

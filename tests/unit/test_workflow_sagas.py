@@ -396,3 +396,32 @@ def test_cancelled_is_raised_into_the_code_once(app: Celery, store: Store) -> No
     assert h.result(timeout=1) == "cleaned up"
     assert shape(store, "k1") == [("timer", "scheduled"), ("cancel", "completed"),
                                   ("activity", "completed")]
+
+
+def test_cli_cancel_and_compensate(app: Celery, store: Store) -> None:
+    from click.testing import CliRunner
+
+    from reliable_beat.celery.commands import reliable_beat
+
+    def cli(*args: str) -> Any:
+        return CliRunner().invoke(reliable_beat, ["--database-url", store.url, *args])
+
+    engine.start(store, "t.sleepy", "cli1", ["cli1"])
+    engine.start(store, "t.sleepy", "cli2", ["cli2"])
+    drain(Driver(store, app))
+    out = cli("workflows", "compensate", "cli1")
+    assert out.exit_code == 1 and "is waiting, not blocked" in out.output
+    out = cli("workflows", "cancel", "cli1")
+    assert out.exit_code == 0, out.output
+    assert "cli1: cancel requested" in out.output
+    out = cli("workflows", "cancel", "cli2", "--no-compensate", "--json")
+    assert out.exit_code == 0 and '"state": "cancelled"' in out.output
+    drain(Driver(store, app))
+    out = cli("workflows", "cancel", "cli1")
+    assert out.exit_code == 0
+    assert "already ended cancelled: nothing to cancel, nothing changed" in out.output
+    out = cli("workflows", "list", "--state", "cancelled", "--json")
+    assert "cli1" in out.output and "cli2" in out.output
+    assert rows(store, "undo") == [("undo", "cli1:a")]
+    out = cli("workflows", "cancel", "nope")
+    assert out.exit_code == 1 and "no workflow 'nope'" in out.output

@@ -138,3 +138,39 @@ def sleeper(ctx: WorkflowContext, order: str, seconds: float) -> Any:
     """Sleeps, then one transaction (the timer across a full restart)."""
     ctx.sleep(timedelta(seconds=seconds))
     return ctx.transaction(_tx_effect, f"{order}:woke", name="woke")
+
+
+# ------------------------------------------------------------------ sagas ----
+
+
+@app.task(base=IdempotentTask, bind=True, name="wfa.forward")
+def forward(self: IdempotentTask, order: str, step: str, fail: bool = False) -> str:
+    """A forward saga step with an effect; ``fail`` refuses permanently (dead letter)."""
+    if fail:
+        raise ValueError(f"{order}: step {step} refused (permanent)")
+    with self.transaction() as tx:
+        tx.execute(wf_effects.insert().values(kind="forward", key=f"{order}:{step}",
+                                              pid=os.getpid()))
+        self.returns(step)
+    return step
+
+
+@app.task(base=IdempotentTask, bind=True, name="wfa.undo")
+def undo(self: IdempotentTask, order: str, step: str) -> str:
+    """A compensation: its effect, then a crash point before the message is acked."""
+    with self.transaction() as tx:
+        tx.execute(wf_effects.insert().values(kind="undo", key=f"{order}:{step}",
+                                              pid=os.getpid()))
+        self.returns(f"undone {step}")
+    engine.crash_point(f"undo.after_commit.{step}")  # effect committed, message not acked
+    return "ignored"
+
+
+@workflow(app, name="wfa.saga", queue=QUEUE)
+def saga3(ctx: WorkflowContext, order: str) -> Any:
+    """Three forward activities in a saga; the third fails permanently: undo c, b, a."""
+    with ctx.saga() as saga:
+        for step in ("a", "b", "c"):
+            saga.compensate(undo, order, step, queue=QUEUE)
+            ctx.activity(forward, order, step, step == "c", queue=QUEUE)
+    return "unreachable"

@@ -1,0 +1,103 @@
+"""Sagas on real processes: a compensation's undo survives SIGKILL (real ``celery worker``
+solo pools, a real ``reliable-beat relay``, PostgreSQL, Redis; tests/apps/wf_app.py).
+
+``wfa.saga``: three forward activities, the third fails permanently. The worker SIGKILLs
+itself (a) inside the second compensation after its effect committed and before the ack,
+(b) between two compensations, (c) inside the transaction of the advance that dispatches the
+first compensation; a new worker is started after each kill (at most three kills). Each
+compensation's effect exactly once, in reverse order; the workflow ``failed`` with the
+original error.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from reliable_beat.db.dialects import Store
+from reliable_beat.workflows import engine
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "apps"))
+sys.path.insert(0, str(ROOT / "tests" / "acceptance"))
+from test_workflow_crashes import Rig  # noqa: E402
+from wf_app import meta, wf_effects  # noqa: E402
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(600)]
+
+POINTS = {
+    "a": "undo.after_commit.b",  # inside the second compensation, effect committed, no ack
+    "b": "saga.between",  # a compensation completed, the next not yet dispatched
+    "c": "saga.dispatch.in",  # the advance dispatching the first compensation (uncommitted)
+}
+
+
+@pytest.fixture
+def saga_rig(pg_url: str, redis_url: str, pg_store: Store, tmp_path: Path) -> Iterator[Rig]:
+    meta.create_all(pg_store.engine)
+    r = Rig(pg_url, redis_url, pg_store, tmp_path)
+    try:
+        yield r
+    finally:
+        r.kill_all()
+
+
+def undo_order(store: Store, order: str) -> list[str]:
+    with store.engine.connect() as conn:
+        return [k.rsplit(":", 1)[1] for (k,) in conn.execute(
+            sa.select(wf_effects.c.key).where(wf_effects.c.kind == "undo",
+                                              wf_effects.c.key.like(f"{order}:%"))
+            .order_by(wf_effects.c.id))]
+
+
+@pytest.mark.parametrize("case", sorted(POINTS))
+def test_saga_undo_survives_sigkill(saga_rig: Rig, case: str) -> None:
+    rig, point = saga_rig, POINTS[case]
+    rig.relay()
+    order = f"saga-{case}-{uuid.uuid4().hex[:6]}"
+    engine.start(rig.store, "wfa.saga", order, [order], queue=rig.queue)
+    kills = 0
+
+    def worker() -> object:
+        marker = rig.tmp / f"kill-{kills}"
+        extra = ({"RB_WF_KILL_AT": point, "RB_WF_KILL_FILE": str(marker)} if kills < 3
+                 else {})
+        return rig.worker(**extra)
+
+    proc = worker()
+    deadline = time.monotonic() + 300
+    state = ""
+    while time.monotonic() < deadline:
+        state = engine.get_workflow(rig.store, order)["state"]
+        if state in ("completed", "failed", "cancelled", "blocked"):
+            break
+        if proc.poll() is not None:  # type: ignore[attr-defined]
+            kills += 1
+            proc = worker()
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"{case}: not finished ({state})\n{rig.logs()}")
+    row = engine.get_workflow(rig.store, order, events=True)
+    assert row["state"] == "failed", (case, row, rig.logs())
+    assert row["error"]["type"] == "ActivityError"
+    assert "wfa.forward failed: dead" in row["error"]["message"]
+    assert "step c refused (permanent)" in row["error"]["message"]
+    kinds = [(e["kind"], e["name"], e["state"]) for e in row["events"]]
+    assert kinds == [("compensation", "wfa.undo", "completed"),
+                     ("activity", "wfa.forward", "completed")] * 2 + [
+                    ("compensation", "wfa.undo", "completed"),
+                    ("activity", "wfa.forward", "failed")], case
+    assert undo_order(rig.store, order) == ["c", "b", "a"], case  # each once, reversed
+    eff = rig.effects()
+    assert eff[("forward", f"{order}:a")] == 1 and eff[("forward", f"{order}:b")] == 1
+    assert ("forward", f"{order}:c") not in eff
+    kills = len(list(rig.tmp.glob("kill-*")))
+    print(f"SAGA {case} ({point}): {kills} SIGKILLs, undo c, b, a once each, failed with "
+          "the original error")
+    assert kills >= 1, f"{point} was never reached\n{rig.logs()}"

@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.update(ORDERS_DIR=str(workdir), ORDERS_WEBHOOK_URL=sink.url,
                ORDERS_HOLD_SECONDS=str(args.hold_seconds),
+               ORDERS_QUEUE=env.get("ORDERS_QUEUE", f"orders-{os.getpid()}"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     with ExitStack() as stack:
         if args.server:

@@ -26,7 +26,8 @@ hold; releasing a reservation that was never made changes nothing.
 Environment (the runner in ``__main__`` sets it): ``RELIABLE_BEAT_DATABASE_URL``,
 ``ORDERS_BROKER_URL`` (default: a filesystem broker under ``ORDERS_DIR``),
 ``ORDERS_WEBHOOK_URL`` (where receipts go), ``ORDERS_HOLD_SECONDS`` (default 86400: 24 h),
-``ORDERS_PER_SLOT`` (default 2), ``ORDERS_SCHEDULE`` (cron, default every 2 s).
+``ORDERS_PER_SLOT`` (default 2), ``ORDERS_SCHEDULE`` (cron, default every 2 s),
+``ORDERS_QUEUE`` (the queue of every message, default ``celery``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ app.conf.update(
     reliable_beat_retry_base_seconds=0.5,
     reliable_beat_retry_cap_seconds=5.0,
     beat_max_loop_interval=5,
+    task_default_queue=os.environ.get("ORDERS_QUEUE", "celery"),
     task_acks_late=True,
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,

@@ -162,6 +162,8 @@ class WorkflowContext:
         self._filter = _ReplayFilter(self)
         self._unwinding = False  # a saga is running its compensations (no cancel point)
         self._cancel_checked: bool | None = None  # cached: a cooperative cancel is pending
+        #: saga blocks open right now (continue-as-new must refuse to cross one)
+        self.open_sagas = 0
 
     # ---------------------------------------------------------------- properties ----
 

@@ -106,6 +106,7 @@ class Saga:
     def __enter__(self) -> Saga:
         self._start_seq = self._ctx._seq
         self._open = True
+        self._ctx.open_sagas += 1
         return self
 
     def compensate(self, task: Any, *args: Any, queue: str | None = None,
@@ -151,6 +152,7 @@ class Saga:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
         self._open = False
+        self._ctx.open_sagas -= 1
         if exc is not None and not isinstance(exc, Exception):
             return False  # engine control flow: not a failure of the block
         with _engine_code():
@@ -490,16 +492,18 @@ def compensate(store: Store, workflow_id: str, *, by: str = "workflows compensat
                          .values(state="registered", error=None, completed_at=None))
     with store.begin() as conn:
         now = db_now(conn)
-        done = conn.execute(
+        # no UPDATE ... RETURNING here: MariaDB has none
+        changed = conn.execute(
             update(workflows)
             .where(workflows.c.id == row.id, workflows.c.state == "blocked")
             .values(state="waiting", cancel_requested="compensate", block_reason=None,
                     wake_seq=workflows.c.wake_seq + 1, advances=0, updated_at=now)
-            .returning(workflows.c.queue, workflows.c.wake_seq)
-        ).first()
-        if done is None:
+        ).rowcount
+        if changed != 1:
             raise WorkflowConflict(f"workflow {workflow_id!r} changed state meanwhile; look "
                                    "again (`workflows show ID --events`)")
+        done = conn.execute(select(workflows.c.queue, workflows.c.wake_seq)
+                            .where(workflows.c.id == row.id)).one()
         engine.add_wake(conn, workflow_id, done.queue, f"compensate{done.wake_seq}")
     return {"workflow_id": workflow_id, "state": "waiting",
             "pending": [{"seq": c.seq, "name": c.name, "state": c.state} for c in comps],

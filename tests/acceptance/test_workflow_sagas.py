@@ -101,3 +101,40 @@ def test_saga_undo_survives_sigkill(saga_rig: Rig, case: str) -> None:
     print(f"SAGA {case} ({point}): {kills} SIGKILLs, undo c, b, a once each, failed with "
           "the original error")
     assert kills >= 1, f"{point} was never reached\n{rig.logs()}"
+
+
+def test_dead_compensation_blocks_then_cli_compensate_finishes(saga_rig: Rig) -> None:
+    """The second compensation dead-letters: the workflow is parked ``blocked`` with the
+    first compensation done and the third not run; after the fix (a worker without the
+    fault), ``reliable-beat workflows compensate ID`` runs the rest from data: undo c, b, a
+    once each, the workflow ``failed`` with the original error."""
+    rig = saga_rig
+    rig.relay()
+    order = f"saga-dead-{uuid.uuid4().hex[:6]}"
+    engine.start(rig.store, "wfa.saga", order, [order], queue=rig.queue)
+    broken = rig.worker(RB_WF_UNDO_FAIL="b")
+
+    def state() -> str:
+        return str(engine.get_workflow(rig.store, order)["state"])
+
+    deadline = time.monotonic() + 180
+    while state() != "blocked":
+        assert time.monotonic() < deadline, rig.logs()
+        time.sleep(0.3)
+    row = engine.get_workflow(rig.store, order)
+    assert row["block_reason"].startswith("compensation_failed: compensation wfa.undo")
+    assert "undo b refused (permanent)" in row["block_reason"]
+    assert undo_order(rig.store, order) == ["c"]
+    broken.kill()
+    broken.wait(timeout=10)
+    rig.worker()  # the fix is deployed
+    out = rig.cli("workflows", "compensate", order)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 compensations to run" in out.stdout and "requeued 1" in out.stdout
+    deadline = time.monotonic() + 180
+    while state() != "failed":
+        assert time.monotonic() < deadline, rig.logs()
+        time.sleep(0.3)
+    row = engine.get_workflow(rig.store, order)
+    assert "step c refused (permanent)" in row["error"]["message"]  # the original error
+    assert undo_order(rig.store, order) == ["c", "b", "a"]

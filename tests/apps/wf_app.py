@@ -157,7 +157,10 @@ def forward(self: IdempotentTask, order: str, step: str, fail: bool = False) -> 
 
 @app.task(base=IdempotentTask, bind=True, name="wfa.undo")
 def undo(self: IdempotentTask, order: str, step: str) -> str:
-    """A compensation: its effect, then a crash point before the message is acked."""
+    """A compensation: its effect, then a crash point before the message is acked.
+    ``RB_WF_UNDO_FAIL=<step>`` makes that step's undo fail permanently (a dead letter)."""
+    if os.environ.get("RB_WF_UNDO_FAIL") == step:
+        raise ValueError(f"{order}: undo {step} refused (permanent)")
     with self.transaction() as tx:
         tx.execute(wf_effects.insert().values(kind="undo", key=f"{order}:{step}",
                                               pid=os.getpid()))

@@ -409,14 +409,16 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
                        "message": "terminated by a person (workflows cancel --no-compensate)"
                                   ": no code and no compensation ran"})).rowcount
             state, message = "cancelled", "terminated: cancelled, no compensation ran"
-        elif row.state == "blocked":
+        elif row.state == "blocked" or row.cancel_requested in DATA_MODES:
+            # its code cannot (or must not) run: the compensations run from data
             done = conn.execute(update(workflows).where(*where).values(
                 state="waiting", cancel_requested="cancel_data", block_reason=None,
                 wake_seq=workflows.c.wake_seq + 1, advances=0, updated_at=now)).rowcount
             engine.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
-            state = "waiting"
-            message = ("cancel requested: it was blocked, so its recorded compensations run "
-                       "from data (no code), then it ends cancelled")
+            state = "waiting" if row.state == "blocked" else row.state
+            message = ("cancel requested: its code cannot run (blocked, or compensating "
+                       "from data), so its recorded compensations run from data, then it "
+                       "ends cancelled")
         else:
             done = conn.execute(update(workflows).where(*where).values(
                 cancel_requested="cancel", wake_seq=workflows.c.wake_seq + 1,

@@ -342,6 +342,7 @@ def test_cancel_of_a_blocked_workflow_compensates_from_data(app: Celery,
     assert engine.get_workflow(store, "b1")["state"] == "blocked"
     out = cancel(store, "b1")
     assert "from data" in out["message"]
+    assert "from data" in cancel(store, "b1")["message"]  # again: still from data
     drain(driver)
     row = engine.get_workflow(store, "b1")
     assert row["state"] == "cancelled", row

@@ -34,6 +34,7 @@ APP = "examples.orders.app"
 #: The effects each outcome must show exactly once (and no other).
 COMPLETED = {"authorize": 1, "reserve": 1, "capture": 1}
 COMPENSATED = {"authorize": 1, "reserve": 1, "release": 1, "cancel_authorization": 1}
+DECLINED: dict[str, int] = {}  # authorization declined: nothing happened, nothing to undo
 
 
 def celery(*args: str) -> list[str]:
@@ -91,6 +92,7 @@ def report(env: dict[str, str], sink: Sink, procs: Procs, seconds: float) -> int
 
     from examples.orders.app import (
         SKUS,
+        declines_authorization,
         declines_capture,
         effects,
         orders,
@@ -117,19 +119,24 @@ def report(env: dict[str, str], sink: Sink, procs: Procs, seconds: float) -> int
     half_done: list[str] = []
     for o in placed:
         state = wf_state.get(o)
-        want = COMPLETED if state == "completed" else COMPENSATED if state == "failed" else {}
+        refused = declines_authorization(o)
+        want = (COMPLETED if state == "completed" else DECLINED if refused
+                else COMPENSATED if state == "failed" else {})
         missing += [(o, a) for a in want if eff[(o, a)] == 0]
         missing += [(o, a) for (oo, a) in eff if oo == o and a not in want]  # stray effect
         if state == "completed":
             ok = pay.get(o) == "captured" and held.get(o) == "held"
+        elif state == "failed" and refused:  # the tombstone, no reservation
+            ok = pay.get(o) == "cancelled" and held.get(o) is None
         elif state == "failed":
-            ok = (pay.get(o) in ("cancelled", None) and held.get(o) in ("released", None)
+            ok = (pay.get(o) == "cancelled" and held.get(o) == "released"
                   and declines_capture(o))
         else:
             ok = False
         if not ok:
             half_done.append(f"{o}: workflow {state}, payment {pay.get(o)}, "
                              f"reservation {held.get(o)}")
+    declined = [o for o in placed if wf_state.get(o) == "failed" and declines_authorization(o)]
     shipped = sum(1 for s in held.values() if s == "held")
     stock_ok = sum(on_hand.values()) + shipped == sum(SKUS.values())
     receipts = Counter(body.get("order_id") for _, body in sink.requests)
@@ -148,7 +155,9 @@ def report(env: dict[str, str], sink: Sink, procs: Procs, seconds: float) -> int
         f"| orders completed (authorized, reserved, captured, receipt sent) | "
         f"{states['completed']} |",
         f"| orders compensated (capture declined: inventory released, authorization "
-        f"cancelled) | {states['failed']} |",
+        f"cancelled) | {states['failed'] - len(declined)} |",
+        f"| orders declined at authorization (unwound, nothing to undo: tombstone) | "
+        f"{len(declined)} |",
         f"| effects applied | {sum(eff.values())} |",
         f"| effects applied twice | {len(twice)} |",
         f"| effects missing or stray | {len(missing)} |",

@@ -15,7 +15,9 @@
           ctx.activity(capture_payment, order_id)           # + the receipt, via the outbox
 
   A capture the card issuer declines (deterministically, one order in four here) fails
-  permanently: the saga releases the inventory, then cancels the authorization.
+  permanently: the saga releases the inventory, then cancels the authorization. An
+  authorization it declines (one in eight) unwinds too: ``cancel_authorization`` then finds
+  nothing to cancel and writes a tombstone (compensations tolerate "nothing to undo").
 
 Every activity writes its effect and an ``effects`` row (order, action) in one transaction
 with its idempotency key; the report counts those rows: each effect exactly once. The
@@ -148,6 +150,11 @@ def declines_capture(order_id: str) -> bool:
     return hashlib.sha256(order_id.encode()).digest()[0] % 4 == 0
 
 
+def declines_authorization(order_id: str) -> bool:
+    """... and one authorization in eight: the unwind then has nothing to undo."""
+    return hashlib.sha256(order_id.encode()).digest()[1] % 8 == 0
+
+
 def _effect(tx: Any, order_id: str, action: str) -> None:
     tx.execute(insert(effects).values(order_id=order_id, action=action))
 
@@ -159,6 +166,8 @@ def _effect(tx: Any, order_id: str, action: str) -> None:
 def authorize_payment(self: Any, order_id: str, cents: int) -> str:
     """Authorize ``cents``; a no-op if the authorization was already cancelled (a late
     authorization racing its cancellation never takes hold)."""
+    if declines_authorization(order_id):
+        raise ValueError(f"{order_id}: authorization declined by the issuer")  # permanent
     with self.transaction() as tx:
         row = tx.execute(select(payments.c.state)
                          .where(payments.c.order_id == order_id)).first()

@@ -138,3 +138,39 @@ def test_dead_compensation_blocks_then_cli_compensate_finishes(saga_rig: Rig) ->
     row = engine.get_workflow(rig.store, order)
     assert "step c refused (permanent)" in row["error"]["message"]  # the original error
     assert undo_order(rig.store, order) == ["c", "b", "a"]
+
+
+def test_cli_cancel_unwinds_a_parked_saga_and_terminate_runs_nothing(saga_rig: Rig) -> None:
+    """Two sagas parked on a 24 h timer: `workflows cancel` interrupts the wait, the saga
+    undoes its one forward step and the workflow ends cancelled; `--no-compensate` ends the
+    other at once with nothing undone; cancelling an ended workflow is a no-op message."""
+    rig = saga_rig
+    rig.relay()
+    rig.worker()
+    coop, term = (f"hold-{k}-{uuid.uuid4().hex[:6]}" for k in ("coop", "term"))
+    for wid in (coop, term):
+        engine.start(rig.store, "wfa.saga_hold", wid, [wid], queue=rig.queue)
+    deadline = time.monotonic() + 120
+    while not all(len(engine.get_workflow(rig.store, w, events=True)["events"]) == 3
+                  and engine.get_workflow(rig.store, w)["state"] == "waiting"
+                  for w in (coop, term)):
+        assert time.monotonic() < deadline, rig.logs()
+        time.sleep(0.3)
+    out = rig.cli("workflows", "cancel", coop)
+    assert out.returncode == 0 and "cancel requested" in out.stdout, out.stdout + out.stderr
+    out = rig.cli("workflows", "cancel", term, "--no-compensate")
+    assert out.returncode == 0 and "terminated" in out.stdout, out.stdout + out.stderr
+    deadline = time.monotonic() + 120
+    while engine.get_workflow(rig.store, coop)["state"] != "cancelled":
+        assert time.monotonic() < deadline, rig.logs()
+        time.sleep(0.3)
+    row = engine.get_workflow(rig.store, coop, events=True)
+    assert [(e["kind"], e["state"]) for e in row["events"]] == [
+        ("compensation", "completed"), ("activity", "completed"), ("timer", "scheduled"),
+        ("cancel", "completed")]
+    assert undo_order(rig.store, coop) == ["a"]
+    time.sleep(2)  # the terminated one: nothing runs for it, now or later
+    assert engine.get_workflow(rig.store, term)["state"] == "cancelled"
+    assert undo_order(rig.store, term) == []
+    out = rig.cli("workflows", "cancel", coop)
+    assert out.returncode == 0 and "already ended cancelled" in out.stdout

@@ -177,3 +177,15 @@ def saga3(ctx: WorkflowContext, order: str) -> Any:
             saga.compensate(undo, order, step, queue=QUEUE)
             ctx.activity(forward, order, step, step == "c", queue=QUEUE)
     return "unreachable"
+
+
+@workflow(app, name="wfa.saga_hold", queue=QUEUE)
+def saga_hold(ctx: WorkflowContext, order: str) -> Any:
+    """A saga parked on a long timer (what `workflows cancel` interrupts)."""
+    with ctx.saga() as saga:
+        saga.compensate(undo, order, "a", queue=QUEUE)
+        ctx.activity(forward, order, "a", queue=QUEUE)
+        ctx.sleep(timedelta(hours=24))
+        saga.compensate(undo, order, "b", queue=QUEUE)
+        ctx.activity(forward, order, "b", queue=QUEUE)
+    return "held"

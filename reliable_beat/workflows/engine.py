@@ -881,6 +881,7 @@ def _row_dict(row: Any) -> dict[str, Any]:
         "claimed_wake_seq": m["claimed_wake_seq"], "history_len": m["history_len"],
         "advances": m["advances"], "created_at": m["created_at"],
         "updated_at": m["updated_at"], "finished_at": m["finished_at"],
+        "cancel_requested": m.get("cancel_requested"),
     }
 
 

@@ -426,3 +426,41 @@ def test_cli_cancel_and_compensate(app: Celery, store: Store) -> None:
     assert rows(store, "undo") == [("undo", "cli1:a")]
     out = cli("workflows", "cancel", "nope")
     assert out.exit_code == 1 and "no workflow 'nope'" in out.output
+
+
+def test_cancel_and_unwind_survive_a_crash_at_every_hit(app: Celery, store: Store) -> None:
+    """A saga parked on its 24 h timer is cancelled; a simulated SIGKILL at the n-th crash
+    point hit after the cancel, for every n: it ends cancelled, the cancel recorded once,
+    the one forward step undone once."""
+
+    def park(wid: str) -> Driver:
+        engine.start(store, "t.sleepy", wid, [wid])
+        driver = Driver(store, app)
+        drain(driver)
+        cancel(store, wid)
+        return driver
+
+    hits: list[str] = []
+    driver = park("cref")
+    engine.crash_hook = hits.append
+    drain(driver)
+    engine.crash_hook = None
+    assert shape(store, "cref")[-1] == ("cancel", "completed")
+    crashed: set[str] = set()
+    for n in range(1, len(hits) + 1):
+        wid = f"cc{n}"
+        driver = park(wid)
+        plan = CrashPlan([n])
+        engine.crash_hook = plan
+        drain(driver)
+        engine.crash_hook = None
+        crashed.update(plan.crashed)
+        row = engine.get_workflow(store, wid)
+        assert row["state"] == "cancelled", (n, plan.crashed, row)
+        assert shape(store, wid) == [("compensation", "completed"), ("activity", "completed"),
+                                     ("timer", "scheduled"), ("cancel", "completed")], n
+        assert [lbl for _, lbl in rows(store, "undo") if lbl.startswith(f"{wid}:")] == [
+            f"{wid}:a"], (n, plan.crashed)
+    assert {"record.cancel.in", "saga.dispatch.in"} <= crashed
+    print(f"cancel + unwind: {len(hits)} crash-point hits crashed one at a time "
+          f"({len(crashed)} distinct points), same outcome each time")

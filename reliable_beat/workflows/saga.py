@@ -477,8 +477,21 @@ def compensate(store: Store, workflow_id: str, *, by: str = "workflows compensat
         if c.state != "failed":
             continue
         with store.connect() as conn:
-            run = conn.execute(select(runs_table.c.id, runs_table.c.state)
+            run = conn.execute(select(runs_table.c.id, runs_table.c.state,
+                                      runs_table.c.result)
                                .where(runs_table.c.idempotency_key == c.run_key)).first()
+        if run is not None and run.state == "succeeded":
+            # requeued by hand (`dead-letters requeue`) and done since: record it, no rerun
+            with store.begin() as conn:
+                conn.execute(update(workflow_events)
+                             .where(workflow_events.c.workflow_pk == row.id,
+                                    workflow_events.c.run_no == row.run_no,
+                                    workflow_events.c.seq == c.seq,
+                                    workflow_events.c.state == "failed")
+                             .values(state="completed", result=run.result, error=None,
+                                     completed_at=db_now(conn)))
+            continue
+        with store.connect() as conn:
             dl = None if run is None else conn.execute(
                 select(dead_letters.c.id).where(dead_letters.c.run_id == run.id)
                 .order_by(dead_letters.c.id.desc()).limit(1)).scalar()

@@ -464,3 +464,32 @@ def test_cancel_and_unwind_survive_a_crash_at_every_hit(app: Celery, store: Stor
     assert {"record.cancel.in", "saga.dispatch.in"} <= crashed
     print(f"cancel + unwind: {len(hits)} crash-point hits crashed one at a time "
           f"({len(crashed)} distinct points), same outcome each time")
+
+
+def test_compensate_after_a_hand_requeue_does_not_repeat_the_compensation(
+    app: Celery, store: Store
+) -> None:
+    """The dead compensation was requeued by hand (`dead-letters requeue`) and ran: the
+    history still says failed; `compensate` records it completed instead of running it
+    again, then runs the rest."""
+    from reliable_beat import runs
+    from reliable_beat.db.tables import dead_letters
+
+    BROKEN.add("o3:b")
+    engine.start(store, "t.three", "o3", ["o3"])
+    driver = Driver(store, app)
+    drain(driver)
+    assert engine.get_workflow(store, "o3")["state"] == "blocked"
+    BROKEN.clear()
+    with store.connect() as conn:
+        dl = conn.execute(sa.select(dead_letters.c.id).order_by(dead_letters.c.id.desc())
+                          ).scalars().first()
+    runs.requeue_dead_letter(store, int(dl), by="a person")
+    app.tasks["saga.undo"].apply(("o3:b",), headers={"reliable_beat_key": "wf:o3/1#3"})
+    assert rows(store, "undo") == [("undo", "o3:c:nothing"), ("undo", "o3:b")]
+    out = compensate(store, "o3")
+    assert out["requeued"] == []
+    drain(driver)
+    assert engine.get_workflow(store, "o3")["state"] == "failed"
+    assert rows(store, "undo") == [("undo", "o3:c:nothing"), ("undo", "o3:b"),
+                                   ("undo", "o3:a")]

@@ -99,6 +99,7 @@ if BROKER_URL == "filesystem://":
     broker_dir = WORKDIR / "broker"
     app.conf.broker_transport_options = {
         "data_folder_in": str(broker_dir), "data_folder_out": str(broker_dir),
+        "control_folder": str(broker_dir / "control"),  # not ./control in the cwd
         "store_processed": False,
     }
 

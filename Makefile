@@ -34,7 +34,8 @@ test-full: $(VENV)/.installed
 # `$(PY) -m pytest --broker rabbitmq tests/acceptance tests/faults` (docs/operations.md).
 test-rabbitmq: $(VENV)/.installed
 	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_idempotent_task.py \
-		tests/acceptance/test_relay_kill.py tests/acceptance/test_outbox_kill_points.py
+		tests/acceptance/test_relay_kill.py tests/acceptance/test_outbox_kill_points.py \
+		tests/acceptance/test_dramatiq_adapter.py tests/acceptance/test_adapters_celery_dramatiq.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks

@@ -2,7 +2,7 @@
 
 ``python .ci/oldest_constraints.py`` prints a pip constraints file: one ``name==floor`` line
 for each ``name>=floor`` requirement of ``[project].dependencies`` and of the runtime extras
-(postgres, redis, http, metrics). ``python .ci/oldest_constraints.py --pip-install ARGS``
+(celery, postgres, redis, http, metrics). ``python .ci/oldest_constraints.py --pip-install ARGS``
 runs ``pip install -c <that file> ARGS`` (tox's ``install_command`` of the ``oldest`` env), so
 the floors tested are always the floors declared: nothing to keep in sync by hand.
 """
@@ -22,7 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME_EXTRAS = ("postgres", "redis", "http", "metrics")
+RUNTIME_EXTRAS = ("celery", "postgres", "redis", "http", "metrics")
 _REQ = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(\[[^\]]*\])?\s*(.*?)\s*(;.*)?$")
 
 

@@ -56,7 +56,7 @@ def child_ours(db_url: str, redis_url: str, due: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     sched = ReliableScheduler(app)
     load_s = time.perf_counter() - t0
-    beat = sched._beat
+    beat = sched.loop.beat
     tick_ms = _timed_ticks(beat.tick)
     out: dict[str, Any] = {"load_s": load_s, "tick_ms": tick_ms, "rss_kib": rss_kib()}
     if due:

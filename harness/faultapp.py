@@ -30,36 +30,34 @@ beat); reliable_beat decides due-ness on the database clock, so it must not matt
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 from celery import Celery
 from celery.signals import before_task_publish
-from sqlalchemy import (
-    BigInteger,
-    Column,
-    DateTime,
-    Float,
-    Integer,
-    MetaData,
-    String,
-    Table,
-    create_engine,
-    func,
-    insert,
-)
+from sqlalchemy import insert
 
-from reliable_beat.errors import PermanentDeliveryError, PermanentError
+# The neutral part (config, ledger tables, clock skew, effect body, sink handler) is shared
+# with the Dramatiq app (harness.faultapp_dramatiq); names re-exported for old importers.
+from harness.faultcore import (
+    CONFIG,
+    MODE,
+    deliver,
+    effect_body,
+    effects,
+    is_permanent,
+    is_transient,
+    metadata,
+    slot_hash,
+    triggers,
+)
+from harness.faultcore import db as _db
 
 __all__ = [
     "app",
+    "deliver",
     "effects",
     "is_permanent",
     "is_transient",
@@ -67,63 +65,6 @@ __all__ = [
     "slot_hash",
     "triggers",
 ]
-
-_skew = float(os.environ.get("RB_FAULTS_CLOCK_SKEW", "0") or 0)
-if _skew:
-    _real_time = time.time
-
-    def _skewed_time() -> float:
-        return _real_time() + _skew
-
-    time.time = _skewed_time
-
-CONFIG: dict[str, Any] = {}
-if os.environ.get("RB_FAULTS_CONFIG"):
-    CONFIG = json.loads(Path(os.environ["RB_FAULTS_CONFIG"]).read_text())
-MODE: str = CONFIG.get("mode", "reliable")
-DIR = Path(CONFIG.get("dir", "."))
-
-metadata = MetaData()
-effects = Table(
-    "faults_effects",
-    metadata,
-    Column("id", Integer, primary_key=True),
-    Column("entry", String(100), nullable=False),
-    Column("slot", String(40), nullable=False),  # deliberately NOT unique with entry
-    Column("run_id", BigInteger, nullable=False),
-    Column("fence_token", BigInteger, nullable=False),
-    Column("attempt", Integer, nullable=False),
-    Column("pid", Integer, nullable=False),
-    Column("created_at", DateTime(timezone=True), server_default=func.now()),
-)
-triggers = Table(
-    "faults_triggers",
-    metadata,
-    Column("id", Integer, primary_key=True),
-    Column("mode", String(16), nullable=False),
-    Column("entry", String(100), nullable=False),
-    Column("at", Float, nullable=False),  # the slot (reliable) or the publish time (epoch s)
-    Column("task_id", String(64), nullable=True),
-    Column("pid", Integer, nullable=False),
-)
-
-
-def slot_hash(entry: str, slot: str) -> int:
-    """A stable hash of ``(entry, slot)`` (the same in every process)."""
-    return int.from_bytes(hashlib.sha256(f"{entry}@{slot}".encode()).digest()[:8], "big")
-
-
-def is_transient(entry: str, slot: str, every: int | None = None) -> bool:
-    """Slots whose first attempt raises ``ConnectionError`` (after writing its effect)."""
-    n = every if every is not None else int(CONFIG.get("transient_every", 7))
-    return n > 0 and slot_hash(entry, slot) % n == 1
-
-
-def is_permanent(entry: str, slot: str, every: int | None = None) -> bool:
-    """Slots whose every attempt raises ``PermanentError``: dead letter, no effect."""
-    n = every if every is not None else int(CONFIG.get("permanent_every", 60))
-    return n > 0 and slot_hash(entry, slot) % n == 3
-
 
 app = Celery("faultapp", broker=CONFIG.get("broker_url", "memory://"))
 app.conf.update(
@@ -202,59 +143,8 @@ for _e in CONFIG.get("entries", []):
     _schedule[_e["name"]] = _item
 app.conf.beat_schedule = _schedule
 
-_engine: Any = None
-_engine_pid = 0
-
-
-def _db() -> Any:
-    """A plain engine for the comparison task (no reliable_beat machinery)."""
-    global _engine, _engine_pid
-    if _engine is None or _engine_pid != os.getpid():
-        _engine = create_engine(CONFIG["database_url"], pool_pre_ping=True)
-        _engine_pid = os.getpid()
-    return _engine
-
-
-def _take_slow_flag() -> Path | None:
-    """Atomically take the harness's ``slow.flag`` (at most one process wins it)."""
-    flag = DIR / "slow.flag"
-    taken = DIR / f"slow.taken.{os.getpid()}.{time.monotonic_ns()}"
-    try:
-        os.rename(flag, taken)
-    except FileNotFoundError:
-        return None
-    return taken
-
-
-def _note_taken(taken: Path, info: dict[str, Any]) -> None:
-    tmp = taken.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    os.rename(tmp, DIR / (taken.name + ".json"))
-
-
 def _effect_body(task: Any, entry: str) -> dict[str, Any]:
-    key: str = task.idempotency_key
-    slot = key.rsplit("@", 1)[-1]
-    attempt: int = task.attempt
-    with task.transaction() as tx:
-        tx.execute(
-            insert(effects).values(
-                entry=entry, slot=slot, run_id=task.run_id, fence_token=task.fence_token,
-                attempt=attempt, pid=os.getpid(),
-            )
-        )
-        task.outbox.add(tx, "sink", {"entry": entry, "slot": slot})
-        if is_permanent(entry, slot):
-            raise PermanentError(f"injected permanent failure of {key}")
-        if attempt == 1 and is_transient(entry, slot):
-            raise ConnectionError(f"injected transient failure of {key} (attempt 1)")
-        if attempt == 1:
-            taken = _take_slow_flag()
-            if taken is not None:
-                _note_taken(taken, {"key": key, "pid": os.getpid(),
-                                    "fence_token": task.fence_token})
-                time.sleep(float(CONFIG.get("slow_seconds", 8)))
-    return {"entry": entry, "slot": slot}
+    return effect_body(task, entry)
 
 
 def _record_body(task: Any, entry: str) -> None:
@@ -296,19 +186,3 @@ def _stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None
     """Stamp every published message with the publisher's send time (comparison modes)."""
     if headers is not None:
         headers.setdefault("faults_sent_at", time.time())
-
-
-def deliver(message: Any) -> None:
-    """Outbox handler: POST the payload to the sink with ``Idempotency-Key: message_id``."""
-    body = json.dumps(message.payload).encode()
-    req = urllib.request.Request(
-        str(CONFIG["sink_url"]), data=body, method="POST",
-        headers={"Content-Type": "application/json", "Idempotency-Key": message.message_id},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            resp.read()
-    except urllib.error.HTTPError as exc:
-        if 400 <= exc.code < 500 and exc.code not in (408, 429):
-            raise PermanentDeliveryError(f"sink answered {exc.code}") from exc
-        raise

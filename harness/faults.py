@@ -5,6 +5,7 @@ ledger that proves every slot's effect happened exactly once.
     python -m harness.faults --minutes 30 --seed 20260101    # the long run
     python -m harness.faults --minutes 3 --compare stock,redbeat
     python -m harness.faults --minutes 2.5 --seed 7 --broker rabbitmq   # on RabbitMQ
+    python -m harness.faults --minutes 2.5 --seed 7 --framework dramatiq  # Dramatiq adapter
 
 What it does (see ``docs/reliability.md``):
 
@@ -27,6 +28,10 @@ What it does (see ``docs/reliability.md``):
    broker fault is ``rabbitmq_restart`` (a clean stop or a SIGKILL of the node, at random,
    then a start on the same data: durable queues and persistent, confirmed messages must
    survive), in place of ``redis_restart`` / ``redis_pause``.
+   ``--framework dramatiq`` runs the same workload, faults and ledger with the Dramatiq
+   adapter (:mod:`harness.faultapp_dramatiq`): ``dramatiq`` worker processes (``-p 1 -t 1``),
+   ``reliable-beat dramatiq beat`` and ``reliable-beat dramatiq relay`` processes, on Redis
+   or (``--broker rabbitmq``) RabbitMQ with publisher confirms.
 3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
    the ledger, prints a markdown table and exits non-zero on any missing or duplicated
    effect or failed check.
@@ -249,14 +254,41 @@ class Procs:
         return sorted(n for n in self.cmds if n.startswith(prefix))
 
     def by_pid(self, pid: int) -> str | None:
+        """The live process ``pid`` is, or whose process group it is in (a ``dramatiq``
+        worker process is a child of the ``dramatiq`` command the harness started)."""
+        try:
+            group = os.getpgid(pid)
+        except ProcessLookupError:
+            group = -1
         for name, p in self.procs.items():
-            if p.pid == pid and p.poll() is None:
+            if p.poll() is None and p.pid in (pid, group):
                 return name
         return None
 
     def stop_all(self) -> None:
         for name in list(self.procs):
             self.stop(name, timeout=10)
+
+
+#: The Dramatiq app (``--framework dramatiq``).
+DRAMATIQ_APP = "harness.faultapp_dramatiq"
+FRAMEWORKS = ("celery", "dramatiq")
+
+
+def dramatiq_worker_cmd(i: int) -> list[str]:
+    """One ``dramatiq`` worker: one process, one thread (the Celery run's ``--pool solo``)."""
+    return [sys.executable, "-m", "dramatiq", DRAMATIQ_APP, "-p", "1", "-t", "1",
+            "-Q", "faults"]
+
+
+def dramatiq_beat_cmd() -> list[str]:
+    return [sys.executable, "-m", "reliable_beat.cli", "dramatiq", "beat", "--broker",
+            f"{DRAMATIQ_APP}:broker", "--loglevel", "WARNING"]
+
+
+def dramatiq_relay_cmd() -> list[str]:
+    return [sys.executable, "-m", "reliable_beat.cli", "dramatiq", "relay", "--broker",
+            f"{DRAMATIQ_APP}:broker", "--loglevel", "WARNING"]
 
 
 def celery_cmd(*args: str) -> list[str]:
@@ -320,6 +352,7 @@ class Options:
     postgres_url: str | None = None
     redis_url: str | None = None
     broker: str = "redis"
+    framework: str = "celery"
     compare: list[str] = field(default_factory=list)
     compare_minutes: float | None = None
     workdir: Path | None = None
@@ -395,7 +428,7 @@ class Harness:
         path.write_text(json.dumps(cfg, indent=1))
 
     def _prepare_db(self) -> Engine:
-        from harness import faultapp
+        from harness import faultcore
         from reliable_beat.db.dialects import Store
         from reliable_beat.db.migrate import upgrade
 
@@ -405,7 +438,7 @@ class Harness:
         engine = create_engine(self.db_url, pool_pre_ping=True)
         with engine.begin() as conn:
             conn.execute(text("DROP TABLE IF EXISTS faults_effects, faults_triggers"))
-        faultapp.metadata.create_all(engine)
+        faultcore.metadata.create_all(engine)
         return engine
 
     def db_now(self) -> datetime:
@@ -462,16 +495,19 @@ class Harness:
         env.pop("RB_FAULTS_CLOCK_SKEW", None)
         self.procs = Procs(env, self.workdir / "logs")
         self.stack.callback(self.procs.stop_all)
+        dq = o.framework == "dramatiq"
         for i in range(o.workers):
-            self.procs.start(f"worker{i}", worker_cmd(i))
+            self.procs.start(f"worker{i}", dramatiq_worker_cmd(i) if dq else worker_cmd(i))
         for i in range(o.relays):
-            self.procs.start(f"relay{i}", relay_cmd())
+            self.procs.start(f"relay{i}", dramatiq_relay_cmd() if dq else relay_cmd())
         self.t_start = self.db_now()
         for i in range(o.beats):
-            self.procs.start(f"beat{i}", beat_cmd(self.workdir / f"beat{i}.schedule"))
+            self.procs.start(f"beat{i}", dramatiq_beat_cmd() if dq else
+                             beat_cmd(self.workdir / f"beat{i}.schedule"))
         total = o.minutes * 60
-        log(f"seed {o.seed}: {o.beats} beats, {o.workers} workers, {o.relays} relays, "
-            f"{len(self.entries)} entries for {total:.0f} s; work dir {self.workdir}")
+        log(f"{o.framework} on {o.broker}, seed {o.seed}: {o.beats} beats, {o.workers} workers, "
+            f"{o.relays} relays, {len(self.entries)} entries for {total:.0f} s; "
+            f"work dir {self.workdir}")
         started = time.monotonic()
         fault_end = started + total - o.quiet_seconds
         self.procs.supervise()
@@ -625,7 +661,7 @@ class Harness:
                 origin="runtime", next_fire_at=now, created_at=now, updated_at=now,
             ))
             conn.execute(outbox.insert().values(
-                message_id=f"{tag}:outbox", destination="celery",
+                message_id=f"{tag}:outbox", destination=self.trigger_destination,
                 payload=["not", "a", "trigger"], headers={}, state="pending", attempts=0,
                 available_at=now, created_at=now,
             ))
@@ -730,7 +766,15 @@ class Harness:
         if not moved:
             self.result.failures.append(f"zombie {key}: no other worker took the run over")
 
+    @property
+    def trigger_destination(self) -> str:
+        """The outbox destination of the framework's trigger rows."""
+        return "dramatiq" if self.opts.framework == "dramatiq" else "celery"
+
     def _republish(self, payload: dict[str, Any]) -> None:
+        if self.opts.framework == "dramatiq":
+            self._republish_dramatiq(payload)
+            return
         from celery import Celery
 
         app = Celery("faults-harness", broker=self.broker_url)
@@ -740,6 +784,28 @@ class Harness:
                           **payload.get("options", {}))
         finally:
             app.close()
+
+    def _republish_dramatiq(self, payload: dict[str, Any]) -> None:
+        """Enqueue the trigger again, as Dramatiq's broker would redeliver it (same
+        ``message_id``), on a broker of the harness's own (no middleware, no actors)."""
+        from harness.faultapp_dramatiq import QUEUE
+        from reliable_beat.dramatiq import message_for_trigger, rabbitmq_url
+
+        if self.broker_url.startswith("amqp"):
+            from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+            broker: Any = RabbitmqBroker(url=rabbitmq_url(self.broker_url),
+                                         confirm_delivery=True)
+        else:
+            from dramatiq.brokers.redis import RedisBroker
+
+            broker = RedisBroker(url=self.broker_url, namespace="faults")  # type: ignore[no-untyped-call]
+        try:
+            broker.declare_queue(QUEUE)
+            options = {**(payload.get("options") or {}), "queue_name": QUEUE}
+            broker.enqueue(message_for_trigger(broker, {**payload, "options": options}))
+        finally:
+            broker.close()
 
     def _heal(self) -> None:
         """Undo every lasting fault: all processes running, nothing paused, clocks true."""
@@ -783,7 +849,7 @@ class Harness:
         return False
 
     def _check(self) -> None:
-        from harness.faultapp import effects, is_permanent, is_transient
+        from harness.faultcore import effects, is_permanent, is_transient
         from reliable_beat.db.tables import attempts, dead_letters, outbox, runs
 
         o = self.opts
@@ -1000,8 +1066,9 @@ class Harness:
             return self._compare_table()
         lines = [
             "",
-            f"## Fault-injection run: seed {o.seed}, {o.minutes:g} min, {o.beats} beats, "
-            f"{o.workers} workers, {o.relays} relays, {len(self.entries)} entries",
+            f"## Fault-injection run ({o.framework}, {o.broker}): seed {o.seed}, "
+            f"{o.minutes:g} min, {o.beats} beats, {o.workers} workers, {o.relays} relays, "
+            f"{len(self.entries)} entries",
             "",
             "| fault | injected |",
             "|---|---|",
@@ -1110,6 +1177,8 @@ def _parse(argv: list[str] | None) -> Options:
                     help="use this broker (Redis restarts and pauses are then skipped)")
     ap.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis",
                     help="broker of the run: a private Redis (default) or RabbitMQ node")
+    ap.add_argument("--framework", choices=FRAMEWORKS, default="celery",
+                    help="adapter of the run: Celery (default) or Dramatiq")
     ap.add_argument("--compare", default="",
                     help="comma-separated: stock, redbeat, reliable (trigger counting)")
     ap.add_argument("--compare-minutes", type=float, default=None)
@@ -1120,12 +1189,15 @@ def _parse(argv: list[str] | None) -> Options:
     for m in compare:
         if m not in ("stock", "redbeat", "reliable"):
             ap.error(f"--compare: unknown scheduler {m!r} (stock, redbeat, reliable)")
+    if a.framework == "dramatiq" and compare:
+        ap.error("--framework dramatiq: --compare runs Celery schedulers only")
     if a.broker == "rabbitmq" and (compare or a.redis_url):
         ap.error("--broker rabbitmq: --compare and --redis-url need Redis")
     return Options(
         minutes=a.minutes, seed=a.seed, beats=a.beats, workers=a.workers, relays=a.relays,
         entries=a.entries, postgres_url=a.postgres_url, redis_url=a.redis_url,
-        broker=a.broker, compare=compare, compare_minutes=a.compare_minutes, workdir=a.workdir,
+        broker=a.broker, framework=a.framework, compare=compare,
+        compare_minutes=a.compare_minutes, workdir=a.workdir,
         keep_workdir=a.keep_workdir,
     )
 

@@ -11,6 +11,11 @@ Change one setting and subclass one base class::
             ...
 
 then run ``celery beat`` (as many as you like), workers, and ``reliable-beat relay``.
+
+Celery and kombu are the ``celery`` extra (``pip install 'reliable-beat[celery]'``):
+``ReliableScheduler`` and ``IdempotentTask`` are the Celery adapter's
+(:mod:`reliable_beat.celery`), resolved on first use; without Celery that raises an
+``ImportError`` naming the extra. Everything else here is the framework-neutral core.
 """
 
 from __future__ import annotations
@@ -71,7 +76,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: importing the Celery adapter pulls in celery.beat / the worker task machinery.
+    # Lazy: importing the Celery adapter pulls in celery.beat / the worker task machinery,
+    # and Celery is an extra (the core never imports it: tests/unit/test_core_imports.py).
     if name == "ReliableScheduler":
         from reliable_beat.celery.scheduler import ReliableScheduler
 

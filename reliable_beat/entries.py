@@ -49,7 +49,7 @@ from reliable_beat.groups import (
     group_config_hash,
     record_config,
 )
-from reliable_beat.policies import MisfirePolicy, OverlapPolicy
+from reliable_beat.policies import MisfirePolicy, OverlapPolicy, catch_up_limit_problem
 from reliable_beat.rows import check_options, decode_row, decode_value, raw_columns
 from reliable_beat.settings import Settings
 
@@ -387,8 +387,9 @@ def definition_from_celery(
         bad(str(exc))
     if "catch_up_limit" in rb:
         limit = rb["catch_up_limit"]
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            bad(f"catch_up_limit={limit!r}: expected an integer >= 0")
+        limit_problem = catch_up_limit_problem(limit)
+        if limit_problem is not None:
+            bad(limit_problem)
             limit = 0
     start_at = end_at = None
     try:

@@ -16,6 +16,7 @@ imported here.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,7 +30,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from reliable_beat import runs
 from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
-from reliable_beat.errors import PermanentError, SchemaError
+from reliable_beat.errors import PermanentError, SchemaError, StaleFenceToken
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger
 
@@ -39,7 +40,10 @@ __all__ = [
     "Decision",
     "claim_decision",
     "classify",
+    "complete_after_body",
     "failure_decision",
+    "run_and_complete",
+    "run_body",
     "storable_result",
     "transient_defaults",
 ]
@@ -97,7 +101,10 @@ class Decision:
         verb: ``run`` (run the body), ``return_stored`` (deduplicated: return ``result``,
             the stored one), ``skip`` (the run is dead: nothing runs, nothing is retried),
             ``retry_in`` (send the message again in ``seconds``: busy lease or a transient
-            failure; for a failure it is already recorded ``retrying``), ``dead`` (a dead
+            failure; for a failure it is recorded ``retrying``, unless :attr:`unrecorded`
+            says the store could not take it), ``retry_unrecorded`` (the failure is final
+            but its dead letter could not be written: send the message again in
+            ``seconds`` so the next try records it, never drop it), ``dead`` (a dead
             letter is recorded; fail the message), ``fenced_out`` (a newer runner owns
             the run: fail, never retry).
         seconds: the delay of ``retry_in``, in seconds.
@@ -109,6 +116,9 @@ class Decision:
     seconds: float = 0.0
     result: Any = None
     reason: str = ""
+    #: ``retry_in`` / ``retry_unrecorded`` after the store could not record the failure:
+    #: the error that prevented it (already logged).
+    unrecorded: BaseException | None = None
 
 
 def claim_decision(claim: runs.Claim, lease: timedelta, max_attempts: int) -> Decision:
@@ -136,32 +146,110 @@ def claim_decision(claim: runs.Claim, lease: timedelta, max_attempts: int) -> De
 
 def failure_decision(
     store: Store, claim: runs.Claim, exc: BaseException, kind: str, *,
-    max_attempts: int, base_seconds: float, cap_seconds: float,
-    payload: dict[str, Any],
+    max_attempts: int, payload: dict[str, Any], delay: float | None = None,
+    base_seconds: float = 1.0, cap_seconds: float = 300.0, task_name: str = "",
+    logger: logging.Logger | None = None,
 ) -> Decision:
     """Record a body failure of kind ``kind`` (:func:`classify`) and decide what follows.
 
-    Transient with attempts left: recorded ``retrying`` with a full-jitter delay
-    ``uniform(0, min(cap, base * 2**(attempt-1)))`` -> ``retry_in``. Permanent or out of
-    attempts (counted in the database, crashes included): a dead letter with ``payload`` ->
-    ``dead``. A fence that moved meanwhile -> ``fenced_out``.
-
-    Raises:
-        Exception: the store could not record the failure; the caller must retry the
-            message (never drop it silently, invariant 8).
+    Transient with attempts left: recorded ``retrying`` with the retry delay ``delay``
+    (seconds; default full jitter ``uniform(0, min(cap, base * 2**(attempt-1)))``) ->
+    ``retry_in``. Permanent or out of attempts (counted in the database, crashes included):
+    a dead letter with ``payload`` -> ``dead``. A fence that moved meanwhile ->
+    ``fenced_out``. Never raises for an unreachable store (invariant 8: never drop the work
+    silently): a transient failure that could not be recorded is still ``retry_in`` (with
+    :attr:`Decision.unrecorded`); a dead letter that could not be written is
+    ``retry_unrecorded`` (the next try records it). Both are logged at ERROR on ``logger``.
     """
+    logger = logger or log
+    if delay is None:
+        delay = backoff_delay(claim.attempt - 1, base=base_seconds, cap=cap_seconds)
     error = runs.format_error(exc)
     if kind == "transient" and claim.attempt < max_attempts:
-        delay = backoff_delay(claim.attempt - 1, base=base_seconds, cap=cap_seconds)
-        outcome = runs.record_failure(store, claim, error, retry_in_seconds=delay)
+        try:
+            outcome = runs.record_failure(store, claim, error, retry_in_seconds=delay)
+        except Exception as record_exc:
+            logger.exception("%s: could not record the failure of %s", task_name, claim.key)
+            return Decision("retry_in", seconds=delay, unrecorded=record_exc,
+                            reason=f"{type(exc).__name__}: transient (not recorded)")
         if outcome == "fenced_out":
             return Decision("fenced_out", reason="fence moved")
         return Decision("retry_in", seconds=delay, reason=f"{type(exc).__name__}: transient")
     reason = "permanent" if kind == "permanent" else "exhausted"
-    outcome = runs.record_failure(store, claim, error, dead_reason=reason, payload=payload)
+    try:
+        outcome = runs.record_failure(store, claim, error, dead_reason=reason, payload=payload)
+    except Exception as record_exc:
+        # The store is unreachable, so the dead letter cannot be written. Never drop the
+        # work silently (invariant 8): send it again; the next try records it.
+        logger.exception("%s: could not dead-letter %s; retrying", task_name, claim.key)
+        return Decision("retry_unrecorded", seconds=delay, unrecorded=record_exc,
+                        reason=f"{reason}: dead letter not recorded")
     if outcome == "fenced_out":
         return Decision("fenced_out", reason="fence moved")
     return Decision("dead", reason=reason)
+
+
+def run_body(state: RunState, body: Callable[[], Any]) -> Any:
+    """Run ``body()`` with ``state``'s lease renewed by the process's renewer; returns what
+    it returns (exceptions propagate). The renewal stops when the body ends, or earlier when
+    its ``transaction()`` begins the completion."""
+    r = renewer()
+    r.add(state)
+    try:
+        return body()
+    finally:
+        r.discard(state)
+
+
+def run_and_complete(state: RunState, body: Callable[[], Any], *,
+                     logger: logging.Logger | None = None) -> Any:
+    """:func:`run_body` then :func:`complete_after_body`: the happy path of an execution.
+
+    Returns:
+        What ``body()`` returned.
+
+    Raises:
+        StaleFenceToken: see :func:`complete_after_body`; anything ``body()`` raises.
+    """
+    result = run_body(state, body)
+    complete_after_body(state, result, logger=logger)
+    return result
+
+
+def complete_after_body(state: RunState, result: Any, *,
+                        logger: logging.Logger | None = None) -> None:
+    """The completion after a body returned ``result`` (shared by the adapters).
+
+    When the body completed the run in its own ``transaction()`` (the effect committed with
+    the key), the run succeeded whatever happens now: the result, unless one was declared
+    inside the transaction, is stored best effort (logged on failure, never raised).
+    Otherwise the run is completed fenced (``succeeded`` with the result) in a transaction
+    of its own.
+
+    Raises:
+        StaleFenceToken: the fence moved before the completion (a newer runner owns the
+            run); the attempt is recorded ``fenced_out``.
+    """
+    claim, store = state.claim, state.store
+    stored = storable_result(state.task_name, claim.key, result)
+    if state.completed:
+        if state.transaction_used and stored is not None and state.returned is None:
+            try:
+                if state.write_result is not None:
+                    state.write_result(stored)
+                else:
+                    runs.set_result(store, claim, stored)
+            except Exception:
+                (logger or log).exception("%s: %s succeeded; its result could not be stored",
+                                          state.task_name, claim.key)
+        return
+    try:
+        with store.begin() as conn:
+            runs.complete(conn, claim, stored)
+    except StaleFenceToken:
+        runs.record_fenced_out(store, claim)
+        raise
+    state.completed = True
 
 
 #: The key of the note stored instead of a result that cannot be stored as JSON.

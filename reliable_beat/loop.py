@@ -1,46 +1,125 @@
-"""A framework-neutral beat loop driven through a :class:`Publisher` (design.md §4).
+"""The framework-neutral beat loop (design.md §4), driven through a :class:`Publisher`.
 
-Each step: :meth:`reliable_beat.beat.Beat.tick` (one claim transaction, ``SKIP LOCKED``, the
-database clock) commits the due slots' triggers to the outbox; the loop publishes them through
-the adapter's :class:`Publisher` and marks the outcome (:func:`~reliable_beat.relay.mark_sent`
-/ :func:`~reliable_beat.relay.mark_expired`); rows that could not be published stay
-``pending`` for the sweep. Every :data:`SWEEP_SECONDS` it sweeps unsent trigger rows of its
-destination and re-dispatches stuck runs of the tracked tasks
-(:func:`~reliable_beat.redispatch.redispatch_with`). Any number of loops may run against one
-store: the claim, not the process, decides who fires a slot.
+Both adapters run this loop: the Celery adapter's
+:class:`~reliable_beat.celery.scheduler.ReliableScheduler` delegates Celery's scheduler hooks
+(``setup_schedule``, ``tick``, ``info``, ``close``) to one :class:`BeatLoop` with a Celery
+publisher; ``reliable-beat dramatiq beat`` runs one with a Dramatiq publisher
+(:meth:`BeatLoop.run_forever`). What the loop does, for every adapter:
 
-This is the loop of the Dramatiq adapter (``reliable-beat dramatiq beat``). The Celery
-adapter's :class:`~reliable_beat.celery.scheduler.ReliableScheduler` still carries its own
-loop, which adds claim-ahead hold-and-flush and pipelined publishing (see docs/dramatiq.md).
+* **start** (:meth:`BeatLoop.start`): check the adapter's entry definitions on the local
+  clock (a bad entry is reported at once, every problem named, and the process exits 2), then
+  wait for the database and for its schema (a beat started before the database, or before a
+  deploy's migration step, logs why and retries with backoff up to 30 s instead of exiting),
+  then sync the definitions into its schedule group and record the beat;
+* **claim** (:meth:`~reliable_beat.beat.Beat.tick`: one transaction, ``SKIP LOCKED``, the
+  database clock) once the earliest entry's claim moment has come, a NOTIFY arrived, or the
+  last claim took a full batch;
+* **publish at once** the triggers already due (the fast path), through the publisher, and
+  mark the outcome (``sent`` / expired / back to the outbox for the sweep); a fast path that
+  comes late (this process was paused past half the sweep delay) first **takes back** the
+  rows still pending under its own name and publishes only those;
+* **hold and flush**: with ``reliable_beat_claim_ahead_seconds`` A > 0 a claim also takes the
+  ``allow`` entries whose slot is at most A away and commits their runs and triggers; the
+  triggers are held in memory, grouped by slot, and each group is published at the slot's
+  instant (a :class:`HoldingPublisher` builds the batch a moment before and flushes it at
+  the instant; any other publisher is called at the instant). A hold that overran takes back
+  its rows first, like the fast path; a stop publishes what is held, each group at its slot;
+* **sweep** every :data:`SWEEP_SECONDS`: publish this destination's trigger rows the fast
+  path left unsent (a beat died between commit and publish, the broker was down), then
+  re-dispatch stuck runs of the tracked tasks (:func:`~reliable_beat.redispatch.redispatch_with`)
+  and refresh the beat's heartbeat;
+* **wait** until the next thing to do: on PostgreSQL on ``LISTEN reliable_beat_entries``
+  (woken early by a NOTIFY when entries change), else asleep; bounded by ``max_interval``
+  and :data:`SWEEP_SECONDS` (:data:`SQLITE_MAX_WAIT_SECONDS` without NOTIFY).
+
+Published triggers whose ``sent`` mark could not be written (the database went away) are
+recorded first when it returns, before any claim or sweep of this beat. SIGTERM / SIGINT are
+held back from a claim until its triggers are marked. Any number of loops may run against
+one store: the claim, not the process, decides who fires a slot.
+
+What an adapter adds: its :class:`Publisher` (how a trigger row becomes a message of its
+framework), which tasks are tracked and registered, its entry definitions, its logger name
+and how the process is driven (Celery's beat service; a plain loop for Dramatiq).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import select as _select
+import signal
 import threading
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Protocol
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta, timezone
+from typing import Any, Protocol, runtime_checkable
 
-from reliable_beat import relay as rb_relay
-from reliable_beat.beat import Beat
+from sqlalchemy import update
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from reliable_beat.beat import Beat, TickResult, Trigger, trigger_message_id
+from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
-from reliable_beat.groups import DEFAULT_GROUP
-from reliable_beat.outbox import OutboxMessage, db_now
-from reliable_beat.redaction import get_logger
+from reliable_beat.db.tables import outbox
+from reliable_beat.entries import NOTIFY_CHANNEL, EntryDefinition, sync_schedule_group
+from reliable_beat.errors import ConfigurationError, SchemaError, StoreUnavailableError
+from reliable_beat.groups import (
+    DEFAULT_GROUP,
+    beat_heartbeat,
+    beat_stopped,
+    log_sync_result,
+    record_beat,
+)
+from reliable_beat.logs import RepeatedLog, event
+from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.redispatch import redispatch_with
+from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
+from reliable_beat.retention import RetentionThread, start_retention
 from reliable_beat.settings import Settings
+from reliable_beat.slots import format_fire_at
 
-__all__ = ["SWEEP_SECONDS", "BeatLoop", "Publisher", "publish_and_mark"]
+__all__ = [
+    "SWEEP_SECONDS",
+    "BeatLoop",
+    "HoldingPublisher",
+    "Publisher",
+    "deferred_stop_signals",
+    "publish_and_mark",
+    "record_unmarked",
+]
 
 log = get_logger("reliable_beat.loop")
 
 #: How often a loop sweeps unsent trigger rows and re-dispatches stuck runs (seconds).
 SWEEP_SECONDS = 5.0
-#: Longest sleep between two ticks (seconds), so entries added at runtime are seen.
+#: How long a sweep's claim of a trigger row lasts before another sweep may take it.
+SWEEP_LEASE = timedelta(seconds=60)
+#: While published triggers wait for their "sent" mark (database gone), retry this often.
+UNMARKED_RETRY_SECONDS = 1.0
+#: Default wait bound on SQLite, which has no NOTIFY: entries added at runtime are seen
+#: within this many seconds.
+SQLITE_MAX_WAIT_SECONDS = 1.0
+#: Default ``max_interval`` of a loop not driven by Celery (the Dramatiq beat): the longest
+#: wait between two looks, so a stop and runtime entries are seen within a second.
 MAX_WAIT_SECONDS = 1.0
+#: A claim found entries claimable by the clock but took none (another beat holds their
+#: row locks and commits in a moment): look again after this many seconds, do not spin.
+LOCKED_RETRY_SECONDS = 0.005
+#: A held slot's messages start being built this long (plus twice the measured build time
+#: per message) before its instant, so the batch is ready to flush at the instant.
+BUILD_LEAD_SECONDS = 0.002
+#: The last this-many seconds before a held slot's instant are spent spinning, not asleep.
+SPIN_SECONDS = 0.002
+
+#: ``(outbox id, None or the error)`` per message, in order.
+Outcomes = list[tuple[int, "BaseException | None"]]
 
 
+@runtime_checkable
 class Publisher(Protocol):
     """What a framework adapter gives the core loop.
 
@@ -51,15 +130,19 @@ class Publisher(Protocol):
 
     destination: str
 
-    def publish(
-        self, messages: Sequence[OutboxMessage], now: datetime
-    ) -> list[tuple[int, BaseException | None]]:
+    def publish(self, messages: Sequence[OutboxMessage], now: datetime) -> Outcomes:
         """Publish trigger rows (payload of :func:`reliable_beat.beat.build_trigger_payload`).
 
-        Returns ``(outbox id, None or the error)`` per message, in order; never raises.
-        :class:`~reliable_beat.handlers.MessageExpiredError` for a trigger past its
-        ``expires_at``, :class:`~reliable_beat.handlers.DestinationUnavailableError` when the
-        broker cannot be reached."""
+        Args:
+            messages: the rows, in order.
+            now: the store's clock (UTC), for the ``expires_at`` check.
+
+        Returns:
+            ``(outbox id, None or the error)`` per message, in order; never raises.
+            :class:`~reliable_beat.handlers.MessageExpiredError` for a trigger past its
+            ``expires_at``, :class:`~reliable_beat.handlers.DestinationUnavailableError` when
+            the broker cannot be reached.
+        """
         ...
 
     def tracked_tasks(self) -> Collection[str]:
@@ -67,132 +150,789 @@ class Publisher(Protocol):
         ...
 
 
+@runtime_checkable
+class HoldingPublisher(Publisher, Protocol):
+    """A :class:`Publisher` that can build a batch ahead and flush it at an instant.
+
+    The loop uses :meth:`publish_at` for the triggers it claimed ahead and holds; a publisher
+    without it is simply called at the instant.
+    """
+
+    def publish_at(self, messages: Sequence[OutboxMessage], now: datetime,
+                   wait: Callable[[], None]) -> Outcomes:
+        """Like :meth:`Publisher.publish`, but build the batch first and call ``wait()``
+        right before the first message can reach the broker (the loop sleeps there until
+        the slot). ``wait`` may raise a ``BaseException`` to abandon the batch: nothing may
+        have been sent then, and the exception must propagate."""
+        ...
+
+
+def _send(publisher: Publisher, messages: Sequence[OutboxMessage], now: datetime,
+          wait: Callable[[], None] | None) -> Outcomes:
+    if wait is None:
+        return publisher.publish(messages, now)
+    if isinstance(publisher, HoldingPublisher):
+        return publisher.publish_at(messages, now, wait)
+    wait()
+    return publisher.publish(messages, now)
+
+
 def publish_and_mark(
-    store: Store, publisher: Publisher, messages: list[OutboxMessage], now: datetime,
+    store: Store, publisher: Publisher, messages: list[OutboxMessage], now: datetime, *,
+    wait: Callable[[], None] | None = None,
+    unmarked: list[tuple[list[int], list[int]]] | None = None,
+    logger: logging.Logger | None = None,
 ) -> int:
-    """Publish ``messages`` and mark the outcome: sent rows ``sent`` (runs ``dispatched``),
-    expired ones retired; failed rows stay ``pending`` (due at once) for a sweep or a relay.
+    """Publish trigger rows through ``publisher`` and mark the outcome.
+
+    Sent rows become ``sent`` (their runs ``dispatched``); expired ones are retired
+    (:func:`~reliable_beat.relay.mark_expired`); rows that could not be published are handed
+    to the sweep / relay at once (``available_at = now``). Nothing is lost if this process
+    dies at any point: a row not marked sent is swept after ``available_at``.
+
+    Args:
+        now: the store's clock at the publish (UTC), for the ``expires_at`` check.
+        wait: called right before the first message can reach the broker (the loop sleeps
+            there until the slot of triggers it claimed ahead).
+        unmarked: when the marks cannot be written (database gone), ``(sent ids, expired
+            ids)`` is appended here so the caller records them first when the database
+            returns (:func:`record_unmarked`); None: they are only logged.
+        logger: where to log (default ``reliable_beat.loop``).
 
     Returns:
         How many were published.
     """
     from reliable_beat.handlers import MessageExpiredError
 
+    logger = logger or log
     if not messages:
         return 0
-    outcomes = publisher.publish(messages, now)
+    outcomes = _send(publisher, messages, now, wait)
     sent = [i for i, err in outcomes if err is None]
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
-    failed = [(i, err) for i, err in outcomes if err is not None and i not in expired]
+    failed = [i for i, err in outcomes if err is not None and i not in expired]
     if failed:
-        log.warning("%d triggers not published (%s); they stay in the outbox for the sweep",
-                    len(failed), failed[0][1])
-    with store.begin() as conn:
-        if sent:
-            rb_relay.mark_sent(conn, sent, now)
-        if expired:
-            rb_relay.mark_expired(conn, expired, now)
-        if failed:
-            from sqlalchemy import update
-
-            from reliable_beat.db.tables import outbox
-
-            conn.execute(update(outbox).where(
-                outbox.c.id.in_([i for i, _ in failed]), outbox.c.state == "pending",
-            ).values(available_at=now, claimed_by=None))
+        logger.warning("%d triggers not published (%s); they stay in the outbox for the relay",
+                       len(failed), next(err for _, err in outcomes if err is not None))
+    try:
+        with store.begin() as conn:
+            at = store.now(conn)
+            mark_sent(conn, sent, at)
+            mark_expired(conn, expired, at)
+            if failed:
+                conn.execute(
+                    update(outbox).where(outbox.c.id.in_(failed), outbox.c.state == "pending")
+                    .values(available_at=at, claimed_by=None)
+                )
+    except (StoreUnavailableError, DBAPIError) as exc:
+        # Published but not marked. The caller (a beat) records them first when the database
+        # returns; without one a sweep re-sends them later (at least once, same message id).
+        logger.error("could not mark %d triggers sent (%s)%s", len(sent), exc,
+                     "; recording them first when the database returns"
+                     if unmarked is not None else "")
+        if unmarked is not None and (sent or expired):
+            unmarked.append((sent, expired))
     return len(sent)
 
 
-@dataclass
-class BeatLoop:
-    """The core beat loop: tick, publish, mark; sweep and re-dispatch every few seconds.
+def trigger_messages(triggers: Sequence[Trigger], destination: str) -> list[OutboxMessage]:
+    """The outbox messages of committed triggers (as a sweep would read them)."""
+    return [
+        OutboxMessage(id=t.outbox_id, message_id=trigger_message_id(t.key),
+                      destination=destination, payload=t.payload, run_id=t.run_id)
+        for t in triggers
+    ]
+
+
+#: "still cannot record ..." is retried every tick during an outage: first, then every 30 s
+_STILL_UNMARKED = RepeatedLog(log)
+
+
+def record_unmarked(store: Store, unmarked: list[tuple[list[int], list[int]]], *,
+                    repeated: RepeatedLog | None = None,
+                    logger: logging.Logger | None = None) -> bool:
+    """Write the marks a publish could not write (see :func:`publish_and_mark`).
 
     Args:
-        store: the store (its schema must be at head).
-        settings: ``reliable_beat`` settings (batch size, redispatch, retry cap).
-        publisher: the adapter's :class:`Publisher`.
-        owner: this process's id (``host:pid``).
-        is_tracked: task name -> True when it keeps run state (overlap policies other than
-            ``allow`` need it); default: the publisher's :meth:`Publisher.tracked_tasks`.
+        repeated: rate-limits the "still cannot record" line (default a module one).
 
-    It fires only the entries of its schedule group (:attr:`schedule_group`) and group-less
-    ones: another group's entries belong to another app (e.g. a Celery app on the same
-    store), whose workers alone know their tasks.
+    Returns:
+        True when nothing is left to record (``unmarked`` is emptied); False: the database
+        is still unavailable (``unmarked`` is kept).
+    """
+    if not unmarked:
+        return True
+    repeated = repeated or _STILL_UNMARKED
+    try:
+        with store.begin() as conn:
+            at = store.now(conn)
+            for sent, expired in unmarked:
+                mark_sent(conn, sent, at)
+                mark_expired(conn, expired, at)
+    except (StoreUnavailableError, DBAPIError) as exc:
+        repeated.log(logging.ERROR, "still cannot record %d published triggers as sent (%s)",
+                     sum(len(a) + len(b) for a, b in unmarked), exc)
+        return False
+    repeated.reset()
+    (logger or log).warning("recorded %d triggers published while the database was "
+                            "unavailable", sum(len(a) for a, _ in unmarked))
+    unmarked.clear()
+    return True
+
+
+def sleep_until(at: float) -> None:
+    """Return once ``time.monotonic() >= at``: sleep, then spin the last
+    :data:`SPIN_SECONDS` (a process woken from sleep on a busy machine can wait a few ms for
+    a CPU; one that is already running does not)."""
+    left = at - time.monotonic()
+    if left > SPIN_SECONDS:
+        # select(), not time.sleep(): Python 3.11's sleep is an absolute clock_nanosleep,
+        # which libfaketime-style clock shims (used to test skewed clocks) break with EINVAL.
+        _select.select([], [], [], left - SPIN_SECONDS)
+    while time.monotonic() < at:
+        pass
+
+
+@contextlib.contextmanager
+def deferred_stop_signals() -> Iterator[None]:
+    """Hold SIGTERM/SIGINT back while the block runs (main thread, POSIX); no-op elsewhere."""
+    stop = {signal.SIGTERM, signal.SIGINT}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _HoldOverran(BaseException):
+    """Raised inside a publish to abandon a held batch whose instant is long past.
+
+    A ``BaseException`` so the publishers' ``except Exception`` do not turn it into a broker
+    failure: it unwinds the batch (which discards the buffered messages).
     """
 
-    store: Store
-    settings: Settings
-    publisher: Publisher
-    owner: str
-    is_tracked: Callable[[str], bool] | None = None
-    _beat: Beat | None = field(default=None, repr=False)
-    _last_sweep: float = field(default=float("-inf"), repr=False)
+
+@dataclass
+class _Held:
+    """Committed triggers of one slot, claimed ahead, waiting for the slot's instant.
+
+    Attributes:
+        fire_at: the slot (UTC, database clock).
+        at: ``time.monotonic()`` of this process at which the database clock reaches
+            ``fire_at`` (never before it: see :attr:`TickResult.monotonic`).
+        triggers: the committed triggers of that slot.
+    """
+
+    fire_at: datetime
+    at: float
+    triggers: list[Trigger]
+
+
+class BeatLoop:
+    """The core beat loop (see the module docstring): one per beat process.
+
+    Args:
+        store: the store.
+        settings: ``reliable_beat`` settings (batch size, claim-ahead, redispatch, ...).
+        publisher: the adapter's :class:`Publisher`.
+        owner: this process's id (default ``settings.owner``, ``host:pid``).
+        is_tracked: task name -> True when it keeps run state (overlap policies other than
+            ``allow`` need it); default: the publisher's :meth:`Publisher.tracked_tasks`.
+        schedule_group: the group it fires (its own and group-less entries) and syncs its
+            definitions into; default ``reliable_beat_schedule_group``, else
+            :data:`~reliable_beat.groups.DEFAULT_GROUP`.
+        definitions: ``now -> [EntryDefinition]``, the adapter's configured entries (may
+            raise ``ConfigurationError`` naming every bad one); None: :meth:`start` syncs
+            nothing.
+        is_registered: task name -> True when this process's app knows it (an entry whose
+            task it does not know is logged at start and recorded for ``status``).
+        max_interval: the longest wait between two looks (seconds).
+        logger: where the loop logs (the Celery adapter keeps ``reliable_beat.scheduler``).
+    """
+
+    def __init__(
+        self, store: Store, settings: Settings, publisher: Publisher, owner: str | None = None,
+        is_tracked: Callable[[str], bool] | None = None, *,
+        schedule_group: str | None = None,
+        definitions: Callable[[datetime], list[EntryDefinition]] | None = None,
+        is_registered: Callable[[str], bool] | None = None,
+        max_interval: float = MAX_WAIT_SECONDS,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.publisher = publisher
+        self.owner = owner or settings.owner
+        self.group = schedule_group or settings.schedule_group or DEFAULT_GROUP
+        self.definitions = definitions
+        self.is_registered = is_registered
+        self.max_interval = max_interval
+        self.log = logger or log
+        self.stop_event: threading.Event | None = None
+        self._listen: Any = None
+        self._retention: RetentionThread | None = None
+        self._metrics: Any = None
+        self._failures = 0
+        self._last_sweep = 0.0
+        self._tick_started = time.monotonic()
+        self._claim_at = 0.0  # monotonic instant of the next claim
+        self._held: dict[datetime, _Held] = {}
+        self._clock: tuple[datetime, float] | None = None  # (database now, monotonic)
+        self._build_seconds_per_message = 0.0005
+        # Triggers this beat published but could not mark sent (database gone): recorded
+        # before anything else when the database returns; no sweep runs meanwhile.
+        self._unmarked: list[tuple[list[int], list[int]]] = []
+        self._still_unmarked = RepeatedLog(self.log)
+        # No sweep before this monotonic instant: after the database returns, a beat gives
+        # the beats that published during the outage a sweep delay to record their marks.
+        self._sweep_not_before = 0.0
+        tracked = is_tracked or (lambda t: t in set(publisher.tracked_tasks()))
+        self._beat = Beat(
+            store, owner=self.owner, batch_size=settings.batch_size, is_tracked=tracked,
+            claim_ahead=timedelta(seconds=settings.claim_ahead_seconds),
+            trigger_destination=publisher.destination, schedule_group=self.group,
+        )
 
     @property
     def schedule_group(self) -> str:
-        """``reliable_beat_schedule_group``, else :data:`~reliable_beat.groups.DEFAULT_GROUP`
-        (the group its config entries are synced into)."""
-        return self.settings.schedule_group or DEFAULT_GROUP
+        """The schedule group this loop fires and syncs into."""
+        return self.group
 
     @property
     def beat(self) -> Beat:
-        if self._beat is None:
-            tracked = self.is_tracked or (lambda t: t in set(self.publisher.tracked_tasks()))
-            self._beat = Beat(
-                store=self.store, owner=self.owner, batch_size=self.settings.batch_size,
-                is_tracked=tracked, trigger_destination=self.publisher.destination,
-                schedule_group=self.schedule_group,
-            )
+        """The claim side (:class:`~reliable_beat.beat.Beat`)."""
         return self._beat
 
-    def step(self) -> float:
-        """One tick + publish (+ a sweep when due). Returns seconds to sleep before the next."""
-        import time
+    # -- start -----------------------------------------------------------------------------
+    def check_definitions(self, now: datetime) -> list[EntryDefinition]:
+        """The adapter's definitions at ``now``; a bad configuration is logged at CRITICAL
+        (every bad entry named, with its fix) and the process exits with code 2: restarting
+        cannot fix configuration, and a traceback would bury the message."""
+        try:
+            self._check_sqlite_directory()
+            return self.definitions(now) if self.definitions is not None else []
+        except ConfigurationError as exc:
+            self.log.critical("reliable_beat: configuration refused; nothing was synced or "
+                              "fired. Fix this and start the beat again.\n%s", exc)
+            raise SystemExit(2) from None
 
-        result = self.beat.tick()
-        now = result.now
-        if result.triggers and now is not None:
-            messages = [OutboxMessage(
-                id=t.outbox_id, message_id="trigger:" + t.key,
-                destination=self.publisher.destination, payload=t.payload, run_id=t.run_id,
-            ) for t in result.triggers]
-            publish_and_mark(self.store, self.publisher, messages, now)
-        if time.monotonic() - self._last_sweep >= SWEEP_SECONDS:
-            self._last_sweep = time.monotonic()
-            self.sweep()
-        if result.more or result.claimed:
-            return 0.0
-        if result.next_claim_at is not None and now is not None:
-            return max(0.0, min(MAX_WAIT_SECONDS, (result.next_claim_at - now).total_seconds()))
-        return MAX_WAIT_SECONDS
-
-    def sweep(self) -> None:
-        """Publish this destination's unsent trigger rows whose fast path failed or whose
-        beat died, then re-send triggers of stuck tracked runs."""
-        with self.store.begin() as conn:
-            now = db_now(conn)
-            unsent = rb_relay.claim_outbox_batch(
-                self.store, conn, owner=self.owner, now=now, lease=timedelta(seconds=60),
-                limit=self.settings.batch_size, destinations=[self.publisher.destination],
+    def _check_sqlite_directory(self) -> None:
+        if self.store.dialect != "sqlite":
+            return
+        path = make_url(self.settings.database_url).database
+        if path and path != ":memory:" and not os.path.isdir(os.path.dirname(path) or "."):
+            raise ConfigurationError(
+                f"reliable_beat_database_url {self.store.safe_url}: the directory "
+                f"{os.path.dirname(path)!r} does not exist; create it or point the URL at an "
+                "existing one"
             )
-        publish_and_mark(self.store, self.publisher, unsent, now)
 
-        def publish(messages: list[OutboxMessage], at: datetime
-                    ) -> list[tuple[int, BaseException | None]]:
-            return self.publisher.publish(messages, at)
+    def start(self, *, before_wait: Callable[[], None] | None = None) -> bool:
+        """Check the configuration, wait for the database and its schema, sync, record.
 
-        redispatch_with(self.store, self.settings, list(self.publisher.tracked_tasks()), publish,
-                        schedule_group=self.schedule_group)
+        Configuration first, on the local clock: a bad entry is reported at once (exit 2),
+        even while the database is down. Then, until the store answers at the schema's
+        head, it logs at ERROR why it waits (``database unavailable at start: ...``, or the
+        schema error naming ``reliable-beat db upgrade``) and retries with backoff 1, 2, 4 ...
+        30 s. An embedded SQLite store is created; a server store that is behind is upgraded
+        only with ``reliable_beat_run_migrations``. Then the definitions are rebuilt on the
+        database clock and synced into :attr:`schedule_group`, and the beat is recorded.
+
+        Args:
+            before_wait: called after the configuration check, before the database is
+                first touched (adapter warnings, e.g. broker timeouts).
+
+        Returns:
+            True once started; False when :attr:`stop_event` was set while waiting.
+        """
+        self.check_definitions(datetime.now(timezone.utc))
+        if before_wait is not None:
+            before_wait()
+        warning = self.settings.default_store_warning("beat")
+        if warning:
+            self.log.warning("%s", warning)
+        delay = 1.0
+        while True:
+            if self.stop_event is not None and self.stop_event.is_set():
+                return False
+            try:
+                migrate.ensure_schema(self.store, run_migrations=self.settings.run_migrations)
+                with self.store.begin() as conn:
+                    now = self.store.now(conn)
+                definitions = (self.check_definitions(now) if self.definitions is not None
+                               else None)
+                unregistered = self._unregistered(definitions or [])
+                if definitions is not None:
+                    # inside the retry: a database lost between the wait and the sync (a
+                    # restart at that moment) is waited for again, never an exit
+                    self._sync(definitions, unregistered)
+                break
+            except (StoreUnavailableError, DBAPIError) as exc:
+                why = self.store.describe_failure(exc)
+                self.log.error("database %s at start: %s; retrying in %.0f s",
+                               "unavailable" if " unavailable" in why else "error", why, delay)
+                self._sleep(delay)
+                delay = min(delay * 2, 30.0)
+            except SchemaError as exc:
+                # A deploy may start beats before its migration step: wait for the upgrade
+                # rather than exit into a restart loop.
+                self.log.error("%s; waiting for it (checking again in %.0f s)", exc, delay)
+                self._sleep(delay)
+                delay = min(delay * 2, 30.0)
+        if self.settings.metrics_port is not None and self._metrics is None:
+            from reliable_beat.metrics import serve
+
+            self._metrics = serve(self.settings.metrics_port, self.store,
+                                  addr=self.settings.metrics_host)
+            self.log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
+        if self._retention is None:  # bounded-batch purge of old history, in the background
+            self._retention = start_retention(self.store, self.settings, role="beat")
+        return True
+
+    def sync(self, now: datetime) -> None:
+        """Sync the definitions at ``now`` into the schedule group and record this beat."""
+        definitions = self.check_definitions(now)
+        self._sync(definitions, self._unregistered(definitions))
+
+    def _unregistered(self, definitions: list[EntryDefinition]) -> dict[str, str]:
+        """Entry name -> task of the definitions whose task this app does not know (logged)."""
+        registered = self.is_registered or (lambda _task: True)
+        unregistered = {d.name: d.task for d in definitions if not registered(d.task)}
+        for name, task in sorted(unregistered.items()):
+            self.log.error("entry %r: task %r is not registered in this beat's app: unless a "
+                           "worker registers it, its triggers are dropped (check the name, or "
+                           "import the task module in this app)", name, task)
+        return unregistered
+
+    def _sync(self, definitions: list[EntryDefinition], unregistered: dict[str, str]) -> None:
+        result = sync_schedule_group(self.store, definitions, group=self.group,
+                                     owner=self.owner)
+        log_sync_result(self.log, result, self.store.safe_url)
+        record_beat(self.store, owner=self.owner, group=self.group,
+                    config_hash=result.config_hash, unregistered=unregistered)
+
+    def _sleep(self, seconds: float) -> None:
+        if self.stop_event is not None:
+            self.stop_event.wait(seconds)
+        else:
+            time.sleep(seconds)
+
+    def schema_status(self) -> str:
+        """One line for a start banner: the schema's state against the code's head."""
+        try:
+            if migrate.check(self.store):
+                return "up to date"
+            if self.store.dialect == "sqlite" or self.settings.run_migrations:
+                return "behind: upgrading on start"
+            return "BEHIND: run `reliable-beat db upgrade`"
+        except Exception:
+            return "unknown (database unavailable)"
+
+    # -- the loop --------------------------------------------------------------------------
+    #
+    # Each tick() does what is due, then waits (on LISTEN, or by sleeping) until the next
+    # thing to do, bounded by max_interval and SWEEP_SECONDS:
+    #
+    # * publish the held triggers whose instant has come (claimed ahead, see below);
+    # * claim, once the earliest claimable entry's claim moment has come (``next_claim_at``
+    #   of the last tick, on the database clock), a NOTIFY arrived, or the last claim took a
+    #   full batch;
+    # * sweep unsent triggers and re-dispatch lost runs, every SWEEP_SECONDS.
+    #
+    # Claim ahead: with ``reliable_beat_claim_ahead_seconds`` A > 0, a claim also takes the
+    # ``allow`` entries whose next slot is at most A away and commits their runs and trigger
+    # rows at once (the triggers' ``available_at`` is slot + sweep delay). The triggers are
+    # held in memory, grouped by slot, each with the monotonic instant at which the database
+    # clock reaches the slot (``TickResult.monotonic`` is taken after the clock was read, so
+    # that instant is never early). A moment before it the group's messages are built into
+    # one batch (a Redis pipeline for Celery); at it the batch is flushed: every message of
+    # the slot leaves at once, none before the slot.
+
+    def tick(self) -> float:
+        """Publish held triggers that are due, claim if it is time, sweep; then wait.
+
+        Returns seconds for the caller to sleep (0 when this call already waited).
+
+        SIGTERM / SIGINT are held back (``pthread_sigmask``) from a claim until its triggers
+        are marked sent, so a graceful stop never splits a commit from its publish; the signal
+        is delivered right after. A stop that arrives while triggers claimed ahead are held
+        publishes each group at its slot's instant (at most the claim-ahead away). Only
+        SIGKILL can leave committed triggers unsent, and then the sweep of another beat (or a
+        relay) publishes them after slot + sweep delay, under the same message ids.
+        """
+        try:
+            with deferred_stop_signals():
+                self._step()
+            return self._idle()
+        except BaseException:
+            if self._held:
+                with deferred_stop_signals():
+                    self._drain_held()
+            raise
+
+    def step(self) -> float:
+        """One round without the wait: publish held triggers that are due, claim if it is
+        time, sweep when due. Returns seconds until the next thing to do (never waits)."""
+        with deferred_stop_signals():
+            self._step()
+        return max(0.0, self._wake_at() - time.monotonic())
 
     def run_forever(self, stop: threading.Event | None = None) -> None:
-        """Step until ``stop`` is set; a failing step (database or broker down) is logged and
-        retried after a second, never fatal."""
+        """:meth:`tick` until ``stop`` is set, then :meth:`close` (held triggers go out at
+        their slots). A failing round (database or broker down in an unexpected place) is
+        logged and retried after a second, never fatal. Call :meth:`start` first."""
         stop = stop or threading.Event()
-        while not stop.is_set():
-            try:
-                wait = self.step()
-            except Exception:
-                log.exception("beat step failed; retrying in 1s")
-                wait = 1.0
-            if wait > 0:
-                stop.wait(wait)
+        self.stop_event = stop
+        try:
+            while not stop.is_set():
+                try:
+                    wait = self.tick()
+                except Exception:
+                    self.log.exception("beat step failed; retrying in 1s")
+                    wait = 1.0
+                if wait > 0:
+                    stop.wait(wait)
+        finally:
+            self.close()
+
+    def _step(self) -> None:
+        self._publish_held(drain=False)  # committed already: they need no database to leave
+        if self._unmarked:
+            # Published but not marked sent (the database was gone): record that first. Until
+            # it is recorded, no claim and no sweep (this beat's own sweep would re-send them).
+            if time.monotonic() < self._claim_at:
+                return
+            if not record_unmarked(self.store, self._unmarked, repeated=self._still_unmarked,
+                                   logger=self.log):
+                self._claim_at = time.monotonic() + UNMARKED_RETRY_SECONDS
+                return
+        claims = 0
+        while time.monotonic() >= self._claim_at and claims < 10:
+            claims += 1
+            outcome = self._claim()
+            if isinstance(outcome, float):  # the store is down: retry later
+                self._claim_at = time.monotonic() + outcome
+                break
+            self._publish_held(drain=False)
+        try:
+            self._sweep()
+        except (StoreUnavailableError, DBAPIError) as exc:
+            self.log.error("trigger sweep failed (%s); retrying on a later tick", exc)
+
+    def _claim(self) -> TickResult | float:
+        """One claim transaction; publish the triggers already due, hold the others."""
+        self._tick_started = time.monotonic()
+        try:
+            result = self._beat.tick()
+        except (StoreUnavailableError, DBAPIError) as exc:
+            self._failures += 1
+            wait: float = min(30.0, 0.5 * 2.0 ** min(self._failures, 6))
+            self.log.error("tick failed: %s; retrying in %.1f s. Slots due meanwhile are "
+                           "decided by the misfire policy when it returns.",
+                           self.store.describe_failure(exc), wait)
+            return wait
+        if self._failures:
+            # Back after an outage: other beats may hold published-but-unmarked triggers.
+            self._sweep_not_before = time.monotonic() + self._beat.sweep_delay.total_seconds()
+        self._failures = 0
+        assert result.now is not None
+        self._clock = (result.now, result.monotonic)
+        ahead = result.ahead
+        if ahead:
+            ids = {t.outbox_id for t in ahead}
+            for t in ahead:
+                group = self._held.get(t.fire_at)
+                if group is None:
+                    at = result.monotonic + (t.fire_at - result.now).total_seconds()
+                    group = self._held[t.fire_at] = _Held(t.fire_at, at, [])
+                group.triggers.append(t)
+            due = [t for t in result.triggers if t.outbox_id not in ids]
+            result = replace(result, triggers=due)
+        if result.triggers or result.skipped or result.duplicates:
+            self._publish(result)
+        self._claim_at = self._next_claim(result)
+        return result
+
+    def _bound(self) -> float:
+        """Longest wait between two claims: runtime entries and buffered runs are found at
+        least this often even without a NOTIFY (always on SQLite, which has none)."""
+        bound = min(float(self.max_interval), SWEEP_SECONDS)
+        if self.store.dialect != "postgresql":
+            bound = min(bound, SQLITE_MAX_WAIT_SECONDS)
+        return bound
+
+    def _next_claim(self, result: TickResult) -> float:
+        """The monotonic instant of the next claim."""
+        now = time.monotonic()
+        if result.claimed >= self.settings.batch_size or result.more:
+            return now  # more claimable entries are waiting
+        latest = now + self._bound()
+        if result.next_claim_at is None:
+            return latest
+        assert result.now is not None
+        at = result.monotonic + (result.next_claim_at - result.now).total_seconds()
+        if at <= now and not result.claimed:
+            # Claimable by the clock but nothing was claimed: another beat holds those rows
+            # (SKIP LOCKED) and commits in a moment. Look again shortly instead of spinning.
+            return now + LOCKED_RETRY_SECONDS
+        return min(at, latest)
+
+    def _build_lead(self, group: _Held) -> float:
+        """Seconds before its instant to start building a held group's messages."""
+        return BUILD_LEAD_SECONDS + 2.0 * self._build_seconds_per_message * len(group.triggers)
+
+    def _publish_held(self, *, drain: bool) -> None:
+        """Publish the held groups whose build moment has come (``drain``: every group), each
+        flushed at its instant, oldest first."""
+        while self._held:
+            group = min(self._held.values(), key=lambda g: g.at)
+            if not drain and time.monotonic() < group.at - self._build_lead(group):
+                return
+            del self._held[group.fire_at]
+            self._publish_group(group)
+
+    def _drain_held(self) -> None:
+        """On the way out: every held group, each at its instant (the hold is at most the
+        claim-ahead); a failure leaves the rest to the sweep."""
+        self.log.info("reliable_beat: stopping; publishing %d held triggers at their slots",
+                      sum(len(g.triggers) for g in self._held.values()))
+        try:
+            self._publish_held(drain=True)
+        except Exception as exc:
+            self.log.error("could not publish held triggers on stop (%s); the sweep sends "
+                           "them after their slot + %s", exc, self._beat.sweep_delay)
+        self._held.clear()
+
+    def _publish_triggers(self, triggers: list[Trigger], now: datetime,
+                          wait: Callable[[], None] | None = None) -> int:
+        return publish_and_mark(
+            self.store, self.publisher, trigger_messages(triggers, self.publisher.destination),
+            now, wait=wait, unmarked=self._unmarked, logger=self.log)
+
+    def _publish_group(self, group: _Held) -> None:
+        """Publish one held slot: build its messages, flush them at its instant, mark sent.
+
+        A hold that overran (this process was paused or starved for longer than half the
+        sweep delay, e.g. SIGSTOP) does not publish blindly: another beat's sweep may have
+        published those rows already. It first takes back, in one statement, the rows still
+        pending under its own name (pushing their ``available_at`` a sweep delay on, so no
+        sweep takes them meanwhile) and publishes only those.
+        """
+        started = time.monotonic()
+        built: list[float] = []
+        overrun = self._beat.sweep_delay.total_seconds() / 2
+
+        def at_instant() -> None:
+            built.append(time.monotonic())
+            sleep_until(group.at)
+            if time.monotonic() - group.at > overrun:
+                raise _HoldOverran  # the buffered batch is discarded: nothing was sent
+
+        triggers = group.triggers
+        try:
+            if time.monotonic() - group.at > overrun:
+                raise _HoldOverran
+            self._publish_triggers(triggers, self._db_now(group.fire_at), wait=at_instant)
+        except _HoldOverran:
+            triggers = self._take_back(triggers)
+            self.log.warning("held triggers of %s published %.1f s late (this process was "
+                             "paused); %d of %d still pending under this beat",
+                             format_fire_at(group.fire_at), time.monotonic() - group.at,
+                             len(triggers), len(group.triggers))
+            built.clear()
+            if triggers:
+                self._publish_triggers(triggers, self._db_now(group.fire_at))
+        if built:
+            per = (built[0] - started) / max(1, len(triggers))
+            self._build_seconds_per_message += 0.2 * (per - self._build_seconds_per_message)
+        done = time.monotonic()
+        for t in triggers:
+            event(self.log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
+                "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
+                key=t.key, task=t.payload["task"], claimed_ahead=True)
+        # built_ms: the time taken to build the messages (never negative); ready_ahead_ms:
+        # how long before the instant they were ready (they left at it; 0 when late);
+        # marked_ms: the instant to the rows marked sent.
+        event(self.log, logging.INFO, "slots.published", fire_at=format_fire_at(group.fire_at),
+              count=len(triggers),
+              built_ms=round(max(0.0, built[0] - started) * 1000, 2) if built else None,
+              ready_ahead_ms=round(max(0.0, group.at - built[0]) * 1000, 2) if built else None,
+              marked_ms=round((done - group.at) * 1000, 2))
+
+    def _db_now(self, at_least: datetime) -> datetime:
+        """The database clock estimated from the last claim (never behind ``at_least``)."""
+        assert self._clock is not None
+        now, mono = self._clock
+        return max(at_least, now + timedelta(seconds=time.monotonic() - mono))
+
+    def _take_back(self, triggers: list[Trigger]) -> list[Trigger]:
+        """The triggers whose rows are still pending and claimed by this beat, re-leased for a
+        sweep delay (one ``UPDATE ... RETURNING``); the others were swept meanwhile."""
+        ids = self._take_back_ids([t.outbox_id for t in triggers])
+        return [t for t in triggers if t.outbox_id in ids]
+
+    def _take_back_ids(self, outbox_ids: list[int]) -> set[int]:
+        """The ids of ``outbox_ids`` still ``pending`` and claimed by this beat, re-leased for
+        a sweep delay from now; empty when the database is unavailable."""
+        if not outbox_ids:
+            return set()
+        try:
+            with self.store.begin() as conn:
+                now = self.store.now(conn)
+                return set(conn.execute(
+                    update(outbox)
+                    .where(outbox.c.id.in_(outbox_ids),
+                           outbox.c.state == "pending",
+                           outbox.c.claimed_by == self.owner)
+                    .values(available_at=now + self._beat.sweep_delay)
+                    .returning(outbox.c.id)
+                ).scalars())
+        except (StoreUnavailableError, DBAPIError) as exc:
+            self.log.error("could not take back late triggers (%s); a sweep sends them", exc)
+            return set()
+
+    def _overran(self, since: float) -> bool:
+        """True when more than half the sweep delay passed since the monotonic ``since``
+        (this process was paused or starved: a sweep may have taken its rows meanwhile)."""
+        return time.monotonic() - since > self._beat.sweep_delay.total_seconds() / 2
+
+    def _publish(self, result: TickResult) -> None:
+        """The fast path right after the claim's commit. A publish that comes late (this
+        process was paused between the commit and here) first takes back the rows still
+        pending under its own name, like a held slot that overran, and publishes only those."""
+        assert result.now is not None
+        triggers = result.triggers
+        if triggers and self._overran(result.monotonic):
+            triggers = self._take_back(triggers)
+            self.log.warning("triggers claimed at %s published %.1f s after the claim (this "
+                             "process was paused); %d of %d still pending under this beat",
+                             format_fire_at(result.now), time.monotonic() - result.monotonic,
+                             len(triggers), len(result.triggers))
+        published = time.monotonic()  # the messages leave right after this
+        if triggers:
+            self._publish_triggers(triggers, result.now)
+        for t in triggers:
+            # true lateness: slot -> publish, on the database clock estimated from the claim
+            lateness = (result.now - t.fire_at).total_seconds() + (published - result.monotonic)
+            event(self.log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
+                "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
+                key=t.key, task=t.payload["task"],
+                claim_lateness_ms=round((result.now - t.fire_at).total_seconds() * 1000, 1),
+                lateness_ms=round(lateness * 1000, 1))
+        if result.skipped:
+            event(self.log, logging.INFO, "slots.skipped", count=result.skipped)
+        if result.duplicates:
+            event(self.log, logging.INFO, "slots.already_fired", count=result.duplicates)
+
+    def sweep(self) -> None:
+        """Sweep now (see :meth:`_sweep`), whenever the last one was."""
+        self._last_sweep = 0.0
+        self._sweep_not_before = 0.0
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Publish trigger rows whose fast path never happened (a beat died between commit
+        and publish, or the broker was down). A relay does the same; the beat does it too so
+        plain-task users without a relay lose nothing. At most every ``SWEEP_SECONDS``."""
+        now_mono = time.monotonic()
+        if now_mono - self._last_sweep < SWEEP_SECONDS or now_mono < self._sweep_not_before:
+            return
+        self._last_sweep = now_mono
+        with self.store.begin() as conn:
+            now = self.store.now(conn)
+            messages = claim_outbox_batch(
+                self.store, conn, owner=self.owner, now=now,
+                lease=SWEEP_LEASE, limit=self.settings.batch_size,
+                destinations=[self.publisher.destination], schedule_group=self.group,
+            )
+        claimed = time.monotonic()
+        if messages and claimed - now_mono > SWEEP_LEASE.total_seconds() / 2:
+            # Paused between the claim and here: another sweep may own them by now.
+            ids = self._take_back_ids([m.id for m in messages])
+            messages = [m for m in messages if m.id in ids]
+        if messages:
+            self.log.warning("sweeping %d unsent triggers", len(messages))
+            publish_and_mark(self.store, self.publisher, messages, now,
+                             unmarked=self._unmarked, logger=self.log)
+        self.redispatch()
+        beat_heartbeat(self.store, self.owner, self.group)
+
+    def redispatch(self) -> int:
+        """Re-send the triggers of this group's stuck runs of the tracked tasks
+        (:func:`~reliable_beat.redispatch.redispatch_with`). Returns how many."""
+        return redispatch_with(self.store, self.settings, list(self.publisher.tracked_tasks()),
+                               self.publisher.publish, schedule_group=self.group)
+
+    def _wake_at(self) -> float:
+        """The monotonic instant of the next thing to do."""
+        wake = min(self._claim_at, time.monotonic() + self._bound())
+        for group in self._held.values():
+            wake = min(wake, group.at - self._build_lead(group))
+        return wake
+
+    def _idle(self) -> float:
+        """Wait until the next thing to do; returns what is left for the caller to sleep."""
+        # Wake at least every SWEEP_SECONDS so the sweep of unsent triggers and the
+        # re-dispatch of lost ones run even when no entry is due for a long time.
+        wait = self._wake_at() - time.monotonic()
+        if wait <= 0.0005:
+            return 0.0
+        if self.store.dialect == "postgresql":
+            if self._wait_for_notify(wait):
+                self._claim_at = 0.0  # entries changed: claim at once
+            return 0.0
+        if self._held:
+            self._sleep(wait)  # here, not in the caller: a stop must find the held ones
+            return 0.0
+        return wait
+
+    def _wait_for_notify(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s on ``LISTEN reliable_beat_entries`` (or sleep when that
+        connection cannot be had). True: woken by a NOTIFY."""
+        import psycopg
+
+        try:
+            if self._listen is None or self._listen.closed:
+                url = make_url(self.store.url).set(drivername="postgresql")
+                self._listen = psycopg.connect(
+                    url.render_as_string(hide_password=False), autocommit=True,
+                    connect_timeout=5,
+                )
+                self._listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            conn = self._listen
+            ready, _, _ = _select.select([conn.fileno()], [], [], timeout)
+            notified = False
+            if ready:
+                for _ in conn.notifies(timeout=0):
+                    notified = True
+            return notified
+        except Exception as exc:
+            self.log.debug("LISTEN unavailable (%s); sleeping instead", redact_text(exc))
+            with contextlib.suppress(Exception):
+                if self._listen is not None:
+                    self._listen.close()
+            self._listen = None
+            self._sleep(min(timeout, 1.0))
+            return False
+
+    def close(self) -> None:
+        """Publish any triggers still held (each at its slot, at most the claim-ahead away),
+        then release the LISTEN connection, record the stop and dispose of the pool."""
+        if self._held:
+            with deferred_stop_signals():
+                self._drain_held()
+        if self._listen is not None:
+            with contextlib.suppress(Exception):
+                self._listen.close()
+            self._listen = None
+        with contextlib.suppress(Exception):
+            beat_stopped(self.store, self.owner)
+        if self._retention is not None:
+            self._retention.stop()
+            self._retention = None
+        self.store.dispose()

@@ -44,6 +44,7 @@ node-exporter textfile with ``reliable-beat metrics textfile PATH``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -73,10 +74,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from reliable_beat.celery.commands import CliContext
+    from reliable_beat.cli import CliContext
 
 # ctx.obj of the reliable-beat group is the CliContext (click.pass_obj, not the group's
-# pass_cli: importing reliable_beat.celery.commands here would be circular, since it imports
+# pass_cli: importing reliable_beat.cli here would be circular, since it imports
 # this module to register the commands)
 pass_cli = click.pass_obj
 
@@ -229,8 +230,8 @@ class StoreCollector:
         )
 
     def _read(self) -> dict[str, Any]:
-        from reliable_beat.cli_status import quarantine_counts
         from reliable_beat.relay import outbox_status
+        from reliable_beat.rows import quarantine_counts
 
         with self.store.engine.connect() as conn:
             now = self.store.now(conn)
@@ -373,11 +374,39 @@ class _QuietHandler(WSGIRequestHandler):
         log.debug("metrics: " + format, *args)
 
 
+#: Most metrics connections served at once; a connection past it is answered
+#: ``503 Service Unavailable`` at once and closed, so a flood of clients can neither grow
+#: threads without bound nor queue scrapes against the store.
+MAX_CONNECTIONS = 8
+
+
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    """One daemon thread per connection: an idle or slow client holds only its own."""
+    """One daemon thread per connection, at most :data:`MAX_CONNECTIONS` at once: an idle or
+    slow client holds only its own, and one past the cap is refused without a thread."""
 
     daemon_threads = True
     block_on_close = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\nRetry-After: 1\r\n\r\n")
+            self.shutdown_request(request)
+            log.warning("metrics: %d connections already open; refused %s (503)",
+                        MAX_CONNECTIONS, client_address[0] if client_address else "?")
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 @dataclass
@@ -409,7 +438,8 @@ def serve(
     """Serve the store's metrics over HTTP at ``http://addr:port/metrics``, in a thread.
 
     Each connection is served in a daemon thread of its own with a socket timeout of
-    :data:`REQUEST_TIMEOUT_SECONDS`, so an idle or slow client never blocks other scrapes.
+    :data:`REQUEST_TIMEOUT_SECONDS`, so an idle or slow client never blocks other scrapes; at
+    most :data:`MAX_CONNECTIONS` at once (more are answered 503 and closed).
     The default address is loopback (:data:`DEFAULT_METRICS_HOST`): nothing is exposed
     unless the operator says so.
 

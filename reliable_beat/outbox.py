@@ -42,6 +42,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.sql.dml import Insert
 
 from reliable_beat.db.tables import outbox
+from reliable_beat.values import to_json_value
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -199,8 +200,12 @@ def add(
         destination: handler name: ``celery``, ``kombu``, ``webhook``, ``smtp`` or one
             registered in ``reliable_beat_outbox_handlers`` / the entry point group
             ``reliable_beat.outbox_handlers``.
-        payload: JSON-serialisable payload whose shape the handler defines (see
-            :mod:`reliable_beat.handlers`).
+        payload: the payload whose shape the handler defines (see
+            :mod:`reliable_beat.handlers`): JSON values, or any value Celery's JSON
+            serializer carries (``Decimal``, ``datetime``, ``date``, ``time``, ``UUID``,
+            ``bytes``, tuples), stored in kombu's typed form
+            (:func:`reliable_beat.values.to_json_value`): a Celery worker receives the Python
+            value back, a webhook receives it as text (``"12.50"``, ISO 8601).
         key: the stable message id (at most 400 characters). Without it a random
             ``msg:<uuid4 hex>`` id is generated, which is right only for code that runs once
             per logical message; tasks must pass a key (``IdempotentTask.outbox`` does).
@@ -217,7 +222,9 @@ def add(
         The message id (``key`` or the generated one), whether or not a row was inserted.
 
     Raises:
-        ValueError: ``key`` is empty or longer than 400 characters, ``delay`` is negative,
+        ValueError: a payload or header value neither JSON nor Celery's JSON serializer
+            carries (the message names the message and the path to the value), ``key`` is
+            empty or longer than 400 characters, ``delay`` is negative,
             or ``payload`` + ``headers`` are larger than ``max_bytes`` as JSON (nothing is
             written; store a reference, e.g. an id or an object-store key, instead).
         sqlalchemy.exc.DBAPIError: the insert failed (the caller's transaction is then
@@ -227,8 +234,11 @@ def add(
         raise ValueError(f"outbox key must be 1..{MAX_MESSAGE_ID_LENGTH} characters, got {key!r}")
     if delay is not None and delay < timedelta(0):
         raise ValueError(f"outbox delay must be >= 0, got {delay!r}")
+    label = f"outbox message {key or '(no key)'!r} to {destination!r}"
+    payload = to_json_value(payload, f"{label}: payload")
+    header_values = to_json_value(dict(headers or {}), f"{label}: headers")
     limit = DEFAULT_MAX_PAYLOAD_BYTES if max_bytes is None else max_bytes
-    size = json_size(payload) + json_size(dict(headers or {}))
+    size = json_size(payload) + json_size(header_values)
     if size > limit:
         raise ValueError(
             f"outbox message {key or '(no key)'!r} to {destination!r}: payload + headers are "
@@ -250,7 +260,7 @@ def add(
             message_id=message_id,
             destination=destination,
             payload=payload,
-            headers=dict(headers or {}),
+            headers=header_values,
             ordering_key=ordering_key,
             run_id=run_id,
             state="pending",

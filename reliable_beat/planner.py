@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from reliable_beat.policies import MisfirePolicy
+from reliable_beat.policies import MAX_CATCH_UP_LIMIT, MisfirePolicy
 
 __all__ = ["MAX_CATCH_UP_PER_PLAN", "SKIP_RECORD_LIMIT", "Plan", "SkippedRange", "SlotDecision",
            "plan_entry"]
@@ -45,10 +45,10 @@ __all__ = ["MAX_CATCH_UP_PER_PLAN", "SKIP_RECORD_LIMIT", "Plan", "SkippedRange",
 #: :class:`SkippedRange` (so a 1 s entry a week behind is one row, not 604,800).
 SKIP_RECORD_LIMIT = 20
 
-#: Most missed slots one ``catch_up`` plan fires (a larger ``catch_up_limit`` acts as this):
-#: one plan is at most this many schedule steps (about 0.5 s for a cron). Older slots are
-#: recorded as skipped (``misfire:catch_up_limit``), never dropped.
-MAX_CATCH_UP_PER_PLAN = 10_000
+#: Most missed slots one ``catch_up`` plan fires: one plan is at most this many schedule steps
+#: (about 0.5 s for a cron). A larger ``catch_up_limit`` is refused where it enters
+#: (:data:`reliable_beat.policies.MAX_CATCH_UP_LIMIT`); the bound below is only a guard.
+MAX_CATCH_UP_PER_PLAN = MAX_CATCH_UP_LIMIT
 
 _EPS = timedelta(microseconds=1)
 

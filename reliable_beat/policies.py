@@ -11,7 +11,26 @@ import enum
 import random
 from dataclasses import dataclass
 
-__all__ = ["MisfirePolicy", "OverlapPolicy", "RetryPolicy", "backoff_delay"]
+__all__ = ["MAX_CATCH_UP_LIMIT", "MisfirePolicy", "OverlapPolicy", "RetryPolicy",
+           "backoff_delay", "catch_up_limit_problem"]
+
+#: The largest ``catch_up_limit`` accepted: one catch-up plan walks at most this many
+#: schedule steps (about 0.5 s for a cron), inside the claim transaction. A larger value is
+#: refused where it enters (settings, ``beat_schedule``, CLI, admin, a stored row), never
+#: quietly lowered: lowering it would skip slots the entry says it wants fired.
+MAX_CATCH_UP_LIMIT = 10_000
+
+
+def catch_up_limit_problem(value: object) -> str | None:
+    """Why ``value`` is not a valid ``catch_up_limit`` (text naming the fix), or ``None``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return f"catch_up_limit={value!r}: expected an integer >= 0"
+    if value > MAX_CATCH_UP_LIMIT:
+        return (f"catch_up_limit={value!r}: at most {MAX_CATCH_UP_LIMIT} (one catch-up walks "
+                "that many slots inside the claim transaction); set catch_up_limit to "
+                f"{MAX_CATCH_UP_LIMIT} or less, or bound the catch-up by time with "
+                "catch_up_window")
+    return None
 
 
 class MisfirePolicy(str, enum.Enum):

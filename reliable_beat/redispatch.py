@@ -159,24 +159,29 @@ def _still_claimed(store: Store, stuck: list[OutboxMessage],
 
 
 def tracked_tasks(app: Any) -> list[str]:
-    """Names of the ``IdempotentTask`` tasks registered in ``app`` (they keep run state)."""
-    from reliable_beat.celery.task import IdempotentTask
+    """Names of the tasks registered in framework ``app`` that keep run state (Celery: the
+    ``IdempotentTask`` ones), asked of the app's adapter (:mod:`reliable_beat.adapters`)."""
+    from reliable_beat.adapters import adapter_for
 
-    return [name for name, task in list(app.tasks.items()) if isinstance(task, IdempotentTask)]
+    return adapter_for(app).tracked_tasks(app)
 
 
 def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
-    """Find stuck runs (:func:`claim_stuck_runs`) of the Celery app's tracked tasks and
-    publish their triggers again over Celery (see :func:`redispatch_with`).
+    """Find stuck runs (:func:`claim_stuck_runs`) of the framework app's tracked tasks and
+    publish their triggers again into its broker, both through the app's adapter
+    (:mod:`reliable_beat.adapters`; Celery: ``publish_celery_batch``; see
+    :func:`redispatch_with`).
 
     Returns:
         How many triggers were published again.
     """
-    from reliable_beat.handlers import publish_celery_batch
+    from reliable_beat.adapters import adapter_for
+
+    adapter = adapter_for(app)
 
     def publish(messages: list[OutboxMessage], now: datetime
                 ) -> list[tuple[int, BaseException | None]]:
-        return publish_celery_batch(app, messages, now=now)
+        return adapter.publish(app, messages, now)
 
     return redispatch_with(store, settings, tracked_tasks(app), publish,
                            schedule_group=schedule_group_of(app, settings.schedule_group))

@@ -81,7 +81,6 @@ from reliable_beat.handlers import (
     DestinationUnavailableError,
     MessageExpiredError,
     load_handlers,
-    publish_celery_batch,
 )
 from reliable_beat.logs import RepeatedLog
 from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
@@ -98,7 +97,6 @@ __all__ = [
     "mark_expired",
     "mark_sent",
     "outbox_status",
-    "publish_celery_batch",
     "purge_sent",
 ]
 

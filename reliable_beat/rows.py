@@ -40,6 +40,7 @@ from sqlalchemy.types import NullType, Text
 
 from reliable_beat import schedules as sch
 from reliable_beat.db.tables import dead_letters, entries, runs
+from reliable_beat.policies import catch_up_limit_problem
 from reliable_beat.redaction import get_logger
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "decode_value",
     "describe_problems",
     "jsonable_raw",
+    "quarantine_counts",
     "quarantine_entry",
     "raw_columns",
     "raw_labelled",
@@ -309,6 +311,8 @@ def check_entry(
     limit: Any = row.get("catch_up_limit")
     if not (_is_int(limit) and limit >= 0):
         problems.append(f"catch_up_limit={raw_repr(limit)}: expected an integer >= 0")
+    elif (limit_problem := catch_up_limit_problem(limit)) is not None:
+        problems.append(limit_problem)
     window = row.get("catch_up_window_seconds")
     if window is not None and not (_is_number(window) and 0 <= window <= MAX_SECONDS):
         problems.append(f"catch_up_window_seconds={raw_repr(window)}: expected a number of "
@@ -340,11 +344,13 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
 
     Every destination: ``message_id`` and ``destination`` non-empty strings, ``headers`` an
     object, ``ordering_key`` a string or null, ``run_id`` an integer or null, ``attempts`` an
-    integer, ``available_at`` / ``created_at`` instants. Destination ``celery`` (the triggers)
-    also: ``payload`` an object with ``task`` (string), ``args`` (array), ``kwargs``
-    (object), ``options`` / ``headers`` (objects or null), ``task_id`` (string or null) and
-    ``expires_at`` (ISO 8601 with offset, or null). Other destinations' payload shapes are
-    their handler's business (a handler error fails that one message).
+    integer, ``available_at`` / ``created_at`` instants. A trigger destination (``celery``,
+    ``dramatiq``: :data:`reliable_beat.beat.TRIGGER_DESTINATIONS`; a ``dramatiq`` row whose
+    payload names an ``actor`` is an application message, not a trigger) also: ``payload`` an
+    object with ``task`` (string), ``args`` (array), ``kwargs`` (object), ``options`` /
+    ``headers`` (objects or null), ``task_id`` (string or null) and ``expires_at`` (ISO 8601
+    with offset, or null). Other destinations' payload shapes are their handler's business
+    (a handler error fails that one message).
     """
     problems: list[str] = []
     for col in ("message_id", "destination"):
@@ -362,10 +368,18 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     for col in ("available_at", "created_at"):
         if not _is_instant(row.get(col)):
             problems.append(f"{col}={raw_repr(row.get(col))}: expected a UTC instant")
-    if row.get("destination") == "celery":  # the Celery trigger payload's shape
-        payload = row.get("payload")
+    from reliable_beat.beat import TRIGGER_DESTINATIONS  # beat imports this module
+
+    payload = row.get("payload")
+    destination = row.get("destination")
+    # The ``dramatiq`` destination also carries application messages, ``{"actor": ...}``
+    # (reliable_beat.dramatiq.DramatiqHandler): their shape is the handler's business.
+    app_message = (destination != "celery" and isinstance(payload, Mapping)
+                   and "actor" in payload)
+    if destination in TRIGGER_DESTINATIONS and not app_message:  # a trigger payload's shape
         if not isinstance(payload, Mapping):
-            problems.append(f"payload={raw_repr(payload)}: a celery trigger needs a JSON object")
+            problems.append(f"payload={raw_repr(payload)}: a {row.get('destination')} trigger "
+                            "needs a JSON object")
         else:
             problems += [
                 f"payload.{p}"
@@ -584,3 +598,24 @@ def read_entry_options(
         else:
             out[name] = dict(values["options"])
     return out
+
+
+def quarantine_counts(conn: Connection) -> dict[str, int]:
+    """Malformed rows isolated so far (:mod:`reliable_beat.rows`), per table.
+
+    Returns:
+        ``{"entries": quarantined entries, "outbox": outbox rows dead-lettered as malformed,
+        "runs": runs dead-lettered as malformed}`` (dead letters not requeued).
+    """
+    counts = {"entries": 0, "outbox": 0, "runs": 0}
+    counts["entries"] = int(conn.execute(
+        select(func.count()).select_from(entries)
+        .where(entries.c.quarantine_reason.is_not(None))
+    ).scalar_one())
+    for kind, n in conn.execute(
+        select(dead_letters.c.kind, func.count())
+        .where(dead_letters.c.reason == MALFORMED, dead_letters.c.requeued_at.is_(None))
+        .group_by(dead_letters.c.kind)
+    ):
+        counts["outbox" if kind == "outbox" else "runs"] += int(n)
+    return counts

@@ -32,6 +32,7 @@ from sqlalchemy.engine import Connection
 from reliable_beat import schedules as sch
 from reliable_beat.beat import (
     ACTIVE_RUN_STATES,
+    TRIGGER_DESTINATION,
     Trigger,
     build_trigger_payload,
     trigger_message_id,
@@ -142,9 +143,12 @@ def manual_key(name: str, now: datetime) -> str:
     return f"{name}@manual:{now.astimezone(timezone.utc):%Y-%m-%dT%H:%M:%S.%fZ}"
 
 
-def _outbox_row(key: str, run_id: int, payload: dict[str, Any], now: datetime) -> dict[str, Any]:
-    """A trigger outbox row (the beat's shape), due at once (``available_at = now``)."""
-    return trigger_outbox_row(key, run_id, payload, now, available_at=now, claimed_by=None)
+def _outbox_row(key: str, run_id: int, payload: dict[str, Any], now: datetime,
+                destination: str = TRIGGER_DESTINATION) -> dict[str, Any]:
+    """A trigger outbox row (the beat's shape), due at once (``available_at = now``), for
+    ``destination`` (``celery``; ``dramatiq`` for the Dramatiq adapter's CLI)."""
+    return trigger_outbox_row(key, run_id, payload, now, available_at=now, claimed_by=None,
+                              destination=destination)
 
 
 def app_publishes(app: Any, schedule_group: str | None) -> bool:
@@ -176,12 +180,13 @@ def _publisher(app: Any, name: str, schedule_group: str | None) -> Any:
 
 
 def _publish(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> int:
-    from reliable_beat.celery.scheduler import publish_triggers
+    from reliable_beat.adapters import adapter_for
 
-    return publish_triggers(store, app, triggers, now)
+    return adapter_for(app).publish_triggers(store, app, triggers, now)
 
 
-def trigger(store: Store, name: str, *, app: Any = None) -> str:
+def trigger(store: Store, name: str, *, app: Any = None,
+            destination: str = TRIGGER_DESTINATION) -> str:
     """Fire entry ``name`` once, now, outside its schedule.
 
     In one transaction: insert a run (``trigger='manual'``, ``fire_at`` NULL, state
@@ -197,6 +202,10 @@ def trigger(store: Store, name: str, *, app: Any = None) -> str:
         app: a Celery app to publish with at once (None: leave it to the relay). Only for an
             entry of its schedule group or of none (:func:`app_publishes`); another group's
             trigger is left to that group's beat sweep or relay.
+        destination: the trigger row's outbox destination (a member of
+            :data:`~reliable_beat.beat.TRIGGER_DESTINATIONS`): ``celery`` (default), or
+            ``dramatiq`` for an entry of a Dramatiq actor (``reliable-beat dramatiq entries
+            trigger`` publishes it through the broker at once).
 
     Returns:
         The run's idempotency key.
@@ -232,7 +241,8 @@ def trigger(store: Store, name: str, *, app: Any = None) -> str:
             entry=name, fire_at=now, trigger="manual", store_id=sid,
         )
         oid = conn.execute(
-            outbox.insert().returning(outbox.c.id), [_outbox_row(key, run_id, payload, now)]
+            outbox.insert().returning(outbox.c.id),
+            [_outbox_row(key, run_id, payload, now, destination)]
         ).scalar_one()
     if app is not None:
         _publish(store, app, [Trigger(oid, run_id, key, payload, now)], now)
@@ -284,6 +294,7 @@ def backfill(
     limit: int,
     force: bool = False,
     app: Any = None,
+    destination: str = TRIGGER_DESTINATION,
 ) -> BackfillResult:
     """Create the runs of every slot of ``name`` in ``[start, end)`` that has none.
 
@@ -311,6 +322,7 @@ def backfill(
         app: a Celery app to publish the scheduled triggers with at once (None: the relay
             delivers them). Only for an entry of its schedule group or of none
             (:func:`app_publishes`).
+        destination: the trigger rows' outbox destination (see :func:`trigger`).
 
     Returns:
         Counts and keys; see :class:`BackfillResult`.
@@ -403,7 +415,7 @@ def backfill(
                 pending.append((run_id, key, payload, r["fire_at"]))
             ids = conn.execute(
                 outbox.insert().returning(outbox.c.id, outbox.c.message_id),
-                [_outbox_row(k, rid, p, now) for rid, k, p, _ in pending],
+                [_outbox_row(k, rid, p, now, destination) for rid, k, p, _ in pending],
             ).all()
             oid_by_mid = {mid: oid for oid, mid in ids}
             triggers = [
@@ -424,16 +436,9 @@ def task_kind(app: Any, task: str) -> str:
     """
     if app is None:
         return "unknown"
-    registry = getattr(app, "tasks", None)
-    if registry is None or task not in registry:
-        return "unknown"
-    try:
-        from reliable_beat.celery.task import (  # type: ignore[import-not-found]
-            IdempotentTask,
-        )
-    except ImportError:  # the task module is not installed: every task is plain
-        return "plain"
-    return "idempotent" if isinstance(registry[task], IdempotentTask) else "plain"
+    from reliable_beat.adapters import adapter_for
+
+    return adapter_for(app).task_kind(app, task)
 
 
 def _answer(answer: str, why: str) -> dict[str, str]:

@@ -37,6 +37,8 @@ from __future__ import annotations
 import abc
 import heapq
 import re
+import sys
+import threading
 from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
@@ -396,6 +398,9 @@ class CronSchedule(Schedule):
                 " ".join([*fields[:4], "*", *fields[5:]]),
                 " ".join([*fields[:2], "*", *fields[3:]]),
             )
+        # One reusable croniter per expression and direction, per thread: building one
+        # re-parses the expression (about half the cost of a step); a step repositions it.
+        self._steppers = threading.local()
         self.fixed_time = not fields[0].startswith("*") and not fields[1].startswith("*")
         if nonexistent is not None and nonexistent not in NONEXISTENT_RULES:
             raise InvalidScheduleError(
@@ -503,24 +508,34 @@ class CronSchedule(Schedule):
                 last = wall
                 yield wall
 
+    def _step(self, expr: str, wall: datetime, forward: bool) -> datetime | None:
+        """One croniter step from ``wall`` (exclusive), or None when there is no match.
+
+        Reuses this thread's croniter for ``(expr, forward)``, repositioned at ``wall``
+        (``set_current``): the same answer as a fresh ``croniter(expr, wall)``, checked by
+        tests/unit/test_cron_oracle.py, without re-parsing the expression.
+        """
+        cache: dict[tuple[str, bool], croniter] = self._steppers.__dict__.setdefault("c", {})
+        it = cache.pop((expr, forward), None)
+        if it is None:
+            it = self._iter(expr, wall)
+        else:
+            it.set_current(wall, force=True)
+        try:
+            found = it.get_next(datetime) if forward else it.get_prev(datetime)
+        except CroniterBadDateError:
+            return None  # the instance is dropped: a failed search leaves no state behind
+        cache[(expr, forward)] = it
+        return found  # type: ignore[no-any-return]
+
     def _wall_after(self, wall: datetime) -> datetime | None:
         """First matching naive wall time strictly after ``wall`` (one croniter step each)."""
-        found: list[datetime] = []
-        for expr in self._exprs:
-            try:
-                found.append(self._iter(expr, wall).get_next(datetime))
-            except CroniterBadDateError:
-                continue
+        found = [w for w in (self._step(e, wall, True) for e in self._exprs) if w is not None]
         return min(found) if found else None
 
     def _wall_before(self, wall: datetime) -> datetime | None:
         """Last matching naive wall time strictly before ``wall`` (one croniter step each)."""
-        found: list[datetime] = []
-        for expr in self._exprs:
-            try:
-                found.append(self._iter(expr, wall).get_prev(datetime))
-            except CroniterBadDateError:
-                continue
+        found = [w for w in (self._step(e, wall, False) for e in self._exprs) if w is not None]
         return max(found) if found else None
 
     def _transition_around(self, at: datetime) -> datetime | None:
@@ -1161,10 +1176,9 @@ def from_celery(
     where = f"entry {entry!r}: "
     if isinstance(obj, Schedule):
         return obj
-    try:
-        from celery import schedules as celery_schedules
-    except ImportError:  # pragma: no cover - celery is a dependency
-        celery_schedules = None  # type: ignore[assignment]
+    # A Celery schedule object exists only once celery.schedules is imported: look it up
+    # instead of importing Celery (the core imports no framework; Celery is an extra).
+    celery_schedules: Any = sys.modules.get("celery.schedules")
     relative_hint = (
         "Celery's relative=True rounds each run to the interval's resolution counted from "
         "when beat started, so its slots move with every restart; reliable_beat slots sit "

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from reliable_beat.errors import ConfigurationError
-from reliable_beat.policies import MisfirePolicy, OverlapPolicy, RetryPolicy
+from reliable_beat.policies import (
+    MAX_CATCH_UP_LIMIT,
+    MisfirePolicy,
+    OverlapPolicy,
+    RetryPolicy,
+    catch_up_limit_problem,
+)
 from reliable_beat.schedules import validate_timezone
 
 __all__ = [
@@ -173,6 +179,9 @@ class Settings:
                 f"reliable_beat_overlap_policy={self.overlap_policy!r}: expected one of "
                 + ", ".join(p.value for p in OverlapPolicy)
             )
+        if (isinstance(self.catch_up_limit, int) and not isinstance(self.catch_up_limit, bool)
+                and self.catch_up_limit > MAX_CATCH_UP_LIMIT):
+            problems.append(f"{PREFIX}{catch_up_limit_problem(self.catch_up_limit)}")
         if self.key_reuse not in ("warn", "refuse"):
             problems.append(f"{PREFIX}key_reuse={self.key_reuse!r}: expected 'warn' or 'refuse'")
         for f in fields(self):

@@ -42,6 +42,7 @@ __all__ = [
     "check_length",
     "entry_name_problems",
     "to_json_value",
+    "to_plain_json",
 ]
 
 #: ``reliable_beat_runs.idempotency_key`` (characters).
@@ -187,6 +188,38 @@ def to_json_value(value: Any, what: str = "value") -> Any:
         "carries (plain JSON, datetime, date, time, Decimal, UUID, bytes); convert it "
         "(e.g. to a string or a dict)"
     )
+
+
+_PLAIN_RENDERINGS = {
+    "datetime": str, "date": str, "time": str, "decimal": str, "bytes": str, "base64": str,
+}
+
+
+def to_plain_json(value: Any) -> Any:
+    """``value`` (plain JSON from :func:`to_json_value`) with kombu's typed objects rendered
+    as the strings a JSON API expects, for a far end that is not a Celery worker.
+
+    ``{"__type__": "decimal", "__value__": "12.50"}`` becomes ``"12.50"``, a datetime, date or
+    time its ISO 8601 text, a UUID its canonical text (``"1b4e28ba-2fa1-..."``), bytes their
+    text (or base64 text): the rendering of Django's ``DjangoJSONEncoder``. Anything else is
+    returned unchanged. A Celery worker needs no such step: kombu's JSON decoder turns the
+    typed objects back into Python values.
+    """
+    if isinstance(value, list):
+        return [to_plain_json(v) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 2 and "__type__" in value and "__value__" in value:
+            kind, inner = value["__type__"], value["__value__"]
+            if kind == "uuid" and isinstance(inner, dict) and isinstance(inner.get("hex"), str):
+                try:
+                    return str(uuid.UUID(hex=inner["hex"]))
+                except ValueError:
+                    return inner["hex"]
+            render = _PLAIN_RENDERINGS.get(kind) if isinstance(kind, str) else None
+            if render is not None and isinstance(inner, str):
+                return render(inner)
+        return {k: to_plain_json(v) for k, v in value.items()}
+    return value
 
 
 def call_digest(args: Any, kwargs: Any) -> str:

@@ -3,11 +3,20 @@
     python -m examples.payouts                 # embedded: SQLite store, SQLite-file broker
     python -m examples.payouts --server        # private PostgreSQL + Redis (local binaries)
     python -m examples.payouts --server --break-it   # SIGKILL / SIGSTOP beats and workers
+    python -m examples.payouts --framework dramatiq  # on Dramatiq (SQLite store, private Redis)
+    python -m examples.payouts --framework dramatiq --server --break-it
 
 Starts two beats, a worker (two in --server mode) and a relay as real processes, plus a local
 webhook endpoint that records every notification; runs for ``--seconds``; stops the beats;
 lets the workers and the relay drain; prints the report; exits non-zero if any merchant was
 paid twice or not at all for a fired slot, or a notification was lost.
+
+``--framework dramatiq`` runs the same entry, body and report with the Dramatiq adapter
+(``reliable-beat dramatiq beat|relay`` and ``dramatiq`` worker processes). Dramatiq has no
+broker that works across processes without a server (its ``StubBroker`` lives in one
+process), so the embedded mode starts a private ``redis-server`` from the local binary
+(SQLite store as for Celery) and says so; without ``redis-server`` on PATH it stops with what
+to install, or takes ``--broker-url``.
 """
 
 from __future__ import annotations
@@ -101,6 +110,30 @@ def celery(*args: str) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "examples.payouts.app", *args]
 
 
+def dramatiq_cmds(workers: int) -> dict[str, list[str]]:
+    """The Dramatiq processes: ``workers`` workers (one process, one thread each), a relay
+    and two beats."""
+    rb = [sys.executable, "-m", "reliable_beat.cli", "dramatiq"]
+    spec = "examples.payouts.dq_app:broker"
+    cmds = {f"worker{i}": [sys.executable, "-m", "dramatiq", "examples.payouts.dq_app",
+                           "-p", "1", "-t", "1", "-Q", "payouts"] for i in range(workers)}
+    cmds["relay"] = [*rb, "relay", "--broker", spec, "--loglevel", "WARNING"]
+    for i in range(2):
+        cmds[f"beat{i}"] = [*rb, "beat", "--broker", spec, "--loglevel", "WARNING"]
+    return cmds
+
+
+def celery_cmds(workers: int, workdir: Path) -> dict[str, list[str]]:
+    cmds = {f"worker{i}": celery("worker", "--pool", "solo", "-l", "warning", "-n", f"w{i}@%h",
+                                 "--without-gossip", "--without-mingle", "--without-heartbeat")
+            for i in range(workers)}
+    cmds["relay"] = [sys.executable, "-m", "reliable_beat.cli", "-A", "examples.payouts.app",
+                     "relay"]
+    for i in range(2):
+        cmds[f"beat{i}"] = celery("beat", "-l", "warning", "-s", str(workdir / f"beat{i}-unused"))
+    return cmds
+
+
 def break_it(procs: Procs, stop_at: float, rng: random.Random) -> None:
     """Every few seconds: SIGKILL or SIGSTOP (past the lease) a beat or a worker."""
     while time.monotonic() < stop_at - 8:
@@ -125,7 +158,7 @@ def report(env: dict[str, str], sink: Sink, procs: Procs, seconds: float) -> int
     from reliable_beat.db.tables import attempts, outbox, runs
     sys.path.insert(0, str(ROOT))
     engine = create_engine(env["RELIABLE_BEAT_DATABASE_URL"])
-    from examples.payouts.app import MERCHANTS, ledger, payouts
+    from examples.payouts.ledger import MERCHANTS, ledger, payouts
 
     with engine.connect() as conn:
         fired = conn.execute(
@@ -156,7 +189,8 @@ def report(env: dict[str, str], sink: Sink, procs: Procs, seconds: float) -> int
     states = Counter(f.state for f in fired)
     lines = [
         "",
-        f"payouts demo report ({seconds:.0f} s, store "
+        f"payouts demo report ({env.get('PAYOUTS_FRAMEWORK', 'celery')}, "
+        f"{seconds:.0f} s, store "
         f"{env['RELIABLE_BEAT_DATABASE_URL'].split('@')[-1]})",
         "",
         "| what | count |",
@@ -200,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--break-it", action="store_true",
                     help="SIGKILL and SIGSTOP beats and workers during the run")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--framework", choices=("celery", "dramatiq"), default="celery",
+                    help="the adapter: Celery (default) or Dramatiq (needs redis-server or "
+                         "--broker-url)")
     ap.add_argument("--workdir", default=str(ROOT / ".payouts-demo"))
     args = ap.parse_args(argv)
 
@@ -210,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = Sink()
     env = dict(os.environ)
     env.update(PAYOUTS_DIR=str(workdir), PAYOUTS_WEBHOOK_URL=sink.url,
+               PAYOUTS_FRAMEWORK=args.framework,
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     with ExitStack() as stack:
         if args.server:
@@ -220,30 +258,32 @@ def main(argv: list[str] | None = None) -> int:
             env.update(RELIABLE_BEAT_DATABASE_URL=db_url, PAYOUTS_BROKER_URL=broker)
         else:
             env["RELIABLE_BEAT_DATABASE_URL"] = f"sqlite:///{workdir / 'payouts.sqlite3'}"
+            if args.framework == "dramatiq":
+                broker = args.broker_url or _private_redis(stack)
+                if broker is None:
+                    return 2
+                env["PAYOUTS_BROKER_URL"] = broker
         if args.break_it:
             env.setdefault("PAYOUTS_BODY_SECONDS", "1.5")
+        app_args = ["-A", "examples.payouts.app"] if args.framework == "celery" else []
         subprocess.run(
-            [sys.executable, "-m", "reliable_beat.cli", "-A", "examples.payouts.app", "db",
-             "upgrade"], env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+            [sys.executable, "-m", "reliable_beat.cli", *app_args, "db", "upgrade"],
+            env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
         )
         subprocess.run(
             [sys.executable, "-c",
-             "from examples.payouts.app import create_app_tables; create_app_tables()"],
+             "from examples.payouts.ledger import create_app_tables; create_app_tables()"],
             env=env, cwd=ROOT, check=True,
         )
         procs = Procs(env, workdir / "logs")
         stack.callback(procs.stop_all)
         workers = 2 if args.server else 1
-        for i in range(workers):
-            procs.start(f"worker{i}", celery("worker", "--pool", "solo", "-l", "warning",
-                                             "-n", f"w{i}@%h", "--without-gossip",
-                                             "--without-mingle", "--without-heartbeat"))
-        procs.start("relay", [sys.executable, "-m", "reliable_beat.cli", "-A",
-                              "examples.payouts.app", "relay"])
-        for i in range(2):
-            procs.start(f"beat{i}", celery("beat", "-l", "warning", "-s",
-                                           str(workdir / f"beat{i}-unused")))
-        print(f"running 2 beats, {workers} worker(s) and a relay for {args.seconds:.0f} s "
+        cmds = (dramatiq_cmds(workers) if args.framework == "dramatiq"
+                else celery_cmds(workers, workdir))
+        for name, cmd in cmds.items():  # workers and relay first, then the beats
+            procs.start(name, cmd)
+        print(f"{args.framework}: running 2 beats, {workers} worker(s) and a relay for "
+              f"{args.seconds:.0f} s "
               f"(logs in {workdir / 'logs'}) ...", flush=True)
         stop_at = time.monotonic() + args.seconds
         if args.break_it:
@@ -261,6 +301,21 @@ def main(argv: list[str] | None = None) -> int:
         procs.stop_all()
         return report(env, sink, procs, args.seconds)
     return 1
+
+
+def _private_redis(stack: ExitStack) -> str | None:
+    """A private ``redis-server`` for the embedded Dramatiq demo, or None (and why)."""
+    if shutil.which("redis-server") is None:
+        print("--framework dramatiq needs a Redis broker: Dramatiq has no embedded broker "
+              "that works across processes. Install redis-server (apt-get install "
+              "redis-server) or pass --broker-url redis://...", file=sys.stderr)
+        return None
+    from harness.servers import RedisServer
+
+    url = stack.enter_context(RedisServer()).url
+    print(f"dramatiq: embedded mode uses a private redis-server at {url} (Dramatiq has no "
+          "multi-process broker without a server)", flush=True)
+    return url
 
 
 def _drain(env: dict[str, str], timeout: float) -> None:

@@ -14,36 +14,29 @@ Configuration comes from the environment (the runner in ``__main__`` sets it):
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from celery import Celery
-from sqlalchemy import (
-    BigInteger,
-    Column,
-    Integer,
-    MetaData,
-    String,
-    Table,
-    UniqueConstraint,
-    create_engine,
-    insert,
-    select,
-)
 
+from examples.payouts.ledger import (
+    DATABASE_URL,
+    MERCHANTS,
+    SCHEDULE,
+    WEBHOOK_BASE,
+    WORKDIR,
+    create_app_tables,
+    ledger,
+    owed_cents,
+    pay,
+    payouts,
+    total_paid,
+)
 from reliable_beat import IdempotentTask
 
-WORKDIR = Path(os.environ.get("PAYOUTS_DIR", ".payouts-demo")).resolve()
-DATABASE_URL = os.environ.get(
-    "RELIABLE_BEAT_DATABASE_URL", f"sqlite:///{WORKDIR / 'payouts.sqlite3'}"
-)
+__all__ = ["MERCHANTS", "app", "create_app_tables", "ledger", "owed_cents", "pay_merchants",
+           "payouts", "total_paid"]
+
 BROKER_URL = os.environ.get("PAYOUTS_BROKER_URL", "filesystem://")
-MERCHANTS = ["acme", "globex", "initech"]
-WEBHOOK_URL = os.environ.get("PAYOUTS_WEBHOOK_URL", "http://127.0.0.1:8765/hook")
-# Rows name a destination; only the operator's configuration says where it is.
-_hook = urlsplit(WEBHOOK_URL)
-WEBHOOK_BASE, WEBHOOK_PATH = f"{_hook.scheme}://{_hook.netloc}", _hook.path or "/"
 
 app = Celery("payouts", broker=BROKER_URL)
 app.conf.update(
@@ -65,8 +58,7 @@ app.conf.update(
     beat_schedule={
         "pay-merchants": {
             "task": "payouts.pay_merchants",
-            # Demo mode: every 5 s (croniter order: seconds LAST). Real config: "0 2 * * *".
-            "schedule": os.environ.get("PAYOUTS_SCHEDULE", "* * * * * */5"),
+            "schedule": SCHEDULE,  # demo: every 5 s; real config: "0 2 * * *"
             "options": {"reliable_beat": {"misfire_policy": "catch_up", "catch_up_limit": 50}},
         }
     },
@@ -79,83 +71,11 @@ if BROKER_URL == "filesystem://":
         "store_processed": False,
     }
 
-# -- the application's own tables, in the same database as reliable_beat's ---------------
-metadata = MetaData()
-payouts = Table(
-    "payouts",
-    metadata,
-    Column("id", Integer, primary_key=True),
-    Column("merchant", String(50), nullable=False),
-    Column("slot", String(40), nullable=False),
-    Column("amount_cents", BigInteger, nullable=False),
-    Column("run_id", BigInteger, nullable=False),  # stamp: a bad run can be found as a set
-    Column("fence_token", BigInteger, nullable=False),
-    UniqueConstraint("merchant", "slot"),
-)
-ledger = Table(
-    "ledger",
-    metadata,
-    Column("id", Integer, primary_key=True),
-    Column("merchant", String(50), nullable=False),
-    Column("slot", String(40), nullable=False),
-    Column("account", String(20), nullable=False),  # payable | bank
-    Column("delta_cents", BigInteger, nullable=False),
-    Column("run_id", BigInteger, nullable=False),
-)
-
-
-def create_app_tables() -> None:
-    """Create the example's own tables (an app would use its own migrations)."""
-    engine = create_engine(DATABASE_URL)
-    metadata.create_all(engine)
-    engine.dispose()
-
-
-def owed_cents(merchant: str, slot: str) -> int:
-    """What ``merchant`` is owed for ``slot``: deterministic, so a replay computes the same."""
-    return 1000 + sum(ord(c) for c in merchant + slot) % 500
+# The application's own tables and the body live in examples.payouts.ledger (shared with
+# the Dramatiq app, examples.payouts.dq_app).
 
 
 @app.task(base=IdempotentTask, bind=True, name="payouts.pay_merchants")
 def pay_merchants(self: Any) -> dict[str, int]:
-    """Pay every merchant for this run's slot, exactly once."""
-    slot = self.idempotency_key.rsplit("@", 1)[-1]
-    delay = float(os.environ.get("PAYOUTS_BODY_SECONDS", "0"))
-    total = 0
-    with self.transaction() as tx:
-        for merchant in MERCHANTS:
-            amount = owed_cents(merchant, slot)
-            tx.execute(
-                insert(payouts).values(
-                    merchant=merchant, slot=slot, amount_cents=amount, run_id=self.run_id,
-                    fence_token=self.fence_token,
-                )
-            )
-            tx.execute(
-                insert(ledger),
-                [
-                    {"merchant": merchant, "slot": slot, "account": "payable",
-                     "delta_cents": -amount, "run_id": self.run_id},
-                    {"merchant": merchant, "slot": slot, "account": "bank",
-                     "delta_cents": amount, "run_id": self.run_id},
-                ],
-            )
-            # The built-in `webhook` handler POSTs `body` to the operator-configured
-            # destination's base URL + `path`, with an Idempotency-Key header derived from
-            # this outbox row (stable across retries and relays).
-            self.outbox.add(
-                tx, "webhook",
-                {"destination": "merchants", "path": WEBHOOK_PATH,
-                 "body": {"merchant": merchant, "slot": slot, "amount_cents": amount}},
-                ordering_key=merchant,
-            )
-            total += amount
-        if delay:
-            import time
-
-            time.sleep(delay)  # "break it" mode: widen the window for kills and pauses
-    return {"merchants": len(MERCHANTS), "total_cents": total}
-
-
-def total_paid(conn: Any) -> int:
-    return int(sum(r.amount_cents for r in conn.execute(select(payouts.c.amount_cents))))
+    """Pay every merchant for this run's slot, exactly once (``ledger.pay``)."""
+    return pay(self)

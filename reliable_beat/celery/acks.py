@@ -7,7 +7,7 @@ worker connects Celery's ``task_prerun`` signal: when a task whose message carri
 ``reliable_beat_key`` header (a trigger from a beat, ``entries trigger`` or ``backfill``)
 starts, its run row gets ``started_at`` (one short ``UPDATE``, only the first start counts).
 ``reliable-beat status`` then flags entries whose triggers no worker started within
-``reliable_beat_redispatch_seconds`` (see :func:`reliable_beat.cli_status.collect_status`).
+``reliable_beat_redispatch_seconds`` (see :func:`reliable_beat.cli.status.collect_status`).
 
 It is connected automatically wherever :mod:`reliable_beat.celery.task` is imported (any app
 with an ``IdempotentTask``). An app of plain tasks only adds it to its imports::

@@ -11,102 +11,72 @@ and wakes early on PostgreSQL ``NOTIFY reliable_beat_entries``. With
 ``reliable_beat_claim_ahead_seconds`` > 0 (default 0.5) it claims slots that short a time
 before they are due, commits their runs and triggers, and holds the triggers in memory until
 the slot's instant, when it publishes each slot's messages at once (one Redis pipeline).
+
+The loop itself is the framework-neutral :class:`reliable_beat.loop.BeatLoop` (shared with
+the Dramatiq beat); this module adds what is Celery's: the :class:`CeleryPublisher`
+(``send_task`` over one producer, a Redis pipeline flushed at the slot's instant), the
+``beat_schedule`` / timezone / ``app.tasks`` reading, the broker-timeout warning, and the
+mapping of Celery's ``Scheduler`` hooks onto the loop.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import select as _select
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from celery.beat import Scheduler
-from sqlalchemy import update
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError
 
-from reliable_beat.beat import TRIGGER_DESTINATION, Beat, TickResult, Trigger, trigger_message_id
+from reliable_beat import loop as core
+from reliable_beat.beat import TRIGGER_DESTINATION, Trigger
 from reliable_beat.celery.brokers import warn_broker_timeouts
+from reliable_beat.celery.publishing import publish_celery_batch
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import outbox
-from reliable_beat.entries import (
-    NOTIFY_CHANNEL,
-    EntryDefinition,
-    definitions_from_beat_schedule,
-    sync_schedule_group,
-)
-from reliable_beat.errors import ConfigurationError, SchemaError, StoreUnavailableError
-from reliable_beat.groups import (
-    beat_heartbeat,
-    beat_stopped,
-    log_sync_result,
-    record_beat,
-    schedule_group_of,
-)
-from reliable_beat.handlers import MessageExpiredError, publish_celery_batch
-from reliable_beat.logs import RepeatedLog, event
+from reliable_beat.entries import EntryDefinition, definitions_from_beat_schedule
+from reliable_beat.errors import ConfigurationError
+from reliable_beat.groups import schedule_group_of
+from reliable_beat.logs import RepeatedLog
+from reliable_beat.loop import SWEEP_SECONDS, BeatLoop, deferred_stop_signals
 from reliable_beat.outbox import OutboxMessage
-from reliable_beat.redaction import get_logger, redact_text
-from reliable_beat.redispatch import redispatch_stuck_runs
-from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
-from reliable_beat.retention import RetentionThread, start_retention
+from reliable_beat.redaction import get_logger
+from reliable_beat.redispatch import tracked_tasks
 from reliable_beat.schedules import validate_timezone
 from reliable_beat.settings import Settings, celery_timezone
-from reliable_beat.slots import format_fire_at
 
-__all__ = ["ReliableScheduler", "publish_triggers"]
+__all__ = ["SWEEP_SECONDS", "CeleryPublisher", "ReliableScheduler", "publish_messages",
+           "publish_triggers"]
 
+#: The Celery beat logs under this name (docs/reference.md), the loop included.
 log = get_logger("reliable_beat.scheduler")
-
-#: How often a beat sweeps trigger rows the fast path left unsent (seconds).
-SWEEP_SECONDS = 5.0
-#: How long a sweep's claim of a trigger row lasts before another sweep may take it.
-SWEEP_LEASE = timedelta(seconds=60)
-#: While published triggers wait for their "sent" mark (database gone), retry this often.
-UNMARKED_RETRY_SECONDS = 1.0
-#: Default wait bound on SQLite, which has no NOTIFY: entries added at runtime are seen
-#: within this many seconds.
-SQLITE_MAX_WAIT_SECONDS = 1.0
-#: A claim found entries claimable by the clock but took none (another beat holds their
-#: row locks and commits in a moment): look again after this many seconds, do not spin.
-LOCKED_RETRY_SECONDS = 0.005
-#: A held slot's messages start being built this long (plus twice the measured build time
-#: per message) before its instant, so the pipeline is ready to flush at the instant.
-BUILD_LEAD_SECONDS = 0.002
-#: The last this-many seconds before a held slot's instant are spent spinning, not asleep.
-SPIN_SECONDS = 0.002
-
-
-class _HoldOverran(BaseException):
-    """Raised inside a publish to abandon a held batch whose instant is long past.
-
-    A ``BaseException`` so the publish helpers' ``except Exception`` do not turn it into a
-    broker failure: it unwinds the kombu batch (which discards the buffered messages).
-    """
 
 
 @dataclass
-class _Held:
-    """Committed triggers of one slot, claimed ahead, waiting for the slot's instant.
+class CeleryPublisher:
+    """The core loop's :class:`~reliable_beat.loop.HoldingPublisher` for a Celery app:
+    :func:`~reliable_beat.celery.publishing.publish_celery_batch` (one producer; on Redis one
+    pipeline, built ahead and flushed at the slot's instant; on RabbitMQ publisher confirms).
 
     Attributes:
-        fire_at: the slot (UTC, database clock).
-        at: ``time.monotonic()`` of this process at which the database clock reaches
-            ``fire_at`` (never before it: see :attr:`TickResult.monotonic`).
-        triggers: the committed triggers of that slot.
+        app: the Celery app (its ``send_task``, routes and registered tasks).
+        destination: ``celery``.
     """
 
-    fire_at: datetime
-    at: float
-    triggers: list[Trigger]
+    app: Any
+    destination: str = TRIGGER_DESTINATION
+
+    def publish(self, messages: Sequence[OutboxMessage], now: datetime
+                ) -> list[tuple[int, BaseException | None]]:
+        return publish_celery_batch(self.app, messages, now=now)
+
+    def publish_at(self, messages: Sequence[OutboxMessage], now: datetime,
+                   wait: Callable[[], None]) -> list[tuple[int, BaseException | None]]:
+        return publish_celery_batch(self.app, messages, now=now, wait=wait)
+
+    def tracked_tasks(self) -> Collection[str]:
+        """The ``IdempotentTask`` tasks registered in the app."""
+        return tracked_tasks(self.app)
 
 
 def publish_triggers(
@@ -114,7 +84,8 @@ def publish_triggers(
     wait: Callable[[], None] | None = None,
     unmarked: list[tuple[list[int], list[int]]] | None = None,
 ) -> int:
-    """The fast path: publish committed triggers over one producer, then mark them.
+    """The fast path: publish committed triggers over one producer, then mark them
+    (:func:`reliable_beat.loop.publish_and_mark` with a :class:`CeleryPublisher`).
 
     Sent rows become ``sent`` (their runs ``dispatched``); expired ones are retired
     (:func:`~reliable_beat.relay.mark_expired`); rows that could not be published are handed
@@ -124,23 +95,20 @@ def publish_triggers(
     Args:
         now: the store's clock at the publish (UTC), for the ``expires_at`` check.
         wait: called right before the first message can reach the broker (see
-            :func:`~reliable_beat.handlers.publish_celery_batch`): the beat sleeps there until
-            the slot of triggers it claimed ahead.
+<<<<<<< HEAD
+            :func:`~reliable_beat.celery.publishing.publish_celery_batch`).
+=======
+            :func:`~reliable_beat.celery.publishing.publish_celery_batch`): the beat sleeps
+            there until the slot of triggers it claimed ahead.
+>>>>>>> layout
         unmarked: when the marks cannot be written (database gone), ``(sent ids, expired
-            ids)`` is appended here so the caller records them first when the database
-            returns (before any sweep of its own); None: they are only logged.
+            ids)`` is appended here; None: they are only logged.
 
     Returns:
         How many triggers were published.
     """
-    messages = [
-        OutboxMessage(
-            id=t.outbox_id, message_id=trigger_message_id(t.key), destination="celery",
-            payload=t.payload, run_id=t.run_id,
-        )
-        for t in triggers
-    ]
-    return publish_messages(store, app, messages, now, wait=wait, unmarked=unmarked)
+    return publish_messages(store, app, core.trigger_messages(triggers, TRIGGER_DESTINATION),
+                            now, wait=wait, unmarked=unmarked)
 
 
 def publish_messages(
@@ -150,32 +118,8 @@ def publish_messages(
 ) -> int:
     """Publish ``celery`` outbox rows over one producer and mark the outcome (see
     :func:`publish_triggers`). Returns how many were published."""
-    outcomes = publish_celery_batch(app, messages, now=now, wait=wait)
-    sent = [i for i, err in outcomes if err is None]
-    expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
-    failed = [i for i, err in outcomes if err is not None and i not in expired]
-    if failed:
-        log.warning("%d triggers not published (%s); they stay in the outbox for the relay",
-                    len(failed), next(err for _, err in outcomes if err is not None))
-    try:
-        with store.begin() as conn:
-            at = store.now(conn)
-            mark_sent(conn, sent, at)
-            mark_expired(conn, expired, at)
-            if failed:
-                conn.execute(
-                    update(outbox).where(outbox.c.id.in_(failed), outbox.c.state == "pending")
-                    .values(available_at=at, claimed_by=None)
-                )
-    except (StoreUnavailableError, DBAPIError) as exc:
-        # Published but not marked. The caller (a beat) records them first when the database
-        # returns; without one a sweep re-sends them later (at least once, same task id).
-        log.error("could not mark %d triggers sent (%s)%s", len(sent), exc,
-                  "; recording them first when the database returns"
-                  if unmarked is not None else "")
-        if unmarked is not None and (sent or expired):
-            unmarked.append((sent, expired))
-    return len(sent)
+    return core.publish_and_mark(store, CeleryPublisher(app), messages, now, wait=wait,
+                                 unmarked=unmarked, logger=log)
 
 
 #: "still cannot record ..." is retried every tick during an outage: first, then every 30 s
@@ -183,59 +127,12 @@ _STILL_UNMARKED = RepeatedLog(log)
 
 
 def record_unmarked(store: Store, unmarked: list[tuple[list[int], list[int]]]) -> bool:
-    """Write the marks a publish could not write (see :func:`publish_triggers`).
+    """Write the marks a publish could not write (:func:`reliable_beat.loop.record_unmarked`).
 
     Returns:
-        True when nothing is left to record (``unmarked`` is emptied); False: the database
-        is still unavailable (``unmarked`` is kept).
+        True when nothing is left to record; False: the database is still unavailable.
     """
-    if not unmarked:
-        return True
-    try:
-        with store.begin() as conn:
-            at = store.now(conn)
-            for sent, expired in unmarked:
-                mark_sent(conn, sent, at)
-                mark_expired(conn, expired, at)
-    except (StoreUnavailableError, DBAPIError) as exc:
-        _STILL_UNMARKED.log(logging.ERROR,
-                            "still cannot record %d published triggers as sent (%s)",
-                            sum(len(a) + len(b) for a, b in unmarked), exc)
-        return False
-    _STILL_UNMARKED.reset()
-    log.warning("recorded %d triggers published while the database was unavailable",
-                sum(len(a) for a, _ in unmarked))
-    unmarked.clear()
-    return True
-
-
-def _sleep_until(at: float) -> None:
-    """Return once ``time.monotonic() >= at``: sleep, then spin the last
-    :data:`SPIN_SECONDS` (a process woken from sleep on a busy machine can wait a few ms for
-    a CPU; one that is already running does not)."""
-    left = at - time.monotonic()
-    if left > SPIN_SECONDS:
-        # select(), not time.sleep(): Python 3.11's sleep is an absolute clock_nanosleep,
-        # which libfaketime-style clock shims (used to test skewed clocks) break with EINVAL.
-        _select.select([], [], [], left - SPIN_SECONDS)
-    while time.monotonic() < at:
-        pass
-
-
-@contextlib.contextmanager
-def _deferred_stop_signals() -> Iterator[None]:
-    """Hold SIGTERM/SIGINT back while the block runs (main thread, POSIX); no-op elsewhere."""
-    stop = {signal.SIGTERM, signal.SIGINT}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "pthread_sigmask"
-    ):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return core.record_unmarked(store, unmarked, repeated=_STILL_UNMARKED, logger=log)
 
 
 class ReliableScheduler(Scheduler):  # type: ignore[misc]
@@ -243,12 +140,15 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
 
     Reads ``reliable_beat_*`` settings (:class:`~reliable_beat.settings.Settings`) from the
     app. On start it verifies the schema (an embedded SQLite store is created; a server
-    database that is behind is an error naming ``reliable-beat db upgrade`` unless
-    ``reliable_beat_run_migrations`` is true) and syncs ``beat_schedule`` into the store.
+    database that is behind is waited for, or upgraded with
+    ``reliable_beat_run_migrations``) and syncs ``beat_schedule`` into the store.
+
+    A thin wrapper: Celery's hooks (``setup_schedule``, ``tick``, ``info``, ``sync``,
+    ``close``) delegate to one core :class:`~reliable_beat.loop.BeatLoop` (:attr:`loop`)
+    with a :class:`CeleryPublisher`.
 
     Raises (at start):
-        EntryValidationError: any ``beat_schedule`` entry is invalid (all problems listed).
-        SchemaError: the schema is behind.
+        SystemExit(2): any ``beat_schedule`` entry is invalid (all problems logged).
     """
 
     #: Instances of this class in this process still inside :meth:`setup_schedule`.
@@ -263,31 +163,16 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             raise SystemExit(0)
         self.settings = Settings.from_celery(app)
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
-        self._listen: Any = None
-        self._retention: RetentionThread | None = None
-        self._failures = 0
-        self._last_sweep = 0.0
-        self._metrics: Any = None
-        self._tick_started = time.monotonic()
-        self._claim_at = 0.0  # monotonic instant of the next claim
-        self._held: dict[datetime, _Held] = {}
-        self._clock: tuple[datetime, float] | None = None  # (database now, monotonic)
-        self._build_seconds_per_message = 0.0005
-        # Triggers this beat published but could not mark sent (database gone): recorded
-        # before anything else when the database returns; no sweep runs meanwhile.
-        self._unmarked: list[tuple[list[int], list[int]]] = []
-        # No sweep before this monotonic instant: after the database returns, a beat gives
-        # the beats that published during the outage a sweep delay to record their marks.
-        self._sweep_not_before = 0.0
         self.app = app
         self.group = schedule_group_of(app, self.settings.schedule_group)
-        self._beat = Beat(
-            self.store, owner=self.settings.owner, batch_size=self.settings.batch_size,
-            is_tracked=self._is_tracked,
-            claim_ahead=timedelta(seconds=self.settings.claim_ahead_seconds),
-            schedule_group=self.group,
+        self.loop = BeatLoop(
+            self.store, self.settings, CeleryPublisher(app), self.settings.owner,
+            is_tracked=self._is_tracked, schedule_group=self.group,
+            definitions=self._definitions, is_registered=lambda task: task in app.tasks,
+            logger=log,
         )
         super().__init__(app, *args, **kwargs)
+        self.loop.max_interval = float(self.max_interval)
 
     # -- start -----------------------------------------------------------------------------
     def _is_tracked(self, task: str) -> bool:
@@ -302,457 +187,51 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             return None
         return self._is_tracked(task)
 
+    def _definitions(self, now: datetime) -> list[EntryDefinition]:
+        """``beat_schedule`` as entry definitions at ``now``, in Celery's timezone."""
+        try:
+            zone = validate_timezone(celery_timezone(self.app))  # Celery's own resolution
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"Celery's timezone setting: {exc}") from None
+        return definitions_from_beat_schedule(
+            self.app.conf.beat_schedule or {},
+            default_timezone=zone,
+            settings=self.settings,
+            now=now,
+            is_idempotent=self._task_kind,
+        )
+
+    def _warn_broker_timeouts(self) -> None:
+        warn_broker_timeouts(self.app, self.settings)
+
     def setup_schedule(self) -> None:
+        """Check ``beat_schedule``, wait for the database and its schema, sync
+        (:meth:`reliable_beat.loop.BeatLoop.start`)."""
         ReliableScheduler._in_setup += 1
         try:
-            self._setup_schedule()
+            self.loop.start(before_wait=self._warn_broker_timeouts)
         finally:
             ReliableScheduler._in_setup -= 1
 
-    def _definitions(self, now: datetime) -> list[EntryDefinition]:
-        try:
-            try:
-                zone = validate_timezone(celery_timezone(self.app))  # Celery's own resolution
-            except ConfigurationError as exc:
-                raise ConfigurationError(f"Celery's timezone setting: {exc}") from None
-            self._check_sqlite_directory()
-            return definitions_from_beat_schedule(
-                self.app.conf.beat_schedule or {},
-                default_timezone=zone,
-                settings=self.settings,
-                now=now,
-                is_idempotent=self._task_kind,
-            )
-        except ConfigurationError as exc:
-            # One message naming every bad entry and its fix, then exit 2: a traceback through
-            # Celery's stderr redirect is hundreds of lines, and restarting cannot fix config.
-            log.critical("reliable_beat: configuration refused; nothing was synced or fired. "
-                         "Fix this and start the beat again.\n%s", exc)
-            raise SystemExit(2) from None
-
-    def _check_sqlite_directory(self) -> None:
-        if self.store.dialect != "sqlite":
-            return
-        path = make_url(self.settings.database_url).database
-        if path and path != ":memory:" and not os.path.isdir(os.path.dirname(path) or "."):
-            raise ConfigurationError(
-                f"reliable_beat_database_url {self.store.safe_url}: the directory "
-                f"{os.path.dirname(path)!r} does not exist; create it or point the URL at an "
-                "existing one"
-            )
-
-    def _setup_schedule(self) -> None:
-        # Configuration first, on the local clock: a bad entry is reported at once, even while
-        # the database is down. The definitions are rebuilt on the database clock below.
-        self._definitions(datetime.now(timezone.utc))
-        warn_broker_timeouts(self.app, self.settings)
-        warning = self.settings.default_store_warning("beat")
-        if warning:
-            log.warning("%s", warning)
-        delay = 1.0
-        while True:
-            try:
-                migrate.ensure_schema(self.store, run_migrations=self.settings.run_migrations)
-                with self.store.begin() as conn:
-                    now = self.store.now(conn)
-                break
-            except (StoreUnavailableError, DBAPIError) as exc:
-                why = self.store.describe_failure(exc)
-                log.error("database %s at start: %s; retrying in %.0f s",
-                          "unavailable" if " unavailable" in why else "error", why, delay)
-                self._sleep(delay)
-                delay = min(delay * 2, 30.0)
-            except SchemaError as exc:
-                # A deploy may start beats before its migration step: wait for the upgrade
-                # rather than exit into a restart loop.
-                log.error("%s; waiting for it (checking again in %.0f s)", exc, delay)
-                self._sleep(delay)
-                delay = min(delay * 2, 30.0)
-        definitions = self._definitions(now)
-        unregistered = {d.name: d.task for d in definitions if d.task not in self.app.tasks}
-        for name, task in sorted(unregistered.items()):
-            log.error("entry %r: task %r is not registered in this beat's app: unless a worker "
-                      "registers it, its triggers are dropped (check the name, or import the "
-                      "task module in this app)", name, task)
-        if self.settings.metrics_port is not None and self._metrics is None:
-            from reliable_beat.metrics import serve
-
-            self._metrics = serve(self.settings.metrics_port, self.store,
-                                  addr=self.settings.metrics_host)
-            log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
-        result = sync_schedule_group(self.store, definitions, group=self.group,
-                                     owner=self.settings.owner)
-        log_sync_result(log, result, self.store.safe_url)
-        record_beat(self.store, owner=self.settings.owner, group=self.group,
-                    config_hash=result.config_hash, unregistered=unregistered)
-        if self._retention is None:  # bounded-batch purge of old history, in the background
-            self._retention = start_retention(self.store, self.settings, role="beat")
-
-    def _sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
     @property
     def info(self) -> str:
-        try:
-            if migrate.check(self.store):
-                schema = "up to date"
-            elif self.store.dialect == "sqlite" or self.settings.run_migrations:
-                schema = "behind: upgrading on start"
-            else:
-                schema = "BEHIND: run `reliable-beat db upgrade`"
-        except Exception:
-            schema = "unknown (database unavailable)"
         warning = self.settings.default_store_warning("beat")
         return (
             (f"    . WARNING -> {warning}\n" if warning else "")
             + f"    . store -> {self.store.safe_url}\n"
             f"    . owner -> {self.settings.owner}\n"
             f"    . schedule group -> {self.group}\n"
-            f"    . schema -> {schema} (head {migrate.head()})"
+            f"    . schema -> {self.loop.schema_status()} (head {migrate.head()})"
         )
 
-    # -- the loop --------------------------------------------------------------------------
-    #
-    # Each call of tick() does what is due, then waits (on LISTEN, or by sleeping) until the
-    # next thing to do, bounded by beat_max_loop_interval and SWEEP_SECONDS:
-    #
-    # * publish the held triggers whose instant has come (claimed ahead, see below);
-    # * claim, once the earliest claimable entry's claim moment has come (``next_claim_at``
-    #   of the last tick, on the database clock), a NOTIFY arrived, or the last claim took a
-    #   full batch;
-    # * sweep unsent triggers and re-dispatch lost runs, every SWEEP_SECONDS.
-    #
-    # Claim ahead: with ``reliable_beat_claim_ahead_seconds`` A > 0, a claim also takes the
-    # ``allow`` entries whose next slot is at most A away and commits their runs and trigger
-    # rows at once (the triggers' ``available_at`` is slot + sweep delay). The triggers are
-    # held in memory, grouped by slot, each with the monotonic instant at which the database
-    # clock reaches the slot (``TickResult.monotonic`` is taken after the clock was read, so
-    # that instant is never early). A moment before it the group's messages are built into
-    # one Redis pipeline; at it the pipeline is flushed: every message of the slot leaves at
-    # once, none before the slot.
-
+    # -- the loop: see reliable_beat.loop ----------------------------------------------------
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """Publish held triggers that are due, claim if it is time, sweep; then wait.
+        """One round of the core loop (:meth:`reliable_beat.loop.BeatLoop.tick`): publish
+        held triggers that are due, claim if it is time, sweep; then wait.
 
         Returns seconds for Celery to sleep (0 when this call already waited).
-
-        SIGTERM / SIGINT are held back (``pthread_sigmask``) from a claim until its triggers
-        are marked sent, so a graceful stop never splits a commit from its publish; the signal
-        is delivered right after. A stop that arrives while triggers claimed ahead are held
-        publishes each group at its slot's instant (at most the claim-ahead away), then lets
-        the process exit. Only SIGKILL can leave committed triggers unsent, and then the sweep
-        of another beat (or a relay) publishes them after slot + sweep delay, under the same
-        task ids.
         """
-        try:
-            with _deferred_stop_signals():
-                self._step()
-            return self._idle()
-        except BaseException:
-            if self._held:
-                with _deferred_stop_signals():
-                    self._drain_held()
-            raise
-
-    def _step(self) -> None:
-        self._publish_held(drain=False)  # committed already: they need no database to leave
-        if self._unmarked:
-            # Published but not marked sent (the database was gone): record that first. Until
-            # it is recorded, no claim and no sweep (this beat's own sweep would re-send them).
-            if time.monotonic() < self._claim_at:
-                return
-            if not record_unmarked(self.store, self._unmarked):
-                self._claim_at = time.monotonic() + UNMARKED_RETRY_SECONDS
-                return
-        claims = 0
-        while time.monotonic() >= self._claim_at and claims < 10:
-            claims += 1
-            outcome = self._claim()
-            if isinstance(outcome, float):  # the store is down: retry later
-                self._claim_at = time.monotonic() + outcome
-                break
-            self._publish_held(drain=False)
-        try:
-            self._sweep()
-        except (StoreUnavailableError, DBAPIError) as exc:
-            log.error("trigger sweep failed (%s); retrying on a later tick", exc)
-
-    def _claim(self) -> TickResult | float:
-        """One claim transaction; publish the triggers already due, hold the others."""
-        self._tick_started = time.monotonic()
-        try:
-            result = self._beat.tick()
-        except (StoreUnavailableError, DBAPIError) as exc:
-            self._failures += 1
-            wait: float = min(30.0, 0.5 * 2.0 ** min(self._failures, 6))
-            log.error("tick failed: %s; retrying in %.1f s. "
-                      "Slots due meanwhile are decided by the misfire policy when it returns.",
-                      self.store.describe_failure(exc), wait)
-            return wait
-        if self._failures:
-            # Back after an outage: other beats may hold published-but-unmarked triggers.
-            self._sweep_not_before = time.monotonic() + self._beat.sweep_delay.total_seconds()
-        self._failures = 0
-        assert result.now is not None
-        self._clock = (result.now, result.monotonic)
-        ahead = result.ahead
-        if ahead:
-            ids = {t.outbox_id for t in ahead}
-            for t in ahead:
-                group = self._held.get(t.fire_at)
-                if group is None:
-                    at = result.monotonic + (t.fire_at - result.now).total_seconds()
-                    group = self._held[t.fire_at] = _Held(t.fire_at, at, [])
-                group.triggers.append(t)
-            due = [t for t in result.triggers if t.outbox_id not in ids]
-            result = replace(result, triggers=due)
-        if result.triggers or result.skipped or result.duplicates:
-            self._publish(result)
-        self._claim_at = self._next_claim(result)
-        return result
-
-    def _bound(self) -> float:
-        """Longest wait between two claims: runtime entries and buffered runs are found at
-        least this often even without a NOTIFY (always on SQLite, which has none)."""
-        bound = min(float(self.max_interval), SWEEP_SECONDS)
-        if self.store.dialect != "postgresql":
-            bound = min(bound, SQLITE_MAX_WAIT_SECONDS)
-        return bound
-
-    def _next_claim(self, result: TickResult) -> float:
-        """The monotonic instant of the next claim."""
-        now = time.monotonic()
-        if result.claimed >= self.settings.batch_size or result.more:
-            return now  # more claimable entries are waiting
-        latest = now + self._bound()
-        if result.next_claim_at is None:
-            return latest
-        assert result.now is not None
-        at = result.monotonic + (result.next_claim_at - result.now).total_seconds()
-        if at <= now and not result.claimed:
-            # Claimable by the clock but nothing was claimed: another beat holds those rows
-            # (SKIP LOCKED) and commits in a moment. Look again shortly instead of spinning.
-            return now + LOCKED_RETRY_SECONDS
-        return min(at, latest)
-
-    def _build_lead(self, group: _Held) -> float:
-        """Seconds before its instant to start building a held group's messages."""
-        return BUILD_LEAD_SECONDS + 2.0 * self._build_seconds_per_message * len(group.triggers)
-
-    def _publish_held(self, *, drain: bool) -> None:
-        """Publish the held groups whose build moment has come (``drain``: every group), each
-        flushed at its instant, oldest first."""
-        while self._held:
-            group = min(self._held.values(), key=lambda g: g.at)
-            if not drain and time.monotonic() < group.at - self._build_lead(group):
-                return
-            del self._held[group.fire_at]
-            self._publish_group(group)
-
-    def _drain_held(self) -> None:
-        """On the way out: every held group, each at its instant (the hold is at most the
-        claim-ahead); a failure leaves the rest to the sweep."""
-        log.info("reliable_beat: stopping; publishing %d held triggers at their slots",
-                 sum(len(g.triggers) for g in self._held.values()))
-        try:
-            self._publish_held(drain=True)
-        except Exception as exc:
-            log.error("could not publish held triggers on stop (%s); the sweep sends them "
-                      "after their slot + %s", exc, self._beat.sweep_delay)
-        self._held.clear()
-
-    def _publish_group(self, group: _Held) -> None:
-        """Publish one held slot: build its messages, flush them at its instant, mark sent.
-
-        A hold that overran (this process was paused or starved for longer than half the
-        sweep delay, e.g. SIGSTOP) does not publish blindly: another beat's sweep may have
-        published those rows already. It first takes back, in one statement, the rows still
-        pending under its own name (pushing their ``available_at`` a sweep delay on, so no
-        sweep takes them meanwhile) and publishes only those.
-        """
-        started = time.monotonic()
-        built: list[float] = []
-        overrun = self._beat.sweep_delay.total_seconds() / 2
-
-        def at_instant() -> None:
-            built.append(time.monotonic())
-            _sleep_until(group.at)
-            if time.monotonic() - group.at > overrun:
-                raise _HoldOverran  # the buffered batch is discarded: nothing was sent
-
-        triggers = group.triggers
-        try:
-            if time.monotonic() - group.at > overrun:
-                raise _HoldOverran
-            publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at),
-                             wait=at_instant, unmarked=self._unmarked)
-        except _HoldOverran:
-            triggers = self._take_back(triggers)
-            log.warning("held triggers of %s published %.1f s late (this process was "
-                        "paused); %d of %d still pending under this beat",
-                        format_fire_at(group.fire_at), time.monotonic() - group.at,
-                        len(triggers), len(group.triggers))
-            built.clear()
-            if triggers:
-                publish_triggers(self.store, self.app, triggers, self._db_now(group.fire_at),
-                                 unmarked=self._unmarked)
-        if built:
-            per = (built[0] - started) / max(1, len(triggers))
-            self._build_seconds_per_message += 0.2 * (per - self._build_seconds_per_message)
-        done = time.monotonic()
-        for t in triggers:
-            event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
-                "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
-                key=t.key, task=t.payload["task"], claimed_ahead=True)
-        # built_ms: the time taken to build the messages (never negative); ready_ahead_ms:
-        # how long before the instant they were ready (they left at it; 0 when late);
-        # marked_ms: the instant to the rows marked sent.
-        event(log, logging.INFO, "slots.published", fire_at=format_fire_at(group.fire_at),
-              count=len(triggers),
-              built_ms=round(max(0.0, built[0] - started) * 1000, 2) if built else None,
-              ready_ahead_ms=round(max(0.0, group.at - built[0]) * 1000, 2) if built else None,
-              marked_ms=round((done - group.at) * 1000, 2))
-
-    def _db_now(self, at_least: datetime) -> datetime:
-        """The database clock estimated from the last claim (never behind ``at_least``)."""
-        assert self._clock is not None
-        now, mono = self._clock
-        return max(at_least, now + timedelta(seconds=time.monotonic() - mono))
-
-    def _take_back(self, triggers: list[Trigger]) -> list[Trigger]:
-        """The triggers whose rows are still pending and claimed by this beat, re-leased for a
-        sweep delay (one ``UPDATE ... RETURNING``); the others were swept meanwhile."""
-        ids = self._take_back_ids([t.outbox_id for t in triggers])
-        return [t for t in triggers if t.outbox_id in ids]
-
-    def _take_back_ids(self, outbox_ids: list[int]) -> set[int]:
-        """The ids of ``outbox_ids`` still ``pending`` and claimed by this beat, re-leased for
-        a sweep delay from now; empty when the database is unavailable."""
-        if not outbox_ids:
-            return set()
-        try:
-            with self.store.begin() as conn:
-                now = self.store.now(conn)
-                return set(conn.execute(
-                    update(outbox)
-                    .where(outbox.c.id.in_(outbox_ids),
-                           outbox.c.state == "pending",
-                           outbox.c.claimed_by == self.settings.owner)
-                    .values(available_at=now + self._beat.sweep_delay)
-                    .returning(outbox.c.id)
-                ).scalars())
-        except (StoreUnavailableError, DBAPIError) as exc:
-            log.error("could not take back late triggers (%s); a sweep sends them", exc)
-            return set()
-
-    def _overran(self, since: float) -> bool:
-        """True when more than half the sweep delay passed since the monotonic ``since``
-        (this process was paused or starved: a sweep may have taken its rows meanwhile)."""
-        return time.monotonic() - since > self._beat.sweep_delay.total_seconds() / 2
-
-    def _publish(self, result: TickResult) -> None:
-        """The fast path right after the claim's commit. A publish that comes late (this
-        process was paused between the commit and here) first takes back the rows still
-        pending under its own name, like a held slot that overran, and publishes only those."""
-        assert result.now is not None
-        triggers = result.triggers
-        if triggers and self._overran(result.monotonic):
-            triggers = self._take_back(triggers)
-            log.warning("triggers claimed at %s published %.1f s after the claim (this process "
-                        "was paused); %d of %d still pending under this beat",
-                        format_fire_at(result.now), time.monotonic() - result.monotonic,
-                        len(triggers), len(result.triggers))
-        published = time.monotonic()  # the messages leave right after this
-        if triggers:
-            publish_triggers(self.store, self.app, triggers, result.now,
-                             unmarked=self._unmarked)
-        for t in triggers:
-            # true lateness: slot -> publish, on the database clock estimated from the claim
-            lateness = (result.now - t.fire_at).total_seconds() + (published - result.monotonic)
-            event(log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
-                "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
-                key=t.key, task=t.payload["task"],
-                claim_lateness_ms=round((result.now - t.fire_at).total_seconds() * 1000, 1),
-                lateness_ms=round(lateness * 1000, 1))
-        if result.skipped:
-            event(log, logging.INFO, "slots.skipped", count=result.skipped)
-        if result.duplicates:
-            event(log, logging.INFO, "slots.already_fired", count=result.duplicates)
-
-    def _sweep(self) -> None:
-        """Publish trigger rows whose fast path never happened (a beat died between commit
-        and publish, or the broker was down). A relay does the same; the beat does it too so
-        plain-task users without a relay lose nothing. At most every ``SWEEP_SECONDS``."""
-        now_mono = time.monotonic()
-        if now_mono - self._last_sweep < SWEEP_SECONDS or now_mono < self._sweep_not_before:
-            return
-        self._last_sweep = now_mono
-        with self.store.begin() as conn:
-            now = self.store.now(conn)
-            messages = claim_outbox_batch(
-                self.store, conn, owner=self.settings.owner, now=now,
-                lease=SWEEP_LEASE, limit=self.settings.batch_size,
-                destinations=[TRIGGER_DESTINATION], schedule_group=self.group,
-            )
-        claimed = time.monotonic()
-        if messages and claimed - now_mono > SWEEP_LEASE.total_seconds() / 2:
-            # Paused between the claim and here: another sweep may own them by now.
-            ids = self._take_back_ids([m.id for m in messages])
-            messages = [m for m in messages if m.id in ids]
-        if messages:
-            log.warning("sweeping %d unsent triggers", len(messages))
-            publish_messages(self.store, self.app, messages, now, unmarked=self._unmarked)
-        redispatch_stuck_runs(self.store, self.app, self.settings)
-        beat_heartbeat(self.store, self.settings.owner, self.group)
-
-    def _idle(self) -> float:
-        """Wait until the next thing to do; returns what is left for Celery to sleep."""
-        now = time.monotonic()
-        # Wake at least every SWEEP_SECONDS so the sweep of unsent triggers and the
-        # re-dispatch of lost ones run even when no entry is due for a long time.
-        wake = min(self._claim_at, now + self._bound())
-        for group in self._held.values():
-            wake = min(wake, group.at - self._build_lead(group))
-        wait = wake - now
-        if wait <= 0.0005:
-            return 0.0
-        if self.store.dialect == "postgresql":
-            if self._wait_for_notify(wait):
-                self._claim_at = 0.0  # entries changed: claim at once
-            return 0.0
-        if self._held:
-            self._sleep(wait)  # here, not in Celery's loop: a stop must find the held ones
-            return 0.0
-        return wait
-
-    def _wait_for_notify(self, timeout: float) -> bool:
-        """Block up to ``timeout`` s on ``LISTEN reliable_beat_entries`` (or sleep when that
-        connection cannot be had). True: woken by a NOTIFY."""
-        import psycopg
-
-        try:
-            if self._listen is None or self._listen.closed:
-                url = make_url(self.store.url).set(drivername="postgresql")
-                self._listen = psycopg.connect(
-                    url.render_as_string(hide_password=False), autocommit=True,
-                    connect_timeout=5,
-                )
-                self._listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            conn = self._listen
-            ready, _, _ = _select.select([conn.fileno()], [], [], timeout)
-            notified = False
-            if ready:
-                for _ in conn.notifies(timeout=0):
-                    notified = True
-            return notified
-        except Exception as exc:
-            log.debug("LISTEN unavailable (%s); sleeping instead", redact_text(exc))
-            with contextlib.suppress(Exception):
-                if self._listen is not None:
-                    self._listen.close()
-            self._listen = None
-            self._sleep(min(timeout, 1.0))
-            return False
+        return self.loop.tick()
 
     # -- Celery hooks we neutralise: the database is the state ------------------------------
     def sync(self) -> None:
@@ -761,18 +240,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
     def close(self) -> None:
         """Publish any triggers still held (each at its slot, at most the claim-ahead away),
         then release the LISTEN connection and the pool."""
-        if self._held:
-            with _deferred_stop_signals():
-                self._drain_held()
-        if self._listen is not None:
-            with contextlib.suppress(Exception):
-                self._listen.close()
-        with contextlib.suppress(Exception):
-            beat_stopped(self.store, self.settings.owner)
-        if self._retention is not None:
-            self._retention.stop()
-            self._retention = None
-        self.store.dispose()
+        self.loop.close()
 
     @property
     def schedule(self) -> dict[str, Any]:
@@ -788,3 +256,8 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
     @staticmethod
     def seconds_until(at: datetime, now: datetime) -> float:
         return max(0.0, (at - now) / timedelta(seconds=1))
+
+
+# Names of the loop helpers that lived here before the loop moved to reliable_beat.loop.
+_deferred_stop_signals = deferred_stop_signals
+_sleep_until = core.sleep_until

@@ -128,6 +128,7 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
 
 # The framework-neutral worker protocol (schema check, per-process stores, run state, the
 # lease renewer) lives in reliable_beat.execution, shared with the Dramatiq adapter.
+from reliable_beat import execution  # noqa: E402
 from reliable_beat.execution import (  # noqa: E402
     _current,
     _raise_if_schema_missing,
@@ -796,32 +797,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise self._internal_retry(key, self._store_backoff(), exc) from exc
         if claim.outcome != runs.ACQUIRED or not claim.fresh:
             self._check_same_call(claim, call_args, call_kwargs)
-        if claim.outcome == runs.ALREADY_SUCCEEDED:
+        decision = execution.claim_decision(claim, lease, self._max_attempts())
+        if decision.verb == "return_stored":
             log.info("%s: %s already succeeded; returning stored result", self.name, key)
-            return _loaded_result(claim.result)
-        if claim.outcome == runs.DEAD:
+            return _loaded_result(decision.result)
+        if decision.verb == "skip":
             log.warning("%s: run %s is dead; not run (requeue it to run again)", self.name, key)
             return None
-        if claim.outcome == runs.BUSY:
+        if decision.verb == "retry_in":
             # Someone else holds a live lease: come back when it would have expired. If the
             # holder succeeds, the retry finds 'succeeded' and deduplicates; if it died, the
             # retry takes the run over with a new fence.
-            wait = (claim.retry_after or lease).total_seconds() + 0.5
+            wait = decision.seconds
             if request.is_eager:  # an eager retry would run again at once, in a loop
                 raise LeaseHeldError(
                     f"run {key!r} is leased by another runner for {wait:.1f}s more"
                 )
             log.info("%s: %s is busy (leased); retrying in %.1fs", self.name, key, wait)
             raise self._internal_retry(key, wait)
-        if claim.attempt > self._max_attempts():
+        if decision.verb == "dead":
             # Redelivered after crashes more often than the budget allows (a poison message).
             # This claim only checks the budget: it did not run the body, so it is not
             # counted (runs.attempts = the tries that ran the body).
-            runs.record_failure(
-                store, claim, f"attempt budget exhausted: {claim.attempt - 1} tries ran the "
-                "body (the worker died during them)",
-                dead_reason="exhausted", payload=self._payload(claim), ran_body=False,
-            )
+            runs.record_failure(store, claim, decision.reason, dead_reason="exhausted",
+                                payload=self._payload(claim), ran_body=False)
             return None
         return self._execute(claim, store, lease, args, kwargs)
 
@@ -944,34 +943,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         states: dict[int, _RunState] = _current.__dict__.setdefault("states", {})
         previous = states.get(id(self))
         states[id(self)] = state
-        _renewer.add(state)
+        body = super().__call__
         try:
-            try:
-                result = super().__call__(*args, **kwargs)
-            finally:
-                _renewer.discard(state)
-            stored = _storable_result(self.name, claim.key, result)
-            if state.completed:
-                # The effect committed with the run: the run succeeded, whatever happens
-                # now. Storing the result is best effort and never fails the call.
-                if state.transaction_used and stored is not None and state.returned is None:
-                    try:
-                        if state.write_result is not None:
-                            state.write_result(stored)
-                        else:
-                            runs.set_result(store, claim, stored)
-                    except Exception:
-                        log.exception("%s: %s succeeded; its result could not be stored",
-                                      self.name, claim.key)
-                return result
-            try:
-                with store.begin() as conn:
-                    runs.complete(conn, claim, stored)
-            except StaleFenceToken:
-                runs.record_fenced_out(store, claim)
-                raise
-            state.completed = True
-            return result
+            return execution.run_and_complete(state, lambda: body(*args, **kwargs), logger=log)
         except StaleFenceToken:
             raise
         except (Retry, Ignore, Reject) as exc:
@@ -993,23 +967,28 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 states[id(self)] = previous
 
     def _on_body_error(self, exc: Exception, claim: runs.Claim, store: Store) -> Any:
-        error = runs.format_error(exc)
-        kind = self.classify(exc)
-        if kind == "transient" and claim.attempt < self._max_attempts():
-            delay = self._backoff(claim.attempt - 1)
-            try:
-                outcome = runs.record_failure(store, claim, error, retry_in_seconds=delay)
-            except Exception:
-                log.exception("%s: could not record the failure of %s", self.name, claim.key)
-                outcome = "unrecorded"
-            if outcome == "fenced_out":
-                raise StaleFenceToken(claim.key, claim.fence_token) from exc
+        """Map the shared failure decision (:func:`reliable_beat.execution.failure_decision`)
+        onto Celery's verbs: ``self.retry(countdown=)``, or re-raise (the task fails)."""
+        decision = execution.failure_decision(
+            store, claim, exc, self.classify(exc), max_attempts=self._max_attempts(),
+            delay=self._backoff(claim.attempt - 1), payload=self._payload(claim),
+            task_name=self.name, logger=log,
+        )
+        if decision.verb == "fenced_out":
+            raise StaleFenceToken(claim.key, claim.fence_token) from exc
+        if decision.verb == "retry_unrecorded":
+            raise self.retry(
+                exc=decision.unrecorded, countdown=decision.seconds,
+                headers=self._key_headers(claim.key),
+            ) from exc
+        if decision.verb == "retry_in":
             log.warning(
                 "%s: %s attempt %d failed (%s); retry in %.2fs",
-                self.name, claim.key, claim.attempt, type(exc).__name__, delay,
+                self.name, claim.key, claim.attempt, type(exc).__name__, decision.seconds,
             )
             try:
-                raise self.retry(exc=exc, countdown=delay, headers=self._key_headers(claim.key))
+                raise self.retry(exc=exc, countdown=decision.seconds,
+                                 headers=self._key_headers(claim.key))
             except Retry:
                 raise
             except Exception as publish_exc:
@@ -1021,22 +1000,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 log.error("%s: could not send the retry of %s (%r); the re-dispatch sweep "
                           "will send it again", self.name, claim.key, publish_exc)
                 raise exc from publish_exc
-        reason = "permanent" if kind == "permanent" else "exhausted"
-        try:
-            outcome = runs.record_failure(
-                store, claim, error, dead_reason=reason, payload=self._payload(claim)
-            )
-        except Exception as record_exc:
-            # The store is unreachable, so the dead letter cannot be written. Never drop the
-            # work silently (invariant 8): send it again; the next try records it.
-            log.exception("%s: could not dead-letter %s; retrying", self.name, claim.key)
-            delay = self._backoff(claim.attempt - 1)
-            raise self.retry(
-                exc=record_exc, countdown=delay, headers=self._key_headers(claim.key)
-            ) from exc
-        if outcome == "fenced_out":
-            raise StaleFenceToken(claim.key, claim.fence_token) from exc
-        log.error("%s: %s dead-lettered (%s): %s", self.name, claim.key, reason, exc)
+        log.error("%s: %s dead-lettered (%s): %s", self.name, claim.key, decision.reason, exc)
         raise exc
 
     def classify(self, exc: BaseException) -> str:

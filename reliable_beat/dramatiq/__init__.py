@@ -26,7 +26,7 @@ and the message is failed (``throws``: Dramatiq nacks it to ``<queue>.XQ``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -60,8 +60,12 @@ __all__ = [
     "IdempotentActor",
     "ReliableBeat",
     "RunContext",
+    "beat_loop",
     "current",
     "definitions",
+    "rabbitmq_url",
+    "record_skipped_message",
+    "requeue_dead_letter",
 ]
 
 log = get_logger("reliable_beat.dramatiq")
@@ -143,6 +147,56 @@ class ReliableBeat(Middleware):  # type: ignore[misc]
 
     def after_skip_message(self, broker: Any, message: Any) -> None:
         _message.set(None)
+        record_skipped_message(self.settings, message)
+
+
+def record_skipped_message(settings: Settings, message: Any) -> str | None:
+    """Record a message a middleware skipped (``SkipMessage``: Dramatiq's ``AgeLimit`` for
+    a delivery older than ``max_age``, i.e. a trigger later than its entry's ``expires``):
+    its run, still ``scheduled`` / ``dispatched``, becomes ``skipped`` with reason
+    ``expired`` (as the relay and the re-dispatch sweep record an expired trigger), and the
+    skip is logged at WARNING with the message's ``max_age``. Never raises (Dramatiq
+    swallows hook exceptions; a store that cannot be reached is logged and the re-dispatch
+    sweep retires the run later).
+
+    Returns:
+        The new state (``skipped``) when a run was updated, else None (no key in the
+        message options, no such run, or it already started / finished).
+    """
+    from sqlalchemy import update
+
+    from reliable_beat.db.tables import runs as runs_table
+
+    opts = (getattr(message, "options", None) or {}).get(OPTION) or {}
+    key = opts.get("key")
+    name = getattr(message, "actor_name", "?")
+    mid = getattr(message, "message_id", None)
+    if not key:
+        log.warning("%s[%s]: message skipped by a Dramatiq middleware (max_age?); it has no "
+                    "reliable_beat key, so no run records it (Dramatiq failed it to its dead "
+                    "letters)", name, mid)
+        return None
+    why = (f"skipped by a Dramatiq middleware (AgeLimit: older than max_age="
+           f"{(getattr(message, 'options', None) or {}).get('max_age')} ms, i.e. delivered "
+           "after its entry's expires)")
+    try:
+        store = execution.store_for(settings.database_url)
+        with store.begin() as conn:
+            now = store.now(conn)
+            done = conn.execute(
+                update(runs_table)
+                .where(runs_table.c.idempotency_key == str(key),
+                       runs_table.c.state.in_(("scheduled", "dispatched")))
+                .values(state="skipped", reason="expired", updated_at=now)
+            ).rowcount
+    except Exception:
+        log.exception("%s[%s]: run %s: recording the skipped message failed; the re-dispatch "
+                      "sweep will retire it", name, mid, key)
+        return None
+    log.warning("%s[%s]: run %s %s: %s", name, mid, key,
+                "recorded skipped (expired)" if done else "not updated (started or finished)",
+                why)
+    return "skipped" if done else None
 
 
 def _middleware(broker: Any) -> ReliableBeat:
@@ -363,30 +417,9 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         state = execution.RunState(claim=claim, store=store, lease=lease,
                                    task_name=self.actor_name)
         token = _run.set(RunContext(state=state, settings=settings))
-        renewer = execution.renewer()
-        renewer.add(state)
+        body = super().__call__
         try:
-            try:
-                result = super().__call__(*args, **kwargs)
-            finally:
-                renewer.discard(state)
-            stored = execution.storable_result(self.actor_name, claim.key, result)
-            if state.completed:
-                if stored is not None:
-                    try:
-                        runs.set_result(store, claim, stored)
-                    except Exception:
-                        log.exception("%s: %s succeeded; result not stored", self.actor_name,
-                                      claim.key)
-                return result
-            try:
-                with store.begin() as conn:
-                    runs.complete(conn, claim, stored)
-            except StaleFenceToken:
-                runs.record_fenced_out(store, claim)
-                raise
-            state.completed = True
-            return result
+            return execution.run_and_complete(state, lambda: body(*args, **kwargs), logger=log)
         except StaleFenceToken:
             raise
         except BaseException as exc:
@@ -402,17 +435,15 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
                        settings: Settings, max_attempts: int, message: Any) -> Any:
         kind = execution.classify(exc, transient=execution.transient_defaults(
             *_interrupts(), *_broker_errors()))
-        try:
-            decision = execution.failure_decision(
-                store, claim, exc, kind, max_attempts=max_attempts,
-                base_seconds=settings.retry_base_seconds, cap_seconds=settings.retry_cap_seconds,
-                payload=self._payload(claim, message))
-        except Exception as record_exc:  # store unreachable: never drop the work
-            log.exception("%s: could not record the failure of %s; retrying", self.actor_name,
-                          claim.key)
-            raise dramatiq.Retry(delay=int(settings.retry_base_seconds * 1000)) from record_exc
+        decision = execution.failure_decision(
+            store, claim, exc, kind, max_attempts=max_attempts,
+            base_seconds=settings.retry_base_seconds, cap_seconds=settings.retry_cap_seconds,
+            payload=self._payload(claim, message), task_name=self.actor_name, logger=log)
         if decision.verb == "fenced_out":
             raise StaleFenceToken(claim.key, claim.fence_token) from exc
+        if decision.verb == "retry_unrecorded":  # the dead letter could not be written
+            raise dramatiq.Retry(delay=max(1, int(decision.seconds * 1000))
+                                 ) from decision.unrecorded
         if decision.verb == "retry_in":
             log.warning("%s: %s attempt %d failed (%s); retry in %.2fs", self.actor_name,
                         claim.key, claim.attempt, type(exc).__name__, decision.seconds)
@@ -519,27 +550,45 @@ def _publish_errors(exc: Exception) -> Exception:
 
 @dataclass
 class DramatiqPublisher:
-    """The core loop's :class:`~reliable_beat.loop.Publisher` for a Dramatiq broker."""
+    """The core loop's :class:`~reliable_beat.loop.HoldingPublisher` for a Dramatiq broker:
+    one ``dramatiq.Message`` per trigger row (:func:`message_for_trigger`), enqueued on the
+    broker; an expired trigger is :class:`~reliable_beat.handlers.MessageExpiredError`, an
+    unreachable broker :class:`~reliable_beat.handlers.DestinationUnavailableError`."""
 
     broker: Any
     destination: str = TRIGGER_DESTINATION
 
     def publish(self, messages: Sequence[OutboxMessage], now: datetime
                 ) -> list[tuple[int, BaseException | None]]:
+        """Enqueue trigger rows now (see :meth:`publish_at`)."""
+        return self.publish_at(messages, now, lambda: None)
+
+    def publish_at(self, messages: Sequence[OutboxMessage], now: datetime,
+                   wait: Callable[[], None]) -> list[tuple[int, BaseException | None]]:
+        """Build every message first, call ``wait()`` (the core loop sleeps there until the
+        slot of triggers it claimed ahead), then enqueue them back to back. A ``wait`` that
+        raises abandons the batch before anything was enqueued."""
         from reliable_beat.handlers import MessageExpiredError
 
-        out: list[tuple[int, BaseException | None]] = []
+        built: list[tuple[int, Any]] = []
+        out: dict[int, BaseException | None] = {}
         for m in messages:
             try:
                 payload = m.payload if isinstance(m.payload, Mapping) else {}
                 expires_at = _parse_instant(payload.get("expires_at"))
                 if expires_at is not None and now >= expires_at:
                     raise MessageExpiredError(f"{m.message_id}: expired at {expires_at}")
-                self.broker.enqueue(message_for_trigger(self.broker, payload))
-                out.append((m.id, None))
+                built.append((m.id, message_for_trigger(self.broker, payload)))
+            except Exception as exc:  # expired, or no such actor: this message only
+                out[m.id] = _publish_errors(exc)
+        wait()
+        for outbox_id, message in built:
+            try:
+                self.broker.enqueue(message)
+                out[outbox_id] = None
             except Exception as exc:
-                out.append((m.id, _publish_errors(exc)))
-        return out
+                out[outbox_id] = _publish_errors(exc)
+        return [(m.id, out[m.id]) for m in messages]
 
     def tracked_tasks(self) -> Collection[str]:
         return sorted(n for n, a in self.broker.actors.items() if isinstance(a, IdempotentActor))
@@ -573,6 +622,81 @@ class DramatiqHandler:
             self.broker.enqueue(msg, delay=payload.get("delay_ms"))
         except Exception as exc:
             raise _publish_errors(exc) from exc
+
+
+def rabbitmq_url(url: str) -> str:
+    """An ``amqp://`` URL as pika (Dramatiq's ``RabbitmqBroker``) reads it.
+
+    Celery/kombu write the default vhost ``/`` as a trailing ``//``
+    (``amqp://guest@host:5672//``); pika reads that path as the vhost ``""`` and RabbitMQ
+    refuses the connection (``NOT_ALLOWED - vhost  not found``). This returns the same URL
+    with the vhost spelled ``%2F``; any other URL is returned unchanged.
+    """
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.scheme.startswith("amqp") and parts.path == "//":
+        return urlunsplit(parts._replace(path="/%2F"))
+    return url
+
+
+def requeue_dead_letter(broker: Any, store: Any, dead_letter_id: int, *, by: str,
+                        force: bool = False, queue: str | None = None) -> dict[str, Any]:
+    """Run a dead Dramatiq run again under the SAME idempotency key, through ``broker``.
+
+    :func:`reliable_beat.runs.requeue_dead_letter` resets the run (``scheduled``, a fresh
+    attempt budget, the dead letter marked requeued by ``by``), then a new message is
+    enqueued for the dead letter's actor with ``options["reliable_beat"]["key"]`` = the
+    run's key (a fresh ``message_id``: Dramatiq's own dead letter of the old message stays
+    in ``<queue>.XQ``), and the run is marked ``dispatched``. Sending fails -> the requeue
+    is undone (the run stays ``dead``) and the error raised.
+
+    Args:
+        broker: the app's Dramatiq broker (the actor need not be declared on it when the
+            dead letter names its queue).
+        store: the store.
+        dead_letter_id: ``reliable_beat_dead_letters.id`` of a run dead letter written by
+            an :class:`IdempotentActor` (its payload has ``actor``).
+        by: who decided (recorded in ``requeued_by``).
+        force: requeue even if it was requeued before.
+        queue: send to this queue (default: the queue the run died on).
+
+    Returns:
+        ``{"dead_letter", "actor", "key", "queue", "message_id", "by"}``.
+
+    Raises:
+        reliable_beat.runs.DeadLetterNotFound: no such run dead letter.
+        ValueError: not a Dramatiq actor's dead letter, already requeued (without
+            ``force``), the run is not dead, or its effect committed.
+        Exception: the broker refused the message (the run stays dead).
+    """
+    dl = runs.get_dead_letter(store, dead_letter_id)
+    payload = dl.get("payload") or {}
+    if dl.get("kind") != "run" or not isinstance(payload, Mapping) or "actor" not in payload:
+        raise ValueError(
+            f"dead letter {dead_letter_id} is not a Dramatiq actor's run dead letter (kind "
+            f"{dl.get('kind')!r}); Celery tasks: `reliable-beat -A APP dead-letters requeue`")
+    runs.requeue_dead_letter(store, dead_letter_id, by=by, force=force)
+    key = str(payload["key"])
+    actor = str(payload["actor"])
+    try:
+        target = queue or payload.get("queue") or broker.get_actor(actor).queue_name
+        options = dict(payload.get("options") or {})
+        rb = dict(options.get(OPTION) or {})
+        rb["key"] = key
+        options[OPTION] = rb
+        msg: Any = dramatiq.Message(
+            queue_name=target, actor_name=actor, args=tuple(payload.get("args") or ()),
+            kwargs=dict(payload.get("kwargs") or {}), options=options)
+        broker.enqueue(msg)
+    except Exception:
+        runs.undo_requeue(store, dead_letter_id)
+        raise
+    runs.mark_dispatched(store, key)
+    log.warning("dead letter %s requeued by %s: %s under key %s (message %s)", dead_letter_id,
+                by, actor, key, msg.message_id)
+    return {"dead_letter": dead_letter_id, "actor": actor, "key": key, "queue": target,
+            "message_id": msg.message_id, "by": by}
 
 
 # ------------------------------------------------------------------ periodic entries ----
@@ -635,3 +759,25 @@ def sync_entries(broker: Any, store: Any, settings: Settings,
                                group=settings.schedule_group or DEFAULT_GROUP)
 
 
+def beat_loop(broker: Any, store: Any = None) -> Any:
+    """The core :class:`~reliable_beat.loop.BeatLoop` of a Dramatiq beat for ``broker``:
+    its :class:`DramatiqPublisher`, its periodic entries (:func:`definitions`, synced by
+    :meth:`~reliable_beat.loop.BeatLoop.start` into ``reliable_beat_schedule_group``, default
+    ``default``), its idempotent actors tracked, logging as ``reliable_beat.loop``.
+
+    Raises:
+        ConfigurationError: the broker has no :class:`ReliableBeat` middleware.
+    """
+    from reliable_beat.db.dialects import Store
+    from reliable_beat.loop import BeatLoop
+
+    rb = _middleware(broker)
+    settings = rb.settings
+    if store is None:
+        store = Store.from_url(settings.database_url, role="beat")
+
+    def entries(now: datetime) -> list[Any]:
+        return definitions(broker, rb.schedule, now=now, settings=settings)
+
+    return BeatLoop(store, settings, DramatiqPublisher(broker), settings.owner,
+                    definitions=entries, is_registered=lambda name: name in broker.actors)

@@ -117,9 +117,9 @@ def workflow(
         definition = WorkflowDefinition(name=name, fn=fn, queue=queue,
                                         history_limit=history_limit)
         if app is not None:
-            from reliable_beat.celery.workflows import install  # the adapter, only with an app
+            from reliable_beat.adapters import adapter_for  # the app's adapter, only with one
 
-            definition.store_factory = install(app)
+            definition.store_factory = adapter_for(app).install_workflows(app)
         return register(definition)
 
     return decorate

@@ -1,6 +1,10 @@
 """The Dramatiq adapter with real ``dramatiq`` worker processes and real
 ``reliable-beat dramatiq beat`` processes, on the real Redis and PostgreSQL the tests start.
 
+``--broker rabbitmq`` runs the same tests on the session's RabbitMQ node with Dramatiq's
+``RabbitmqBroker(confirm_delivery=True)`` (publisher confirms: a trigger marked sent is in
+the broker; a SIGKILLed worker's deliveries come back when its connection drops).
+
 Each test gets its own Redis namespace and queue (no leftovers between tests) and its own
 database; every subprocess runs in its own session and is SIGKILLed by the finalizer.
 Waits poll the database with generous deadlines (the machine is shared).
@@ -38,6 +42,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(240)]
 class DqEnv:
     def __init__(self, pg_url: str, redis_url: str, store: Store, tmp: Path) -> None:
         self.pg_url, self.redis_url, self.store, self.tmp = pg_url, redis_url, store, tmp
+        self.amqp = redis_url.startswith("amqp")  # --broker rabbitmq
         self.tag = uuid.uuid4().hex[:8]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.extra: dict[str, str] = {}
@@ -68,6 +73,37 @@ class DqEnv:
     def relay(self, name: str = "relay") -> subprocess.Popen[bytes]:
         return self._start(name, [sys.executable, "-m", "reliable_beat.cli", "dramatiq",
                                   "relay", "--broker", "dq_app:broker"])
+
+    def cli(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+        """``reliable-beat dramatiq ARGS --broker dq_app:broker``."""
+        return subprocess.run([sys.executable, "-m", "reliable_beat.cli", "dramatiq", *args,
+                               "--broker", "dq_app:broker"], env=self.env, cwd=self.tmp,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def dead_lettered_messages(self) -> int:
+        """Messages in Dramatiq's dead-letter queue ``<queue>.XQ`` of the test's queue."""
+        queue = f"q-{self.tag}.XQ"
+        if self.amqp:
+            import pika
+
+            from reliable_beat.dramatiq import rabbitmq_url
+
+            conn = pika.BlockingConnection(pika.URLParameters(rabbitmq_url(self.redis_url)))
+            try:
+                return int(conn.channel().queue_declare(queue, passive=True)
+                           .method.message_count)
+            except pika.exceptions.ChannelClosedByBroker:  # not declared yet
+                return 0
+            finally:
+                with contextlib.suppress(Exception):
+                    conn.close()
+        import redis
+
+        r = redis.Redis.from_url(self.redis_url)
+        try:
+            return int(r.zcard(f"dq-{self.tag}:{queue}"))
+        finally:
+            r.close()
 
     def send(self, actor: str, *args: Any, key: str | None = None, **kwargs: Any) -> None:
         """Send a message through the app's broker, from a separate process (like a client)."""
@@ -124,14 +160,15 @@ class DqEnv:
 
 
 @pytest.fixture
-def dq(pg_url: str, redis_url: str, pg_store: Store, tmp_path: Path) -> Iterator[DqEnv]:
+def dq(pg_url: str, broker_url: str, pg_store: Store, tmp_path: Path) -> Iterator[DqEnv]:
+    """Redis (default) or, with ``--broker rabbitmq``, the session's RabbitMQ node."""
     sys.path.insert(0, str(APPS))
     try:
         from dq_app import meta
     finally:
         sys.path.remove(str(APPS))
     meta.create_all(pg_store.engine)
-    e = DqEnv(pg_url, redis_url, pg_store, tmp_path)
+    e = DqEnv(pg_url, broker_url, pg_store, tmp_path)
     try:
         yield e
     finally:
@@ -209,11 +246,8 @@ def test_transient_then_permanent_failure_is_a_dead_letter(dq: DqEnv) -> None:
     assert len(letters) == 1, letters
     assert letters[0]["payload"]["actor"] == "flaky"
     assert letters[0]["payload"]["options"]["reliable_beat"]["key"] == "flaky:perm"
-    # Dramatiq failed the message too (throws): it is in the queue's dead-letter set.
-    import redis
-
-    r = redis.Redis.from_url(dq.redis_url)
-    dq.wait("message in .XQ", lambda: r.zcard(f"dq-{dq.tag}:q-{dq.tag}.XQ") == 1, 30)
+    # Dramatiq failed the message too (throws): it is in the queue's dead-letter queue.
+    dq.wait("message in .XQ", lambda: dq.dead_lettered_messages() == 1, 30)
     assert not dq.effects("flaky:perm")
 
 
@@ -258,3 +292,165 @@ def test_beat_refuses_a_bad_periodic_entry_naming_it(dq: DqEnv) -> None:
     out = dq.logs()
     assert "bad_cron" in out and "61 * * * *" in out, out
     assert "Traceback" not in out, out
+
+
+def test_beat_started_before_the_schema_waits_then_fires(
+    pg_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """A Dramatiq beat started before the deploy's migration step (an empty database) says
+    why it waits and keeps waiting; once ``db upgrade`` ran it syncs and fires. Fails on the
+    old Dramatiq beat: it exited at once on the missing schema (the core loop's start-up
+    wait was only in the Celery scheduler)."""
+    from reliable_beat.db.migrate import upgrade
+
+    sys.path.insert(0, str(APPS))
+    try:
+        from dq_app import meta
+    finally:
+        sys.path.remove(str(APPS))
+    store = Store.from_url(pg_url, role="cli")
+    env = DqEnv(pg_url, redis_url, store, tmp_path)
+    env.extra["RB_PERIOD"] = "1"
+    try:
+        beat = env.beat("early")
+        env.wait("the beat to say it waits for the schema",
+                 lambda: "waiting for it" in env.logs(), 90)
+        time.sleep(1.5)
+        assert beat.poll() is None, env.logs()  # still waiting, not exited
+        upgrade(store)
+        meta.create_all(store.engine)
+        env.worker()
+        env.wait("a slot run by the beat that waited", lambda: env.rows(
+            sa.select(runs_table).where(runs_table.c.state == "succeeded")), 120)
+        assert beat.poll() is None, env.logs()
+    finally:
+        env.kill_all()
+        store.dispose()
+# ----------------------------------------------------- issue 14 part 2: small gaps ----
+
+def _sync_entries_with_a_beat(dq: DqEnv) -> None:
+    """Start a beat until it synced the app's entries into the store, then stop it."""
+    beat = dq.beat("sync")
+    dq.wait("entries synced", lambda: "schedule group" in dq.logs(), 90)
+    dq.killpg(beat, signal.SIGTERM)
+    beat.wait(timeout=30)
+
+
+def _key_of(out: str) -> str:
+    import re
+
+    m = re.search(r"key (\S+),", out)
+    assert m, out
+    return m.group(1)
+
+
+def test_entries_trigger_and_backfill_publish_through_dramatiq(dq: DqEnv) -> None:
+    """``reliable-beat dramatiq entries trigger|backfill``: trigger rows of destination
+    ``dramatiq``, published through the broker at once; a worker runs them, one effect
+    each."""
+    dq.extra["RB_MANUAL_ENTRIES"] = "1"
+    _sync_entries_with_a_beat(dq)
+    dq.worker()
+    done = dq.cli("entries", "trigger", "manual_effect")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "published through the Dramatiq broker" in done.stdout, done.stdout
+    key = _key_of(done.stdout)
+    dq.wait("the manual run succeeded", lambda: dq.state(key) == "succeeded", 90)
+    assert len(dq.effects(key)) == 1
+    assert dq.rows(sa.select(outbox.c.destination, outbox.c.state).where(
+        outbox.c.message_id == "trigger:" + key)) == [{"destination": "dramatiq",
+                                                       "state": "sent"}]
+    from datetime import datetime, timedelta, timezone
+
+    end = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+    start = end - timedelta(hours=3)
+    done = dq.cli("entries", "backfill", "manual_effect", start.isoformat(), end.isoformat())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 runs created" in done.stdout and "3 published" in done.stdout, done.stdout
+    keys = [r["idempotency_key"] for r in dq.rows(sa.select(runs_table.c.idempotency_key)
+                                                 .where(runs_table.c.trigger == "backfill"))]
+    assert len(keys) == 3
+    dq.wait("the backfilled runs succeeded",
+            lambda: all(dq.state(k) == "succeeded" for k in keys), 120)
+    assert all(len(dq.effects(k)) == 1 for k in keys)
+
+
+def test_a_trigger_delivered_after_its_expires_is_recorded_skipped(dq: DqEnv) -> None:
+    """Dramatiq's AgeLimit skips a trigger older than the entry's ``expires`` (counted from
+    the slot); ``after_skip_message`` records its run ``skipped`` (reason ``expired``) at
+    once, not silently left ``dispatched``. No effect."""
+    dq.extra["RB_MANUAL_ENTRIES"] = "1"
+    _sync_entries_with_a_beat(dq)
+    done = dq.cli("entries", "trigger", "expiring")  # no worker yet: it waits in the queue
+    assert done.returncode == 0, done.stdout + done.stderr
+    key = _key_of(done.stdout)
+    assert dq.state(key) == "dispatched"
+    time.sleep(3)  # past expires (2 s)
+    dq.worker()
+    dq.wait("the aged-out trigger recorded skipped", lambda: dq.state(key) == "skipped", 90)
+    assert runs.get_run(dq.store, key)["reason"] == "expired"
+    assert not dq.effects(key)
+    assert "recorded skipped (expired)" in dq.logs()
+
+
+def test_dead_letter_requeued_through_the_broker_runs_once(dq: DqEnv) -> None:
+    """A dead Dramatiq run is requeued under the same key with ``reliable-beat dramatiq
+    dead-letters requeue``: a new message through the broker, one effect; the Celery
+    requeue command refuses it, naming the Dramatiq one."""
+    flag = dq.tmp / "refuse.flag"
+    flag.write_text("no")
+    key = "perm:requeue"
+    dq.worker()
+    dq.send("permanent_unless_file_gone", "rq", str(flag), key=key)
+    dq.wait("dead", lambda: dq.state(key) == "dead", 90)
+    (dl,) = dq.rows(sa.select(dead_letters).where(dead_letters.c.key == key))
+    celery_cli = subprocess.run(
+        [sys.executable, "-m", "reliable_beat.cli", "--database-url", dq.pg_url,
+         "dead-letters", "requeue", str(dl["id"]), "--yes"],
+        env=dq.env, cwd=dq.tmp, capture_output=True, text=True, timeout=60)
+    assert celery_cli.returncode != 0
+    assert "reliable-beat dramatiq dead-letters requeue" in celery_cli.stderr, celery_cli.stderr
+    assert dq.state(key) == "dead"
+    flag.unlink()
+    done = dq.cli("dead-letters", "requeue", str(dl["id"]), "--yes", "--by", "tester")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"under key {key!r}" in done.stdout
+    dq.wait("the requeued run succeeded", lambda: dq.state(key) == "succeeded", 90)
+    assert len(dq.effects(key)) == 1
+    (dl,) = dq.rows(sa.select(dead_letters).where(dead_letters.c.key == key))
+    assert dl["requeued_by"] == "tester"
+    again = dq.cli("dead-letters", "requeue", str(dl["id"]), "--yes")
+    assert again.returncode != 0 and "requeued" in again.stderr, again.stderr
+
+
+def test_beat_waits_for_the_database_at_start_and_says_so(dq: DqEnv) -> None:
+    """A Dramatiq beat started before its database exists, then before its schema is
+    upgraded, waits and says so on stderr (no crash, no restart loop); once the schema is
+    at head it syncs its entries and runs."""
+    from sqlalchemy.engine import make_url
+
+    name = f"rbwait_{dq.tag}"
+    url = make_url(dq.pg_url).set(database=name).render_as_string(hide_password=False)
+    dq.extra["RB_DATABASE_URL"] = url
+    beat = dq.beat("waiting")
+    dq.wait("database unavailable said", lambda: "unavailable at start" in dq.logs(), 90)
+    assert beat.poll() is None, dq.logs()
+    admin = sa.create_engine(dq.pg_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        dq.wait("schema missing said", lambda: "db upgrade" in dq.logs(), 90)
+        assert beat.poll() is None, dq.logs()
+        up = subprocess.run([sys.executable, "-m", "reliable_beat.cli", "--database-url", url,
+                             "db", "upgrade"], env=dq.env, cwd=dq.tmp, capture_output=True,
+                            text=True, timeout=120)
+        assert up.returncode == 0, up.stdout + up.stderr
+        dq.wait("the beat started after the upgrade", lambda: "schedule group" in dq.logs(), 90)
+        assert beat.poll() is None, dq.logs()
+        assert "Traceback" not in dq.logs()
+    finally:
+        dq.killpg(beat)
+        beat.wait(timeout=30)
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -1,7 +1,8 @@
 """Dramatiq app used by the Dramatiq acceptance tests' real ``dramatiq`` worker and
 ``reliable-beat dramatiq beat`` processes. Imports neither Celery nor kombu.
 
-Configured from the environment (set by the tests): ``RB_BROKER_URL`` (Redis),
+Configured from the environment (set by the tests): ``RB_BROKER_URL`` (Redis, or RabbitMQ
+with an ``amqp://`` URL: ``RabbitmqBroker(confirm_delivery=True)``),
 ``RB_DATABASE_URL`` (the PostgreSQL store), ``RB_NAMESPACE`` (a Redis namespace per test,
 so leftovers never leak between tests), ``RB_QUEUE`` (the actors' queue), ``RB_PERIOD``
 (seconds between slots of the periodic actor; unset: no periodic entry).
@@ -40,10 +41,27 @@ progress = sa.Table(
     sa.Column("what", sa.String(50), nullable=False),
 )
 
-broker = RedisBroker(url=os.environ.get("RB_BROKER_URL", "redis://localhost:6379/0"),
-                     namespace=os.environ.get("RB_NAMESPACE", "dramatiq"),
-                     heartbeat_timeout=3000, maintenance_chance=1_000_000)
-broker.add_middleware(ReliableBeat(settings={
+BROKER_URL = os.environ.get("RB_BROKER_URL", "redis://localhost:6379/0")
+broker: dramatiq.Broker
+if BROKER_URL.startswith("amqp"):
+    # RabbitMQ (--broker rabbitmq): publisher confirms, so a trigger marked sent is in the
+    # broker; a killed worker's unacked deliveries come back when its connection drops.
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+    from reliable_beat.dramatiq import rabbitmq_url
+
+    broker = RabbitmqBroker(url=rabbitmq_url(BROKER_URL), confirm_delivery=True)
+else:
+    broker = RedisBroker(url=BROKER_URL, namespace=os.environ.get("RB_NAMESPACE", "dramatiq"),
+                         heartbeat_timeout=3000, maintenance_chance=1_000_000)
+#: ``RB_MANUAL_ENTRIES``: entries for ``reliable-beat dramatiq entries trigger|backfill``
+#: (hourly, so no slot of them is due while a test runs, except by hand).
+SCHEDULE = {
+    "manual_effect": {"actor": "write_effect", "schedule": "0 * * * *", "args": ["manual"]},
+    "expiring": {"actor": "write_effect", "schedule": "0 * * * *", "args": ["expiring"],
+                 "options": {"expires": 2}},
+} if os.environ.get("RB_MANUAL_ENTRIES") else {}
+broker.add_middleware(ReliableBeat(schedule=SCHEDULE, settings={
     "database_url": os.environ.get("RB_DATABASE_URL", "sqlite:///rb-dq-test.sqlite3"),
     "lease_seconds": float(os.environ.get("RB_LEASE_SECONDS", "2")),
     "retry_max_attempts": 4,
@@ -92,6 +110,20 @@ def flaky(name: str, transient_failures: int, then_permanent: bool = False) -> N
         raise ConnectionError(f"{name}: transient failure {current().attempt}")
     if then_permanent:
         raise ValueError(f"{name}: permanent failure")
+    _effect()
+
+
+@dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE,
+                actor_name="permanent_unless_file_gone")
+def permanent_unless_file_gone(name: str, flag_file: str) -> None:
+    """PermanentError while ``flag_file`` exists; else one effect (the requeue proof)."""
+    from pathlib import Path
+
+    from reliable_beat.errors import PermanentError
+
+    _mark("start")
+    if Path(flag_file).exists():
+        raise PermanentError(f"{flag_file} says no")
     _effect()
 
 

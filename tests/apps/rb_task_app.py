@@ -170,3 +170,29 @@ def hook(message: Any) -> None:
     if armed and point == "after_delivery":
         Path(flag).unlink()
         os._exit(9)
+
+
+# ``RB_PERIOD`` (seconds): a periodic IdempotentTask ``rb.tick`` fired by ReliableScheduler
+# beats on ``RB_QUEUE``, one effect per slot (the key is the slot's): the Celery side of the
+# shared adapter tests (tests/acceptance/test_adapters_celery_dramatiq.py), twin of
+# ``tick`` in dq_app.
+if os.environ.get("RB_PERIOD"):
+    from datetime import timedelta
+
+    app.conf.beat_scheduler = "reliable_beat.celery:ReliableScheduler"
+    app.conf.beat_max_loop_interval = 1.0
+    app.conf.timezone = "UTC"
+    app.conf.beat_schedule = {"tick": {
+        "task": "rb.tick", "schedule": timedelta(seconds=float(os.environ["RB_PERIOD"])),
+        "options": {"queue": os.environ.get("RB_QUEUE", "celery"),
+                    "reliable_beat": {"misfire_policy": "skip"}},
+    }}
+
+
+@app.task(base=IdempotentTask, bind=True, name="rb.tick")
+def tick(self: IdempotentTask) -> None:
+    """One effect row per slot, in the run's transaction."""
+    with self.transaction() as tx:
+        tx.execute(effects.insert().values(
+            key=self.idempotency_key, fence=self.fence_token, run_id=self.run_id,
+            pid=os.getpid()))

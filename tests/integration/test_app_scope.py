@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 from reliable_beat import schedules as sch
 from reliable_beat.beat import TRIGGER_DESTINATION, Beat
 from reliable_beat.celery.commands import reliable_beat
-from reliable_beat.cli_status import collect_status
+from reliable_beat.cli.status import collect_status
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
 from reliable_beat.entries import EntryDefinition

@@ -19,7 +19,7 @@ from reliable_beat import outbox as ob
 from reliable_beat import schedules as sch
 from reliable_beat.beat import Beat
 from reliable_beat.celery import commands as _commands  # noqa: F401  (cli_status import cycle)
-from reliable_beat.cli_status import collect_status
+from reliable_beat.cli.status import collect_status
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, outbox, runs
 from reliable_beat.entries import EntryDefinition, resume
@@ -46,6 +46,7 @@ BAD_JSON: dict[str, dict[str, Any]] = {
                                    "timezone": "Mars/Olympus"}},
     "timezone_column": {"timezone": "Nowhere/Land"},
     "policy": {"misfire_policy": "sometimes"},
+    "limit_huge": {"catch_up_limit": 50_000},
 }
 #: SQLite only: text that is not JSON, or not an instant, in typed columns
 BAD_SQLITE_TEXT: dict[str, tuple[str, str]] = {

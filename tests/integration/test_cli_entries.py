@@ -156,6 +156,30 @@ def test_unknown_task_and_plain_overlap_refused_when_an_app_is_given(store: Stor
     ok(cli(store, "entries", "add", "x", "--task", "cliapp.plain", "--every", "5", app=True))
 
 
+def test_add_without_a_zone_uses_the_apps_timezone(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`entries add -A proj` without --timezone evaluates the cron in the app's zone, as a
+    beat_schedule entry does; old code stored UTC, firing a Berlin app's 02:00 job at 03:00
+    or 04:00 Berlin time."""
+    from tests.apps import cliapp
+
+    monkeypatch.setattr(cliapp.app.conf, "timezone", "Europe/Berlin")
+    ok(cli(store, "entries", "add", "nightly", "--task", "cliapp.plain", "--cron", "0 2 * * *",
+           app=True))
+    shown = json.loads(ok(cli(store, "entries", "show", "nightly", "--json")))
+    assert shown["timezone"] == "Europe/Berlin"
+    with store.engine.connect() as conn:
+        nxt = conn.execute(select(entries.c.next_fire_at)
+                           .where(entries.c.name == "nightly")).scalar_one()
+    if nxt.tzinfo is None:
+        nxt = nxt.replace(tzinfo=timezone.utc)
+    from zoneinfo import ZoneInfo
+    assert nxt.astimezone(ZoneInfo("Europe/Berlin")).hour == 2
+    # without -A there is no app zone: UTC, as documented
+    ok(cli(store, "entries", "add", "utc", "--task", "cliapp.plain", "--cron", "0 2 * * *"))
+    assert json.loads(ok(cli(store, "entries", "show", "utc", "--json")))["timezone"] == "UTC"
+
+
 def test_trigger_fires_once_now_under_its_own_key(store: Store) -> None:
     ok(cli(store, "entries", "add", "rep", "--task", "cliapp.plain", "--cron", "0 3 * * *",
            "--args", "[1]"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -65,10 +66,12 @@ def test_core_modules_import_without_celery_or_kombu() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _seed_due(store: Store, name: str = "e", task: str = "t") -> datetime:
+def _seed_due(store: Store, name: str = "e", task: str = "t",
+              ahead: timedelta = timedelta(seconds=-30)) -> datetime:
+    """An entry every 60 s whose next slot is ``ahead`` from now (default 30 s ago: due)."""
     with store.begin() as conn:
         now = store.now(conn).replace(microsecond=0)
-    anchor = now - timedelta(seconds=30)
+    anchor = now + ahead
     d = EntryDefinition(name=name, task=task, schedule=sch.IntervalSchedule(
         timedelta(seconds=60), anchor))
     with store.begin() as conn:
@@ -147,6 +150,43 @@ def test_beat_loop_leaves_unpublished_triggers_pending(sqlite_store: Store) -> N
     assert _run_state(sqlite_store) == "scheduled"
     with sqlite_store.engine.connect() as conn:
         assert conn.execute(select(outbox.c.state)).scalar_one() == "pending"
+
+
+class _TimedRecorder(_Recorder):
+    """Records when (host clock, UTC) each batch left: a publisher without ``publish_at``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[datetime] = []
+
+    def publish(self, messages: Sequence[OutboxMessage], now: datetime
+                ) -> list[tuple[int, BaseException | None]]:
+        self.at.append(datetime.now(timezone.utc))
+        return super().publish(messages, now)
+
+
+def test_beat_loop_claims_ahead_holds_and_publishes_at_the_slot(sqlite_store: Store) -> None:
+    """The core loop (the Dramatiq beat's) claims an ``allow`` entry up to the claim-ahead
+    before its slot, commits its run and trigger, holds the trigger and publishes it at the
+    slot, never before. Fails on the old core loop: it had no claim-ahead (nothing was
+    committed before the slot)."""
+    store = sqlite_store
+    pub = _TimedRecorder()
+    loop = BeatLoop(store=store, settings=Settings(claim_ahead_seconds=3), publisher=pub,
+                    owner="t:1")
+    slot = _seed_due(store, "ahead", ahead=timedelta(seconds=2))  # 1-2 s away
+    loop.step()
+    assert pub.published == []  # claimed and committed, but held until the slot
+    assert _run_state(store) == "scheduled"
+    with store.engine.connect() as conn:
+        assert conn.execute(select(outbox.c.state)).scalar_one() == "pending"
+    deadline = time.monotonic() + 30
+    while not pub.published and time.monotonic() < deadline:
+        time.sleep(min(loop.step(), 0.01))
+    assert [m.payload["args"] for m in pub.published] == [[]]
+    assert pub.at[0] >= slot, (pub.at[0], slot)  # at the slot, never before
+    assert _run_state(store) == "dispatched"
+    loop.close()
 
 
 # ------------------------------------------------------ the adapter, in process ----

@@ -25,10 +25,10 @@ from sqlalchemy import func, select
 
 from reliable_beat.beat import Beat
 from reliable_beat.celery.commands import reliable_beat
+from reliable_beat.celery.importers import import_entries, read_django_celery_beat, read_redbeat
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.errors import EntryValidationError
-from reliable_beat.importers import import_entries, read_django_celery_beat, read_redbeat
 from reliable_beat.settings import Settings
 
 SEED = Path(__file__).resolve().parents[1] / "apps" / "dcb_seed.py"

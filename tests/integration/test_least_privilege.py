@@ -27,7 +27,7 @@ from click.testing import CliRunner
 
 from reliable_beat.celery.commands import reliable_beat
 from reliable_beat.celery.task import IdempotentTask
-from reliable_beat.cli_status import collect_status
+from reliable_beat.cli.status import collect_status
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import head
 from reliable_beat.db.tables import attempts, entries, outbox, runs

@@ -60,6 +60,29 @@ def drain(relay: Relay, rounds: int = 10) -> None:
         time.sleep(0.25)
 
 
+def test_a_decimal_or_datetime_in_the_body_arrives_as_text(sqlite_store: Store) -> None:
+    """The webhook far end is not a Celery worker: kombu's typed objects in a body are sent as
+    the text a JSON API expects ("12.50", ISO 8601, the UUID's text), never as
+    {"__type__": ...} objects (and the add itself no longer fails on them)."""
+    import json
+    import uuid
+    from datetime import datetime, timezone
+    from decimal import Decimal
+
+    ref = uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    with ScriptedHttp() as http:
+        s = settings(webhook_destinations={"billing": {"base_url": http.url}})
+        with sqlite_store.begin() as conn:
+            outbox.add(conn, "webhook", {"destination": "billing", "path": "/pay", "body": {
+                "amount": Decimal("12.50"), "ref": ref,
+                "at": datetime(2026, 1, 10, 2, 0, tzinfo=timezone.utc)}}, key="pay:1")
+        Relay(sqlite_store, settings=s, owner="r").run_once()
+    assert states(sqlite_store) == Counter({"sent": 1})
+    [seen] = http.seen
+    assert json.loads(seen.body) == {"amount": "12.50", "ref": str(ref),
+                                     "at": "2026-01-10T02:00:00+00:00"}
+
+
 def test_row_names_a_destination_and_gets_its_headers(
         sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RB_TEST_BILLING_TOKEN", "Bearer tok-123")

@@ -3,14 +3,17 @@ handed case ``enqueue-before-commit-outbox`` (a, b, c) on PostgreSQL + Redis."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -103,6 +106,31 @@ def test_add_rejects_bad_arguments(store: Store) -> None:
             outbox.add(conn, "rec", {}, key="x" * 401)
         with pytest.raises(ValueError):
             outbox.add(conn, "rec", {}, key="k", delay=timedelta(seconds=-1))
+
+
+def test_add_takes_the_values_celerys_json_carries(store: Store) -> None:
+    """A Decimal, datetime, UUID, bytes or tuple in a payload is stored in kombu's typed form
+    (a Celery worker decodes it back); old code failed the caller's transaction with a
+    TypeError from the JSON column at the insert."""
+    from kombu.utils.json import loads as kombu_loads
+
+    amount, when = Decimal("12.50"), datetime(2026, 1, 10, 2, 0, tzinfo=timezone.utc)
+    ref = uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    with store.begin() as conn:
+        outbox.add(conn, "rec", {"args": [amount, when], "ref": ref, "raw": b"ok",
+                                 "pair": (1, 2)}, key="typed", headers={"at": when})
+    [row] = rows(store)
+    assert row["payload"]["args"][0] == {"__type__": "decimal", "__value__": "12.50"}
+    back = kombu_loads(json.dumps(row["payload"]))
+    assert back == {"args": [amount, when], "ref": ref, "raw": b"ok", "pair": [1, 2]}
+    assert kombu_loads(json.dumps(row["headers"])) == {"at": when}
+
+
+def test_add_refuses_a_value_no_serializer_carries_naming_it(store: Store) -> None:
+    with pytest.raises(ValueError, match=r"outbox message 'k'.*payload\['x'\].*object"), \
+            store.begin() as conn:
+        outbox.add(conn, "rec", {"x": object()}, key="k")
+    assert rows(store) == []
 
 
 def test_delay_holds_row_back(store: Store) -> None:

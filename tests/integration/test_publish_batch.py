@@ -18,13 +18,9 @@ import redis
 from celery import Celery
 from kombu import Connection, Consumer, Queue
 
-from reliable_beat import handlers
-from reliable_beat.handlers import (
-    DestinationUnavailableError,
-    MessageExpiredError,
-    celery_task_id,
-    publish_celery_batch,
-)
+from reliable_beat.celery import publishing as handlers
+from reliable_beat.celery.publishing import celery_task_id, publish_celery_batch
+from reliable_beat.handlers import DestinationUnavailableError, MessageExpiredError
 from reliable_beat.outbox import OutboxMessage
 
 NOW = datetime(2030, 1, 1, tzinfo=timezone.utc)

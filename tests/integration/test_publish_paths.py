@@ -20,6 +20,7 @@ import redis
 from celery import Celery
 from sqlalchemy import select, update
 
+from reliable_beat import loop as loop_mod
 from reliable_beat import schedules as sch
 from reliable_beat.celery import scheduler as scheduler_mod
 from reliable_beat.db.dialects import Store
@@ -71,7 +72,7 @@ def test_fast_path_reached_late_publishes_only_rows_still_its_own(
     scheduler: Any, pg_store: Store, redis_url: str
 ) -> None:
     _seed_due(pg_store, ["kept", "swept"])
-    result = scheduler._beat.tick()  # the claim transaction committed ...
+    result = scheduler.loop._beat.tick()  # the claim transaction committed ...
     assert len(result.triggers) == 2
     swept = next(t for t in result.triggers
                  if t.payload["headers"]["reliable_beat_entry"] == "swept")
@@ -79,7 +80,7 @@ def test_fast_path_reached_late_publishes_only_rows_still_its_own(
         conn.execute(update(outbox).where(outbox.c.id == swept.outbox_id)
                      .values(state="sent", claimed_by="other:1"))
     result.monotonic -= 6.0  # ... while this process was paused 6 s before its fast path
-    scheduler._publish(result)
+    scheduler.loop._publish(result)
     assert _queued(redis_url) == ["kept"]  # the swept row is not published a second time
     with pg_store.engine.connect() as conn:
         states = dict(conn.execute(select(runs.c.entry_name, runs.c.state)).all())
@@ -90,7 +91,7 @@ def test_published_but_unmarked_is_recorded_before_any_sweep(
     scheduler: Any, pg_store: Store, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _seed_due(pg_store, ["a", "b"])
-    real_mark_sent = scheduler_mod.mark_sent
+    real_mark_sent = loop_mod.mark_sent
     calls = {"n": 0}
 
     def mark_sent_db_gone(*args: Any, **kwargs: Any) -> int:
@@ -99,15 +100,15 @@ def test_published_but_unmarked_is_recorded_before_any_sweep(
             raise StoreUnavailableError("database gone for a moment")
         return real_mark_sent(*args, **kwargs)
 
-    monkeypatch.setattr(scheduler_mod, "mark_sent", mark_sent_db_gone)
-    scheduler._claim()  # published at once; the mark could not be written
+    monkeypatch.setattr(loop_mod, "mark_sent", mark_sent_db_gone)
+    scheduler.loop._claim()  # published at once; the mark could not be written
     assert _queued(redis_url) == ["a", "b"]
     with pg_store.begin() as conn:  # the outage outlasted the sweep delay
         conn.execute(update(outbox).values(available_at=pg_store.now(conn)
                                            - timedelta(seconds=30)))
-    scheduler._last_sweep = 0.0
-    scheduler._claim_at = 0.0
-    scheduler._step()  # database back: record first, then claim and sweep
+    scheduler.loop._last_sweep = 0.0
+    scheduler.loop._claim_at = 0.0
+    scheduler.loop._step()  # database back: record first, then claim and sweep
     assert _queued(redis_url) == ["a", "b"]  # not re-sent by this beat's own sweep
     with pg_store.engine.connect() as conn:
         rows = conn.execute(select(outbox.c.state, outbox.c.claimed_by)).all()
@@ -216,11 +217,11 @@ def test_sweep_reached_late_publishes_only_rows_still_its_own(
     """A beat's sweep claims unsent trigger rows, is paused past half its claim lease, and
     another sweep takes and sends one of them meanwhile: only the other one is sent."""
     _seed_due(pg_store, ["kept", "taken"])
-    scheduler._beat.tick()  # committed; the fast path never ran (the beat "died")
+    scheduler.loop._beat.tick()  # committed; the fast path never ran (the beat "died")
     with pg_store.begin() as conn:
         conn.execute(update(outbox).values(available_at=pg_store.now(conn)
                                            - timedelta(seconds=1)))
-    real_claim = scheduler_mod.claim_outbox_batch
+    real_claim = loop_mod.claim_outbox_batch
 
     def claim_then_pause(*args: Any, **kwargs: Any) -> Any:
         messages = real_claim(*args, **kwargs)
@@ -233,9 +234,9 @@ def test_sweep_reached_late_publishes_only_rows_still_its_own(
         time.sleep(1.2)  # paused past half the (2 s) lease
         return messages
 
-    monkeypatch.setattr(scheduler_mod, "SWEEP_LEASE", timedelta(seconds=2))
-    monkeypatch.setattr(scheduler_mod, "claim_outbox_batch", claim_then_pause)
-    monkeypatch.setattr(scheduler_mod, "redispatch_stuck_runs", lambda *a, **k: 0)
-    scheduler._last_sweep = 0.0
-    scheduler._sweep()
+    monkeypatch.setattr(loop_mod, "SWEEP_LEASE", timedelta(seconds=2))
+    monkeypatch.setattr(loop_mod, "claim_outbox_batch", claim_then_pause)
+    monkeypatch.setattr(scheduler.loop, "redispatch", lambda *a, **k: 0)
+    scheduler.loop._last_sweep = 0.0
+    scheduler.loop._sweep()
     assert _queued(redis_url) == ["kept"]

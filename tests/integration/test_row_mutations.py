@@ -43,7 +43,7 @@ from reliable_beat import outbox as ob
 from reliable_beat import schedules as sch
 from reliable_beat.beat import Beat
 from reliable_beat.celery.commands import reliable_beat as reliable_beat_cli
-from reliable_beat.cli_status import collect_status
+from reliable_beat.cli.status import collect_status
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 from reliable_beat.db.tables import attempts, dead_letters, entries, outbox, runs

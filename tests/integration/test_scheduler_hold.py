@@ -70,8 +70,8 @@ def test_overran_hold_publishes_only_rows_still_its_own(
     scheduler: Any, pg_store: Store, redis_url: str
 ) -> None:
     _seed(pg_store, ["kept", "swept"], 3)
-    scheduler._claim()
-    [group] = scheduler._held.values()
+    scheduler.loop._claim()
+    [group] = scheduler.loop._held.values()
     assert sorted(t.payload["headers"]["reliable_beat_entry"] for t in group.triggers) == [
         "kept", "swept"]
     assert _queued(redis_url) == []  # held, not published
@@ -81,7 +81,7 @@ def test_overran_hold_publishes_only_rows_still_its_own(
         conn.execute(update(outbox).where(outbox.c.id == swept.outbox_id)
                      .values(state="sent", claimed_by="other:1"))
     group.at = time.monotonic() - 6.0  # this process was paused 6 s past the slot
-    scheduler._publish_held(drain=True)
+    scheduler.loop._publish_held(drain=True)
     assert _queued(redis_url) == ["kept"]  # the swept row is not published again
     with pg_store.engine.connect() as conn:
         states = dict(conn.execute(select(runs.c.entry_name, runs.c.state)).all())
@@ -93,10 +93,10 @@ def test_overran_hold_publishes_only_rows_still_its_own(
 def test_hold_publishes_at_the_instant(scheduler: Any, pg_store: Store,
                                        redis_url: str) -> None:
     _seed(pg_store, ["a", "b"], 2)
-    scheduler._claim()
-    [group] = scheduler._held.values()
+    scheduler.loop._claim()
+    [group] = scheduler.loop._held.values()
     assert _queued(redis_url) == []
-    scheduler._publish_held(drain=True)  # sleeps until the slot, then sends both at once
+    scheduler.loop._publish_held(drain=True)  # sleeps until the slot, then sends both at once
     assert time.monotonic() >= group.at
     assert _queued(redis_url) == ["a", "b"]
     with pg_store.begin() as conn:
@@ -106,22 +106,22 @@ def test_hold_publishes_at_the_instant(scheduler: Any, pg_store: Store,
 def test_close_publishes_what_is_held_at_its_slot(scheduler: Any, pg_store: Store,
                                                   redis_url: str) -> None:
     _seed(pg_store, ["c"], 2)
-    scheduler._claim()
-    [group] = scheduler._held.values()
+    scheduler.loop._claim()
+    [group] = scheduler.loop._held.values()
     assert _queued(redis_url) == []
     scheduler.close()  # Celery's stop path: held triggers go out at their slot first
     assert time.monotonic() >= group.at
     assert _queued(redis_url) == ["c"]
-    assert scheduler._held == {}
+    assert scheduler.loop._held == {}
 
 
 def test_slots_published_log_fields_are_never_negative(
     scheduler: Any, pg_store: Store, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     _seed(pg_store, ["n"], 2)
-    scheduler._claim()
+    scheduler.loop._claim()
     with caplog.at_level(logging.INFO, logger="reliable_beat"):
-        scheduler._publish_held(drain=True)  # built well before the instant, sent at it
+        scheduler.loop._publish_held(drain=True)  # built well before the instant, sent at it
     [record] = [r for r in caplog.records if getattr(r, "event", None) == "slots.published"]
     fields = record.__dict__
     assert fields["count"] == 1

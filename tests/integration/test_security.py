@@ -41,6 +41,70 @@ def test_metrics_server_binds_loopback_and_an_idle_connection_does_not_block_scr
         server.stop()
 
 
+def test_metrics_in_a_fresh_process_without_the_cli(sqlite_store: Store) -> None:
+    """An application serving metrics from its own process (no CLI module imported first)
+    reads the store: old code imported the CLI's status module from the collector, which hit
+    an import cycle and reported reliable_beat_up 0 on every scrape."""
+    pytest.importorskip("prometheus_client")
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from prometheus_client import generate_latest\n"
+        "from reliable_beat.db.dialects import Store\n"
+        "from reliable_beat.metrics import make_registry\n"
+        "out = generate_latest(make_registry(Store.from_url(sys.argv[1]))).decode()\n"
+        "assert not [m for m in sys.modules if m.startswith('reliable_beat.cli')], 'cli'\n"
+        "print([line for line in out.splitlines() if line.startswith('reliable_beat_up')])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, sqlite_store.url], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "reliable_beat_up 1.0" in done.stdout, done.stdout + done.stderr
+
+
+def test_metrics_server_caps_its_connections_and_recovers(sqlite_store: Store) -> None:
+    """A flood of stalled clients holds at most MAX_CONNECTIONS threads; the next client is
+    answered 503 at once; when they go, scrapes work again. Old code started one thread per
+    connection without a bound (and the flood's threads all hit the store)."""
+    pytest.importorskip("prometheus_client")
+    import threading
+    import time
+    import urllib.error
+
+    from reliable_beat.metrics import MAX_CONNECTIONS, serve
+
+    server = serve(0, sqlite_store)
+    before = threading.active_count()
+    flood = [socket.create_connection(("127.0.0.1", server.port), timeout=5)
+             for _ in range(MAX_CONNECTIONS + 20)]
+    try:
+        for s in flood:
+            s.sendall(b"GET /metr")
+        time.sleep(0.5)
+        assert threading.active_count() - before <= MAX_CONNECTIONS
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
+        assert refused.value.code == 503
+    finally:
+        for s in flood:
+            s.close()
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(
+                        f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:
+                    assert b"reliable_beat_up 1.0" in resp.read()
+                break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        server.stop()
+
+
 def test_sqlite_store_file_is_created_owner_only(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:

@@ -14,7 +14,7 @@ from sqlalchemy.engine import make_url
 
 from reliable_beat.beat import Beat
 from reliable_beat.celery.commands import reliable_beat
-from reliable_beat.cli_status import collect_status, jsonable
+from reliable_beat.cli.status import collect_status, jsonable
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
 from reliable_beat.metrics import serve

@@ -1,6 +1,7 @@
-"""The quick start's install line, in a clean venv: ``pip install "reliable-beat[postgres,redis]"``
-(from this checkout) gives a working Redis broker transport (issue 11: kombu 5.7's Redis
-transport imports ``packaging``, which the ``redis`` extra did not pull).
+"""The quick start's install line, in a clean venv:
+``pip install "reliable-beat[celery,postgres,redis]"`` (from this checkout) gives a working
+Redis broker transport (issue 11: kombu 5.7's Redis transport imports ``packaging``, which
+the ``redis`` extra did not pull).
 
 Slow (a venv and a full install, one to three minutes) and needs the package index (or a
 warm pip cache): marked ``quickstart`` and skipped unless ``RB_QUICKSTART=1``::
@@ -30,17 +31,17 @@ def test_quickstart_line_installs_a_working_redis_transport(tmp_path: Path,
                                                             redis_url: str) -> None:
     line = next(ln.strip() for ln in QUICKSTART.read_text().splitlines()
                 if ln.strip().startswith("pip install"))
-    assert line == 'pip install "reliable-beat[postgres,redis]"', line
+    assert line == 'pip install "reliable-beat[celery,postgres,redis]"', line
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
     # The same line, with this checkout in place of the published package.
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"{ROOT}[postgres,redis]"],
+    subprocess.run([str(py), "-m", "pip", "install", "-q", f"{ROOT}[celery,postgres,redis]"],
                    check=True, timeout=840)
     probe = (
         "import sys\n"
         "from kombu import Connection\n"
-        "import reliable_beat, psycopg\n"
+        "import reliable_beat, reliable_beat.celery, psycopg\n"
         "with Connection(sys.argv[1]) as c:\n"
         "    c.ensure_connection(max_retries=3)\n"
         "    q = c.SimpleQueue('rb-quickstart-probe')\n"

@@ -58,6 +58,21 @@ def test_policies_and_publish_options_are_read() -> None:
     assert d.options == {"queue": "q", "expires": 300.0}  # type: ignore[attr-defined]
 
 
+def test_a_catch_up_limit_above_the_bound_is_refused_not_lowered() -> None:
+    """Old code accepted catch_up_limit=50000 and fired at most 10000 of the missed slots,
+    recording the rest as skipped: a quiet change of what the entry asks for."""
+    with pytest.raises(EntryValidationError) as info:
+        _define({"task": "t", "schedule": 60,
+                 "options": {"reliable_beat": {"misfire_policy": "catch_up",
+                                               "catch_up_limit": 50_000}}})
+    text = str(info.value)
+    assert "catch_up_limit=50000" in text and "at most 10000" in text
+    assert "catch_up_window" in text  # the fix is named
+    ok = _define({"task": "t", "schedule": 60,
+                  "options": {"reliable_beat": {"catch_up_limit": 10_000}}})
+    assert ok.catch_up_limit == 10_000  # type: ignore[attr-defined]
+
+
 def test_every_problem_of_every_entry_is_listed() -> None:
     with pytest.raises(EntryValidationError) as info:
         definitions_from_beat_schedule(

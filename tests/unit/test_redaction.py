@@ -130,7 +130,7 @@ def test_malformed_store_url_error_and_traceback_quote_nothing() -> None:
 )
 def test_redbeat_importer_errors_quote_no_secret(url: str, error: str) -> None:
     pytest.importorskip("redbeat")
-    from reliable_beat.importers import read_redbeat
+    from reliable_beat.celery.importers import read_redbeat
 
     with pytest.raises(Exception) as info:
         read_redbeat(url)

@@ -239,3 +239,33 @@ def test_next_and_previous_agree_with_a_long_window(case: tuple[CronSchedule, da
         assert prev == earlier[-1]
     else:
         assert prev is None or prev < t - timedelta(days=8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    minute=MINUTE, hour=HOUR, dom=DOM, dow=DOW, zone=st.sampled_from(ZONES),
+    calls=st.lists(
+        st.tuples(st.booleans(),
+                  st.datetimes(min_value=datetime(2025, 1, 1), max_value=datetime(2027, 12, 31))),
+        min_size=2, max_size=12),
+)
+def test_a_reused_schedule_answers_as_a_fresh_one(
+    minute: str, hour: str, dom: str, dow: str, zone: str,
+    calls: list[tuple[bool, datetime]],
+) -> None:
+    """The croniter kept per schedule and direction (repositioned at each step) gives the
+    answers a fresh schedule gives, whatever the order of forward and backward calls and
+    however far apart they are (including failed searches in between)."""
+    expr = f"{minute} {hour} {dom} * {dow}"
+    try:
+        reused = CronSchedule(expr, zone)
+    except InvalidScheduleError:
+        reject()
+    for forward, naive in calls:
+        at = naive.replace(tzinfo=UTC)
+        fresh = CronSchedule(expr, zone)
+        if forward:
+            assert reused.next_after(at) == fresh.next_after(at), (expr, zone, at)
+        else:
+            assert (reused.previous_at_or_before(at)
+                    == fresh.previous_at_or_before(at)), (expr, zone, at)

@@ -20,7 +20,7 @@ def test_unknown_key_lists_the_valid_ones() -> None:
      ("reliable_beat_batch_size", 0), ("reliable_beat_batch_size", 2.5),
      ("reliable_beat_run_migrations", "yes"), ("reliable_beat_misfire_policy", "sometimes"),
      ("reliable_beat_retry_base_seconds", 0), ("reliable_beat_claim_ahead_seconds", -0.5),
-     ("reliable_beat_claim_ahead_seconds", 61)],
+     ("reliable_beat_claim_ahead_seconds", 61), ("reliable_beat_catch_up_limit", 10_001)],
 )
 def test_bad_values_name_the_setting(key: str, value: object) -> None:
     with pytest.raises(ConfigurationError, match=key):

@@ -42,6 +42,7 @@ from reliable_beat.contrib.django.models import (
     Run,
 )
 from reliable_beat.errors import EntryValidationError, ReliableBeatError
+from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
 _KEY_HEADER = "reliable_beat_key"
@@ -145,7 +146,8 @@ class RuntimeEntryForm(forms.Form):
     misfire_policy = forms.ChoiceField(required=False, choices=[
         ("", "-"), ("skip", "skip"), ("fire_once", "fire_once"), ("catch_up", "catch_up")])
     misfire_grace = forms.FloatField(required=False, min_value=0, help_text="seconds")
-    catch_up_limit = forms.IntegerField(required=False, min_value=0)
+    catch_up_limit = forms.IntegerField(required=False, min_value=0,
+                                        max_value=MAX_CATCH_UP_LIMIT)
     overlap_policy = forms.ChoiceField(required=False, choices=[
         ("", "-"), ("allow", "allow"), ("skip", "skip"), ("buffer_one", "buffer_one")])
 
@@ -188,8 +190,8 @@ class EntryAdmin(_ReadOnlyAdmin):
         from django.core.exceptions import PermissionDenied
         from django.shortcuts import redirect
 
-        from reliable_beat.celery.commands import CliContext
-        from reliable_beat.cli_entries import build_definition
+        from reliable_beat.cli import CliContext
+        from reliable_beat.cli.entries import build_definition
 
         if not self.has_edit_permission(request):
             raise PermissionDenied
@@ -239,8 +241,8 @@ class EntryAdmin(_ReadOnlyAdmin):
 
     @admin.display(description="schedule")
     def schedule_in_words(self, obj: Entry) -> str:
-        from reliable_beat.celery.commands import reliable_beat  # noqa: F401 (CLI first)
-        from reliable_beat.cli_entries import schedule_text
+        from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
+        from reliable_beat.cli.entries import schedule_text
 
         return schedule_text(dict(obj.schedule or {}))
 
@@ -465,7 +467,7 @@ class OutboxAdmin(_ReadOnlyAdmin):
 
     def changelist_view(self, request: HttpRequest,
                         extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        from reliable_beat.cli_status import outbox_backlog
+        from reliable_beat.cli.status import outbox_backlog
 
         with conf.store().engine.connect() as conn:
             backlog = outbox_backlog(conn, datetime.now(timezone.utc))

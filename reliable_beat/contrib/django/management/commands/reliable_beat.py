@@ -43,7 +43,7 @@ class Command(BaseCommand):
     @staticmethod
     def run_cli(args: list[str], prog_name: str) -> int:
         """Run the CLI with ``args``; returns its exit code."""
-        from reliable_beat.celery.commands import reliable_beat
+        from reliable_beat.cli import reliable_beat
 
         args = list(args)
         if args[:2] == ["import", "django-celery-beat"]:

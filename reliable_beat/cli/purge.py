@@ -6,7 +6,7 @@ from datetime import datetime
 
 import click
 
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.cli import CliContext, pass_cli
 from reliable_beat.retention import purge, purge_dead_letters
 
 __all__ = ["register"]

@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from reliable_beat import runs
-from reliable_beat.celery.commands import CliContext, fail, pass_cli
+from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.redaction import redact_text, redact_value
 
 __all__ = ["register"]
@@ -151,7 +151,9 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
                by: str | None, queue: str | None, as_json: bool) -> None:
     """Run a dead run again under the SAME idempotency key (needs -A APP)."""
     if cli.app is None:
-        raise click.UsageError("requeue sends the task through the Celery app: pass -A APP")
+        raise click.UsageError("requeue sends the task through the Celery app: pass -A APP "
+                               "(a Dramatiq actor's dead letter: `reliable-beat dramatiq "
+                               "dead-letters requeue ID --broker mod:broker`)")
     try:
         dl = runs.get_dead_letter(cli.store, dead_letter_id)
     except runs.DeadLetterNotFound as exc:
@@ -160,6 +162,11 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
         raise click.ClickException(f"dead letter {dead_letter_id} is a {dl['kind']} dead letter; "
                                    "only run dead letters can be requeued here")
     payload = dl["payload"]
+    if "actor" in payload:  # reliable_beat.dramatiq's dead letters name the actor
+        raise click.ClickException(
+            f"dead letter {dead_letter_id} is a Dramatiq actor's ({payload['actor']}): requeue "
+            f"it through its broker: `reliable-beat dramatiq dead-letters requeue "
+            f"{dead_letter_id} --broker mod:broker`")
     if not yes:
         click.confirm(
             f"Requeue {payload['task']} under key {payload['key']!r} "

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.cli import CliContext, pass_cli
 from reliable_beat.db import migrate
 
 

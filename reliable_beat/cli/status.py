@@ -20,12 +20,12 @@ import click
 from sqlalchemy import and_, func, select
 from sqlalchemy.engine import Connection
 
-from reliable_beat.celery.commands import CliContext, fail, jsonable, pass_cli
+from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import group_health
-from reliable_beat.rows import decode_labelled, raw_labelled
+from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
 
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
@@ -101,29 +101,6 @@ def undelivered_outbox(conn: Connection, now: datetime,
     )
     return [{"destination": d, "rows": int(n), "due_since": _utc(since)}
             for d, n, since in conn.execute(stmt)]
-
-
-def quarantine_counts(conn: Connection) -> dict[str, int]:
-    """Malformed rows isolated so far (:mod:`reliable_beat.rows`), per table.
-
-    Returns:
-        ``{"entries": quarantined entries, "outbox": outbox rows dead-lettered as malformed,
-        "runs": runs dead-lettered as malformed}`` (dead letters not requeued).
-    """
-    from reliable_beat.rows import MALFORMED
-
-    counts = {"entries": 0, "outbox": 0, "runs": 0}
-    counts["entries"] = int(conn.execute(
-        select(func.count()).select_from(entries)
-        .where(entries.c.quarantine_reason.is_not(None))
-    ).scalar_one())
-    for kind, n in conn.execute(
-        select(dead_letters.c.kind, func.count())
-        .where(dead_letters.c.reason == MALFORMED, dead_letters.c.requeued_at.is_(None))
-        .group_by(dead_letters.c.kind)
-    ):
-        counts["outbox" if kind == "outbox" else "runs"] += int(n)
-    return counts
 
 
 def collect_status(

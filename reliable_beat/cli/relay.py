@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from reliable_beat.celery.commands import CliContext, pass_cli
+from reliable_beat.cli import CliContext, pass_cli
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.redaction import get_logger
 from reliable_beat.relay import Relay, outbox_status

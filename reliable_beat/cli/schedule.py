@@ -19,9 +19,9 @@ from typing import Any
 import click
 from sqlalchemy import select, update
 
-from reliable_beat.celery.commands import CliContext, fail, jsonable, pass_cli
-from reliable_beat.cli_entries import handle_errors
-from reliable_beat.cli_status import BEAT_ALIVE_SECONDS
+from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
+from reliable_beat.cli.entries import handle_errors
+from reliable_beat.cli.status import BEAT_ALIVE_SECONDS
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import entries, schedule_configs
 from reliable_beat.entries import definitions_from_beat_schedule, notify_entries_changed

@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 
 import click
 
-from reliable_beat import importers, runtime
+from reliable_beat import runtime
 from reliable_beat import schedules as sch
-from reliable_beat.celery.commands import CliContext, fail, pass_cli
-from reliable_beat.cli_status import jsonable
+from reliable_beat.cli import CliContext, fail, pass_cli
+from reliable_beat.cli.status import jsonable
 from reliable_beat.entries import (
     EntryDefinition,
     definition_from_celery,
@@ -39,6 +39,7 @@ from reliable_beat.errors import (
     StoreUnavailableError,
 )
 from reliable_beat.groups import schedule_group_of
+from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 from reliable_beat.redaction import redact_value
 from reliable_beat.settings import celery_timezone
 
@@ -55,7 +56,7 @@ _POLICY_OPTIONS = (
 
 def handle_errors(fn: F) -> F:
     """Map library errors to exit codes: bad input 2, not found / database down 1 (printed
-    by :func:`~reliable_beat.celery.commands.fail`: text or, with ``--json``, JSON)."""
+    by :func:`~reliable_beat.cli.fail`: text or, with ``--json``, JSON)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -218,7 +219,10 @@ def build_definition(
             rb[key] = params[key]
     if params.get("timezone") is not None:
         rb["timezone"] = params["timezone"]
-    tz = rb.get("timezone") or "UTC"
+    # An entry without a zone of its own runs in the app's zone, as a beat_schedule entry
+    # does (Celery's app.timezone); without -A there is no app zone: UTC.
+    app_zone = celery_timezone(cli.app) if cli.app is not None else "UTC"
+    tz = rb.get("timezone") or app_zone
 
     given = [k for k in ("cron", "every", "at") if params.get(k) is not None]
     if len(given) > 1:
@@ -275,7 +279,7 @@ def build_definition(
     definition: EntryDefinition | None = None
     try:
         definition = definition_from_celery(
-            name, raw, default_timezone="UTC", settings=cli.settings, now=now,
+            name, raw, default_timezone=app_zone, settings=cli.settings, now=now,
             origin="runtime", is_idempotent=_task_checker(app),
         )
     except EntryValidationError as exc:
@@ -291,14 +295,15 @@ def _schedule_options(fn: F) -> F:
         click.option("--cron", help="Cron string (croniter syntax; 6 fields = seconds LAST)."),
         click.option("--every", type=click.IntRange(min=1), help="Interval in whole seconds."),
         click.option("--at", help="One-off instant, ISO 8601 with offset (e.g. ...T02:00:00Z)."),
-        click.option("--timezone", help="IANA zone the cron is evaluated in (default UTC)."),
+        click.option("--timezone", help="IANA zone the cron is evaluated in (default: the "
+                     "app's timezone with -A, as for beat_schedule entries; else UTC)."),
         click.option("--args", help="Positional arguments as a JSON array."),
         click.option("--kwargs", help="Keyword arguments as a JSON object."),
         click.option("--queue", help="Queue to publish the trigger to."),
         click.option("--misfire-policy", type=click.Choice(["skip", "fire_once", "catch_up"])),
         click.option("--misfire-grace", type=click.FloatRange(min=0),
                      help="Seconds a slot may be late and still count as on time."),
-        click.option("--catch-up-limit", type=click.IntRange(min=0),
+        click.option("--catch-up-limit", type=click.IntRange(min=0, max=MAX_CATCH_UP_LIMIT),
                      help="Most missed slots catch_up fires."),
         click.option("--overlap-policy", type=click.Choice(["allow", "skip", "buffer_one"])),
         click.option("--dst-nonexistent", type=click.Choice(["shift", "gap_end", "skip"]),
@@ -562,6 +567,12 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     last run: that slot is not sent twice, and one missed at the cutover meets the entry's
     misfire policy. Disabled entries come in paused; a name that already exists is left alone.
     """
+    try:  # RedBeat and django-celery-beat are Celery's: their importers are the adapter's
+        from reliable_beat.celery import importers
+    except ImportError as exc:
+        raise click.ClickException(
+            f"importing {source} entries needs the Celery adapter ({exc}); install it with "
+            "pip install 'reliable-beat[celery]'") from exc
     app = cli.app
     zone = celery_timezone(app) if app is not None else "UTC"
     if source == "redbeat":

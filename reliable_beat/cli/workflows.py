@@ -13,8 +13,8 @@ from typing import Any
 
 import click
 
-from reliable_beat.celery.commands import CliContext, fail, pass_cli
-from reliable_beat.cli_runs import _fmt, _table
+from reliable_beat.cli import CliContext, fail, pass_cli
+from reliable_beat.cli.runs import _fmt, _table
 from reliable_beat.workflows import engine, saga
 from reliable_beat.workflows.errors import WorkflowConflict, WorkflowNotFound
 

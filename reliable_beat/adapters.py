@@ -1,0 +1,153 @@
+"""The framework adapter hook: how the framework-neutral core reaches a framework's app.
+
+The core (beat, runs, outbox, relay, re-dispatch, runtime, workflows ...) never imports Celery,
+kombu or an adapter package (``tests/unit/test_core_imports.py`` enforces it). Where a core
+function is given a framework *app* (``Relay(store, app)``, ``runtime.trigger(..., app=app)``,
+``redispatch_stuck_runs(store, app, ...)``, ``workflow(app=app)``), it asks that app's adapter,
+found here, for the framework-specific part: its outbox handlers, its publish, its registry of
+tracked tasks.
+
+Adapters are registered by name, as ``"package.module:attr"`` strings resolved on first use
+(so importing the core imports no framework): the built-in Celery adapter
+(:data:`BUILTIN_ADAPTERS`), then the entry point group :data:`ENTRY_POINT_GROUP`, then
+:func:`register_adapter`. An app belongs to the adapter whose name is the top-level package
+of a class in the app's type's MRO (``celery.app.base.Celery`` -> ``celery``); any other app
+object is taken as a Celery app, as before the core was made framework-neutral.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from reliable_beat.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from reliable_beat.beat import Trigger
+    from reliable_beat.db.dialects import Store
+    from reliable_beat.outbox import OutboxMessage
+
+__all__ = [
+    "BUILTIN_ADAPTERS",
+    "DEFAULT_ADAPTER",
+    "ENTRY_POINT_GROUP",
+    "AppAdapter",
+    "adapter_for",
+    "load_adapter",
+    "register_adapter",
+]
+
+#: Entry point group for third-party adapters: ``name = "package.module:attr"`` (an
+#: :class:`AppAdapter`), ``name`` being the top-level package of the framework's app class.
+ENTRY_POINT_GROUP = "reliable_beat.adapters"
+#: The adapters that ship with reliable_beat (name -> ``"module:attr"``).
+BUILTIN_ADAPTERS: dict[str, str] = {"celery": "reliable_beat.celery.adapter:ADAPTER"}
+#: The adapter of an app object no registered adapter claims.
+DEFAULT_ADAPTER = "celery"
+
+_registered: dict[str, str] = {}
+_loaded: dict[str, AppAdapter] = {}
+
+
+@runtime_checkable
+class AppAdapter(Protocol):
+    """What the core asks a framework adapter about one of its apps.
+
+    ``publish`` returns ``[(outbox id, None or the error)]``, one per message, in order
+    (the contract of :func:`reliable_beat.redispatch.redispatch_with`).
+    """
+
+    name: str
+
+    def handlers(self, app: Any) -> dict[str, Callable[[OutboxMessage], None]]:
+        """The outbox handlers of ``app``'s broker (destination name -> handler)."""
+        ...
+
+    def publish(self, app: Any, messages: list[OutboxMessage], now: datetime
+                ) -> list[tuple[int, BaseException | None]]:
+        """Publish trigger rows into ``app``'s broker (no outbox bookkeeping)."""
+        ...
+
+    def publish_triggers(self, store: Store, app: Any, triggers: list[Trigger],
+                         now: datetime) -> int:
+        """Publish just-committed triggers at once and mark them sent; how many went out."""
+        ...
+
+    def tracked_tasks(self, app: Any) -> list[str]:
+        """Names of ``app``'s tasks that keep run state (idempotent tasks)."""
+        ...
+
+    def task_kind(self, app: Any, task: str) -> str:
+        """``idempotent``, ``plain`` or ``unknown`` (``app`` does not register ``task``)."""
+        ...
+
+    def install_workflows(self, app: Any) -> Callable[[], Store]:
+        """Install the workflow advance task on ``app``; returns its store factory."""
+        ...
+
+
+def register_adapter(name: str, spec: str) -> None:
+    """Register (or replace) the adapter for apps whose class lives in package ``name``.
+
+    Args:
+        name: a top-level package name (``"celery"``).
+        spec: ``"package.module:attr"`` of an :class:`AppAdapter`, imported on first use.
+    """
+    _registered[name] = spec
+    _loaded.pop(name, None)
+
+
+def _specs() -> dict[str, str]:
+    from importlib.metadata import entry_points
+
+    specs = dict(BUILTIN_ADAPTERS)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        specs[ep.name] = ep.value
+    specs.update(_registered)
+    return specs
+
+
+def load_adapter(name: str) -> AppAdapter:
+    """The adapter registered as ``name``, imported on first use.
+
+    Raises:
+        ConfigurationError: no adapter has that name, or its spec names no object.
+        ImportError: the adapter's framework is not installed (the Celery adapter's message
+            names the ``reliable-beat[celery]`` extra).
+    """
+    if name in _loaded:
+        return _loaded[name]
+    spec = _specs().get(name)
+    if spec is None:
+        raise ConfigurationError(
+            f"no reliable_beat adapter named {name!r}: register one with "
+            f"reliable_beat.adapters.register_adapter or the {ENTRY_POINT_GROUP!r} entry "
+            "point group")
+    module_name, _, attr = spec.partition(":")
+    module = importlib.import_module(module_name)  # ImportError: the framework is missing
+    try:
+        adapter: AppAdapter = getattr(module, attr)
+    except AttributeError as exc:
+        raise ConfigurationError(
+            f"reliable_beat adapter {name!r}: {spec!r} names no object ({exc})") from exc
+    _loaded[name] = adapter
+    return adapter
+
+
+def adapter_for(app: Any) -> AppAdapter:
+    """The adapter of framework ``app`` (see the module docstring for how it is found).
+
+    Raises:
+        ValueError: ``app`` is None (the caller has no app: it must not ask).
+        ImportError: the adapter's framework is not installed.
+    """
+    if app is None:
+        raise ValueError("adapter_for(None): there is no framework app to adapt")
+    specs = _specs()
+    for cls in type(app).__mro__:
+        top = (getattr(cls, "__module__", "") or "").partition(".")[0]
+        if top in specs and top != "builtins":
+            return load_adapter(top)
+    return load_adapter(DEFAULT_ADAPTER)

@@ -1,0 +1,73 @@
+"""The Celery adapter's answers to the core (:class:`reliable_beat.adapters.AppAdapter`).
+
+Registered as the built-in adapter ``celery``
+(:data:`reliable_beat.adapters.BUILTIN_ADAPTERS`): the relay's ``celery`` / ``kombu``
+handlers, the trigger publish of manual triggers, backfills and re-dispatch, the registry of
+``IdempotentTask`` tasks, the workflow advance task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from reliable_beat.beat import Trigger
+    from reliable_beat.db.dialects import Store
+    from reliable_beat.outbox import OutboxMessage
+
+__all__ = ["ADAPTER", "CeleryAdapter"]
+
+
+class CeleryAdapter:
+    """The core's questions about a Celery app, answered with Celery and kombu."""
+
+    name = "celery"
+
+    def handlers(self, app: Any) -> dict[str, Callable[[OutboxMessage], None]]:
+        """``celery`` (``send_task``) and ``kombu`` (raw publish) over ``app``'s broker."""
+        from reliable_beat.celery.publishing import CeleryHandler, KombuHandler
+
+        return {"celery": CeleryHandler(app), "kombu": KombuHandler(app)}
+
+    def publish(self, app: Any, messages: list[OutboxMessage], now: datetime
+                ) -> list[tuple[int, BaseException | None]]:
+        """:func:`~reliable_beat.celery.publishing.publish_celery_batch`."""
+        from reliable_beat.celery.publishing import publish_celery_batch
+
+        return publish_celery_batch(app, messages, now=now)
+
+    def publish_triggers(self, store: Store, app: Any, triggers: list[Trigger],
+                         now: datetime) -> int:
+        """:func:`reliable_beat.celery.scheduler.publish_triggers`."""
+        from reliable_beat.celery.scheduler import publish_triggers
+
+        return publish_triggers(store, app, triggers, now)
+
+    def tracked_tasks(self, app: Any) -> list[str]:
+        """Names of the ``IdempotentTask`` tasks registered in ``app``."""
+        from reliable_beat.celery.task import IdempotentTask
+
+        return [name for name, task in list(app.tasks.items())
+                if isinstance(task, IdempotentTask)]
+
+    def task_kind(self, app: Any, task: str) -> str:
+        """``idempotent`` (an ``IdempotentTask``), ``plain``, or ``unknown`` (``app``
+        registers no ``task``)."""
+        registry = getattr(app, "tasks", None)
+        if registry is None or task not in registry:
+            return "unknown"
+        from reliable_beat.celery.task import IdempotentTask
+
+        return "idempotent" if isinstance(registry[task], IdempotentTask) else "plain"
+
+    def install_workflows(self, app: Any) -> Callable[[], Store]:
+        """:func:`reliable_beat.celery.workflows.install`."""
+        from reliable_beat.celery.workflows import install
+
+        return install(app)
+
+
+#: The instance :data:`reliable_beat.adapters.BUILTIN_ADAPTERS` names.
+ADAPTER = CeleryAdapter()

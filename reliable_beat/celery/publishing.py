@@ -1,0 +1,666 @@
+"""Celery and kombu outbox publishing: the ``celery`` and ``kombu`` destinations.
+
+Moved out of :mod:`reliable_beat.handlers` (the framework-neutral handler protocol, errors,
+webhook, SMTP and the registry) into the Celery adapter. The relay gets these handlers
+through the Celery adapter hook (:mod:`reliable_beat.adapters`) when it runs with a Celery
+app; the beat's fast path, its sweep and the re-dispatch publish with
+:func:`publish_celery_batch`.
+
+Payload shapes:
+
+* ``celery``: ``{"task", "args", "kwargs", "task_id"?, "headers"?, "options"?:
+  {"queue", "routing_key", "priority", "exchange"}, "expires_at"?: ISO-8601 UTC or null}``;
+  sent with ``send_task`` over one producer per batch; the task id is ``task_id`` or
+  ``uuid5(message_id)``, so a re-delivery carries the same task id.
+* ``kombu``: ``{"exchange": "" , "exchange_type"?: "direct", "routing_key", "body",
+  "serializer"?: "json", "headers"?}``; raw publish with ``message_id`` set.
+
+Celery protocol headers (:data:`~reliable_beat.handlers.CELERY_PROTOCOL_HEADERS`) in a
+``celery`` row's ``headers`` are dropped (WARNING): they never override the message's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
+from reliable_beat.handlers import (
+    CELERY_PROTOCOL_HEADERS,
+    DestinationUnavailableError,
+    MessageExpiredError,
+    Result,
+)
+from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger
+
+__all__ = [
+    "CeleryHandler",
+    "KombuHandler",
+    "celery_task_id",
+    "publish_celery_batch",
+]
+
+log = get_logger(__name__)
+
+
+# --------------------------------------------------------------------------- celery / kombu
+
+
+def celery_task_id(message: OutboxMessage) -> str:
+    """The Celery task id of a trigger: ``payload["task_id"]`` or ``uuid5(URL, message_id)``."""
+    payload = message.payload if isinstance(message.payload, Mapping) else {}
+    task_id = payload.get("task_id")
+    if task_id:
+        return str(task_id)
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "reliable_beat:" + message.message_id))
+
+
+def _parse_instant(value: Any) -> datetime | None:
+    if value is None or isinstance(value, datetime):
+        return value
+    text = str(value)
+    if text.endswith("Z"):
+        text = text[:-1] + "+00:00"
+    parsed = datetime.fromisoformat(text)
+    if parsed.tzinfo is None:
+        raise ValueError(f"naive instant {value!r}: expected ISO-8601 with a UTC offset")
+    return parsed.astimezone(timezone.utc)
+
+
+def _connection_errors(producer: Any) -> tuple[type[BaseException], ...]:
+    from kombu.exceptions import OperationalError
+
+    errors: tuple[type[BaseException], ...] = (OperationalError, OSError, ConnectionError)
+    with contextlib.suppress(Exception):  # a transport without the attribute
+        errors += tuple(producer.connection.connection_errors)
+    return errors
+
+
+def publish_celery_batch(
+    app: Any,
+    messages: Sequence[OutboxMessage],
+    *,
+    now: datetime | None = None,
+    wait: Callable[[], None] | None = None,
+) -> list[tuple[int, Result]]:
+    """Publish Celery trigger rows with ``send_task``, all over ONE producer / connection.
+
+    On a Redis broker the whole batch goes out in ONE pipeline (kombu's
+    ``Producer.batch()``, see :func:`_publish_batch`). On RabbitMQ (kombu's ``pyamqp``
+    transport) the batch is published on a channel of its own in **publisher-confirm** mode
+    and the broker's confirms for the whole batch are awaited once, after the last publish
+    (:class:`_AmqpConfirms`; the publishes are built first and written back to back, like
+    the Redis pipeline): a message counts as published (``None`` below) only once the
+    broker acked it; a nacked or unconfirmed one gets a :class:`DestinationUnavailableError`
+    and its row stays pending. Other transports publish per message.
+
+    Used by the relay and by the beat's fast path right after its commit. Does not touch the
+    database: the caller marks the results (:func:`reliable_beat.relay.mark_sent`,
+    :func:`reliable_beat.relay.mark_expired`, or leaves failed rows pending for the relay).
+
+    Args:
+        app: the Celery app whose broker to publish to.
+        messages: rows with ``destination == "celery"`` (payload shape: module docstring).
+        now: the store's clock (UTC) for the ``expires_at`` check; default the host clock.
+        wait: called once, right before the first message can reach the broker: after every
+            message of the batch is built and buffered on a batching transport (the flush
+            that follows is the publish), before the first ``send_task`` otherwise. The
+            beat's claim-ahead sleeps there until the slot's instant, so the messages are
+            built before it and leave together at it, never earlier.
+
+    Returns:
+        ``[(row id, None | exception)]`` in the order of ``messages``. A row whose
+        ``expires_at`` is not after ``now`` is not published and gets a
+        :class:`MessageExpiredError`; after a connection-level failure the rest of the batch
+        gets the same :class:`DestinationUnavailableError` without being tried.
+    """
+    now = now or datetime.now(timezone.utc)
+    results: list[tuple[int, Result]] = []
+    if not messages:
+        return results
+    conn_errors: tuple[type[BaseException], ...] = ()
+    try:
+        with app.producer_or_acquire() as pooled, _amqp_confirms(pooled) as confirms:
+            producer = pooled if confirms is None else confirms.producer
+            conn_errors = _connection_errors(producer)
+            with _publish_batch(producer, len(messages)) as batch_error:
+                send_options: dict[str, Any] = {}
+                if confirms is not None:  # the channel is open: no connect-retry needed
+                    send_options = _pipelined_send_options(app, producer)
+                elif wait is not None and not batch_error:
+                    wait()  # no buffering: every send_task below reaches the broker at once
+                for index, message in enumerate(messages):
+                    try:
+                        _send_one(app, producer, message, now, **send_options)
+                        if confirms is not None:
+                            confirms.sent(index)
+                        results.append((message.id, None))
+                        if (batch_error or confirms is not None) and not send_options:
+                            send_options = _pipelined_send_options(app, producer)
+                    except MessageExpiredError as exc:
+                        results.append((message.id, exc))
+                    except conn_errors + batch_error as exc:
+                        if not _is_connection_error(exc, conn_errors):
+                            raise  # the broker refused a command: isolate the culprit below
+                        down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
+                        down.__cause__ = exc
+                        results.extend((m.id, down) for m in messages[index:])
+                        break
+                    except Exception as exc:
+                        if confirms is not None and confirms.closed_by(exc):
+                            # RabbitMQ closed the batch's channel over this message (e.g.
+                            # PRECONDITION_FAILED declaring its queue): nothing held was
+                            # written; isolate the culprit one by one below.
+                            raise
+                        results.append((message.id, exc))
+                if wait is not None and (batch_error or confirms is not None):
+                    wait()  # buffered: leaving the batch flushes, i.e. publishes
+            if confirms is not None:
+                confirms.flush()  # every publish of the batch, back to back
+                unconfirmed = confirms.wait()
+                results = [(mid, unconfirmed.get(i, r)) for i, (mid, r) in enumerate(results)]
+    except Exception as exc:  # flushing the batch, or acquiring / releasing the producer
+        done = {i: r for i, r in results if r is not None}
+        if conn_errors and not _is_connection_error(exc, conn_errors):
+            # The broker answered, but refused something in the batch (e.g. Redis WRONGTYPE:
+            # a queue name that is a key of another type). That error belongs to one
+            # message: publish the batch's messages one by one, so the culprit fails alone
+            # (and is charged an attempt) and the others go out. Messages of the batch the
+            # broker did take are published again, under the same task id (at least once).
+            log.warning("celery publish batch of %d refused by the broker (%r); publishing "
+                        "its messages one by one to isolate the culprit", len(messages), exc)
+            retry = [m for m in messages if m.id not in done]
+            singles = dict(_publish_one_by_one(app, retry, now))
+            return [(m.id, done[m.id] if m.id in done else singles[m.id]) for m in messages]
+        down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
+        down.__cause__ = exc
+        # Buffered messages were not (or not surely) written: none counts as published.
+        # The rows stay pending and the relay re-publishes them under the same task id.
+        results = [(m.id, done.get(m.id, down)) for m in messages]
+    return results
+
+
+#: How long a batch published to RabbitMQ waits for the broker's publisher confirms
+#: (seconds); messages still unconfirmed then count as not published (rows stay pending).
+CONFIRM_TIMEOUT_SECONDS = 30.0
+
+
+class _AmqpConfirms:
+    """Publisher confirms for one batch, awaited together (RabbitMQ, kombu ``pyamqp``).
+
+    The batch gets a channel of its own in confirm mode (``confirm.select``), so the
+    broker's delivery tags are exactly this batch's publishes, numbered 1, 2, ... in order.
+    ``send_task`` builds each message as usual, but its ``basic.publish`` is held in memory
+    until :meth:`flush` writes them all back to back (so the beat's claim-ahead builds a
+    slot's messages before its instant and flushes at it, as with the Redis pipeline).
+    Every publish is written without waiting; :meth:`wait` then reads the acks / nacks
+    (``multiple`` covers every tag up to it) until all are in, or
+    :data:`CONFIRM_TIMEOUT_SECONDS` pass. That is one wait per batch instead of one round
+    trip per message (``confirm_publish`` in ``broker_transport_options``), with the same
+    guarantee: an ack means the broker has the message (a persistent message to a durable
+    queue is on disk, or on a quorum of a quorum queue's replicas).
+    """
+
+    def __init__(self, producer: Any, channel: Any) -> None:
+        self.channel = channel
+        self.connection = producer.connection
+        self.producer = type(producer)(
+            channel, exchange=producer.exchange, routing_key=producer.routing_key,
+            serializer=producer.serializer, compression=producer.compression,
+            auto_declare=False)
+        self._published = 0
+        self._closed = False
+        self._tags: dict[int, int] = {}  # delivery tag -> index in the batch
+        self._failed: dict[int, Result] = {}
+        self._settled: set[int] = set()
+        self._by_message_id: dict[str, int] = {}
+        channel.events["basic_ack"].add(self._on_ack)
+        channel.events["basic_nack"].add(self._on_nack)
+        channel.events["basic_return"].add(self._on_return)
+        self._publish = channel._basic_publish
+        self._held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+        def held_publish(*args: Any, **kwargs: Any) -> None:
+            self._published += 1  # its delivery tag once flushed (flushed in this order)
+            self._held.append((args, kwargs))
+
+        channel.basic_publish = held_publish
+
+    def flush(self) -> None:
+        """Write every held publish, in order. Raises on a connection error (the caller then
+        counts the whole batch unpublished: nothing was confirmed yet)."""
+        held, self._held = self._held, []
+        if held and self._closed:
+            raise ConnectionError("the batch's confirm channel was closed by the broker")
+        for args, kwargs in held:
+            self._publish(*args, **kwargs)
+
+    def closed_by(self, exc: BaseException) -> bool:
+        """True when ``exc`` is an AMQP channel exception: the broker closed this batch's
+        channel (py-amqp then reopens it, without confirm mode), so the batch cannot go on.
+        """
+        from amqp.exceptions import ChannelError
+
+        if isinstance(exc, ChannelError):
+            self._closed = True
+        return self._closed
+
+    def sent(self, index: int, message_id: str | None = None) -> None:
+        """Record that message ``index`` of the batch was just published (one publish);
+        ``message_id``: its AMQP ``message_id`` property, for a mandatory publish whose
+        ``basic.return`` must be told apart."""
+        self._tags[self._published] = index
+        if message_id is not None:
+            self._by_message_id[message_id] = index
+
+    def _on_return(self, exc: BaseException, exchange: str, routing_key: str,
+                   message: Any) -> None:
+        # RabbitMQ sends basic.return before the basic.ack of the same message: the ack
+        # below then settles its tag without clearing this error.
+        index = self._by_message_id.get(str(message.properties.get("message_id")))
+        if index is not None:
+            self._failed[index] = DeliveryError(
+                f"unroutable: no queue is bound to exchange {exchange!r} with routing key "
+                f"{routing_key!r} ({exc}); bind one, or fix the row's exchange/routing_key")
+
+    def _settle(self, tag: int, multiple: bool, error: Result) -> None:
+        tags = [t for t in self._tags if t <= tag and t not in self._settled] if multiple \
+            else [tag]
+        for t in tags:
+            self._settled.add(t)
+            if error is not None and t in self._tags:
+                self._failed[self._tags[t]] = error
+
+    def _on_ack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple, None)
+
+    def _on_nack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple, DestinationUnavailableError(
+            "celery broker nacked the publish (e.g. a queue at x-max-length with "
+            "x-overflow=reject-publish, or a resource alarm): not published"))
+
+    def wait(self) -> dict[int, Result]:
+        """Await the confirms; returns ``{index: error}`` for every message of the batch
+        that is not confirmed (nacked, timed out, or the connection failed meanwhile)."""
+        deadline = time.monotonic() + CONFIRM_TIMEOUT_SECONDS
+        try:
+            while len(self._settled & self._tags.keys()) < len(self._tags):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"no publisher confirm within {CONFIRM_TIMEOUT_SECONDS:.0f} s")
+                try:
+                    self.connection.drain_events(timeout=min(remaining, 1.0))
+                except TimeoutError:
+                    continue
+        except Exception as exc:
+            down = DestinationUnavailableError(f"celery broker did not confirm: {exc!r}")
+            down.__cause__ = exc
+            for tag, index in self._tags.items():
+                if tag not in self._settled:
+                    self._failed[index] = down
+        return dict(self._failed)
+
+
+def _open_channel(connection: Any) -> Any:
+    """A new channel on ``connection``, (re)connecting once if the pooled connection is
+    closed or turns out dead (the broker restarted since its last use)."""
+    errors = tuple(connection.connection_errors) + tuple(
+        connection.recoverable_connection_errors) + (OSError,)
+    # One quick retry (Celery's publish retry policy starts at 0 s, steps 0.2 s): a broker
+    # that is down fails the batch at once and its rows stay pending for the relay.
+    retry = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
+    try:
+        if not connection.connected:
+            connection.ensure_connection(**retry)
+        return connection.channel()
+    except errors:
+        connection.collect()  # drop the dead socket without talking to the broker
+        connection.ensure_connection(**retry)
+        return connection.channel()
+
+
+@contextlib.contextmanager
+def _amqp_confirms(producer: Any) -> Iterator[_AmqpConfirms | None]:
+    """A confirm-mode channel for one batch on a ``pyamqp`` connection, else None.
+
+    Opening, ``confirm.select`` and closing the channel are three round trips per batch.
+    The channel is closed afterwards; if closing fails the connection is left to kombu's
+    pool (a broken one is replaced on its next use).
+    """
+    connection = getattr(producer, "connection", None)
+    transport = getattr(connection, "transport", None)
+    if getattr(transport, "driver_type", None) != "amqp":
+        yield None
+        return
+    try:
+        import amqp
+    except ImportError:  # librabbitmq or another AMQP client: no batch confirms
+        yield None
+        return
+    channel = _open_channel(connection)
+    if not isinstance(channel, amqp.Channel):
+        channel.close()
+        yield None
+        return
+    try:
+        channel.confirm_select()
+        yield _AmqpConfirms(producer, channel)
+    finally:
+        with contextlib.suppress(Exception):
+            channel.close()
+
+def _is_connection_error(exc: BaseException, conn_errors: tuple[type[BaseException], ...]) -> bool:
+    """True when ``exc`` or an exception in its cause chain is a connection-level error (the
+    broker as a whole is unreachable), as opposed to the broker refusing one command."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, conn_errors):
+            from kombu.exceptions import OperationalError
+
+            # kombu wraps any transport error as OperationalError; look under it
+            if type(current) is not OperationalError or current.__cause__ is None:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _send_one_confirmed(app: Any, producer: Any, message: OutboxMessage, now: datetime) -> None:
+    """``send_task`` of one message; on RabbitMQ on a confirm-mode channel of its own, and
+    raises unless the broker confirmed it (see :class:`_AmqpConfirms`)."""
+    with _amqp_confirms(producer) as confirms:
+        if confirms is None:
+            _send_one(app, producer, message, now)
+            return
+        _send_one(app, confirms.producer, message, now, retry=False)
+        confirms.sent(0)
+        confirms.flush()
+        error = confirms.wait().get(0)
+    if error is not None:
+        raise error
+
+
+def _publish_one_by_one(
+    app: Any, messages: Sequence[OutboxMessage], now: datetime
+) -> list[tuple[int, Result]]:
+    """Publish each message with its own ``send_task`` (no pipeline; on RabbitMQ each one
+    confirmed by the broker): an error then belongs to that message; a connection-level
+    error fails the rest as unavailable."""
+    results: list[tuple[int, Result]] = []
+    try:
+        with app.producer_or_acquire() as producer:
+            conn_errors = _connection_errors(producer)
+            for index, message in enumerate(messages):
+                try:
+                    _send_one_confirmed(app, producer, message, now)
+                    results.append((message.id, None))
+                except MessageExpiredError as exc:
+                    results.append((message.id, exc))
+                except Exception as exc:
+                    if _is_connection_error(exc, conn_errors):
+                        down = DestinationUnavailableError(
+                            f"celery broker unavailable: {exc!r}")
+                        down.__cause__ = exc
+                        results.extend((m.id, down) for m in messages[index:])
+                        break
+                    log.warning("celery trigger %s (outbox row %d) refused by the broker: %r",
+                                message.message_id, message.id, exc)
+                    results.append((message.id, exc))
+    except Exception as exc:  # acquiring / releasing the producer
+        down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
+        down.__cause__ = exc
+        got = dict(results)
+        results = [(m.id, got.get(m.id, down)) for m in messages]
+    return results
+
+
+@contextlib.contextmanager
+def _publish_batch(
+    producer: Any, size: int
+) -> Iterator[tuple[type[BaseException], ...]]:
+    """Buffer the publishes of one batch in ONE Redis pipeline, flushed on exit.
+
+    kombu (5.7+) ``Producer.batch()``: ``send_task`` builds and routes every message exactly
+    as without it (same body, headers, properties, queue / priority list), only the final
+    ``LPUSH`` commands are buffered in a non-transactional pipeline and executed once on
+    exit, instead of one client and one round trip per message. The buffer is sized so that
+    it never flushes before the exit: a failure then means no message of the batch counts as
+    published (the caller's rows stay pending). Transports without batch support (and a
+    Redis connection configured to retry writes) publish at once, as before.
+
+    Yields:
+        The exception types that mean "the batch is unusable" (kombu's
+        ``BatchPublishError``), to treat like a connection error.
+    """
+    batch = getattr(producer, "batch", None)
+    if batch is None or not getattr(producer, "supports_batch_publish", False):
+        yield ()
+        return
+    from kombu.exceptions import BatchPublishError
+
+    # Each message is one LPUSH, plus one PEXPIRE per priority step for a queue with
+    # x-expires: size the buffer so that it only flushes on exit.
+    with batch(max_size=max(1000, size * 16)):
+        yield (BatchPublishError,)
+
+
+def _pipelined_send_options(app: Any, producer: Any) -> dict[str, Any]:
+    """``send_task`` options for the rest of a pipelined (Redis) or confirmed (RabbitMQ)
+    batch, once one message went out.
+
+    On RabbitMQ the same reasoning holds with confirms in place of the flush: a publish
+    error mid-batch fails the rest as unavailable, and nothing counts as published before
+    the broker's confirm (:class:`_AmqpConfirms`).
+
+    The first message of a batch is sent exactly as ``send_task`` would (Celery's publish
+    retry policy connects the producer, so a broker that is down fails as fast as without
+    the batch). After it, the producer's channel exists and every publish only appends to
+    the pipeline, so: no per-message publish retry (a buffered ``LPUSH`` cannot fail before
+    the flush, and a failed flush fails the whole batch, see :func:`publish_celery_batch`;
+    a queue first seen mid-batch is declared without retry: an error there fails the rest of
+    the batch as unavailable, and those rows stay pending for the relay), and the routed
+    queue bound once per batch (:class:`_BoundQueueRouter`).
+    """
+    return {"retry": False, "router": _BoundQueueRouter(app.amqp.router, producer)}
+
+
+class _BoundQueueRouter:
+    """Celery's router, with the routed queue bound to the producer's channel once per batch.
+
+    ``send_task`` declares the routed queue before each publish (``maybe_declare``, cached
+    per connection); kombu binds an unbound queue to the channel first, copying the
+    :class:`kombu.Queue` on every message (about a fifth of a pipelined ``send_task``).
+    This wrapper asks the app's own router for every message (so ``task_routes``, custom
+    routers and ``task_create_missing_queues`` decide exactly as in ``send_task``) and only
+    swaps the routed queue for a copy bound to the producer's channel, made once per queue
+    per batch. The copy has the queue's exchange, routing key, arguments and delivery mode,
+    so the message and the declaration are the ones ``send_task`` makes
+    (``tests/integration/test_publish_batch.py``).
+    """
+
+    def __init__(self, router: Any, producer: Any) -> None:
+        self.router = router
+        self.producer = producer
+        self._bound: dict[int, tuple[Any, Any]] = {}
+
+    def route(self, options: dict[str, Any], name: str, args: Any = (), kwargs: Any = None,
+              task_type: Any = None) -> dict[str, Any]:
+        routed: dict[str, Any] = self.router.route(options, name, args, kwargs, task_type)
+        queue = routed.get("queue")
+        if queue is not None and not isinstance(queue, str) and not queue.is_bound:
+            cached = self._bound.get(id(queue))
+            if cached is None or cached[0] is not queue:
+                cached = self._bound[id(queue)] = (queue, queue.bind(self.producer.channel))
+            routed["queue"] = cached[1]
+        return routed
+
+
+def _send_one(app: Any, producer: Any, message: OutboxMessage, now: datetime,
+              **send_options: Any) -> None:
+    payload = message.payload
+    if not isinstance(payload, Mapping) or "task" not in payload:
+        raise PermanentDeliveryError(
+            f"outbox row {message.id} ({message.message_id}): celery payload needs a 'task' key"
+        )
+    expires_at = _parse_instant(payload.get("expires_at"))
+    if expires_at is not None and expires_at <= now:
+        raise MessageExpiredError("expired before publish")
+    options = {
+        k: v
+        for k, v in dict(payload.get("options") or {}).items()
+        if k in ("queue", "routing_key", "priority", "exchange") and v is not None
+    }
+    headers = _custom_headers(payload.get("headers"), message)
+    headers.setdefault("reliable_beat_message_id", message.message_id)
+    app.send_task(
+        payload["task"],
+        args=list(payload.get("args") or []),
+        kwargs=dict(payload.get("kwargs") or {}),
+        task_id=celery_task_id(message),
+        headers=headers,
+        expires=expires_at,
+        producer=producer,
+        **options,
+        **send_options,
+    )
+
+
+def _custom_headers(raw: Any, message: OutboxMessage) -> dict[str, Any]:
+    """A row's custom headers without Celery's protocol headers (``task``, ``id``, ...).
+
+    A custom header with a protocol name would override the message's own (an entry for
+    task A sent with ``task=B`` ran B): such keys are dropped and logged at WARNING.
+    """
+    if not isinstance(raw, Mapping):
+        if raw:
+            log.warning("outbox row %d (%s): 'headers' is not an object; ignored",
+                        message.id, message.message_id)
+        return {}
+    headers = {}
+    dropped = []
+    for key, value in raw.items():
+        if str(key).lower() in CELERY_PROTOCOL_HEADERS:
+            dropped.append(str(key))
+        else:
+            headers[str(key)] = value
+    if dropped:
+        log.warning("outbox row %d (%s): Celery protocol header(s) %s ignored (a custom "
+                    "header may not override the message's own)", message.id,
+                    message.message_id, ", ".join(sorted(dropped)))
+    return headers
+
+
+class CeleryHandler:
+    """Destination ``celery``: ``send_task`` with a task id derived from the message id."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __call__(self, message: OutboxMessage) -> None:
+        error = self.deliver_batch([message])[0]
+        if error is not None:
+            raise error
+
+    def deliver_batch(self, messages: Sequence[OutboxMessage]) -> list[Result]:
+        """Publish over one producer; see :func:`publish_celery_batch`."""
+        return [err for _, err in publish_celery_batch(self.app, messages)]
+
+
+class KombuHandler:
+    """Destination ``kombu``: a raw publish (``message_id`` property = the message id).
+
+    Args:
+        app: a Celery app whose broker connection to use, or None.
+        url: a kombu broker URL, used when ``app`` is None.
+    """
+
+    def __init__(self, app: Any = None, url: str | None = None) -> None:
+        if app is None and url is None:
+            raise ConfigurationError("KombuHandler needs a Celery app or a broker url")
+        self.app = app
+        self.url = url
+
+    def __call__(self, message: OutboxMessage) -> None:
+        error = self.deliver_batch([message])[0]
+        if error is not None:
+            raise error
+
+    def deliver_batch(self, messages: Sequence[OutboxMessage]) -> list[Result]:
+        """Publish every message over one connection, in order.
+
+        On RabbitMQ the batch is confirmed like a ``celery`` batch (:class:`_AmqpConfirms`)
+        and published ``mandatory``: a message no queue is bound for comes back
+        (``basic.return``) and fails with a :class:`DeliveryError` (charged an attempt,
+        dead-lettered in the end) instead of being confirmed and dropped by the broker.
+        """
+        import kombu
+
+        results: list[Result] = []
+        confirmed = False
+        try:
+            if self.app is not None:
+                conn = self.app.connection_for_write()
+            else:
+                conn = kombu.Connection(self.url)  # type: ignore[attr-defined,no-untyped-call]
+            with conn, conn.Producer() as plain, _amqp_confirms(plain) as confirms:
+                producer = plain if confirms is None else confirms.producer
+                confirmed = confirms is not None
+                conn_errors = _connection_errors(producer)
+                for index, message in enumerate(messages):
+                    try:
+                        self._publish(kombu, producer, message,
+                                      mandatory=confirms is not None)
+                        if confirms is not None:
+                            confirms.sent(index, message.message_id)
+                        results.append(None)
+                    except conn_errors as exc:
+                        down = DestinationUnavailableError(f"kombu broker unavailable: {exc!r}")
+                        down.__cause__ = exc
+                        results.extend([down] * (len(messages) - index))
+                        break
+                    except Exception as exc:
+                        if confirms is not None and confirms.closed_by(exc):
+                            raise  # the channel is gone: the rest of the batch with it
+                        results.append(exc)
+                if confirms is not None:
+                    confirms.flush()
+                    unconfirmed = confirms.wait()
+                    results = [unconfirmed.get(i, r) for i, r in enumerate(results)]
+        except Exception as exc:
+            down = DestinationUnavailableError(f"kombu broker unavailable: {exc!r}")
+            down.__cause__ = exc
+            if confirmed:  # nothing counts as published before the broker's confirm
+                results = [down if r is None else r for r in results]
+            results.extend([down] * (len(messages) - len(results)))
+        return results
+
+    @staticmethod
+    def _publish(kombu: Any, producer: Any, message: OutboxMessage, *,
+                 mandatory: bool = False) -> None:
+        p = message.payload
+        if not isinstance(p, Mapping) or "routing_key" not in p or "body" not in p:
+            raise PermanentDeliveryError(
+                f"outbox row {message.id}: kombu payload needs 'routing_key' and 'body'"
+            )
+        name = p.get("exchange", "") or ""
+        exchange = kombu.Exchange(name, type=p.get("exchange_type", "direct"))
+        headers = dict(p.get("headers") or {})
+        headers.setdefault("reliable_beat_message_id", message.message_id)
+        producer.publish(
+            p["body"],
+            exchange=exchange,
+            routing_key=p["routing_key"],
+            serializer=p.get("serializer", "json"),
+            headers=headers,
+            message_id=message.message_id,
+            declare=[exchange] if name else [],
+            retry=False,
+            mandatory=mandatory,
+        )

@@ -1,0 +1,275 @@
+"""The ``reliable-beat`` command line: the root click group and what every command shares.
+
+Framework-neutral: standalone (``reliable-beat ...``, :func:`main`), and mounted by each
+adapter (``celery -A proj reliable-beat ...`` through the ``celery.commands`` entry point,
+:mod:`reliable_beat.celery.commands`). ``-A`` names a Celery app, loaded through the Celery
+adapter (:func:`load_app`; without ``reliable-beat[celery]`` installed it is a clear error,
+every command without ``-A`` works).
+
+Each command gets a :class:`CliContext` (``ctx.find_object(CliContext)``) holding the
+framework app (when one was given), the :class:`~reliable_beat.settings.Settings` read from
+it, and a lazily created :class:`~reliable_beat.db.dialects.Store`. Command modules register
+themselves in :data:`COMMAND_MODULES`.
+
+Output conventions, the same for every command:
+
+* ``--json`` prints the data as JSON on stdout; every instant is ISO 8601 UTC with ``Z``
+  (:func:`jsonable`), whatever produced it.
+* Errors go to stderr as one line ``error: <message>`` (never ``Error:``), or, when the
+  command line has ``--json``, as one JSON object ``{"error": {"message", "kind",
+  "exit_code"[, "problems"]}}`` (:func:`fail`). Exit codes: 1 not found / database
+  unavailable / failed; 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, NoReturn
+
+import click
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from reliable_beat import __version__
+from reliable_beat.db.dialects import Store
+from reliable_beat.errors import (
+    ConfigurationError,
+    EntryNotFoundError,
+    ReliableBeatError,
+    StoreUnavailableError,
+)
+from reliable_beat.redaction import redact_text, redact_value
+from reliable_beat.settings import Settings
+
+__all__ = [
+    "COMMAND_MODULES",
+    "CliContext",
+    "fail",
+    "jsonable",
+    "load_app",
+    "main",
+    "pass_cli",
+    "reliable_beat",
+]
+
+#: ``ctx.meta`` key: the command line asked for ``--json`` (errors are JSON too).
+JSON_META = "reliable_beat.json"
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with every ``datetime`` as ISO 8601 UTC (``...Z``, microseconds kept when
+    non-zero; a naive one is taken as UTC), recursively through dicts, lists and tuples, for
+    ``--json`` output."""
+    if isinstance(value, datetime):
+        at = (value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+              ).astimezone(timezone.utc)
+        fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if at.microsecond else "%Y-%m-%dT%H:%M:%SZ"
+        return at.strftime(fmt)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def wants_json() -> bool:
+    """True when the running command line has ``--json``."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.meta.get(JSON_META))
+
+
+def fail(message: str, code: int = 1, *, kind: str = "error",
+         problems: list[str] | None = None) -> NoReturn:
+    """Print an error on stderr and exit with ``code``.
+
+    Text: ``error: <message>``. With ``--json`` on the command line: one JSON object
+    ``{"error": {"message": str, "kind": str, "exit_code": int, "problems": [str]?}}``.
+
+    Args:
+        kind: a stable word for scripts: ``usage``, ``invalid``, ``not_found``,
+            ``store_unavailable``, ``schema_missing``, ``database``, ``error``.
+        problems: every problem of a validation error (each names its entry).
+
+    Raises:
+        SystemExit: always, with ``code``.
+    """
+    message = redact_text(message)  # URLs, tokens: never in an error line
+    problems = [redact_text(p) for p in problems] if problems else problems
+    if wants_json():
+        body: dict[str, Any] = {"message": message, "kind": kind, "exit_code": code}
+        if problems:
+            body["problems"] = problems
+        click.echo(json.dumps({"error": body}, sort_keys=True), err=True)
+    else:
+        click.echo(f"error: {message}", err=True)
+    raise SystemExit(code)
+
+
+#: Modules whose import adds commands to :func:`reliable_beat` (each defines ``register(group)``).
+COMMAND_MODULES = [
+    "reliable_beat.cli.db",
+    "reliable_beat.cli.entries",
+    "reliable_beat.cli.relay",
+    "reliable_beat.cli.status",
+    "reliable_beat.metrics",
+    "reliable_beat.cli.runs",
+    "reliable_beat.cli.schedule",
+    "reliable_beat.cli.workflows",
+    "reliable_beat.cli.purge",
+    "reliable_beat.cli.dramatiq",
+]
+
+
+@dataclass
+class CliContext:
+    """What every command needs: the app, the settings and the store."""
+
+    app: Any = None
+    database_url: str | None = field(default=None, repr=False)  # may hold a password
+    role: str = "cli"
+    create_store: bool = False  # only `db upgrade` may create an embedded SQLite file
+    _settings: Settings | None = field(default=None, repr=False)
+    _store: Store | None = field(default=None, repr=False)
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            base = Settings.from_celery(self.app) if self.app is not None else Settings()
+            if self.database_url:
+                from dataclasses import replace
+
+                base = replace(base, database_url=self.database_url)
+            self._settings = base
+        return self._settings
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            url = self.settings.database_url
+            path = _sqlite_path(url)
+            if path is not None and not self.create_store and not os.path.exists(path):
+                raise click.ClickException(
+                    f"no reliable_beat store at {path}: start a beat (it creates the embedded "
+                    "store), run `reliable-beat db upgrade`, or pass --database-url / -A"
+                )
+            self._store = Store.from_url(url, role=self.role)
+        return self._store
+
+    def echo_json(self, value: Any) -> None:
+        """Print ``value`` as JSON (instants as ISO 8601 ``Z``, see :func:`jsonable`; secrets
+        redacted, see :func:`reliable_beat.redaction.redact_value`)."""
+        click.echo(json.dumps(redact_value(jsonable(value)), indent=2, default=str,
+                              sort_keys=True))
+
+
+pass_cli = click.make_pass_decorator(CliContext)
+
+
+def _sqlite_path(url: str) -> str | None:
+    """The file of a ``sqlite:///path`` URL (None for other URLs and in-memory SQLite)."""
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return None
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return str(parsed.database)
+
+
+class _Group(click.Group):
+    """Turns every failure into one ``error:`` line (or JSON object, see :func:`fail`) and an
+    exit code, never a traceback."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[JSON_META] = "--json" in args
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except StoreUnavailableError as exc:
+            fail(str(exc), 1, kind="store_unavailable")
+        except DBAPIError as exc:
+            text = str(exc.orig)
+            if "no such table" in text or "does not exist" in text:
+                fail(f"the reliable_beat schema is missing ({text.splitlines()[0]}): run "
+                     "`reliable-beat db upgrade`", 1, kind="schema_missing")
+            fail(f"database error: {text.splitlines()[0] if text else exc!r}", 1,
+                 kind="database")
+        except EntryNotFoundError as exc:
+            fail(str(exc), 1, kind="not_found")
+        except ConfigurationError as exc:
+            fail(str(exc), 2, kind="invalid", problems=getattr(exc, "problems", None))
+        except ReliableBeatError as exc:
+            fail(str(exc), 1)
+        except click.UsageError as exc:
+            if not wants_json() and exc.ctx is not None:
+                click.echo(exc.ctx.get_usage(), err=True)
+                click.echo(f"Try '{exc.ctx.command_path} --help' for help.", err=True)
+            fail(exc.format_message(), exc.exit_code, kind="usage")
+        except click.ClickException as exc:
+            fail(exc.format_message(), exc.exit_code)
+
+
+#: How to install the Celery adapter (named by every error about a missing Celery).
+CELERY_EXTRA_HINT = "pip install 'reliable-beat[celery]'"
+
+
+def load_app(spec: str | None, parent_app: Any = None) -> Any:
+    """The app for ``-A spec`` (or the one ``celery -A proj reliable-beat`` already loaded,
+    ``parent_app``), with its task modules imported, or None when neither is given.
+
+    ``-A`` names a Celery app (``module`` or ``module:attr``); it is loaded by the Celery
+    adapter (:func:`reliable_beat.celery.commands.load_celery_app`,
+    :func:`~reliable_beat.celery.commands.prepare_app`).
+
+    Raises:
+        click.ClickException: the Celery adapter cannot be imported (Celery is not installed:
+            the message names the ``reliable-beat[celery]`` extra), or a task module of the
+            app fails to import.
+    """
+    if not spec and parent_app is None:
+        return None
+    try:
+        from reliable_beat.celery.commands import load_celery_app, prepare_app
+    except ImportError as exc:
+        what = f"-A {spec}" if spec else "the parent command's app"
+        hint = "" if CELERY_EXTRA_HINT in str(exc) else f" ({CELERY_EXTRA_HINT})"
+        raise click.ClickException(
+            f"{what}: a Celery app needs the Celery adapter: {exc}{hint}; the commands run "
+            "with --database-url instead of -A work without Celery"
+        ) from exc
+    return prepare_app(load_celery_app(spec) if spec else parent_app)
+
+
+@click.group(name="reliable-beat", cls=_Group)
+@click.version_option(version=__version__, prog_name="reliable-beat",
+                      message="%(prog)s %(version)s")
+@click.option("-A", "--app", "app_spec", default=None, envvar="RELIABLE_BEAT_APP",
+              help="Celery app (module or module:attr) whose reliable_beat_* settings to use.")
+@click.option("--database-url", default=None, envvar="RELIABLE_BEAT_DATABASE_URL",
+              help="Store URL; overrides reliable_beat_database_url.")
+@click.pass_context
+def reliable_beat(ctx: click.Context, app_spec: str | None, database_url: str | None) -> None:
+    """Effectively-once periodic tasks for Celery: schema, entries, runs, relay, status."""
+    parent = ctx.find_object(object) if ctx.parent is not None else None
+    # mounted as `celery -A proj reliable-beat ...`: Celery loaded the app, not its tasks
+    app = load_app(app_spec, getattr(parent, "app", None))
+    ctx.obj = CliContext(app=app, database_url=database_url)
+
+
+def _register_all() -> None:
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(reliable_beat)
+
+
+_register_all()
+
+
+def main() -> None:
+    """Run the ``reliable-beat`` command line (the console script)."""
+    reliable_beat(prog_name="reliable-beat")

@@ -1,4 +1,5 @@
-"""``reliable-beat workflows list|show|signal|resume|replay|purge`` (docs/cli.md,
+"""``reliable-beat workflows list|show|signal|resume|replay|purge|cancel|compensate``
+(docs/cli.md,
 docs/workflows.md).
 
 ``replay`` imports the current code (``-A APP``: the module that registers the workflows)
@@ -17,17 +18,17 @@ import click
 
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.cli.runs import _fmt, _table
-from reliable_beat.workflows import engine
+from reliable_beat.workflows import engine, saga
 from reliable_beat.workflows.errors import WorkflowConflict, WorkflowNotFound
 
 __all__ = ["register"]
 
-STATES = ["pending", "running", "waiting", "completed", "failed", "blocked"]
+STATES = ["pending", "running", "waiting", "completed", "failed", "cancelled", "blocked"]
 
 
 @click.group("workflows")
 def workflows_group() -> None:
-    """Durable workflows: list, show, signal, resume, replay, purge."""
+    """Durable workflows: list, show, signal, resume, replay, purge, cancel, compensate."""
 
 
 @workflows_group.command("list")
@@ -65,7 +66,7 @@ def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool)
                 "error", "entry_name", "slot_fire_at",
                 "block_reason", "queue", "fence_token", "leased_by", "lease_expires_at",
                 "wake_seq", "claimed_wake_seq", "history_len", "advances", "created_at",
-                "updated_at", "finished_at"):
+                "updated_at", "finished_at", "cancel_requested"):
         value = row.get(key)
         if key == "error" and value:
             value = f"{value.get('type')}: {value.get('message')}"
@@ -226,6 +227,48 @@ def wf_purge(cli: CliContext, older_than: str, dry_run: bool, batch_size: int,
     verb = "would delete" if dry_run else "deleted"
     click.echo(f"{verb}: {out.workflows} ended workflows, {out.events} events, {out.signals} "
                f"consumed signals (older than {cutoff.isoformat()})")
+@workflows_group.command("cancel")
+@click.argument("workflow_id")
+@click.option("--no-compensate", "terminate", is_flag=True,
+              help="Terminate: cancelled at once, no code and no compensation runs.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_cli
+def wf_cancel(cli: CliContext, workflow_id: str, terminate: bool, as_json: bool) -> None:
+    """Cancel WORKFLOW_ID: cooperative (its sagas unwind, it ends cancelled) or, with
+    --no-compensate, terminate. A workflow that already ended is left alone (exit 0)."""
+    try:
+        out = saga.cancel(cli.store, workflow_id, compensate=not terminate)
+    except WorkflowNotFound as exc:
+        fail(str(exc), 1, kind="not_found")
+    if as_json:
+        cli.echo_json(out)
+    else:
+        click.echo(f"{workflow_id}: {out['message']}")
+
+
+@workflows_group.command("compensate")
+@click.argument("workflow_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_cli
+def wf_compensate(cli: CliContext, workflow_id: str, as_json: bool) -> None:
+    """Run a blocked workflow's recorded, not yet completed compensations from data.
+
+    Newest first, as activities run by the workers (no workflow code runs); a dead-lettered
+    compensation is requeued first. The workflow then ends failed with its original error.
+    """
+    try:
+        out = saga.compensate(cli.store, workflow_id)
+    except WorkflowNotFound as exc:
+        fail(str(exc), 1, kind="not_found")
+    except (WorkflowConflict, ValueError) as exc:
+        fail(str(exc), 1, kind="conflict")
+    if as_json:
+        cli.echo_json(out)
+        return
+    names = ", ".join(f"{p['name']} (seq {p['seq']}, {p['state']})" for p in out["pending"])
+    click.echo(f"{workflow_id}: {len(out['pending'])} compensations to run, newest first: "
+               f"{names or 'none'}; requeued {len(out['requeued'])}; the workers run them, "
+               "then it ends failed (`workflows show ID --events` to follow)")
 
 
 def register(group: click.Group) -> None:

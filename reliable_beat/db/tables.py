@@ -276,8 +276,9 @@ dead_letters = Table(
 )
 
 # ------------------------------------------------------------------ durable workflows ----
-# Workflow states: pending -> running <-> waiting -> completed | failed; blocked (a person
-# acts: non-determinism, unknown workflow, history cap, swallowed suspension).
+# Workflow states: pending -> running <-> waiting -> completed | failed | cancelled; blocked
+# (a person acts: non-determinism, unknown workflow, history cap, swallowed suspension,
+# a compensation dead-lettered).
 # See reliable_beat.workflows and docs/workflows.md.
 workflows = Table(
     "reliable_beat_workflows",
@@ -306,6 +307,10 @@ workflows = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
     Column("finished_at", UTCDateTime, nullable=True),
+    # what a person asked for (migration 0008_sagas): NULL, "cancel" (cooperative: the code
+    # sees WorkflowCancelled, sagas unwind), "compensate" / "cancel_data" (run the recorded
+    # compensations from data, without the code; end failed / cancelled)
+    Column("cancel_requested", String(16), nullable=True),
     Index(
         "ix_reliable_beat_workflows_active",
         "updated_at",
@@ -325,8 +330,9 @@ workflows = Table(
 )
 
 # The history: one row per durable call, keyed by its position (seq) in the run.
-# kind: activity | step | transaction | timer | signal | now | wait_any
-# state: scheduled | completed | failed
+# kind: activity | step | transaction | timer | signal | now | wait_any | compensation | cancel
+# state: scheduled | completed | failed; a compensation: registered -> scheduled (dispatched)
+# -> completed | failed, or released (its saga block ended without an error)
 workflow_events = Table(
     "reliable_beat_workflow_events",
     metadata,

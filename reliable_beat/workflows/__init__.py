@@ -48,6 +48,7 @@ from reliable_beat.workflows.errors import (
     NonDeterminismError,
     Suspend,
     WorkflowBlockedError,
+    WorkflowCancelled,
     WorkflowConflict,
     WorkflowControl,
     WorkflowError,
@@ -55,6 +56,7 @@ from reliable_beat.workflows.errors import (
     WorkflowNotFound,
     WorkflowUsageError,
 )
+from reliable_beat.workflows.saga import Saga, cancel, compensate
 
 __all__ = [
     "ADVANCE_TASK",
@@ -62,8 +64,10 @@ __all__ = [
     "ActivityError",
     "ActivityHandle",
     "NonDeterminismError",
+    "Saga",
     "Suspend",
     "WorkflowBlockedError",
+    "WorkflowCancelled",
     "WorkflowConflict",
     "WorkflowContext",
     "WorkflowControl",
@@ -75,6 +79,8 @@ __all__ = [
     "WorkflowNotFound",
     "WorkflowUsageError",
     "advance",
+    "cancel",
+    "compensate",
     "get_workflow",
     "list_workflows",
     "redispatch_workflows",

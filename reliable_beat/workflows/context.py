@@ -41,9 +41,11 @@ from reliable_beat.redaction import get_logger
 from reliable_beat.workflows import children, continuation, engine, tripwire, versioning
 from reliable_beat.workflows.errors import (
     ActivityError,
+    EndWorkflow,
     FencedOut,
     NonDeterminismError,
     Suspend,
+    WorkflowCancelled,
     WorkflowControl,
     WorkflowUsageError,
 )
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
     from reliable_beat.db.dialects import Store
+    from reliable_beat.workflows.saga import Saga
 
 __all__ = ["ActivityHandle", "WorkflowContext", "WorkflowInfo", "current_context"]
 
@@ -163,6 +166,10 @@ class WorkflowContext:
         base = get_logger(f"reliable_beat.workflows.{claimed.name}")
         self.logger = logging.LoggerAdapter(base, {"workflow_id": claimed.workflow_id})
         self._filter = _ReplayFilter(self)
+        self._unwinding = False  # a saga is running its compensations (no cancel point)
+        self._cancel_checked: bool | None = None  # cached: a cooperative cancel is pending
+        #: saga blocks open right now (continue-as-new must refuse to cross one)
+        self.open_sagas = 0
 
     # ---------------------------------------------------------------- properties ----
 
@@ -229,6 +236,10 @@ class WorkflowContext:
                 return engine.block(self._store, self._claimed, str(exc))
             except continuation.ContinueAsNew as request:
                 return continuation.switch_run(self, request)
+            except EndWorkflow as exc:  # a saga: compensation dead-lettered; data-only unwind
+                if exc.values.get("state") == "blocked":
+                    engine.log.error("workflow %s blocked: %s", self._claimed.workflow_id, exc)
+                return engine._finish(self._store, self._claimed, **exc.values)
             except Exception as exc:
                 swallowed = self._swallowed()
                 if swallowed:
@@ -237,7 +248,8 @@ class WorkflowContext:
                 if tail:
                     return tail
                 engine.crash_point("advance.before_finish")
-                return engine._finish(self._store, self._claimed, state="failed",
+                ended = "cancelled" if isinstance(exc, WorkflowCancelled) else "failed"
+                return engine._finish(self._store, self._claimed, state=ended,
                                       error=engine.error_json(exc))
             swallowed = self._swallowed()
             if swallowed:
@@ -338,6 +350,11 @@ class WorkflowContext:
         seq = self._seq
         digest = engine.args_digest(kind, name, args)
         ev = self._history.get(seq)
+        if ev is not None and ev.kind == "cancel":
+            raise WorkflowCancelled(f"workflow {self._claimed.workflow_id!r} was cancelled "
+                                    f"(seq {seq})")
+        if ev is None and self._cancel_pending():
+            self._record_cancel(seq)
         if ev is None and self._dry_run:
             raise self._suspend(f"replay reached the frontier at seq {seq}")
         if ev is not None and (ev.kind, ev.name, ev.args_digest) != (kind, name, digest):
@@ -416,7 +433,49 @@ class WorkflowContext:
         return result
 
     def _suspend(self, why: str) -> Suspend:
+        recorded = self._history.get(self._seq + 1)
+        if recorded is not None and recorded.kind == "cancel" and not self._unwinding:
+            self._seq += 1  # cancelled while it waited here: replay the cancel, not the wait
+            raise WorkflowCancelled(f"workflow {self._claimed.workflow_id!r} was cancelled "
+                                    f"(seq {self._seq})")
+        if self._cancel_pending():  # a cancel interrupts the wait (at the next position)
+            self._seq += 1
+            self._record_cancel(self._seq)
         return self._raise(Suspend(why))  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------- sagas, cancel ----
+
+    def _cancel_pending(self) -> bool:
+        """A cooperative cancel was asked for and not yet raised in this run."""
+        if self._dry_run or self._unwinding:
+            return False
+        if self._cancel_checked is None:
+            from reliable_beat.workflows import saga
+
+            self._cancel_checked = saga.cancel_requested(self)
+        return self._cancel_checked
+
+    def _record_cancel(self, seq: int) -> None:
+        """Record a ``cancel`` event at ``seq`` and raise :class:`WorkflowCancelled`."""
+        digest = engine.args_digest("cancel", None, None)
+        self._record(seq, "cancel", None, digest, None, state="completed")
+        self._history[seq] = _Ev(seq, "cancel", None, digest, "completed", None, None, None,
+                                 None)
+        self._cancel_checked = False
+        raise WorkflowCancelled(f"workflow {self._claimed.workflow_id!r} was cancelled "
+                                f"(seq {seq})")
+
+    def saga(self) -> Saga:
+        """A saga block: ``with ctx.saga() as saga: saga.compensate(task, *args)``.
+
+        Register each compensation **before** the step it undoes; if an ``Exception``
+        leaves the block (an :class:`ActivityError`, :class:`WorkflowCancelled`, your own),
+        the registered compensations run in reverse as ordinary keyed activities, one at a
+        time, then the exception goes on. See :class:`reliable_beat.workflows.saga.Saga`.
+        """
+        from reliable_beat.workflows.saga import Saga
+
+        return Saga(self)
 
     @staticmethod
     def _outcome(ev_state: str, result: Any, error: Any, kind: str, name: str) -> Any:

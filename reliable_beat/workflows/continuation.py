@@ -65,7 +65,7 @@ def open_work(ctx: WorkflowContext) -> list[str]:
             if not done:
                 found.append(f"child workflow {ev.run_key} at seq {seq}")
     # saga blocks (reliable_beat.workflows.saga) count their open blocks here
-    sagas = int(getattr(ctx, "_open_sagas", 0) or 0)
+    sagas = int(getattr(ctx, "open_sagas", 0) or 0)
     if sagas:
         found.append(f"{sagas} saga block(s)")
     return found

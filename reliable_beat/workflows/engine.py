@@ -82,7 +82,7 @@ ADVANCE_TASK = "reliable_beat.workflow.advance"
 #: Outbox destination of advance and activity messages.
 WAKE_DESTINATION = "celery"
 ACTIVE_STATES = ("pending", "running", "waiting")
-TERMINAL_STATES = ("completed", "failed")
+TERMINAL_STATES = ("completed", "failed", "cancelled")
 #: Events per run past which a frontier record blocks the workflow (``history_limit``).
 DEFAULT_HISTORY_LIMIT = 2000
 #: Longest workflow id (its activity keys and wake message ids must fit 400 characters).
@@ -373,7 +373,8 @@ class WorkflowHandle:
             interval: seconds between polls of the row.
 
         Raises:
-            WorkflowFailed: it ended ``failed`` (``.error`` holds the recorded error).
+            WorkflowFailed: it ended ``failed`` or ``cancelled`` (``.error`` holds the
+                recorded error, ``.state`` which of the two).
             WorkflowBlockedError: it is ``blocked`` (a person must act).
             TimeoutError: still running after ``timeout`` seconds.
         """
@@ -382,8 +383,8 @@ class WorkflowHandle:
             row = self.status()
             if row["state"] == "completed":
                 return row["result"]
-            if row["state"] == "failed":
-                raise WorkflowFailed(self.workflow_id, row["error"])
+            if row["state"] in ("failed", "cancelled"):
+                raise WorkflowFailed(self.workflow_id, row["error"], state=row["state"])
             if row["state"] == "blocked":
                 raise WorkflowBlockedError(
                     f"workflow {self.workflow_id!r} is blocked: {row['block_reason']} (fix the "
@@ -592,7 +593,8 @@ def on_run_finished(
     ).rowcount
     if done != 1:
         return False
-    add_wake(conn, workflow_id, wf.queue, f"{run_no}#{seq}")
+    # wake_seq in the id: a requeued compensation completes the same seq a second time
+    add_wake(conn, workflow_id, wf.queue, f"{run_no}#{seq}.{wf.wake_seq}")
     return True
 
 
@@ -651,6 +653,7 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Clai
             seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
             history_bytes=int(row.history_bytes), owner=owner, lease=lease,
             version=row.version,
+            extra={"cancel_requested": row.cancel_requested},
         )
 
 
@@ -755,6 +758,11 @@ def advance(
         return claimed
     crash_point("advance.after_claim")
     definition = _registry.get(claimed.name)
+    from reliable_beat.workflows import saga
+
+    data_fn = saga.data_unwind_fn(claimed)  # `workflows compensate`: no code runs
+    if data_fn is not None:
+        definition = WorkflowDefinition(name=claimed.name, fn=data_fn)
     if definition is None:
         return block(
             store, claimed,
@@ -903,7 +911,7 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
                workflows.c.queue)
         .select_from(j)
         .where(
-            workflow_events.c.kind == "activity",
+            workflow_events.c.kind.in_(("activity", "compensation")),
             workflow_events.c.state == "scheduled",
             workflow_events.c.created_at < cutoff,
             workflows.c.state.in_(ACTIVE_STATES),
@@ -939,6 +947,7 @@ def _row_dict(row: Any) -> dict[str, Any]:
         "claimed_wake_seq": m["claimed_wake_seq"], "history_len": m["history_len"],
         "advances": m["advances"], "created_at": m["created_at"],
         "updated_at": m["updated_at"], "finished_at": m["finished_at"],
+        "cancel_requested": m.get("cancel_requested"),
     }
 
 

@@ -8,6 +8,7 @@
         ├── WorkflowConflict (ValueError)         start(): the id names another workflow
         ├── WorkflowUsageError (RuntimeError)     a durable call where none is allowed
         ├── WorkflowFailed                        handle.result(): the workflow failed
+        ├── WorkflowCancelled                     raised INTO workflow code: cancelled
         └── WorkflowBlockedError                  handle.result(): the workflow is blocked
 
     ActivityError (Exception)                     raised INTO workflow code: an activity,
@@ -17,7 +18,8 @@
     └── WorkflowControl                           engine control flow; never catch it
         ├── Suspend                               the answer is not there yet
         ├── NonDeterminismError                   code and history disagree
-        └── FencedOut                             a newer advance owns the workflow
+        ├── FencedOut                             a newer advance owns the workflow
+        └── EndWorkflow                           end (or park) the workflow as given
 
 Engine control flow derives from ``BaseException`` so ``except Exception:`` in workflow code
 lets it through (Inngest's ``ResponseInterrupt``, Restate's ``SdkInternalBaseException``). A
@@ -32,10 +34,12 @@ from reliable_beat.errors import ReliableBeatError
 
 __all__ = [
     "ActivityError",
+    "EndWorkflow",
     "FencedOut",
     "NonDeterminismError",
     "Suspend",
     "WorkflowBlockedError",
+    "WorkflowCancelled",
     "WorkflowConflict",
     "WorkflowControl",
     "WorkflowError",
@@ -63,17 +67,19 @@ class WorkflowUsageError(WorkflowError, RuntimeError):
 
 
 class WorkflowFailed(WorkflowError):
-    """``handle.result()``: the workflow ended ``failed``.
+    """``handle.result()``: the workflow ended ``failed`` (or ``cancelled``).
 
     Attributes:
         error: the recorded error, ``{"type", "message", "traceback"}``.
+        state: ``failed`` or ``cancelled``.
     """
 
-    def __init__(self, workflow_id: str, error: Any) -> None:
+    def __init__(self, workflow_id: str, error: Any, state: str = "failed") -> None:
         self.error = error
+        self.state = state
         err = error or {}
         super().__init__(
-            f"workflow {workflow_id!r} failed: {err.get('type')}: {err.get('message')}"
+            f"workflow {workflow_id!r} {state}: {err.get('type')}: {err.get('message')}"
         )
 
 
@@ -118,3 +124,21 @@ class NonDeterminismError(WorkflowControl):
 
 class FencedOut(WorkflowControl):
     """A newer advance claimed the workflow: this one writes nothing more."""
+
+
+class WorkflowCancelled(WorkflowError):
+    """Raised into workflow code at its next durable call after ``workflows cancel ID``.
+
+    An ``Exception``: an open saga (``with ctx.saga()``) unwinds its compensations, then the
+    workflow ends ``cancelled``. Code may catch it to clean up (more durable calls are
+    fine); it is raised once per run.
+    """
+
+
+class EndWorkflow(WorkflowControl):
+    """Engine control flow: end the advance by writing these workflow row values, fenced
+    (e.g. ``state='blocked'`` with a ``block_reason`` when a compensation dead-letters)."""
+
+    def __init__(self, message: str, **values: Any) -> None:
+        super().__init__(message)
+        self.values = values

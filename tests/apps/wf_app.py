@@ -171,3 +171,54 @@ def roll(ctx: WorkflowContext, order: str, seconds: float) -> Any:
             return _roll_v2(ctx, order, seconds)
         return _roll_v1(ctx, order, seconds)
     return _roll_v1(ctx, order, seconds)
+
+
+# ------------------------------------------------------------------ sagas ----
+
+
+@app.task(base=IdempotentTask, bind=True, name="wfa.forward")
+def forward(self: IdempotentTask, order: str, step: str, fail: bool = False) -> str:
+    """A forward saga step with an effect; ``fail`` refuses permanently (dead letter)."""
+    if fail:
+        raise ValueError(f"{order}: step {step} refused (permanent)")
+    with self.transaction() as tx:
+        tx.execute(wf_effects.insert().values(kind="forward", key=f"{order}:{step}",
+                                              pid=os.getpid()))
+        self.returns(step)
+    return step
+
+
+@app.task(base=IdempotentTask, bind=True, name="wfa.undo")
+def undo(self: IdempotentTask, order: str, step: str) -> str:
+    """A compensation: its effect, then a crash point before the message is acked.
+    ``RB_WF_UNDO_FAIL=<step>`` makes that step's undo fail permanently (a dead letter)."""
+    if os.environ.get("RB_WF_UNDO_FAIL") == step:
+        raise ValueError(f"{order}: undo {step} refused (permanent)")
+    with self.transaction() as tx:
+        tx.execute(wf_effects.insert().values(kind="undo", key=f"{order}:{step}",
+                                              pid=os.getpid()))
+        self.returns(f"undone {step}")
+    engine.crash_point(f"undo.after_commit.{step}")  # effect committed, message not acked
+    return "ignored"
+
+
+@workflow(app, name="wfa.saga", queue=QUEUE)
+def saga3(ctx: WorkflowContext, order: str) -> Any:
+    """Three forward activities in a saga; the third fails permanently: undo c, b, a."""
+    with ctx.saga() as saga:
+        for step in ("a", "b", "c"):
+            saga.compensate(undo, order, step, queue=QUEUE)
+            ctx.activity(forward, order, step, step == "c", queue=QUEUE)
+    return "unreachable"
+
+
+@workflow(app, name="wfa.saga_hold", queue=QUEUE)
+def saga_hold(ctx: WorkflowContext, order: str) -> Any:
+    """A saga parked on a long timer (what `workflows cancel` interrupts)."""
+    with ctx.saga() as saga:
+        saga.compensate(undo, order, "a", queue=QUEUE)
+        ctx.activity(forward, order, "a", queue=QUEUE)
+        ctx.sleep(timedelta(hours=24))
+        saga.compensate(undo, order, "b", queue=QUEUE)
+        ctx.activity(forward, order, "b", queue=QUEUE)
+    return "held"

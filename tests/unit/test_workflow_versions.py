@@ -472,3 +472,39 @@ def test_a_run_started_by_name_elsewhere_gets_the_version_of_its_first_advance(
     Driver(wf_store, app).run()
     row = engine.get_workflow(wf_store, "bn")
     assert (row["state"], row["version"], row["result"]) == ("completed", "3", "3")
+
+
+def test_continue_as_new_inside_an_open_saga_is_refused(app: Celery, wf_store: Store) -> None:
+    """The saga block keeps ctx.open_sagas; continue-as-new inside one must be refused, not
+    drop the recorded compensations (the merge of sagas and continue-as-new once read a
+    counter name the saga code does not keep)."""
+
+    def flow(ctx: WorkflowContext) -> None:
+        with ctx.saga() as saga:
+            saga.compensate("t.undo", "x")
+            ctx.continue_as_new()
+
+    workflow(name="t.cansaga")(flow)
+    engine.start(wf_store, "t.cansaga", "cs")
+    Driver(wf_store, app).run()
+    row = engine.get_workflow(wf_store, "cs")
+    assert row["state"] == "blocked" and "saga" in row["block_reason"], row["block_reason"]
+
+
+def test_a_terminated_child_wakes_its_parent(app: Celery, wf_store: Store) -> None:
+    """`workflows cancel --no-compensate` of a child ends it without `_finish`: its parent must
+    still be told (ActivityError kind child) in the same transaction, not wait forever."""
+    from reliable_beat.workflows import saga as rb_saga
+
+    KID_EFFECTS.clear()
+    workflow(name="t.kid")(kid)
+    workflow(name="t.par")(parent)
+    handle = engine.start(wf_store, "t.par", "par")
+    driver = Driver(wf_store, app)
+    driver.run()
+    out = rb_saga.cancel(wf_store, "par/child1.1", compensate=False)
+    assert out["state"] == "cancelled"
+    assert _parent_event(wf_store, 1)[0] == "failed"
+    driver.run()
+    # the parent's first wait_child raises ActivityError(kind="child"): it ends failed
+    assert handle.status()["state"] == "failed"

@@ -1,0 +1,530 @@
+"""Sagas and cancellation: compensations recorded before the steps they undo, run in
+reverse as ordinary keyed activities when the block fails; cooperative cancel, terminate,
+and running a blocked workflow's recorded compensations from data alone.
+
+::
+
+    with ctx.saga() as saga:
+        saga.compensate(cancel_authorization, order_id)   # recorded BEFORE the step
+        ctx.activity(authorize, order_id, cents)
+        saga.compensate(release_stock, order_id)
+        ctx.activity(reserve_stock, order_id)
+
+A compensation is a history event of kind ``compensation`` at the next position (its task
+name and arguments are kept in the row: it is data). Its states: ``registered`` (recorded,
+nothing sent) -> ``scheduled`` (its activity message is in the outbox, key
+``wf:<id>/<run>#<seq of the compensation>``) -> ``completed`` | ``failed`` (dead-lettered);
+``released`` when its block ended without an error (it will never run).
+
+When an ``Exception`` leaves the block (an :class:`ActivityError`, :class:`WorkflowCancelled`,
+the workflow's own), ``Saga.__exit__``:
+
+1. waits until every activity started inside the block has settled (completed or dead): a
+   forward step still in flight (a cancel that interrupted its wait) must land before its
+   compensation runs, so "cancel the authorization" can never run before a late
+   "authorize" commits and leave the authorization standing;
+2. runs the compensations registered in the block in reverse order, one at a time, each an
+   ordinary ``IdempotentTask`` run (lease, fence, retries with full jitter, dead letter):
+   dispatching one is a fenced transaction (event ``registered -> scheduled`` + its outbox
+   message), its completion writes the event with its effect (the activity completion hook);
+3. re-raises the original exception (the workflow ends ``failed`` with it, or ``cancelled``).
+
+The compensations take no new positions, so a crash mid-undo replays to the same point and
+goes on from the first compensation not ``completed``. A compensation that dead-letters
+parks the workflow ``blocked`` (reason ``compensation_failed``), never silently ``failed``:
+fix the cause, then ``reliable-beat workflows compensate ID`` (:func:`compensate`) requeues
+it and runs the rest from the history alone, without the workflow's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+from sqlalchemy import select, update
+
+from reliable_beat import outbox, runs
+from reliable_beat.db.tables import dead_letters, workflow_events, workflows
+from reliable_beat.db.tables import runs as runs_table
+from reliable_beat.outbox import db_now
+from reliable_beat.redaction import get_logger
+from reliable_beat.workflows import engine, tripwire
+from reliable_beat.workflows.errors import (
+    EndWorkflow,
+    FencedOut,
+    WorkflowConflict,
+    WorkflowNotFound,
+    WorkflowUsageError,
+)
+
+if TYPE_CHECKING:
+    from reliable_beat.db.dialects import Store
+    from reliable_beat.workflows.context import WorkflowContext
+
+__all__ = ["Saga", "cancel", "cancel_requested", "compensate", "data_unwind_fn"]
+
+log = get_logger("reliable_beat.workflows.saga")
+
+#: ``cancel_requested`` values that make the advance run compensations from data (no code).
+DATA_MODES = ("compensate", "cancel_data")
+
+
+@contextmanager
+def _engine_code() -> Iterator[None]:
+    token = tripwire.in_workflow_code.set(False)
+    try:
+        yield
+    finally:
+        tripwire.in_workflow_code.reset(token)
+
+
+def _task_name(task: Any) -> str:
+    if not isinstance(task, str) and not callable(getattr(task, "returns", None)):
+        raise WorkflowUsageError(
+            f"compensation {getattr(task, 'name', task)!r} is not an IdempotentTask: a "
+            "compensation runs as an activity whose completion writes the history with its "
+            "effect; use @app.task(base=IdempotentTask, bind=True) (or give its name)"
+        )
+    return task if isinstance(task, str) else str(task.name)
+
+
+class Saga:
+    """A saga block (``with ctx.saga() as saga``); see the module docstring.
+
+    Only ``Exception`` triggers the unwind; engine control flow (suspension, non-determinism,
+    fencing: ``BaseException``) passes through untouched.
+    """
+
+    def __init__(self, ctx: WorkflowContext) -> None:
+        self._ctx = ctx
+        self._compensations: list[int] = []  # seqs of this block's compensation events
+        self._start_seq = 0
+        self._open = False
+
+    def __enter__(self) -> Saga:
+        self._start_seq = self._ctx._seq
+        self._open = True
+        self._ctx.open_sagas += 1
+        return self
+
+    def compensate(self, task: Any, *args: Any, queue: str | None = None,
+                   **kwargs: Any) -> None:
+        """Register ``task(*args, **kwargs)`` to undo the step that follows.
+
+        Call it **before** the step it undoes: if the step's effect happened but the workflow
+        never saw it complete (a crash, a cancel that interrupted the wait), the
+        compensation still runs. So a compensation must be safe to repeat and must tolerate
+        "nothing to undo" (e.g. cancel an authorization that was never made: a no-op).
+
+        Args:
+            task: an ``IdempotentTask`` or its registered name; it runs as an activity keyed
+                ``wf:<id>/<run>#<seq of this registration>``.
+            args / kwargs: JSON-serialisable arguments (stored in the history row).
+            queue: the queue its message goes to (None: default routing).
+
+        Raises:
+            WorkflowUsageError: outside the ``with`` block, or ``task`` is a plain task.
+            TypeError: arguments not JSON-serialisable.
+        """
+        with _engine_code():
+            if not self._open:
+                raise WorkflowUsageError("saga.compensate(...) outside its `with ctx.saga()` "
+                                         "block")
+            self._register(_task_name(task), args, kwargs, queue)
+
+    def _register(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  queue: str | None) -> None:
+        from reliable_beat.workflows.context import _Ev
+
+        ctx = self._ctx
+        call = engine.to_json([list(args), kwargs], f"compensation {name!r} arguments")
+        seq, digest, ev = ctx._next("compensation", name, call)
+        if ev is None:
+            key = engine.activity_key(ctx._claimed.workflow_id, ctx._claimed.run_no, seq)
+            ctx._record(seq, "compensation", name, digest, [*call, queue], state="registered",
+                        run_key=key)
+            ctx._history[seq] = _Ev(seq, "compensation", name, digest, "registered", None,
+                                    None, None, key)
+        self._compensations.append(seq)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
+        self._open = False
+        self._ctx.open_sagas -= 1
+        if exc is not None and not isinstance(exc, Exception):
+            return False  # engine control flow: not a failure of the block
+        with _engine_code():
+            if exc is None:
+                _release(self._ctx, self._compensations)
+                return False
+            log.info("workflow %s: saga block failed (%s: %s); running %d compensations",
+                     self._ctx._claimed.workflow_id, type(exc).__name__, exc,
+                     len(self._compensations))
+            _unwind(self._ctx, self._start_seq, self._compensations,
+                    original=engine.error_json(exc))
+        return False  # the original exception goes on
+
+
+# ------------------------------------------------------------------ the unwind ----
+
+
+def _fenced(ctx: WorkflowContext, write: Callable[[Any], None]) -> None:
+    try:
+        with ctx._store.begin() as conn:
+            engine.fence_check(conn, ctx._claimed)
+            write(conn)
+    except FencedOut as exc:
+        raise ctx._raise(exc) from None
+
+
+def _release(ctx: WorkflowContext, seqs: list[int]) -> None:
+    """The block ended without an error: its compensations will never run."""
+    from reliable_beat.workflows.context import _Ev
+
+    open_ = [s for s in seqs if ctx._history[s].state == "registered"]
+    if not open_ or ctx._dry_run:
+        return
+
+    def write(conn: Any) -> None:
+        conn.execute(update(workflow_events)
+                     .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
+                            workflow_events.c.run_no == ctx._claimed.run_no,
+                            workflow_events.c.seq.in_(open_),
+                            workflow_events.c.state == "registered")
+                     .values(state="released", completed_at=db_now(conn)))
+
+    _fenced(ctx, write)
+    for s in open_:
+        ev = ctx._history[s]
+        ctx._history[s] = _Ev(s, ev.kind, ev.name, ev.args_digest, "released", None, None,
+                              None, ev.run_key)
+
+
+def _unwind(ctx: WorkflowContext, start_seq: int, seqs: list[int],
+            original: dict[str, str] | None, upto: int | None = None) -> None:
+    """Settle the block's in-flight activities, then run its compensations in reverse.
+    Returns when all completed; raises Suspend (one is running) or EndWorkflow (blocked)."""
+    from reliable_beat.workflows.context import ActivityHandle
+
+    if ctx._dry_run:
+        raise ctx._suspend("offline replay stops at a saga's compensations")
+    ctx._unwinding = True
+    try:
+        for s in range(start_seq + 1, (ctx._seq if upto is None else upto) + 1):
+            ev = ctx._history.get(s)
+            if ev is not None and ev.kind == "activity" and ev.state == "scheduled":
+                done, _ = ctx._resolve(ActivityHandle(seq=s, name=str(ev.name),
+                                                      key=str(ev.run_key)))
+                if not done:
+                    raise ctx._suspend(f"saga: activity {ev.name} (seq {s}) must settle "
+                                       "before its compensation runs")
+        for i, c in enumerate(reversed(seqs)):
+            _run_compensation(ctx, c, original, between=i > 0)
+    finally:
+        ctx._unwinding = False
+
+
+def _run_compensation(ctx: WorkflowContext, seq: int, original: dict[str, str] | None,
+                      *, between: bool) -> None:
+    from reliable_beat.workflows.context import _Ev
+
+    ev = ctx._history[seq]
+    if ev.state == "completed":
+        return
+    if ev.state in ("registered", "released"):
+        if between:
+            engine.crash_point("saga.between")
+        _dispatch(ctx, seq, str(ev.name), str(ev.run_key))
+        ev = ctx._history[seq]
+    if ev.state == "scheduled":
+        state, result, error = _settled(ctx, seq, str(ev.run_key))
+        if state == "scheduled":
+            raise ctx._suspend(f"saga: waiting for compensation {ev.name} (seq {seq})")
+        ev = _Ev(seq, ev.kind, ev.name, ev.args_digest, state, result, error, None,
+                 ev.run_key)
+        ctx._history[seq] = ev
+    if ev.state == "failed":
+        err = ev.error or {}
+        lines = [ln for ln in str(err.get("message") or "").strip().splitlines() if ln]
+        cause = lines[-1] if lines else "no error text"  # the exception line, not the traceback
+        reason = (
+            f"compensation_failed: compensation {ev.name} (seq {seq}, key {ev.run_key}) "
+            f"dead-lettered: {cause}; the compensations after it in the undo "
+            "order have not run. Fix the cause, then `reliable-beat workflows compensate "
+            f"{ctx._claimed.workflow_id}` (requeues it and runs the rest from the history)"
+        )
+        values: dict[str, Any] = {"state": "blocked", "block_reason": reason[:4000]}
+        if original is not None:
+            values["error"] = original  # what the workflow ends with once compensated
+        raise ctx._raise(EndWorkflow(reason, **values))
+
+
+def _dispatch(ctx: WorkflowContext, seq: int, name: str, key: str) -> None:
+    """``registered -> scheduled`` + the compensation's activity message, one fenced txn."""
+    from reliable_beat.workflows.context import _Ev
+
+    def write(conn: Any) -> None:
+        row = conn.execute(
+            select(workflow_events.c.args, workflow_events.c.state)
+            .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
+                   workflow_events.c.run_no == ctx._claimed.run_no,
+                   workflow_events.c.seq == seq)
+        ).one()
+        if row.state not in ("registered", "released"):
+            return  # already sent (another advance before us; we are fenced anyway)
+        call = list(row.args or [[], {}, None])
+        payload: dict[str, Any] = {"task": name, "args": call[0], "kwargs": call[1],
+                                   "headers": {"reliable_beat_key": key}}
+        if len(call) > 2 and call[2]:
+            payload["options"] = {"queue": call[2]}
+        conn.execute(update(workflow_events)
+                     .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
+                            workflow_events.c.run_no == ctx._claimed.run_no,
+                            workflow_events.c.seq == seq)
+                     .values(state="scheduled", completed_at=None))
+        outbox.add(conn, engine.WAKE_DESTINATION, payload,
+                   key=f"act:{key}:f{ctx._claimed.fence_token}")
+        engine.crash_point("saga.dispatch.in")
+
+    engine.crash_point("saga.dispatch.before")
+    _fenced(ctx, write)
+    engine.crash_point("saga.dispatch.after")
+    ev = ctx._history[seq]
+    ctx._history[seq] = _Ev(seq, ev.kind, ev.name, ev.args_digest, "scheduled", None, None,
+                            None, ev.run_key)
+
+
+def _settled(ctx: WorkflowContext, seq: int, key: str) -> tuple[str, Any, Any]:
+    """(state, result, error) of a dispatched compensation; repairs a missing completion
+    from its run row (which committed with its effect), as activities do."""
+    with ctx._store.connect() as conn:
+        event = conn.execute(
+            select(workflow_events.c.state, workflow_events.c.result, workflow_events.c.error)
+            .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
+                   workflow_events.c.run_no == ctx._claimed.run_no,
+                   workflow_events.c.seq == seq)
+        ).one()
+        run = conn.execute(
+            select(runs_table.c.state, runs_table.c.result, runs_table.c.error)
+            .where(runs_table.c.idempotency_key == key)
+        ).first()
+    if event.state != "scheduled":
+        return str(event.state), event.result, event.error
+    if run is not None and run.state in ("succeeded", "dead"):
+        state = "completed" if run.state == "succeeded" else "failed"
+        error = None if state == "completed" else {"type": "dead",
+                                                    "message": (run.error or "")[-2000:]}
+        ctx._complete(seq, state, run.result, error)
+        return state, run.result, error
+    return "scheduled", None, None
+
+
+# ------------------------------------------------------------------ cancel ----
+
+
+def cancel_requested(ctx: WorkflowContext) -> bool:
+    """A cooperative cancel is pending for this run: asked for, not yet raised."""
+    if any(ev.kind == "cancel" for ev in ctx._history.values()):
+        return False
+    with ctx._store.connect() as conn:
+        asked = conn.execute(
+            select(workflows.c.cancel_requested).where(workflows.c.id == ctx._claimed.pk)
+        ).scalar()
+    return asked == "cancel"
+
+
+def data_unwind_fn(claimed: engine.Claimed) -> Callable[..., Any] | None:
+    """For the advance: the function to run instead of the workflow's code when a person
+    asked for its compensations to run from data (``workflows compensate`` / ``cancel`` of a
+    blocked workflow), else None."""
+    mode = claimed.extra.get("cancel_requested")
+    if mode not in DATA_MODES:
+        return None
+
+    def unwind_from_data(ctx: WorkflowContext, *args: Any, **kwargs: Any) -> None:
+        with _engine_code():
+            comps = [s for s, ev in sorted(ctx._history.items())
+                     if ev.kind == "compensation" and ev.state != "released"]
+            _unwind(ctx, 0, comps, original=None, upto=max(ctx._history, default=0))
+            if mode == "cancel_data":
+                raise ctx._raise(EndWorkflow(
+                    "cancelled", state="cancelled",
+                    error={"type": "WorkflowCancelled",
+                           "message": "cancelled by a person while blocked; its recorded "
+                                      f"compensations ran from data ({len(comps)})"}))
+            with ctx._store.connect() as conn:
+                had = conn.execute(select(workflows.c.error)
+                                   .where(workflows.c.id == ctx._claimed.pk)).scalar()
+            values: dict[str, Any] = {"state": "failed", "block_reason": None}
+            if not had:
+                values["error"] = {"type": "Compensated",
+                                   "message": "a person ran its recorded compensations "
+                                              f"from data ({len(comps)})"}
+            raise ctx._raise(EndWorkflow("compensated", **values))
+
+    return unwind_from_data
+
+
+def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[str, Any]:
+    """Cancel a workflow (``reliable-beat workflows cancel ID [--no-compensate]``).
+
+    * ``compensate=True`` (cooperative): the next advance raises
+      :class:`~reliable_beat.workflows.errors.WorkflowCancelled` inside the workflow code at
+      its next durable call (a wait in progress is interrupted), open sagas unwind, and the
+      workflow ends ``cancelled``. A ``blocked`` workflow (its code cannot run) has its
+      recorded compensations run from data instead, then ends ``cancelled``.
+    * ``compensate=False`` (terminate): ``cancelled`` at once, in this transaction; the
+      fence token is bumped so a running advance writes nothing more; no code and no
+      compensation runs (activities already sent still run; their completions change
+      nothing).
+
+    Returns:
+        ``{"workflow_id", "state", "changed", "message"}``; ``changed`` False (and a message
+        saying so) when the workflow had already ended: cancelling it is a no-op.
+
+    Raises:
+        WorkflowNotFound: no such workflow.
+    """
+    with store.begin() as conn:
+        now = db_now(conn)
+        row = conn.execute(select(workflows.c.id, workflows.c.state, workflows.c.queue,
+                                  workflows.c.cancel_requested)
+                           .where(workflows.c.workflow_id == workflow_id)).first()
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
+        live = workflows.c.state.not_in(engine.TERMINAL_STATES)
+        where = [workflows.c.id == row.id, live]
+        if row.state in engine.TERMINAL_STATES:
+            return {"workflow_id": workflow_id, "state": row.state, "changed": False,
+                    "message": f"workflow {workflow_id!r} already ended {row.state}: "
+                               "nothing to cancel, nothing changed"}
+        if not compensate:
+            done = conn.execute(update(workflows).where(*where).values(
+                state="cancelled", cancel_requested="terminate",
+                fence_token=workflows.c.fence_token + 1, leased_by=None,
+                lease_expires_at=None, finished_at=now, updated_at=now,
+                error={"type": "WorkflowTerminated",
+                       "message": "terminated by a person (workflows cancel --no-compensate)"
+                                  ": no code and no compensation ran"})).rowcount
+            state, message = "cancelled", "terminated: cancelled, no compensation ran"
+            if done:  # a child's end wakes its parent in the same transaction, like _finish
+                from reliable_beat.workflows.children import notify_parent
+
+                notify_parent(conn, row.id, "cancelled", None,
+                              {"type": "WorkflowTerminated", "message": message})
+        elif row.state == "blocked" or row.cancel_requested in DATA_MODES:
+            # its code cannot (or must not) run: the compensations run from data
+            done = conn.execute(update(workflows).where(*where).values(
+                state="waiting", cancel_requested="cancel_data", block_reason=None,
+                wake_seq=workflows.c.wake_seq + 1, advances=0, updated_at=now)).rowcount
+            engine.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
+            state = "waiting" if row.state == "blocked" else row.state
+            message = ("cancel requested: its code cannot run (blocked, or compensating "
+                       "from data), so its recorded compensations run from data, then it "
+                       "ends cancelled")
+        else:
+            done = conn.execute(update(workflows).where(*where).values(
+                cancel_requested="cancel", wake_seq=workflows.c.wake_seq + 1,
+                updated_at=now)).rowcount
+            engine.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
+            state = row.state
+            message = ("cancel requested: the workflow sees WorkflowCancelled at its next "
+                       "durable call, its sagas unwind, then it ends cancelled")
+    if done != 1:  # it ended between our read and our write
+        return cancel(store, workflow_id, compensate=compensate)
+    return {"workflow_id": workflow_id, "state": state, "changed": True, "message": message}
+
+
+def compensate(store: Store, workflow_id: str, *, by: str = "workflows compensate"
+               ) -> dict[str, Any]:
+    """Run a ``blocked`` workflow's recorded, not yet completed compensations from data
+    alone (``reliable-beat workflows compensate ID``), newest first, without its code.
+
+    A compensation that dead-lettered is requeued first (its run reset under the same key,
+    its dead letter marked requeued by ``by``; refused if its effect committed). The workflow
+    goes to ``waiting`` with a wake; the advance runs the compensations one at a time as
+    activities, then ends the workflow ``failed`` (keeping the error it failed with, if
+    any). A compensation that dead-letters again blocks it again.
+
+    Returns:
+        ``{"workflow_id", "state", "pending": [{"seq", "name", "state"}], "requeued": [key]}``.
+
+    Raises:
+        WorkflowNotFound: no such workflow.
+        WorkflowConflict: it is not ``blocked`` (a live workflow: use ``cancel``).
+        ValueError: a dead compensation cannot be requeued (its effect committed).
+    """
+    with store.connect() as conn:
+        row = conn.execute(select(workflows.c.id, workflows.c.state, workflows.c.run_no)
+                           .where(workflows.c.workflow_id == workflow_id)).first()
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
+        if row.state != "blocked":
+            hint = ("it already ended: nothing to compensate" if row.state in
+                    engine.TERMINAL_STATES else "to stop a live workflow and unwind its "
+                    "sagas use `workflows cancel ID`")
+            raise WorkflowConflict(f"workflow {workflow_id!r} is {row.state}, not blocked: "
+                                   f"`workflows compensate` runs a blocked workflow's "
+                                   f"compensations; {hint}")
+        comps = conn.execute(
+            select(workflow_events.c.seq, workflow_events.c.name, workflow_events.c.state,
+                   workflow_events.c.run_key)
+            .where(workflow_events.c.workflow_pk == row.id,
+                   workflow_events.c.run_no == row.run_no,
+                   workflow_events.c.kind == "compensation",
+                   workflow_events.c.state.not_in(("completed", "released")))
+            .order_by(workflow_events.c.seq.desc())
+        ).all()
+    requeued = []
+    for c in comps:
+        if c.state != "failed":
+            continue
+        with store.connect() as conn:
+            run = conn.execute(select(runs_table.c.id, runs_table.c.state,
+                                      runs_table.c.result)
+                               .where(runs_table.c.idempotency_key == c.run_key)).first()
+        if run is not None and run.state == "succeeded":
+            # requeued by hand (`dead-letters requeue`) and done since: record it, no rerun
+            with store.begin() as conn:
+                conn.execute(update(workflow_events)
+                             .where(workflow_events.c.workflow_pk == row.id,
+                                    workflow_events.c.run_no == row.run_no,
+                                    workflow_events.c.seq == c.seq,
+                                    workflow_events.c.state == "failed")
+                             .values(state="completed", result=run.result, error=None,
+                                     completed_at=db_now(conn)))
+            continue
+        with store.connect() as conn:
+            dl = None if run is None else conn.execute(
+                select(dead_letters.c.id).where(dead_letters.c.run_id == run.id)
+                .order_by(dead_letters.c.id.desc()).limit(1)).scalar()
+        if run is not None and run.state == "dead" and dl is not None:
+            runs.requeue_dead_letter(store, int(dl), by=by, force=True)
+            requeued.append(c.run_key)
+        with store.begin() as conn:  # sent again by the advance (a new message id)
+            conn.execute(update(workflow_events)
+                         .where(workflow_events.c.workflow_pk == row.id,
+                                workflow_events.c.run_no == row.run_no,
+                                workflow_events.c.seq == c.seq,
+                                workflow_events.c.state == "failed")
+                         .values(state="registered", error=None, completed_at=None))
+    with store.begin() as conn:
+        now = db_now(conn)
+        # no UPDATE ... RETURNING here: MariaDB has none
+        changed = conn.execute(
+            update(workflows)
+            .where(workflows.c.id == row.id, workflows.c.state == "blocked")
+            .values(state="waiting", cancel_requested="compensate", block_reason=None,
+                    wake_seq=workflows.c.wake_seq + 1, advances=0, updated_at=now)
+        ).rowcount
+        if changed != 1:
+            raise WorkflowConflict(f"workflow {workflow_id!r} changed state meanwhile; look "
+                                   "again (`workflows show ID --events`)")
+        done = conn.execute(select(workflows.c.queue, workflows.c.wake_seq)
+                            .where(workflows.c.id == row.id)).one()
+        engine.add_wake(conn, workflow_id, done.queue, f"compensate{done.wake_seq}")
+    return {"workflow_id": workflow_id, "state": "waiting",
+            "pending": [{"seq": c.seq, "name": c.name, "state": c.state} for c in comps],
+            "requeued": requeued}

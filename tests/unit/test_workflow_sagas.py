@@ -1,0 +1,495 @@
+"""Sagas and cancellation on SQLite with the in-process driver (tests/apps/wf_driver.py).
+
+Compensations recorded before their steps, run in reverse as keyed activities, each effect
+once through a crash at every crash point; a dead-lettered compensation blocks the workflow
+and ``compensate`` finishes it from data; the late-success race; cooperative cancel,
+terminate, cancel of a finished or blocked workflow.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from reliable_beat.celery.task import IdempotentTask
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import outbox
+from reliable_beat.workflows import (
+    WorkflowCancelled,
+    WorkflowConflict,
+    WorkflowContext,
+    WorkflowFailed,
+    WorkflowUsageError,
+    cancel,
+    compensate,
+    engine,
+    workflow,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
+from wf_driver import CrashPlan, Driver, events
+
+effects = sa.Table(
+    "saga_effects", sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("kind", sa.String(20)), sa.Column("key", sa.String(200)),
+    sa.Column("label", sa.String(200)),
+)
+BROKEN: set[str] = set()  # labels whose compensation fails permanently (until removed)
+
+
+def make_app(store: Store) -> Celery:
+    app = Celery("saga", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        reliable_beat_database_url=store.engine.url.render_as_string(hide_password=False),
+        reliable_beat_lease_seconds=30,
+        reliable_beat_retry_max_attempts=2,
+        reliable_beat_retry_base_seconds=0.01,
+        reliable_beat_retry_cap_seconds=0.02,
+    )
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="saga.do")
+    def do(self: IdempotentTask, label: str, fail: bool = False) -> str:
+        if fail:
+            raise ValueError(f"{label} refused")
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(kind="do", key=self.idempotency_key,
+                                               label=label))
+            self.returns(label)
+        return label
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="saga.undo")
+    def undo(self: IdempotentTask, label: str) -> str:
+        """Safe to repeat and tolerant of "nothing to undo": undoes what exists."""
+        if label in BROKEN:
+            raise ValueError(f"cannot undo {label} now")
+        with self.transaction() as tx:
+            done = tx.execute(sa.select(sa.func.count()).select_from(effects)
+                              .where(effects.c.kind == "do", effects.c.label == label)
+                              ).scalar_one()
+            tx.execute(effects.insert().values(kind="undo", key=self.idempotency_key,
+                                               label=label if done else f"{label}:nothing"))
+            self.returns(f"undone {label}" if done else f"nothing to undo for {label}")
+        return "ignored"
+
+    return app
+
+
+def three_steps(ctx: WorkflowContext, order: str) -> str:
+    with ctx.saga() as saga:
+        saga.compensate("saga.undo", f"{order}:a")
+        ctx.activity("saga.do", f"{order}:a")
+        saga.compensate("saga.undo", f"{order}:b")
+        ctx.activity("saga.do", f"{order}:b")
+        saga.compensate("saga.undo", f"{order}:c")
+        ctx.activity("saga.do", f"{order}:c", True)  # fails permanently
+    return "unreachable"
+
+
+def sleepy(ctx: WorkflowContext, order: str) -> str:
+    with ctx.saga() as saga:
+        saga.compensate("saga.undo", f"{order}:a")
+        ctx.activity("saga.do", f"{order}:a")
+        ctx.sleep(timedelta(hours=24))
+        saga.compensate("saga.undo", f"{order}:b")
+        ctx.activity("saga.do", f"{order}:b")
+    return "done"
+
+
+def ok_saga(ctx: WorkflowContext, order: str) -> str:
+    with ctx.saga() as saga:
+        saga.compensate("saga.undo", f"{order}:a")
+        ctx.activity("saga.do", f"{order}:a")
+    ctx.sleep(timedelta(hours=1))
+    return "ok"
+
+
+@pytest.fixture
+def store(sqlite_store: Store) -> Iterator[Store]:
+    effects.create(sqlite_store.engine)
+    BROKEN.clear()
+    workflow(name="t.three")(three_steps)
+    workflow(name="t.sleepy")(sleepy)
+    workflow(name="t.ok")(ok_saga)
+    yield sqlite_store
+    engine.crash_hook = None
+
+
+@pytest.fixture
+def app(store: Store) -> Celery:
+    return make_app(store)
+
+
+def drain(driver: Driver, limit: int = 500) -> None:
+    """Deliver what is due within 5 s (a 24 h timer is left pending, not waited for)."""
+    for _ in range(limit):
+        row, wait = driver._due()
+        if row is None and (wait is None or wait > 5):
+            return
+        driver.step()
+    raise AssertionError("driver did not settle")
+
+
+def rows(store: Store, kind: str | None = None) -> list[tuple[str, str]]:
+    q = sa.select(effects.c.kind, effects.c.label).order_by(effects.c.id)
+    if kind:
+        q = q.where(effects.c.kind == kind)
+    with store.connect() as conn:
+        return [(k, lbl) for k, lbl in conn.execute(q).all()]
+
+
+def shape(store: Store, wid: str) -> list[tuple[Any, ...]]:
+    return [(e[1], e[3]) for e in events(store, wid)]
+
+
+EXPECTED_THREE = [("compensation", "completed"), ("activity", "completed"),
+                  ("compensation", "completed"), ("activity", "completed"),
+                  ("compensation", "completed"), ("activity", "failed")]
+
+
+def test_failure_runs_compensations_in_reverse_once_and_fails_with_the_error(
+    app: Celery, store: Store
+) -> None:
+    handle = engine.start(store, "t.three", "o1", ["o1"])
+    drain(Driver(store, app))
+    with pytest.raises(WorkflowFailed) as info:
+        handle.result(timeout=1)
+    assert info.value.error["type"] == "ActivityError"
+    assert "saga.do failed: dead" in info.value.error["message"]
+    assert shape(store, "o1") == EXPECTED_THREE
+    # c never happened: its undo found nothing (tolerated); then b, then a
+    assert rows(store, "undo") == [("undo", "o1:c:nothing"), ("undo", "o1:b"),
+                                   ("undo", "o1:a")]
+    assert rows(store, "do") == [("do", "o1:a"), ("do", "o1:b")]
+    # each compensation ran under the key of its own registration (its seq)
+    with store.connect() as conn:
+        keys = [k for (k,) in conn.execute(sa.select(effects.c.key)
+                                           .where(effects.c.kind == "undo")
+                                           .order_by(effects.c.id))]
+    assert keys == ["wf:o1/1#5", "wf:o1/1#3", "wf:o1/1#1"]
+
+
+def test_crash_at_every_hit_gives_the_crash_free_outcome(app: Celery, store: Store) -> None:
+    """A simulated SIGKILL (rollback + redelivery + lease expiry) at the n-th crash point
+    reached (every hit with RB_WF_EXAMPLES set, else every saga point's hits and the first
+    hit of each other point): each compensation's effect once, reverse order, the
+    workflow failed with the original error and the crash-free history."""
+    hits: list[str] = []
+    engine.crash_hook = hits.append
+    engine.start(store, "t.three", "ref", ["ref"])
+    drain(Driver(store, app))
+    engine.crash_hook = None
+    total = len(hits)
+    assert {"saga.dispatch.in", "saga.between", "saga.dispatch.after"} <= set(hits)
+    # every hit of the saga's own points, the first hit of every other point (full: all)
+    first = {name: hits.index(name) + 1 for name in hits}
+    chosen = (range(1, total + 1) if os.environ.get("RB_WF_EXAMPLES") else
+              sorted({n for n in range(1, total + 1) if hits[n - 1].startswith("saga.")}
+                     | set(first.values())))
+    crashed_at: set[str] = set()
+    for n in chosen:
+        wid = f"c{n}"
+        plan = CrashPlan([n])
+        engine.crash_hook = plan
+        engine.start(store, "t.three", wid, [wid])
+        drain(Driver(store, app))
+        engine.crash_hook = None
+        crashed_at.update(plan.crashed)
+        row = engine.get_workflow(store, wid)
+        assert row["state"] == "failed", (n, plan.crashed, row)
+        assert "saga.do failed: dead" in row["error"]["message"]
+        assert shape(store, wid) == EXPECTED_THREE, (n, plan.crashed)
+        undo = [lbl for k, lbl in rows(store, "undo") if lbl.startswith(f"{wid}:")]
+        assert undo == [f"{wid}:c:nothing", f"{wid}:b", f"{wid}:a"], (n, plan.crashed)
+    assert {"saga.dispatch.in", "saga.between"} <= crashed_at
+    print(f"{len(chosen)} of {total} crash-point hits crashed one at a time "
+          f"({len(crashed_at)} distinct points): each compensation once, in reverse")
+
+
+def test_dead_compensation_blocks_and_compensate_finishes_from_data(
+    app: Celery, store: Store
+) -> None:
+    BROKEN.add("o2:b")
+    handle = engine.start(store, "t.three", "o2", ["o2"])
+    driver = Driver(store, app)
+    drain(driver)
+    row = handle.status()
+    assert row["state"] == "blocked"
+    assert row["block_reason"].startswith("compensation_failed: compensation saga.undo (seq 3")
+    assert "workflows compensate o2" in row["block_reason"]
+    assert rows(store, "undo") == [("undo", "o2:c:nothing")]  # a is not run past b
+    with pytest.raises(WorkflowConflict, match=r"not blocked: .* use `workflows cancel ID`"):
+        _compensate_live(store, app)
+    BROKEN.clear()  # the cause is fixed
+    engine.register(engine.WorkflowDefinition(name="t.three", fn=lambda ctx, o: 1 / 0))
+    out = compensate(store, "o2")  # no code runs: the new code would not even replay
+    assert [p["seq"] for p in out["pending"]] == [3, 1]
+    assert out["requeued"] == ["wf:o2/1#3"]
+    drain(driver)
+    row = handle.status()
+    assert row["state"] == "failed", (row, events(store, "o2"))
+    assert "saga.do failed: dead" in row["error"]["message"]  # the original error kept
+    assert rows(store, "undo") == [("undo", "o2:c:nothing"), ("undo", "o2:b"),
+                                   ("undo", "o2:a")]
+    workflow(name="t.three")(three_steps)
+
+
+def _compensate_live(store: Store, app: Celery) -> None:
+    engine.start(store, "t.sleepy", "live", ["live"])
+    drain(Driver(store, app))
+    compensate(store, "live")
+
+
+def test_successful_block_releases_its_compensations(app: Celery, store: Store) -> None:
+    engine.start(store, "t.ok", "ok1", ["ok1"])
+    drain(Driver(store, app))
+    assert shape(store, "ok1") == [("compensation", "released"), ("activity", "completed"),
+                                   ("timer", "scheduled")]
+    out = cancel(store, "ok1")  # cooperative: no open saga, nothing to undo
+    assert out["changed"]
+    drain(Driver(store, app))
+    row = engine.get_workflow(store, "ok1")
+    assert row["state"] == "cancelled" and row["error"]["type"] == "WorkflowCancelled"
+    assert rows(store, "undo") == []  # a released compensation never runs
+
+
+def test_cancel_interrupts_a_wait_and_the_saga_unwinds(app: Celery, store: Store) -> None:
+    handle = engine.start(store, "t.sleepy", "s1", ["s1"])
+    driver = Driver(store, app)
+    drain(driver)  # parked on the 24 h timer
+    assert handle.status()["state"] == "waiting"
+    out = cancel(store, "s1")
+    assert out["changed"] and "WorkflowCancelled" in out["message"]
+    drain(driver)
+    with pytest.raises(WorkflowFailed) as info:
+        handle.result(timeout=1)
+    assert info.value.state == "cancelled"
+    assert shape(store, "s1") == [("compensation", "completed"), ("activity", "completed"),
+                                  ("timer", "scheduled"), ("cancel", "completed")]
+    assert rows(store, "undo") == [("undo", "s1:a")]
+    again = cancel(store, "s1")
+    assert not again["changed"] and "already ended cancelled" in again["message"]
+
+
+def test_late_success_race_the_effect_ends_undone(app: Celery, store: Store) -> None:
+    """The cancel lands while the authorization is still in flight (its message not yet
+    run): the unwind waits for it to settle, then its compensation undoes it."""
+    handle = engine.start(store, "t.sleepy", "r1", ["r1"])
+    driver = Driver(store, app)
+    with store.connect() as conn:  # the start wake
+        wake = conn.execute(sa.select(outbox).where(outbox.c.state == "pending")).one()
+    driver.deliver(wake)
+    _sent(store, wake.id)
+    cancel(store, "r1")
+    with store.connect() as conn:
+        pending = conn.execute(sa.select(outbox).where(outbox.c.state == "pending")
+                               .order_by(outbox.c.id)).all()
+    act = next(r for r in pending if r.payload["task"] == "saga.do")
+    for r in pending:  # every advance first: the authorization has not landed yet
+        if r.payload["task"] == engine.ADVANCE_TASK:
+            driver.deliver(r)
+            _sent(store, r.id)
+    assert rows(store) == []  # nothing undone before the step it undoes has landed
+    assert handle.status()["state"] == "waiting"
+    driver.deliver(act)  # the late success
+    _sent(store, act.id)
+    drain(driver)
+    assert rows(store) == [("do", "r1:a"), ("undo", "r1:a")]
+    assert handle.status()["state"] == "cancelled"
+
+
+def _sent(store: Store, outbox_id: int) -> None:
+    with store.begin() as conn:
+        conn.execute(sa.update(outbox).where(outbox.c.id == outbox_id)
+                     .values(state="sent", sent_at=sa.func.current_timestamp()))
+
+
+def test_terminate_runs_nothing_and_fences_the_running_advance(app: Celery,
+                                                               store: Store) -> None:
+    engine.start(store, "t.sleepy", "t1", ["t1"])
+    driver = Driver(store, app)
+    drain(driver)
+    before = engine.get_workflow(store, "t1")
+    out = cancel(store, "t1", compensate=False)
+    assert out["changed"] and out["state"] == "cancelled"
+    row = engine.get_workflow(store, "t1")
+    assert row["state"] == "cancelled" and row["error"]["type"] == "WorkflowTerminated"
+    assert row["fence_token"] == before["fence_token"] + 1
+    drain(driver)
+    assert rows(store, "undo") == []
+    with pytest.raises(engine.WorkflowNotFound):
+        cancel(store, "nope")
+
+
+def test_cancel_of_a_blocked_workflow_compensates_from_data(app: Celery,
+                                                            store: Store) -> None:
+    engine.start(store, "t.sleepy", "b1", ["b1"])
+    driver = Driver(store, app)
+    drain(driver)
+    engine.register(engine.WorkflowDefinition(name="t.sleepy", fn=lambda ctx, o: ctx.now()))
+    with store.begin() as conn:  # wake it: the reordered code blocks it
+        engine.add_wake(conn, "b1", None, "poke")
+    drain(driver)
+    assert engine.get_workflow(store, "b1")["state"] == "blocked"
+    out = cancel(store, "b1")
+    assert "from data" in out["message"]
+    assert "from data" in cancel(store, "b1")["message"]  # again: still from data
+    drain(driver)
+    row = engine.get_workflow(store, "b1")
+    assert row["state"] == "cancelled", row
+    assert rows(store, "undo") == [("undo", "b1:a")]
+    workflow(name="t.sleepy")(sleepy)
+
+
+def test_control_flow_passes_through_the_saga_and_misuse_is_refused(app: Celery,
+                                                                    store: Store) -> None:
+    seen: list[str] = []
+
+    def outside(ctx: WorkflowContext) -> None:
+        with ctx.saga() as saga:
+            pass
+        try:
+            saga.compensate("saga.undo", "x")
+        except WorkflowUsageError as exc:
+            seen.append(str(exc))
+        try:
+            with ctx.saga() as s2:
+                s2.compensate(len, "x")
+        except WorkflowUsageError as exc:
+            seen.append(str(exc))
+        with ctx.saga() as s3:  # Suspend (a BaseException) leaves the block: no unwind
+            s3.compensate("saga.undo", "y")
+            ctx.sleep(timedelta(hours=1))
+
+    workflow(name="t.outside")(outside)
+    engine.start(store, "t.outside", "u1")
+    drain(Driver(store, app))
+    assert "outside its `with ctx.saga()` block" in seen[0]
+    assert "not an IdempotentTask" in seen[1]
+    assert shape(store, "u1") == [("compensation", "registered"), ("timer", "scheduled")]
+    assert rows(store) == []
+
+
+def test_cancelled_is_raised_into_the_code_once(app: Celery, store: Store) -> None:
+    def catches(ctx: WorkflowContext) -> str:
+        try:
+            ctx.sleep(timedelta(hours=1))
+        except WorkflowCancelled:
+            ctx.activity("saga.do", "cleanup")  # more durable calls are fine
+            return "cleaned up"
+        return "slept"
+
+    workflow(name="t.catches")(catches)
+    h = engine.start(store, "t.catches", "k1")
+    driver = Driver(store, app)
+    drain(driver)
+    cancel(store, "k1")
+    drain(driver)
+    assert h.result(timeout=1) == "cleaned up"
+    assert shape(store, "k1") == [("timer", "scheduled"), ("cancel", "completed"),
+                                  ("activity", "completed")]
+
+
+def test_cli_cancel_and_compensate(app: Celery, store: Store) -> None:
+    from click.testing import CliRunner
+
+    from reliable_beat.celery.commands import reliable_beat
+
+    def cli(*args: str) -> Any:
+        return CliRunner().invoke(reliable_beat, ["--database-url", store.url, *args])
+
+    engine.start(store, "t.sleepy", "cli1", ["cli1"])
+    engine.start(store, "t.sleepy", "cli2", ["cli2"])
+    drain(Driver(store, app))
+    out = cli("workflows", "compensate", "cli1")
+    assert out.exit_code == 1 and "is waiting, not blocked" in out.output
+    out = cli("workflows", "cancel", "cli1")
+    assert out.exit_code == 0, out.output
+    assert "cli1: cancel requested" in out.output
+    out = cli("workflows", "cancel", "cli2", "--no-compensate", "--json")
+    assert out.exit_code == 0 and '"state": "cancelled"' in out.output
+    drain(Driver(store, app))
+    out = cli("workflows", "cancel", "cli1")
+    assert out.exit_code == 0
+    assert "already ended cancelled: nothing to cancel, nothing changed" in out.output
+    out = cli("workflows", "list", "--state", "cancelled", "--json")
+    assert "cli1" in out.output and "cli2" in out.output
+    assert rows(store, "undo") == [("undo", "cli1:a")]
+    out = cli("workflows", "cancel", "nope")
+    assert out.exit_code == 1 and "no workflow 'nope'" in out.output
+
+
+def test_cancel_and_unwind_survive_a_crash_at_every_hit(app: Celery, store: Store) -> None:
+    """A saga parked on its 24 h timer is cancelled; a simulated SIGKILL at the n-th crash
+    point hit after the cancel, for every n: it ends cancelled, the cancel recorded once,
+    the one forward step undone once."""
+
+    def park(wid: str) -> Driver:
+        engine.start(store, "t.sleepy", wid, [wid])
+        driver = Driver(store, app)
+        drain(driver)
+        cancel(store, wid)
+        return driver
+
+    hits: list[str] = []
+    driver = park("cref")
+    engine.crash_hook = hits.append
+    drain(driver)
+    engine.crash_hook = None
+    assert shape(store, "cref")[-1] == ("cancel", "completed")
+    crashed: set[str] = set()
+    for n in range(1, len(hits) + 1):
+        wid = f"cc{n}"
+        driver = park(wid)
+        plan = CrashPlan([n])
+        engine.crash_hook = plan
+        drain(driver)
+        engine.crash_hook = None
+        crashed.update(plan.crashed)
+        row = engine.get_workflow(store, wid)
+        assert row["state"] == "cancelled", (n, plan.crashed, row)
+        assert shape(store, wid) == [("compensation", "completed"), ("activity", "completed"),
+                                     ("timer", "scheduled"), ("cancel", "completed")], n
+        assert [lbl for _, lbl in rows(store, "undo") if lbl.startswith(f"{wid}:")] == [
+            f"{wid}:a"], (n, plan.crashed)
+    assert {"record.cancel.in", "saga.dispatch.in"} <= crashed
+    print(f"cancel + unwind: {len(hits)} crash-point hits crashed one at a time "
+          f"({len(crashed)} distinct points), same outcome each time")
+
+
+def test_compensate_after_a_hand_requeue_does_not_repeat_the_compensation(
+    app: Celery, store: Store
+) -> None:
+    """The dead compensation was requeued by hand (`dead-letters requeue`) and ran: the
+    history still says failed; `compensate` records it completed instead of running it
+    again, then runs the rest."""
+    from reliable_beat import runs
+    from reliable_beat.db.tables import dead_letters
+
+    BROKEN.add("o3:b")
+    engine.start(store, "t.three", "o3", ["o3"])
+    driver = Driver(store, app)
+    drain(driver)
+    assert engine.get_workflow(store, "o3")["state"] == "blocked"
+    BROKEN.clear()
+    with store.connect() as conn:
+        dl = conn.execute(sa.select(dead_letters.c.id).order_by(dead_letters.c.id.desc())
+                          ).scalars().first()
+    runs.requeue_dead_letter(store, int(dl), by="a person")
+    app.tasks["saga.undo"].apply(("o3:b",), headers={"reliable_beat_key": "wf:o3/1#3"})
+    assert rows(store, "undo") == [("undo", "o3:c:nothing"), ("undo", "o3:b")]
+    out = compensate(store, "o3")
+    assert out["requeued"] == []
+    drain(driver)
+    assert engine.get_workflow(store, "o3")["state"] == "failed"
+    assert rows(store, "undo") == [("undo", "o3:c:nothing"), ("undo", "o3:b"),
+                                   ("undo", "o3:a")]

@@ -415,8 +415,10 @@ class Harness:
     def _servers(self) -> tuple[str, str]:
         o = self.opts
         if o.store == "mariadb":
-            self.maria = self.stack.enter_context(CrashSafeMariaDB())
-            db_url = self.maria.url
+            maria = CrashSafeMariaDB()
+            self.stack.enter_context(maria)
+            self.maria = maria
+            db_url = maria.url
         elif o.postgres_url:
             db_url = o.postgres_url
         else:
@@ -1216,7 +1218,8 @@ def _parse(argv: list[str] | None) -> Options:
     return Options(
         minutes=a.minutes, seed=a.seed, beats=a.beats, workers=a.workers, relays=a.relays,
         entries=a.entries, postgres_url=a.postgres_url, redis_url=a.redis_url,
-        broker=a.broker, store=a.store, compare=compare, compare_minutes=a.compare_minutes, workdir=a.workdir,
+        broker=a.broker, store=a.store, compare=compare, compare_minutes=a.compare_minutes,
+        workdir=a.workdir,
         keep_workdir=a.keep_workdir,
     )
 

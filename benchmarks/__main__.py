@@ -22,6 +22,9 @@ PARTS = {
     "workflows": ("benchmarks.workflows", "run"),
     "stacks": ("benchmarks.stacks", "run"),
 }
+#: Parts run without ``--only``: all but part 6 (it starts its own MariaDB and RabbitMQ
+#: unless given ``--mariadb-url`` / ``--amqp-url``): ``--only stacks`` runs it.
+DEFAULT_PARTS = [name for name in PARTS if name != "stacks"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- command: `python -m benchmarks {shlex.join(sys.argv[1:])}`".replace(" `", " `")
           .rstrip())
     print(f"- date: {started:%Y-%m-%d %H:%M} UTC, size `{size.name}`", flush=True)
-    parts = args.only or list(PARTS)
+    parts = args.only or DEFAULT_PARTS
     with servers(args.postgres_url, args.redis_url, size, mariadb_url=args.mariadb_url,
                  amqp_url=args.amqp_url, stacks="stacks" in parts) as env:
         print(machine(env) + "\n", flush=True)

@@ -204,6 +204,7 @@ def lateness(db_admin: str, broker_url: str, n_entries: int, seconds: float) -> 
     late: list[float] = []
     window: list[float] = []
     stop = threading.Event()
+    first = threading.Event()
 
     def consume() -> None:
         with Connection(broker_url) as conn:
@@ -211,6 +212,7 @@ def lateness(db_admin: str, broker_url: str, n_entries: int, seconds: float) -> 
 
             def on_message(body: Any, message: Any) -> None:
                 arrived = time.time()
+                first.set()
                 fire_at = (message.headers or {}).get("reliable_beat_fire_at")
                 if fire_at:
                     slot = datetime.fromisoformat(str(fire_at).replace("Z", "+00:00"))
@@ -230,13 +232,17 @@ def lateness(db_admin: str, broker_url: str, n_entries: int, seconds: float) -> 
         consumer.start()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "STK_BROKER": broker_url, "STK_DB": url,
                "STK_QUEUE": queue, "STK_N": str(n_entries)}
-        schedule_file = os.path.join(tempfile.mkdtemp(prefix="rb-stk-"), "beat.schedule")
+        workdir = tempfile.mkdtemp(prefix="rb-stk-")
+        log_path = os.path.join(workdir, "beat.log")
+        log = open(log_path, "wb")  # noqa: SIM115 - the child's
         beat = subprocess.Popen(
             [PY, "-m", "celery", "-A", "benchmarks.stacks_app", "beat", "-l", "warning",
-             "-s", schedule_file], cwd=ROOT, env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "-s", os.path.join(workdir, "beat.schedule")], cwd=ROOT, env=env,
+            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
         try:
-            time.sleep(5)  # boot, first claims
+            first.wait(120)  # the beat's boot (seconds on a loaded machine), first claims
+            time.sleep(2)
             window.append(time.time())
             time.sleep(seconds)
         finally:
@@ -250,6 +256,10 @@ def lateness(db_admin: str, broker_url: str, n_entries: int, seconds: float) -> 
             consumer.join(5)
         _purge(app, queue)
         app.close()
+    if not late:
+        with open(log_path, errors="replace") as fh:
+            raise RuntimeError(f"lateness: no trigger reached the consumer; beat log:\n"
+                               f"{fh.read()[-3000:]}")
     return late
 
 
@@ -265,13 +275,16 @@ def stacks(env: Env) -> list[tuple[str, str, str, str]]:
 
 def run(env: Env) -> str:
     size = env.size
-    n, batch = size.dispatch_n, size.dispatch_batch
+    batch = size.dispatch_batch
+    # smoke: a few hundred (RabbitMQ's confirm-per-message raw loop is slow on a loaded CI box)
+    n = size.dispatch_n if size.name != "smoke" else 200
+    relay_n = size.relay_n if size.name != "smoke" else 200
     rows = []
     for label, _store, db, broker in stacks(env):
         raw = raw_publish(broker, n)
         ours = dispatch(db, broker, n, batch)
-        rel = relay(db, broker, size.relay_n, batch)
-        raw_relay = raw_publish(broker, size.relay_n)
+        rel = relay(db, broker, relay_n, batch)
+        raw_relay = raw_publish(broker, relay_n)
         late = lateness(db, broker, size.lateness_entries, size.lateness_seconds)
         rows.append([label, ours, raw, f"{ours / raw:.0%}", rel, raw_relay,
                      f"{rel / raw_relay:.0%}", len(late), median(late), pct(late, 99),
@@ -279,7 +292,7 @@ def run(env: Env) -> str:
     started = datetime.now(timezone.utc)
     return "\n".join([
         f"### 6. Stacks: dispatch, lateness and relay per store x broker ({n:,} entries due "
-        f"at once, {size.relay_n:,} outbox rows, batch {batch}; lateness: "
+        f"at once, {relay_n:,} outbox rows, batch {batch}; lateness: "
         f"{size.lateness_entries} entries every second for {size.lateness_seconds:g} s)",
         "",
         "One process each. Raw = a kombu publish loop of persistent Celery-shaped messages "

@@ -20,7 +20,11 @@ PARTS = {
     "task_overhead": ("benchmarks.task_overhead", "run"),
     "relay": ("benchmarks.dispatch", "run_relay"),
     "workflows": ("benchmarks.workflows", "run"),
+    "stacks": ("benchmarks.stacks", "run"),
 }
+#: Parts run without ``--only``: all but part 6 (it starts its own MariaDB and RabbitMQ
+#: unless given ``--mariadb-url`` / ``--amqp-url``): ``--only stacks`` runs it.
+DEFAULT_PARTS = [name for name in PARTS if name != "stacks"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--postgres-url", help="use this PostgreSQL (superuser) instead of a "
                         "private server; a database is created and dropped per part")
     parser.add_argument("--redis-url", help="use this Redis (it is FLUSHDB'd!)")
+    parser.add_argument("--mariadb-url", help="part 6 (stacks): use this MariaDB (a user "
+                        "that may create databases) instead of a private server")
+    parser.add_argument("--amqp-url", help="part 6 (stacks): use this RabbitMQ instead of a "
+                        "private node")
     args = parser.parse_args(argv)
     size = SIZES[args.size]
     started = datetime.now(timezone.utc)
@@ -39,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- command: `python -m benchmarks {shlex.join(sys.argv[1:])}`".replace(" `", " `")
           .rstrip())
     print(f"- date: {started:%Y-%m-%d %H:%M} UTC, size `{size.name}`", flush=True)
-    with servers(args.postgres_url, args.redis_url, size) as env:
+    parts = args.only or DEFAULT_PARTS
+    with servers(args.postgres_url, args.redis_url, size, mariadb_url=args.mariadb_url,
+                 amqp_url=args.amqp_url, stacks="stacks" in parts) as env:
         print(machine(env) + "\n", flush=True)
-        for name in args.only or list(PARTS):
+        for name in parts:
             t0 = time.perf_counter()
             try:
                 module, func = PARTS[name]

@@ -66,6 +66,10 @@ class Env:
     redis_url: str
     size: Sizes
     notes: list[str] = field(default_factory=list)
+    #: MariaDB server (a user that may create databases) and RabbitMQ node of part 6
+    #: (:mod:`benchmarks.stacks`); None: that part leaves the stacks out.
+    mariadb_url: str | None = None
+    amqp_url: str | None = None
     _admin: sa.Engine | None = None
 
     @contextlib.contextmanager
@@ -98,9 +102,20 @@ class Env:
 
 
 @contextlib.contextmanager
-def servers(postgres_url: str | None, redis_url: str | None, size: Sizes) -> Iterator[Env]:
-    """Use the given servers, or start private ones from the local binaries."""
+def servers(postgres_url: str | None, redis_url: str | None, size: Sizes, *,
+            mariadb_url: str | None = None, amqp_url: str | None = None,
+            stacks: bool = False) -> Iterator[Env]:
+    """Use the given servers, or start private ones from the local binaries (MariaDB and
+    RabbitMQ only when ``stacks``: part 6 runs)."""
     with contextlib.ExitStack() as stack:
+        if stacks and mariadb_url is None:
+            from harness.servers import MariaDBServer
+
+            mariadb_url = stack.enter_context(MariaDBServer()).url
+        if stacks and amqp_url is None:
+            from harness.servers import RabbitMQServer
+
+            amqp_url = stack.enter_context(RabbitMQServer()).url
         if postgres_url is None:
             from harness.servers import PostgresServer
 
@@ -110,7 +125,7 @@ def servers(postgres_url: str | None, redis_url: str | None, size: Sizes) -> Ite
             from harness.servers import RedisServer
 
             redis_url = stack.enter_context(RedisServer()).url
-        yield Env(postgres_url, redis_url, size)
+        yield Env(postgres_url, redis_url, size, mariadb_url=mariadb_url, amqp_url=amqp_url)
 
 
 def psycopg_dsn(url: str) -> str:

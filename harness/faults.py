@@ -6,6 +6,7 @@ ledger that proves every slot's effect happened exactly once.
     python -m harness.faults --minutes 3 --compare stock,redbeat
     python -m harness.faults --minutes 2.5 --seed 7 --broker rabbitmq   # on RabbitMQ
     python -m harness.faults --minutes 2.5 --seed 7 --framework dramatiq  # Dramatiq adapter
+    python -m harness.faults --minutes 2.5 --seed 7 --store mariadb     # MariaDB as the store
 
 What it does (see ``docs/reliability.md``):
 
@@ -32,6 +33,11 @@ What it does (see ``docs/reliability.md``):
    adapter (:mod:`harness.faultapp_dramatiq`): ``dramatiq`` worker processes (``-p 1 -t 1``),
    ``reliable-beat dramatiq beat`` and ``reliable-beat dramatiq relay`` processes, on Redis
    or (``--broker rabbitmq``) RabbitMQ with publisher confirms.
+   ``--store mariadb`` runs the same with a private MariaDB as the store instead of
+   PostgreSQL; its store fault is ``mariadb_restart`` (a clean shutdown or a SIGKILL of
+   ``mariadbd``, at random, then a start on the same data directory: every connection of
+   every process is dropped, and committed transactions must survive InnoDB's crash
+   recovery), in place of ``pg_restart``.
 3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
    the ledger, prints a markdown table and exits non-zero on any missing or duplicated
    effect or failed check.
@@ -68,7 +74,13 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine
 
-from harness.servers import PostgresServer, RabbitMQServer, RedisServer, _wait_port
+from harness.servers import (
+    MariaDBServer,
+    PostgresServer,
+    RabbitMQServer,
+    RedisServer,
+    _wait_port,
+)
 from reliable_beat.schedules import CronSchedule, IntervalSchedule, Schedule
 
 __all__ = ["FAULT_KINDS", "Harness", "fault_kinds", "main"]
@@ -94,13 +106,26 @@ FAULT_KINDS = [
 #: The broker faults of each ``--broker``; :data:`FAULT_KINDS` holds Redis's.
 BROKER_FAULT_KINDS = {"redis": ["redis_restart", "redis_pause"],
                       "rabbitmq": ["rabbitmq_restart"]}
+#: The store faults of each ``--store``; :data:`FAULT_KINDS` holds PostgreSQL's.
+STORE_FAULT_KINDS = {"postgresql": ["pg_restart"], "mariadb": ["mariadb_restart"]}
 APP_FAULT_KINDS = ["transient_failure", "permanent_failure"]
+#: Restarts of servers that take tens of seconds to come back (RabbitMQ's Erlang boot, InnoDB
+#: recovery), during which every worker is disconnected: one at most every
+#: :data:`SLOW_RESTART_SPACING` seconds, else the random timeline of a long run keeps the
+#: workers away from the broker most of the time and measures nothing but the backlog.
+SLOW_RESTARTS = frozenset({"rabbitmq_restart", "mariadb_restart"})
+SLOW_RESTART_SPACING = 60.0
 
 
-def fault_kinds(broker: str = "redis") -> list[str]:
-    """The timeline's fault kinds on ``broker`` (``redis`` or ``rabbitmq``)."""
-    return [k for k in FAULT_KINDS if k not in BROKER_FAULT_KINDS["redis"]] + \
+def fault_kinds(broker: str = "redis", store: str = "postgresql") -> list[str]:
+    """The timeline's fault kinds on ``broker`` (``redis`` or ``rabbitmq``) and ``store``
+    (``postgresql`` or ``mariadb``)."""
+    kinds = [k for k in FAULT_KINDS if k not in BROKER_FAULT_KINDS["redis"]] + \
         BROKER_FAULT_KINDS[broker]
+    if store != "postgresql":
+        kinds = [k for k in kinds if k not in STORE_FAULT_KINDS["postgresql"]] + \
+            STORE_FAULT_KINDS[store]
+    return kinds
 COMPARE_FAULT_KINDS = ["kill_beat", "pause_beat"]
 
 ACTIVE = ("scheduled", "dispatched", "running", "retrying", "buffered")
@@ -134,6 +159,38 @@ class DurableRedis(RedisServer):
     def __exit__(self, *exc: object) -> None:
         self.stop()
         shutil.rmtree(self.datadir, ignore_errors=True)
+
+
+@dataclass
+class CrashSafeMariaDB(MariaDBServer):
+    """A private MariaDB whose committed transactions survive a SIGKILL of ``mariadbd``.
+
+    :class:`MariaDBServer` flushes InnoDB's log once a second
+    (``innodb_flush_log_at_trx_commit=0``: a crash of the process may lose the last second
+    of commits); this one writes the log at every commit (``=2``: only an OS crash could
+    lose them), as a production server would, so the ``mariadb_restart`` fault may crash the
+    server without the ledger counting lost commits as missing effects."""
+
+    def _args(self) -> list[str]:
+        return [*super()._args(), "--innodb-flush-log-at-trx-commit=2"]
+
+    def crash(self) -> None:
+        """SIGKILL ``mariadbd`` itself (not the ``runuser`` in front of it) and reap it."""
+        assert self.proc is not None
+        pid_file = self.datadir / "mysqld.pid"
+        with suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+        with suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait(60)
+        self.proc = None
+        deadline = time.monotonic() + 30  # the socket and port close with the process
+        while time.monotonic() < deadline:
+            try:
+                _wait_port(self.port, 0.05)
+            except TimeoutError:
+                break
+            time.sleep(0.1)
 
 
 class Sink:
@@ -266,6 +323,7 @@ class Procs:
         return None
 
     def stop_all(self) -> None:
+        self.unsupervise()  # else the supervisor restarts what this stops (SIGTERM, Ctrl-C)
         for name in list(self.procs):
             self.stop(name, timeout=10)
 
@@ -353,6 +411,7 @@ class Options:
     redis_url: str | None = None
     broker: str = "redis"
     framework: str = "celery"
+    store: str = "postgresql"
     compare: list[str] = field(default_factory=list)
     compare_minutes: float | None = None
     workdir: Path | None = None
@@ -385,8 +444,10 @@ class Harness:
         self.pg: PostgresServer | None = None
         self.redis: DurableRedis | None = None
         self.rabbit: RabbitMQServer | None = None
-        self.kinds = fault_kinds(opts.broker)
+        self.maria: CrashSafeMariaDB | None = None
+        self.kinds = fault_kinds(opts.broker, opts.store)
         self.restart_timers: list[threading.Timer] = []
+        self._last_slow_restart = float("-inf")
         self.stop_faults = threading.Event()
         #: tags of the poison rows injected (one malformed row per table each time)
         self.poisoned: list[str] = []
@@ -394,7 +455,12 @@ class Harness:
     # -- setup ---------------------------------------------------------------------------
     def _servers(self) -> tuple[str, str]:
         o = self.opts
-        if o.postgres_url:
+        if o.store == "mariadb":
+            maria = CrashSafeMariaDB()
+            self.stack.enter_context(maria)
+            self.maria = maria
+            db_url = maria.url
+        elif o.postgres_url:
             db_url = o.postgres_url
         else:
             self.pg = self.stack.enter_context(PostgresServer())
@@ -441,10 +507,19 @@ class Harness:
         faultcore.metadata.create_all(engine)
         return engine
 
+    @property
+    def mysql(self) -> bool:
+        """True when the store is MariaDB / MySQL (else PostgreSQL)."""
+        return self.engine.dialect.name in ("mysql", "mariadb")
+
     def db_now(self) -> datetime:
         for _ in range(100):
             try:
                 with self.engine.connect() as conn:
+                    if self.mysql:  # DATETIME(6) holding UTC, naive
+                        naive: datetime = conn.execute(
+                            select(func.utc_timestamp(6))).scalar_one()
+                        return naive.replace(tzinfo=timezone.utc)
                     value: datetime = conn.execute(select(func.clock_timestamp())).scalar_one()
                     return value.astimezone(timezone.utc)
             except Exception:
@@ -496,6 +571,7 @@ class Harness:
         self.procs = Procs(env, self.workdir / "logs")
         self.stack.callback(self.procs.stop_all)
         dq = o.framework == "dramatiq"
+        self.stack.callback(self.stop_faults.set)  # runs first: no fault during the teardown
         for i in range(o.workers):
             self.procs.start(f"worker{i}", dramatiq_worker_cmd(i) if dq else worker_cmd(i))
         for i in range(o.relays):
@@ -540,6 +616,11 @@ class Harness:
             time.sleep(0.2)
         while time.monotonic() < end - 5 and not self.stop_faults.is_set():
             kind = kinds.pop(0) if kinds else self.rng.choice(self.kinds)
+            if kind in SLOW_RESTARTS:
+                if time.monotonic() - self._last_slow_restart < SLOW_RESTART_SPACING:
+                    kind = self.rng.choice([k for k in self.kinds if k not in SLOW_RESTARTS])
+                else:
+                    self._last_slow_restart = time.monotonic()
             try:
                 self._inject(kind, end)
             except Exception as exc:  # a fault that could not be injected is a failure
@@ -570,6 +651,17 @@ class Harness:
                 return
             log("pg_ctl restart -m fast")
             self.pg.restart(mode="fast")
+            self.result.faults[kind] += 1
+        elif kind == "mariadb_restart":
+            assert self.maria is not None
+            crash = rng.random() < 0.5
+            log(f"mariadb {'SIGKILL' if crash else 'shutdown'} + start")
+            if crash:
+                self.maria.crash()
+            else:
+                self.maria.stop()
+            time.sleep(rng.uniform(0.5, 2.0))
+            self.maria.start()
             self.result.faults[kind] += 1
         elif kind == "redis_restart":
             if self.redis is None:
@@ -631,9 +723,10 @@ class Harness:
             for name in beats:
                 p.down.add(name)
                 p.kill(name)
+        week = "INTERVAL 7 DAY" if self.mysql else "interval '7 days'"
         with self.engine.begin() as conn:
             conn.execute(text(
-                f"UPDATE {entries.fullname} SET next_fire_at = next_fire_at - interval '7 days' "
+                f"UPDATE {entries.fullname} SET next_fire_at = next_fire_at - {week} "
                 "WHERE next_fire_at IS NOT NULL"))
         time.sleep(secs)
         with p.lock:
@@ -743,7 +836,10 @@ class Harness:
         time.sleep(self.opts.lease_seconds + 1.0)
         republished = False
         moved = False
-        while time.monotonic() - t0 < 40:
+        # RabbitMQ keeps the frozen worker's message unacknowledged (no visibility
+        # timeout): the run is taken over only through a re-send, which queues behind any
+        # backlog the other faults left; allow for it.
+        while time.monotonic() - t0 < (120 if self.opts.broker == "rabbitmq" else 40):
             with self.engine.connect() as conn:
                 fence = conn.execute(
                     select(runs.c.fence_token).where(runs.c.idempotency_key == key)
@@ -815,6 +911,8 @@ class Harness:
             self.redis.resume()
         if self.rabbit is not None and self.rabbit.proc is None:
             self.rabbit.start()
+        if self.maria is not None and self.maria.proc is None:
+            self.maria.start()
         with self.procs.lock:
             self.procs.down.clear()
             for name in list(self.procs.cmds):
@@ -861,6 +959,12 @@ class Harness:
             for s in schedule_of(e).slots_between(win_start, win_end):
                 expected[(e["name"], fmt(s))] = is_permanent(e["name"], fmt(s),
                                                              o.permanent_every)
+        now = self.db_now()
+        if self.mysql:  # DATETIME - DATETIME is not an interval on MySQL/MariaDB
+            late_expr: Any = func.max(func.timestampdiff(
+                text("MICROSECOND"), runs.c.fire_at, runs.c.dispatched_at))
+        else:
+            late_expr = func.max(runs.c.dispatched_at - runs.c.fire_at)
         with self.engine.connect() as conn:
             per = Counter(
                 (en, sl) for en, sl in conn.execute(select(effects.c.entry, effects.c.slot))
@@ -871,12 +975,13 @@ class Harness:
             ).all()
             stuck = conn.execute(
                 select(func.count()).where(runs.c.state == "running",
-                                           runs.c.lease_expires_at < func.now())
+                                           runs.c.lease_expires_at < now)
             ).scalar_one()
             lateness = conn.execute(
-                select(func.max(runs.c.dispatched_at - runs.c.fire_at)).where(
-                    runs.c.fire_at >= win_start, runs.c.fire_at <= win_end)
+                select(late_expr).where(runs.c.fire_at >= win_start, runs.c.fire_at <= win_end)
             ).scalar_one()
+            if lateness is not None and not isinstance(lateness, timedelta):
+                lateness = timedelta(microseconds=int(lateness))
             msgs = conn.execute(
                 select(outbox.c.message_id, outbox.c.payload, outbox.c.state).where(
                     outbox.c.destination == "sink")
@@ -1066,9 +1171,9 @@ class Harness:
             return self._compare_table()
         lines = [
             "",
-            f"## Fault-injection run ({o.framework}, {o.broker}): seed {o.seed}, "
-            f"{o.minutes:g} min, {o.beats} beats, {o.workers} workers, {o.relays} relays, "
-            f"{len(self.entries)} entries",
+            f"## Fault-injection run ({o.framework}): seed {o.seed}, {o.minutes:g} min, "
+            f"{o.beats} beats, {o.workers} workers, {o.relays} relays, "
+            f"{len(self.entries)} entries; store {o.store}, broker {o.broker}",
             "",
             "| fault | injected |",
             "|---|---|",
@@ -1179,9 +1284,13 @@ def _parse(argv: list[str] | None) -> Options:
                     help="broker of the run: a private Redis (default) or RabbitMQ node")
     ap.add_argument("--framework", choices=FRAMEWORKS, default="celery",
                     help="adapter of the run: Celery (default) or Dramatiq")
+    ap.add_argument("--store", choices=("postgresql", "mariadb"), default="postgresql",
+                    help="store of the run: a private PostgreSQL (default) or MariaDB server")
     ap.add_argument("--compare", default="",
                     help="comma-separated: stock, redbeat, reliable (trigger counting)")
     ap.add_argument("--compare-minutes", type=float, default=None)
+    ap.add_argument("--drain-seconds", type=float, default=120.0,
+                    help="how long workers and relays may take to drain after the faults")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep-workdir", action="store_true")
     a = ap.parse_args(argv)
@@ -1193,11 +1302,13 @@ def _parse(argv: list[str] | None) -> Options:
         ap.error("--framework dramatiq: --compare runs Celery schedulers only")
     if a.broker == "rabbitmq" and (compare or a.redis_url):
         ap.error("--broker rabbitmq: --compare and --redis-url need Redis")
+    if a.store == "mariadb" and (compare or a.postgres_url):
+        ap.error("--store mariadb: --compare and --postgres-url need PostgreSQL")
     return Options(
         minutes=a.minutes, seed=a.seed, beats=a.beats, workers=a.workers, relays=a.relays,
         entries=a.entries, postgres_url=a.postgres_url, redis_url=a.redis_url,
-        broker=a.broker, framework=a.framework, compare=compare,
-        compare_minutes=a.compare_minutes, workdir=a.workdir,
+        broker=a.broker, framework=a.framework, store=a.store, compare=compare,
+        compare_minutes=a.compare_minutes, workdir=a.workdir, drain_seconds=a.drain_seconds,
         keep_workdir=a.keep_workdir,
     )
 

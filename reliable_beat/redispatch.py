@@ -23,6 +23,15 @@ from "done".
 Pick ``reliable_beat_redispatch_seconds`` above the longest time a trigger may legitimately
 wait in a queue (worker backlog), and above the broker's own redelivery delay if you would
 rather let the broker redeliver first (Redis ``visibility_timeout``).
+
+Re-sends back off: a run's k-th re-send waits ``redispatch_seconds * 2**k`` (k counted in
+``runs.redispatches``, capped at :data:`BACKOFF_CAP`). A trigger that waits in a backlog
+looks exactly like a lost one, and re-sending every stuck run every period would add one
+duplicate message per stuck run per period to the backlog that made them look stuck: the
+queue grows faster than workers drain it and never recovers (a congestion collapse the fault
+run on RabbitMQ hit under load). With the backoff a run is re-sent at most
+``log2(backlog / redispatch_seconds) + 1`` times while it waits, and a lost message is still
+re-sent (after at most ``redispatch_seconds * 2**BACKOFF_CAP`` once it was re-sent that often).
 """
 
 from __future__ import annotations
@@ -45,9 +54,23 @@ from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
-__all__ = ["claim_stuck_runs", "redispatch_stuck_runs", "tracked_tasks"]
+__all__ = ["BACKOFF_CAP", "claim_stuck_runs", "redispatch_stuck_runs", "tracked_tasks"]
 
 log = get_logger("reliable_beat.redispatch")
+
+#: The re-send backoff's cap: a run already re-sent k times waits ``after * 2**min(k, cap)``
+#: (cap 4: 16 periods; 32 min at the 120 s default) before the next re-send.
+BACKOFF_CAP = 4
+
+
+def _waited(col: Any, now: datetime, after: timedelta) -> Any:
+    """``col`` older than ``after * 2**k`` for a run re-sent k times (k capped): one
+    portable condition per k, cutoffs computed here (no interval arithmetic in SQL)."""
+    return or_(*[
+        and_(runs.c.redispatches == k if k < BACKOFF_CAP else runs.c.redispatches >= k,
+             col < now - after * 2**k)
+        for k in range(BACKOFF_CAP + 1)
+    ])
 
 
 def claim_stuck_runs(
@@ -66,7 +89,10 @@ def claim_stuck_runs(
     Joins the caller's transaction (``FOR UPDATE SKIP LOCKED`` on the runs, so concurrent
     beats never pick the same run). Each claimed run's clock is pushed to ``now``
     (``dispatched_at``, or ``lease_expires_at`` for an expired ``running`` run), so it is not
-    picked again for another ``after``.
+    picked again for another ``after``. A run re-sent k times before must have waited
+    ``after * 2**k`` (k capped at :data:`BACKOFF_CAP`; ``retrying_after * 2**k`` for a
+    ``retrying`` run): re-sends back off, so a backlog is not flooded with duplicates (see
+    the module's docstring); each claim adds one to ``runs.redispatches``.
 
     Args:
         store: the store.
@@ -89,14 +115,13 @@ def claim_stuck_runs(
     """
     if not tasks:
         return []
-    cutoff = now - after
     stuck_states = [
-        and_(runs.c.state == "dispatched", runs.c.dispatched_at < cutoff),
-        and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff),
+        and_(runs.c.state == "dispatched", _waited(runs.c.dispatched_at, now, after)),
+        and_(runs.c.state == "running", _waited(runs.c.lease_expires_at, now, after)),
     ]
     if retrying_after is not None:
         stuck_states.append(
-            and_(runs.c.state == "retrying", runs.c.updated_at < now - retrying_after)
+            and_(runs.c.state == "retrying", _waited(runs.c.updated_at, now, retrying_after))
         )
     stmt = (
         select(runs.c.id, runs.c.idempotency_key, runs.c.state)
@@ -113,15 +138,18 @@ def claim_stuck_runs(
     running = [r.id for r in stuck if r.state == "running"]
     if dispatched:
         conn.execute(
-            update(runs).where(runs.c.id.in_(dispatched)).values(dispatched_at=now, updated_at=now)
+            update(runs).where(runs.c.id.in_(dispatched)).values(
+                dispatched_at=now, updated_at=now, redispatches=runs.c.redispatches + 1)
         )
     if running:
         conn.execute(
-            update(runs).where(runs.c.id.in_(running)).values(lease_expires_at=now, updated_at=now)
+            update(runs).where(runs.c.id.in_(running)).values(
+                lease_expires_at=now, updated_at=now, redispatches=runs.c.redispatches + 1)
         )
     retrying = [r.id for r in stuck if r.state == "retrying"]
     if retrying:
-        conn.execute(update(runs).where(runs.c.id.in_(retrying)).values(updated_at=now))
+        conn.execute(update(runs).where(runs.c.id.in_(retrying)).values(
+            updated_at=now, redispatches=runs.c.redispatches + 1))
     rows = conn.execute(
         select(outbox).where(
             outbox.c.message_id.in_([trigger_message_id(r.idempotency_key) for r in stuck]),

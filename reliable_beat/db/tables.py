@@ -193,6 +193,8 @@ runs = Table(
     Column("dispatched_at", UTCDateTime, nullable=True),
     Column("started_at", UTCDateTime, nullable=True),
     Column("finished_at", UTCDateTime, nullable=True),
+    # how many times the run's trigger was re-sent (reliable_beat.redispatch backs off on it)
+    Column("redispatches", Integer, nullable=False, server_default="0"),
     UniqueConstraint("entry_name", "fire_at"),
     Index("ix_reliable_beat_runs_state", "state"),
     Index("ix_reliable_beat_runs_entry_name_created_at", "entry_name", "created_at"),

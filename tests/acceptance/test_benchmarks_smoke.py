@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKTREE = Path(__file__).resolve().parents[2]
 
 HEADERS = (
@@ -32,4 +34,23 @@ def test_benchmarks_smoke(pg_url: str, redis_url: str) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for header in HEADERS:
         assert header in proc.stdout, f"{header!r} missing from:\n{proc.stdout}"
+    assert "FAILED" not in proc.stdout
+
+
+@pytest.mark.mariadb
+def test_benchmarks_stacks_smoke(pg_url: str, redis_url: str, mariadb_server: str,
+                                 amqp_url: str) -> None:
+    """Part 6 (``--only stacks``): PostgreSQL / MariaDB x Redis / RabbitMQ, every stack a row."""
+    env = {**os.environ, "PYTHONPATH": str(WORKTREE)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--size", "smoke", "--only", "stacks",
+         "--postgres-url", pg_url, "--redis-url", redis_url, "--mariadb-url", mariadb_server,
+         "--amqp-url", amqp_url],
+        cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "### 6. Stacks" in proc.stdout, proc.stdout
+    for stack in ("PostgreSQL + Redis", "PostgreSQL + RabbitMQ", "MariaDB + Redis",
+                  "MariaDB + RabbitMQ"):
+        assert f"| {stack} |" in proc.stdout, f"{stack} missing from:\n{proc.stdout}"
     assert "FAILED" not in proc.stdout

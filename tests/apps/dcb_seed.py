@@ -1,6 +1,8 @@
 """Seed a real django-celery-beat schema (its own Django migrations) and periodic tasks.
 
-Run as ``python dcb_seed.py DATABASE_URL``, with a SQLAlchemy URL of a PostgreSQL database.
+Run as ``python dcb_seed.py DATABASE_URL``, with a SQLAlchemy URL of a PostgreSQL or a
+MariaDB/MySQL database (``mysql+pymysql://``: Django's MySQL backend then runs on PyMySQL
+posing as mysqlclient, since the dev install has PyMySQL only).
 Prints one JSON line: each task's ``last_run_at`` (ISO, UTC) as Django stored it.
 Django is configured in this process only, so the test process stays free of it.
 """
@@ -20,9 +22,17 @@ from django.core.management import call_command
 
 def main(url: str) -> None:
     u = sa.engine.make_url(url)
+    engine = "django.db.backends.postgresql"
+    if u.get_backend_name() in ("mysql", "mariadb"):
+        import pymysql
+
+        # Django's MySQL backend imports MySQLdb and wants mysqlclient >= 2.2.1
+        pymysql.version_info = (2, 2, 1, "final", 0)
+        pymysql.install_as_MySQLdb()
+        engine = "django.db.backends.mysql"
     settings.configure(
         DATABASES={"default": {
-            "ENGINE": "django.db.backends.postgresql", "NAME": u.database,
+            "ENGINE": engine, "NAME": u.database,
             "USER": u.username or "", "PASSWORD": u.password or "",
             "HOST": u.host or "", "PORT": str(u.port or ""),
         }},

@@ -158,15 +158,26 @@ def _first_weekday_0230_berlin_after(instant: datetime) -> datetime:
 
 
 def test_django_celery_beat_import(pg_url: str, pg_store: Store) -> None:
-    last = _seed_django(pg_url)
-    found = read_django_celery_beat(pg_url)
-    outcomes = import_entries(pg_store, found, settings=Settings())
+    _check_django_import(pg_url, pg_store)
+
+
+@pytest.mark.mariadb
+def test_django_celery_beat_import_from_mariadb(mariadb_url: str, mariadb_store: Store) -> None:
+    """The same from a django-celery-beat schema on MariaDB (made by its own Django
+    migrations; Django stores naive UTC ``DATETIME(6)`` there, no time zone at all)."""
+    _check_django_import(mariadb_url, mariadb_store)
+
+
+def _check_django_import(url: str, store: Store) -> None:
+    last = _seed_django(url)
+    found = read_django_celery_beat(url)
+    outcomes = import_entries(store, found, settings=Settings())
     assert {o.name: (o.action, o.paused) for o in outcomes} == {
         "berlin-report": ("imported", False), "celery.backend_cleanup": ("skipped", False),
         "old-disabled": ("imported", True), "once-tomorrow": ("imported", False),
         "ten-minutes": ("imported", False)}
 
-    report = _entry(pg_store, "berlin-report")
+    report = _entry(store, "berlin-report")
     assert report.timezone == "Europe/Berlin" and report.task == "tasks.report"
     assert (report.args, report.kwargs) == ([1, "x"], {"full": True})
     assert report.options == {"queue": "reports", "priority": 5, "expires": 600,
@@ -175,11 +186,11 @@ def test_django_celery_beat_import(pg_url: str, pg_store: Store) -> None:
     # the first after django-celery-beat's last run.
     assert report.next_fire_at == _first_weekday_0230_berlin_after(last["berlin-report"])
 
-    ten = _entry(pg_store, "ten-minutes")
+    ten = _entry(store, "ten-minutes")
     assert ten.next_fire_at == last["ten-minutes"] + timedelta(minutes=10)
-    once = _entry(pg_store, "once-tomorrow")
+    once = _entry(store, "once-tomorrow")
     assert once.schedule_kind == "once" and once.next_fire_at > datetime.now(UTC)
-    disabled = _entry(pg_store, "old-disabled")
+    disabled = _entry(store, "old-disabled")
     assert disabled.paused is True
 
 

@@ -9,7 +9,7 @@ from sqlalchemy import insert, select, update
 from reliable_beat.beat import Beat
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
-from reliable_beat.redispatch import claim_stuck_runs
+from reliable_beat.redispatch import BACKOFF_CAP, claim_stuck_runs
 from reliable_beat.relay import mark_sent
 
 
@@ -101,3 +101,32 @@ def test_retrying_run_is_redispatched_only_after_the_retry_window(store: Store) 
         found = claim_stuck_runs(store, conn, retrying_after=timedelta(seconds=80), **args)
         assert len(found) == 1
         assert claim_stuck_runs(store, conn, retrying_after=timedelta(seconds=80), **args) == []
+
+
+def test_redispatch_backs_off_while_the_trigger_waits_in_a_backlog(store: Store) -> None:
+    """A trigger queued behind a backlog looks lost (``dispatched``, unclaimed). Re-sending
+    it every period added a duplicate per stuck run per period to the very backlog (on
+    RabbitMQ under load the queue grew to thousands and never drained): the k-th re-send
+    now waits ``after * 2**k``. 16 simulated minutes, after = 60 s, a look every 30 s: the
+    old code re-sent it 10 times, the backoff 3 (90 s, 240 s, 510 s), and never gives up."""
+    _entry(store, "tracked", "app.tracked")
+    _fire_and_dispatch(store)
+    after = timedelta(seconds=60)
+    with store.begin() as conn:
+        base = conn.execute(select(runs.c.dispatched_at)).scalar_one()
+    sent_at: list[float] = []
+    for step in range(1, 33):
+        now = base + timedelta(seconds=30 * step)
+        with store.begin() as conn:
+            if claim_stuck_runs(store, conn, now=now, after=after, tasks=["app.tracked"]):
+                sent_at.append((now - base).total_seconds())
+    assert sent_at == [90.0, 240.0, 510.0], sent_at
+    with store.begin() as conn:
+        assert conn.execute(select(runs.c.redispatches)).scalar_one() == 3
+    # capped, not abandoned: a message really lost is still re-sent, after * 2**BACKOFF_CAP
+    with store.begin() as conn:
+        late = base + timedelta(seconds=510 + 60 * 2**BACKOFF_CAP + 1)
+        assert claim_stuck_runs(store, conn, now=late, after=after, tasks=["app.tracked"])
+        conn.execute(update(runs).values(redispatches=10))
+        later = late + timedelta(seconds=60 * 2**BACKOFF_CAP + 1)
+        assert claim_stuck_runs(store, conn, now=later, after=after, tasks=["app.tracked"])

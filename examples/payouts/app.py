@@ -26,6 +26,7 @@ from examples.payouts.ledger import (
     WORKDIR,
     create_app_tables,
     ledger,
+    metadata,
     owed_cents,
     pay,
     payouts,
@@ -33,7 +34,8 @@ from examples.payouts.ledger import (
 )
 from reliable_beat import IdempotentTask
 
-__all__ = ["MERCHANTS", "app", "create_app_tables", "ledger", "owed_cents", "pay_merchants",
+__all__ = ["MERCHANTS", "app", "create_app_tables", "ledger", "metadata", "owed_cents",
+           "pay_merchants",
            "payouts", "total_paid"]
 
 BROKER_URL = os.environ.get("PAYOUTS_BROKER_URL", "filesystem://")

@@ -41,9 +41,8 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import outbox
-from reliable_beat.db.dialects import MYSQL_DIALECTS, Store
+from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
-from reliable_beat.errors import ConfigurationError
 from reliable_beat.outbox import db_now, insert_ignore
 from reliable_beat.redaction import get_logger
 from reliable_beat.workflows.errors import (
@@ -175,27 +174,23 @@ def parse_activity_key(key: str) -> tuple[str, int, int] | None:
     return wf, int(run), int(seq)
 
 
-def require_supported_store(dialect: str) -> None:
-    """Durable workflows run on PostgreSQL and SQLite only (their statements use ``UPDATE ...
-    RETURNING``, which MySQL lacks and MariaDB does not have for ``UPDATE``).
+def _insert_one_ignored(conn: Connection, stmt: Any, table: Any) -> bool:
+    """Run an insert-ignore of one row; True if it was stored, False if the unique key
+    already existed.
 
-    Raises:
-        ConfigurationError: the store is MySQL or MariaDB.
+    PostgreSQL / SQLite / MariaDB 10.5+: ``RETURNING`` the primary key (psycopg reports no
+    useful rowcount for ``INSERT ... ON CONFLICT DO NOTHING`` with an implicit RETURNING).
+    MySQL 8 has no ``RETURNING``: the ``INSERT IGNORE``'s rowcount (0 for a duplicate).
     """
-    if dialect in MYSQL_DIALECTS:
-        raise ConfigurationError(
-            f"durable workflows need a PostgreSQL or SQLite store; this store is {dialect} "
-            "(MySQL/MariaDB support for workflows is not built yet: periodic entries, "
-            "IdempotentTask and the outbox do run on it)"
-        )
+    if conn.dialect.insert_returning:
+        (pk,) = table.primary_key.columns
+        return conn.execute(stmt.returning(pk)).first() is not None
+    return int(conn.execute(stmt).rowcount) == 1
 
 
 @contextmanager
 def _tx(target: Store | Connection) -> Iterator[Connection]:
     """Join the caller's transaction (a Connection) or run one on the store."""
-    require_supported_store(
-        target.dialect.name if isinstance(target, Connection) else target.dialect
-    )
     if isinstance(target, Connection):
         if not target.in_transaction():
             with target.begin():
@@ -205,6 +200,10 @@ def _tx(target: Store | Connection) -> Iterator[Connection]:
         return
     with target.begin() as conn:
         yield conn
+
+
+def _first(rows: list[Any]) -> Any:
+    return rows[0] if rows else None
 
 
 def _wake_payload(workflow_id: str, queue: str | None) -> dict[str, Any]:
@@ -392,17 +391,13 @@ def start(
     call_kwargs = to_json(dict(kwargs or {}), f"workflow {name!r} kwargs")
     with _tx(target) as conn:
         now = db_now(conn)
-        # RETURNING, not rowcount: with an implicit RETURNING of the id, psycopg reports no
-        # useful rowcount for INSERT ... ON CONFLICT DO NOTHING
-        inserted = conn.execute(
-            insert_ignore(conn, workflows).values(
-                workflow_id=workflow_id, name=name, run_no=1, state="pending",
-                args=call_args, kwargs=call_kwargs, queue=queue,
-                random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
-                claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
-                created_at=now, updated_at=now,
-            ).returning(workflows.c.id)
-        ).first() is not None
+        inserted = _insert_one_ignored(conn, insert_ignore(conn, workflows).values(
+            workflow_id=workflow_id, name=name, run_no=1, state="pending",
+            args=call_args, kwargs=call_kwargs, queue=queue,
+            random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
+            claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
+            created_at=now, updated_at=now,
+        ), workflows)
         if inserted:
             add_wake(conn, workflow_id, queue, "start")
         else:
@@ -447,13 +442,14 @@ def signal(
     with _tx(target) as conn:
         now = db_now(conn)
         # the workflow row first (same lock order as the advance: no deadlock)
-        row = conn.execute(
+        row = _first(update_returning(
+            conn,
             update(workflows)
             .where(workflows.c.workflow_id == workflow_id)
-            .values(wake_seq=workflows.c.wake_seq + 1)
-            .returning(workflows.c.id, workflows.c.state, workflows.c.queue,
-                       workflows.c.wake_seq)
-        ).first()
+            .values(wake_seq=workflows.c.wake_seq + 1),
+            workflows,
+            [workflows.c.id, workflows.c.state, workflows.c.queue, workflows.c.wake_seq],
+        ))
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
         if row.state in TERMINAL_STATES:
@@ -461,12 +457,10 @@ def signal(
                 f"workflow {workflow_id!r} is {row.state}: signal {name!r} would never be "
                 "consumed; nothing was written"
             )
-        stored = conn.execute(
-            insert_ignore(conn, workflow_signals).values(
-                workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
-            ).returning(workflow_signals.c.id)
-        ).first()
-        if stored is None:
+        stored = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
+            workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
+        ), workflow_signals)
+        if not stored:
             return False
         add_wake(conn, workflow_id, row.queue, f"s{row.wake_seq}")
     return True
@@ -483,13 +477,14 @@ def resume(store: Store, workflow_id: str) -> dict[str, Any]:
     """
     with store.begin() as conn:
         now = db_now(conn)
-        row = conn.execute(
+        row = _first(update_returning(
+            conn,
             update(workflows)
             .where(workflows.c.workflow_id == workflow_id, workflows.c.state == "blocked")
             .values(state="waiting", block_reason=None, wake_seq=workflows.c.wake_seq + 1,
-                    advances=0, updated_at=now)
-            .returning(workflows.c.queue, workflows.c.wake_seq)
-        ).first()
+                    advances=0, updated_at=now),
+            workflows, [workflows.c.queue, workflows.c.wake_seq],
+        ))
         if row is None:
             state = conn.execute(
                 select(workflows.c.state).where(workflows.c.workflow_id == workflow_id)
@@ -523,12 +518,13 @@ def on_run_finished(
         return False
     workflow_id, run_no, seq = parsed
     # the workflow row first: the same lock order as an advance's record transaction
-    wf = conn.execute(
+    wf = _first(update_returning(
+        conn,
         update(workflows)
         .where(workflows.c.workflow_id == workflow_id, workflows.c.run_no == run_no)
-        .values(wake_seq=workflows.c.wake_seq + 1)
-        .returning(workflows.c.id, workflows.c.queue, workflows.c.wake_seq)
-    ).first()
+        .values(wake_seq=workflows.c.wake_seq + 1),
+        workflows, [workflows.c.id, workflows.c.queue, workflows.c.wake_seq],
+    ))
     if wf is None:
         return False
     now = db_now(conn)
@@ -579,7 +575,6 @@ class Claimed:
 
 
 def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
-    require_supported_store(store.dialect)
     with store.begin() as conn:
         now = db_now(conn)
         done = conn.execute(
@@ -733,14 +728,15 @@ def advance(
             ).rowcount
             if released == 1:
                 return "waiting"
-            row = conn.execute(
+            row = _first(update_returning(
+                conn,
                 update(workflows)
                 .where(workflows.c.id == claimed.pk,
                        workflows.c.fence_token == claimed.fence_token)
                 .values(claimed_wake_seq=workflows.c.wake_seq,
-                        lease_expires_at=now + lease, updated_at=now)
-                .returning(workflows.c.wake_seq)
-            ).first()
+                        lease_expires_at=now + lease, updated_at=now),
+                workflows, [workflows.c.wake_seq],
+            ))
             if row is None:
                 return "fenced"
             claimed.seen_wake_seq = int(row.wake_seq)

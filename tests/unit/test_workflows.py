@@ -1,4 +1,5 @@
-"""The workflow engine on SQLite with an in-process driver (tests/apps/wf_driver.py).
+"""The workflow engine on SQLite (and MariaDB, ``-m mariadb``) with an in-process driver
+(tests/apps/wf_driver.py).
 
 Every durable call records, replays, and survives a crash at any crash point; the random
 program x random crash schedule property: the final state, result and event list equal the
@@ -129,11 +130,21 @@ def interpret(ctx: WorkflowContext, program: list[list[Any]]) -> list[Any]:
     return out
 
 
-@pytest.fixture
-def wf_store(sqlite_store: Store) -> Iterator[Store]:
-    effects.create(sqlite_store.engine)
+#: The engine on SQLite always; on MariaDB too (``-m mariadb``: a private server started by
+#: tests/conftest.py) unless ``RELIABLE_BEAT_TEST_DIALECTS`` leaves it out.
+WF_DIALECTS = ["sqlite"] + [
+    pytest.param("mariadb", marks=pytest.mark.mariadb)
+    for d in os.environ.get("RELIABLE_BEAT_TEST_DIALECTS", "sqlite,postgresql,mariadb")
+    .split(",") if d == "mariadb"
+]
+
+
+@pytest.fixture(params=WF_DIALECTS)
+def wf_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    store: Store = request.getfixturevalue(f"{request.param}_store")
+    effects.create(store.engine)
     STEP_CALLS.clear()
-    yield sqlite_store
+    yield store
     engine.crash_hook = None
 
 

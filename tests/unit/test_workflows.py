@@ -471,6 +471,7 @@ def _run_program(store: Store, app: Celery, wid: str, program: list[list[Any]],
     return row["state"], row["result"], _normal(events(store, wid))
 
 
+@pytest.mark.timeout(300 + EXAMPLES * 5)  # full size (1,000 examples) takes ~30 min loaded
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=st.lists(OPS, min_size=1, max_size=7),

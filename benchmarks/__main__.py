@@ -20,7 +20,11 @@ PARTS = {
     "task_overhead": ("benchmarks.task_overhead", "run"),
     "relay": ("benchmarks.dispatch", "run_relay"),
     "workflows": ("benchmarks.workflows", "run"),
+    "workflow_round_trips": ("benchmarks.workflows", "run_round_trips"),
 }
+
+#: Parts run only with ``--only`` (the default run has their figures already).
+ONLY_ON_REQUEST = {"workflow_round_trips"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- date: {started:%Y-%m-%d %H:%M} UTC, size `{size.name}`", flush=True)
     with servers(args.postgres_url, args.redis_url, size) as env:
         print(machine(env) + "\n", flush=True)
-        for name in args.only or list(PARTS):
+        for name in args.only or [p for p in PARTS if p not in ONLY_ON_REQUEST]:
             t0 = time.perf_counter()
             try:
                 module, func = PARTS[name]

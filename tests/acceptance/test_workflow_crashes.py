@@ -7,11 +7,11 @@ The crash grid: for each crash point the design lists (docs/workflows.md), the f
 wf_app run side by side, **each on its own queue with its own solo worker** started with
 ``RB_WF_KILL_AT=<point>``, so every shape is killed at the point itself (not only whichever
 shape reaches it first). Each time a worker SIGKILLs itself a new one is started (at most
-three kills per shape and point, one marker file each), then a clean one. Every workflow
-must end ``completed`` with exactly the expected event list and result, each transaction and
-activity effect exactly once, each step effect at least once. A cell the grid marks as not
-applying (:data:`NOT_APPLICABLE`, with the reason) must see no kill: the table is checked,
-not assumed.
+``RB_WF_KILLS``, default 3, kills per shape and point, one marker file each), then a clean
+one. Every workflow must end ``completed`` with exactly the expected event list and
+result, each transaction and activity effect exactly once, each step effect at least once.
+A cell the grid marks as not applying (:data:`NOT_APPLICABLE`, with the reason) must see
+no kill: the table is checked, not assumed.
 
 CI runs the short list of points; the full grid (every point x every shape) is
 ``RB_WF_POINTS=all pytest -s tests/acceptance/test_workflow_crashes.py -k "matrix and
@@ -65,6 +65,8 @@ FULL_POINTS = [
 ]
 assert set(SHORT_POINTS) <= set(FULL_POINTS)
 POINTS = FULL_POINTS if os.environ.get("RB_WF_POINTS") == "all" else SHORT_POINTS
+#: SIGKILLs per shape and point (the first n hits), then a clean worker (``RB_WF_KILLS``).
+KILLS = int(os.environ.get("RB_WF_KILLS", "3"))
 
 _ONLY_LINEAR_STEP = "only wfa.linear makes a ctx.step"
 _ONLY_LINEAR_TIMER = "only wfa.linear sleeps (ctx.sleep)"
@@ -253,7 +255,7 @@ def run_shapes(rig: Rig, point: str | None, shapes: list[str] = SHAPES) -> list[
     def spawn(lane: Lane) -> subprocess.Popen[bytes]:
         marker = rig.tmp / f"kill-{lane.shape}-{point}-{lane.kills}"
         extra = ({"RB_WF_KILL_AT": str(point), "RB_WF_KILL_FILE": str(marker)}
-                 if point and lane.kills < 3 else {})
+                 if point and lane.kills < KILLS else {})
         return rig.worker(queue=lane.queue, **extra)
 
     for lane in lanes:

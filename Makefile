@@ -21,7 +21,9 @@ demo: $(VENV)/.installed
 # The CI-size suite: everything on SQLite, PostgreSQL and Redis, plus a representative MariaDB
 # subset (the integration suite and the concurrency/kill acceptance tests on MariaDB).
 # `make test-full` runs every MariaDB variant too (about 10 more minutes on 2 cores).
-MARIADB_CI_SUBSET := tests/integration tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction tests/acceptance/test_idempotent_task.py tests/acceptance/test_relay_kill.py \
+# Workflows on MariaDB: the engine's unit tests (~20 s); the crash matrix on real processes is
+# longer than CI's budget allows: `pytest tests/acceptance/test_workflow_crashes.py -k mariadb`.
+MARIADB_CI_SUBSET := tests/integration tests/unit/test_workflows.py tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction tests/acceptance/test_idempotent_task.py tests/acceptance/test_relay_kill.py \
 	tests/faults/test_faults_smoke.py::test_fault_injection_smoke_mariadb
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not mariadb"

@@ -21,10 +21,13 @@ PARTS = {
     "relay": ("benchmarks.dispatch", "run_relay"),
     "workflows": ("benchmarks.workflows", "run"),
     "stacks": ("benchmarks.stacks", "run"),
+    "workflow_round_trips": ("benchmarks.workflows", "run_round_trips"),
 }
-#: Parts run without ``--only``: all but part 6 (it starts its own MariaDB and RabbitMQ
-#: unless given ``--mariadb-url`` / ``--amqp-url``): ``--only stacks`` runs it.
-DEFAULT_PARTS = [name for name in PARTS if name != "stacks"]
+#: Parts run only with ``--only``: part 6 (``stacks``: it starts its own MariaDB and RabbitMQ
+#: unless given ``--mariadb-url`` / ``--amqp-url``) and ``workflow_round_trips`` (the default
+#: run has its figures already).
+ONLY_ON_REQUEST = {"stacks", "workflow_round_trips"}
+DEFAULT_PARTS = [name for name in PARTS if name not in ONLY_ON_REQUEST]
 
 
 def main(argv: list[str] | None = None) -> int:

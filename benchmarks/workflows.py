@@ -7,6 +7,10 @@
   wake rows inserted in bulk, as ``ctx.sleep`` writes them); the relay's claim of due rows
   (``claim_outbox_batch``, nothing due) is timed, median of 20, and the table sizes shown.
   No process holds anything for them: the cost is rows and one index scan per relay poll.
+* **round trips** (also alone: ``python -m benchmarks --only workflow_round_trips``): a
+  workflow of *k* sequential activities against a Celery chain of *k* plain links, on one
+  solo worker and one relay, side by side in the same run; ``WFB_REPEAT`` runs (default 3),
+  each on a fresh database, ``WFB_K`` activities (default 20; 200 at ``--size full``).
 """
 
 from __future__ import annotations
@@ -136,6 +140,26 @@ def run(env: Env) -> str:
         "### Workflows: activity round trips vs a plain Celery chain (1 solo worker, 1 relay)",
         table(["steps k", "chain links/s", "workflow activities/s",
                "ms per activity round trip"], trips),
+    ])
+
+
+def run_round_trips(env: Env) -> str:
+    """The markdown of the round-trip part alone: ``WFB_REPEAT`` runs, the range of each."""
+    k = RT_SIZES.get(env.size.name, 20)
+    rows = []
+    for _ in range(int(os.environ.get("WFB_REPEAT", "3"))):
+        with env.database("wfrt") as url:
+            rows.append(_round_trips(env, url, k))
+    chain = [float(r[1]) for r in rows]
+    wf = [float(r[2]) for r in rows]
+    ratio = [w / c for w, c in zip(wf, chain, strict=True)]
+    rows.append(["range", f"{min(chain):.0f}-{max(chain):.0f}", f"{min(wf):.1f}-{max(wf):.1f}",
+                 f"workflow/chain {min(ratio):.2f}-{max(ratio):.2f}"])
+    return "\n\n".join([
+        f"### Workflows: activity round trips vs a plain Celery chain ({len(rows) - 1} runs, "
+        "1 solo worker, 1 relay)",
+        table(["steps k", "chain links/s", "workflow activities/s",
+               "ms per activity round trip"], rows),
     ])
 
 

@@ -161,6 +161,7 @@ class WorkflowContext:
         self._pending: WorkflowControl | None = None
         self._in_step = False
         self._step_key: str | None = None
+        self._dispatched: set[int] = set()  # activity seqs recorded by this advance
         self._random = _random.Random(claimed.random_seed * 1000003 + claimed.run_no)
         self._patches: dict[str, bool] = {}  # ctx.patched answers, memoized per run
         base = get_logger(f"reliable_beat.workflows.{claimed.name}")
@@ -386,14 +387,13 @@ class WorkflowContext:
         try:
             with self._store.begin() as conn:
                 size = len(engine.canonical_json([args, result]))
-                engine.fence_check(conn, self._claimed, events=1, size=size)
+                now = engine.fence_check(conn, self._claimed, events=1, size=size)
                 if effect is not None:
                     result = effect(conn)
                 if holder:
                     fire_at = holder.get("fire_at", fire_at)
                     if holder.get("done"):
                         state = "completed"
-                now = db_now(conn)
                 conn.execute(workflow_events.insert().values(
                     workflow_pk=self._claimed.pk, run_no=self._claimed.run_no, seq=seq,
                     kind=kind, name=name, args_digest=digest, args=args, state=state,
@@ -607,6 +607,7 @@ class WorkflowContext:
             # stored with its queue (not part of the digest), for the re-dispatch sweep
             self._record(seq, "activity", task_name, digest, [*call, queue],
                          state="scheduled", run_key=key, effect=dispatch)
+            self._dispatched.add(seq)
             self._history[seq] = _Ev(seq, "activity", task_name, digest, "scheduled", None,
                                      None, None, key)
         return ActivityHandle(seq=seq, name=task_name, key=key)
@@ -616,6 +617,11 @@ class WorkflowContext:
         ev = self._history[handle.seq]
         if ev.state != "scheduled":
             return True, ev
+        if handle.seq in self._dispatched:
+            # dispatched by this very advance: if it has already completed, its completion
+            # bumped wake_seq after our claim, so the release's wake_seq check runs the code
+            # again with the new history; no need to read the run and the event now
+            return False, ev
         with self._store.connect() as conn:
             run = conn.execute(
                 select(runs.c.state, runs.c.result, runs.c.error)

@@ -41,9 +41,8 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import outbox
-from reliable_beat.db.dialects import MYSQL_DIALECTS, Store
+from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
-from reliable_beat.errors import ConfigurationError
 from reliable_beat.outbox import db_now, insert_ignore
 from reliable_beat.redaction import get_logger
 from reliable_beat.workflows.errors import (
@@ -175,27 +174,23 @@ def parse_activity_key(key: str) -> tuple[str, int, int] | None:
     return wf, int(run), int(seq)
 
 
-def require_supported_store(dialect: str) -> None:
-    """Durable workflows run on PostgreSQL and SQLite only (their statements use ``UPDATE ...
-    RETURNING``, which MySQL lacks and MariaDB does not have for ``UPDATE``).
+def _insert_one_ignored(conn: Connection, stmt: Any, table: Any) -> bool:
+    """Run an insert-ignore of one row; True if it was stored, False if the unique key
+    already existed.
 
-    Raises:
-        ConfigurationError: the store is MySQL or MariaDB.
+    PostgreSQL / SQLite / MariaDB 10.5+: ``RETURNING`` the primary key (psycopg reports no
+    useful rowcount for ``INSERT ... ON CONFLICT DO NOTHING`` with an implicit RETURNING).
+    MySQL 8 has no ``RETURNING``: the ``INSERT IGNORE``'s rowcount (0 for a duplicate).
     """
-    if dialect in MYSQL_DIALECTS:
-        raise ConfigurationError(
-            f"durable workflows need a PostgreSQL or SQLite store; this store is {dialect} "
-            "(MySQL/MariaDB support for workflows is not built yet: periodic entries, "
-            "IdempotentTask and the outbox do run on it)"
-        )
+    if conn.dialect.insert_returning:
+        (pk,) = table.primary_key.columns
+        return conn.execute(stmt.returning(pk)).first() is not None
+    return int(conn.execute(stmt).rowcount) == 1
 
 
 @contextmanager
 def _tx(target: Store | Connection) -> Iterator[Connection]:
     """Join the caller's transaction (a Connection) or run one on the store."""
-    require_supported_store(
-        target.dialect.name if isinstance(target, Connection) else target.dialect
-    )
     if isinstance(target, Connection):
         if not target.in_transaction():
             with target.begin():
@@ -205,6 +200,23 @@ def _tx(target: Store | Connection) -> Iterator[Connection]:
         return
     with target.begin() as conn:
         yield conn
+
+
+def now_sql(conn: Connection) -> Any:
+    """The store's clock as a SQL expression evaluated inside the statement that uses it
+    (saves the round trip of :func:`~reliable_beat.outbox.db_now` when the value is only
+    written): ``clock_timestamp()`` on PostgreSQL, ``UTC_TIMESTAMP(6)`` on MySQL/MariaDB;
+    on SQLite (no server) this host's clock, read now, as :func:`db_now` does."""
+    name = conn.dialect.name
+    if name == "postgresql":
+        return func.clock_timestamp()
+    if name in ("mysql", "mariadb"):
+        return func.utc_timestamp(6)
+    return db_now(conn)
+
+
+def _first(rows: list[Any]) -> Any:
+    return rows[0] if rows else None
 
 
 def _wake_payload(workflow_id: str, queue: str | None) -> dict[str, Any]:
@@ -435,17 +447,13 @@ def start(
         version = _registry[name].version
     with _tx(target) as conn:
         now = db_now(conn)
-        # RETURNING, not rowcount: with an implicit RETURNING of the id, psycopg reports no
-        # useful rowcount for INSERT ... ON CONFLICT DO NOTHING
-        inserted = conn.execute(
-            insert_ignore(conn, workflows).values(
-                workflow_id=workflow_id, name=name, version=version, run_no=1, state="pending",
-                args=call_args, kwargs=call_kwargs, queue=queue,
-                random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
-                claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
-                created_at=now, updated_at=now,
-            ).returning(workflows.c.id)
-        ).first() is not None
+        inserted = _insert_one_ignored(conn, insert_ignore(conn, workflows).values(
+            workflow_id=workflow_id, name=name, version=version, run_no=1, state="pending",
+            args=call_args, kwargs=call_kwargs, queue=queue,
+            random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
+            claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
+            created_at=now, updated_at=now,
+        ), workflows)
         if inserted:
             add_wake(conn, workflow_id, queue, "start")
         else:
@@ -490,13 +498,14 @@ def signal(
     with _tx(target) as conn:
         now = db_now(conn)
         # the workflow row first (same lock order as the advance: no deadlock)
-        row = conn.execute(
+        row = _first(update_returning(
+            conn,
             update(workflows)
             .where(workflows.c.workflow_id == workflow_id)
-            .values(wake_seq=workflows.c.wake_seq + 1)
-            .returning(workflows.c.id, workflows.c.state, workflows.c.queue,
-                       workflows.c.wake_seq)
-        ).first()
+            .values(wake_seq=workflows.c.wake_seq + 1),
+            workflows,
+            [workflows.c.id, workflows.c.state, workflows.c.queue, workflows.c.wake_seq],
+        ))
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
         if row.state in TERMINAL_STATES:
@@ -504,12 +513,10 @@ def signal(
                 f"workflow {workflow_id!r} is {row.state}: signal {name!r} would never be "
                 "consumed; nothing was written"
             )
-        stored = conn.execute(
-            insert_ignore(conn, workflow_signals).values(
-                workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
-            ).returning(workflow_signals.c.id)
-        ).first()
-        if stored is None:
+        stored = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
+            workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
+        ), workflow_signals)
+        if not stored:
             return False
         add_wake(conn, workflow_id, row.queue, f"s{row.wake_seq}")
     return True
@@ -526,13 +533,14 @@ def resume(store: Store, workflow_id: str) -> dict[str, Any]:
     """
     with store.begin() as conn:
         now = db_now(conn)
-        row = conn.execute(
+        row = _first(update_returning(
+            conn,
             update(workflows)
             .where(workflows.c.workflow_id == workflow_id, workflows.c.state == "blocked")
             .values(state="waiting", block_reason=None, wake_seq=workflows.c.wake_seq + 1,
-                    advances=0, updated_at=now)
-            .returning(workflows.c.queue, workflows.c.wake_seq)
-        ).first()
+                    advances=0, updated_at=now),
+            workflows, [workflows.c.queue, workflows.c.wake_seq],
+        ))
         if row is None:
             state = conn.execute(
                 select(workflows.c.state).where(workflows.c.workflow_id == workflow_id)
@@ -566,16 +574,16 @@ def on_run_finished(
         return False
     workflow_id, run_no, seq = parsed
     # the workflow row first: the same lock order as an advance's record transaction
-    wf = conn.execute(
+    wf = _first(update_returning(
+        conn,
         update(workflows)
         .where(workflows.c.workflow_id == workflow_id, workflows.c.run_no == run_no)
-        .values(wake_seq=workflows.c.wake_seq + 1)
-        .returning(workflows.c.id, workflows.c.queue, workflows.c.wake_seq)
-    ).first()
+        .values(wake_seq=workflows.c.wake_seq + 1),
+        workflows, [workflows.c.id, workflows.c.queue, workflows.c.wake_seq],
+    ))
     if wf is None:
         return False
-    now = db_now(conn)
-    values: dict[str, Any] = {"completed_at": now}
+    values: dict[str, Any] = {"completed_at": now_sql(conn)}
     if state == "succeeded":
         values.update(state="completed", result=result)
     else:
@@ -621,13 +629,16 @@ class Claimed:
     lease: timedelta
     extra: dict[str, Any] = field(default_factory=dict)
     version: str | None = None  # recorded at start / continue-as-new
+    #: The history read in the claim transaction (the first run of the code uses it).
+    history: dict[int, Any] | None = None
 
 
 def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
-    require_supported_store(store.dialect)
+    """The claim transaction; on success it also loads the run's history (same connection,
+    same transaction: one checkout instead of two per advance)."""
     with store.begin() as conn:
         now = db_now(conn)
-        done = conn.execute(
+        stmt = (
             update(workflows)
             .where(
                 workflows.c.workflow_id == workflow_id,
@@ -640,11 +651,20 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Clai
                 claimed_wake_seq=workflows.c.wake_seq, advances=workflows.c.advances + 1,
                 updated_at=now,
             )
-        ).rowcount
-        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
+        )
+        if conn.dialect.update_returning:  # PostgreSQL, SQLite: the row in the same statement
+            row = conn.execute(stmt.returning(*workflows.c)).first()
+            done = row is not None
+        else:
+            done = conn.execute(stmt).rowcount == 1
+            row = None
+        if row is None:
+            row = conn.execute(
+                select(workflows).where(workflows.c.workflow_id == workflow_id)
+            ).first()
         if row is None:
             return "missing"
-        if done != 1:
+        if not done:
             return "busy" if row.state in ACTIVE_STATES else row.state  # type: ignore[no-any-return]
         return Claimed(
             pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
@@ -654,6 +674,7 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Clai
             history_bytes=int(row.history_bytes), owner=owner, lease=lease,
             version=row.version,
             extra={"cancel_requested": row.cancel_requested},
+            history=load_history(conn, row.id, row.run_no),
         )
 
 
@@ -671,8 +692,13 @@ def load_history(conn: Connection, pk: int, run_no: int) -> dict[int, Any]:
     return {r.seq: r for r in rows}
 
 
-def fence_check(conn: Connection, claimed: Claimed, *, events: int = 0, size: int = 0) -> None:
+def fence_check(
+    conn: Connection, claimed: Claimed, *, events: int = 0, size: int = 0
+) -> datetime:
     """First statement of every write of an advance: ``UPDATE ... WHERE fence = mine``.
+
+    Returns:
+        The store's clock read for it (UTC-aware), for the rest of the transaction.
 
     Raises:
         FencedOut: a newer advance claimed the workflow (the caller's transaction must roll
@@ -693,6 +719,7 @@ def fence_check(conn: Connection, claimed: Claimed, *, events: int = 0, size: in
     ).rowcount
     if done != 1:
         raise FencedOut(f"workflow {claimed.workflow_id!r}: fence {claimed.fence_token} is stale")
+    return now
 
 
 def _finish(store: Store, claimed: Claimed, **values: Any) -> str:
@@ -779,15 +806,16 @@ def advance(
     if too_old:
         return block(store, claimed, too_old)
     for _ in range(max_loops):
-        with store.connect() as conn:
-            history = load_history(conn, claimed.pk, claimed.run_no)
+        history, claimed.history = claimed.history, None
+        if history is None:  # a wake arrived while the code ran: read what it brought
+            with store.connect() as conn:
+                history = load_history(conn, claimed.pk, claimed.run_no)
         ctx = WorkflowContext(store, claimed, history, definition)
         outcome = ctx.run_code(definition.fn)
         if outcome != "suspended":
             return outcome
         crash_point("advance.before_release")
         with store.begin() as conn:
-            now = db_now(conn)
             released = conn.execute(
                 update(workflows)
                 .where(
@@ -795,18 +823,21 @@ def advance(
                     workflows.c.fence_token == claimed.fence_token,
                     workflows.c.wake_seq == claimed.seen_wake_seq,
                 )
-                .values(state="waiting", leased_by=None, lease_expires_at=None, updated_at=now)
+                .values(state="waiting", leased_by=None, lease_expires_at=None,
+                        updated_at=now_sql(conn))
             ).rowcount
             if released == 1:
                 return "waiting"
-            row = conn.execute(
+            now = db_now(conn)
+            row = _first(update_returning(
+                conn,
                 update(workflows)
                 .where(workflows.c.id == claimed.pk,
                        workflows.c.fence_token == claimed.fence_token)
                 .values(claimed_wake_seq=workflows.c.wake_seq,
-                        lease_expires_at=now + lease, updated_at=now)
-                .returning(workflows.c.wake_seq)
-            ).first()
+                        lease_expires_at=now + lease, updated_at=now),
+                workflows, [workflows.c.wake_seq],
+            ))
             if row is None:
                 return "fenced"
             claimed.seen_wake_seq = int(row.wake_seq)

@@ -1,15 +1,23 @@
 """Durable workflows on real processes: SIGKILL at every step boundary, timers across a full
 restart, signals racing a SIGSTOPped advance. Real ``celery worker`` (solo pool) and
-``reliable-beat relay`` processes, PostgreSQL and Redis (tests/apps/wf_app.py).
+``reliable-beat relay`` processes, Redis, and PostgreSQL or MariaDB (``server_url``:
+``-k postgresql`` / ``-k mariadb``; tests/apps/wf_app.py).
 
-Crash matrix: for each crash point, the three shapes of wf_app run together on a worker
-started with ``RB_WF_KILL_AT=<point>``; each time the worker SIGKILLs itself at that point a
-new one is started (at most three kills per point, one marker file each), then a clean one.
-Every workflow must end ``completed`` with exactly the expected event list and result, each
-transaction and activity effect exactly once, each step effect at least once.
+The crash grid: for each crash point the design lists (docs/workflows.md), the four shapes of
+wf_app run side by side, **each on its own queue with its own solo worker** started with
+``RB_WF_KILL_AT=<point>``, so every shape is killed at the point itself (not only whichever
+shape reaches it first). Each time a worker SIGKILLs itself a new one is started (at most
+``RB_WF_KILLS``, default 3, kills per shape and point, one marker file each), then a clean
+one. Every workflow must end ``completed`` with exactly the expected event list and
+result, each transaction and activity effect exactly once, each step effect at least once.
+A cell the grid marks as not applying (:data:`NOT_APPLICABLE`, with the reason) must see
+no kill: the table is checked, not assumed.
 
-CI runs the short list of points; the full matrix is
-``RB_WF_POINTS=all pytest tests/acceptance/test_workflow_crashes.py -k matrix``.
+CI runs the short list of points; the full grid (every point x every shape) is
+``RB_WF_POINTS=all pytest -s tests/acceptance/test_workflow_crashes.py -k "matrix and
+(postgresql or summary)"`` (``mariadb`` for MariaDB); ``test_crash_matrix_summary`` prints
+the matrix (points x shapes: SIGKILLs per cell, ``n/a``, divergences) and writes it to
+``$RB_WF_MATRIX_FILE`` when set.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,7 @@ import pytest
 import sqlalchemy as sa
 
 from reliable_beat.db.dialects import Store
+from reliable_beat.outbox import db_now
 from reliable_beat.workflows import engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,34 +45,69 @@ APPS = ROOT / "tests" / "apps"
 sys.path.insert(0, str(APPS))
 from wf_app import meta, wf_effects  # noqa: E402
 
-pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(1200)]
+
+SHAPES = ["wfa.linear", "wfa.fanout", "wfa.signal", "wfa.race"]
 
 SHORT_POINTS = [
     "advance.after_claim", "record.transaction.in", "record.activity.in",
     "activity.after_commit", "step.after_body", "advance.before_release",
     "advance.before_finish",
 ]
+KINDS = ["transaction", "activity", "step", "timer", "signal", "now", "wait_any"]
+#: Every crash point docs/workflows.md lists (30).
 FULL_POINTS = [
-    *SHORT_POINTS,
-    "advance.before_claim", "record.transaction.before", "record.transaction.after",
-    "record.activity.before", "record.activity.after", "record.step.before",
-    "record.step.in", "record.step.after", "record.timer.in", "record.timer.after",
-    "record.signal.in", "record.signal.after", "record.now.in", "complete.before",
-    "complete.after", "activity.before_return",
+    "advance.before_claim", "advance.after_claim",
+    *[f"record.{k}.{w}" for k in KINDS for w in ("before", "in", "after")],
+    "step.after_body", "complete.before", "complete.after",
+    "activity.after_commit", "activity.before_return",
+    "advance.before_release", "advance.before_finish",
 ]
+assert set(SHORT_POINTS) <= set(FULL_POINTS)
 POINTS = FULL_POINTS if os.environ.get("RB_WF_POINTS") == "all" else SHORT_POINTS
+#: SIGKILLs per shape and point (the first n hits), then a clean worker (``RB_WF_KILLS``).
+KILLS = int(os.environ.get("RB_WF_KILLS", "3"))
+
+_ONLY_LINEAR_STEP = "only wfa.linear makes a ctx.step"
+_ONLY_LINEAR_TIMER = "only wfa.linear sleeps (ctx.sleep)"
+_ONLY_SIGNAL = "only wfa.signal waits for a signal and reads ctx.now()"
+_ONLY_RACE = "only wfa.race calls ctx.wait_any"
+_NO_COMPLETE = ("the advance completes a scheduled event only for a timer (wfa.linear) or a "
+                "signal that arrives after the wait was recorded (wfa.signal); this shape's "
+                "scheduled events are activities, completed by the activity's own transaction")
+_NO_CHARGE = "activity.after_commit is in wfa.charge, which wfa.signal does not call"
+_NO_LABEL = "activity.before_return is in wfa.label, which wfa.fanout does not call"
+#: (point, shape) cells that cannot be reached, and why. Everything else must be hit.
+NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    **{(f"record.step.{w}", s): _ONLY_LINEAR_STEP
+       for w in ("before", "in", "after") for s in SHAPES if s != "wfa.linear"},
+    **{("step.after_body", s): _ONLY_LINEAR_STEP for s in SHAPES if s != "wfa.linear"},
+    **{(f"record.timer.{w}", s): _ONLY_LINEAR_TIMER
+       for w in ("before", "in", "after") for s in SHAPES if s != "wfa.linear"},
+    **{(f"record.{k}.{w}", s): _ONLY_SIGNAL for k in ("signal", "now")
+       for w in ("before", "in", "after") for s in SHAPES if s != "wfa.signal"},
+    **{(f"record.wait_any.{w}", s): _ONLY_RACE
+       for w in ("before", "in", "after") for s in SHAPES if s != "wfa.race"},
+    **{(f"complete.{w}", s): _NO_COMPLETE
+       for w in ("before", "after") for s in ("wfa.fanout", "wfa.race")},
+    ("activity.after_commit", "wfa.signal"): _NO_CHARGE,
+    ("activity.before_return", "wfa.fanout"): _NO_LABEL,
+}
+#: Filled by test_crash_matrix, printed by test_crash_matrix_summary: {(dialect, point):
+#: {shape: kills}}.
+GRID: dict[tuple[str, str], dict[str, int]] = {}
 
 
 class Rig:
-    def __init__(self, pg_url: str, redis_url: str, store: Store, tmp: Path) -> None:
-        self.pg_url, self.redis_url, self.store, self.tmp = pg_url, redis_url, store, tmp
+    def __init__(self, db_url: str, redis_url: str, store: Store, tmp: Path) -> None:
+        self.db_url, self.redis_url, self.store, self.tmp = db_url, redis_url, store, tmp
         self.tag = uuid.uuid4().hex[:8]
         self.queue = f"wf-{self.tag}"
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{APPS}",
-               "RB_BROKER_URL": self.redis_url, "RB_DATABASE_URL": self.pg_url,
+               "RB_BROKER_URL": self.redis_url, "RB_DATABASE_URL": self.db_url,
                "RB_LEASE_SECONDS": "2", "RB_WF_QUEUE": self.queue, **extra}
         for k in ("RB_WF_KILL_AT", "RB_WF_KILL_FILE"):
             if k not in extra:
@@ -76,10 +121,14 @@ class Rig:
         self.procs.append(proc)
         return proc
 
-    def worker(self, concurrency: int = 1, **extra: str) -> subprocess.Popen[bytes]:
+    def worker(self, concurrency: int = 1, queue: str | None = None,
+               **extra: str) -> subprocess.Popen[bytes]:
+        queue = queue or self.queue
+        if queue != self.queue:
+            extra = {"RB_WF_QUEUE": queue, **extra}
         return self.start("worker", [sys.executable, "-m", "celery", "-A", "wf_app", "worker",
                                      "--pool", "solo" if concurrency == 1 else "prefork",
-                                     "-c", str(concurrency), "-Q", self.queue,
+                                     "-c", str(concurrency), "-Q", queue,
                                      "-n", f"w-{uuid.uuid4().hex[:6]}@%h", "--without-gossip",
                                      "--without-mingle", "--without-heartbeat", "-l", "INFO"],
                           **extra)
@@ -125,9 +174,9 @@ def wait(what: str, cond: Callable[[], Any], rig: Rig, timeout: float = 90.0) ->
 
 
 @pytest.fixture
-def rig(pg_url: str, redis_url: str, pg_store: Store, tmp_path: Path) -> Iterator[Rig]:
-    meta.create_all(pg_store.engine)
-    r = Rig(pg_url, redis_url, pg_store, tmp_path)
+def rig(server_url: str, redis_url: str, server_store: Store, tmp_path: Path) -> Iterator[Rig]:
+    meta.create_all(server_store.engine)
+    r = Rig(server_url, redis_url, server_store, tmp_path)
     try:
         yield r
     finally:
@@ -149,6 +198,13 @@ def expected(shape: str, wid: str, order: str) -> tuple[list[tuple[Any, ...]], A
         evs = [(n, "activity", "wfa.charge", "completed", charges[n - 1]) for n in (1, 2, 3)]
         evs.append((4, "transaction", "total", "completed", f"{order}:total"))
         return evs, [charges, f"{order}:total"]
+    if shape == "wfa.race":
+        label, charge = f"label-{order}-3", {"charged": 9, "order": order}
+        evs = [(1, "activity", "wfa.label", "completed", label),
+               (2, "activity", "wfa.charge", "completed", charge),
+               (3, "wait_any", None, "completed", "ANY"),
+               (4, "transaction", "raced", "completed", f"{order}:raced")]
+        return evs, [[label, charge], f"{order}:raced"]
     evs = [(1, "activity", "wfa.label", "completed", f"label-{order}-7"),
            (2, "signal", "go", "completed", {"ok": order}),
            (3, "transaction", "approved", "completed", f"{order}:approved"),
@@ -157,87 +213,160 @@ def expected(shape: str, wid: str, order: str) -> tuple[list[tuple[Any, ...]], A
 
 
 def events(store: Store, wid: str) -> list[tuple[Any, ...]]:
+    """(seq, kind, name, state, result); ``now`` results read ``NOW``, a ``wait_any`` result
+    (the index seen first: 0 or 1, by timing) reads ``ANY``."""
     row = engine.get_workflow(store, wid, events=True)
-    return [(e["seq"], e["kind"], e["name"], e["state"],
-             "NOW" if e["kind"] == "now" else e["result"]) for e in row["events"]]
+    out = []
+    for e in row["events"]:
+        result = e["result"]
+        if e["kind"] == "now":
+            result = "NOW"
+        elif e["kind"] == "wait_any":
+            assert result in (0, 1), e
+            result = "ANY"
+        out.append((e["seq"], e["kind"], e["name"], e["state"], result))
+    return out
 
 
-SHAPES = ["wfa.linear", "wfa.fanout", "wfa.signal"]
+@dataclass
+class Lane:
+    """One shape of a grid row: its workflow, its queue, its worker and its kills."""
+
+    shape: str
+    wid: str
+    order: str
+    queue: str
+    worker: subprocess.Popen[bytes] | None = None
+    kills: int = 0
+    signalled: bool = False
 
 
-def run_shapes(rig: Rig, point: str | None) -> list[str]:
-    """Start one workflow of each shape; drive workers (killing at ``point``) to the end."""
-    wids = []
-    for shape in SHAPES:
-        order = f"{shape.split('.')[1]}-{uuid.uuid4().hex[:6]}"
-        wid = f"{point or 'clean'}/{order}"
-        engine.start(rig.store, shape, wid, [order], queue=rig.queue)
-        wids.append(wid)
-    kills = 0
-    marker = rig.tmp / f"kill-{point}-{kills}"
-    worker = rig.worker(**({"RB_WF_KILL_AT": point, "RB_WF_KILL_FILE": str(marker)}
-                           if point else {}))
-    signalled = False
-    deadline = time.monotonic() + 240
+def run_shapes(rig: Rig, point: str | None, shapes: list[str] = SHAPES) -> list[Lane]:
+    """One workflow of each shape, each on its own queue and solo worker (killing itself at
+    ``point``, up to three times, then a clean one), driven to the end."""
+    lanes = []
+    for shape in shapes:
+        short = shape.split(".")[1]
+        order = f"{short}-{uuid.uuid4().hex[:6]}"
+        lane = Lane(shape, f"{point or 'clean'}/{order}", order, f"{rig.queue}-{short}")
+        engine.start(rig.store, shape, lane.wid, [order], queue=lane.queue)
+        lanes.append(lane)
+
+    def spawn(lane: Lane) -> subprocess.Popen[bytes]:
+        marker = rig.tmp / f"kill-{lane.shape}-{point}-{lane.kills}"
+        extra = ({"RB_WF_KILL_AT": str(point), "RB_WF_KILL_FILE": str(marker)}
+                 if point and lane.kills < KILLS else {})
+        return rig.worker(queue=lane.queue, **extra)
+
+    for lane in lanes:
+        lane.worker = spawn(lane)
+    deadline = time.monotonic() + 420
+    states: list[str] = []
     while time.monotonic() < deadline:
-        states = [engine.get_workflow(rig.store, w)["state"] for w in wids]
+        states = [engine.get_workflow(rig.store, lane.wid)["state"] for lane in lanes]
         if all(s in ("completed", "failed", "blocked") for s in states):
             break
-        if not signalled and len(events(rig.store, wids[2])) >= 1:
-            engine.signal(rig.store, wids[2], "go", {"ok": wids[2].split("/")[1]},
-                          key=f"go:{wids[2]}")
-            signalled = True
-        if worker.poll() is not None:  # killed itself at the point
-            kills += 1
-            marker = rig.tmp / f"kill-{point}-{kills}"
-            extra = ({"RB_WF_KILL_AT": str(point), "RB_WF_KILL_FILE": str(marker)}
-                     if point and kills < 3 else {})
-            worker = rig.worker(**extra)
+        for lane in lanes:
+            # the signal goes once the wait is recorded (``scheduled``): its consumption is
+            # then always the advance's completing transaction (complete.* apply)
+            if (lane.shape == "wfa.signal" and not lane.signalled
+                    and len(events(rig.store, lane.wid)) >= 2):
+                engine.signal(rig.store, lane.wid, "go", {"ok": lane.order},
+                              key=f"go:{lane.wid}")
+                lane.signalled = True
+            assert lane.worker is not None
+            if lane.worker.poll() is not None:  # killed itself at the point
+                lane.kills += 1
+                lane.worker = spawn(lane)
         time.sleep(0.2)
     else:
         raise AssertionError(f"point {point}: not finished {states}\n{rig.logs()}")
-    worker.kill()
-    worker.wait(timeout=10)
-    return wids
+    for lane in lanes:
+        assert lane.worker is not None
+        lane.worker.kill()
+        lane.worker.wait(timeout=10)
+    return lanes
 
 
-def check(rig: Rig, wids: list[str], point: str | None) -> None:
+def check(rig: Rig, lanes: list[Lane], point: str | None) -> None:
+    """Same final state, same event list and result as the crash-free run; transaction and
+    activity effects exactly once, step effects at least once, every expected effect there."""
     eff = rig.effects()
-    for shape, wid in zip(SHAPES, wids, strict=True):
-        order = wid.split("/")[1]
-        row = engine.get_workflow(rig.store, wid)
-        assert row["state"] == "completed", (point, wid, row, rig.logs())
-        evs, result = expected(shape, wid, order)
-        assert events(rig.store, wid) == evs, (point, wid)
-        assert row["result"] == result, (point, wid)
-        for kind, key in [(k, key) for (k, key) in eff if order in key or wid in key]:
-            n = eff[(kind, key)]
+    for lane in lanes:
+        row = engine.get_workflow(rig.store, lane.wid)
+        assert row["state"] == "completed", (point, lane.wid, row, rig.logs())
+        evs, result = expected(lane.shape, lane.wid, lane.order)
+        assert events(rig.store, lane.wid) == evs, (point, lane.wid)
+        assert row["result"] == result, (point, lane.wid)
+        mine = {(k, key): n for (k, key), n in eff.items()
+                if lane.order in key or lane.wid in key}
+        for (kind, key), n in mine.items():
             if kind == "step":
                 assert n >= 1
             else:
                 assert n == 1, (point, kind, key, n)
-    # every expected effect is there
-    tx_keys = {key for (k, key) in eff if k == "transaction"}
-    assert len([w for w in wids if any(w.split("/")[1] in k for k in tx_keys)]) == 3
+        want = {"wfa.linear": {"transaction": 1, "activity": 1, "step": 1},
+                "wfa.fanout": {"transaction": 1, "activity": 3},
+                "wfa.signal": {"transaction": 1},
+                "wfa.race": {"transaction": 1, "activity": 1}}[lane.shape]
+        got = {k: len([1 for (kind, _) in mine if kind == k]) for k in want}
+        assert got == want, (point, lane.wid, got, want)
+
+
+def _dialect(rig: Rig) -> str:
+    return "mariadb" if rig.store.dialect in ("mysql", "mariadb") else rig.store.dialect
 
 
 @pytest.mark.parametrize("point", POINTS)
 def test_crash_matrix(rig: Rig, point: str) -> None:
     rig.relay()
-    wids = run_shapes(rig, point)
-    check(rig, wids, point)
-    kills = len(list(rig.tmp.glob(f"kill-{point}-*")))
-    print(f"MATRIX {point}: {kills} SIGKILLs, 3 shapes completed identically, divergences 0")
-    assert kills >= 1, f"{point} was never reached"
+    lanes = run_shapes(rig, point)
+    check(rig, lanes, point)
+    kills = {lane.shape: len(list(rig.tmp.glob(f"kill-{lane.shape}-{point}-*")))
+             for lane in lanes}
+    GRID[(_dialect(rig), point)] = kills
+    print(f"MATRIX {point}: " + ", ".join(f"{s} {n}" for s, n in kills.items())
+          + " SIGKILLs; all completed identically, divergences 0")
+    for shape, n in kills.items():
+        if (point, shape) in NOT_APPLICABLE:
+            assert n == 0, f"{point} x {shape} is marked n/a but was hit {n} times"
+        else:
+            assert n >= 1, f"{point} was never reached by {shape}"
+
+
+def test_crash_matrix_summary() -> None:
+    """Run after the matrix (file order): print the grid, write it to $RB_WF_MATRIX_FILE."""
+    if not GRID:
+        pytest.skip("the crash matrix did not run in this session")
+    lines = []
+    for dialect in sorted({d for d, _ in GRID}):
+        rows = [(p, GRID[(d, p)]) for d, p in GRID if d == dialect]
+        hit = [(p, s, k[s]) for p, k in rows for s in SHAPES if (p, s) not in NOT_APPLICABLE]
+        cells = len(hit)
+        kills = sum(n for _, _, n in hit)
+        lines.append(f"#### {dialect}: {len(rows)} points, {cells} cells, {kills} SIGKILLs, "
+                     "divergences 0")
+        lines.append("")
+        lines.append("| point | " + " | ".join(SHAPES) + " |")
+        lines.append("|---|" + "---|" * len(SHAPES))
+        for p, k in rows:
+            lines.append(f"| `{p}` | " + " | ".join(
+                "n/a" if (p, s) in NOT_APPLICABLE else str(k[s]) for s in SHAPES) + " |")
+        lines.append("")
+    text = "\n".join(lines)
+    print("\n" + text)
+    out = os.environ.get("RB_WF_MATRIX_FILE")
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 def test_clean_run_and_cli(rig: Rig) -> None:
     rig.relay()
-    wids = run_shapes(rig, None)
-    check(rig, wids, None)
+    lanes = run_shapes(rig, None)
+    check(rig, lanes, None)
     out = rig.cli("workflows", "list", "--json")
     assert out.returncode == 0, out.stderr
-    assert wids[0] in out.stdout
+    assert lanes[0].wid in out.stdout
     out = rig.cli("workflows", "replay", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -266,10 +395,10 @@ def test_timer_across_a_full_restart(rig: Rig) -> None:
         p.kill()
         p.wait(timeout=10)
     with rig.store.engine.connect() as conn:  # every timer is due while nothing runs
-        last = conn.execute(sa.text(
-            "SELECT max(fire_at) - clock_timestamp() FROM reliable_beat_workflow_events "
-            "WHERE kind = 'timer'")).scalar_one()
-    time.sleep(max(last.total_seconds(), 0) + 3)
+        last = max(e["fire_at"] for w in wids
+                   for e in engine.get_workflow(rig.store, w, events=True)["events"])
+        left = last - db_now(conn)
+    time.sleep(max(left.total_seconds(), 0) + 3)
     restarted = time.monotonic()
     rig.relay()
     rig.worker()

@@ -4,11 +4,12 @@ Environment: ``RB_BROKER_URL``, ``RB_DATABASE_URL``, ``RB_LEASE_SECONDS`` (defau
 ``RB_WF_QUEUE`` (the per-test queue of advances and activities), and for crash tests
 ``RB_WF_KILL_AT`` / ``RB_WF_KILL_FILE`` (see :func:`reliable_beat.workflows.engine.crash_point`).
 
-Three workflow shapes, each touching every kind of durable call it can:
+Four workflow shapes, each touching every kind of durable call it can:
 
 * ``wfa.linear``: transaction -> activity -> step -> sleep 1 s -> activity;
 * ``wfa.fanout``: three activities started together, ``wait_all``, then a transaction;
-* ``wfa.signal``: activity -> ``wait_signal("go")`` -> transaction -> ``now``.
+* ``wfa.signal``: activity -> ``wait_signal("go")`` -> transaction -> ``now``;
+* ``wfa.race``: two activities started together, ``wait_any``, ``wait_all``, a transaction.
 
 Effects: ``wf_effects`` rows (kind, key, pid) with no unique constraint: only the engine's
 fencing and the activities' keys keep transaction and activity effects single.
@@ -116,6 +117,18 @@ def signalled(ctx: WorkflowContext, order: str) -> Any:
     done = ctx.transaction(_tx_effect, f"{order}:approved", name="approved")
     ctx.now()
     return [first, approval, done]
+
+
+@workflow(app, name="wfa.race", queue=QUEUE)
+def race(ctx: WorkflowContext, order: str) -> Any:
+    """The ``wait_any`` shape: which activity was seen first is recorded (0 or 1, by timing);
+    the result does not depend on it."""
+    a = ctx.start_activity(label, order, 3, queue=QUEUE)
+    b = ctx.start_activity(charge, order, 9, queue=QUEUE)
+    ctx.wait_any(a, b)
+    both = ctx.wait_all(a, b)
+    done = ctx.transaction(_tx_effect, f"{order}:raced", name="raced")
+    return [both, done]
 
 
 def _slow(i: int) -> int:

@@ -1,4 +1,5 @@
-"""The workflow engine on SQLite with an in-process driver (tests/apps/wf_driver.py).
+"""The workflow engine on SQLite (and MariaDB, ``-m mariadb``) with an in-process driver
+(tests/apps/wf_driver.py).
 
 Every durable call records, replays, and survives a crash at any crash point; the random
 program x random crash schedule property: the final state, result and event list equal the
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
+from reliable_beat.db.tables import outbox as outbox_table
 from reliable_beat.workflows import (
     ActivityError,
     WorkflowBlockedError,
@@ -129,11 +131,21 @@ def interpret(ctx: WorkflowContext, program: list[list[Any]]) -> list[Any]:
     return out
 
 
-@pytest.fixture
-def wf_store(sqlite_store: Store) -> Iterator[Store]:
-    effects.create(sqlite_store.engine)
+#: The engine on SQLite always; on MariaDB too (``-m mariadb``: a private server started by
+#: tests/conftest.py) unless ``RELIABLE_BEAT_TEST_DIALECTS`` leaves it out.
+WF_DIALECTS = ["sqlite"] + [
+    pytest.param("mariadb", marks=pytest.mark.mariadb)
+    for d in os.environ.get("RELIABLE_BEAT_TEST_DIALECTS", "sqlite,postgresql,mariadb")
+    .split(",") if d == "mariadb"
+]
+
+
+@pytest.fixture(params=WF_DIALECTS)
+def wf_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    store: Store = request.getfixturevalue(f"{request.param}_store")
+    effects.create(store.engine)
     STEP_CALLS.clear()
-    yield sqlite_store
+    yield store
     engine.crash_hook = None
 
 
@@ -176,6 +188,59 @@ def test_program_runs_to_completion_and_records_each_call_once(app: Celery, wf_s
     assert count_effects(wf_store, "transaction") == {"tx0": 1}
     assert sorted(count_effects(wf_store, "activity").values()) == [1, 1, 1]
     assert STEP_CALLS == {"w1:s2": 1}
+
+
+def test_an_activity_advance_takes_three_transactions_and_reads_no_run(
+    app: Celery, wf_store: Store
+) -> None:
+    """The cost of one activity round trip on the workflow's side: an advance that records
+    an activity and suspends checks out the store three times (claim + history, the fenced
+    record, the release; it was five: the history and the just-dispatched activity's run
+    were read on connections of their own) and never reads the run it has just dispatched
+    (its completion, if already there, bumps ``wake_seq``, so the release runs the code
+    again). Each checkout costs a pre-ping, BEGIN and COMMIT round trip on a server."""
+    engine.start(wf_store, "t.interp", "rt1", [[["act", 1], ["act", 2]]])
+    checkouts: list[str] = []
+    statements: list[str] = []
+    current: dict[str, bool] = {"on": False}
+
+    def on_checkout(*_a: Any) -> None:
+        if current["on"]:
+            checkouts.append("checkout")
+
+    def on_exec(_c: Any, _cur: Any, statement: str, *_a: Any) -> None:
+        if current["on"]:
+            statements.append(statement)
+
+    sa.event.listen(wf_store.engine.pool, "checkout", on_checkout)
+    sa.event.listen(wf_store.engine, "before_cursor_execute", on_exec)
+    driver = Driver(wf_store, app)
+    per_advance: list[tuple[int, list[str]]] = []
+    try:
+        for _ in range(20):
+            row, _wait = driver._due()
+            if row is None:
+                break
+            is_advance = row.payload["task"] == engine.ADVANCE_TASK
+            checkouts.clear()
+            statements.clear()
+            current["on"] = is_advance
+            driver.deliver(row)
+            current["on"] = False
+            if is_advance:
+                per_advance.append((len(checkouts), list(statements)))
+            with wf_store.begin() as conn:
+                conn.execute(sa.update(outbox_table).where(outbox_table.c.id == row.id)
+                             .values(state="sent"))
+    finally:
+        sa.event.remove(wf_store.engine.pool, "checkout", on_checkout)
+        sa.event.remove(wf_store.engine, "before_cursor_execute", on_exec)
+    assert engine.get_workflow(wf_store, "rt1")["result"] == [2, 4]
+    # start -> record act 1; wake -> record act 2; wake -> finish
+    assert len(per_advance) == 3
+    for n, stmts in per_advance[:2]:  # the two that dispatched an activity and suspended
+        assert n == 3, (n, stmts)
+        assert not any("FROM reliable_beat_runs" in s for s in stmts), stmts
 
 
 def test_start_conflict_and_transactional_start_rolled_back(app: Celery, wf_store: Store
@@ -460,6 +525,7 @@ def _run_program(store: Store, app: Celery, wid: str, program: list[list[Any]],
     return row["state"], row["result"], _normal(events(store, wid))
 
 
+@pytest.mark.timeout(300 + EXAMPLES * 5)  # full size (1,000 examples) takes ~30 min loaded
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=st.lists(OPS, min_size=1, max_size=7),

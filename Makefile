@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 # `make test-full` runs every MariaDB variant too (about 10 more minutes on 2 cores).
 # Workflows on MariaDB: the engine's unit tests (~20 s); the crash matrix on real processes is
 # longer than CI's budget allows: `pytest tests/acceptance/test_workflow_crashes.py -k mariadb`.
-MARIADB_CI_SUBSET := tests/integration tests/unit/test_workflows.py tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction tests/acceptance/test_idempotent_task.py tests/acceptance/test_relay_kill.py \
+MARIADB_CI_SUBSET := tests/integration tests/unit/test_workflows.py tests/unit/test_workflow_versions.py tests/unit/test_workflow_sagas.py tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction tests/acceptance/test_idempotent_task.py tests/acceptance/test_relay_kill.py \
 	tests/faults/test_faults_smoke.py::test_fault_injection_smoke_mariadb
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not mariadb"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
+from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflow_events, workflows
 from reliable_beat.outbox import db_now
 from reliable_beat.workflows import engine
@@ -158,14 +159,16 @@ def notify_parent(conn: Connection, child_pk: int, state: str, result: Any = Non
     ).first()
     if link is None or link.parent_pk is None:
         return False
-    parent = conn.execute(
+    told = update_returning(
+        conn,
         update(workflows)
         .where(workflows.c.id == link.parent_pk, workflows.c.run_no == link.parent_run_no)
-        .values(wake_seq=workflows.c.wake_seq + 1)
-        .returning(workflows.c.workflow_id, workflows.c.queue)
-    ).first()
-    if parent is None:
+        .values(wake_seq=workflows.c.wake_seq + 1),
+        workflows, [workflows.c.workflow_id, workflows.c.queue],
+    )
+    if not told:
         return False
+    parent = told[0]
     ev_state, ev_result, ev_error = _outcome_of(state, result, error)
     done = conn.execute(
         update(workflow_events)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 
+from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflows
 from reliable_beat.outbox import db_now
 from reliable_beat.workflows import children, engine
@@ -81,7 +82,8 @@ def switch_run(ctx: WorkflowContext, request: ContinueAsNew) -> str:
     engine.crash_point("continue.before")
     with ctx._store.begin() as conn:
         now = db_now(conn)
-        row = conn.execute(
+        switched = update_returning(
+            conn,
             update(workflows)
             .where(workflows.c.id == claimed.pk,
                    workflows.c.fence_token == claimed.fence_token)
@@ -91,9 +93,10 @@ def switch_run(ctx: WorkflowContext, request: ContinueAsNew) -> str:
                 version=ctx._definition.version, wake_seq=workflows.c.wake_seq + 1,
                 leased_by=None, lease_expires_at=None, updated_at=now,
                 advances=0,  # the crash-loop budget is per run: a long loop is not a crash loop
-            )
-            .returning(workflows.c.wake_seq)
-        ).first()
+            ),
+            workflows, [workflows.c.wake_seq],
+        )
+        row = switched[0] if switched else None
         if row is None:
             return "fenced"
         engine.add_wake(conn, claimed.workflow_id, claimed.queue, f"run{claimed.run_no + 1}")

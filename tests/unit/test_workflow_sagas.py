@@ -113,14 +113,16 @@ def ok_saga(ctx: WorkflowContext, order: str) -> str:
     return "ok"
 
 
-@pytest.fixture
-def store(sqlite_store: Store) -> Iterator[Store]:
-    effects.create(sqlite_store.engine)
+@pytest.fixture(params=["sqlite", pytest.param("mariadb", marks=pytest.mark.mariadb)])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """SQLite, and MariaDB (no UPDATE ... RETURNING there)."""
+    store: Store = request.getfixturevalue(f"{request.param}_store")
+    effects.create(store.engine)
     BROKEN.clear()
     workflow(name="t.three")(three_steps)
     workflow(name="t.sleepy")(sleepy)
     workflow(name="t.ok")(ok_saga)
-    yield sqlite_store
+    yield store
     engine.crash_hook = None
 
 

@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, or_, select, true, update
+from sqlalchemy import and_, case, literal, or_, select, true, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
@@ -61,6 +61,9 @@ log = get_logger("reliable_beat.redispatch")
 #: The re-send backoff's cap: a run already re-sent k times waits ``after * 2**min(k, cap)``
 #: (cap 4: 16 periods; 32 min at the 120 s default) before the next re-send.
 BACKOFF_CAP = 4
+
+#: What a run's trigger message id starts with (``trigger:<idempotency key>``).
+_TRIGGER_PREFIX = trigger_message_id("")
 
 
 def _waited(col: Any, now: datetime, after: timedelta) -> Any:
@@ -123,9 +126,21 @@ def claim_stuck_runs(
         stuck_states.append(
             and_(runs.c.state == "retrying", _waited(runs.c.updated_at, now, retrying_after))
         )
+    # Only runs this sweep can re-send: those with a trigger row (``trigger:<key>``) of a
+    # trigger destination. A workflow activity's run (key ``wf:<id>/<run>#<seq>``, message
+    # ``act:<key>``) and an ad-hoc call's have none: claiming them would bump their
+    # ``redispatches`` and push their clock to ``now`` while sending nothing, which hid a
+    # dead activity from the workflow sweep (:func:`~reliable_beat.workflows.engine.
+    # redispatch_workflows`, which re-sends it) for another full window.
+    has_trigger = (
+        select(outbox.c.id)
+        .where(outbox.c.message_id == literal(_TRIGGER_PREFIX) + runs.c.idempotency_key,
+               outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)))
+        .exists()
+    )
     stmt = (
         select(runs.c.id, runs.c.idempotency_key, runs.c.state)
-        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states),
+        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states), has_trigger,
                true() if schedule_group is None
                else ~entry_outside_group(runs.c.entry_name, schedule_group))
         .order_by(runs.c.id)
@@ -156,6 +171,15 @@ def claim_stuck_runs(
             outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)),
         ).order_by(outbox.c.run_id)
     ).all()
+    found = {r.message_id for r in rows}
+    lost = [r.idempotency_key for r in stuck
+            if trigger_message_id(r.idempotency_key) not in found]
+    if lost:  # a trigger row removed between the claim's two reads (pruned): say so
+        log.error(
+            "claimed %d stuck runs whose trigger row is gone, nothing re-sent for them: %s. "
+            "Check them with `reliable-beat runs show KEY`; a worker's retry or a person "
+            "(`reliable-beat lease clear`) must finish them.",
+            len(lost), ", ".join(lost[:5]))
     return [OutboxMessage.from_row(r) for r in rows]
 
 

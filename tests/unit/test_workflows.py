@@ -705,3 +705,62 @@ def test_activity_result_survives_a_crash_after_its_commit(app: Celery, wf_store
     assert driver.crashes == 2
     assert handle.result(timeout=1) == [40, None]
     assert sorted(count_effects(wf_store, "crashy").values()) == [1, 1]
+
+
+def test_activity_run_killed_mid_body_is_resent_by_the_workflow_sweep_not_claimed_by_the_run_sweep(
+        app: Celery, wf_store: Store) -> None:
+    """kill -9 of a worker inside an activity: its run stays ``running`` with a lease that
+    expires, and its message (``act:<key>``, not ``trigger:<key>``) is gone. The run sweep
+    used to claim that run (``redispatches`` + 1, lease pushed to now) while it had nothing
+    to send, so the workflow sweep, which does re-send it, skipped it for another window."""
+    from datetime import datetime, timezone
+
+    from reliable_beat.db.tables import runs as runs_table
+    from reliable_beat.db.tables import workflow_events
+    from reliable_beat.redispatch import claim_stuck_runs
+
+    killed: list[str] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="wf.killed_once")
+    def killed_once(self: IdempotentTask, x: int) -> int:
+        if not killed:
+            killed.append(self.idempotency_key)
+            raise Crash("SIGKILL inside the activity body")
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(kind="activity", key=self.idempotency_key))
+            self.returns(x * 3)
+        return -1
+
+    def flow(ctx: WorkflowContext) -> Any:
+        return ctx.activity("wf.killed_once", 5)
+
+    workflow(name="t.killed")(flow)
+    handle = engine.start(wf_store, "t.killed", "killed")
+    driver = Driver(wf_store, app)
+    assert driver.step()  # the advance: records the activity and its message
+    assert driver.step()  # the activity starts (run row: running) and the worker dies
+    assert driver.crashes == 1 and killed and killed[0].startswith("wf:")
+    window = timedelta(seconds=60)
+    long_ago = datetime(2000, 1, 1, tzinfo=timezone.utc)
+    with wf_store.begin() as conn:  # the broker lost the message; the window has passed
+        conn.execute(sa.update(outbox_table).where(outbox_table.c.message_id.like("act:%"))
+                     .values(state="sent"))
+        conn.execute(sa.update(workflow_events).values(created_at=long_ago))
+        conn.execute(sa.update(runs_table).values(lease_expires_at=long_ago))
+    driver.run()
+    assert handle.status()["state"] == "waiting"
+    # the run sweep of the relay (it runs first, with the same window) leaves it alone
+    with wf_store.begin() as conn:
+        now = wf_store.now(conn)
+        assert claim_stuck_runs(wf_store, conn, now=now, after=window,
+                                tasks=["wf.killed_once"]) == []
+    with wf_store.connect() as conn:
+        run = conn.execute(sa.select(runs_table.c.state, runs_table.c.redispatches,
+                                     runs_table.c.lease_expires_at)).one()
+    assert run.state == "running" and run.redispatches == 0
+    assert run.lease_expires_at.replace(tzinfo=timezone.utc) == long_ago  # not pushed to now
+    # so the workflow sweep re-sends the activity in this very window
+    assert engine.redispatch_workflows(wf_store, older_than=window) == 1
+    driver.run()
+    assert handle.result(timeout=1) == 15
+    assert count_effects(wf_store, "activity") == {killed[0]: 1}

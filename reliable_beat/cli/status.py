@@ -131,7 +131,9 @@ def collect_status(
         "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
         "unstarted": {entry: count of its triggers of the last 24 h that no worker started
         within ``redispatch_seconds``, for entries with no started trigger, or with an
-        unstarted one later than their first started one}, "groups": [...] (see
+        unstarted one later than their first started one}, "unstarted_between": [entries
+        of those whose latest unstarted trigger is older than a started one: reported as
+        UNSTARTED BETWEEN STARTED, not NEVER STARTED], "groups": [...] (see
         :func:`~reliable_beat.groups.group_health`),
         "recently_disabled":
         [names], "unregistered": {entry: task},
@@ -199,7 +201,7 @@ def collect_status(
         ).scalar_one()
         backlog = outbox_backlog(conn, now)
         groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
-        unstarted, starts_recorded = _unstarted(conn, now, redispatch_seconds)
+        unstarted, starts_recorded, between = _unstarted(conn, now, redispatch_seconds)
         quarantined_rows = quarantine_counts(conn)
         undelivered = undelivered_outbox(conn, now, outbox_stuck_minutes)
 
@@ -293,14 +295,26 @@ def collect_status(
                 "Start a beat of the app, or move them to a group that has one: "
                 "`reliable-beat entries update NAME --group GROUP`."
             )
-    if unstarted:
-        names = sorted(unstarted)
+    never = sorted(n for n in unstarted if n not in between)
+    if never:
         problems.append(
-            f"NEVER STARTED: the triggers of {len(names)} entries were not started by any "
-            f"worker within {redispatch_seconds:g} s ({', '.join(names[:10])}"
-            f"{', ...' if len(names) > 10 else ''}): no worker registers the task (a typo? a "
+            f"NEVER STARTED: the triggers of {len(never)} entries were not started by any "
+            f"worker within {redispatch_seconds:g} s ({', '.join(never[:10])}"
+            f"{', ...' if len(never) > 10 else ''}): no worker registers the task (a typo? a "
             "removed task?) or none consumes its queue. `reliable-beat entries describe NAME` "
             "shows the task; `celery -A APP inspect registered` what workers know."
+        )
+    gaps = sorted(between)
+    if gaps:
+        problems.append(
+            f"UNSTARTED BETWEEN STARTED: {sum(unstarted[n] for n in gaps)} triggers of "
+            f"{len(gaps)} entries ({', '.join(gaps[:10])}{', ...' if len(gaps) > 10 else ''}) "
+            f"have no recorded start within {redispatch_seconds:g} s although later triggers "
+            "of the same entries did start (their workers know the task): either they were "
+            "lost (e.g. consumed by another app's worker as an unregistered task: check the "
+            "entries' schedule groups), or a worker ran them but could not record the start "
+            "(its log: WARNING 'could not record the start', e.g. the database was down "
+            "then). `reliable-beat runs --entry NAME --state dispatched` lists them."
         )
     unregistered: dict[str, str] = {}
     for g in groups:
@@ -342,6 +356,7 @@ def collect_status(
         "dead_letters": int(dead_total),
         "groups": groups,
         "unstarted": unstarted,
+        "unstarted_between": sorted(between),
         "recently_disabled": recent,
         "unregistered": unregistered,
         "quarantined": quarantined,
@@ -355,9 +370,10 @@ def collect_status(
 
 def _unstarted(
     conn: Connection, now: datetime, redispatch_seconds: float
-) -> tuple[dict[str, int], bool]:
+) -> tuple[dict[str, int], bool, set[str]]:
     """Entries whose triggers no worker started: ``({entry: unstarted count}, whether any
-    start was recorded in the window)``.
+    start was recorded in the window, {the entries of those with a started trigger later
+    than their latest unstarted one})``.
 
     A trigger counts when it is ``dispatched``, was dispatched between the window's start
     and ``now - redispatch_seconds``, and has no ``started_at`` (an ``IdempotentTask``'s
@@ -367,6 +383,9 @@ def _unstarted(
     lost, e.g. consumed by another app's worker as an unregistered task), and only when some
     start was recorded in the window at all (the workers do record starts). Unstarted
     triggers older than the first started one (a task name fixed since) are not reported.
+    An entry whose latest unstarted trigger is older than its latest started one is in the
+    third element: its workers do know the task, so "no worker registers it" is not the
+    advice (lost triggers, or starts a worker could not record: the database was down).
     """
     lo = now - timedelta(hours=UNSTARTED_WINDOW_HOURS)
     hi = now - timedelta(seconds=redispatch_seconds)
@@ -380,25 +399,29 @@ def _unstarted(
         ).all()
     )
     if not pending:
-        return {}, True
-    first_started = dict(
-        (name, _utc(at)) for name, at in conn.execute(
-            select(runs.c.entry_name, func.min(runs.c.dispatched_at))
+        return {}, True, set()
+    started = {
+        name: (_utc(first), _utc(last)) for name, first, last in conn.execute(
+            select(runs.c.entry_name, func.min(runs.c.dispatched_at),
+                   func.max(runs.c.dispatched_at))
             .where(recent, runs.c.started_at.is_not(None),
                    runs.c.entry_name.in_(list(pending)))
             .group_by(runs.c.entry_name)
         ).all()
-    )
-    if not first_started and conn.execute(
+    }
+    if not started and conn.execute(
         select(runs.c.id).where(recent, runs.c.started_at.is_not(None)).limit(1)
     ).first() is None:
-        return {}, False  # no worker records starts: cannot tell; status warns instead
+        return {}, False, set()  # no worker records starts: cannot tell; status warns instead
     out: dict[str, int] = {}
+    between: set[str] = set()
     for name, (count, latest) in pending.items():
-        seen = first_started.get(name)
-        if seen is None or (latest is not None and latest > seen):
+        first, last = started.get(name, (None, None))
+        if first is None or (latest is not None and latest > first):
             out[name] = count
-    return out, True
+            if last is not None and latest is not None and latest < last:
+                between.add(name)
+    return out, True, between
 
 
 def _fmt(at: datetime | None) -> str:
@@ -455,7 +478,8 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                   "DEAD")
         table = [header] + [
             (e["name"] + (" (MISSED)" if e["missed"] else "")
-             + (" (NEVER STARTED)" if e["name"] in info["unstarted"] else ""),
+             + ((" (UNSTARTED)" if e["name"] in info["unstarted_between"]
+                 else " (NEVER STARTED)") if e["name"] in info["unstarted"] else ""),
              e["schedule_group"] or "-",
              e["status"] + (f" {_fmt(e['disabled_at'])}" if e["disabled_at"] else ""),
              _fmt(e["next_fire_at"]), _fmt(e["last_fire_at"]), e["last_state"] or "-",

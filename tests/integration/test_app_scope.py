@@ -276,3 +276,36 @@ def test_the_core_beat_loop_fires_only_its_groups_entries(pg_store: Store) -> No
     pub = _Published()
     BeatLoop(store=pg_store, settings=Settings(), publisher=pub, owner="dq:1").step()
     assert sorted(m.payload["args"][0] for m in pub.published) == ["b-proj2", "c-none"]
+
+
+def test_a_start_not_recorded_between_started_ones_is_not_called_a_typo(
+    pg_store: Store,
+) -> None:
+    """Fails on the old check: a plain task's trigger whose start the worker could not record
+    (the database was down at that moment) raised NEVER STARTED with "no worker registers
+    the task (a typo? a removed task?)" for 24 h, although later triggers of the entry did
+    start. It is still reported (it may as well be a lost trigger), with the right advice."""
+    with pg_store.begin() as conn:
+        now = pg_store.now(conn)
+        rows = []
+        for i, (name, started) in enumerate([
+            ("dbdown", True), ("dbdown", False), ("dbdown", True), ("dbdown", True),
+            ("typo", False), ("typo", False),
+        ]):
+            at = now - timedelta(minutes=60 - i)
+            rows.append({
+                "idempotency_key": f"{name}@{i}", "entry_name": name, "fire_at": at,
+                "trigger": "schedule", "task": "t", "args": [], "kwargs": {},
+                "state": "dispatched", "created_at": at, "updated_at": at,
+                "dispatched_at": at, "started_at": at if started else None,
+            })
+        conn.execute(runs.insert(), rows)
+    info = collect_status(pg_store, redispatch_seconds=120)
+    assert info["unstarted"] == {"dbdown": 1, "typo": 2}
+    never = [p for p in info["problems"] if p.startswith("NEVER STARTED")]
+    assert len(never) == 1 and "(typo)" in never[0] and "dbdown" not in never[0], never
+    assert info["unstarted_between"] == ["dbdown"]
+    gaps = [p for p in info["problems"] if p.startswith("UNSTARTED BETWEEN STARTED")]
+    assert len(gaps) == 1 and "(dbdown)" in gaps[0], info["problems"]
+    assert "could not record the start" in gaps[0] and "typo" not in gaps[0]
+    assert not info["ok"]

@@ -14,11 +14,18 @@ with an ``IdempotentTask``). An app of plain tasks only adds it to its imports::
 
     app.conf.imports = [*app.conf.imports, "reliable_beat.celery.acks"]
 
-A failure to write is logged at WARNING and never fails the task.
+A failure to write is logged at WARNING and never fails the task. The start is kept in the
+worker process (at most :data:`UNRECORDED_MAX` of them) and written when the database answers
+again: at this task's end (``task_postrun``) or at the next trigger's start in the same process,
+with the time the worker saw it start. So a database outage at that moment does not leave a
+trigger looking unstarted (``status``: UNSTARTED BETWEEN STARTED), unless the worker stops
+first.
 """
 
 from __future__ import annotations
 
+import threading
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import signals
@@ -27,11 +34,19 @@ from sqlalchemy import update
 from reliable_beat.db.tables import runs
 from reliable_beat.redaction import get_logger
 
-__all__ = ["record_start"]
+__all__ = ["UNRECORDED_MAX", "record_start", "record_unrecorded_starts"]
 
 log = get_logger("reliable_beat.acks")
 
 KEY_HEADER = "reliable_beat_key"
+
+#: Most starts kept per worker process while the database is unreachable (newer ones are
+#: dropped, with a WARNING naming them).
+UNRECORDED_MAX = 1000
+
+#: Starts not written yet: idempotency key -> (the worker's clock at the start, store URL).
+_unrecorded: dict[str, tuple[datetime, str]] = {}
+_unrecorded_lock = threading.Lock()
 
 
 def _key(task: Any) -> str | None:
@@ -60,10 +75,13 @@ def record_start(sender: Any = None, task: Any = None, **_: Any) -> None:
     key = _key(task)
     if key is None or getattr(task.request, "is_eager", False):
         return
+    started = datetime.now(timezone.utc)
+    url = ""
     try:
         from reliable_beat.settings import Settings
 
-        store = _store_for(Settings.from_celery(task.app).database_url)
+        url = Settings.from_celery(task.app).database_url
+        store = _store_for(url)
         with store.begin() as conn:
             now = store.now(conn)
             conn.execute(
@@ -72,8 +90,54 @@ def record_start(sender: Any = None, task: Any = None, **_: Any) -> None:
                 .values(started_at=now)
             )
     except Exception as exc:
-        log.warning("reliable_beat: could not record the start of %s (%s): %s",
-                    getattr(task, "name", "?"), key, exc)
+        kept = False
+        if url:
+            with _unrecorded_lock:
+                if len(_unrecorded) < UNRECORDED_MAX:
+                    _unrecorded[key] = (started, url)
+                    kept = True
+        log.warning("reliable_beat: could not record the start of %s (%s): %s; %s",
+                    getattr(task, "name", "?"), key, exc,
+                    "kept, written when the database answers again" if kept
+                    else "not kept (too many unwritten starts): status will report it "
+                    "as unstarted")
+        return
+    record_unrecorded_starts()
+
+
+def record_unrecorded_starts(**_: Any) -> int:
+    """Write the starts :func:`record_start` could not (database down); also a
+    ``task_postrun`` handler. Returns how many were written; a failure keeps them for the
+    next call and is not logged again (the first failure was)."""
+    with _unrecorded_lock:
+        todo = dict(_unrecorded)
+    if not todo:
+        return 0
+    from reliable_beat.execution import _store_for
+
+    written = 0
+    for url in sorted({u for _, u in todo.values()}):
+        keys = {k: at for k, (at, u) in todo.items() if u == url}
+        try:
+            store = _store_for(url)
+            with store.begin() as conn:
+                for k, at in keys.items():
+                    conn.execute(
+                        update(runs)
+                        .where(runs.c.idempotency_key == k, runs.c.started_at.is_(None))
+                        .values(started_at=at)
+                    )
+        except Exception:
+            continue
+        with _unrecorded_lock:
+            for k in keys:
+                _unrecorded.pop(k, None)
+        written += len(keys)
+        log.info("reliable_beat: recorded %d trigger starts the database missed earlier: %s",
+                 len(keys), ", ".join(sorted(keys)[:5]))
+    return written
 
 
 signals.task_prerun.connect(record_start, weak=False, dispatch_uid="reliable_beat.acks")
+signals.task_postrun.connect(record_unrecorded_starts, weak=False,
+                             dispatch_uid="reliable_beat.acks.unrecorded")

@@ -314,7 +314,8 @@ def collect_status(
             "lost (e.g. consumed by another app's worker as an unregistered task: check the "
             "entries' schedule groups), or a worker ran them but could not record the start "
             "(its log: WARNING 'could not record the start', e.g. the database was down "
-            "then). `reliable-beat runs --entry NAME --state dispatched` lists them."
+            "then; it writes the start when the database answers again, unless it stopped "
+            "first). `reliable-beat runs --entry NAME --state dispatched` lists them."
         )
     unregistered: dict[str, str] = {}
     for g in groups:

@@ -810,6 +810,11 @@ def advance(
         if history is None:  # a wake arrived while the code ran: read what it brought
             with store.connect() as conn:
                 history = load_history(conn, claimed.pk, claimed.run_no)
+                # a `workflows cancel` is such a wake (it bumps wake_seq): read its request
+                # on the same connection, so the code's cancel check needs no query of its own
+                claimed.extra["cancel_requested"] = conn.execute(
+                    select(workflows.c.cancel_requested).where(workflows.c.id == claimed.pk)
+                ).scalar()
         ctx = WorkflowContext(store, claimed, history, definition)
         outcome = ctx.run_code(definition.fn)
         if outcome != "suspended":

@@ -328,11 +328,17 @@ def cancel_requested(ctx: WorkflowContext) -> bool:
     """A cooperative cancel is pending for this run: asked for, not yet raised."""
     if any(ev.kind == "cancel" for ev in ctx._history.values()):
         return False
-    with ctx._store.connect() as conn:
-        asked = conn.execute(
-            select(workflows.c.cancel_requested).where(workflows.c.id == ctx._claimed.pk)
-        ).scalar()
-    return asked == "cancel"
+    extra = ctx._claimed.extra
+    if "cancel_requested" in extra:
+        # read by the claim, or again with the history after a wake during the advance (a
+        # cancel bumps wake_seq, so one that arrives mid-advance is always read there)
+        asked = extra["cancel_requested"]
+    else:
+        with ctx._store.connect() as conn:
+            asked = conn.execute(
+                select(workflows.c.cancel_requested).where(workflows.c.id == ctx._claimed.pk)
+            ).scalar()
+    return bool(asked == "cancel")
 
 
 def data_unwind_fn(claimed: engine.Claimed) -> Callable[..., Any] | None:

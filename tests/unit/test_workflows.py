@@ -239,7 +239,7 @@ def test_an_activity_advance_takes_three_transactions_and_reads_no_run(
     # start -> record act 1; wake -> record act 2; wake -> finish
     assert len(per_advance) == 3
     for n, stmts in per_advance[:2]:  # the two that dispatched an activity and suspended
-        assert n == 3, (n, stmts)
+        assert n == 3, (n, [s.split("\n")[0][:60] for s in stmts])
         assert not any("FROM reliable_beat_runs" in s for s in stmts), stmts
 
 

@@ -506,7 +506,7 @@ def _psycopg_loader(base: Any, fmt: Any) -> Any:
 
 
 def _psycopg2_infinity(value: str | None, cursor: Any) -> datetime | None:
-    import psycopg2.extensions
+    import psycopg2.extensions  # type: ignore[import-untyped]
 
     try:
         return psycopg2.extensions.PYDATETIMETZ(value, cursor)  # type: ignore[no-any-return]
@@ -524,7 +524,7 @@ def _setup_postgresql(engine: Engine) -> None:
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         module = type(dbapi_conn).__module__
         if module.startswith("psycopg2"):
-            import psycopg2.extensions
+            import psycopg2.extensions  # type: ignore[import-untyped]
 
             caster = psycopg2.extensions.new_type(
                 (_TIMESTAMPTZ_OID,), "RB_TIMESTAMPTZ", _psycopg2_infinity)

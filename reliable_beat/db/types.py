@@ -11,7 +11,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-__all__ = ["INFINITY", "JSONType", "NEG_INFINITY", "UTCDateTime", "infinity_text"]
+__all__ = ["INFINITY", "NEG_INFINITY", "JSONType", "UTCDateTime", "infinity_text"]
 
 #: What a PostgreSQL ``timestamptz`` of ``'infinity'`` (or a year after 9999, which Python
 #: cannot represent) reads as: ``datetime.max`` in UTC (psycopg2 does the same by itself;
@@ -27,10 +27,10 @@ def infinity_text(value: object) -> str | None:
     :data:`NEG_INFINITY` (any tzinfo), else None."""
     if not isinstance(value, datetime):
         return None
-    bare = value.replace(tzinfo=None)
-    if bare == datetime.max:
+    aware = value.replace(tzinfo=timezone.utc)  # compare the fields, whatever the zone
+    if aware == INFINITY:
         return "infinity"
-    if bare == datetime.min:
+    if aware == NEG_INFINITY:
         return "-infinity"
     return None
 

@@ -122,6 +122,10 @@ def test_cli_reads_infinity_rows_and_names_them(pg_store: Store) -> None:
         assert r.exit_code == 0 or args[0] == "status", (args, r.output)
         if args[0] != "runs":
             assert "next_inf" in r.output and "last_neginf" in r.output, (args, r.output)
+    from reliable_beat.metrics import StoreCollector
+
+    scraped = StoreCollector(store)._read()  # the scrape reads them too
+    assert scraped["entries"]["active"] >= 2
     listed = json.loads(cli(store, "entries", "list", "--json").stdout)
     by_name = {e["name"]: e for e in (listed if isinstance(listed, list) else listed["entries"])}
     assert by_name["next_inf"]["next_fire_at"] == "infinity"

@@ -224,6 +224,23 @@ def test_refused_connection_is_store_unavailable_not_schema_missing(
     assert r.stderr.startswith("error: database ") and "is unavailable: the " in r.stderr
 
 
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+def test_refused_connection_in_the_library_is_store_unavailable(pg_url: str, driver: str) -> None:
+    from reliable_beat.db.migrate import check
+    from reliable_beat.errors import StoreUnavailableError
+
+    url = make_url(pg_url).set(drivername=f"postgresql+{driver}", username="nouser")
+    store = Store.from_url(url.render_as_string(False))
+    try:
+        with pytest.raises(StoreUnavailableError, match="the role .user. does not exist"):
+            check(store)
+        with pytest.raises(StoreUnavailableError) as info, store.begin():
+            pass
+        assert "unavailable: the role (user)" in store.describe_failure(info.value)
+    finally:
+        store.dispose()
+
+
 def test_missing_schema_is_still_schema_missing(pg_url: str) -> None:
     r = CliRunner().invoke(reliable_beat, ["--database-url", pg_url, "status", "--json"])
     assert r.exit_code == 1

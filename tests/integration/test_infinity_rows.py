@@ -232,7 +232,7 @@ def test_refused_connection_in_the_library_is_store_unavailable(pg_url: str, dri
     url = make_url(pg_url).set(drivername=f"postgresql+{driver}", username="nouser")
     store = Store.from_url(url.render_as_string(False))
     try:
-        with pytest.raises(StoreUnavailableError, match="the role .user. does not exist"):
+        with pytest.raises(StoreUnavailableError, match=r"the role \(user\) does not exist"):
             check(store)
         with pytest.raises(StoreUnavailableError) as info, store.begin():
             pass

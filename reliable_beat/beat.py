@@ -517,6 +517,10 @@ class Beat:
                 # claim also takes such rows, to quarantine them (off the hot path: the test
                 # costs a function call per enabled entry)
                 claimable = or_(claimable, rows_mod.unreadable_instant(entries.c.next_fire_at))
+            elif conn.dialect.name == "postgresql" and self._scan_due():
+                # 'infinity' (or a year after 9999) is never due: once a minute the claim also
+                # takes such rows, to quarantine them (an index range scan of the far end)
+                claimable = or_(claimable, rows_mod.infinite_instant(entries.c.next_fire_at))
             stmt = (
                 select(*rows_mod.raw_columns(entries, conn.dialect))
                 .where(self._due(), claimable)
@@ -574,6 +578,10 @@ class Beat:
             value: datetime | None = conn.execute(
                 select(func.min(entries.c.next_fire_at)).where(where)
             ).scalar_one_or_none()
+            if rows_mod.infinity_text(value) is not None:
+                # PostgreSQL '-infinity' / 'infinity' left unclaimed (more than a batch): not
+                # an instant to compute with; claim again now, the claim quarantines them
+                return now
             return value
         for _ in range(10):
             raw = conn.execute(

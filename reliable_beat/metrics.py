@@ -320,7 +320,7 @@ def _instant_pairs(conn: Any, first: Any, second: Any, where: Any) -> list[tuple
     """``(first, second)`` instants of the rows ``where(select(...))`` finds, read value by
     value: a row whose values are not instants (malformed, see :mod:`reliable_beat.rows`)
     is left out instead of failing the scrape."""
-    from reliable_beat.rows import decode_value
+    from reliable_beat.rows import decode_value, infinity_text
 
     out: list[tuple[Any, Any]] = []
     stmt = where(select(type_coerce(first, NullType()), type_coerce(second, NullType())))
@@ -329,8 +329,8 @@ def _instant_pairs(conn: Any, first: Any, second: Any, where: Any) -> list[tuple
             pair = (decode_value(first, a, conn.dialect), decode_value(second, b, conn.dialect))
         except Exception:
             continue
-        if all(isinstance(v, datetime) for v in pair):
-            out.append(pair)
+        if all(isinstance(v, datetime) and infinity_text(v) is None for v in pair):
+            out.append(pair)  # not a PostgreSQL 'infinity' (a malformed row) either
     return out
 
 

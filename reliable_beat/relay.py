@@ -156,6 +156,8 @@ def claim_outbox_batch(
         unreadable: SQLite: also claim pending rows whose ``available_at`` is not a
             readable instant (never due otherwise), to dead-letter them as malformed. The
             relay asks for it once a minute (it costs a function call per pending row).
+            PostgreSQL: first dead-letter pending rows whose ``available_at`` is
+            ``'infinity'`` / ``'-infinity'`` (as malformed; an index range scan).
         schedule_group: of the rows of destination ``celery`` (triggers), only claim those
             whose run's entry is of this schedule group, has no group, or is gone
             (:func:`reliable_beat.groups.run_in_group`), and those with no run: a beat's sweep
@@ -184,6 +186,10 @@ def claim_outbox_batch(
     due = o.c.available_at <= now
     if unreadable and conn.dialect.name == "sqlite":  # a garbage instant is never due
         due = or_(due, rows_mod.unreadable_instant(o.c.available_at))
+    if unreadable and conn.dialect.name == "postgresql":
+        # 'infinity' is never due, and the claim would overwrite either sentinel with the
+        # lease: dead-letter such rows before the claim, with their values as stored
+        _dead_letter_infinite(store, conn, now, limit, destinations)
     sel = (
         select(o.c.id)
         .where(
@@ -212,6 +218,21 @@ def claim_outbox_batch(
         .returning(*rows_mod.raw_columns(o, conn.dialect))
     )
     return _decode_claimed(conn, conn.execute(stmt).all(), now)
+
+
+def _dead_letter_infinite(store: Store, conn: Connection, now: datetime, limit: int,
+                          destinations: Iterable[str] | None) -> None:
+    """PostgreSQL: dead-letter (``malformed``) pending rows whose ``available_at`` is
+    ``'infinity'`` / ``'-infinity'`` (or a year Python cannot hold), at most ``limit``."""
+    o = outbox
+    sel = (select(*rows_mod.raw_columns(o, conn.dialect))
+           .where(o.c.state == "pending", rows_mod.infinite_instant(o.c.available_at))
+           .order_by(o.c.id).limit(limit))
+    if destinations is not None:
+        sel = sel.where(o.c.destination.in_(sorted(destinations)))
+    for raw in conn.execute(store.for_update_skip_locked(sel)).all():
+        values, problems = rows_mod.decode_row(o, dict(raw._mapping), conn.dialect)
+        dead_letter_malformed(conn, values, problems, now)
 
 
 def _decode_claimed(conn: Connection, raws: Sequence[Any], now: datetime

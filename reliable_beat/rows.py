@@ -34,12 +34,23 @@ from datetime import datetime
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Table, and_, func, not_, or_, select, type_coerce, update
+from sqlalchemy import (
+    Table,
+    and_,
+    func,
+    literal_column,
+    not_,
+    or_,
+    select,
+    type_coerce,
+    update,
+)
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.types import NullType, Text
 
 from reliable_beat import schedules as sch
 from reliable_beat.db.tables import dead_letters, entries, runs
+from reliable_beat.db.types import UTCDateTime, infinity_text
 from reliable_beat.policies import catch_up_limit_problem
 from reliable_beat.redaction import get_logger
 
@@ -55,6 +66,8 @@ __all__ = [
     "decode_row",
     "decode_value",
     "describe_problems",
+    "infinite_instant",
+    "infinity_text",
     "jsonable_raw",
     "quarantine_counts",
     "quarantine_entry",
@@ -109,6 +122,37 @@ def unreadable_instant(column: Any) -> Any:
 _INSTANT_GLOB = "[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]*"
 
 
+def infinite_instant(column: Any) -> Any:
+    """PostgreSQL: a SQL predicate true when ``column`` holds ``'infinity'`` or a year after
+    9999, ``'-infinity'`` or a date BC (read as :data:`~reliable_beat.db.types.INFINITY` /
+    :data:`~reliable_beat.db.types.NEG_INFINITY`, not instants).
+
+    A claim ORs it into its "due" test so that such a row is claimed, found malformed and
+    quarantined or dead-lettered, instead of never being due and silently stuck. Index
+    range scans of both ends.
+    """
+    return or_(column >= literal_column("'10000-01-01 00:00:00+00'::timestamptz"),
+               column < literal_column("'0001-01-01 00:00:00+00'::timestamptz"))
+
+
+def _infinity_problem(name: str, text: str) -> str:
+    return (f"{name}={text!r}: expected a UTC instant (PostgreSQL {text!r} is none; set a "
+            "real instant, or NULL where the column allows it)")
+
+
+def _infinite_columns(table: Table, values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(column, 'infinity' | '-infinity')`` for each instant column of ``table`` in
+    ``values`` holding a sentinel (PostgreSQL ``'infinity'``, ``'-infinity'``, a year
+    Python cannot hold: :mod:`reliable_beat.db.dialects`)."""
+    out: list[tuple[str, str]] = []
+    for c in table.c:
+        if isinstance(c.type, UTCDateTime) and c.name in values:
+            text = infinity_text(values[c.name])
+            if text is not None:
+                out.append((c.name, text))
+    return out
+
+
 def raw_labelled(columns: Mapping[str, Any], dialect: Dialect) -> list[Any]:
     """``columns`` (label -> column) to select without decoding on SQLite, for
     :func:`decode_labelled`; typed, labelled columns elsewhere."""
@@ -124,7 +168,8 @@ def decode_labelled(
 
     Returns:
         The values by label as attributes (an undecodable value reads as None), plus
-        ``unreadable``: the set of labels that could not be decoded.
+        ``unreadable``: the set of labels that could not be decoded or hold a PostgreSQL
+        ``'infinity'`` / ``'-infinity'`` (kept as the sentinel, not an instant).
     """
     values: dict[str, Any] = {}
     unreadable: set[str] = set()
@@ -132,6 +177,8 @@ def decode_labelled(
         raw = row[label]
         if dialect.name != "sqlite":
             values[label] = raw
+            if infinity_text(raw) is not None:  # PostgreSQL 'infinity': shown, not an instant
+                unreadable.add(label)
             continue
         try:
             values[label] = decode_value(c, raw, dialect)
@@ -153,10 +200,13 @@ def decode_row(
 
     Returns:
         ``(values, problems)``: the decoded values by column name (an undecodable value is
-        kept raw), and one problem string per column that could not be decoded.
+        kept raw), and one problem string per column that could not be decoded or holds a
+        PostgreSQL ``'infinity'`` / ``'-infinity'`` (read as a sentinel, see
+        :data:`~reliable_beat.db.types.INFINITY`; the problem names the column and the fix).
     """
     values = dict(row)
-    problems: list[str] = []
+    problems: list[str] = [_infinity_problem(name, text)
+                           for name, text in _infinite_columns(table, values)]
     if dialect.name != "sqlite":
         return values, problems
     for c in table.c:
@@ -185,8 +235,9 @@ def decode_value(column: Any, raw: Any, dialect: Dialect) -> Any:
 
 
 def raw_repr(value: Any, limit: int = 120) -> str:
-    """``repr(value)`` cut to ``limit`` characters (for log lines and reasons)."""
-    text = repr(value)
+    """``repr(value)`` cut to ``limit`` characters (for log lines and reasons); a PostgreSQL
+    ``'infinity'`` sentinel as ``'infinity'``."""
+    text = repr(infinity_text(value) or value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -206,7 +257,8 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_instant(value: Any) -> bool:
-    return isinstance(value, datetime) and value.tzinfo is not None
+    return (isinstance(value, datetime) and value.tzinfo is not None
+            and infinity_text(value) is None)
 
 
 def _optional_str(problems: list[str], where: str, value: Any) -> None:
@@ -488,7 +540,7 @@ def read_entry(
         ``(values, problems, unreadable columns)``; no problems: the row is usable.
     """
     values, problems = decode_row(entries, row, dialect)
-    unreadable = {p.split(":", 1)[0] for p in problems}
+    unreadable = {column_of(p) for p in problems}
     problems += [p for p in check_entry(values, schedule_of) if column_of(p) not in unreadable]
     return values, problems, unreadable
 

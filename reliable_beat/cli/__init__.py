@@ -35,7 +35,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from reliable_beat import __version__
-from reliable_beat.db.dialects import Store
+from reliable_beat.db.dialects import Store, is_unavailable
+from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import (
     ConfigurationError,
     EntryNotFoundError,
@@ -64,6 +65,8 @@ def jsonable(value: Any) -> Any:
     """``value`` with every ``datetime`` as ISO 8601 UTC (``...Z``, microseconds kept when
     non-zero; a naive one is taken as UTC), recursively through dicts, lists and tuples, for
     ``--json`` output."""
+    if infinity_text(value) is not None:  # PostgreSQL 'infinity' / '-infinity' (malformed)
+        return infinity_text(value)
     if isinstance(value, datetime):
         at = (value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
               ).astimezone(timezone.utc)
@@ -198,7 +201,9 @@ class _Group(click.Group):
             fail(str(exc), 1, kind="store_unavailable")
         except DBAPIError as exc:
             text = str(exc.orig)
-            if "no such table" in text or "does not exist" in text:
+            if is_unavailable(exc):  # down, or refused the connection (no such role, ...)
+                fail(_unavailable_message(self, ctx, exc), 1, kind="store_unavailable")
+            if _schema_missing(exc):
                 fail(f"the reliable_beat schema is missing ({text.splitlines()[0]}): run "
                      "`reliable-beat db upgrade`", 1, kind="schema_missing")
             fail(f"database error: {text.splitlines()[0] if text else exc!r}", 1,
@@ -216,6 +221,37 @@ class _Group(click.Group):
             fail(exc.format_message(), exc.exit_code, kind="usage")
         except click.ClickException as exc:
             fail(exc.format_message(), exc.exit_code)
+
+
+def _unavailable_message(group: click.Group, ctx: click.Context, exc: DBAPIError) -> str:
+    """``database URL is unavailable: why`` for a connection error that escaped the store."""
+    cli = ctx.obj if isinstance(ctx.obj, CliContext) else None
+    store = cli._store if cli is not None else None
+    if store is not None:
+        return store.unavailable_message(exc)
+    from reliable_beat.db.dialects import connect_refusal
+
+    orig = exc.orig if exc.orig is not None else exc
+    refused = connect_refusal(orig)
+    return (f"database unavailable: {refused} ({orig})" if refused is not None
+            else f"database unavailable: {orig}")
+
+
+def _schema_missing(exc: DBAPIError) -> bool:
+    """True when a statement failed because a reliable_beat table is missing (SQLite ``no
+    such table``, PostgreSQL ``relation ... does not exist`` / SQLSTATE 42P01, MySQL 1146),
+    never for a connection the server refused (``role ... does not exist``)."""
+    orig = exc.orig
+    text = str(orig)
+    if "no such table" in text:
+        return True
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if code == "42P01":
+        return True
+    args = getattr(orig, "args", ())
+    if args and args[0] == 1146:
+        return True
+    return "relation" in text and "does not exist" in text
 
 
 #: How to install the Celery adapter (named by every error about a missing Celery).

@@ -22,6 +22,7 @@ from reliable_beat import runtime
 from reliable_beat import schedules as sch
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.cli.status import jsonable
+from reliable_beat.db.types import infinity_text
 from reliable_beat.entries import (
     EntryDefinition,
     definition_from_celery,
@@ -75,6 +76,8 @@ def handle_errors(fn: F) -> F:
 def _fmt(at: datetime | None) -> str:
     if at is not None and not isinstance(at, datetime):  # a malformed row's raw value
         return f"malformed: {at!r:.40}"
+    if infinity_text(at) is not None:  # PostgreSQL 'infinity' (a malformed row)
+        return f"malformed: {infinity_text(at)}"
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
 
 

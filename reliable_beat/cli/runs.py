@@ -18,6 +18,7 @@ import click
 
 from reliable_beat import runs
 from reliable_beat.cli import CliContext, fail, pass_cli
+from reliable_beat.db.types import infinity_text
 from reliable_beat.redaction import redact_text, redact_value
 
 __all__ = ["register"]
@@ -40,6 +41,8 @@ def _parse_since(value: str) -> datetime:
 
 
 def _fmt(value: Any) -> str:
+    if infinity_text(value) is not None:  # PostgreSQL 'infinity' (a malformed row)
+        return f"malformed: {infinity_text(value)}"
     if isinstance(value, datetime):
         return value.strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
     if value is None:

@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, outbox, runs
+from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import group_health
 from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
@@ -426,6 +427,8 @@ def _unstarted(
 
 
 def _fmt(at: datetime | None) -> str:
+    if infinity_text(at) is not None:  # PostgreSQL 'infinity' (a malformed row)
+        return str(infinity_text(at))
     return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "-"
 
 

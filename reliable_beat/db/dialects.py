@@ -3,7 +3,10 @@
 * PostgreSQL: ``FOR UPDATE SKIP LOCKED``, ``ON CONFLICT DO NOTHING``, ``RETURNING``,
   ``clock_timestamp()``; each role's connections get server-side bounds
   (``idle_in_transaction_session_timeout``, ``lock_timeout``) so a frozen process cannot hold
-  rows hostage.
+  rows hostage. A ``timestamptz`` Python cannot hold (``'infinity'``, ``'-infinity'``, a year
+  after 9999 or BC, written by hand) reads as :data:`~reliable_beat.db.types.INFINITY` /
+  :data:`~reliable_beat.db.types.NEG_INFINITY` (psycopg 3 and psycopg2), never as an error
+  that fails the whole result: :mod:`reliable_beat.rows` flags the row as malformed.
 * SQLite: every write transaction is ``BEGIN IMMEDIATE`` (serialised writers, the
   single-writer equivalent of SKIP LOCKED), WAL journal, a busy timeout; ``ON CONFLICT DO
   NOTHING``; the clock is the single host's clock (there is no server).
@@ -34,6 +37,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.sql.dml import Insert, Update
 
 from reliable_beat.db.tables import MYSQL_DIALECTS
+from reliable_beat.db.types import INFINITY, NEG_INFINITY
 from reliable_beat.errors import ConfigurationError, StoreUnavailableError
 from reliable_beat.redaction import redact_text, redact_url
 
@@ -127,6 +131,8 @@ class Store:
                 "mysql/mariadb (mysql+pymysql://, MariaDB 10.6+ / MySQL 8), sqlite"
             )
         engine = create_engine(parsed, **kwargs)
+        if backend == "postgresql":
+            _setup_postgresql(engine)
         if backend == "sqlite":
             _setup_sqlite(engine, parsed.database)
         elif backend in MYSQL_DIALECTS:
@@ -176,10 +182,19 @@ class Store:
             yield
         except OperationalError as exc:
             if _is_disconnect(exc):
-                raise StoreUnavailableError(
-                    f"database {self.safe_url} is unavailable: {redact_text(exc.orig)}"
-                ) from exc
+                raise StoreUnavailableError(self.unavailable_message(exc)) from exc
             raise
+
+    def unavailable_message(self, exc: BaseException) -> str:
+        """``database URL is unavailable: why`` for an error of :func:`is_unavailable`,
+        secrets redacted; a connection the server refused (no such role or database, a
+        wrong password, pg_hba.conf) says so first and names the fix."""
+        orig = getattr(exc, "orig", None) or exc
+        refused = connect_refusal(orig)
+        if refused is not None:
+            return redact_text(f"database {self.safe_url} is unavailable: {refused} "
+                               f"({str(orig).strip()})")
+        return f"database {self.safe_url} is unavailable: {redact_text(orig)}"
 
     def describe_failure(self, exc: BaseException) -> str:
         """One line for a log: what went wrong talking to the store, secrets redacted.
@@ -193,6 +208,10 @@ class Store:
         text = redact_text(str(orig).strip().splitlines()[0] if str(orig).strip() else repr(orig))
         if isinstance(exc, StoreUnavailableError):
             return redact_text(exc)
+        if isinstance(exc, DBAPIError) and _is_disconnect(exc):
+            refused = connect_refusal(orig)
+            if refused is not None:
+                return redact_text(f"database {self.safe_url} unavailable: {refused} ({text})")
         if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
             if _is_lock_timeout(exc):
                 return (f"lock wait timed out on database {self.safe_url} (another "
@@ -306,10 +325,75 @@ def _is_lock_timeout(exc: DBAPIError) -> bool:
     return "lock timeout" in text or "statement timeout" in text or "database is locked" in text
 
 
+#: Server refusals of a new connection (what the server said -> the fix), PostgreSQL
+#: (``FATAL:`` of libpq's "connection to server at ... failed") and MySQL/MariaDB (1044,
+#: 1045, 1049).
+_REFUSALS: tuple[tuple[str, str, str], ...] = (
+    ("role", "does not exist",
+     "the role (user) does not exist: create it or fix the user in the database URL"),
+    ("database", "does not exist",
+     "the database does not exist: create it (e.g. `createdb NAME`) or fix its name in the "
+     "database URL"),
+    ("password authentication failed", "",
+     "the password was refused: fix the password in the database URL"),
+    ("no pg_hba.conf entry", "",
+     "the server does not accept this host/user/database: allow it in pg_hba.conf"),
+    ("is not permitted to log in", "",
+     "the role may not log in: ALTER ROLE ... LOGIN, or use another user"),
+    ("too many connections", "",
+     "the server has no free connection slot (max_connections): retry or raise it"),
+    ("access denied for user", "",
+     "the user or password was refused: fix them in the database URL"),
+    ("unknown database", "",
+     "the database does not exist: create it or fix its name in the database URL"),
+)
+#: MySQL/MariaDB client error codes of a failed or lost connection: access denied to a
+#: database (1044), access denied (1045), unknown database (1049), can't connect (2003),
+#: unknown host (2005), server gone away (2006), lost connection (2013).
+_MYSQL_CONNECT_CODES = frozenset({1044, 1045, 1049, 2003, 2005, 2006, 2013})
+
+
+def _connect_failed(orig: BaseException) -> bool:
+    """True when ``orig`` (a driver error) was raised establishing a connection."""
+    args = getattr(orig, "args", ())
+    if args and args[0] in _MYSQL_CONNECT_CODES:
+        return True
+    text = str(orig).lower()
+    # libpq (psycopg2) and psycopg 3: 'connection to server at "h", port p failed: ...',
+    # psycopg 3 prefixes 'connection failed: '
+    return ("connection to server" in text and "failed" in text) or text.startswith(
+        "connection failed")
+
+
+def connect_refusal(orig: BaseException) -> str | None:
+    """What the server said refusing a new connection, with the fix, or None.
+
+    E.g. ``role "nouser" does not exist`` -> ``the role (user) does not exist: create it or
+    fix the user in the database URL``. Only for errors raised while connecting: a
+    ``relation ... does not exist`` of a statement (a missing schema) is not a refusal.
+    """
+    if not _connect_failed(orig):
+        return None
+    text = str(orig).lower()
+    for first, second, fix in _REFUSALS:
+        if first in text and second in text:
+            return fix
+    return None
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when ``exc`` (a SQLAlchemy error) means the store cannot be reached or refused
+    the connection (down, unreachable, no such role or database, a wrong password): the
+    server did not run a statement, so it says nothing about the schema."""
+    return isinstance(exc, DBAPIError) and _is_disconnect(exc)
+
+
 def _is_disconnect(exc: DBAPIError) -> bool:
     if _is_lock_timeout(exc):
         return False  # the server answered: not "database unavailable"
     if exc.connection_invalidated:
+        return True
+    if exc.orig is not None and _connect_failed(exc.orig):
         return True
     text = str(exc.orig).lower()
     return any(
@@ -369,6 +453,94 @@ def _setup_mysql(engine: Engine, role: str) -> None:
                 Exception(f"INSERT IGNORE downgraded an error other than a duplicate key: "
                           f"{others[:3]}; the row is not stored as given (fix the value)"),
             )
+
+
+#: OID of PostgreSQL's ``timestamptz``.
+_TIMESTAMPTZ_OID = 1184
+
+
+def _sentinel_for(text: str) -> datetime | None:
+    """:data:`INFINITY` / :data:`NEG_INFINITY` for a ``timestamptz`` text (or a driver's
+    message about one) that Python cannot represent; None for anything else."""
+    low = text.strip().lower()
+    if low.startswith("-infinity") or low.endswith(" bc") or "too small" in low:
+        return NEG_INFINITY
+    if low.startswith("infinity") or "too large" in low:
+        return INFINITY
+    first = low.split(" ", 1)[0].split("t", 1)[0]  # '12345-01-01 ...': the year has 5+ digits
+    if len(first.split("-", 1)[0]) > 4 and first[:1].isdigit():
+        return INFINITY
+    return None
+
+
+_PSYCOPG_LOADERS: dict[Any, Any] = {}
+
+
+def _psycopg_loader(base: Any, fmt: Any) -> Any:
+    """A psycopg 3 ``timestamptz`` loader that delegates to ``base`` (the driver's, C or
+    Python) and reads what ``base`` refuses as too large / too small as the sentinels."""
+    cached = _PSYCOPG_LOADERS.get(base)
+    if cached is not None:
+        return cached
+    import psycopg
+    from psycopg.adapt import Loader
+
+    class _InfinityLoader(Loader):
+        format = fmt
+
+        def __init__(self, oid: int, context: Any = None) -> None:
+            super().__init__(oid, context)
+            self._inner = base(oid, context)
+
+        def load(self, data: Any) -> Any:
+            try:
+                return self._inner.load(data)
+            except psycopg.DataError as exc:
+                sentinel = _sentinel_for(str(exc))
+                if sentinel is None:
+                    raise
+                return sentinel
+
+    _PSYCOPG_LOADERS[base] = _InfinityLoader
+    return _InfinityLoader
+
+
+def _psycopg2_infinity(value: str | None, cursor: Any) -> datetime | None:
+    import psycopg2.extensions  # type: ignore[import-untyped]
+
+    try:
+        return psycopg2.extensions.PYDATETIMETZ(value, cursor)  # type: ignore[no-any-return]
+    except ValueError:
+        sentinel = _sentinel_for(value or "")
+        if sentinel is None:
+            raise
+        return sentinel
+
+
+def _setup_postgresql(engine: Engine) -> None:
+    """Per-connection: ``timestamptz`` values Python cannot hold read as the sentinels."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        module = type(dbapi_conn).__module__
+        if module.startswith("psycopg2"):
+            import psycopg2.extensions  # type: ignore[import-untyped]
+
+            caster = psycopg2.extensions.new_type(
+                (_TIMESTAMPTZ_OID,), "RB_TIMESTAMPTZ", _psycopg2_infinity)
+            psycopg2.extensions.register_type(caster, dbapi_conn)
+            return
+        adapters = getattr(dbapi_conn, "adapters", None)
+        if adapters is None:  # another driver (asyncpg, pg8000): left as it is
+            return
+        from psycopg import pq
+
+        for fmt in (pq.Format.TEXT, pq.Format.BINARY):
+            base = adapters.get_loader(_TIMESTAMPTZ_OID, fmt)
+            if base is not None and not getattr(base, "_rb_infinity", False):
+                loader = _psycopg_loader(base, fmt)
+                loader._rb_infinity = True
+                adapters.register_loader(_TIMESTAMPTZ_OID, loader)
 
 
 def _create_private_file(path: str | None) -> None:

@@ -63,8 +63,13 @@ def _current(conn: Connection) -> str | None:
 
 
 def current(store: Store) -> str | None:
-    """The revision the database is at, or None when reliable_beat's tables were never created."""
-    with store.engine.connect() as conn:
+    """The revision the database is at, or None when reliable_beat's tables were never created.
+
+    Raises:
+        StoreUnavailableError: the database cannot be reached or refused the connection (no
+            such role or database, a wrong password): never read as "no schema".
+    """
+    with store.connect() as conn:
         return _current(conn)
 
 
@@ -74,8 +79,12 @@ def check(store: Store) -> bool:
 
 
 def upgrade(store: Store, revision: str = "head") -> None:
-    """Apply migrations up to ``revision`` in one transaction. Safe from several processes."""
-    with store.engine.begin() as conn:
+    """Apply migrations up to ``revision`` in one transaction. Safe from several processes.
+
+    Raises:
+        StoreUnavailableError: the database cannot be reached or refused the connection.
+    """
+    with store.begin() as conn:
         if store.dialect == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADVISORY_KEY})
         mysql = store.dialect in ("mysql", "mariadb")

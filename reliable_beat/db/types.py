@@ -11,7 +11,28 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-__all__ = ["JSONType", "UTCDateTime"]
+__all__ = ["INFINITY", "NEG_INFINITY", "JSONType", "UTCDateTime", "infinity_text"]
+
+#: What a PostgreSQL ``timestamptz`` of ``'infinity'`` (or a year after 9999, which Python
+#: cannot represent) reads as: ``datetime.max`` in UTC (psycopg2 does the same by itself;
+#: the store registers a psycopg 3 loader, :mod:`reliable_beat.db.dialects`). Not an
+#: instant: :mod:`reliable_beat.rows` flags a row holding it as malformed.
+INFINITY = datetime.max.replace(tzinfo=timezone.utc)
+#: ``'-infinity'`` (or a date BC): ``datetime.min`` in UTC. Not an instant either.
+NEG_INFINITY = datetime.min.replace(tzinfo=timezone.utc)
+
+
+def infinity_text(value: object) -> str | None:
+    """``'infinity'`` / ``'-infinity'`` when ``value`` is :data:`INFINITY` /
+    :data:`NEG_INFINITY` (any tzinfo), else None."""
+    if not isinstance(value, datetime):
+        return None
+    aware = value.replace(tzinfo=timezone.utc)  # compare the fields, whatever the zone
+    if aware == INFINITY:
+        return "infinity"
+    if aware == NEG_INFINITY:
+        return "-infinity"
+    return None
 
 #: JSON everywhere, JSONB on PostgreSQL. Never pickle.
 JSONType = JSON().with_variant(JSONB(), "postgresql")
@@ -49,6 +70,6 @@ class UTCDateTime(TypeDecorator[datetime]):
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
-        if value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
+        if value.tzinfo is None or infinity_text(value) is not None:
+            return value.replace(tzinfo=timezone.utc)  # a sentinel never shifts (overflow)
         return value.astimezone(timezone.utc)

@@ -17,9 +17,11 @@ runs) therefore:
    list, ``kwargs`` an object, a schedule spec that rebuilds, a known time zone, ...);
 3. **quarantines** a row with problems and goes on with the others: an entry is disabled
    with ``quarantine_reason`` / ``quarantined_at`` (shown by ``reliable-beat status`` and the
-   ``reliable_beat_quarantined_rows`` metric); an outbox row or a buffered run is
-   dead-lettered with reason ``malformed`` (its original values are kept in the dead
-   letter's payload). The problems are logged at ERROR, naming the row and the fix.
+   ``reliable_beat_quarantined_rows`` metric); an outbox row, a buffered run, a run a
+   worker's claim finds malformed (:func:`check_run_row`) or a slot's run in an unknown
+   state (:func:`settle_unknown_states`) is dead-lettered with reason ``malformed`` (its
+   original values are kept in the dead letter's payload). The problems are logged at
+   ERROR, naming the row and the fix.
 
 Nothing here imports a task framework.
 """

@@ -220,3 +220,47 @@ def test_unknown_state_on_a_future_slot_is_reported_not_taken_as_fired(
     with store.engine.connect() as conn:  # the entry moved on: its next slot is its own
         next_fire = conn.execute(select(entries.c.next_fire_at)).scalar_one()
     assert next_fire > slot
+
+
+@pytest.fixture
+def stub(sqlite_url: str, sqlite_store: Store) -> Iterator[Any]:
+    import dramatiq
+    from dramatiq.brokers.stub import StubBroker
+
+    from reliable_beat.dramatiq import ReliableBeat
+
+    broker = StubBroker()
+    broker.add_middleware(ReliableBeat(settings={
+        "database_url": sqlite_url, "retry_max_attempts": 2, "retry_base_seconds": 0.01,
+        "retry_cap_seconds": 0.02, "lease_seconds": 1}))
+    dramatiq.set_broker(broker)
+    worker = dramatiq.Worker(broker, worker_timeout=50)
+    worker.start()
+    yield broker
+    worker.stop()
+    broker.close()
+
+
+@pytest.mark.timeout(60)
+def test_malformed_run_is_dead_lettered_by_an_idempotent_actor(
+    stub: Any, sqlite_store: Store
+) -> None:
+    """The Dramatiq adapter shares the claim: the message is acked (not retried, not in
+    Dramatiq's dead letters), the run dead-lettered as malformed, the body never runs."""
+    import dramatiq
+
+    from reliable_beat.dramatiq import IdempotentActor
+
+    calls: list[int] = []
+
+    @dramatiq.actor(actor_class=IdempotentActor)
+    def act(n: int) -> None:
+        calls.append(n)
+
+    now = _now(sqlite_store)
+    _insert_run(sqlite_store, "dq:bad", now, task=act.actor_name, kwargs=[1])
+    act.send_with_key("dq:bad", 1)
+    stub.join(act.queue_name, fail_fast=False)
+    assert calls == []
+    assert stub.dead_letters == []
+    _assert_dead_lettered(sqlite_store, "dq:bad", "kwargs")

@@ -221,6 +221,10 @@ class TickResult:
         quarantined: malformed entries this tick disabled with a reason (never fired; see
             :mod:`reliable_beat.rows`).
         duplicates: slots another process had already fired (insert was a no-op).
+        malformed_runs: slots whose existing run row had a state outside
+            :data:`reliable_beat.rows.KNOWN_RUN_STATES`: not fired, not counted as
+            duplicates, dead-lettered as malformed for a person to decide
+            (:func:`reliable_beat.rows.settle_unknown_states`).
         next_fire_at: the earliest ``next_fire_at`` of any due-able entry after the tick.
         next_claim_at: the earliest database instant at which a claim can find an entry
             (``next_fire_at`` less the claim-ahead for an ``allow`` entry); None: none.
@@ -235,6 +239,7 @@ class TickResult:
     skipped: int = 0
     claimed: int = 0
     quarantined: int = 0
+    malformed_runs: int = 0
     duplicates: int = 0
     next_fire_at: datetime | None = None
     next_claim_at: datetime | None = None
@@ -717,6 +722,12 @@ class Beat:
             inserted = _insert_rows(conn, self.store, runs, run_rows, ignore=True,
                                     returning=("id", "idempotency_key"))
             result.duplicates += len(run_rows) - len(inserted)
+            if len(inserted) < len(run_rows):  # runs that existed: a state nobody knows?
+                done = {k for _, k in inserted}
+                malformed = rows_mod.settle_unknown_states(
+                    conn, [k for k in by_key if k not in done], now)
+                result.duplicates -= malformed
+                result.malformed_runs += malformed
             outbox_rows: list[dict[str, Any]] = []
             pending: list[tuple[int, str, dict[str, Any], datetime]] = []
             for run_id, key in inserted:

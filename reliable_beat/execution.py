@@ -124,14 +124,19 @@ class Decision:
 def claim_decision(claim: runs.Claim, lease: timedelta, max_attempts: int) -> Decision:
     """The decision for a claim's outcome (before the body runs).
 
-    ``succeeded`` -> ``return_stored``; ``dead`` -> ``skip``; ``busy`` -> ``retry_in`` the
-    holder's remaining lease + 0.5 s (not a try: the budget is untouched); an attempt over
-    ``max_attempts`` (redelivered after crashes, a poison message) -> ``dead`` (the caller
-    records it with ``runs.record_failure(..., dead_reason="exhausted", ran_body=False)``);
-    otherwise ``run``.
+    ``succeeded`` -> ``return_stored``; ``dead`` -> ``skip`` (also a run the claim found
+    malformed and dead-lettered, :attr:`reliable_beat.runs.Claim.malformed`); ``busy`` ->
+    ``retry_in`` the holder's remaining lease + 0.5 s (not a try: the budget is untouched);
+    an attempt over ``max_attempts`` (redelivered after crashes, a poison message) ->
+    ``dead`` (the caller records it with
+    ``runs.record_failure(..., dead_reason="exhausted", ran_body=False)``); otherwise ``run``.
     """
     if claim.outcome == runs.ALREADY_SUCCEEDED:
         return Decision("return_stored", result=claim.result, reason="already succeeded")
+    if claim.outcome == runs.DEAD and claim.malformed is not None:
+        return Decision("skip", reason=(
+            f"run row is malformed ({claim.malformed}); dead-lettered (reason malformed): "
+            "repair it from the dead letter's payload and requeue it"))
     if claim.outcome == runs.DEAD:
         return Decision("skip", reason="run is dead (requeue it to run again)")
     if claim.outcome == runs.BUSY:

@@ -17,9 +17,11 @@ runs) therefore:
    list, ``kwargs`` an object, a schedule spec that rebuilds, a known time zone, ...);
 3. **quarantines** a row with problems and goes on with the others: an entry is disabled
    with ``quarantine_reason`` / ``quarantined_at`` (shown by ``reliable-beat status`` and the
-   ``reliable_beat_quarantined_rows`` metric); an outbox row or a buffered run is
-   dead-lettered with reason ``malformed`` (its original values are kept in the dead
-   letter's payload). The problems are logged at ERROR, naming the row and the fix.
+   ``reliable_beat_quarantined_rows`` metric); an outbox row, a buffered run, a run a
+   worker's claim finds malformed (:func:`check_run_row`) or a slot's run in an unknown
+   state (:func:`settle_unknown_states`) is dead-lettered with reason ``malformed`` (its
+   original values are kept in the dead letter's payload). The problems are logged at
+   ERROR, naming the row and the fix.
 
 Nothing here imports a task framework.
 """
@@ -55,11 +57,13 @@ from reliable_beat.policies import catch_up_limit_problem
 from reliable_beat.redaction import get_logger
 
 __all__ = [
+    "KNOWN_RUN_STATES",
     "MALFORMED",
     "check_entry",
     "check_options",
     "check_outbox",
     "check_run_call",
+    "check_run_row",
     "column_of",
     "dead_letter_run",
     "decode_labelled",
@@ -77,6 +81,7 @@ __all__ = [
     "read_buffered_runs",
     "read_entry",
     "read_entry_options",
+    "settle_unknown_states",
     "unreadable_instant",
 ]
 
@@ -88,6 +93,13 @@ MALFORMED = "malformed"
 MAX_SECONDS = 1e9
 #: Longest quarantine reason / dead-letter error stored.
 MAX_REASON_CHARS = 2000
+#: Every ``reliable_beat_runs.state`` this library writes. A run in any other state (a
+#: typo by SQL, a newer version's state) is malformed: a claim that finds it dead-letters it
+#: (reason ``malformed``) instead of running it or treating its slot as fired.
+KNOWN_RUN_STATES = frozenset({
+    "scheduled", "dispatched", "running", "retrying", "succeeded", "dead", "skipped",
+    "buffered",
+})
 _MISFIRE = frozenset({"catch_up", "fire_once", "skip"})
 _OVERLAP = frozenset({"allow", "skip", "buffer_one"})
 
@@ -303,6 +315,34 @@ def check_run_call(task: Any, args: Any, kwargs: Any) -> list[str]:
         problems.append(f"args={raw_repr(args)}: expected a JSON array")
     if not isinstance(kwargs, Mapping):
         problems.append(f"kwargs={raw_repr(kwargs)}: expected a JSON object")
+    return problems
+
+
+def check_run_row(values: Mapping[str, Any]) -> list[str]:
+    """Problems of one decoded ``reliable_beat_runs`` row that a worker's claim would trip on.
+
+    Checks what the claim reads and uses: ``state`` (one of :data:`KNOWN_RUN_STATES`), the
+    stored call (:func:`check_run_call`: ``task`` a string, ``args`` a JSON array, ``kwargs``
+    a JSON object), ``fence_token`` / ``attempts`` integers, ``entry_name`` a string or
+    null, ``fire_at`` / ``lease_expires_at`` UTC instants or null.
+
+    Returns:
+        One string per problem, each naming the column and what is expected; empty: usable.
+    """
+    problems: list[str] = []
+    state = values.get("state")
+    if state not in KNOWN_RUN_STATES:
+        problems.append(f"state={raw_repr(state)}: expected one of "
+                        f"{', '.join(sorted(KNOWN_RUN_STATES))}")
+    problems += check_run_call(values.get("task"), values.get("args"), values.get("kwargs"))
+    for col in ("fence_token", "attempts"):
+        if not _is_int(values.get(col)):
+            problems.append(f"{col}={raw_repr(values.get(col))}: expected an integer")
+    _optional_str(problems, "entry_name", values.get("entry_name"))
+    for col in ("fire_at", "lease_expires_at"):
+        value = values.get(col)
+        if value is not None and not _is_instant(value):
+            problems.append(f"{col}={raw_repr(value)}: expected a UTC instant or null")
     return problems
 
 
@@ -586,26 +626,52 @@ def read_buffered_runs(conn: Connection, now: datetime, *, limit: int) -> list[A
     return usable
 
 
+#: The fix logged for a run dead-lettered as malformed (see :func:`dead_letter_run`).
+RUN_FIX = ("repair the row from the dead letter's payload and requeue it "
+           "(`reliable-beat dead-letters show/requeue`)")
+#: The fix logged for a run found in a state outside :data:`KNOWN_RUN_STATES`.
+STATE_FIX = ("its slot may have run or not: check the task's effects, then requeue the dead "
+             "letter to run it (`reliable-beat dead-letters requeue ID`) or leave it")
+
+
 def dead_letter_run(
-    conn: Connection, values: Mapping[str, Any], problems: Sequence[str], now: datetime
-) -> None:
+    conn: Connection, values: Mapping[str, Any], problems: Sequence[str], now: datetime,
+    *, guard: Any = None, fix: str = RUN_FIX,
+) -> bool:
     """Dead-letter one malformed run (reason ``malformed``); joins the caller's transaction.
 
-    The run goes ``buffered -> dead`` with ``reason = "malformed: <problems>"``; the dead
-    letter keeps every original column value (undecodable ones as text). Logged at ERROR.
-    Safe from several beats at once: only the one that moves the run writes the dead letter.
+    The run goes ``-> dead`` with ``reason = "malformed: <problems>"`` and its fence token
+    moves (an earlier holder that wakes up is fenced out); the dead letter
+    keeps every original column value (undecodable ones as text). Logged at ERROR, naming
+    the run, its key, the problems and ``fix``. Safe from several beats at once: only the
+    one that moves the run writes the dead letter.
+
+    Args:
+        guard: a SQL condition the run must still meet to be moved (default: ``state =
+            'buffered'``, the beat's release; a worker's claim passes its own, e.g. its
+            fence token, or ``true()`` under the row lock).
+        fix: what a person should do, for the log line.
+
+    Returns:
+        True when this call moved the run and wrote the dead letter.
     """
     error = describe_problems(problems)
     key = values.get("idempotency_key")
     entry = values.get("entry_name")
     task = values.get("task")
+    fire_at = values.get("fire_at")
+    # an unreadable slot instant (SQLite) is cleared so that every reader of the row works
+    # again; the original is in the dead letter's payload
+    cleared = {"fire_at": None} if fire_at is not None and not _is_instant(fire_at) else {}
     changed = conn.execute(
-        update(runs).where(runs.c.id == values["id"], runs.c.state == "buffered")
+        update(runs).where(runs.c.id == values["id"],
+                           runs.c.state == "buffered" if guard is None else guard)
         .values(state="dead", reason=f"malformed: {error}"[:MAX_REASON_CHARS],
-                updated_at=now, finished_at=now)
+                fence_token=runs.c.fence_token + 1, leased_by=None, lease_expires_at=None,
+                updated_at=now, finished_at=now, **cleared)
     ).rowcount
     if not changed:  # another beat read it too and settled it first (the read takes no lock)
-        return
+        return False
     conn.execute(
         dead_letters.insert().values(
             kind="run", run_id=values["id"],
@@ -616,9 +682,41 @@ def dead_letter_run(
             created_at=now,
         )
     )
-    log.error("run %s (%s) dead-lettered: malformed row: %s. Fix: repair the row from the "
-              "dead letter's payload and requeue it (`reliable-beat dead-letters show/requeue`)",
-              values["id"], raw_repr(key), error)
+    log.error("run %s (%s) dead-lettered: malformed row: %s. Fix: %s",
+              values["id"], raw_repr(key), error, fix)
+    return True
+
+
+def settle_unknown_states(conn: Connection, keys: Iterable[str], now: datetime) -> int:
+    """Runs among ``keys`` whose ``state`` is outside :data:`KNOWN_RUN_STATES`: each is
+    dead-lettered (reason ``malformed``, :func:`dead_letter_run`), logged at ERROR with its
+    key and the fix. Joins the caller's transaction.
+
+    The beat calls it for the slots whose run row already existed (its insert was a no-op,
+    normally "already fired"). Such a slot is never fired again by the beat (the key exists:
+    it may have run), and never silently counted as fired either: the dead letter shows in
+    ``reliable-beat status`` (``quarantined_rows.runs``) and ``status --check``; a person
+    checks the effects and requeues it, or leaves it.
+
+    Returns:
+        How many runs were dead-lettered.
+    """
+    wanted = list(keys)
+    if not wanted:
+        return 0
+    found = conn.execute(
+        select(*raw_columns(runs, conn.dialect))
+        .where(runs.c.idempotency_key.in_(wanted), runs.c.state.not_in(sorted(KNOWN_RUN_STATES)))
+    ).all()
+    settled = 0
+    for raw in found:
+        values, _ = decode_row(runs, dict(raw._mapping), conn.dialect)
+        problems = [p for p in check_run_row(values) if column_of(p) == "state"]
+        if problems and dead_letter_run(conn, values, problems, now,
+                                        guard=runs.c.state == values.get("state"),
+                                        fix=STATE_FIX):
+            settled += 1
+    return settled
 
 
 def read_entry_options(

@@ -48,6 +48,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.types import Interval
 
+from reliable_beat import rows as rows_mod
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import MYSQL_DIALECTS, attempts, dead_letters, runs
 from reliable_beat.errors import StaleFenceToken
@@ -116,6 +117,9 @@ class Claim:
         lease_expires_at: UTC, end of the lease (ours when ``acquired``, theirs when busy).
         retry_after: for ``busy``: the lease's remaining time (>= 0).
         task / args / kwargs / entry_name / fire_at: the run's stored call, for replay.
+        malformed: for ``dead``: set when this claim found the run row malformed (a stored
+            call, instant or state of the wrong shape; :func:`reliable_beat.rows.check_run_row`)
+            and dead-lettered it (reason ``malformed``): the problems, one line.
     """
 
     outcome: str
@@ -133,6 +137,7 @@ class Claim:
     kwargs: Mapping[str, Any] | None = None
     entry_name: str | None = None
     fire_at: datetime | None = None
+    malformed: str | None = None
 
     @property
     def acquired(self) -> bool:
@@ -380,13 +385,24 @@ def claim_run(
             })
             if got is not None:
                 acquired = got.outcome == ACQUIRED
+                problems = rows_mod.check_run_call(got.task, got.args, got.kwargs)
+                if acquired and problems:
+                    # A stored call of the wrong shape (written by SQL, another version): the
+                    # statement has taken the lease; dead-letter the run under our fence
+                    # before anything runs, instead of failing here after the commit.
+                    with conn.begin():
+                        return _dead_letter_claimed(
+                            store, conn, key, got.id, problems, task_id=task_id,
+                            owner=owner, fence_token=got.fence_token,
+                            attempt_id=got.attempt_id,
+                        )
                 return Claim(
                     got.outcome, key=key, run_id=got.id, fence_token=got.fence_token,
                     attempt=got.attempts, attempt_id=got.attempt_id,
                     result=None if acquired else got.result,
                     lease_expires_at=got.lease_expires_at if acquired else None,
                     fresh=got.fresh, task=got.task,
-                    args=tuple(got.args or ()), kwargs=dict(got.kwargs or {}),
+                    args=_as_args(got.args), kwargs=_as_kwargs(got.kwargs),
                     entry_name=got.entry_name, fire_at=got.fire_at,
                 )
         if store.dialect in MYSQL_DIALECTS:
@@ -401,6 +417,90 @@ def claim_run(
                 kwargs=kwargs, entry=entry, fire_at=fire_at, task_id=task_id,
                 trigger=trigger, insert_first=not pg,
             )
+
+
+def _as_args(value: Any) -> tuple[Any, ...]:
+    """A stored ``args`` as a tuple; a value of another shape (a finished run's, which is
+    never run again) reads as empty."""
+    return tuple(value) if isinstance(value, list) else ()
+
+
+def _as_kwargs(value: Any) -> dict[str, Any]:
+    """A stored ``kwargs`` as a dict; a value of another shape reads as empty."""
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def _dead_letter_claimed(
+    store: Store,
+    conn: Connection,
+    key: str,
+    run_id: int,
+    problems: list[str],
+    *,
+    task_id: str | None,
+    owner: str,
+    values: Mapping[str, Any] | None = None,
+    now: datetime | None = None,
+    fence_token: int | None = None,
+    attempt_id: int | None = None,
+) -> Claim:
+    """Dead-letter a malformed run a claim found (reason ``malformed``), inside ``conn``'s
+    open transaction, and return the ``dead`` claim: the body never runs, the message is
+    acked (no crash, no retry loop). The problems are logged at ERROR with the key and the
+    fix (:func:`reliable_beat.rows.dead_letter_run`); the dead letter is counted by
+    ``reliable-beat status`` (``quarantined_rows.runs``) and alarms ``status --check``.
+
+    ``fence_token`` / ``attempt_id``: the PostgreSQL one-statement claim has already taken
+    the lease and recorded a ``running`` attempt; the run is moved only while that fence
+    holds, and that attempt is closed ``dead``. Otherwise (the locked path) the caller holds
+    the row's lock and ``values`` is the decoded row; a ``dead`` attempt row is recorded.
+    Any ``running`` attempt of an earlier holder is closed ``failed``.
+    """
+    if now is None:
+        now = store.now(conn)
+    if values is None:
+        values = dict(conn.execute(select(runs).where(runs.c.id == run_id)).mappings().one())
+    guard = (runs.c.fence_token == fence_token if fence_token is not None
+             else runs.c.state.not_in(("succeeded", "dead", "skipped")))
+    state_bad = any(rows_mod.column_of(p) == "state" for p in problems)
+    moved = rows_mod.dead_letter_run(
+        conn, values, problems, now, guard=guard,
+        fix=rows_mod.STATE_FIX if state_bad else rows_mod.RUN_FIX,
+    )
+    error = f"malformed run row, dead-lettered: {rows_mod.describe_problems(problems)}"
+    if not moved:
+        error = f"malformed run row, settled by another runner: {error}"
+    conn.execute(
+        update(attempts)
+        .where(attempts.c.run_id == run_id, attempts.c.outcome == "running",
+               *([attempts.c.id != attempt_id] if attempt_id is not None else []))
+        .values(outcome="failed", finished_at=now, error=error[:8000])
+    )
+    fence = values.get("fence_token")
+    number = values.get("attempts")
+    fence = fence if isinstance(fence, int) else 0
+    number = number if isinstance(number, int) else 0
+    if attempt_id is not None:
+        conn.execute(
+            update(attempts).where(attempts.c.id == attempt_id)
+            .values(outcome="dead", finished_at=now, error=error[:8000])
+        )
+    else:
+        attempt_id = _insert_attempt(
+            conn, run_id=run_id, fence_token=fence, attempt=number, worker=owner,
+            task_id=task_id, started_at=now, finished_at=now, outcome="dead",
+            error=error[:8000],
+        )
+    task = values.get("task")
+    entry_name = values.get("entry_name")
+    fire_at = values.get("fire_at")
+    return Claim(
+        DEAD, key=key, run_id=run_id, fence_token=fence, attempt=number,
+        attempt_id=attempt_id, task=task if isinstance(task, str) else "",
+        entry_name=entry_name if isinstance(entry_name, str) else None,
+        fire_at=fire_at if isinstance(fire_at, datetime) else None,
+        malformed=rows_mod.describe_problems(problems),
+    )
 
 
 #: MySQL/MariaDB: how many times a claim transaction the server chose as a deadlock victim
@@ -495,31 +595,47 @@ def _claim_locked(
                 entry_name=entry, fire_at=inserted.fire_at,
             )
     fresh = False
+    # Read value by value (reliable_beat.rows): on SQLite a column may hold anything, and
+    # an undecodable value must become a problem of this row, not a crash of the claim.
+    columns = rows_mod.raw_columns(runs, conn.dialect)
     if store.dialect == "postgresql":
         # The clock read with the row: one round trip instead of two.
-        stmt = select(runs, func.clock_timestamp().label("rb_db_now"))
+        stmt = select(*columns, func.clock_timestamp().label("rb_db_now"))
     else:
-        stmt = select(runs)
+        stmt = select(*columns)
     stmt = stmt.where(runs.c.idempotency_key == key)
     if store.dialect != "sqlite":
         stmt = stmt.with_for_update()
-    row = conn.execute(stmt).mappings().one_or_none()
-    if row is None:
+    raw = conn.execute(stmt).mappings().one_or_none()
+    if raw is None:
         raise RunNotFound(
             f"no run for key {key!r}: slot ({entry!r}, {fire_at}) is held by another key"
         )
-    if "rb_db_now" in row:
-        now = row["rb_db_now"].astimezone(timezone.utc)
+    row, problems = rows_mod.decode_row(runs, dict(raw), conn.dialect)
+    if "rb_db_now" in raw:
+        now = raw["rb_db_now"].astimezone(timezone.utc)
     elif not insert_first:
         now = store.now(conn)
     lease_end = now + lease
+    state = row["state"]
+    if state not in ("succeeded", "dead", "skipped"):
+        # A run this claim would take: the state, the stored call and every value the
+        # decision reads must have their shape, or the run is dead-lettered unrun.
+        unreadable = {rows_mod.column_of(p) for p in problems}
+        problems += [p for p in rows_mod.check_run_row(row)
+                     if rows_mod.column_of(p) not in unreadable]
+        held = row["lease_expires_at"]
+        live = state == "running" and isinstance(held, datetime) and held > now
+        if problems and not live:  # a live holder: busy below; the next claim checks again
+            return _dead_letter_claimed(store, conn, key, row["id"], problems,
+                                        task_id=task_id, owner=owner, values=row, now=now)
     common: dict[str, Any] = {
         "key": key,
         "run_id": row["id"],
         "fresh": fresh,
         "task": row["task"],
-        "args": tuple(row["args"] or ()),
-        "kwargs": dict(row["kwargs"] or {}),
+        "args": _as_args(row["args"]),
+        "kwargs": _as_kwargs(row["kwargs"]),
         "entry_name": row["entry_name"],
         "fire_at": row["fire_at"],
     }
@@ -532,7 +648,6 @@ def _claim_locked(
         "started_at": now,
         "finished_at": now,
     }
-    state = row["state"]
     if state == "succeeded":
         aid = _insert_attempt(conn, outcome="deduplicated", **attempt_base)
         return Claim(

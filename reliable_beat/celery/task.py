@@ -797,14 +797,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # The store itself is unreachable: nothing was recorded; retry later (an internal
             # retry: it does not count against the budget).
             raise self._internal_retry(key, self._store_backoff(), exc) from exc
-        if claim.outcome != runs.ACQUIRED or not claim.fresh:
+        if claim.malformed is None and (claim.outcome != runs.ACQUIRED or not claim.fresh):
             self._check_same_call(claim, call_args, call_kwargs)
         decision = execution.claim_decision(claim, lease, self._max_attempts())
         if decision.verb == "return_stored":
             log.info("%s: %s already succeeded; returning stored result", self.name, key)
             return _loaded_result(decision.result)
         if decision.verb == "skip":
-            log.warning("%s: run %s is dead; not run (requeue it to run again)", self.name, key)
+            log.warning("%s: run %s: %s; not run", self.name, key, decision.reason)
             return None
         if decision.verb == "retry_in":
             # Someone else holds a live lease: come back when it would have expired. If the

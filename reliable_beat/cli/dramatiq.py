@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -28,10 +30,15 @@ __all__ = ["register"]
 def _load_broker(spec: str) -> tuple[Any, Any]:
     """``module:attr`` (attr default ``broker``) -> (the ReliableBeat middleware, broker).
 
+    The current directory is importable first (as for ``dramatiq proj.actors`` and
+    ``celery -A proj``), so ``--broker proj.broker`` finds ``./proj`` without PYTHONPATH.
     Exits with code 2 and one line naming ``spec`` and the fix when Dramatiq is not
     installed, the module or attribute does not exist, or the broker has no ReliableBeat.
     """
     module_name, _, attr = spec.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         import dramatiq  # noqa: F401
     except ImportError:

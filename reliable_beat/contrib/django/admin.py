@@ -244,10 +244,14 @@ class EntryAdmin(_ReadOnlyAdmin):
         from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
         from reliable_beat.cli.entries import schedule_text
 
-        return schedule_text(dict(obj.schedule or {}))
+        # a malformed stored schedule (a quarantined row) is shown as stored, not decoded
+        return schedule_text(obj.schedule if obj.schedule is not None else {})
 
     @admin.display(description="status")
     def state(self, obj: Entry) -> str:
+        if obj.quarantine_reason:
+            reason = obj.quarantine_reason
+            return f"quarantined: {reason[:160]}{'...' if len(reason) > 160 else ''}"
         if not obj.enabled:
             return "disabled"
         if obj.paused:
@@ -281,10 +285,18 @@ class EntryAdmin(_ReadOnlyAdmin):
             extra["recent_runs"] = list(
                 Run.objects.using(conf.database_alias()).filter(entry_name=obj.name)
                 .order_by("-created_at", "-id")[:10])
+            if obj.quarantine_reason:
+                extra["quarantine_note"] = (
+                    f"Quarantined {obj.quarantined_at:%Y-%m-%d %H:%M:%S} UTC, it does not fire "
+                    f"until fixed: {obj.quarantine_reason}" if obj.quarantined_at else
+                    f"Quarantined, it does not fire until fixed: {obj.quarantine_reason}")
             try:
                 extra["describe"] = runtime.describe(conf.store(), conf.celery_app(), obj.name)
             except ReliableBeatError as exc:
                 extra["describe_error"] = str(exc)
+            except Exception as exc:  # a malformed stored value the description cannot read
+                extra["describe_error"] = (f"cannot describe {obj.name!r}: a stored value is "
+                                           f"malformed ({type(exc).__name__}: {exc})")
             if obj.origin == "config":
                 extra["origin_note"] = (
                     "This entry comes from the Celery app's beat_schedule (CELERY_BEAT_SCHEDULE "

@@ -466,7 +466,7 @@ def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     A quarantined entry (a malformed stored value) is checked first, as the beat checks it:
     still malformed, it stays quarantined and nothing changes (exit 1, the problems named).
     """
-    problems = _still_malformed(cli, name)
+    problems = quarantine_problems(cli.store, name)
     if problems:
         fail(f"entry {name!r} stays quarantined (not resumed): its row is still malformed: "
              + "; ".join(problems) + f". Fix: rewrite it with `reliable-beat entries update "
@@ -481,15 +481,18 @@ def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
                f"next {_fmt(row['next_fire_at'])})")
 
 
-def _still_malformed(cli: CliContext, name: str) -> list[str]:
-    """The problems the beat would find in the quarantined entry ``name`` now (empty: not
-    quarantined, or repaired; an unknown name is left to :func:`resume` to report)."""
+def quarantine_problems(store: Any, name: str) -> list[str]:
+    """The problems the beat would find now in the quarantined entry ``name`` (a
+    :class:`~reliable_beat.db.dialects.Store`), one string each; empty when the entry is not
+    quarantined or its row has been repaired (an unknown name: empty too, left to
+    :func:`~reliable_beat.entries.resume` to report). ``entries resume`` and the Django
+    admin's resume refuse a row that is still malformed."""
     from sqlalchemy import select
 
     from reliable_beat.db.tables import entries as entries_table
     from reliable_beat.rows import raw_columns, read_entry
 
-    with cli.store.engine.connect() as conn:
+    with store.engine.connect() as conn:
         raw = conn.execute(select(*raw_columns(entries_table, conn.dialect))
                            .where(entries_table.c.name == name)).first()
         if raw is None:

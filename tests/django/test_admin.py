@@ -234,6 +234,15 @@ def test_malformed_entry_pages_render_and_show_the_quarantine_reason(
     assert listing.count("quarantined: ") >= len(names)
     assert escape(reasons[f"bad-schedule_list-{tag}"][:60]) in listing
 
+    # resume of a row still malformed: it stays quarantined, and the admin says so
+    broken = f"bad-schedule_list-{tag}"
+    res = client(users["pauser"]).post("/admin/reliable_beat/entry/", {
+        "action": "resume_entries", "confirm": "yes", CHECKBOX: [entry_pk(broken)]},
+        follow=True)
+    page = res.content.decode()
+    assert "stays quarantined" in page and f"resumed: {broken}" not in page, page[-3000:]
+    assert rb_entries.get_entry(store, broken)["quarantine_reason"] == reasons[broken]
+
 
 def test_malformed_run_outbox_and_dead_letter_rows_render(
         users: dict[str, User], seeded: dict[str, Any]) -> None:

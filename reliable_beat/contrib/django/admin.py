@@ -41,7 +41,7 @@ from reliable_beat.contrib.django.models import (
     OutboxMessage,
     Run,
 )
-from reliable_beat.errors import EntryValidationError, ReliableBeatError
+from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
@@ -345,9 +345,24 @@ class EntryAdmin(_ReadOnlyAdmin):
                 question="Resume these entries? Slots missed while paused go through each "
                          "entry's misfire policy, as after downtime.",
                 items=[f"{e.name} (misfire policy {e.misfire_policy})" for e in queryset])
-        self._each(request, queryset, "resumed",
-                   lambda name: rb_entries.resume(conf.store(), name))
+        self._each(request, queryset, "resumed", self._resume_one)
         return None
+
+    @staticmethod
+    def _resume_one(name: str) -> None:
+        """Resume ``name``; a quarantined row that is still malformed stays quarantined
+        (checked as the beat checks it) and nothing changes."""
+        from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
+        from reliable_beat.cli.entries import quarantine_problems
+
+        store = conf.store()
+        problems = quarantine_problems(store, name)
+        if problems:
+            raise ConfigurationError(
+                "stays quarantined, its row is still malformed: " + "; ".join(problems)
+                + ". Fix the values named (runtime entries: 'Edit this runtime entry'; "
+                "config entries: beat_schedule), then resume it")
+        rb_entries.resume(store, name)
 
     @admin.action(description="Trigger selected entries now", permissions=["trigger"])
     def trigger_entries(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:

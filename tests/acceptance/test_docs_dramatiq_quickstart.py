@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "dramatiq.md"
 BIN = Path(sys.executable).parent
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
-pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 
 def quick_start() -> tuple[dict[str, str], list[str]]:
@@ -60,6 +60,8 @@ def replace(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
+@pytest.mark.postgres
+@pytest.mark.redis
 def test_quick_start_runs_as_written(tmp_path: Path, pg_url: str, redis_url: str) -> None:
     files, commands = quick_start()
     assert set(files) == {"proj/broker.py", "proj/actors.py"}, files
@@ -136,3 +138,38 @@ def test_quick_start_runs_as_written(tmp_path: Path, pg_url: str, redis_url: str
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)
         engine.dispose()
+
+
+def test_a_beat_whose_broker_module_declares_no_actor_says_so(tmp_path: Path) -> None:
+    """The quick start's ``proj/broker.py`` without its ``import proj.actors`` line (the
+    mistake the page used to make): the beat warns on stderr, naming the module and the fix,
+    instead of only logging "0 entries; nothing to sync"."""
+    files, _ = quick_start()
+    broker = files["proj/broker.py"]
+    line = next(x for x in broker.splitlines() if x.startswith("import proj.actors"))
+    broker = replace(broker, line + "\n", "")
+    broker = replace(broker, "postgresql+psycopg://app@db/app",
+                     f"sqlite:///{tmp_path / 'rb.sqlite3'}")
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "broker.py").write_text(broker)
+    (tmp_path / "proj" / "actors.py").write_text(files["proj/actors.py"])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([str(BIN / "reliable-beat"), "dramatiq", "beat", "--broker",
+                             "proj.broker:broker"], cwd=tmp_path, env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        lines: list[str] = []
+        while not lines or not lines[-1].startswith(("dramatiq beat ", "error:")):
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=20)
+    [warning] = [x for x in lines if x.startswith("warning: dramatiq beat:")] or [""]
+    assert "proj.broker:broker declares no periodic actor" in warning, lines
+    assert "import proj.actors" in warning, lines

@@ -275,6 +275,15 @@ def test_malformed_run_outbox_and_dead_letter_rows_render(
     for url in urls:
         res = c.get(url)
         assert res.status_code == 200, (url, res.content[-3000:])
+    # requeueing it cannot send anything: refused before anything is recorded (and before
+    # the Celery app is looked for)
+    res = client(users["admin"]).post("/admin/reliable_beat/deadletter/", {
+        "action": "requeue", "confirm": "yes", CHECKBOX: [seeded["dead_letter"]]},
+        follow=True)
+    assert res.status_code == 200, res.content[-3000:]
+    assert "stored payload is malformed" in res.content.decode()
+    assert rb_runs.get_run(store, key)["state"] == "dead"
+    assert rb_runs.get_dead_letter(store, seeded["dead_letter"])["requeued_at"] is None
 
 
 # -- actions ----------------------------------------------------------------------------------

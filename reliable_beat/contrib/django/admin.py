@@ -53,6 +53,23 @@ def _who(request: HttpRequest) -> str:
     return f"django:{getattr(user, 'get_username', lambda: '?')()}"
 
 
+def _requeue_payload_problem(payload: Any) -> str | None:
+    """Why a run dead letter's stored ``payload`` cannot be sent again, or None. Sending
+    needs ``{"task": str, "key": str, "args"?: list, "kwargs"?: dict, "headers"?: dict,
+    "queue"?: str}``."""
+    if not isinstance(payload, dict):
+        return f"expected an object, got {type(payload).__name__}"
+    problems = [f"{k} must be a non-empty string" for k in ("task", "key")
+                if not isinstance(payload.get(k), str) or not payload.get(k)]
+    for k, kind in (("args", list), ("kwargs", dict), ("headers", dict)):
+        if payload.get(k) is not None and not isinstance(payload[k], kind):
+            problems.append(f"{k} must be a{'n' if kind is dict else ''} "
+                            f"{'array' if kind is list else 'object'}")
+    if payload.get("queue") is not None and not isinstance(payload["queue"], str):
+        problems.append("queue must be a string")
+    return "; ".join(problems) or None
+
+
 class _ReadOnlyAdmin(admin.ModelAdmin):
     """Viewing for active staff; no add, change or delete (writes go through the API)."""
 
@@ -450,18 +467,26 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
                          "effect committed is refused.",
                 items=[f"#{d.pk} {d.task} {d.key!r} (died: {d.reason}, {d.attempts} "
                        "attempts)" for d in queryset])
-        app = conf.celery_app()
-        if app is None:
-            self.message_user(request, "requeue sends the task through the Celery app: set "
-                              "RELIABLE_BEAT = {'CELERY_APP': 'proj.celery:app'} in settings",
-                              messages.ERROR)
-            return None
+        app: Any = None
         store = conf.store()
         for dl in queryset:
             if dl.kind != "run":
                 self.message_user(request, f"#{dl.pk} is a {dl.kind} dead letter; only run "
                                   "dead letters can be requeued", messages.ERROR)
                 continue
+            bad = _requeue_payload_problem(dl.payload)
+            if bad:  # checked first: a requeue that cannot be sent must not be recorded
+                self.message_user(request, f"#{dl.pk}: not requeued: its stored payload is "
+                                  f"malformed ({bad}); the run stays dead", messages.ERROR)
+                continue
+            if app is None:
+                app = conf.celery_app()
+                if app is None:
+                    self.message_user(
+                        request, "requeue sends the task through the Celery app: set "
+                        "RELIABLE_BEAT = {'CELERY_APP': 'proj.celery:app'} in settings",
+                        messages.ERROR)
+                    return None
             try:
                 rb_runs.requeue_dead_letter(store, dl.pk, by=_who(request))
             except (ValueError, LookupError) as exc:

@@ -34,7 +34,13 @@ def catch_up_limit_problem(value: object) -> str | None:
 
 
 class MisfirePolicy(str, enum.Enum):
-    """What slots found late by more than ``misfire_grace`` get (e.g. after downtime).
+    """What missed slots get (e.g. after downtime).
+
+    A slot is on time (it fires, under every policy) when it is late by at most
+    ``misfire_grace`` **and** is still its entry's latest due slot; every other due slot is
+    missed, however small its delay (a slot whose successor is already due). Example: a 5 s
+    entry after a 45 s outage under ``FIRE_ONCE`` fires once (the latest slot, on time) and
+    records the 8 before it as skipped; ``CATCH_UP`` fires all 9.
 
     * ``CATCH_UP``: every missed slot fires, oldest first, at most ``catch_up_limit`` of them
       (and only those inside the catch-up window); older ones are recorded as skipped.
@@ -42,8 +48,6 @@ class MisfirePolicy(str, enum.Enum):
       once, the latest due slot (the on-time one when it is on time, else the latest missed
       slot); the others are recorded as skipped.
     * ``SKIP``: none fire; every missed slot is recorded as skipped.
-
-    A slot late by at most ``misfire_grace`` is not a misfire under any policy: it fires.
     """
 
     CATCH_UP = "catch_up"

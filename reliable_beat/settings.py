@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -462,7 +463,17 @@ class Settings:
             values["database_url"], origin = database_url
         elif "database_url" in values:
             origin = taken_from["database_url"]
-        settings = cls(**values)
+        try:
+            settings = cls(**values)
+        except ConfigurationError as exc:
+            # name each bad value as the user wrote it (CELERY_RELIABLE_BEAT_LEASE_SECONDS)
+            message = str(exc)
+            for name, key in taken_from.items():
+                if key != PREFIX + name:
+                    message = re.sub(rf"\b{PREFIX}{name}\b", key, message)
+            if message != str(exc):
+                exc.args = (message,)
+            raise
         object.__setattr__(settings, "_database_url_key", taken_from.get("database_url"))
         object.__setattr__(settings, "_namespace", namespace)
         if origin is not None:

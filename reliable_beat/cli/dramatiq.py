@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -28,10 +30,15 @@ __all__ = ["register"]
 def _load_broker(spec: str) -> tuple[Any, Any]:
     """``module:attr`` (attr default ``broker``) -> (the ReliableBeat middleware, broker).
 
+    The current directory is importable first (as for ``dramatiq proj.actors`` and
+    ``celery -A proj``), so ``--broker proj.broker`` finds ``./proj`` without PYTHONPATH.
     Exits with code 2 and one line naming ``spec`` and the fix when Dramatiq is not
     installed, the module or attribute does not exist, or the broker has no ReliableBeat.
     """
     module_name, _, attr = spec.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         import dramatiq  # noqa: F401
     except ImportError:
@@ -40,8 +47,8 @@ def _load_broker(spec: str) -> tuple[Any, Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        fail(f"--broker {spec}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?",
-             2, kind="usage")
+        fail(f"--broker {spec}: cannot import {module_name!r} ({exc}); run from the directory "
+             f"that holds it, or put that directory on PYTHONPATH", 2, kind="usage")
     broker = getattr(module, attr or "broker", None)
     if broker is None:
         fail(f"--broker {spec}: {module_name!r} has no attribute {attr or 'broker'!r}", 2,
@@ -80,7 +87,15 @@ def beat(cli: CliContext, broker_spec: str, loglevel: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from reliable_beat.dramatiq import beat_loop
 
-    _rb, broker = _load_broker(broker_spec)
+    rb, broker = _load_broker(broker_spec)
+    if not rb.schedule and not any(a.options.get("periodic") is not None
+                                   for a in list(broker.actors.values())):
+        module = broker_spec.partition(":")[0]
+        click.echo(f"warning: dramatiq beat: {broker_spec} declares no periodic actor "
+                   f"({len(broker.actors)} actors) and no ReliableBeat(schedule=...): this beat "
+                   f"fires nothing new. Does {module} import the modules that declare the "
+                   "actors (e.g. `import proj.actors` at its end)? See the Dramatiq quick start",
+                   err=True)
     loop = beat_loop(broker)  # the core loop: waits for the database, syncs, then fires
     click.echo(f"dramatiq beat {loop.owner} on {loop.store.safe_url}", err=True)
     loop.stop_event = _stop_event()

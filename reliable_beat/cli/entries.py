@@ -331,13 +331,18 @@ def entries() -> None:
 @handle_errors
 def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     """List entries with their schedule, the time zone it is evaluated in (ZONE), next and
-    last slot (UTC) and last run state."""
-    rows = list_entries(cli.store, include_disabled=show_all)
+    last slot (UTC) and last run state. Quarantined entries (a malformed stored value, see
+    ``entries show NAME`` for the reason) are always listed; other disabled entries only
+    with ``--all``."""
+    every = list_entries(cli.store, include_disabled=True)
+    rows = [r for r in every if show_all or r.get("enabled") is not False
+            or r.get("quarantine_reason")]
+    hidden = len(every) - len(rows)
     if as_json:
         cli.echo_json(jsonable([_public(r) for r in rows]))
         return
     if not rows:
-        click.echo("no entries")
+        click.echo("no entries" + (f" ({hidden} disabled: --all shows them)" if hidden else ""))
         return
     header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "ZONE", "NEXT (UTC)", "LAST SLOT",
               "LAST STATE")
@@ -350,6 +355,12 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
     for line in table:
         click.echo("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+    quarantined = [r["name"] for r in rows if r.get("quarantine_reason")]
+    if quarantined:
+        click.echo(f"{len(quarantined)} quarantined (malformed row, not firing): "
+                   f"`reliable-beat entries show NAME` gives the reason and the fix")
+    if hidden:
+        click.echo(f"{hidden} disabled entries not shown: --all shows them")
 
 
 @entries.command("show")
@@ -453,7 +464,17 @@ def pause_cmd(cli: CliContext, name: str, as_json: bool) -> None:
 @pass_cli
 @handle_errors
 def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
-    """Resume an entry; slots missed while paused go through its misfire policy."""
+    """Resume an entry; slots missed while paused go through its misfire policy.
+
+    A quarantined entry (a malformed stored value) is checked first, as the beat checks it:
+    still malformed, it stays quarantined and nothing changes (exit 1, the problems named).
+    """
+    problems = quarantine_problems(cli.store, name)
+    if problems:
+        fail(f"entry {name!r} stays quarantined (not resumed): its row is still malformed: "
+             + "; ".join(problems) + f". Fix: rewrite it with `reliable-beat entries update "
+             f"{name}` ... (config entries: correct beat_schedule), then resume it",
+             1, kind="invalid", problems=[f"entry {name!r}: {p}" for p in problems])
     resume(cli.store, name)
     row = get_entry(cli.store, name)
     if as_json:
@@ -461,6 +482,26 @@ def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
         return
     click.echo(f"resumed {name} (misfire policy {row['misfire_policy']}; "
                f"next {_fmt(row['next_fire_at'])})")
+
+
+def quarantine_problems(store: Any, name: str) -> list[str]:
+    """The problems the beat would find now in the quarantined entry ``name`` (a
+    :class:`~reliable_beat.db.dialects.Store`), one string each; empty when the entry is not
+    quarantined or its row has been repaired (an unknown name: empty too, left to
+    :func:`~reliable_beat.entries.resume` to report). ``entries resume`` and the Django
+    admin's resume refuse a row that is still malformed."""
+    from sqlalchemy import select
+
+    from reliable_beat.db.tables import entries as entries_table
+    from reliable_beat.rows import raw_columns, read_entry
+
+    with store.engine.connect() as conn:
+        raw = conn.execute(select(*raw_columns(entries_table, conn.dialect))
+                           .where(entries_table.c.name == name)).first()
+        if raw is None:
+            return []
+        values, problems, _ = read_entry(dict(raw._mapping), conn.dialect)
+    return problems if values.get("quarantine_reason") else []
 
 
 @entries.command("trigger")

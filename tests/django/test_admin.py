@@ -160,6 +160,132 @@ def test_config_entry_page_says_where_it_comes_from(
     assert 'id="rb-origin-note"' in page and "beat_schedule" in page
 
 
+# -- malformed (quarantined) rows ---------------------------------------------------------------
+
+#: column -> a well-typed JSON value of the wrong shape (as tests/integration/test_bad_rows.py)
+MALFORMED_ENTRY: dict[str, dict[str, Any]] = {
+    "schedule_list": {"schedule": [1]},
+    "schedule_text": {"schedule": "every day"},
+    "schedule_garbage": {"schedule": {"kind": "cron", "expr": "every tuesday"}},
+    "schedule_zone": {"schedule": {"kind": "interval", "every_seconds": 60,
+                                   "anchor": "2020-01-01T00:00:00+00:00",
+                                   "timezone": "Mars/Olympus"}},
+    "timezone_column": {"timezone": "Nowhere/Land"},
+    "options_list": {"options": ["queue", "q"]},
+    "args_object": {"args": {"a": 1}},
+    "kwargs_list": {"kwargs": [1, 2]},
+    "policy": {"misfire_policy": "sometimes"},
+}
+
+
+def test_malformed_entry_pages_render_and_show_the_quarantine_reason(
+        users: dict[str, User]) -> None:
+    """A row with a malformed stored value (written behind the API's back) never makes the
+    admin answer 500: the list and the change page render before the beat quarantines it
+    and after, and then show the reason."""
+    from reliable_beat.db.tables import entries
+    from reliable_beat.rows import quarantine_entry, raw_columns, read_entry
+
+    store = conf.store()
+    tag = os.urandom(3).hex()
+    names = {f"bad-{shape}-{tag}": values for shape, values in MALFORMED_ENTRY.items()}
+    for name, values in names.items():
+        rb_entries.save_runtime_entry(store, EntryDefinition(
+            name=name, task="dj.pay", schedule=sch.CronSchedule("0 2 * * *", "UTC")),
+            create=True)
+        with store.begin() as conn:
+            conn.execute(sa.update(entries).where(entries.c.name == name).values(**values))
+    c = client(users["viewer"])
+
+    def pages() -> tuple[str, dict[str, str]]:
+        listing = c.get(f"/admin/reliable_beat/entry/?q=bad-&q={tag}")
+        assert listing.status_code == 200, listing.content[-3000:]
+        one = {}
+        for name in names:
+            res = c.get(f"/admin/reliable_beat/entry/{entry_pk(name)}/change/")
+            assert res.status_code == 200, (name, res.content[-3000:])
+            one[name] = res.content.decode()
+        return listing.content.decode(), one
+
+    listing, _ = pages()
+    for name in names:
+        assert name in listing
+    assert "malformed: [1]" in listing  # the stored schedule, as stored
+
+    reasons = {}
+    with store.begin() as conn:  # what the beat does when it reads them
+        now = store.now(conn)
+        for raw in conn.execute(sa.select(*raw_columns(entries, conn.dialect))
+                                .where(entries.c.name.in_(list(names)))):
+            values, problems, unreadable = read_entry(dict(raw._mapping), conn.dialect)
+            assert problems, values["name"]
+            quarantine_entry(conn, values, problems, now, unreadable=unreadable)
+    for name in names:
+        row = rb_entries.get_entry(store, name)
+        assert row["quarantine_reason"], name
+        reasons[name] = row["quarantine_reason"]
+
+    listing, one = pages()
+    from html import escape
+
+    for name, page in one.items():
+        assert 'id="rb-quarantine-note"' in page, name
+        assert escape(reasons[name]) in page, name
+    assert listing.count("quarantined: ") >= len(names)
+    assert escape(reasons[f"bad-schedule_list-{tag}"][:60]) in listing
+
+    # resume of a row still malformed: it stays quarantined, and the admin says so
+    broken = f"bad-schedule_list-{tag}"
+    res = client(users["pauser"]).post("/admin/reliable_beat/entry/", {
+        "action": "resume_entries", "confirm": "yes", CHECKBOX: [entry_pk(broken)]},
+        follow=True)
+    page = res.content.decode()
+    assert "stays quarantined" in page and f"resumed: {broken}" not in page, page[-3000:]
+    assert rb_entries.get_entry(store, broken)["quarantine_reason"] == reasons[broken]
+
+
+def test_malformed_run_outbox_and_dead_letter_rows_render(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    """Runs, outbox rows and dead letters whose stored JSON has the wrong shape: their list
+    and change pages render (the relay dead-letters such outbox rows; the admin shows them)."""
+    from reliable_beat import outbox as rb_outbox
+    from reliable_beat.db.tables import dead_letters, outbox, runs
+
+    store = conf.store()
+    key = f"dead:{seeded['tag']}"
+    run_id = rb_runs.get_run(store, key)["id"]
+    with store.begin() as conn:
+        conn.execute(sa.update(runs).where(runs.c.id == run_id)
+                     .values(args={"a": 1}, kwargs=[1], result="x"))
+        conn.execute(sa.update(dead_letters).where(dead_letters.c.id == seeded["dead_letter"])
+                     .values(payload=["not", "an", "object"]))
+        rb_outbox.add(conn, "sink", {"i": 1}, key=f"ob:{seeded['tag']}")
+        conn.execute(sa.update(outbox).where(outbox.c.message_id == f"ob:{seeded['tag']}")
+                     .values(payload=[1], headers=["not", "an", "object"]))
+        outbox_ids = list(conn.execute(sa.select(outbox.c.id)
+                                       .where(outbox.c.message_id == f"ob:{seeded['tag']}"))
+                          .scalars())
+    c = client(users["viewer"])
+    urls = [f"/admin/reliable_beat/run/{run_id}/change/",
+            f"/admin/reliable_beat/deadletter/{seeded['dead_letter']}/change/",
+            *(f"/admin/reliable_beat/outboxmessage/{i}/change/" for i in outbox_ids),
+            "/admin/reliable_beat/run/", "/admin/reliable_beat/deadletter/",
+            "/admin/reliable_beat/outboxmessage/"]
+    assert outbox_ids
+    for url in urls:
+        res = c.get(url)
+        assert res.status_code == 200, (url, res.content[-3000:])
+    # requeueing it cannot send anything: refused before anything is recorded (and before
+    # the Celery app is looked for)
+    res = client(users["admin"]).post("/admin/reliable_beat/deadletter/", {
+        "action": "requeue", "confirm": "yes", CHECKBOX: [seeded["dead_letter"]]},
+        follow=True)
+    assert res.status_code == 200, res.content[-3000:]
+    assert "stored payload is malformed" in res.content.decode()
+    assert rb_runs.get_run(store, key)["state"] == "dead"
+    assert rb_runs.get_dead_letter(store, seeded["dead_letter"])["requeued_at"] is None
+
+
 # -- actions ----------------------------------------------------------------------------------
 
 

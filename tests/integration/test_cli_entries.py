@@ -389,3 +389,51 @@ def test_backfill_leaves_slots_inside_a_skipped_range_alone(store: Store) -> Non
     assert res["created"] == 0 and res["existing"] == 39, res  # range and single rows alike
     assert count(store, runs, runs.c.entry_name == "min") == before
     assert count(store, runs, runs.c.trigger == "backfill") == 0
+
+
+def test_quarantined_entries_are_listed_and_resume_says_they_stay_quarantined(
+        store: Store) -> None:
+    """`entries list` shows quarantined entries without --all (they are what an operator must
+    see); `entries resume` of a row still malformed says it stays quarantined and changes
+    nothing; once repaired, resume releases it."""
+    for name in ("good", "broken", "off"):
+        ok(cli(store, "entries", "add", name, "--task", "shop.tick", "--every", "5"))
+    with store.begin() as conn:
+        good_schedule = conn.execute(select(entries.c.schedule)
+                                     .where(entries.c.name == "broken")).scalar_one()
+        conn.execute(update(entries).where(entries.c.name == "broken").values(
+            schedule=[1], next_fire_at=store.now(conn) - timedelta(seconds=1)))  # due
+        conn.execute(update(entries).where(entries.c.name == "off").values(enabled=False))
+    Beat(store, owner="t:1").tick()  # the beat quarantines the malformed row
+    with store.engine.connect() as conn:
+        reason = conn.execute(select(entries.c.quarantine_reason)
+                              .where(entries.c.name == "broken")).scalar_one()
+    assert reason, "the beat did not quarantine the row"
+
+    out = ok(cli(store, "entries", "list"))
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "quarantined" in lines["broken"], out
+    assert "off" not in lines and "1 disabled entries not shown: --all" in out, out
+    assert "1 quarantined" in out and "entries show NAME" in out, out
+    assert "off" in ok(cli(store, "entries", "list", "--all"))
+    listed = json.loads(ok(cli(store, "entries", "list", "--json")))
+    assert {e["name"]: e["status"] for e in listed} == {"good": "active",
+                                                        "broken": "quarantined"}
+
+    r = cli(store, "entries", "resume", "broken")
+    assert r.exit_code == 1, r.output
+    assert "stays quarantined" in r.output and "resumed broken" not in r.output, r.output
+    assert "schedule" in r.output and "entries update broken" in r.output, r.output
+    with store.engine.connect() as conn:
+        row = conn.execute(select(entries.c.enabled, entries.c.quarantine_reason)
+                           .where(entries.c.name == "broken")).one()
+    assert not row.enabled and row.quarantine_reason == reason  # nothing changed
+
+    with store.begin() as conn:  # repaired by hand: now resume releases it
+        conn.execute(update(entries).where(entries.c.name == "broken")
+                     .values(schedule=good_schedule))
+    assert "resumed broken" in ok(cli(store, "entries", "resume", "broken"))
+    with store.engine.connect() as conn:
+        row = conn.execute(select(entries.c.enabled, entries.c.quarantine_reason)
+                           .where(entries.c.name == "broken")).one()
+    assert row.enabled and row.quarantine_reason is None

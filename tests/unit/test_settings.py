@@ -145,3 +145,16 @@ def test_host_zone_without_an_iana_name_is_an_error(monkeypatch: pytest.MonkeyPa
     app.conf.enable_utc = False
     with pytest.raises(ConfigurationError, match="timezone"):
         celery_timezone(app)
+
+
+@pytest.mark.parametrize("key, namespace", [
+    ("CELERY_RELIABLE_BEAT_LEASE_SECONDS", "CELERY"),
+    ("RELIABLE_BEAT_LEASE_SECONDS", None),
+    ("reliable_beat_lease_seconds", None),
+])
+def test_a_bad_value_is_named_as_the_user_wrote_it(key: str, namespace: str | None) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        Settings.from_mapping({key: "abc", "reliable_beat_batch_size": -1}, namespace=namespace)
+    message = str(err.value)
+    assert f"{key}='abc'" in message, message
+    assert "reliable_beat_batch_size=-1" in message, message  # the other one, as written

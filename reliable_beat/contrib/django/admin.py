@@ -41,7 +41,7 @@ from reliable_beat.contrib.django.models import (
     OutboxMessage,
     Run,
 )
-from reliable_beat.errors import EntryValidationError, ReliableBeatError
+from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
@@ -51,6 +51,23 @@ _KEY_HEADER = "reliable_beat_key"
 def _who(request: HttpRequest) -> str:
     user = getattr(request, "user", None)
     return f"django:{getattr(user, 'get_username', lambda: '?')()}"
+
+
+def _requeue_payload_problem(payload: Any) -> str | None:
+    """Why a run dead letter's stored ``payload`` cannot be sent again, or None. Sending
+    needs ``{"task": str, "key": str, "args"?: list, "kwargs"?: dict, "headers"?: dict,
+    "queue"?: str}``."""
+    if not isinstance(payload, dict):
+        return f"expected an object, got {type(payload).__name__}"
+    problems = [f"{k} must be a non-empty string" for k in ("task", "key")
+                if not isinstance(payload.get(k), str) or not payload.get(k)]
+    for k, kind in (("args", list), ("kwargs", dict), ("headers", dict)):
+        if payload.get(k) is not None and not isinstance(payload[k], kind):
+            problems.append(f"{k} must be a{'n' if kind is dict else ''} "
+                            f"{'array' if kind is list else 'object'}")
+    if payload.get("queue") is not None and not isinstance(payload["queue"], str):
+        problems.append("queue must be a string")
+    return "; ".join(problems) or None
 
 
 class _ReadOnlyAdmin(admin.ModelAdmin):
@@ -244,10 +261,14 @@ class EntryAdmin(_ReadOnlyAdmin):
         from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
         from reliable_beat.cli.entries import schedule_text
 
-        return schedule_text(dict(obj.schedule or {}))
+        # a malformed stored schedule (a quarantined row) is shown as stored, not decoded
+        return schedule_text(obj.schedule if obj.schedule is not None else {})
 
     @admin.display(description="status")
     def state(self, obj: Entry) -> str:
+        if obj.quarantine_reason:
+            reason = obj.quarantine_reason
+            return f"quarantined: {reason[:160]}{'...' if len(reason) > 160 else ''}"
         if not obj.enabled:
             return "disabled"
         if obj.paused:
@@ -281,10 +302,18 @@ class EntryAdmin(_ReadOnlyAdmin):
             extra["recent_runs"] = list(
                 Run.objects.using(conf.database_alias()).filter(entry_name=obj.name)
                 .order_by("-created_at", "-id")[:10])
+            if obj.quarantine_reason:
+                extra["quarantine_note"] = (
+                    f"Quarantined {obj.quarantined_at:%Y-%m-%d %H:%M:%S} UTC, it does not fire "
+                    f"until fixed: {obj.quarantine_reason}" if obj.quarantined_at else
+                    f"Quarantined, it does not fire until fixed: {obj.quarantine_reason}")
             try:
                 extra["describe"] = runtime.describe(conf.store(), conf.celery_app(), obj.name)
             except ReliableBeatError as exc:
                 extra["describe_error"] = str(exc)
+            except Exception as exc:  # a malformed stored value the description cannot read
+                extra["describe_error"] = (f"cannot describe {obj.name!r}: a stored value is "
+                                           f"malformed ({type(exc).__name__}: {exc})")
             if obj.origin == "config":
                 extra["origin_note"] = (
                     "This entry comes from the Celery app's beat_schedule (CELERY_BEAT_SCHEDULE "
@@ -333,9 +362,24 @@ class EntryAdmin(_ReadOnlyAdmin):
                 question="Resume these entries? Slots missed while paused go through each "
                          "entry's misfire policy, as after downtime.",
                 items=[f"{e.name} (misfire policy {e.misfire_policy})" for e in queryset])
-        self._each(request, queryset, "resumed",
-                   lambda name: rb_entries.resume(conf.store(), name))
+        self._each(request, queryset, "resumed", self._resume_one)
         return None
+
+    @staticmethod
+    def _resume_one(name: str) -> None:
+        """Resume ``name``; a quarantined row that is still malformed stays quarantined
+        (checked as the beat checks it) and nothing changes."""
+        from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
+        from reliable_beat.cli.entries import quarantine_problems
+
+        store = conf.store()
+        problems = quarantine_problems(store, name)
+        if problems:
+            raise ConfigurationError(
+                "stays quarantined, its row is still malformed: " + "; ".join(problems)
+                + ". Fix the values named (runtime entries: 'Edit this runtime entry'; "
+                "config entries: beat_schedule), then resume it")
+        rb_entries.resume(store, name)
 
     @admin.action(description="Trigger selected entries now", permissions=["trigger"])
     def trigger_entries(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
@@ -423,18 +467,26 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
                          "effect committed is refused.",
                 items=[f"#{d.pk} {d.task} {d.key!r} (died: {d.reason}, {d.attempts} "
                        "attempts)" for d in queryset])
-        app = conf.celery_app()
-        if app is None:
-            self.message_user(request, "requeue sends the task through the Celery app: set "
-                              "RELIABLE_BEAT = {'CELERY_APP': 'proj.celery:app'} in settings",
-                              messages.ERROR)
-            return None
+        app: Any = None
         store = conf.store()
         for dl in queryset:
             if dl.kind != "run":
                 self.message_user(request, f"#{dl.pk} is a {dl.kind} dead letter; only run "
                                   "dead letters can be requeued", messages.ERROR)
                 continue
+            bad = _requeue_payload_problem(dl.payload)
+            if bad:  # checked first: a requeue that cannot be sent must not be recorded
+                self.message_user(request, f"#{dl.pk}: not requeued: its stored payload is "
+                                  f"malformed ({bad}); the run stays dead", messages.ERROR)
+                continue
+            if app is None:
+                app = conf.celery_app()
+                if app is None:
+                    self.message_user(
+                        request, "requeue sends the task through the Celery app: set "
+                        "RELIABLE_BEAT = {'CELERY_APP': 'proj.celery:app'} in settings",
+                        messages.ERROR)
+                    return None
             try:
                 rb_runs.requeue_dead_letter(store, dl.pk, by=_who(request))
             except (ValueError, LookupError) as exc:

@@ -41,6 +41,9 @@ class Entry(models.Model):
     last_fire_at = models.DateTimeField(null=True)
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
+    #: why the beat set the row aside (a malformed stored value), or None; see reliable_beat.rows
+    quarantine_reason = models.TextField(null=True)
+    quarantined_at = models.DateTimeField(null=True)
 
     class Meta:
         managed = False

@@ -472,7 +472,19 @@ def test_downtime_misfire_policies(hx: Harness) -> None:
     assert h.procs.terminate(first) == 0, first.output()
     down_at = h.now()
     procs_mod.wait_for(lambda: h.now() > down_at + 10 * SECOND, 20, "10 s of downtime")
-    h.procs.start("after")
+    after = h.procs.start("after")
+    started_at = h.now()
+
+    def fired_after_restart() -> bool:  # a run created by the restarted beat, every policy
+        return {r.entry_name for r in h.runs() if r.created_at >= started_at} >= set(spec)
+
+    # the restarted beat's start-up (interpreter, Celery, schema check, sync) may take a few
+    # seconds on a loaded machine: wait for its first claim, not a fixed time (the test once
+    # read the runs before the new beat had claimed anything: "('catch_up', 0)")
+    try:
+        procs_mod.wait_for(fired_after_restart, 60, "the restarted beat's first claim")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{after.output()}") from None
     procs_mod.wait_for(lambda: h.now() > down_at + 15 * SECOND, 20, "running after")
     procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"], 15,
                        "publishes")

@@ -1171,9 +1171,9 @@ class Harness:
             return self._compare_table()
         lines = [
             "",
-            f"## Fault-injection run ({o.framework}): seed {o.seed}, {o.minutes:g} min, "
-            f"{o.beats} beats, {o.workers} workers, {o.relays} relays, "
-            f"{len(self.entries)} entries; store {o.store}, broker {o.broker}",
+            f"## Fault-injection run ({o.framework}, {o.broker}, {o.store}): seed {o.seed}, "
+            f"{o.minutes:g} min, {o.beats} beats, {o.workers} workers, {o.relays} relays, "
+            f"{len(self.entries)} entries",
             "",
             "| fault | injected |",
             "|---|---|",

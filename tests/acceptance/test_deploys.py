@@ -135,6 +135,7 @@ def test_rolling_deploy_old_and_new_beats_alternate(h: Harness) -> None:
     rng = random.Random(int(os.environ.get("RB_SEED", "11")))
     events: list[str] = []
     first_new_up: list[datetime] = []
+    kills: list[datetime] = []  # database-clock instants of the SIGKILLs
 
     def start(which: str) -> procs_mod.Beat:
         beat = h.procs.start(which, RB_SCHEDULE=json.dumps(OLD if which == "old" else NEW))
@@ -154,7 +155,10 @@ def test_rolling_deploy_old_and_new_beats_alternate(h: Harness) -> None:
     while time.monotonic() - started < DEPLOY_SECONDS or which == "new":
         nxt = start(which)  # the next pod is up before the previous one goes
         time.sleep(rng.uniform(1.0, 4.0))
-        events.append(f"{current.name} pid {current.pid} {stop(h, current, rng)}")
+        how = stop(h, current, rng)
+        if how == "SIGKILL":
+            kills.append(h.now())
+        events.append(f"{current.name} pid {current.pid} {how}")
         current, which = nxt, ("old" if which == "new" else "new")
     t1 = h.now() - SECOND
     time.sleep(SWEEP_WAIT)  # a killed pod's claimed triggers are swept by the last pod
@@ -176,8 +180,16 @@ def test_rolling_deploy_old_and_new_beats_alternate(h: Harness) -> None:
         got = fired.get(name, Counter())
         problems.extend(f"{name}@{s:%H:%M:%S} missing" for s in slots if s not in got)
 
+    def killed_after_publish(s: datetime) -> bool:
+        # the documented window (docs/concepts.md, "a second trigger"): a beat SIGKILLed after
+        # the broker took the slot's messages and before it marked them sent; another beat's
+        # sweep (after slot + the 10 s sweep delay) publishes them again, at most once more
+        return any(s <= k <= s + 11 * SECOND for k in kills)
+
+    sigkill_window = {s for cnt in fired.values() for s, c in cnt.items()
+                      if c == 2 and killed_after_publish(s)}
     doubles = [f"{n}@{s:%H:%M:%S} x{c}" for n, cnt in fired.items() for s, c in cnt.items()
-               if c > 1]
+               if c > 1 and s not in sigkill_window]
     problems.extend(doubles)
     before, after = t_sync - SECOND, t_sync + SECOND
     expect_all("keep", seconds(t0, t1))
@@ -196,7 +208,7 @@ def test_rolling_deploy_old_and_new_beats_alternate(h: Harness) -> None:
     old_name, new_name = fired.get("old-name", Counter()), fired.get("new-name", Counter())
     for s in seconds(t0, t1):
         n = old_name.get(s, 0) + new_name.get(s, 0)
-        if n != 1:
+        if n != 1 and not (n == 2 and s in sigkill_window):
             problems.append(f"renamed entry @{s:%H:%M:%S}: {n} triggers (old+new name)")
     problems.extend(f"old-name@{s:%H:%M:%S} after the rename" for s in old_name if s > after)
     # every trigger has its run row, dispatched
@@ -214,6 +226,7 @@ def test_rolling_deploy_old_and_new_beats_alternate(h: Harness) -> None:
     figures = {
         "pods_started": len(h.procs.beats), "window_s": round((t1 - t0).total_seconds()),
         "triggers": sum(sum(c.values()) for c in fired.values()), "doubles": len(doubles),
+        "slots_sent_twice_after_a_sigkill": len(sigkill_window),
         "problems": len(problems), "change_logged": synced_new, "disabled_logged": disabled,
         "older_pods_not_syncing": older, "new_pods_current": current_lines,
     }

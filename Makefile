@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 MARIADB_CI_SUBSET := tests/integration tests/unit/test_workflows.py tests/unit/test_workflow_versions.py tests/unit/test_workflow_sagas.py tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction tests/acceptance/test_idempotent_task.py tests/acceptance/test_relay_kill.py \
 	tests/faults/test_faults_smoke.py::test_fault_injection_smoke_mariadb
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not mariadb" --durations=30
+	RB_WF_KILLS=1 $(PY) -m pytest -q -m "not mariadb" --durations=30
 	$(PY) -m pytest -q -m mariadb $(MARIADB_CI_SUBSET)
 
 test-full: $(VENV)/.installed

@@ -26,6 +26,7 @@ def _count(out: str, label: str) -> int:
     return int(m.group(1))
 
 
+@pytest.mark.full  # CI size: test_example_payouts.py's break-it; Django kills: test_django_orm.py
 def test_django_shop_break_it_pays_each_merchant_once(
         tmp_path: Path, pg_url: str, redis_url: str) -> None:
     proc = subprocess.run(

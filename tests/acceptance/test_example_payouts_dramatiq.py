@@ -69,6 +69,7 @@ def test_embedded_dramatiq_demo_without_redis_server_says_what_it_needs(
     assert "--broker-url" in proc.stderr
 
 
+@pytest.mark.full  # CI size: test_example_payouts.py's break-it + test_adapters_celery_dramatiq.py
 @pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.timeout(420)

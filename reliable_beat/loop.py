@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
+from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
 from sqlalchemy import update
@@ -83,6 +84,7 @@ from reliable_beat.settings import Settings
 from reliable_beat.slots import format_fire_at
 
 __all__ = [
+    "STOP_SIGNALS",
     "SWEEP_SECONDS",
     "BeatLoop",
     "HoldingPublisher",
@@ -293,20 +295,55 @@ def sleep_until(at: float) -> None:
         pass
 
 
+#: The signals a graceful stop arrives by; :func:`deferred_stop_signals` holds them back.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextlib.contextmanager
 def deferred_stop_signals() -> Iterator[None]:
-    """Hold SIGTERM/SIGINT back while the block runs (main thread, POSIX); no-op elsewhere."""
-    stop = {signal.SIGTERM, signal.SIGINT}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "pthread_sigmask"
-    ):
+    """Hold SIGTERM / SIGINT back while the block runs; deliver them right after it.
+
+    In the main thread (the only one that runs Python signal handlers) the handlers of
+    :data:`STOP_SIGNALS` are swapped for one that only records the signal; on the way out
+    the previous handlers are put back and each recorded signal is handed to its previous
+    handler, in arrival order (a callable is called with ``(signum, frame)`` and may raise,
+    e.g. Celery's beat handler raises ``SystemExit``; ``SIG_DFL`` re-sends the signal to this
+    process; ``SIG_IGN`` drops it). Nests: an inner block hands its signals to the outer one.
+    A no-op outside the main thread, and for a signal whose handler was not installed from
+    Python (it cannot be put back).
+
+    A Python-level deferral, not ``pthread_sigmask``: a mask is per thread, and a beat
+    process has other threads (the retention thread, Celery's beat pidbox, the metrics
+    server). The kernel delivers a process-directed SIGTERM to a thread that does not block
+    it, and CPython then runs the handler in the main thread at its next bytecode, mask or
+    no mask: in the middle of a claim or of a held slot's publish.
+    """
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    caught: list[tuple[int, FrameType | None]] = []
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        caught.append((signum, frame))
+
+    previous: dict[int, Any] = {}
     try:
+        for sig in STOP_SIGNALS:
+            handler = signal.getsignal(sig)
+            if handler is None:  # installed outside Python: leave it alone
+                continue
+            signal.signal(sig, record)
+            previous[sig] = handler
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum, frame in caught:
+            handler = previous.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
 
 
 class _HoldOverran(BaseException):

@@ -79,13 +79,12 @@ def test_handler_exception_surfaces_after_the_block(other_thread: None) -> None:
     previous = signal.signal(signal.SIGTERM, celery_like)
     steps: list[str] = []
     try:
-        with pytest.raises(SystemExit):
-            with deferred_stop_signals():
-                _kill_from_outside()
-                _busy(0.2)
-                steps.append("claim committed")
-                _busy(0.1)
-                steps.append("triggers held")
+        with pytest.raises(SystemExit), deferred_stop_signals():
+            _kill_from_outside()
+            _busy(0.2)
+            steps.append("claim committed")
+            _busy(0.1)
+            steps.append("triggers held")
         assert steps == ["claim committed", "triggers held"]
         assert signal.getsignal(signal.SIGTERM) is celery_like  # put back
     finally:

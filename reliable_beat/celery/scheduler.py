@@ -95,12 +95,8 @@ def publish_triggers(
     Args:
         now: the store's clock at the publish (UTC), for the ``expires_at`` check.
         wait: called right before the first message can reach the broker (see
-<<<<<<< HEAD
-            :func:`~reliable_beat.celery.publishing.publish_celery_batch`).
-=======
             :func:`~reliable_beat.celery.publishing.publish_celery_batch`): the beat sleeps
             there until the slot of triggers it claimed ahead.
->>>>>>> layout
         unmarked: when the marks cannot be written (database gone), ``(sent ids, expired
             ids)`` is appended here; None: they are only logged.
 

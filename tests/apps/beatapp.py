@@ -7,6 +7,8 @@ Configured from the environment so each test can point it at its own servers:
   [name]), "reliable_beat": {...}};
 * RB_QUEUE: the default queue (each test its own, so messages can be counted in Redis);
 * RB_CLAIM_AHEAD: ``reliable_beat_claim_ahead_seconds`` (default: the setting's default);
+* RB_PURGE_INTERVAL: ``reliable_beat_purge_interval_seconds`` (0: the beat starts no
+  retention thread);
 * RB_REDISPATCH: ``reliable_beat_redispatch_seconds``; RB_ACKS: import
   ``reliable_beat.celery.acks`` (workers record the starts of plain tasks' triggers);
 * RB_CLOCK_OFFSET: seconds added to this process's ``time.time`` (fallback when libfaketime
@@ -85,6 +87,8 @@ if os.environ.get("RB_ACKS"):  # workers record the starts of plain tasks' trigg
     app.conf.imports = ["reliable_beat.celery.acks"]
 if os.environ.get("RB_CLAIM_AHEAD"):
     app.conf.reliable_beat_claim_ahead_seconds = float(os.environ["RB_CLAIM_AHEAD"])
+if os.environ.get("RB_PURGE_INTERVAL"):  # 0: no retention thread in the beat
+    app.conf.reliable_beat_purge_interval_seconds = float(os.environ["RB_PURGE_INTERVAL"])
 
 
 @app.task(name="beatapp.tick")

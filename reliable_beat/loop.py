@@ -300,7 +300,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextlib.contextmanager
-def deferred_stop_signals() -> Iterator[None]:
+def deferred_stop_signals() -> Iterator[list[tuple[int, FrameType | None]]]:
     """Hold SIGTERM / SIGINT back while the block runs; deliver them right after it.
 
     In the main thread (the only one that runs Python signal handlers) the handlers of
@@ -312,16 +312,20 @@ def deferred_stop_signals() -> Iterator[None]:
     A no-op outside the main thread, and for a signal whose handler was not installed from
     Python (it cannot be put back).
 
+    Yields:
+        the ``(signum, frame)`` pairs held back so far (a list that grows while the block
+        runs): non-empty means a stop is pending, e.g. the loop claims nothing more.
+
     A Python-level deferral, not ``pthread_sigmask``: a mask is per thread, and a beat
     process has other threads (the retention thread, Celery's beat pidbox, the metrics
     server). The kernel delivers a process-directed SIGTERM to a thread that does not block
     it, and CPython then runs the handler in the main thread at its next bytecode, mask or
     no mask: in the middle of a claim or of a held slot's publish.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     caught: list[tuple[int, FrameType | None]] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
 
     def record(signum: int, frame: FrameType | None) -> None:
         caught.append((signum, frame))
@@ -334,10 +338,10 @@ def deferred_stop_signals() -> Iterator[None]:
                 continue
             signal.signal(sig, record)
             previous[sig] = handler
-        yield
+        yield caught
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for stop_sig, handler in previous.items():
+            signal.signal(stop_sig, handler)
         for signum, frame in caught:
             handler = previous.get(signum)
             if callable(handler):
@@ -603,8 +607,8 @@ class BeatLoop:
         relay) publishes them after slot + sweep delay, under the same message ids.
         """
         try:
-            with deferred_stop_signals():
-                self._step()
+            with deferred_stop_signals() as stopping:
+                self._step(stopping)
             return self._idle()
         except BaseException:
             if self._held:
@@ -615,8 +619,8 @@ class BeatLoop:
     def step(self) -> float:
         """One round without the wait: publish held triggers that are due, claim if it is
         time, sweep when due. Returns seconds until the next thing to do (never waits)."""
-        with deferred_stop_signals():
-            self._step()
+        with deferred_stop_signals() as stopping:
+            self._step(stopping)
         return max(0.0, self._wake_at() - time.monotonic())
 
     def run_forever(self, stop: threading.Event | None = None) -> None:
@@ -637,7 +641,10 @@ class BeatLoop:
         finally:
             self.close()
 
-    def _step(self) -> None:
+    def _step(self, stopping: Sequence[object] = ()) -> None:
+        """One round (see :meth:`tick`). ``stopping``: the stop signals held back so far;
+        once one is (or :attr:`stop_event` is set) no further claim starts: a beat asked to
+        stop takes no new slot, so its stop waits only for what it already holds."""
         self._publish_held(drain=False)  # committed already: they need no database to leave
         if self._unmarked:
             # Published but not marked sent (the database was gone): record that first. Until
@@ -650,6 +657,8 @@ class BeatLoop:
                 return
         claims = 0
         while time.monotonic() >= self._claim_at and claims < 10:
+            if stopping or (self.stop_event is not None and self.stop_event.is_set()):
+                break
             claims += 1
             outcome = self._claim()
             if isinstance(outcome, float):  # the store is down: retry later

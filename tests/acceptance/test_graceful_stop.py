@@ -23,10 +23,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -145,3 +148,86 @@ def _claimed_by(h: Harness, owner: str, after: datetime) -> list[tuple[str, date
             .join(outbox, outbox.c.run_id == runs.c.id)
             .where(outbox.c.claimed_by == owner, runs.c.fire_at > after))
         return [(r.idempotency_key, r.fire_at) for r in rows]
+
+
+# -- the Dramatiq beat: the same loop, its own stop handler (a flag, then close()) ---------
+@pytest.fixture
+def dq(pg_url: str, broker_url: str, pg_store: Any, tmp_path: Path) -> Iterator[Any]:
+    """The Dramatiq harness of tests/acceptance/test_dramatiq_adapter.py (skipped without
+    dramatiq)."""
+    pytest.importorskip("dramatiq")
+    import test_dramatiq_adapter as tda
+    from dq_app import meta
+
+    meta.create_all(pg_store.engine)
+    env = tda.DqEnv(pg_url, broker_url, pg_store, tmp_path)
+    try:
+        yield env
+    finally:
+        env.kill_all()
+
+
+@pytest.mark.parametrize("moment", ["waiting", "just_claimed"])
+def test_dramatiq_beat_sigterm_while_holding_publishes_at_its_slot_once(
+        dq: Any, tmp_path: Path, moment: str) -> None:
+    """``reliable-beat dramatiq beat``: its SIGTERM handler only sets the stop flag; the loop
+    finishes its round and :meth:`BeatLoop.close` publishes the held slots at their instants.
+    Same two moments as above, a second beat running; the held rows are ``sent`` by the
+    holder at their slot (``sent_at``, database clock), well before any sweep."""
+    dq.extra["RB_PERIOD"] = "1"
+    flag = tmp_path / "pause-after-claim-ahead"
+    if moment == "just_claimed":
+        dq.extra.update(RB_CLAIM_AHEAD="2", RB_PAUSE_SECONDS="1",
+                        RB_PAUSE_AFTER_CLAIM_AHEAD=str(flag))
+    holder = dq.beat("holder")
+    dq.extra.pop("RB_PAUSE_AFTER_CLAIM_AHEAD", None)
+    other = dq.beat("other")
+    owner = f"{socket.gethostname()}:{holder.pid}"
+
+    def now() -> datetime:
+        with dq.store.begin() as conn:
+            return dq.store.now(conn)  # type: ignore[no-any-return]
+
+    dq.wait("both beats to fire", lambda: len(dq.rows(select(runs.c.id))) >= 4, 120)
+    if moment == "waiting":
+        def holding() -> list[Any]:
+            t = now()
+            return dq.rows(select(runs.c.id).join(outbox, outbox.c.run_id == runs.c.id).where(
+                outbox.c.state == "pending", outbox.c.claimed_by == owner,
+                runs.c.fire_at > t + timedelta(milliseconds=100),
+                runs.c.fire_at <= t + timedelta(milliseconds=500)))
+        procs_mod.wait_for(holding, 60, "the holder to hold a slot 100-500 ms ahead",
+                           interval=0.01)
+    else:
+        flag.touch()
+        procs_mod.wait_for(lambda: "PAUSED after claiming ahead" in dq.logs(), 60,
+                           "the holder to claim ahead", interval=0.01)
+    asked = now()
+    os.kill(holder.pid, signal.SIGTERM)
+    try:
+        holder.wait(timeout=30)
+    except Exception:
+        pytest.fail(f"holder still running 30 s after SIGTERM\n{dq.logs()}")
+    exited = now()
+    assert holder.returncode == 0, dq.logs()
+    assert other.poll() is None, dq.logs()
+    held = dq.rows(select(runs.c.idempotency_key, runs.c.fire_at, outbox.c.state,
+                          outbox.c.sent_at)
+                   .join(outbox, outbox.c.run_id == runs.c.id)
+                   .where(outbox.c.claimed_by == owner, runs.c.fire_at > asked))
+    assert held, f"the holder held nothing at the SIGTERM\n{dq.logs()}"
+    late = {r["idempotency_key"]: (round((r["sent_at"] - r["fire_at"]).total_seconds()
+                                         * 1000, 1) if r["sent_at"] else None) for r in held}
+    print(f"\n[dramatiq {moment}] {len(held)} held trigger(s), marked sent ms after the slot "
+          f"{late}; exit {(exited - asked).total_seconds():.2f} s after the SIGTERM")
+    for r in held:
+        assert r["state"] == "sent", f"{r['idempotency_key']}: left {r['state']} to the sweep"
+        assert 0 <= (r["sent_at"] - r["fire_at"]).total_seconds() < AT_SLOT_TOLERANCE, r
+    # no second publish: the other beat's sweep (slot + 10 s) finds every held row sent
+    last = max(r["fire_at"] for r in held)
+    procs_mod.wait_for(lambda: now() > last + SWEEP_WAIT, 60, "the sweep delay to pass")
+    keys = [r["idempotency_key"] for r in held]
+    rows = dq.rows(select(outbox.c.state, outbox.c.claimed_by, outbox.c.attempts)
+                   .join(runs, outbox.c.run_id == runs.c.id)
+                   .where(runs.c.idempotency_key.in_(keys)))
+    assert all(r["state"] == "sent" and r["claimed_by"] == owner for r in rows), rows

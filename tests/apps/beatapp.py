@@ -21,11 +21,8 @@ Configured from the environment so each test can point it at its own servers:
   claim that committed due triggers (the fast path) removes it and the process SIGSTOPs
   itself right after the commit, before publishing (BEFORE), or right after the broker
   accepted the messages, before they are marked sent (AFTER).
-* RB_PAUSE_AFTER_CLAIM_AHEAD: a file path; when it exists, the next claim that committed
-  triggers claimed ahead (slot still to come) removes it, prints ``beatapp: PAUSED after
-  claiming ahead <fire_at>`` and sleeps RB_PAUSE_SECONDS (default 1) right after the commit,
-  before the loop holds them: a slow return from the claim (a loaded host), widened so a test
-  can land a SIGTERM there.
+* RB_PAUSE_AFTER_CLAIM_AHEAD / RB_PAUSE_SECONDS: pause right after a claim that took slots
+  ahead (see tests/apps/pause_hook.py).
 """
 
 from __future__ import annotations
@@ -142,21 +139,5 @@ if _after_publish:
 
     _scheduler.publish_celery_batch = _publish_then_freeze  # type: ignore[assignment]
 
-_pause_ahead = os.environ.get("RB_PAUSE_AFTER_CLAIM_AHEAD")
-if _pause_ahead:
-    from reliable_beat.beat import Beat as _PBeat
-
-    _ptick = _PBeat.tick
-    _pause = float(os.environ.get("RB_PAUSE_SECONDS", "1") or 1)
-
-    def _tick_then_pause(self: _PBeat) -> object:
-        result = _ptick(self)
-        if result.ahead and os.path.exists(_pause_ahead):
-            os.unlink(_pause_ahead)
-            slots = sorted({t.fire_at for t in result.ahead})
-            print("beatapp: PAUSED after claiming ahead "
-                  + " ".join(s.isoformat() for s in slots), file=sys.stderr, flush=True)
-            _time.sleep(_pause)
-        return result
-
-    _PBeat.tick = _tick_then_pause  # type: ignore[method-assign,assignment]
+if os.environ.get("RB_PAUSE_AFTER_CLAIM_AHEAD"):
+    import pause_hook  # noqa: F401  (tests/apps: patches the claim; see its docstring)

@@ -34,7 +34,9 @@ publisher; ``reliable-beat dramatiq beat`` runs one with a Dramatiq publisher
 
 Published triggers whose ``sent`` mark could not be written (the database went away) are
 recorded first when it returns, before any claim or sweep of this beat. SIGTERM / SIGINT are
-held back from a claim until its triggers are marked. Any number of loops may run against
+held back from a claim until its triggers are marked or held (their Python handlers swapped
+for a recorder: :func:`deferred_stop_signals`), and a round with a stop pending starts no
+further claim. Any number of loops may run against
 one store: the claim, not the process, decides who fires a slot.
 
 What an adapter adds: its :class:`Publisher` (how a trigger row becomes a message of its
@@ -599,9 +601,10 @@ class BeatLoop:
 
         Returns seconds for the caller to sleep (0 when this call already waited).
 
-        SIGTERM / SIGINT are held back (``pthread_sigmask``) from a claim until its triggers
-        are marked sent, so a graceful stop never splits a commit from its publish; the signal
-        is delivered right after. A stop that arrives while triggers claimed ahead are held
+        SIGTERM / SIGINT are held back (:func:`deferred_stop_signals`) from a claim until its
+        triggers are marked sent or held, so a graceful stop never splits a commit from its
+        publish; the signal is delivered right after, and once one is pending the round
+        starts no further claim. A stop that arrives while triggers claimed ahead are held
         publishes each group at its slot's instant (at most the claim-ahead away). Only
         SIGKILL can leave committed triggers unsent, and then the sweep of another beat (or a
         relay) publishes them after slot + sweep delay, under the same message ids.

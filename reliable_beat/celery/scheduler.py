@@ -235,7 +235,13 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
 
     def close(self) -> None:
         """Publish any triggers still held (each at its slot, at most the claim-ahead away),
-        then release the LISTEN connection and the pool."""
+        then release the LISTEN connection and the pool.
+
+        Celery's beat SIGTERM / SIGINT handler calls ``Service.sync()``, i.e. this method,
+        then raises ``SystemExit``; the loop holds that handler back while it claims and
+        publishes (:func:`reliable_beat.loop.deferred_stop_signals`), so it runs between two
+        rounds, when every committed trigger is either sent or held, and held ones go out
+        here at their slots (docs/operations.md, "Stopping a beat")."""
         self.loop.close()
 
     @property

@@ -898,17 +898,33 @@ def replay_check(store: Store, workflow_id: str) -> str | None:
 # ------------------------------------------------------------------ re-dispatch ----
 
 
-def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 500) -> int:
-    """Send a wake to workflows whose advance died or whose wake was lost.
+def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 500,
+                         retrying_after: timedelta | None = None) -> int:
+    """Send a wake to workflows whose advance died or whose wake was lost, and send again
+    the activity and compensation messages the broker lost.
 
-    Two cases (the sweep beside :func:`reliable_beat.redispatch.claim_stuck_runs`):
+    Wakes, two cases (the sweep beside :func:`reliable_beat.redispatch.claim_stuck_runs`):
     ``running`` with a lease expired more than ``older_than`` ago (the holder died), and
     ``pending`` / ``waiting`` with ``wake_seq > claimed_wake_seq`` untouched for
     ``older_than`` (a wake the broker lost). The wake's message id carries the fence token
     and wake_seq, so each stuck state is re-sent once.
 
+    Activity and compensation messages of active workflows (events ``scheduled``): see
+    :func:`_resend_lost_activities` (a run never started, started by a worker that died,
+    requeued and never claimed, or ``retrying`` with no retry message left). At least once:
+    the run's idempotency key makes the effect once.
+
+    Args:
+        store: the store.
+        older_than: how long a wake or an activity message may be outstanding before it is
+            sent again (the relay: ``reliable_beat_redispatch_seconds``).
+        limit: most workflows (and most activities) per call.
+        retrying_after: how long an activity run may sit ``retrying`` untouched before its
+            message is sent again; pick it above the retry backoff cap (the relay:
+            ``redispatch_seconds + retry_cap_seconds``). None: ``older_than``.
+
     Returns:
-        How many wakes were added.
+        How many wakes and activity messages were added.
     """
     with store.begin() as conn:
         now = db_now(conn)
@@ -930,16 +946,29 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
         ).all()
         for r in rows:
             add_wake(conn, r.workflow_id, r.queue, f"sweep{r.fence_token}.{r.wake_seq}")
-        resent = _resend_lost_activities(conn, now, cutoff, older_than, limit)
+        resent = _resend_lost_activities(
+            conn, now, cutoff, older_than, limit,
+            retry_cutoff=now - (older_than if retrying_after is None else retrying_after))
     return len(rows) + resent
 
 
 def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
-                            older_than: timedelta, limit: int) -> int:
-    """Activities scheduled before ``cutoff`` whose run never started (the broker lost the
-    message) or whose holder died (running, lease expired before ``cutoff``): publish the
-    activity message again (same key: the run deduplicates), at most once per
-    ``older_than`` window (the message id carries the window number)."""
+                            older_than: timedelta, limit: int, *,
+                            retry_cutoff: datetime) -> int:
+    """Activities and compensations (events ``scheduled`` before ``cutoff``, workflow
+    active) whose message is gone: publish the message again (same key: the run
+    deduplicates), at most once per ``older_than`` window (the message id carries the
+    window number). Their run is
+
+    * absent: the message never reached a worker (lost by the broker, or never published);
+    * ``running`` with a lease expired before ``cutoff``: the worker died in the body;
+    * ``scheduled`` / ``dispatched`` untouched since ``cutoff``: requeued (``workflows
+      compensate``, ``dead-letters requeue``) and its message lost;
+    * ``retrying`` untouched since ``retry_cutoff``: a transient failure whose retry
+      message was lost, or a lease cleared by a person (``reliable-beat lease clear``).
+
+    The run sweep (:func:`reliable_beat.redispatch.claim_stuck_runs`) never takes these
+    runs: they have no trigger row."""
     j = workflow_events.join(workflows, workflows.c.id == workflow_events.c.workflow_pk
                              ).outerjoin(runs, runs.c.idempotency_key == workflow_events.c.run_key)
     rows = conn.execute(
@@ -952,8 +981,12 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
             workflow_events.c.created_at < cutoff,
             workflows.c.state.in_(ACTIVE_STATES),
             or_(runs.c.id.is_(None),
-                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff)),
+                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff),
+                and_(runs.c.state.in_(("scheduled", "dispatched")),
+                     runs.c.updated_at < cutoff),
+                and_(runs.c.state == "retrying", runs.c.updated_at < retry_cutoff)),
         )
+        .order_by(workflow_events.c.created_at)
         .limit(limit)
     ).all()
     window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import Text, and_, cast, func, or_, select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import outbox
@@ -635,7 +635,27 @@ class Claimed:
 
 def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
     """The claim transaction; on success it also loads the run's history (same connection,
-    same transaction: one checkout instead of two per advance)."""
+    same transaction: one checkout instead of two per advance).
+
+    A row or history that is malformed (changed by SQL: a JSON column that does not decode,
+    a value of the wrong shape, an unknown event kind or state) parks the workflow
+    ``blocked`` with a reason naming the column (:mod:`reliable_beat.workflows.malformed`)
+    and returns ``"blocked"``: its code never replays garbage."""
+    from reliable_beat.workflows import malformed
+
+    try:
+        return _claim_tx(store, workflow_id, owner, lease)
+    except ValueError:  # json.JSONDecodeError of a JSON column, raised while reading it
+        with store.begin() as conn:
+            found = malformed.block_undecodable(conn, workflow_id, ACTIVE_STATES)
+        if found is None:
+            raise
+        return found[0]
+
+
+def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
+    from reliable_beat.workflows import malformed
+
     with store.begin() as conn:
         now = db_now(conn)
         stmt = (
@@ -666,15 +686,26 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Clai
             return "missing"
         if not done:
             return "busy" if row.state in ACTIVE_STATES else row.state  # type: ignore[no-any-return]
+        history = load_history(conn, row.id, row.run_no)
+        args = [] if row.args is None else row.args
+        kwargs = {} if row.kwargs is None else row.kwargs
+        problem = malformed.shape_problem(workflow_id, int(row.run_no), args, kwargs, history)
+        if problem is not None:  # we hold the claim: block it in this transaction
+            why = malformed.reason(workflow_id, problem)
+            log.error("workflow %s blocked: %s", workflow_id, why)
+            conn.execute(update(workflows).where(workflows.c.id == row.id).values(
+                state="blocked", block_reason=why[:4000], leased_by=None,
+                lease_expires_at=None, updated_at=now))
+            return "blocked"
         return Claimed(
             pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
-            args=list(row.args or []), kwargs=dict(row.kwargs or {}), queue=row.queue,
+            args=list(args), kwargs=dict(kwargs), queue=row.queue,
             random_seed=int(row.random_seed), fence_token=int(row.fence_token),
             seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
             history_bytes=int(row.history_bytes), owner=owner, lease=lease,
             version=row.version,
             extra={"cancel_requested": row.cancel_requested},
-            history=load_history(conn, row.id, row.run_no),
+            history=history,
         )
 
 
@@ -870,11 +901,25 @@ def replay_check(store: Store, workflow_id: str) -> str | None:
     """
     from reliable_beat.workflows.context import WorkflowContext
 
+    from reliable_beat.workflows import malformed
+
     with store.connect() as conn:
-        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
-        if row is None:
+        rows = malformed.lenient_select(
+            conn, select(workflows).where(workflows.c.workflow_id == workflow_id))
+        if not rows:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
-        history = load_history(conn, row.id, row.run_no)
+        row = rows[0]
+        try:
+            history = load_history(conn, row.id, row.run_no)
+        except ValueError:
+            history = None
+        problem = malformed.decode_problem(conn, int(row.id), workflow_id, int(row.run_no))
+    if problem is None and history is not None:
+        problem = malformed.shape_problem(workflow_id, int(row.run_no),
+                                          [] if row.args is None else row.args,
+                                          {} if row.kwargs is None else row.kwargs, history)
+    if problem is not None or history is None:
+        return malformed.reason(workflow_id, problem or "a history event does not decode")
     definition = _registry.get(row.name)
     if definition is None:
         return f"workflow name {row.name!r} is not registered in this process"
@@ -972,8 +1017,8 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
     j = workflow_events.join(workflows, workflows.c.id == workflow_events.c.workflow_pk
                              ).outerjoin(runs, runs.c.idempotency_key == workflow_events.c.run_key)
     rows = conn.execute(
-        select(workflow_events.c.run_key, workflow_events.c.name, workflow_events.c.args,
-               workflows.c.queue)
+        select(workflow_events.c.run_key, workflow_events.c.name,
+               cast(workflow_events.c.args, Text).label("args"), workflows.c.queue)
         .select_from(j)
         .where(
             workflow_events.c.kind.in_(("activity", "compensation")),
@@ -990,14 +1035,27 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
         .limit(limit)
     ).all()
     window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))
+    sent = 0
     for r in rows:
-        call = list(r.args or [[], {}, None])
+        try:  # read as text: one corrupted event must not stop the sweep for every workflow
+            stored = r.args if r.args is None or not isinstance(r.args, str) \
+                else json.loads(r.args)
+            call = list(stored or [[], {}, None])
+            args, kwargs = list(call[0]), dict(call[1])
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            log.error("workflow sweep: activity %s is not re-sent: its event's args are "
+                      "malformed (%s): %r; the workflow's next advance blocks it naming "
+                      "the row (`reliable-beat workflows show`)", r.run_key, exc,
+                      str(r.args)[:80])
+            continue
+        call = [args, kwargs, *call[2:]]
         payload: dict[str, Any] = {"task": r.name, "args": call[0], "kwargs": call[1],
                                    "headers": {"reliable_beat_key": r.run_key}}
         if len(call) > 2 and call[2]:
             payload["options"] = {"queue": call[2]}
         outbox.add(conn, WAKE_DESTINATION, payload, key=f"act:{r.run_key}:r{window}")
-    return len(rows)
+        sent += 1
+    return sent
 
 
 # ------------------------------------------------------------------ reading ----
@@ -1028,28 +1086,34 @@ def get_workflow(store: Store, workflow_id: str, *, events: bool = False) -> dic
     Raises:
         WorkflowNotFound: no such workflow.
     """
+    from reliable_beat.workflows.malformed import lenient_select
+
     with store.connect() as conn:
-        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
-        if row is None:
+        found = lenient_select(
+            conn, select(workflows).where(workflows.c.workflow_id == workflow_id))
+        if not found:
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
+        row = found[0]
         out = _row_dict(row)
         if events:
-            evs = conn.execute(
+            evs = lenient_select(
+                conn,
                 select(workflow_events)
                 .where(workflow_events.c.workflow_pk == row.id,
                        workflow_events.c.run_no == row.run_no)
                 .order_by(workflow_events.c.seq)
-            ).all()
+            )
             out["events"] = [
                 {k: e._mapping[k] for k in ("seq", "kind", "name", "args_digest", "state",
                                             "result", "error", "fire_at", "run_key",
                                             "fence_token", "created_at", "completed_at")}
                 for e in evs
             ]
-            sigs = conn.execute(
+            sigs = lenient_select(
+                conn,
                 select(workflow_signals).where(workflow_signals.c.workflow_pk == row.id)
                 .order_by(workflow_signals.c.id)
-            ).all()
+            )
             out["signals"] = [
                 {k: s._mapping[k] for k in ("id", "name", "payload", "dedup_key",
                                             "consumed_run_no", "consumed_seq", "created_at")}
@@ -1067,8 +1131,10 @@ def list_workflows(
         q = q.where(workflows.c.state == state)
     if name:
         q = q.where(workflows.c.name == name)
+    from reliable_beat.workflows.malformed import lenient_select
+
     with store.connect() as conn:
-        return [_row_dict(r) for r in conn.execute(q).all()]
+        return [_row_dict(r) for r in lenient_select(conn, q)]
 
 
 def workflow_counts(conn: Connection) -> dict[str, int]:

@@ -899,9 +899,8 @@ def replay_check(store: Store, workflow_id: str) -> str | None:
         workflow, to the end), else the first mismatch naming the position and both sides
         (also when the workflow's name is not registered here).
     """
-    from reliable_beat.workflows.context import WorkflowContext
-
     from reliable_beat.workflows import malformed
+    from reliable_beat.workflows.context import WorkflowContext
 
     with store.connect() as conn:
         rows = malformed.lenient_select(

@@ -53,7 +53,7 @@ def _seed(store: Store, rnd: int) -> dict[str, int]:
         pks = dict(conn.execute(sa.select(workflows.c.workflow_id, workflows.c.id).where(
             workflows.c.workflow_id.like(f"r{rnd}/%"))).all())
         evs, sigs = [], []
-        for wid, pk in pks.items():
+        for pk in pks.values():
             for run in range(1, RUNS + 1):
                 for seq in range(1, SEQS + 1):
                     evs.append({"workflow_pk": pk, "run_no": run, "seq": seq, "kind": "step",
@@ -109,7 +109,7 @@ def test_concurrent_purges_never_deadlock_and_delete_each_row_once(
                 # batch sizes differ, so the purgers drift into different steps (one
                 # deleting ended workflows while another deletes continued runs' history)
                 out = purge_workflows(store, before=cutoff, batch_size=(2, 7, 300, 1000)[n % 4])
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            except BaseException as exc:
                 with lock:
                     errors.append(exc)
                 return

@@ -551,8 +551,9 @@ def test_retrying_activity_whose_retry_message_is_lost_is_sent_again(
     left for it: the workflow sweep re-sends it once the retry backoff cap has passed (on
     main neither sweep did: the run sweep only re-sends runs with a trigger row). Its
     effect happens once."""
-    from reliable_beat import runs
     from wf_driver import Crash
+
+    from reliable_beat import runs
 
     killed: list[str] = []
 
@@ -585,3 +586,96 @@ def test_retrying_activity_whose_retry_message_is_lost_is_sent_again(
     drain(driver)
     assert handle.result(timeout=1) == "k"
     assert rows(store, "do") == [("do", "k")]
+
+
+def _three_with(**knobs: bool) -> Any:
+    def flow(ctx: WorkflowContext, order: str) -> str:
+        with ctx.saga(**knobs) as saga:
+            saga.compensate("saga.undo", f"{order}:a")
+            ctx.activity("saga.do", f"{order}:a")
+            saga.compensate("saga.undo", f"{order}:b")
+            ctx.activity("saga.do", f"{order}:b")
+            saga.compensate("saga.undo", f"{order}:c")
+            ctx.activity("saga.do", f"{order}:c", True)  # fails permanently
+        return "unreachable"
+
+    return flow
+
+
+def _most_compensations_in_flight(store: Store, driver: Driver, wid: str) -> int:
+    """Drain, returning the most compensation messages of ``wid`` pending at once."""
+    most = 0
+    for _ in range(500):
+        with store.connect() as conn:
+            pending = conn.execute(sa.select(sa.func.count()).select_from(outbox).where(
+                outbox.c.state == "pending",
+                outbox.c.message_id.like(f"act:wf:{wid}/1#%"))).scalar_one()
+        most = max(most, int(pending))
+        if not driver.step():
+            return most
+    raise AssertionError("driver did not settle")
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_parallel_saga_sends_all_compensations_at_once(app: Celery, store: Store,
+                                                        parallel: bool) -> None:
+    workflow(name="t.knobs")(_three_with(parallel=parallel))
+    wid = f"par{int(parallel)}"
+    handle = engine.start(store, "t.knobs", wid, [wid])
+    most = _most_compensations_in_flight(store, Driver(store, app), wid)
+    assert most == (3 if parallel else 1)
+    row = handle.status()
+    assert row["state"] == "failed", row
+    assert "saga.do failed: dead" in row["error"]["message"]  # the original error
+    assert shape(store, wid) == EXPECTED_THREE
+    assert sorted(lbl for _, lbl in rows(store, "undo")) == [
+        f"{wid}:a", f"{wid}:b", f"{wid}:c:nothing"]  # each undo once
+
+
+def test_continue_on_error_runs_the_rest_then_blocks_naming_the_dead_one(
+    app: Celery, store: Store
+) -> None:
+    workflow(name="t.coe")(_three_with(continue_on_error=True))
+    BROKEN.add("e1:b")
+    handle = engine.start(store, "t.coe", "e1", ["e1"])
+    driver = Driver(store, app)
+    drain(driver)
+    row = handle.status()
+    assert row["state"] == "blocked", row
+    reason = row["block_reason"]
+    assert reason.startswith("compensation_failed: compensation saga.undo (seq 3, key "
+                             "wf:e1/1#3) dead-lettered: ValueError: cannot undo e1:b now;")
+    assert "other compensations ran" in reason and "workflows compensate e1" in reason
+    # b's failure did not stop a (the default stops there: see the test above)
+    assert rows(store, "undo") == [("undo", "e1:c:nothing"), ("undo", "e1:a")]
+    BROKEN.clear()
+    out = compensate(store, "e1")
+    assert out["requeued"] == ["wf:e1/1#3"]
+    drain(driver)
+    row = handle.status()
+    assert row["state"] == "failed", row
+    assert "saga.do failed: dead" in row["error"]["message"]
+    assert rows(store, "undo") == [("undo", "e1:c:nothing"), ("undo", "e1:a"),
+                                   ("undo", "e1:b")]
+
+
+def test_parallel_saga_with_two_dead_compensations_blocks_naming_both(
+    app: Celery, store: Store
+) -> None:
+    workflow(name="t.par2")(_three_with(parallel=True, continue_on_error=True))
+    BROKEN.update({"p2:a", "p2:b"})
+    handle = engine.start(store, "t.par2", "p2", ["p2"])
+    driver = Driver(store, app)
+    drain(driver)
+    row = handle.status()
+    assert row["state"] == "blocked", row
+    reason = row["block_reason"]
+    assert reason.startswith("compensation_failed: 2 compensations dead-lettered: ")
+    assert "(seq 3, key wf:p2/1#3)" in reason and "(seq 1, key wf:p2/1#1)" in reason
+    assert rows(store, "undo") == [("undo", "p2:c:nothing")]
+    BROKEN.clear()
+    out = compensate(store, "p2")
+    assert sorted(out["requeued"]) == ["wf:p2/1#1", "wf:p2/1#3"]
+    drain(driver)
+    assert handle.status()["state"] == "failed"
+    assert sorted(lbl for _, lbl in rows(store, "undo")) == ["p2:a", "p2:b", "p2:c:nothing"]

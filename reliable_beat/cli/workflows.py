@@ -112,7 +112,8 @@ def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str, key: s
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_cli
 def wf_resume(cli: CliContext, workflow_ids: tuple[str, ...], as_json: bool) -> None:
-    """Unblock blocked workflows after the code was fixed (waiting + a wake).
+    """Unblock blocked workflows after the code was fixed (waiting + a wake); also kick
+    a waiting workflow that is overdue (a timer past due whose wake was lost: one wake).
 
     Each ID is resumed on its own; an unknown or unblocked one is reported and the others
     are still resumed (exit 1 if any was refused).

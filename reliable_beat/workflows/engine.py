@@ -525,12 +525,20 @@ def signal(
 def resume(store: Store, workflow_id: str) -> dict[str, Any]:
     """Unblock a ``blocked`` workflow (after the code was fixed): ``waiting`` + a wake.
 
+    Also kicks a ``pending`` / ``waiting`` workflow that is overdue (a timer or signal
+    timeout past its ``fire_at``, or a wake it has not consumed): one more wake, nothing
+    else changes (the advance is fenced and replays; the sweep would send it within
+    ``reliable_beat_redispatch_seconds`` too).
+
     Returns the row as :func:`get_workflow` does.
 
     Raises:
         WorkflowNotFound: no such workflow.
-        WorkflowConflict: it is not blocked.
+        WorkflowConflict: it is neither blocked nor overdue (the message says what it
+            waits for).
     """
+    if _kick_overdue(store, workflow_id):
+        return get_workflow(store, workflow_id)
     with store.begin() as conn:
         now = db_now(conn)
         row = _first(update_returning(
@@ -547,9 +555,50 @@ def resume(store: Store, workflow_id: str) -> dict[str, Any]:
             ).scalar()
             if state is None:
                 raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+            if state in ("pending", "waiting"):
+                raise WorkflowConflict(
+                    f"workflow {workflow_id!r} is {state} and not overdue (no timer past "
+                    "due, no unconsumed wake): it waits for an activity, a signal or a "
+                    "timer to come; `reliable-beat workflows show` lists its events")
             raise WorkflowConflict(f"workflow {workflow_id!r} is {state}, not blocked")
         add_wake(conn, workflow_id, row.queue, f"resume{row.wake_seq}")
     return get_workflow(store, workflow_id)
+
+
+def _kick_overdue(store: Store, workflow_id: str) -> bool:
+    """``resume`` of a pending / waiting workflow: add a wake if it is overdue."""
+    with store.begin() as conn:
+        now = db_now(conn)
+        row = conn.execute(
+            select(workflows.c.id, workflows.c.state, workflows.c.run_no,
+                   workflows.c.wake_seq, workflows.c.claimed_wake_seq)
+            .where(workflows.c.workflow_id == workflow_id)
+        ).first()
+        if row is None or row.state not in ("pending", "waiting"):
+            return False
+        due = conn.execute(
+            select(func.count()).select_from(workflow_events).where(
+                workflow_events.c.workflow_pk == row.id,
+                workflow_events.c.run_no == row.run_no,
+                workflow_events.c.state == "scheduled",
+                workflow_events.c.fire_at.is_not(None),
+                workflow_events.c.fire_at <= now)
+        ).scalar_one()
+        if not due and not (row.state == "pending" or row.wake_seq > row.claimed_wake_seq):
+            return False
+        bumped = _first(update_returning(
+            conn,
+            update(workflows)
+            .where(workflows.c.id == row.id, workflows.c.state.in_(("pending", "waiting")))
+            .values(wake_seq=workflows.c.wake_seq + 1),
+            workflows, [workflows.c.queue, workflows.c.wake_seq],
+        ))
+        if bumped is None:
+            return False
+        log.warning("workflow %s is %s and overdue: kicked by resume (wake %s)",
+                    workflow_id, row.state, bumped.wake_seq)
+        add_wake(conn, workflow_id, bumped.queue, f"kick{bumped.wake_seq}")
+    return True
 
 
 # ------------------------------------------------------------------ completion hook ----
@@ -953,6 +1002,9 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
     ``older_than`` (a wake the broker lost). The wake's message id carries the fence token
     and wake_seq, so each stuck state is re-sent once.
 
+    Timers and signal timeouts due for ``older_than`` on a workflow that has not advanced
+    since: see :func:`_resend_lost_timer_wakes` (their delayed wake was lost by the broker).
+
     Activity and compensation messages of active workflows (events ``scheduled``): see
     :func:`_resend_lost_activities` (a run never started, started by a worker that died,
     requeued and never claimed, or ``retrying`` with no retry message left). At least once:
@@ -990,10 +1042,51 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
         ).all()
         for r in rows:
             add_wake(conn, r.workflow_id, r.queue, f"sweep{r.fence_token}.{r.wake_seq}")
+        swept = {r.workflow_id for r in rows}
+        timers = _resend_lost_timer_wakes(conn, now, cutoff, older_than, limit, swept)
         resent = _resend_lost_activities(
             conn, now, cutoff, older_than, limit,
             retry_cutoff=now - (older_than if retrying_after is None else retrying_after))
-    return len(rows) + resent
+    return len(rows) + timers + resent
+
+
+def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
+                             older_than: timedelta, limit: int, skip: set[str]) -> int:
+    """Wake ``pending`` / ``waiting`` workflows with a timer or signal timeout (an event
+    ``scheduled`` with a ``fire_at``) due before ``cutoff`` whose row has not changed since
+    ``cutoff``: the timer's wake (``wake:<id>:<run>t<seq>``, delayed to ``fire_at``) was
+    lost by the broker after the relay sent it (a Redis restart without persistence), or
+    arrived early (a wake row moved by SQL) and the advance went back to sleep. Once per
+    workflow per ``older_than`` window (the message id carries the fence token and the
+    window number); the advance it starts is fenced and replays, so a wake too many is a
+    no-op. ``skip``: workflows already woken by this sweep. Returns the wakes added."""
+    j = workflow_events.join(workflows, workflows.c.id == workflow_events.c.workflow_pk)
+    rows = conn.execute(
+        select(workflows.c.workflow_id, workflows.c.queue, workflows.c.fence_token)
+        .select_from(j)
+        .where(
+            workflows.c.state.in_(("pending", "waiting")),
+            workflows.c.updated_at < cutoff,
+            workflow_events.c.run_no == workflows.c.run_no,
+            workflow_events.c.state == "scheduled",
+            workflow_events.c.fire_at.is_not(None),
+            workflow_events.c.fire_at < cutoff,
+        )
+        .order_by(workflow_events.c.fire_at)
+        .limit(limit)
+    ).all()
+    window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))
+    sent = 0
+    for r in rows:
+        if r.workflow_id in skip:
+            continue
+        skip.add(r.workflow_id)
+        log.warning("workflow sweep: workflow %s waits on a timer due before %s that no "
+                    "wake advanced (its wake was lost): waking it", r.workflow_id,
+                    cutoff.isoformat())
+        add_wake(conn, r.workflow_id, r.queue, f"due{r.fence_token}.r{window}")
+        sent += 1
+    return sent
 
 
 def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
@@ -1177,6 +1270,14 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
             select(workflows.c.workflow_id).where(workflows.c.state == "blocked")
             .order_by(workflows.c.updated_at).limit(20)).scalars())
         overdue = overdue_timers(conn, grace=grace)
+        overdue_ids = list(conn.execute(
+            select(workflows.c.workflow_id).distinct()
+            .select_from(workflow_events.join(
+                workflows, workflows.c.id == workflow_events.c.workflow_pk))
+            .where(workflow_events.c.state == "scheduled",
+                   workflow_events.c.fire_at < db_now(conn) - grace,
+                   workflows.c.state == "waiting")
+            .limit(10)).scalars()) if overdue else []
         looping = list(conn.execute(
             select(workflows.c.workflow_id)
             .where(workflows.c.state.in_(ACTIVE_STATES),
@@ -1191,7 +1292,11 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
     if overdue:
         problems.append(
             f"OVERDUE TIMERS: {overdue} workflow timers are more than {grace.total_seconds():g}"
-            " s past due: is a relay running (`reliable-beat relay`)?"
+            f" s past due ({', '.join(overdue_ids[:10])}): their wake was lost or no relay "
+            "runs. A running relay's sweep re-sends such a wake within "
+            "reliable_beat_redispatch_seconds of the timer; kick one now with "
+            "`reliable-beat workflows resume ID`; if none advances, start a relay "
+            "(`reliable-beat relay`) and check its log"
         )
     if looping:
         problems.append(

@@ -764,3 +764,70 @@ def test_activity_run_killed_mid_body_is_resent_by_the_workflow_sweep_not_claime
     driver.run()
     assert handle.result(timeout=1) == 15
     assert count_effects(wf_store, "activity") == {killed[0]: 1}
+
+
+def _lose_timer_wakes(store: Store) -> None:
+    """The relay sent the timer's delayed wake and the broker lost it (a Redis restart
+    without persistence): the outbox row is `sent`, no message exists."""
+    with store.begin() as conn:
+        conn.execute(sa.text("UPDATE reliable_beat_outbox SET state = 'sent' "
+                             "WHERE message_id LIKE 'wake:%t%' AND state = 'pending'"))
+
+
+def _sleeping(app: Celery, store: Store, workflow_id: str) -> tuple[Any, Driver]:
+    """A workflow past its activity, asleep on a 0.2 s timer whose wake was lost."""
+    import time
+
+    workflow(name="t.actsleep")(
+        lambda ctx: [ctx.activity("wf.double", 2), ctx.sleep(timedelta(milliseconds=200)),
+                     "woke"][::2])
+    handle = engine.start(store, "t.actsleep", workflow_id)
+    driver = Driver(store, app)
+    for _ in range(20):
+        if any(e[1] == "timer" for e in events(store, workflow_id)):
+            break
+        assert driver.step()
+    _lose_timer_wakes(store)
+    time.sleep(0.3)  # past the timer's fire_at
+    driver.run()
+    assert handle.status()["state"] == "waiting"
+    return handle, driver
+
+
+def test_sweep_resends_a_timer_wake_the_broker_lost(app: Celery, wf_store: Store) -> None:
+    """Fresh-user finding 2: the timer's wake was sent and lost; on main the sweep only
+    looked at wake_seq > claimed_wake_seq (not the case: the timer's wake does not bump
+    it), so the workflow waited for ever. Now the sweep wakes it once per window."""
+    handle, driver = _sleeping(app, wf_store, "lostwake")
+    # not yet: within the window the timer's own wake may still be on its way
+    assert engine.redispatch_workflows(wf_store, older_than=timedelta(hours=1)) == 0
+    assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) == 1
+    assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) == 1  # same id
+    with wf_store.connect() as conn:
+        pending = conn.execute(sa.text(
+            "SELECT count(*) FROM reliable_beat_outbox WHERE state = 'pending' AND "
+            "message_id LIKE 'wake:lostwake:due%'")).scalar_one()
+    assert pending == 1
+    driver.run()
+    assert handle.result(timeout=1) == [4, "woke"]
+    assert sorted(count_effects(wf_store, "activity").values()) == [1]
+    assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) == 0
+
+
+def test_resume_kicks_an_overdue_waiting_workflow(app: Celery, wf_store: Store) -> None:
+    """`workflows resume` of a waiting workflow whose timer is past due (its wake lost):
+    one wake, and it completes (main: 'is waiting, not blocked'). Not overdue: refused,
+    saying what it waits for; the status hint names the workflow and the way out."""
+    handle, driver = _sleeping(app, wf_store, "kick")
+    health = engine.workflow_health(wf_store, grace=timedelta(0))
+    assert health["overdue_timers"] == 1
+    hint = [p for p in health["problems"] if p.startswith("OVERDUE TIMERS")][0]
+    assert "kick" in hint and "workflows resume" in hint
+    assert engine.resume(wf_store, "kick")["state"] == "waiting"
+    driver.run()
+    assert handle.result(timeout=1) == [4, "woke"]
+    workflow(name="t.waits")(lambda ctx: ctx.wait_signal("go"))
+    engine.start(wf_store, "t.waits", "idle")
+    Driver(wf_store, app).run()
+    with pytest.raises(WorkflowConflict, match="not overdue"):
+        engine.resume(wf_store, "idle")

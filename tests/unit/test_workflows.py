@@ -821,7 +821,7 @@ def test_resume_kicks_an_overdue_waiting_workflow(app: Celery, wf_store: Store) 
     handle, driver = _sleeping(app, wf_store, "kick")
     health = engine.workflow_health(wf_store, grace=timedelta(0))
     assert health["overdue_timers"] == 1
-    hint = [p for p in health["problems"] if p.startswith("OVERDUE TIMERS")][0]
+    hint = next(p for p in health["problems"] if p.startswith("OVERDUE TIMERS"))
     assert "kick" in hint and "workflows resume" in hint
     assert engine.resume(wf_store, "kick")["state"] == "waiting"
     driver.run()

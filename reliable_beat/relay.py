@@ -497,22 +497,33 @@ def outbox_status(conn: Connection) -> list[dict[str, Any]]:
     Returns:
         One dict per destination that has pending or dead rows, sorted by destination::
 
-            {"destination": str, "pending": int, "due": int,
+            {"destination": str, "pending": int, "due": int, "scheduled": int,
              "oldest_pending_at": datetime (UTC) | None,
              "oldest_pending_age_seconds": float | None, "dead": int}
 
-        ``due`` counts pending rows whose ``available_at`` has passed (claimable now unless
-        held back by an ordering key); ages are measured on the store's clock from
-        ``created_at``.
+        ``pending`` counts every pending row; ``due`` those whose ``available_at`` has
+        passed (claimable now unless held back by an ordering key); ``scheduled`` those
+        not yet due and never attempted (a delayed message, e.g. a workflow timer's wake:
+        not backlog). The oldest pending row and its age (seconds, store clock) are of the
+        backlog only: a row never attempted counts from its ``available_at`` (when it
+        became due), a row that failed at least once from its ``created_at`` (a failing
+        destination keeps ageing through its retries' backoff). A row a relay holds right
+        now (claimed, not failed) is neither backlog nor scheduled.
     """
     now = db_now(conn)
     pending = outbox.c.state == "pending"
+    failed = outbox.c.last_error.is_not(None)
+    backlog = and_(pending, or_(outbox.c.available_at <= now, failed))
+    scheduled = and_(pending, outbox.c.available_at > now, outbox.c.last_error.is_(None),
+                     outbox.c.claimed_by.is_(None))
     stmt = (
         select(
             outbox.c.destination,
             func.sum(case((pending, 1), else_=0)).label("pending"),
             func.sum(case((and_(pending, outbox.c.available_at <= now), 1), else_=0)).label("due"),
-            func.min(case((pending, outbox.c.created_at), else_=None)).label("oldest"),
+            func.sum(case((scheduled, 1), else_=0)).label("scheduled"),
+            func.min(case((and_(backlog, failed), outbox.c.created_at),
+                          (backlog, outbox.c.available_at), else_=None)).label("oldest"),
             func.sum(case((outbox.c.state == "dead", 1), else_=0)).label("dead"),
         )
         .where(outbox.c.state.in_(("pending", "dead")))
@@ -533,6 +544,7 @@ def outbox_status(conn: Connection) -> list[dict[str, Any]]:
                 "destination": row.destination,
                 "pending": int(row.pending or 0),
                 "due": int(row.due or 0),
+                "scheduled": int(row.scheduled or 0),
                 "oldest_pending_at": oldest,
                 "oldest_pending_age_seconds": (
                     max(0.0, (now - oldest).total_seconds()) if oldest is not None else None

@@ -86,7 +86,8 @@ def outbox_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_cli
 def status(cli: CliContext, as_json: bool) -> None:
-    """Backlog per destination: pending, due, oldest pending age, dead."""
+    """Backlog per destination: pending, due, scheduled (delayed, not yet due: not
+    backlog), age of the oldest due or failed row, dead."""
     with cli.store.begin() as conn:
         rows = outbox_status(conn)
     if as_json:
@@ -95,11 +96,13 @@ def status(cli: CliContext, as_json: bool) -> None:
     if not rows:
         click.echo("outbox empty (no pending or dead rows)")
         return
-    click.echo(f"{'destination':<20} {'pending':>8} {'due':>8} {'oldest age s':>13} {'dead':>6}")
+    click.echo(f"{'destination':<20} {'pending':>8} {'due':>8} {'scheduled':>9} "
+               f"{'oldest age s':>13} {'dead':>6}")
     for r in rows:
         age = r["oldest_pending_age_seconds"]
         click.echo(f"{r['destination']:<20} {r['pending']:>8} {r['due']:>8} "
-                   f"{'-' if age is None else f'{age:.1f}':>13} {r['dead']:>6}")
+                   f"{r['scheduled']:>9} {'-' if age is None else f'{age:.1f}':>13} "
+                   f"{r['dead']:>6}")
 
 
 def register(group: click.Group) -> None:

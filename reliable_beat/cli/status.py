@@ -73,8 +73,9 @@ def outbox_backlog(conn: Connection, now: datetime) -> list[dict[str, Any]]:
 
     Returns:
         One dict per destination with pending or dead rows, sorted by destination:
-        ``{"destination", "pending", "due", "oldest_pending_at", "oldest_pending_age_seconds",
-        "dead"}``.
+        ``{"destination", "pending", "due", "scheduled", "oldest_pending_at",
+        "oldest_pending_age_seconds", "dead"}`` (``scheduled``: delayed rows not yet due,
+        not backlog; the age is of the backlog only).
     """
     from reliable_beat.relay import outbox_status
 
@@ -496,8 +497,11 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         if info["outbox"]:
             click.echo("\noutbox:")
             for o in info["outbox"]:
-                click.echo(f"  {o['destination']}: {o['pending']} pending, oldest "
-                           f"{_secs(o['oldest_pending_age_seconds'])}, {o['dead']} dead")
+                backlog = o["pending"] - o.get("scheduled", 0)
+                click.echo(f"  {o['destination']}: {backlog} pending ({o['due']} due), "
+                           f"oldest {_secs(o['oldest_pending_age_seconds'])}, "
+                           f"{o.get('scheduled', 0)} scheduled (not yet due), "
+                           f"{o['dead']} dead")
         else:
             click.echo("\noutbox: empty")
         click.echo(f"dead letters: {info['dead_letters']}")

@@ -237,6 +237,36 @@ def add_wake(
     )
 
 
+def drop_wakes(conn: Connection, workflow_id: str) -> int:
+    """Delete the pending, unclaimed wake rows of a workflow that just ended (joins
+    ``conn``, the transaction that ends it): a 24 h ``ctx.sleep`` or signal timeout leaves
+    a delayed wake that would only find the workflow ended, and would count as outbox
+    backlog meanwhile. Activity messages are left alone. Returns the rows deleted."""
+    from reliable_beat.db.tables import outbox as outbox_table
+
+    o = outbox_table
+    found = conn.execute(
+        select(o.c.id, o.c.payload).where(
+            o.c.destination == WAKE_DESTINATION, o.c.state == "pending",
+            o.c.claimed_by.is_(None),
+            o.c.message_id.startswith(f"wake:{workflow_id}:", autoescape=True))
+    ).all()
+    ids = []
+    for r in found:  # another workflow's id may extend this one's ("a" vs "a:b")
+        payload = r.payload
+        if isinstance(payload, str):
+            try:
+                payload = json.loads(payload)
+            except ValueError:
+                continue
+        if isinstance(payload, dict) and payload.get("task") == ADVANCE_TASK \
+                and payload.get("args") == [workflow_id]:
+            ids.append(r.id)
+    if not ids:
+        return 0
+    return int(conn.execute(o.delete().where(o.c.id.in_(ids))).rowcount or 0)
+
+
 # ------------------------------------------------------------------ registry ----
 
 
@@ -813,6 +843,8 @@ def _finish(store: Store, claimed: Claimed, **values: Any) -> str:
             .where(workflows.c.id == claimed.pk, workflows.c.fence_token == claimed.fence_token)
             .values(leased_by=None, lease_expires_at=None, updated_at=now, **values)
         ).rowcount
+        if done == 1 and values.get("state") in TERMINAL_STATES:
+            drop_wakes(conn, claimed.workflow_id)
         if done == 1:  # a child's end tells its parent in the same transaction
             from reliable_beat.workflows.children import notify_parent
 

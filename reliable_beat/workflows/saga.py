@@ -474,6 +474,8 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
                        "message": "terminated by a person (workflows cancel --no-compensate)"
                                   ": no code and no compensation ran"})).rowcount
             state, message = "cancelled", "terminated: cancelled, no compensation ran"
+            if done:
+                engine.drop_wakes(conn, workflow_id)
             if done:  # a child's end wakes its parent in the same transaction, like _finish
                 from reliable_beat.workflows.children import notify_parent
 

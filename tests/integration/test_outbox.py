@@ -299,8 +299,40 @@ def test_retention_purges_old_sent_keeps_dead(store: Store) -> None:
     with store.begin() as conn:
         assert purge_sent(conn, older_than=datetime.now(timezone.utc) + timedelta(1)) == 1
         status = outbox_status(conn)
-    assert status == [{"destination": "rec", "pending": 0, "due": 0, "oldest_pending_at": None,
-                       "oldest_pending_age_seconds": None, "dead": 1}]
+    assert status == [{"destination": "rec", "pending": 0, "due": 0, "scheduled": 0,
+                       "oldest_pending_at": None, "oldest_pending_age_seconds": None,
+                       "dead": 1}]
+
+
+def test_status_ages_backlog_from_due_time_and_counts_delayed_rows_as_scheduled(
+    store: Store
+) -> None:
+    """Fresh-user finding 9: a workflow's 1 h timer wake written 30 min ago is not backlog
+    (main: `1 pending, oldest 1800 s` with 0 due, so the operations.md alert on oldest >
+    300 s fired for every sleeping workflow). A due row ages from its available_at; a row
+    that failed ages from its created_at, through its retry backoff."""
+    long_ago = datetime.now(timezone.utc) - timedelta(minutes=30)
+    with store.begin() as conn:
+        outbox.add(conn, "rec", {}, key="timer", delay=timedelta(hours=1))
+        conn.execute(sa.update(outbox_t).values(created_at=long_ago))
+        status = outbox_status(conn)
+    assert status[0]["pending"] == 1 and status[0]["due"] == 0
+    assert status[0]["scheduled"] == 1
+    assert status[0]["oldest_pending_at"] is None
+    assert status[0]["oldest_pending_age_seconds"] is None
+    with store.begin() as conn:  # the timer comes due 10 s ago: backlog of 10 s, not 30 min
+        conn.execute(sa.update(outbox_t).values(
+            available_at=datetime.now(timezone.utc) - timedelta(seconds=10)))
+        status = outbox_status(conn)
+    assert status[0]["due"] == 1 and status[0]["scheduled"] == 0
+    assert 9 <= status[0]["oldest_pending_age_seconds"] < 60
+    with store.begin() as conn:  # it failed and waits for its retry: ages from created_at
+        conn.execute(sa.update(outbox_t).values(
+            available_at=datetime.now(timezone.utc) + timedelta(minutes=5),
+            last_error="ConnectionError", attempts=1))
+        status = outbox_status(conn)
+    assert status[0]["due"] == 0 and status[0]["scheduled"] == 0
+    assert status[0]["oldest_pending_age_seconds"] >= 1790
 
 
 # --------------------------------------------------------------------------- PostgreSQL only

@@ -831,3 +831,43 @@ def test_resume_kicks_an_overdue_waiting_workflow(app: Celery, wf_store: Store) 
     Driver(wf_store, app).run()
     with pytest.raises(WorkflowConflict, match="not overdue"):
         engine.resume(wf_store, "idle")
+
+
+def _wake_rows(store: Store, workflow_id: str) -> list[str]:
+    with store.connect() as conn:
+        return sorted(conn.execute(sa.text(
+            "SELECT message_id FROM reliable_beat_outbox WHERE state = 'pending' AND "
+            f"message_id LIKE 'wake:{workflow_id}:%'")).scalars())
+
+
+def _drain_due(driver: Driver) -> None:
+    """Deliver the messages due now (Driver.run would sleep until the 24 h wakes)."""
+    for _ in range(200):
+        if driver._due()[0] is None:
+            return
+        driver.step()
+    raise AssertionError("did not settle")
+
+
+def test_ended_workflow_leaves_no_pending_timer_wake(app: Celery, wf_store: Store) -> None:
+    """Fresh-user finding 9: a workflow that ends (signal before its 24 h timeout, or
+    terminated by `workflows cancel --no-compensate` while asleep) deleted its delayed
+    wake in the ending transaction (main: it stayed pending for 24 h, counted as outbox
+    backlog); another workflow whose id extends this one's keeps its wake."""
+    from reliable_beat.workflows import cancel
+
+    workflow(name="t.tmo")(lambda ctx: ctx.wait_signal("go", timeout=timedelta(hours=24)))
+    workflow(name="t.nap")(lambda ctx: ctx.sleep(timedelta(hours=24)))
+    for wid, name in (("w", "t.tmo"), ("w:x", "t.nap"), ("nap", "t.nap")):
+        engine.start(wf_store, name, wid)
+    driver = Driver(wf_store, app)
+    _drain_due(driver)
+    assert _wake_rows(wf_store, "w") == ["wake:w:1t1", "wake:w:x:1t1"]
+    signal(wf_store, "w", "go", 7)
+    _drain_due(driver)
+    assert engine.get_workflow(wf_store, "w")["state"] == "completed"
+    assert _wake_rows(wf_store, "w") == ["wake:w:x:1t1"]
+    assert _wake_rows(wf_store, "nap") == ["wake:nap:1t1"]
+    cancel(wf_store, "nap", compensate=False)
+    assert _wake_rows(wf_store, "nap") == []
+    assert _wake_rows(wf_store, "w:x") == ["wake:w:x:1t1"]

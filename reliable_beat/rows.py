@@ -750,6 +750,18 @@ def read_entry_options(
     return out
 
 
+def unknown_state_runs(conn: Connection, limit: int = 10) -> tuple[int, list[str]]:
+    """Runs whose ``state`` is none of :data:`KNOWN_RUN_STATES` (set by SQL) and not
+    dead-lettered yet: ``(count, idempotency keys of the first ``limit``)``. No claim,
+    sweep or completion of the library leaves such a row: ``reliable-beat status`` reports
+    them (MALFORMED RUN ROWS) and ``status --check`` fails."""
+    bad = runs.c.state.not_in(sorted(KNOWN_RUN_STATES))
+    count = int(conn.execute(select(func.count()).select_from(runs).where(bad)).scalar_one())
+    keys = list(conn.execute(select(runs.c.idempotency_key).where(bad)
+                             .order_by(runs.c.id).limit(limit)).scalars()) if count else []
+    return count, keys
+
+
 def quarantine_counts(conn: Connection) -> dict[str, int]:
     """Malformed rows isolated so far (:mod:`reliable_beat.rows`), per table.
 

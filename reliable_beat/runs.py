@@ -765,8 +765,13 @@ def _pg_complete_statement() -> Select[Any]:
         .returning(attempts.c.id)
         .cte("att")
     )
+    # the run's state before this statement (every CTE reads the statement's snapshot): an
+    # unknown one (set by SQL) is logged by complete()
+    prev = (select(runs.c.state.label("prev_state"))
+            .where(runs.c.id == bindparam("p_run_id", type_=runs.c.id.type)).cte("prev"))
     # ``att`` is data-modifying: PostgreSQL runs it to completion though nothing reads it.
-    return select(done.c.id).add_cte(att)
+    return (select(done.c.id, prev.c.prev_state)
+            .select_from(done.outerjoin(prev, true())).add_cte(att))
 
 
 def complete(conn: Connection, claim: Claim, result: Any) -> None:
@@ -796,24 +801,35 @@ def complete(conn: Connection, claim: Claim, result: Any) -> None:
         }).first()
         if row is None:
             raise StaleFenceToken(claim.key, claim.fence_token)
+        if row.prev_state not in rows_mod.KNOWN_RUN_STATES:
+            _log_unknown_state(claim, row.prev_state)
         _workflow_hook(conn, claim.key, "succeeded", result)
         return
     now = db_now(conn)
-    done = conn.execute(
-        update(runs)
-        .where(runs.c.id == claim.run_id, runs.c.fence_token == claim.fence_token)
-        .values(
-            state="succeeded",
-            result=result,
-            error=None,
-            reason=None,
-            leased_by=None,
-            lease_expires_at=None,
-            finished_at=now,
-            updated_at=now,
+    known = runs.c.state.in_(sorted(rows_mod.KNOWN_RUN_STATES))
+    # first only a known state: an unknown one (set by SQL) costs a second statement, logged
+    for guard in (known, ~known):
+        was = None if guard is known else conn.execute(
+            select(runs.c.state).where(runs.c.id == claim.run_id)).scalar()
+        done = conn.execute(
+            update(runs)
+            .where(runs.c.id == claim.run_id, runs.c.fence_token == claim.fence_token, guard)
+            .values(
+                state="succeeded",
+                result=result,
+                error=None,
+                reason=None,
+                leased_by=None,
+                lease_expires_at=None,
+                finished_at=now,
+                updated_at=now,
+            )
         )
-    )
-    if done.rowcount != 1:
+        if done.rowcount == 1:
+            if guard is not known:
+                _log_unknown_state(claim, was)
+            break
+    else:
         raise StaleFenceToken(claim.key, claim.fence_token)
     conn.execute(
         update(attempts)
@@ -821,6 +837,19 @@ def complete(conn: Connection, claim: Claim, result: Any) -> None:
         .values(outcome="succeeded", finished_at=now)
     )
     _workflow_hook(conn, claim.key, "succeeded", result)
+
+
+def _log_unknown_state(claim: Claim, state: Any) -> None:
+    """complete() found the run in a state the library never writes (set by SQL while it
+    ran): it records the truth (``succeeded``: this runner holds the fence and its effect
+    commits now) and says so, loudly."""
+    was = f" {rows_mod.raw_repr(state)}"
+    log.error(
+        "run %s (id %s): its state was%s, none the library writes (changed by SQL while "
+        "fence %s ran it?), when its runner completed it: recorded 'succeeded' with the "
+        "result, effect committed once. Fix: find who writes run states by hand; "
+        "`reliable-beat runs show %s` shows the run", claim.key, claim.run_id,
+        was, claim.fence_token, claim.key)
 
 
 def _workflow_hook(conn: Connection, key: str, state: str, result: Any = None,

@@ -141,6 +141,8 @@ def collect_status(
         [names], "unregistered": {entry: task},
         "quarantined": [{"name", "reason"}] (malformed entries, disabled),
         "quarantined_rows": {"entries", "outbox", "runs"} (see :func:`quarantine_counts`),
+        "malformed_run_states": {"count", "keys"} (runs whose state is none the library
+        writes, :func:`reliable_beat.rows.unknown_state_runs`),
         "undelivered_outbox": [{"destination", "rows", "due_since"}] (see
         :func:`undelivered_outbox`),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
@@ -205,6 +207,9 @@ def collect_status(
         groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
         unstarted, starts_recorded, between = _unstarted(conn, now, redispatch_seconds)
         quarantined_rows = quarantine_counts(conn)
+        from reliable_beat.rows import unknown_state_runs
+
+        n_bad_runs, bad_runs = unknown_state_runs(conn)
         undelivered = undelivered_outbox(conn, now, outbox_stuck_minutes)
 
     out_entries: list[dict[str, Any]] = []
@@ -297,6 +302,15 @@ def collect_status(
                 "Start a beat of the app, or move them to a group that has one: "
                 "`reliable-beat entries update NAME --group GROUP`."
             )
+    if n_bad_runs:
+        problems.append(
+            f"MALFORMED RUN ROWS: {n_bad_runs} runs have a state the library never writes "
+            f"({', '.join(bad_runs)}{', ...' if n_bad_runs > len(bad_runs) else ''}): "
+            "changed by SQL; nothing claims, sweeps or counts them. `reliable-beat runs show "
+            "KEY` shows each: one with finished_at and a result completed (set state "
+            "'succeeded' by SQL); otherwise check the task's effects, then set 'retrying' "
+            "(it runs again, its key deduplicates) or 'dead'"
+        )
     never = sorted(n for n in unstarted if n not in between)
     if never:
         problems.append(
@@ -364,6 +378,7 @@ def collect_status(
         "unregistered": unregistered,
         "quarantined": quarantined,
         "quarantined_rows": quarantined_rows,
+        "malformed_run_states": {"count": n_bad_runs, "keys": bad_runs},
         "undelivered_outbox": undelivered,
         "problems": problems,
         "warnings": warnings,

@@ -543,6 +543,12 @@ def signal(
                 f"workflow {workflow_id!r} is {row.state}: signal {name!r} would never be "
                 "consumed; nothing was written"
             )
+        from reliable_beat.workflows.malformed import WORKFLOW_STATES, state_problem
+
+        if row.state not in WORKFLOW_STATES:  # raising rolls the wake_seq bump back
+            raise WorkflowConflict(
+                f"signal {name!r} not stored (it would never be consumed; nothing was "
+                f"written): {state_problem(workflow_id, row.state)}")
         stored = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
             workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
         ), workflow_signals)
@@ -1289,7 +1295,8 @@ CRASH_LOOP_ADVANCES = 50
 
 def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
     """For ``reliable-beat status``: ``{"counts": {state: n}, "blocked": [ids],
-    "overdue_timers": n, "crash_looping": [ids], "problems": [str]}``.
+    "overdue_timers": n, "crash_looping": [ids], "malformed_states": [ids of workflows
+    whose state is none the engine writes], "problems": [str]}``.
 
     ``overdue_timers``: timers / signal timeouts of waiting workflows still scheduled more
     than ``grace`` after their fire_at (no relay publishes wakes?). ``crash_looping``: active
@@ -1310,6 +1317,9 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
                    workflow_events.c.fire_at < db_now(conn) - grace,
                    workflows.c.state == "waiting")
             .limit(10)).scalars()) if overdue else []
+        from reliable_beat.workflows.malformed import unknown_states
+
+        n_unknown, unknown = unknown_states(conn)
         looping = list(conn.execute(
             select(workflows.c.workflow_id)
             .where(workflows.c.state.in_(ACTIVE_STATES),
@@ -1335,5 +1345,13 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
             f"CRASH-LOOPING WORKFLOWS: {', '.join(looping[:10])} were claimed more than "
             f"{CRASH_LOOP_ADVANCES} times: see the workers' logs"
         )
+    if unknown:
+        problems.append(
+            f"MALFORMED WORKFLOW ROWS: {n_unknown} workflows have a state the engine never "
+            f"writes ({', '.join(unknown[:10])}): nothing advances them and signals to them "
+            "are refused. Set the state back by SQL (e.g. 'blocked', then `reliable-beat "
+            "workflows resume ID`) or terminate them: `reliable-beat workflows cancel ID "
+            "--no-compensate`"
+        )
     return {"counts": counts, "blocked": blocked, "overdue_timers": overdue,
-            "crash_looping": looping, "problems": problems}
+            "crash_looping": looping, "malformed_states": unknown, "problems": problems}

@@ -40,10 +40,13 @@ from reliable_beat.redaction import get_logger
 __all__ = [
     "EVENT_KINDS",
     "EVENT_STATES",
+    "WORKFLOW_STATES",
     "block_undecodable",
     "lenient_select",
     "reason",
     "shape_problem",
+    "state_problem",
+    "unknown_states",
 ]
 
 log = get_logger("reliable_beat.workflows.malformed")
@@ -56,6 +59,10 @@ EVENT_KINDS = frozenset({
 #: Every ``state`` the engine writes to a history event.
 EVENT_STATES = frozenset({"scheduled", "completed", "failed", "registered", "released"})
 _DIGEST = re.compile(r"[0-9a-f]{16}\Z")
+#: Every ``state`` the engine writes to a workflow row.
+WORKFLOW_STATES = frozenset({
+    "pending", "running", "waiting", "blocked", "completed", "failed", "cancelled",
+})
 
 #: JSON columns and what each must hold (the "expected" of a block reason).
 _WF_JSON = {
@@ -91,6 +98,33 @@ def fix_hint(workflow_id: str) -> str:
         f"code: `reliable-beat workflows cancel {workflow_id} --no-compensate` (terminate; "
         "undo by hand)"
     )
+
+
+def state_problem(workflow_id: str, state: Any) -> str:
+    """The message for a workflow row whose ``state`` is none the engine writes (set by
+    SQL): no advance claims it, no sweep wakes it, a signal to it would never be
+    consumed. Names the row, the value, what is expected and the way out."""
+    return (
+        f"malformed row: reliable_beat_workflows.state of workflow {workflow_id!r} is "
+        f"{_show(state)}; expected one of {', '.join(sorted(WORKFLOW_STATES))}. Nothing "
+        "advances it. The row was changed outside the engine: set the state back by SQL "
+        "(e.g. 'blocked', then `reliable-beat workflows resume "
+        f"{workflow_id}`), or end it without running its code: `reliable-beat workflows "
+        f"cancel {workflow_id} --no-compensate` (terminate; undo by hand)"
+    )
+
+
+def unknown_states(conn: Connection, limit: int = 20) -> tuple[int, list[str]]:
+    """Workflows whose ``state`` is none of :data:`WORKFLOW_STATES`: ``(count, first
+    ``limit`` ids)`` (for ``reliable-beat status``)."""
+    from sqlalchemy import func
+
+    bad = workflows.c.state.not_in(sorted(WORKFLOW_STATES))
+    count = int(conn.execute(select(func.count()).select_from(workflows).where(bad))
+                .scalar_one())
+    ids = list(conn.execute(select(workflows.c.workflow_id).where(bad)
+                            .order_by(workflows.c.id).limit(limit)).scalars()) if count else []
+    return count, ids
 
 
 def reason(workflow_id: str, problem: str) -> str:

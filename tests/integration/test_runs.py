@@ -367,3 +367,34 @@ def test_renewal_does_not_wait_long_on_a_locked_run_row(server_store: Store) -> 
     assert gave_up
     assert "lock timeout" in str(got["error"]) or "Lock wait timeout" in str(got["error"])
     assert runs.renew_lease(server_store, c, lease) is True
+
+
+def test_completion_of_a_run_whose_state_was_set_by_sql_logs_it_and_status_counts_it(
+    fx: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fresh-user finding 5a: `state='garbage'` set by SQL while the activity runs. The
+    completion records the truth (succeeded: this runner holds the fence, the effect
+    commits once) and logs an ERROR naming the run, the value and where to look (main:
+    silent); a run row left with an unknown state is a status problem (main: silent,
+    `status --check` exit 0)."""
+    import logging
+
+    from reliable_beat.cli.status import collect_status
+
+    c = claim(fx)
+    with fx.begin() as conn:
+        conn.execute(sa.update(runs_t).values(state="garbage"))
+    with caplog.at_level(logging.ERROR, logger="reliable_beat"), fx.begin() as conn:
+        conn.execute(effects.insert().values(key=c.key, fence=c.fence_token))
+        runs.complete(conn, c, {"paid": 3})
+    assert runs.get_run(fx, "k1")["state"] == "succeeded"
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("k1" in m and "garbage" in m and "runs show k1" in m for m in said), said
+    assert collect_status(fx)["malformed_run_states"] == {"count": 0, "keys": []}
+    # a row left with a state nobody writes (set after its completion, or of a dead worker)
+    with fx.begin() as conn:
+        conn.execute(sa.update(runs_t).values(state="garbage"))
+    info = collect_status(fx)
+    assert info["malformed_run_states"] == {"count": 1, "keys": ["k1"]}
+    assert not info["ok"]
+    assert any(p.startswith("MALFORMED RUN ROWS") and "k1" in p for p in info["problems"])

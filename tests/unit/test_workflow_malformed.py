@@ -123,3 +123,31 @@ def test_a_corrupted_row_blocks_that_workflow_naming_the_column_and_the_fix(
     engine.get_workflow(store, "bad", events=True)
     # a second advance finds it blocked and leaves it so
     assert engine.advance(store, "bad", owner="t") == "blocked"
+
+
+def test_a_workflow_state_set_by_sql_refuses_signals_and_shows_in_status(
+    store: Store
+) -> None:
+    """Fresh-user finding 5b: `state='zombie'` set by SQL. On main `workflows signal`
+    stored the signal (exit 0) and nothing ever consumed it; status said nothing. Now the
+    signal is refused naming the row, the value and the way out (nothing written, wake_seq
+    unchanged), and status reports the workflow (status --check fails)."""
+    from reliable_beat.cli.status import collect_status
+    from reliable_beat.workflows import WorkflowConflict
+
+    engine.start(store, "t.bad", "bad-1", [1])
+    with store.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {WF} SET state = 'zombie' WHERE workflow_id = 'bad-1'"))
+    before = engine.get_workflow(store, "bad-1", events=True)
+    with pytest.raises(WorkflowConflict) as err:
+        signal(store, "bad-1", "go", {"v": 1})
+    for part in ("reliable_beat_workflows.state", "'bad-1'", "'zombie'", "blocked",
+                 "cancel bad-1 --no-compensate"):
+        assert part in str(err.value), (part, str(err.value))
+    after = engine.get_workflow(store, "bad-1", events=True)
+    assert after["signals"] == [] and after["wake_seq"] == before["wake_seq"]
+    info = collect_status(store)
+    assert info["workflows"]["malformed_states"] == ["bad-1"]
+    assert not info["ok"]
+    assert any(p.startswith("MALFORMED WORKFLOW ROWS") and "bad-1" in p
+               for p in info["problems"])

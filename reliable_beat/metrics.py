@@ -16,8 +16,10 @@ they are read from the database, not counted in one process):
 ``reliable_beat_runs{state}``                      runs by state
 ``reliable_beat_dead_letters{kind}``               dead letters not requeued (run / outbox)
 ``reliable_beat_outbox_pending{destination}``      outbox rows waiting for the relay
-``reliable_beat_outbox_oldest_pending_age_seconds``  age of the oldest pending row, per
-                                                   destination (store clock)
+``reliable_beat_outbox_oldest_pending_age_seconds``  age of the oldest due row, per
+                                                   destination, from its available_at (a
+                                                   failed row: its created_at); delayed
+                                                   rows not yet due do not count
 ``reliable_beat_outbox_dead{destination}``         outbox rows given up on
 ``reliable_beat_attempts_recent{outcome}``         attempts started in the window by outcome:
                                                    deduplicated (duplicates collapsed),
@@ -183,7 +185,9 @@ class StoreCollector:
         )
         oldest = GaugeMetricFamily(
             "reliable_beat_outbox_oldest_pending_age_seconds",
-            "Age of the oldest pending outbox row (store clock)", labels=["destination"],
+            "Age of the oldest due (or failed) pending outbox row, from when it came due "
+            "(a failed row: from its creation; store clock); delayed rows not yet due "
+            "are not counted", labels=["destination"],
         )
         dead = GaugeMetricFamily(
             "reliable_beat_outbox_dead", "Outbox rows given up on", labels=["destination"]

@@ -416,6 +416,40 @@ def test_timer_across_a_full_restart(rig: Rig) -> None:
     assert took < 60, took
 
 
+def test_timer_wake_lost_by_the_broker_is_sent_again(rig: Rig) -> None:
+    """Fresh-user finding 2: a workflow sleeps; its worker is stopped; the relay publishes
+    the timer's wake; Redis loses it (FLUSHDB: a restart without persistence); a worker
+    starts. The relay's workflow sweep wakes it (RB_REDISPATCH_SECONDS=8 after the timer)
+    and it completes, its transaction once (on main it stayed `waiting` for ever)."""
+    import redis
+
+    rig.relay()
+    worker = rig.worker()
+    wid = "lostwake/1"
+    engine.start(rig.store, "wfa.sleeper", wid, ["lw1", 3.0], queue=rig.queue)
+    wait("asleep", lambda: engine.get_workflow(rig.store, wid)["state"] == "waiting"
+         and len(events(rig.store, wid)) == 1, rig, timeout=60)
+    worker.kill()
+    worker.wait(timeout=10)
+
+    def wake_sent() -> bool:
+        with rig.store.engine.connect() as conn:
+            return conn.execute(sa.text(
+                "SELECT state FROM reliable_beat_outbox WHERE message_id = :k"),
+                {"k": f"wake:{wid}:1t1"}).scalar() == "sent"
+
+    wait("the timer's wake published by the relay", wake_sent, rig, timeout=60)
+    redis.Redis.from_url(rig.redis_url).flushdb()  # the broker loses it
+    lost = time.monotonic()
+    rig.worker()
+    wait("the workflow woken by the sweep", lambda: engine.get_workflow(
+        rig.store, wid)["state"] == "completed", rig, timeout=120)
+    print(f"lost timer wake: completed {time.monotonic() - lost:.1f} s after the loss")
+    assert [e[1:4] for e in events(rig.store, wid)] == [
+        ("timer", None, "completed"), ("transaction", "woke", "completed")]
+    assert rig.effects()[("transaction", "lw1:woke")] == 1
+
+
 def test_signals_in_a_tight_loop_with_a_stopped_worker(rig: Rig) -> None:
     """Two workers; 30 signals sent in a tight loop while advances run; the worker holding
     the workflow is SIGSTOPped mid-advance, kept stopped until the other worker took the

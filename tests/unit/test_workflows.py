@@ -871,3 +871,27 @@ def test_ended_workflow_leaves_no_pending_timer_wake(app: Celery, wf_store: Stor
     cancel(wf_store, "nap", compensate=False)
     assert _wake_rows(wf_store, "nap") == []
     assert _wake_rows(wf_store, "w:x") == ["wake:w:x:1t1"]
+
+
+def test_sweep_wakes_a_workflow_whose_timer_wake_came_early(app: Celery,
+                                                             wf_store: Store) -> None:
+    """Fresh-user finding 2, second form: the timer's wake row moved a day earlier by SQL.
+    It is delivered at once, the advance finds the timer not due and sleeps again, and no
+    wake is left: the sweep wakes it once the timer is due for a window (main: never)."""
+    import time
+
+    workflow(name="t.early")(lambda ctx: [ctx.sleep(timedelta(milliseconds=300)), "woke"][1])
+    handle = engine.start(wf_store, "t.early", "early")
+    driver = Driver(wf_store, app)
+    assert driver.step()  # the start: records the timer and its delayed wake
+    with wf_store.begin() as conn:
+        conn.execute(sa.text("UPDATE reliable_beat_outbox SET available_at = :t "
+                             "WHERE message_id = 'wake:early:1t1'"),
+                     {"t": engine.db_now(conn) - timedelta(days=1)})
+    _drain_due(driver)  # the early wake: the advance sleeps again
+    assert handle.status()["state"] == "waiting"
+    assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) == 0  # not due
+    time.sleep(0.4)
+    assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) == 1
+    _drain_due(driver)
+    assert handle.result(timeout=1) == "woke"

@@ -21,12 +21,13 @@ PARTS = {
     "relay": ("benchmarks.dispatch", "run_relay"),
     "workflows": ("benchmarks.workflows", "run"),
     "stacks": ("benchmarks.stacks", "run"),
+    "herd": ("benchmarks.herd", "run"),
     "workflow_round_trips": ("benchmarks.workflows", "run_round_trips"),
 }
 #: Parts run only with ``--only``: part 6 (``stacks``: it starts its own MariaDB and RabbitMQ
 #: unless given ``--mariadb-url`` / ``--amqp-url``) and ``workflow_round_trips`` (the default
 #: run has its figures already).
-ONLY_ON_REQUEST = {"stacks", "workflow_round_trips"}
+ONLY_ON_REQUEST = {"stacks", "workflow_round_trips", "herd"}
 DEFAULT_PARTS = [name for name in PARTS if name not in ONLY_ON_REQUEST]
 
 

@@ -463,6 +463,7 @@ class Beat:
     #: The outbox destination of this beat's trigger rows (one of TRIGGER_DESTINATIONS).
     trigger_destination: str = TRIGGER_DESTINATION
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
+    _schedules_by_spec: dict[Any, sch.Schedule] = field(default_factory=dict, repr=False)
     _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
     _last_scan: float = field(default=float("-inf"), repr=False)
 
@@ -485,10 +486,23 @@ class Beat:
         cached = self._schedules.get(name)
         if cached is not None and cached[0] == spec:
             return cached[1]
-        schedule = sch.schedule_from_spec(spec)
+        # Entries with the same spec share one schedule object (the herd: 100,000 entries
+        # of ``0 * * * *`` build and validate one CronSchedule and its croniter, not one
+        # each). A schedule is a value: a reused one answers as a fresh one
+        # (tests/unit/test_schedule_properties.py).
+        try:
+            key: Any = tuple(sorted(spec.items()))
+            shared = self._schedules_by_spec.get(key)
+        except TypeError:  # an unhashable value in a malformed spec: no sharing
+            key, shared = None, None
+        schedule = shared if shared is not None else sch.schedule_from_spec(spec)
         if len(self._schedules) > 10_000:  # bounded: memory must not grow with entries
             self._schedules.clear()
+        if len(self._schedules_by_spec) > 10_000:
+            self._schedules_by_spec.clear()
         self._schedules[name] = (spec, schedule)
+        if key is not None:
+            self._schedules_by_spec[key] = schedule
         return schedule
 
     def tick(self) -> TickResult:

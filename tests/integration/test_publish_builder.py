@@ -238,7 +238,7 @@ def test_stock_worker_runs_built_messages_like_send_task_messages(
     messages, each on the routed queue with its priority; an expired one is not run."""
     app = Celery("builder_app", broker=redis_url)
     app.conf.task_queues = [Queue("celery"), Queue("q2")]
-    soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).isoformat()
+    expiring_at: list[datetime] = []
     shapes = [{}, {"options": {"queue": "q2", "priority": 5}},
               {"expires_at": IN_AN_HOUR}]
 
@@ -249,7 +249,9 @@ def test_stock_worker_runs_built_messages_like_send_task_messages(
         for m in out:
             m.payload["task"] = "bb.echo"
             m.payload["headers"]["x_custom"] = f"c{m.id}"
-        expiring = _rows(2, start=start + 40, expires_at=soon)  # expired by the time it runs
+        soon = datetime.now(timezone.utc) + timedelta(seconds=4)
+        expiring_at.append(soon)
+        expiring = _rows(2, start=start + 40, expires_at=soon.isoformat())  # expired when run
         for m in expiring:
             m.payload["task"] = "bb.echo"
         return out + expiring
@@ -261,7 +263,8 @@ def test_stock_worker_runs_built_messages_like_send_task_messages(
         m.setattr(publishing._MessageBuilder, "for_batch", classmethod(lambda cls, a: None))
         assert all(e is None for _, e in publish_celery_batch(app, rows(200)))
     app.close()
-    time.sleep(1.5)  # the ``expires`` of the last two rows of each batch passes
+    # the ``expires`` of the last two rows of each batch passes before the worker starts
+    time.sleep(max(0.0, (max(expiring_at) - datetime.now(timezone.utc)).total_seconds()) + 0.5)
 
     out = tmp_path / "ran.jsonl"
     env = dict(os.environ, RB_BROKER_URL=redis_url, RB_TEST_OUT=str(out),

@@ -93,8 +93,8 @@ def publish_celery_batch(
     On a Redis broker the whole batch goes out in ONE pipeline (kombu's
     ``Producer.batch()``, see :func:`_publish_batch`), and after each message shape's first
     ``send_task`` the messages are built from its template (:class:`_MessageBuilder`:
-    byte-for-byte the message ``send_task`` makes, at about a third of its cost). On RabbitMQ (kombu's ``pyamqp``
-    transport) the batch is published on a channel of its own in **publisher-confirm** mode
+    byte-for-byte the message ``send_task`` makes, at about a third of its cost).
+    On RabbitMQ (kombu's ``pyamqp`` transport) the batch is published on a channel of its own in **publisher-confirm** mode
     and the broker's confirms for the whole batch are awaited once, after the last publish
     (:class:`_AmqpConfirms`; the publishes are built first and written back to back, like
     the Redis pipeline): a message counts as published (``None`` below) only once the

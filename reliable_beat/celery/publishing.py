@@ -93,13 +93,14 @@ def publish_celery_batch(
     On a Redis broker the whole batch goes out in ONE pipeline (kombu's
     ``Producer.batch()``, see :func:`_publish_batch`), and after each message shape's first
     ``send_task`` the messages are built from its template (:class:`_MessageBuilder`:
-    byte-for-byte the message ``send_task`` makes, at about a third of its cost).
-    On RabbitMQ (kombu's ``pyamqp`` transport) the batch is published on a channel of its own in **publisher-confirm** mode
-    and the broker's confirms for the whole batch are awaited once, after the last publish
-    (:class:`_AmqpConfirms`; the publishes are built first and written back to back, like
-    the Redis pipeline): a message counts as published (``None`` below) only once the
-    broker acked it; a nacked or unconfirmed one gets a :class:`DestinationUnavailableError`
-    and its row stays pending. Other transports publish per message.
+    byte-for-byte the message ``send_task`` makes, at about a third of its cost). On
+    RabbitMQ (kombu's ``pyamqp`` transport) the batch is published on a channel of its own
+    in **publisher-confirm** mode and the broker's confirms for the whole batch are awaited
+    once, after the last publish (:class:`_AmqpConfirms`; the publishes are built first and
+    written back to back, like the Redis pipeline): a message counts as published (``None``
+    below) only once the broker acked it; a nacked or unconfirmed one gets a
+    :class:`DestinationUnavailableError` and its row stays pending. Other transports publish
+    per message.
 
     Used by the relay and by the beat's fast path right after its commit. Does not touch the
     database: the caller marks the results (:func:`reliable_beat.relay.mark_sent`,

@@ -3,8 +3,9 @@
 A large installation where many entries share ``0 * * * *`` (or ``0 2 * * *``): the last one
 fires as late as the dispatch rate allows. N cron entries are inserted with ``COPY``, every
 one due at the same slot (the last top of the hour: on the cron grid, misfire policy
-``fire_once`` with a 2 h grace, so every entry fires that slot once). Then, in one run, on the
-same servers:
+``fire_once`` with a 2 h grace, so every entry fires that slot once; ``end_at`` half an hour
+after it, so a run that crosses the next top of the hour fires nothing more). Then, in one
+run, on the same servers:
 
 * **ours**, k = 1, 2, 4 beat processes (real processes looping exactly what
   :meth:`ReliableScheduler.tick` does minus its sleep: ``Beat.tick`` + ``publish_triggers``,
@@ -34,6 +35,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import psycopg
@@ -51,8 +53,8 @@ TIMEOUT_S = 3 * 3600.0
 
 _COLUMNS = ("name", "task", "args", "kwargs", "options", "schedule_kind", "schedule",
             "timezone", "misfire_policy", "misfire_grace_seconds", "catch_up_limit",
-            "overlap_policy", "enabled", "paused", "origin", "next_fire_at", "created_at",
-            "updated_at")
+            "overlap_policy", "enabled", "paused", "origin", "next_fire_at", "end_at",
+            "created_at", "updated_at")
 
 
 def seed_herd(db_url: str, n: int) -> float:
@@ -67,13 +69,16 @@ def seed_herd(db_url: str, n: int) -> float:
                      " reliable_beat_attempts RESTART IDENTITY")
         slot = conn.execute("SELECT date_trunc('hour', now())").fetchone()[0]  # type: ignore[index]
         now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        # The herd's slot is each entry's last: a run that crosses the next top of the hour
+        # must not fire (and count) a second slot.
+        end_at = slot + timedelta(minutes=30)
         cols = ", ".join(_COLUMNS)
         with conn.cursor() as cur, cur.copy(
                 f"COPY reliable_beat_entries ({cols}) FROM STDIN") as copy:
             for i in range(n):
                 copy.write_row((f"herd-{i}", "bench.noop", "[]", "{}", "{}", "cron", spec,
                                 "UTC", "fire_once", 7200, 100, "allow", True, False, "runtime",
-                                slot, now, now))
+                                slot, end_at, now, now))
         conn.execute("ANALYZE reliable_beat_entries")
     return time.perf_counter() - t0
 

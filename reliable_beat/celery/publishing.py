@@ -529,9 +529,11 @@ def _send_one(app: Any, producer: Any, message: OutboxMessage, now: datetime,
     args = list(payload.get("args") or [])
     kwargs = dict(payload.get("kwargs") or {})
     task_id = celery_task_id(message)
-    if builder is not None and builder.publish(producer, payload["task"], args, kwargs,
-                                               task_id, headers, expires_at, options):
-        return
+    if builder is not None:
+        if builder.publish(producer, payload["task"], args, kwargs, task_id, headers,
+                           expires_at, options):
+            return
+        builder.captured = None
     app.send_task(
         payload["task"],
         args=args,
@@ -654,10 +656,14 @@ class _MessageBuilder:
             and headers.get("eta") is None and kwargs_.get("correlation_id") == task_id
             and ("expiration" in kwargs_) == (expires_at is not None)
         )
-        protocol = {k: v for k, v in headers.items() if k not in custom}
-        if not usable or any(k in protocol for k in custom):
+        # ``send_task`` appends the custom headers after its own; a custom header that names
+        # one of its own (a header a newer Celery added) stays at that one's place instead
+        items = list(headers.items())
+        split = len(items) - len(custom)
+        if not usable or split < 0 or [k for k, _ in items[split:]] != list(custom):
             self._templates[shape] = None  # this shape: send_task every time
             return
+        protocol = dict(items[:split])
         self._templates[shape] = (body[2], protocol, kwargs_, args, kwargs)
 
     def publish(self, producer: Any, name: str, args: list[Any], kwargs: dict[str, Any],

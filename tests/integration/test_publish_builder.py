@@ -310,3 +310,23 @@ def test_stock_worker_runs_built_messages_like_send_task_messages(
             assert built_run["priority"] == (5 if 110 <= n < 120 else None) or \
                 built_run["priority"] == stock_run["priority"]
             assert (built_run["expires"] is not None) == (120 <= n < 130)
+
+
+def test_a_custom_header_naming_a_celery_header_means_send_task(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A custom header that names one of ``send_task``'s own headers (here ``stamps``, as
+    if a newer Celery added it and our list of protocol headers did not know it yet) stays
+    at that header's place in ``send_task``'s message: the shape gets no template."""
+    monkeypatch.setattr(publishing, "CELERY_PROTOCOL_HEADERS",
+                        publishing.CELERY_PROTOCOL_HEADERS - {"stamps"})
+    app = _app(redis_url, {})
+    try:
+        rows = _rows(5)
+        for m in rows:
+            m.payload["headers"]["stamps"] = {"s": m.id}
+        built, reference, n_built = _publish_both(app, redis_url, rows, monkeypatch)
+        assert n_built == 0
+        assert _normalised(built)[0] == _normalised(reference)[0]
+    finally:
+        app.close()

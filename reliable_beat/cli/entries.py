@@ -42,7 +42,6 @@ from reliable_beat.errors import (
 from reliable_beat.groups import schedule_group_of
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 from reliable_beat.redaction import redact_value
-from reliable_beat.settings import celery_timezone
 
 __all__ = ["build_definition", "entries", "register"]
 
@@ -224,7 +223,7 @@ def build_definition(
         rb["timezone"] = params["timezone"]
     # An entry without a zone of its own runs in the app's zone, as a beat_schedule entry
     # does (Celery's app.timezone); without -A there is no app zone: UTC.
-    app_zone = celery_timezone(cli.app) if cli.app is not None else "UTC"
+    app_zone = cli.app_timezone
     tz = rb.get("timezone") or app_zone
 
     given = [k for k in ("cron", "every", "at") if params.get(k) is not None]
@@ -611,14 +610,16 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     last run: that slot is not sent twice, and one missed at the cutover meets the entry's
     misfire policy. Disabled entries come in paused; a name that already exists is left alone.
     """
+    from reliable_beat.adapters import DEFAULT_ADAPTER, load_adapter
+
     try:  # RedBeat and django-celery-beat are Celery's: their importers are the adapter's
-        from reliable_beat.celery import importers
+        importers = load_adapter(DEFAULT_ADAPTER).importers()
     except ImportError as exc:
         raise click.ClickException(
             f"importing {source} entries needs the Celery adapter ({exc}); install it with "
             "pip install 'reliable-beat[celery]'") from exc
     app = cli.app
-    zone = celery_timezone(app) if app is not None else "UTC"
+    zone = cli.app_timezone
     if source == "redbeat":
         found = importers.read_redbeat(from_url, key_prefix=key_prefix)
     else:

@@ -4,8 +4,9 @@ a function or under ``TYPE_CHECKING``. The core reaches an adapter only through 
 :mod:`reliable_beat.adapters` (adapters named by ``"module:attr"`` strings).
 
 Core = every module of the package except the adapters (``celery/``, ``dramatiq/``,
-``contrib/``), the command line (``cli/``, checked on its own below) and the Celery testing kit (``testing/kit.py``, ``testing/pytest.py`` and ``testing/__init__.py`` which
-re-exports the kit: they run Celery tasks and workers). The package root may import the two
+``contrib/``), the command line (``cli/``, checked on its own below) and the Celery testing
+kit (``testing/kit.py``, ``testing/pytest.py`` and ``testing/__init__.py`` which re-exports the
+kit: they run Celery tasks and workers). The package root may import the two
 Celery public names lazily in its ``__getattr__`` (``reliable_beat.ReliableScheduler``,
 ``reliable_beat.IdempotentTask``), nothing else of an adapter.
 

@@ -344,7 +344,7 @@ def run(env: Env) -> str:
 
     rows = []
     for name in results:
-        rows.append([name, spread(fig(name, "pub", "n")),
+        rows.append([name, spread(fig(name, "pub", "n"), digits=0),
                      *(spread(fig(name, kind, stat)) for kind in ("pub", "exe")
                        for stat in ("median", "p99", "max"))])
     m3s, p3s = fig("reliable_beat x 3", "pub", "median"), fig("reliable_beat x 3", "pub", "p99")
@@ -373,8 +373,9 @@ def run(env: Env) -> str:
         "the `timedelta, own due` rows, the instant the scheduler itself computed "
         "(`last_run_at + 1 s`), which drifts with its own lateness and spreads the entries "
         "apart. `exec start` is when the probe task's body began in one `--pool solo` "
-        "worker (the same worker for every row): a slot's 100 tasks run one after another, "
-        "so a burst's last task starts about 100 task times after the slot.",
+        f"worker (the same worker for every row): a slot's {size.lateness_entries} tasks run "
+        "one after another, so a burst's last task starts that many task times after the "
+        "slot. `one busy core`: the same beside a `python -c 'while True: pass'` process.",
         "",
         table(["scheduler", "messages", "publish median ms", "publish p99 ms", "publish max ms",
                "exec start median ms", "exec start p99 ms", "exec start max ms"], rows),

@@ -62,7 +62,8 @@ ROLE_TIMEOUTS_MS: dict[str, tuple[int, int]] = {
 #: the pool (instead of on every checkout): a worker checks a connection out two or three
 #: times per execution, and every ``SELECT 1`` was a round trip as long as the work's own.
 #: A connection the server dropped within that window fails its first statement instead,
-#: a disconnect the callers already handle (``StoreUnavailableError``: an internal retry).
+#: as one lost mid-execution does (``StoreUnavailableError`` at the claim: an internal
+#: retry; in the body's transaction: a transient failure, rolled back and retried).
 PING_AFTER_IDLE_SECONDS: dict[str, float] = {"worker": 1.0}
 
 

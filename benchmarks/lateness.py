@@ -15,7 +15,10 @@ the recorder's hop, well under a millisecond). The fire time of ours is the slot
 message's ``reliable_beat_fire_at`` header. Stock beat and RedBeat carry no fire time, so the
 probe schedulers below stamp ``bench_due_at = last_run_at + run_every`` (the instant the
 scheduler itself considers the entry due) into the headers at publish; their grid drifts by
-their own lateness every run, ours does not.
+their own lateness every run, ours does not. So stock beat runs a second time on the same
+whole-second grid as ours (:class:`GridSecond`, ``LAT_GRID=1``), measured against that slot,
+and, with ``Sizes.lateness_background``, ours and stock beat once more beside one busy core.
+Every row is measured ``Sizes.repeats`` times, interleaved.
 
 This module is also the Celery app of those processes (``-A benchmarks.lateness:app``),
 configured from ``LAT_*`` environment variables.

@@ -18,27 +18,35 @@ demo: $(VENV)/.installed
 	$(PY) -m examples.payouts --seconds 40
 
 # Unit, integration (real PostgreSQL + Redis started by the tests) and acceptance tests.
-# The CI-size suite: everything on SQLite, PostgreSQL and Redis, plus a representative MariaDB
-# subset (the integration suite and the concurrency/kill acceptance tests on MariaDB).
-# `make test-full` runs every MariaDB variant too (about 10 more minutes on 2 cores).
-# Workflows on MariaDB: the engine's unit tests (~20 s); the crash matrix on real processes is
-# longer than CI's budget allows: `pytest tests/acceptance/test_workflow_crashes.py -k mariadb`.
-MARIADB_CI_SUBSET := tests/integration tests/unit/test_workflows.py tests/unit/test_workflow_versions.py tests/unit/test_workflow_sagas.py tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction tests/acceptance/test_idempotent_task.py tests/acceptance/test_relay_kill.py \
-	tests/faults/test_faults_smoke.py::test_fault_injection_smoke_mariadb
+# CI size vs full size, split deliberately (docs/testing-the-project.md): `make test` runs every
+# kind of test at least once: every unit and integration test on SQLite, PostgreSQL and Redis,
+# one real-process test of each crash/kill kind, the fault smoke, the examples, and a MariaDB
+# subset (the integration suite, the workflow engine's unit suites, one kill and one pause on
+# real workers). Tests marked `full` are the further variants of a kind CI already runs once
+# (another framework's break-it demo, the Dramatiq fault smoke, ...); `make test-full` runs
+# them, every MariaDB variant and the RabbitMQ broker axis.
+MARIADB_CI_SUBSET := tests/integration tests/unit/test_workflows.py tests/unit/test_workflow_versions.py tests/unit/test_workflow_sagas.py tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction \
+	tests/acceptance/test_idempotent_task.py::test_sigkill_mid_body_redelivers_and_makes_one_effect \
+	tests/acceptance/test_idempotent_task.py::test_sigstop_past_lease_is_fenced_out_on_wake tests/acceptance/test_relay_kill.py
 test: $(VENV)/.installed
-	RB_WF_KILLS=1 $(PY) -m pytest -q -m "not mariadb" --durations=30
-	$(PY) -m pytest -q -m mariadb $(MARIADB_CI_SUBSET)
+	RB_WF_KILLS=1 $(PY) -m pytest -q -m "not mariadb and not full" --durations=40
+	$(PY) -m pytest -q -m "mariadb and not full" $(MARIADB_CI_SUBSET)
 
+# Everything: every variant on every store (MariaDB's crash matrix and fault smoke included),
+# then the acceptance and fault suites on RabbitMQ. About two hours on 2 cores.
 test-full: $(VENV)/.installed
 	$(PY) -m pytest -q
+	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_beats.py \
+		tests/acceptance/test_idempotent_task.py tests/acceptance/test_outbox_kill_points.py \
+		tests/acceptance/test_relay_kill.py tests/acceptance/test_dramatiq_adapter.py \
+		tests/acceptance/test_adapters_celery_dramatiq.py tests/faults
 
-# The RabbitMQ subset CI runs after `make test` (a few minutes): the acceptance suites whose
-# guarantees lean on the broker, on a private RabbitMQ node. The rest of the broker axis is
-# `$(PY) -m pytest --broker rabbitmq tests/acceptance tests/faults` (docs/operations.md).
+# The RabbitMQ subset CI runs after `make test` (a few minutes): both adapters killed mid-body
+# and two beats (test_adapters_celery_dramatiq.py), the relay killed between publish and mark,
+# and the outbox kill points, on a private RabbitMQ node. `make test-full` runs the rest.
 test-rabbitmq: $(VENV)/.installed
-	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_idempotent_task.py \
-		tests/acceptance/test_relay_kill.py tests/acceptance/test_outbox_kill_points.py \
-		tests/acceptance/test_dramatiq_adapter.py tests/acceptance/test_adapters_celery_dramatiq.py
+	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_relay_kill.py \
+		tests/acceptance/test_outbox_kill_points.py tests/acceptance/test_adapters_celery_dramatiq.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks

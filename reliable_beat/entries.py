@@ -48,6 +48,8 @@ from reliable_beat.groups import (
     config_state,
     group_config_hash,
     record_config,
+    shared_groups,
+    ungrouped_entries,
 )
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy, catch_up_limit_problem
 from reliable_beat.rows import check_options, decode_row, decode_value, raw_columns
@@ -588,8 +590,10 @@ def sync_schedule_group(
         state, superseded_at = config_state(conn, group, result.config_hash)
         if state == "older" and not force:
             result.outcome, result.superseded_at = "older", superseded_at
+            _note_ungrouped(conn, group, result)
             return result
         result.outcome = "forced" if state == "older" else state
+        _note_ungrouped(conn, group, result)
         names = [d.name for d in defs]
         if state == "new" and not force:
             reason = _refuse_new_config(conn, group, names)
@@ -714,6 +718,13 @@ def sync_config_entries(
     return sync_schedule_group(store, definitions, group=group).counts
 
 
+def _note_ungrouped(conn: Connection, group: str, result: SyncResult) -> None:
+    """Fill ``result.ungrouped`` when groups other than ``group`` share the store."""
+    groups = sorted(set(shared_groups(conn)) | {group})
+    if len(groups) > 1:
+        result.ungrouped, result.groups = ungrouped_entries(conn), groups
+
+
 def save_runtime_entry(
     store: Store, definition: EntryDefinition, *, create: bool, schedule_group: str | None = None
 ) -> str:
@@ -725,7 +736,9 @@ def save_runtime_entry(
     store of one app); an update keeps the entry's group.
 
     Raises:
-        ConfigurationError: adding a name that exists, or updating a config entry.
+        ConfigurationError: adding a name that exists, or updating a config entry; adding
+            an entry with no group to a store that several schedule groups share (every
+            group's beats would fire it, each through its own app's broker: name the group).
         EntryNotFoundError: updating a name that does not exist.
     """
     definition.origin = "runtime"
@@ -745,6 +758,16 @@ def save_runtime_entry(
             raise ConfigurationError(
                 f"entry {definition.name!r} comes from beat_schedule; change it there"
             )
+        if create and schedule_group is None:
+            groups = shared_groups(conn)
+            if len(groups) > 1:
+                raise ConfigurationError(
+                    f"entry {definition.name!r} has no schedule group, and the schedule groups "
+                    f"{', '.join(repr(g) for g in groups)} share this store: the beats of every "
+                    "group would fire it, each through its own app's broker. Name the app "
+                    "whose workers run it: `reliable-beat -A proj entries add ...` or "
+                    "`--group GROUP`."
+                )
         outcome = _upsert(conn, store, definition, now, group=schedule_group)
         notify_entries_changed(conn, store)
     return outcome

@@ -54,6 +54,8 @@ __all__ = [
     "record_beat",
     "run_in_group",
     "schedule_group_of",
+    "shared_groups",
+    "ungrouped_entries",
 ]
 
 #: The group of config entries synced without a name (no app, e.g. direct API use).
@@ -91,6 +93,10 @@ class SyncResult:
             name's last), so a rename neither repeats nor skips a slot.
         refused: for ``refused``, why (names the group, its entries and the fix).
         superseded_at: for ``older``, when this config was replaced (UTC).
+        ungrouped: when several schedule groups share the store, the enabled entries with no
+            group (every group's beats may fire them, each through its own app's broker);
+            empty otherwise. Logged as a warning naming them and the fix.
+        groups: the schedule groups sharing the store, when ``ungrouped`` is not empty.
     """
 
     group: str
@@ -105,6 +111,8 @@ class SyncResult:
     renamed: dict[str, str] = field(default_factory=dict)
     refused: str | None = None
     superseded_at: datetime | None = None
+    ungrouped: list[str] = field(default_factory=list)
+    groups: list[str] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -116,6 +124,21 @@ class SyncResult:
     def changed(self) -> bool:
         """True when any stored entry changed."""
         return bool(self.inserted or self.updated or self.disabled or self.adopted)
+
+
+def shared_groups(conn: Connection) -> list[str]:
+    """The schedule groups known to the store (a synced config or a beat row), sorted."""
+    known = select(schedule_configs.c.schedule_group).union(select(beats.c.schedule_group))
+    return sorted({g for g in conn.execute(known).scalars() if g is not None})
+
+
+def ungrouped_entries(conn: Connection, limit: int = 50) -> list[str]:
+    """Names of enabled entries with no schedule group (at most ``limit``), sorted."""
+    return list(conn.execute(
+        select(entries.c.name)
+        .where(entries.c.schedule_group.is_(None), entries.c.enabled == true())
+        .order_by(entries.c.name).limit(limit)
+    ).scalars())
 
 
 def record_config(
@@ -325,6 +348,14 @@ def log_sync_result(log: logging.Logger, result: SyncResult, where: str) -> None
     ERROR per entry owned by another group."""
     group = result.group
     short = result.config_hash[:12]
+    if result.ungrouped:
+        log.warning(
+            "reliable_beat: entries with no schedule group: %s. The schedule groups %s share "
+            "this store, so the beats of every group may fire them, each through its own app's "
+            "broker (where another app's workers may not know the task). Give each one its "
+            "group: `reliable-beat entries update NAME --group GROUP` (a runtime entry; a "
+            "beat_schedule entry is adopted when its own app's beat starts).",
+            _names(result.ungrouped), ", ".join(repr(g) for g in result.groups))
     if result.outcome == "older":
         log.info(
             "reliable_beat: schedule group %r: this beat's beat_schedule (config %s) is an older "

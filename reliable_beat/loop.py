@@ -34,7 +34,9 @@ publisher; ``reliable-beat dramatiq beat`` runs one with a Dramatiq publisher
 
 Published triggers whose ``sent`` mark could not be written (the database went away) are
 recorded first when it returns, before any claim or sweep of this beat. SIGTERM / SIGINT are
-held back from a claim until its triggers are marked. Any number of loops may run against
+held back from a claim until its triggers are marked or held (their Python handlers swapped
+for a recorder: :func:`deferred_stop_signals`), and a round with a stop pending starts no
+further claim. Any number of loops may run against
 one store: the claim, not the process, decides who fires a slot.
 
 What an adapter adds: its :class:`Publisher` (how a trigger row becomes a message of its
@@ -54,6 +56,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
+from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
 from sqlalchemy import update
@@ -83,6 +86,7 @@ from reliable_beat.settings import Settings
 from reliable_beat.slots import format_fire_at
 
 __all__ = [
+    "STOP_SIGNALS",
     "SWEEP_SECONDS",
     "BeatLoop",
     "HoldingPublisher",
@@ -293,20 +297,59 @@ def sleep_until(at: float) -> None:
         pass
 
 
+#: The signals a graceful stop arrives by; :func:`deferred_stop_signals` holds them back.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextlib.contextmanager
-def deferred_stop_signals() -> Iterator[None]:
-    """Hold SIGTERM/SIGINT back while the block runs (main thread, POSIX); no-op elsewhere."""
-    stop = {signal.SIGTERM, signal.SIGINT}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "pthread_sigmask"
-    ):
-        yield
+def deferred_stop_signals() -> Iterator[list[tuple[int, FrameType | None]]]:
+    """Hold SIGTERM / SIGINT back while the block runs; deliver them right after it.
+
+    In the main thread (the only one that runs Python signal handlers) the handlers of
+    :data:`STOP_SIGNALS` are swapped for one that only records the signal; on the way out
+    the previous handlers are put back and each recorded signal is handed to its previous
+    handler, in arrival order (a callable is called with ``(signum, frame)`` and may raise,
+    e.g. Celery's beat handler raises ``SystemExit``; ``SIG_DFL`` re-sends the signal to this
+    process; ``SIG_IGN`` drops it). Nests: an inner block hands its signals to the outer one.
+    A no-op outside the main thread, and for a signal whose handler was not installed from
+    Python (it cannot be put back).
+
+    Yields:
+        the ``(signum, frame)`` pairs held back so far (a list that grows while the block
+        runs): non-empty means a stop is pending, e.g. the loop claims nothing more.
+
+    A Python-level deferral, not ``pthread_sigmask``: a mask is per thread, and a beat
+    process has other threads (the retention thread, Celery's beat pidbox, the metrics
+    server). The kernel delivers a process-directed SIGTERM to a thread that does not block
+    it, and CPython then runs the handler in the main thread at its next bytecode, mask or
+    no mask: in the middle of a claim or of a held slot's publish.
+    """
+    caught: list[tuple[int, FrameType | None]] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        caught.append((signum, frame))
+
+    previous: dict[int, Any] = {}
     try:
-        yield
+        for sig in STOP_SIGNALS:
+            handler = signal.getsignal(sig)
+            if handler is None:  # installed outside Python: leave it alone
+                continue
+            signal.signal(sig, record)
+            previous[sig] = handler
+        yield caught
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for stop_sig, handler in previous.items():
+            signal.signal(stop_sig, handler)
+        for signum, frame in caught:
+            handler = previous.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
 
 
 class _HoldOverran(BaseException):
@@ -558,16 +601,17 @@ class BeatLoop:
 
         Returns seconds for the caller to sleep (0 when this call already waited).
 
-        SIGTERM / SIGINT are held back (``pthread_sigmask``) from a claim until its triggers
-        are marked sent, so a graceful stop never splits a commit from its publish; the signal
-        is delivered right after. A stop that arrives while triggers claimed ahead are held
+        SIGTERM / SIGINT are held back (:func:`deferred_stop_signals`) from a claim until its
+        triggers are marked sent or held, so a graceful stop never splits a commit from its
+        publish; the signal is delivered right after, and once one is pending the round
+        starts no further claim. A stop that arrives while triggers claimed ahead are held
         publishes each group at its slot's instant (at most the claim-ahead away). Only
         SIGKILL can leave committed triggers unsent, and then the sweep of another beat (or a
         relay) publishes them after slot + sweep delay, under the same message ids.
         """
         try:
-            with deferred_stop_signals():
-                self._step()
+            with deferred_stop_signals() as stopping:
+                self._step(stopping)
             return self._idle()
         except BaseException:
             if self._held:
@@ -578,8 +622,8 @@ class BeatLoop:
     def step(self) -> float:
         """One round without the wait: publish held triggers that are due, claim if it is
         time, sweep when due. Returns seconds until the next thing to do (never waits)."""
-        with deferred_stop_signals():
-            self._step()
+        with deferred_stop_signals() as stopping:
+            self._step(stopping)
         return max(0.0, self._wake_at() - time.monotonic())
 
     def run_forever(self, stop: threading.Event | None = None) -> None:
@@ -600,7 +644,10 @@ class BeatLoop:
         finally:
             self.close()
 
-    def _step(self) -> None:
+    def _step(self, stopping: Sequence[object] = ()) -> None:
+        """One round (see :meth:`tick`). ``stopping``: the stop signals held back so far;
+        once one is (or :attr:`stop_event` is set) no further claim starts: a beat asked to
+        stop takes no new slot, so its stop waits only for what it already holds."""
         self._publish_held(drain=False)  # committed already: they need no database to leave
         if self._unmarked:
             # Published but not marked sent (the database was gone): record that first. Until
@@ -613,6 +660,8 @@ class BeatLoop:
                 return
         claims = 0
         while time.monotonic() >= self._claim_at and claims < 10:
+            if stopping or (self.stop_event is not None and self.stop_event.is_set()):
+                break
             claims += 1
             outcome = self._claim()
             if isinstance(outcome, float):  # the store is down: retry later

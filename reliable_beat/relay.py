@@ -722,7 +722,8 @@ class Relay:
         from reliable_beat.workflows.engine import redispatch_workflows
 
         redispatch_workflows(self.store, older_than=timedelta(
-            seconds=self.settings.redispatch_seconds))
+            seconds=self.settings.redispatch_seconds), retrying_after=timedelta(
+            seconds=self.settings.redispatch_seconds + self.settings.retry_cap_seconds))
 
     def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
         """Deliver claimed rows outside any transaction; never raises for one bad row."""

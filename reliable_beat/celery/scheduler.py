@@ -95,12 +95,8 @@ def publish_triggers(
     Args:
         now: the store's clock at the publish (UTC), for the ``expires_at`` check.
         wait: called right before the first message can reach the broker (see
-<<<<<<< HEAD
-            :func:`~reliable_beat.celery.publishing.publish_celery_batch`).
-=======
             :func:`~reliable_beat.celery.publishing.publish_celery_batch`): the beat sleeps
             there until the slot of triggers it claimed ahead.
->>>>>>> layout
         unmarked: when the marks cannot be written (database gone), ``(sent ids, expired
             ids)`` is appended here; None: they are only logged.
 
@@ -239,7 +235,13 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
 
     def close(self) -> None:
         """Publish any triggers still held (each at its slot, at most the claim-ahead away),
-        then release the LISTEN connection and the pool."""
+        then release the LISTEN connection and the pool.
+
+        Celery's beat SIGTERM / SIGINT handler calls ``Service.sync()``, i.e. this method,
+        then raises ``SystemExit``; the loop holds that handler back while it claims and
+        publishes (:func:`reliable_beat.loop.deferred_stop_signals`), so it runs between two
+        rounds, when every committed trigger is either sent or held, and held ones go out
+        here at their slots (docs/operations.md, "Stopping a beat")."""
         self.loop.close()
 
     @property

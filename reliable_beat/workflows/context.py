@@ -465,17 +465,29 @@ class WorkflowContext:
         raise WorkflowCancelled(f"workflow {self._claimed.workflow_id!r} was cancelled "
                                 f"(seq {seq})")
 
-    def saga(self) -> Saga:
+    def saga(self, *, parallel: bool = False, continue_on_error: bool = False) -> Saga:
         """A saga block: ``with ctx.saga() as saga: saga.compensate(task, *args)``.
 
         Register each compensation **before** the step it undoes; if an ``Exception``
         leaves the block (an :class:`ActivityError`, :class:`WorkflowCancelled`, your own),
         the registered compensations run in reverse as ordinary keyed activities, one at a
         time, then the exception goes on. See :class:`reliable_beat.workflows.saga.Saga`.
+
+        Args:
+            parallel: send all the block's compensations at once (newest first) and wait
+                for all of them, instead of one at a time; for undo steps that do not
+                depend on each other.
+            continue_on_error: a compensation that dead-letters does not stop the ones
+                after it in the undo order.
+
+        With either, the workflow is still parked ``blocked`` (``compensation_failed``,
+        naming every dead compensation) once all have settled, if any dead-lettered; never
+        ``failed`` with an undo missing. ``workflows compensate ID`` then runs the dead ones
+        from data, one at a time.
         """
         from reliable_beat.workflows.saga import Saga
 
-        return Saga(self)
+        return Saga(self, parallel=parallel, continue_on_error=continue_on_error)
 
     @staticmethod
     def _outcome(ev_state: str, result: Any, error: Any, kind: str, name: str) -> Any:

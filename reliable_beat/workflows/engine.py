@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import Text, and_, cast, func, or_, select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import outbox
@@ -635,7 +635,27 @@ class Claimed:
 
 def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
     """The claim transaction; on success it also loads the run's history (same connection,
-    same transaction: one checkout instead of two per advance)."""
+    same transaction: one checkout instead of two per advance).
+
+    A row or history that is malformed (changed by SQL: a JSON column that does not decode,
+    a value of the wrong shape, an unknown event kind or state) parks the workflow
+    ``blocked`` with a reason naming the column (:mod:`reliable_beat.workflows.malformed`)
+    and returns ``"blocked"``: its code never replays garbage."""
+    from reliable_beat.workflows import malformed
+
+    try:
+        return _claim_tx(store, workflow_id, owner, lease)
+    except ValueError:  # json.JSONDecodeError of a JSON column, raised while reading it
+        with store.begin() as conn:
+            found = malformed.block_undecodable(conn, workflow_id, ACTIVE_STATES)
+        if found is None:
+            raise
+        return found[0]
+
+
+def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
+    from reliable_beat.workflows import malformed
+
     with store.begin() as conn:
         now = db_now(conn)
         stmt = (
@@ -666,15 +686,26 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Clai
             return "missing"
         if not done:
             return "busy" if row.state in ACTIVE_STATES else row.state  # type: ignore[no-any-return]
+        history = load_history(conn, row.id, row.run_no)
+        args = [] if row.args is None else row.args
+        kwargs = {} if row.kwargs is None else row.kwargs
+        problem = malformed.shape_problem(workflow_id, int(row.run_no), args, kwargs, history)
+        if problem is not None:  # we hold the claim: block it in this transaction
+            why = malformed.reason(workflow_id, problem)
+            log.error("workflow %s blocked: %s", workflow_id, why)
+            conn.execute(update(workflows).where(workflows.c.id == row.id).values(
+                state="blocked", block_reason=why[:4000], leased_by=None,
+                lease_expires_at=None, updated_at=now))
+            return "blocked"
         return Claimed(
             pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
-            args=list(row.args or []), kwargs=dict(row.kwargs or {}), queue=row.queue,
+            args=list(args), kwargs=dict(kwargs), queue=row.queue,
             random_seed=int(row.random_seed), fence_token=int(row.fence_token),
             seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
             history_bytes=int(row.history_bytes), owner=owner, lease=lease,
             version=row.version,
             extra={"cancel_requested": row.cancel_requested},
-            history=load_history(conn, row.id, row.run_no),
+            history=history,
         )
 
 
@@ -868,13 +899,26 @@ def replay_check(store: Store, workflow_id: str) -> str | None:
         workflow, to the end), else the first mismatch naming the position and both sides
         (also when the workflow's name is not registered here).
     """
+    from reliable_beat.workflows import malformed
     from reliable_beat.workflows.context import WorkflowContext
 
     with store.connect() as conn:
-        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
-        if row is None:
+        rows = malformed.lenient_select(
+            conn, select(workflows).where(workflows.c.workflow_id == workflow_id))
+        if not rows:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
-        history = load_history(conn, row.id, row.run_no)
+        row = rows[0]
+        try:
+            history = load_history(conn, row.id, row.run_no)
+        except ValueError:
+            history = None
+        problem = malformed.decode_problem(conn, int(row.id), workflow_id, int(row.run_no))
+    if problem is None and history is not None:
+        problem = malformed.shape_problem(workflow_id, int(row.run_no),
+                                          [] if row.args is None else row.args,
+                                          {} if row.kwargs is None else row.kwargs, history)
+    if problem is not None or history is None:
+        return malformed.reason(workflow_id, problem or "a history event does not decode")
     definition = _registry.get(row.name)
     if definition is None:
         return f"workflow name {row.name!r} is not registered in this process"
@@ -898,17 +942,33 @@ def replay_check(store: Store, workflow_id: str) -> str | None:
 # ------------------------------------------------------------------ re-dispatch ----
 
 
-def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 500) -> int:
-    """Send a wake to workflows whose advance died or whose wake was lost.
+def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 500,
+                         retrying_after: timedelta | None = None) -> int:
+    """Send a wake to workflows whose advance died or whose wake was lost, and send again
+    the activity and compensation messages the broker lost.
 
-    Two cases (the sweep beside :func:`reliable_beat.redispatch.claim_stuck_runs`):
+    Wakes, two cases (the sweep beside :func:`reliable_beat.redispatch.claim_stuck_runs`):
     ``running`` with a lease expired more than ``older_than`` ago (the holder died), and
     ``pending`` / ``waiting`` with ``wake_seq > claimed_wake_seq`` untouched for
     ``older_than`` (a wake the broker lost). The wake's message id carries the fence token
     and wake_seq, so each stuck state is re-sent once.
 
+    Activity and compensation messages of active workflows (events ``scheduled``): see
+    :func:`_resend_lost_activities` (a run never started, started by a worker that died,
+    requeued and never claimed, or ``retrying`` with no retry message left). At least once:
+    the run's idempotency key makes the effect once.
+
+    Args:
+        store: the store.
+        older_than: how long a wake or an activity message may be outstanding before it is
+            sent again (the relay: ``reliable_beat_redispatch_seconds``).
+        limit: most workflows (and most activities) per call.
+        retrying_after: how long an activity run may sit ``retrying`` untouched before its
+            message is sent again; pick it above the retry backoff cap (the relay:
+            ``redispatch_seconds + retry_cap_seconds``). None: ``older_than``.
+
     Returns:
-        How many wakes were added.
+        How many wakes and activity messages were added.
     """
     with store.begin() as conn:
         now = db_now(conn)
@@ -930,21 +990,34 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
         ).all()
         for r in rows:
             add_wake(conn, r.workflow_id, r.queue, f"sweep{r.fence_token}.{r.wake_seq}")
-        resent = _resend_lost_activities(conn, now, cutoff, older_than, limit)
+        resent = _resend_lost_activities(
+            conn, now, cutoff, older_than, limit,
+            retry_cutoff=now - (older_than if retrying_after is None else retrying_after))
     return len(rows) + resent
 
 
 def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
-                            older_than: timedelta, limit: int) -> int:
-    """Activities scheduled before ``cutoff`` whose run never started (the broker lost the
-    message) or whose holder died (running, lease expired before ``cutoff``): publish the
-    activity message again (same key: the run deduplicates), at most once per
-    ``older_than`` window (the message id carries the window number)."""
+                            older_than: timedelta, limit: int, *,
+                            retry_cutoff: datetime) -> int:
+    """Activities and compensations (events ``scheduled`` before ``cutoff``, workflow
+    active) whose message is gone: publish the message again (same key: the run
+    deduplicates), at most once per ``older_than`` window (the message id carries the
+    window number). Their run is
+
+    * absent: the message never reached a worker (lost by the broker, or never published);
+    * ``running`` with a lease expired before ``cutoff``: the worker died in the body;
+    * ``scheduled`` / ``dispatched`` untouched since ``cutoff``: requeued (``workflows
+      compensate``, ``dead-letters requeue``) and its message lost;
+    * ``retrying`` untouched since ``retry_cutoff``: a transient failure whose retry
+      message was lost, or a lease cleared by a person (``reliable-beat lease clear``).
+
+    The run sweep (:func:`reliable_beat.redispatch.claim_stuck_runs`) never takes these
+    runs: they have no trigger row."""
     j = workflow_events.join(workflows, workflows.c.id == workflow_events.c.workflow_pk
                              ).outerjoin(runs, runs.c.idempotency_key == workflow_events.c.run_key)
     rows = conn.execute(
-        select(workflow_events.c.run_key, workflow_events.c.name, workflow_events.c.args,
-               workflows.c.queue)
+        select(workflow_events.c.run_key, workflow_events.c.name,
+               cast(workflow_events.c.args, Text).label("args"), workflows.c.queue)
         .select_from(j)
         .where(
             workflow_events.c.kind.in_(("activity", "compensation")),
@@ -952,19 +1025,36 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
             workflow_events.c.created_at < cutoff,
             workflows.c.state.in_(ACTIVE_STATES),
             or_(runs.c.id.is_(None),
-                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff)),
+                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff),
+                and_(runs.c.state.in_(("scheduled", "dispatched")),
+                     runs.c.updated_at < cutoff),
+                and_(runs.c.state == "retrying", runs.c.updated_at < retry_cutoff)),
         )
+        .order_by(workflow_events.c.created_at)
         .limit(limit)
     ).all()
     window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))
+    sent = 0
     for r in rows:
-        call = list(r.args or [[], {}, None])
+        try:  # read as text: one corrupted event must not stop the sweep for every workflow
+            stored = r.args if r.args is None or not isinstance(r.args, str) \
+                else json.loads(r.args)
+            call = list(stored or [[], {}, None])
+            args, kwargs = list(call[0]), dict(call[1])
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            log.error("workflow sweep: activity %s is not re-sent: its event's args are "
+                      "malformed (%s): %r; the workflow's next advance blocks it naming "
+                      "the row (`reliable-beat workflows show`)", r.run_key, exc,
+                      str(r.args)[:80])
+            continue
+        call = [args, kwargs, *call[2:]]
         payload: dict[str, Any] = {"task": r.name, "args": call[0], "kwargs": call[1],
                                    "headers": {"reliable_beat_key": r.run_key}}
         if len(call) > 2 and call[2]:
             payload["options"] = {"queue": call[2]}
         outbox.add(conn, WAKE_DESTINATION, payload, key=f"act:{r.run_key}:r{window}")
-    return len(rows)
+        sent += 1
+    return sent
 
 
 # ------------------------------------------------------------------ reading ----
@@ -995,28 +1085,34 @@ def get_workflow(store: Store, workflow_id: str, *, events: bool = False) -> dic
     Raises:
         WorkflowNotFound: no such workflow.
     """
+    from reliable_beat.workflows.malformed import lenient_select
+
     with store.connect() as conn:
-        row = conn.execute(select(workflows).where(workflows.c.workflow_id == workflow_id)).first()
-        if row is None:
+        found = lenient_select(
+            conn, select(workflows).where(workflows.c.workflow_id == workflow_id))
+        if not found:
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
+        row = found[0]
         out = _row_dict(row)
         if events:
-            evs = conn.execute(
+            evs = lenient_select(
+                conn,
                 select(workflow_events)
                 .where(workflow_events.c.workflow_pk == row.id,
                        workflow_events.c.run_no == row.run_no)
                 .order_by(workflow_events.c.seq)
-            ).all()
+            )
             out["events"] = [
                 {k: e._mapping[k] for k in ("seq", "kind", "name", "args_digest", "state",
                                             "result", "error", "fire_at", "run_key",
                                             "fence_token", "created_at", "completed_at")}
                 for e in evs
             ]
-            sigs = conn.execute(
+            sigs = lenient_select(
+                conn,
                 select(workflow_signals).where(workflow_signals.c.workflow_pk == row.id)
                 .order_by(workflow_signals.c.id)
-            ).all()
+            )
             out["signals"] = [
                 {k: s._mapping[k] for k in ("id", "name", "payload", "dedup_key",
                                             "consumed_run_no", "consumed_seq", "created_at")}
@@ -1034,8 +1130,10 @@ def list_workflows(
         q = q.where(workflows.c.state == state)
     if name:
         q = q.where(workflows.c.name == name)
+    from reliable_beat.workflows.malformed import lenient_select
+
     with store.connect() as conn:
-        return [_row_dict(r) for r in conn.execute(q).all()]
+        return [_row_dict(r) for r in lenient_select(conn, q)]
 
 
 def workflow_counts(conn: Connection) -> dict[str, int]:

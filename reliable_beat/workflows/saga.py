@@ -97,8 +97,11 @@ class Saga:
     fencing: ``BaseException``) passes through untouched.
     """
 
-    def __init__(self, ctx: WorkflowContext) -> None:
+    def __init__(self, ctx: WorkflowContext, *, parallel: bool = False,
+                 continue_on_error: bool = False) -> None:
         self._ctx = ctx
+        self._parallel = parallel
+        self._continue_on_error = continue_on_error
         self._compensations: list[int] = []  # seqs of this block's compensation events
         self._start_seq = 0
         self._open = False
@@ -163,7 +166,8 @@ class Saga:
                      self._ctx._claimed.workflow_id, type(exc).__name__, exc,
                      len(self._compensations))
             _unwind(self._ctx, self._start_seq, self._compensations,
-                    original=engine.error_json(exc))
+                    original=engine.error_json(exc), parallel=self._parallel,
+                    continue_on_error=self._continue_on_error)
         return False  # the original exception goes on
 
 
@@ -203,9 +207,16 @@ def _release(ctx: WorkflowContext, seqs: list[int]) -> None:
 
 
 def _unwind(ctx: WorkflowContext, start_seq: int, seqs: list[int],
-            original: dict[str, str] | None, upto: int | None = None) -> None:
+            original: dict[str, str] | None, upto: int | None = None, *,
+            parallel: bool = False, continue_on_error: bool = False) -> None:
     """Settle the block's in-flight activities, then run its compensations in reverse.
-    Returns when all completed; raises Suspend (one is running) or EndWorkflow (blocked)."""
+    Returns when all completed; raises Suspend (one is running) or EndWorkflow (blocked).
+
+    ``parallel``: dispatch every compensation not yet sent at once (newest first), then wait
+    for all of them to settle. ``continue_on_error``: a dead-lettered compensation does not
+    stop the ones after it in the undo order. Either way, once every compensation that was
+    to run has settled, any dead one blocks the workflow (``compensation_failed``, naming
+    each): it never ends ``failed`` with an undo missing."""
     from reliable_beat.workflows.context import ActivityHandle
 
     if ctx._dry_run:
@@ -220,45 +231,93 @@ def _unwind(ctx: WorkflowContext, start_seq: int, seqs: list[int],
                 if not done:
                     raise ctx._suspend(f"saga: activity {ev.name} (seq {s}) must settle "
                                        "before its compensation runs")
-        for i, c in enumerate(reversed(seqs)):
-            _run_compensation(ctx, c, original, between=i > 0)
+        order = list(reversed(seqs))
+        failed: list[int] = []
+        if parallel:
+            for c in order:
+                ev = ctx._history[c]
+                if ev.state in ("registered", "released"):
+                    _dispatch(ctx, c, str(ev.name), str(ev.run_key))
+            running = [c for c in order if _settle(ctx, c) == "scheduled"]
+            if running:
+                names = ", ".join(f"{ctx._history[c].name} (seq {c})" for c in running[:5])
+                raise ctx._suspend(f"saga: waiting for {len(running)} compensations running "
+                                   f"in parallel: {names}")
+            failed = [c for c in order if ctx._history[c].state == "failed"]
+        else:
+            for i, c in enumerate(order):
+                if _run_compensation(ctx, c, between=i > 0) == "failed":
+                    failed.append(c)
+                    if not continue_on_error:
+                        break
+        if failed:
+            _block_failed(ctx, failed, original, stopped=not (parallel or continue_on_error))
     finally:
         ctx._unwinding = False
 
 
-def _run_compensation(ctx: WorkflowContext, seq: int, original: dict[str, str] | None,
-                      *, between: bool) -> None:
+def _settle(ctx: WorkflowContext, seq: int) -> str:
+    """The state of a sent compensation, its completion read (and repaired) from its run
+    when the event is still ``scheduled``; the history entry is updated."""
     from reliable_beat.workflows.context import _Ev
 
     ev = ctx._history[seq]
+    if ev.state == "scheduled":
+        state, result, error = _settled(ctx, seq, str(ev.run_key))
+        if state != "scheduled":
+            ctx._history[seq] = _Ev(seq, ev.kind, ev.name, ev.args_digest, state, result,
+                                    error, None, ev.run_key)
+        return state
+    return str(ev.state)
+
+
+def _run_compensation(ctx: WorkflowContext, seq: int, *, between: bool) -> str:
+    """Send the compensation at ``seq`` if not yet sent; its settled state (``completed``
+    or ``failed``); raises Suspend while it runs."""
+    ev = ctx._history[seq]
     if ev.state == "completed":
-        return
+        return "completed"
     if ev.state in ("registered", "released"):
         if between:
             engine.crash_point("saga.between")
         _dispatch(ctx, seq, str(ev.name), str(ev.run_key))
+    state = _settle(ctx, seq)
+    if state == "scheduled":
+        raise ctx._suspend(f"saga: waiting for compensation {ev.name} (seq {seq})")
+    return state
+
+
+def _block_failed(ctx: WorkflowContext, failed: list[int], original: dict[str, str] | None,
+                  *, stopped: bool) -> None:
+    """Park the workflow ``blocked`` (``compensation_failed``) naming each dead-lettered
+    compensation; ``stopped``: the ones after the (single) failed one have not run."""
+
+    def one(seq: int) -> str:
         ev = ctx._history[seq]
-    if ev.state == "scheduled":
-        state, result, error = _settled(ctx, seq, str(ev.run_key))
-        if state == "scheduled":
-            raise ctx._suspend(f"saga: waiting for compensation {ev.name} (seq {seq})")
-        ev = _Ev(seq, ev.kind, ev.name, ev.args_digest, state, result, error, None,
-                 ev.run_key)
-        ctx._history[seq] = ev
-    if ev.state == "failed":
         err = ev.error or {}
         lines = [ln for ln in str(err.get("message") or "").strip().splitlines() if ln]
         cause = lines[-1] if lines else "no error text"  # the exception line, not the traceback
-        reason = (
-            f"compensation_failed: compensation {ev.name} (seq {seq}, key {ev.run_key}) "
-            f"dead-lettered: {cause}; the compensations after it in the undo "
-            "order have not run. Fix the cause, then `reliable-beat workflows compensate "
-            f"{ctx._claimed.workflow_id}` (requeues it and runs the rest from the history)"
-        )
-        values: dict[str, Any] = {"state": "blocked", "block_reason": reason[:4000]}
-        if original is not None:
-            values["error"] = original  # what the workflow ends with once compensated
-        raise ctx._raise(EndWorkflow(reason, **values))
+        return f"{ev.name} (seq {seq}, key {ev.run_key}) dead-lettered: {cause}"
+
+    wid = ctx._claimed.workflow_id
+    if len(failed) == 1:
+        head = f"compensation_failed: compensation {one(failed[0])}; "
+    else:
+        head = (f"compensation_failed: {len(failed)} compensations dead-lettered: "
+                + "; ".join(one(s) for s in failed) + "; ")
+    if stopped:
+        tail = ("the compensations after it in the undo order have not run. Fix the cause, "
+                f"then `reliable-beat workflows compensate {wid}` (requeues it and runs the "
+                "rest from the history)")
+    else:
+        tail = ("the block's other compensations ran (parallel / continue_on_error). Fix the "
+                f"cause, then `reliable-beat workflows compensate {wid}` (requeues the dead "
+                "ones and runs them from the history)")
+    reason = head + tail
+    values: dict[str, Any] = {"state": "blocked", "block_reason": reason[:4000]}
+    if original is not None:
+        values["error"] = original  # what the workflow ends with once compensated
+    raise ctx._raise(EndWorkflow(reason, **values))
 
 
 def _dispatch(ctx: WorkflowContext, seq: int, name: str, key: str) -> None:

@@ -458,6 +458,7 @@ def test_signals_in_a_tight_loop_with_a_stopped_worker(rig: Rig) -> None:
     assert max(fences) > stopped_fence
 
 
+@pytest.mark.full  # CI size: test_workflow_versions.py rolls parked runs
 def test_reordered_v2_blocks_parked_workflows_and_replay_names_them(rig: Rig) -> None:
     """v1 workers park 5 workflows on wait_signal; the workers are replaced by a reordered
     v2: every workflow woken is blocked with zero new events and nothing dispatched;

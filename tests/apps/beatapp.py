@@ -7,6 +7,8 @@ Configured from the environment so each test can point it at its own servers:
   [name]), "reliable_beat": {...}};
 * RB_QUEUE: the default queue (each test its own, so messages can be counted in Redis);
 * RB_CLAIM_AHEAD: ``reliable_beat_claim_ahead_seconds`` (default: the setting's default);
+* RB_PURGE_INTERVAL: ``reliable_beat_purge_interval_seconds`` (0: the beat starts no
+  retention thread);
 * RB_REDISPATCH: ``reliable_beat_redispatch_seconds``; RB_ACKS: import
   ``reliable_beat.celery.acks`` (workers record the starts of plain tasks' triggers);
 * RB_CLOCK_OFFSET: seconds added to this process's ``time.time`` (fallback when libfaketime
@@ -19,6 +21,8 @@ Configured from the environment so each test can point it at its own servers:
   claim that committed due triggers (the fast path) removes it and the process SIGSTOPs
   itself right after the commit, before publishing (BEFORE), or right after the broker
   accepted the messages, before they are marked sent (AFTER).
+* RB_PAUSE_AFTER_CLAIM_AHEAD / RB_PAUSE_SECONDS: pause right after a claim that took slots
+  ahead (see tests/apps/pause_hook.py).
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ if os.environ.get("RB_ACKS"):  # workers record the starts of plain tasks' trigg
     app.conf.imports = ["reliable_beat.celery.acks"]
 if os.environ.get("RB_CLAIM_AHEAD"):
     app.conf.reliable_beat_claim_ahead_seconds = float(os.environ["RB_CLAIM_AHEAD"])
+if os.environ.get("RB_PURGE_INTERVAL"):  # 0: no retention thread in the beat
+    app.conf.reliable_beat_purge_interval_seconds = float(os.environ["RB_PURGE_INTERVAL"])
 
 
 @app.task(name="beatapp.tick")
@@ -132,3 +138,6 @@ if _after_publish:
         return outcomes
 
     _scheduler.publish_celery_batch = _publish_then_freeze  # type: ignore[assignment]
+
+if os.environ.get("RB_PAUSE_AFTER_CLAIM_AHEAD"):
+    import pause_hook  # noqa: F401  (tests/apps: patches the claim; see its docstring)

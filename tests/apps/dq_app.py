@@ -5,7 +5,8 @@ Configured from the environment (set by the tests): ``RB_BROKER_URL`` (Redis, or
 with an ``amqp://`` URL: ``RabbitmqBroker(confirm_delivery=True)``),
 ``RB_DATABASE_URL`` (the PostgreSQL store), ``RB_NAMESPACE`` (a Redis namespace per test,
 so leftovers never leak between tests), ``RB_QUEUE`` (the actors' queue), ``RB_PERIOD``
-(seconds between slots of the periodic actor; unset: no periodic entry).
+(seconds between slots of the periodic actor; unset: no periodic entry), ``RB_CLAIM_AHEAD``
+(``claim_ahead_seconds``), ``RB_PAUSE_AFTER_CLAIM_AHEAD`` (tests/apps/pause_hook.py).
 
 The broker's ``heartbeat_timeout`` is 3 s and maintenance runs on every command, so the
 message of a SIGKILLed worker comes back within seconds (defaults: 60 s and 0.1 %).
@@ -67,8 +68,12 @@ broker.add_middleware(ReliableBeat(schedule=SCHEDULE, settings={
     "retry_max_attempts": 4,
     "retry_base_seconds": 1.0,
     "retry_cap_seconds": 2.0,
+    **({"claim_ahead_seconds": float(os.environ["RB_CLAIM_AHEAD"])}
+       if os.environ.get("RB_CLAIM_AHEAD") else {}),
 }))
 dramatiq.set_broker(broker)
+if os.environ.get("RB_PAUSE_AFTER_CLAIM_AHEAD"):
+    import pause_hook  # noqa: F401  (tests/apps: patches the beat's claim; see its docstring)
 QUEUE = os.environ.get("RB_QUEUE", "default")
 PERIOD = os.environ.get("RB_PERIOD")
 

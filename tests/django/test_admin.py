@@ -71,7 +71,8 @@ def seeded() -> Iterator[dict[str, Any]]:
     nightly, hourly = f"nightly-{tag}", f"cfg-hourly-{tag}"
     rb_entries.save_runtime_entry(store, EntryDefinition(
         name=nightly, task="dj.pay", schedule=sch.CronSchedule("0 2 * * *", "Europe/Berlin"),
-        args=["m-nightly"]), create=True)
+        args=["m-nightly"]), create=True,
+        schedule_group="djtask_app")
     rb_entries.sync_config_entries(store, [EntryDefinition(
         name=hourly, task="dj.pay", args=["m-cfg"], schedule=sch.IntervalSchedule(
             timedelta(hours=1), datetime(2026, 1, 1, tzinfo=timezone.utc)))],
@@ -192,7 +193,8 @@ def test_malformed_entry_pages_render_and_show_the_quarantine_reason(
     for name, values in names.items():
         rb_entries.save_runtime_entry(store, EntryDefinition(
             name=name, task="dj.pay", schedule=sch.CronSchedule("0 2 * * *", "UTC")),
-            create=True)
+            create=True,
+        schedule_group="djtask_app")
         with store.begin() as conn:
             conn.execute(sa.update(entries).where(entries.c.name == name).values(**values))
     c = client(users["viewer"])
@@ -421,6 +423,18 @@ def test_runtime_entry_add_and_edit_validated_like_the_cli(
                      {"name": "x", "every": "60"}, follow=True)
     assert "comes from beat_schedule" in refused.content.decode()
     assert rb_entries.get_entry(conf.store(), seeded["hourly"])["schedule"] == cfg["schedule"]
+
+
+def test_runtime_entry_added_in_the_admin_belongs_to_the_apps_schedule_group(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    """As ``reliable-beat -A proj entries add``: the entry is fired by the app's beats only.
+    Fails on the old code: the admin stored it with no group (any app's beat fired it)."""
+    name = f"grouped-{seeded['tag']}"
+    with override_settings(RELIABLE_BEAT={"CELERY_APP": "djtask_app:app"}):
+        ok = client(users["admin"]).post("/admin/reliable_beat/entry/add-runtime/",
+                                         {"name": name, "task": "dj.pay", "cron": "0 9 * * 1"})
+    assert ok.status_code == 302
+    assert rb_entries.get_entry(conf.store(), name)["schedule_group"] == "djtask_app"
 
 
 # -- manage.py reliable_beat ------------------------------------------------------------------

@@ -32,7 +32,8 @@ def admin_client() -> Client:
 def _entry(task: str) -> int:
     name = f"kind-{os.urandom(3).hex()}"
     rb_entries.save_runtime_entry(conf.store(), EntryDefinition(
-        name=name, task=task, schedule=sch.CronSchedule("0 3 * * *", "UTC")), create=True)
+        name=name, task=task, schedule=sch.CronSchedule("0 3 * * *", "UTC")), create=True,
+        schedule_group="djtask_app")
     return int(rb_entries.get_entry(conf.store(), name)["id"])
 
 

@@ -26,7 +26,8 @@ pytest.importorskip("dramatiq")
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
-pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.faults]
+# make test-full (CI size: the Celery fault smoke + test_adapters_celery_dramatiq.py)
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.faults, pytest.mark.full]
 
 
 def _row(out: str, label: str) -> str:

@@ -249,3 +249,43 @@ def test_a_config_that_would_disable_the_whole_group_is_refused(
     start("tasks", {"a": _tick("tasks"), "c": _tick("tasks", "0 * * * *")})
     rows = _rows(server_store)
     assert {n: r.enabled for n, r in rows.items()} == {"a": True, "b": False, "c": True}
+
+
+def test_an_entry_with_no_group_is_refused_where_two_apps_share_the_store(
+    server_store: Store, start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two apps on one store: an entry added without ``-A`` or ``--group`` would be fired by
+    the beats of both apps, each through its own broker (one app's workers do not know the
+    other's task). Fails on the old code: the add succeeded silently with no group."""
+    runner = CliRunner()
+
+    def add(name: str, *extra: str) -> Any:
+        return runner.invoke(reliable_beat, ["--database-url", server_store.url, "entries", "add",
+                                             name, "--task", "billing.tick", "--cron",
+                                             "0 2 * * *", *extra])
+
+    start("billing", {"a": _tick("billing")})
+    # One app: a group-less entry is fired by that app's beats only: allowed.
+    assert add("early").exit_code == 0
+    caplog.set_level(logging.WARNING, logger=SCHEDULER_LOG)
+    start("reports", {"r": _tick("reports")})  # a second app joins the store
+    warned = [r.getMessage() for r in caplog.records if "no schedule group" in r.getMessage()]
+    assert warned and "group: early." in warned[0] and "'billing', 'reports'" in warned[0]
+    assert "entries update NAME --group GROUP" in warned[0]
+
+    refused = add("late")
+    assert refused.exit_code != 0
+    assert "'late' has no schedule group" in refused.output
+    assert "'billing', 'reports'" in refused.output and "--group GROUP" in refused.output
+    assert "late" not in _rows(server_store)
+    ok = add("late", "--group", "billing")
+    assert ok.exit_code == 0, ok.output
+    assert _rows(server_store)["late"].schedule_group == "billing"
+
+    # Once it has a group, a beat's start no longer warns about it.
+    moved = runner.invoke(reliable_beat, ["--database-url", server_store.url, "entries",
+                                          "update", "early", "--group", "billing"])
+    assert moved.exit_code == 0, moved.output
+    caplog.clear()
+    start("reports", {"r": _tick("reports")})
+    assert not [r for r in caplog.records if "no schedule group" in r.getMessage()]

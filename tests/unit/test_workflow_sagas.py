@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,16 +46,8 @@ effects = sa.Table(
 BROKEN: set[str] = set()  # labels whose compensation fails permanently (until removed)
 
 
-def make_app(store: Store) -> Celery:
-    app = Celery("saga", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        reliable_beat_database_url=store.engine.url.render_as_string(hide_password=False),
-        reliable_beat_lease_seconds=30,
-        reliable_beat_retry_max_attempts=2,
-        reliable_beat_retry_base_seconds=0.01,
-        reliable_beat_retry_cap_seconds=0.02,
-    )
+def make_app(app: Celery) -> Celery:
+    """Register the module's tasks on ``app`` (the ``wf_celery_app`` fixture's)."""
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="saga.do")
     def do(self: IdempotentTask, label: str, fail: bool = False) -> str:
@@ -113,22 +105,20 @@ def ok_saga(ctx: WorkflowContext, order: str) -> str:
     return "ok"
 
 
-@pytest.fixture(params=["sqlite", pytest.param("mariadb", marks=pytest.mark.mariadb)])
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+@pytest.fixture
+def store(wf_dialect_store: Store) -> Store:
     """SQLite, and MariaDB (no UPDATE ... RETURNING there)."""
-    store: Store = request.getfixturevalue(f"{request.param}_store")
-    effects.create(store.engine)
+    effects.create(wf_dialect_store.engine)
     BROKEN.clear()
     workflow(name="t.three")(three_steps)
     workflow(name="t.sleepy")(sleepy)
     workflow(name="t.ok")(ok_saga)
-    yield store
-    engine.crash_hook = None
+    return wf_dialect_store
 
 
 @pytest.fixture
-def app(store: Store) -> Celery:
-    return make_app(store)
+def app(store: Store, wf_celery_app: Callable[[str, Store], Celery]) -> Celery:
+    return make_app(wf_celery_app("saga", store))
 
 
 def drain(driver: Driver, limit: int = 500) -> None:
@@ -495,3 +485,187 @@ def test_compensate_after_a_hand_requeue_does_not_repeat_the_compensation(
     assert engine.get_workflow(store, "o3")["state"] == "failed"
     assert rows(store, "undo") == [("undo", "o3:c:nothing"), ("undo", "o3:b"),
                                    ("undo", "o3:a")]
+
+
+def _lose_activity_messages(store: Store) -> None:
+    """The broker loses every activity message sent so far (worker killed before the ack on
+    a broker that drops it, or the publish never happened)."""
+    with store.begin() as conn:
+        conn.execute(sa.update(outbox).where(outbox.c.message_id.like("act:%"))
+                     .values(state="sent"))
+
+
+def test_requeued_compensation_whose_message_is_lost_is_sent_again(
+    app: Celery, store: Store
+) -> None:
+    """`workflows compensate` requeues the dead compensation (its run back to `scheduled`)
+    and the advance sends it; the broker loses that message. The workflow sweep re-sends it
+    (on main it only re-sent activities with no run row or an expired lease, so the
+    workflow waited for ever), and each compensation's effect still happens once."""
+    BROKEN.add("o4:b")
+    handle = engine.start(store, "t.three", "o4", ["o4"])
+    driver = Driver(store, app)
+    drain(driver)
+    assert handle.status()["state"] == "blocked"
+    BROKEN.clear()
+    compensate(store, "o4")
+    row, _ = driver._due()
+    assert row.payload["task"] == engine.ADVANCE_TASK
+    assert driver.step()  # the advance dispatches the requeued compensation (seq 3)
+    _lose_activity_messages(store)
+    drain(driver)
+    assert handle.status()["state"] == "waiting"
+    with store.connect() as conn:
+        run_state = conn.execute(sa.text(
+            "SELECT state FROM reliable_beat_runs WHERE idempotency_key = 'wf:o4/1#3'")
+        ).scalar_one()
+    assert run_state == "scheduled"  # requeued, never claimed: its message is gone
+    assert engine.redispatch_workflows(store, older_than=timedelta(0)) == 1
+    drain(driver)
+    # the next compensation (a) is sent by the advance; lose it too: it has no run row yet
+    if handle.status()["state"] != "failed":
+        _lose_activity_messages(store)
+        engine.redispatch_workflows(store, older_than=timedelta(0))
+        drain(driver)
+    row = handle.status()
+    assert row["state"] == "failed", (row, events(store, "o4"))
+    assert rows(store, "undo") == [("undo", "o4:c:nothing"), ("undo", "o4:b"),
+                                   ("undo", "o4:a")]
+
+
+def test_retrying_activity_whose_retry_message_is_lost_is_sent_again(
+    app: Celery, store: Store
+) -> None:
+    """An activity run left `retrying` (a transient failure whose retry message the broker
+    lost, or a lease cleared by a person with `reliable-beat lease clear`) and no message
+    left for it: the workflow sweep re-sends it once the retry backoff cap has passed (on
+    main neither sweep did: the run sweep only re-sends runs with a trigger row). Its
+    effect happens once."""
+    from wf_driver import Crash
+
+    from reliable_beat import runs
+
+    killed: list[str] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="saga.killed_once")
+    def killed_once(self: IdempotentTask, label: str) -> str:
+        if not killed:
+            killed.append(self.idempotency_key)
+            raise Crash("SIGKILL inside the activity body")
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(kind="do", key=self.idempotency_key,
+                                               label=label))
+            self.returns(label)
+        return "ignored"
+
+    workflow(name="t.killed")(lambda ctx: ctx.activity("saga.killed_once", "k"))
+    handle = engine.start(store, "t.killed", "r1")
+    driver = Driver(store, app)
+    assert driver.step()  # the advance: records the activity and its message
+    assert driver.step()  # the activity starts and the worker dies in its body
+    assert killed == ["wf:r1/1#1"]
+    _lose_activity_messages(store)
+    runs.clear_lease(store, killed[0])  # a person frees the lease: the run is `retrying`
+    drain(driver)
+    assert handle.status()["state"] == "waiting"
+    # within the retry backoff cap a retry message may still be on its way: not yet
+    assert engine.redispatch_workflows(store, older_than=timedelta(0),
+                                       retrying_after=timedelta(hours=1)) == 0
+    assert engine.redispatch_workflows(store, older_than=timedelta(0),
+                                       ) == 1
+    drain(driver)
+    assert handle.result(timeout=1) == "k"
+    assert rows(store, "do") == [("do", "k")]
+
+
+def _three_with(**knobs: bool) -> Any:
+    def flow(ctx: WorkflowContext, order: str) -> str:
+        with ctx.saga(**knobs) as saga:
+            saga.compensate("saga.undo", f"{order}:a")
+            ctx.activity("saga.do", f"{order}:a")
+            saga.compensate("saga.undo", f"{order}:b")
+            ctx.activity("saga.do", f"{order}:b")
+            saga.compensate("saga.undo", f"{order}:c")
+            ctx.activity("saga.do", f"{order}:c", True)  # fails permanently
+        return "unreachable"
+
+    return flow
+
+
+def _most_compensations_in_flight(store: Store, driver: Driver, wid: str) -> int:
+    """Drain, returning the most compensation messages of ``wid`` pending at once."""
+    most = 0
+    for _ in range(500):
+        with store.connect() as conn:
+            pending = conn.execute(sa.select(sa.func.count()).select_from(outbox).where(
+                outbox.c.state == "pending",
+                outbox.c.message_id.like(f"act:wf:{wid}/1#%"))).scalar_one()
+        most = max(most, int(pending))
+        if not driver.step():
+            return most
+    raise AssertionError("driver did not settle")
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_parallel_saga_sends_all_compensations_at_once(app: Celery, store: Store,
+                                                        parallel: bool) -> None:
+    workflow(name="t.knobs")(_three_with(parallel=parallel))
+    wid = f"par{int(parallel)}"
+    handle = engine.start(store, "t.knobs", wid, [wid])
+    most = _most_compensations_in_flight(store, Driver(store, app), wid)
+    assert most == (3 if parallel else 1)
+    row = handle.status()
+    assert row["state"] == "failed", row
+    assert "saga.do failed: dead" in row["error"]["message"]  # the original error
+    assert shape(store, wid) == EXPECTED_THREE
+    assert sorted(lbl for _, lbl in rows(store, "undo")) == [
+        f"{wid}:a", f"{wid}:b", f"{wid}:c:nothing"]  # each undo once
+
+
+def test_continue_on_error_runs_the_rest_then_blocks_naming_the_dead_one(
+    app: Celery, store: Store
+) -> None:
+    workflow(name="t.coe")(_three_with(continue_on_error=True))
+    BROKEN.add("e1:b")
+    handle = engine.start(store, "t.coe", "e1", ["e1"])
+    driver = Driver(store, app)
+    drain(driver)
+    row = handle.status()
+    assert row["state"] == "blocked", row
+    reason = row["block_reason"]
+    assert reason.startswith("compensation_failed: compensation saga.undo (seq 3, key "
+                             "wf:e1/1#3) dead-lettered: ValueError: cannot undo e1:b now;")
+    assert "other compensations ran" in reason and "workflows compensate e1" in reason
+    # b's failure did not stop a (the default stops there: see the test above)
+    assert rows(store, "undo") == [("undo", "e1:c:nothing"), ("undo", "e1:a")]
+    BROKEN.clear()
+    out = compensate(store, "e1")
+    assert out["requeued"] == ["wf:e1/1#3"]
+    drain(driver)
+    row = handle.status()
+    assert row["state"] == "failed", row
+    assert "saga.do failed: dead" in row["error"]["message"]
+    assert rows(store, "undo") == [("undo", "e1:c:nothing"), ("undo", "e1:a"),
+                                   ("undo", "e1:b")]
+
+
+def test_parallel_saga_with_two_dead_compensations_blocks_naming_both(
+    app: Celery, store: Store
+) -> None:
+    workflow(name="t.par2")(_three_with(parallel=True, continue_on_error=True))
+    BROKEN.update({"p2:a", "p2:b"})
+    handle = engine.start(store, "t.par2", "p2", ["p2"])
+    driver = Driver(store, app)
+    drain(driver)
+    row = handle.status()
+    assert row["state"] == "blocked", row
+    reason = row["block_reason"]
+    assert reason.startswith("compensation_failed: 2 compensations dead-lettered: ")
+    assert "(seq 3, key wf:p2/1#3)" in reason and "(seq 1, key wf:p2/1#1)" in reason
+    assert rows(store, "undo") == [("undo", "p2:c:nothing")]
+    BROKEN.clear()
+    out = compensate(store, "p2")
+    assert sorted(out["requeued"]) == ["wf:p2/1#1", "wf:p2/1#3"]
+    drain(driver)
+    assert handle.status()["state"] == "failed"
+    assert sorted(lbl for _, lbl in rows(store, "undo")) == ["p2:a", "p2:b", "p2:c:nothing"]

@@ -12,7 +12,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -54,16 +54,8 @@ _EXAMPLE = itertools.count(1)  # crash points hit by the property test (reported
 EXAMPLES = int(os.environ.get("RB_WF_EXAMPLES", "40"))  # full size: RB_WF_EXAMPLES=1000
 
 
-def make_app(store: Store) -> Celery:
-    app = Celery("wf", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        reliable_beat_database_url=store.engine.url.render_as_string(hide_password=False),
-        reliable_beat_lease_seconds=30,
-        reliable_beat_retry_max_attempts=2,
-        reliable_beat_retry_base_seconds=0.01,
-        reliable_beat_retry_cap_seconds=0.02,
-    )
+def make_app(app: Celery) -> Celery:
+    """Register the module's tasks on ``app`` (the ``wf_celery_app`` fixture's)."""
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="wf.double")
     def double(self: IdempotentTask, x: int) -> int:
@@ -133,25 +125,16 @@ def interpret(ctx: WorkflowContext, program: list[list[Any]]) -> list[Any]:
 
 #: The engine on SQLite always; on MariaDB too (``-m mariadb``: a private server started by
 #: tests/conftest.py) unless ``RELIABLE_BEAT_TEST_DIALECTS`` leaves it out.
-WF_DIALECTS = ["sqlite"] + [
-    pytest.param("mariadb", marks=pytest.mark.mariadb)
-    for d in os.environ.get("RELIABLE_BEAT_TEST_DIALECTS", "sqlite,postgresql,mariadb")
-    .split(",") if d == "mariadb"
-]
-
-
-@pytest.fixture(params=WF_DIALECTS)
-def wf_store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    store: Store = request.getfixturevalue(f"{request.param}_store")
-    effects.create(store.engine)
+@pytest.fixture
+def wf_store(wf_dialect_store: Store) -> Store:
+    effects.create(wf_dialect_store.engine)
     STEP_CALLS.clear()
-    yield store
-    engine.crash_hook = None
+    return wf_dialect_store
 
 
 @pytest.fixture
-def app(wf_store: Store) -> Celery:
-    app = make_app(wf_store)
+def app(wf_store: Store, wf_celery_app: Callable[[str, Store], Celery]) -> Celery:
+    app = make_app(wf_celery_app("wf", wf_store))
     workflow(name="t.interp")(interpret)
     return app
 

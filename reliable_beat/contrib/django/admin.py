@@ -42,6 +42,7 @@ from reliable_beat.contrib.django.models import (
     Run,
 )
 from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
+from reliable_beat.groups import schedule_group_of
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
@@ -237,7 +238,10 @@ class EntryAdmin(_ReadOnlyAdmin):
                 if existing is None and params.get("task") is None:
                     raise EntryValidationError([f"entry {name!r}: task is required"])
                 definition = build_definition(cli, name, params, existing=existing)
-                rb_entries.save_runtime_entry(store, definition, create=existing is None)
+                group = (schedule_group_of(cli.app, cli.settings.schedule_group)
+                         if existing is None and cli.app is not None else None)
+                rb_entries.save_runtime_entry(store, definition, create=existing is None,
+                                              schedule_group=group)
             except EntryValidationError as exc:
                 problems = list(exc.problems)
             except ReliableBeatError as exc:

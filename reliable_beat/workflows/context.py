@@ -360,10 +360,26 @@ class WorkflowContext:
             raise self._suspend(f"replay reached the frontier at seq {seq}")
         if ev is not None and (ev.kind, ev.name, ev.args_digest) != (kind, name, digest):
             raise self._raise(NonDeterminismError(
-                f"seq {seq}: code did {kind} {name} (args digest {digest}), history has "
-                f"{ev.kind} {ev.name} (args digest {ev.args_digest})"
+                f"seq {seq}: code did {_describe(kind, name, args)} (args digest {digest}), "
+                f"history has {_describe(ev.kind, ev.name, self._recorded_args(seq))} "
+                f"(args digest {ev.args_digest})"
             ))
         return seq, digest, ev
+
+    def _recorded_args(self, seq: int) -> Any:
+        """The stored ``args`` of the event at ``seq`` (for an error message only), or
+        ``None`` when they cannot be read."""
+        try:
+            with self._store.connect() as conn:
+                return conn.execute(
+                    select(workflow_events.c.args).where(
+                        workflow_events.c.workflow_pk == self._claimed.pk,
+                        workflow_events.c.run_no == self._claimed.run_no,
+                        workflow_events.c.seq == seq,
+                    )
+                ).scalar()
+        except Exception:  # the message is still right without them
+            return None
 
     def _record(
         self, seq: int, kind: str, name: str | None, digest: str, args: Any, *,
@@ -1025,3 +1041,28 @@ class _Ev:
     error: Any
     fire_at: datetime | None
     run_key: str | None
+
+
+def _seconds(value: float) -> str:
+    return f"{int(value)}s" if float(value).is_integer() else f"{value}s"
+
+
+def _describe(kind: str, name: str | None, args: Any) -> str:
+    """A position as a person reads it in a non-determinism message: ``activity
+    billing.charge``, ``timer sleep 40s``, ``timer until 2026-01-10T12:00:00+00:00``."""
+    if kind == "timer":
+        if isinstance(args, str):  # stored args read back as JSON text (some dialects)
+            import json
+
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return "timer"
+        if isinstance(args, list) and len(args) == 2:
+            how, when = args
+            if how == "sleep" and isinstance(when, (int, float)):
+                return f"timer sleep {_seconds(when)}"
+            if how == "until":
+                return f"timer until {when}"
+        return "timer"
+    return f"{kind} {name}" if name is not None else kind

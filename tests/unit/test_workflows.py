@@ -764,3 +764,37 @@ def test_activity_run_killed_mid_body_is_resent_by_the_workflow_sweep_not_claime
     driver.run()
     assert handle.result(timeout=1) == 15
     assert count_effects(wf_store, "activity") == {killed[0]: 1}
+
+
+def test_changed_timer_is_named_by_its_duration_and_digests_survive_redaction(
+    app: Celery, wf_store: Store
+) -> None:
+    """A changed sleep is reported as ``timer sleep 40s`` (not ``timer None``), and the
+    block reason, which goes through the redaction of logs and the CLI, keeps its digests
+    and its closing brackets."""
+    from reliable_beat.redaction import redact_text
+
+    def v1(ctx: WorkflowContext) -> str:
+        ctx.sleep(timedelta(milliseconds=30))
+        ctx.wait_signal("go")
+        return "v1"
+
+    def v2(ctx: WorkflowContext) -> str:
+        ctx.sleep(timedelta(milliseconds=40))
+        ctx.wait_signal("go")
+        return "v2"
+
+    workflow(name="t.timer")(v1)
+    handle = engine.start(wf_store, "t.timer", "tm")
+    driver = Driver(wf_store, app)
+    driver.run()
+    assert handle.status()["state"] == "waiting"
+    workflow(name="t.timer")(v2)  # deploy a changed duration
+    signal(wf_store, "tm", "go", 1)
+    driver.run()
+    reason = handle.status()["block_reason"]
+    assert reason is not None, handle.status()
+    assert "code did timer sleep 0.04s (args digest " in reason
+    assert "history has timer sleep 0.03s (args digest " in reason
+    assert "None" not in reason
+    assert redact_text(reason) == reason

@@ -798,3 +798,26 @@ def test_changed_timer_is_named_by_its_duration_and_digests_survive_redaction(
     assert "history has timer sleep 0.03s (args digest " in reason
     assert "None" not in reason
     assert redact_text(reason) == reason
+
+
+def test_activity_returning_after_its_transaction_warns_naming_returns(
+    app: Celery, wf_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An activity that returns a value after ``with self.transaction():`` without
+    ``self.returns`` hands the workflow None (its history was written in the completing
+    transaction): not silently, a WARNING names the task and ``self.returns``."""
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="wf.late")
+    def late(self: IdempotentTask, x: int) -> dict[str, int]:
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(kind="late", key=self.idempotency_key))
+        return {"a": x}
+
+    workflow(name="t.late")(lambda ctx: ctx.activity("wf.late", 1))
+    handle = engine.start(wf_store, "t.late", "late1")
+    with caplog.at_level("WARNING"):
+        Driver(wf_store, app).run()
+    assert handle.result(timeout=5) is None  # what the history holds (committed with it)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+              and "wf.late" in r.getMessage()]
+    assert warned and "self.returns(value)" in warned[0] and "wf:late1/1#1" in warned[0], (
+        [r.getMessage() for r in caplog.records])

@@ -20,7 +20,6 @@ Three kinds of step, three guarantees (docs/workflows.md):
 from __future__ import annotations
 
 import contextvars
-import copy
 import functools
 import logging
 import random as _random
@@ -38,6 +37,7 @@ from reliable_beat import outbox
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
+from reliable_beat.values import from_json_value
 from reliable_beat.workflows import children, continuation, engine, tripwire, versioning
 from reliable_beat.workflows.errors import (
     ActivityError,
@@ -276,8 +276,8 @@ class WorkflowContext:
         try:
             # fresh copies on every pass: a wake during the advance runs the code again in
             # this advance, and the code may have mutated what it was given
-            return fn(self, *copy.deepcopy(self._claimed.args),
-                      **copy.deepcopy(self._claimed.kwargs))
+            return fn(self, *from_json_value(self._claimed.args),
+                      **from_json_value(self._claimed.kwargs))
         finally:
             tripwire.in_workflow_code.reset(token)
 
@@ -288,8 +288,8 @@ class WorkflowContext:
         token = _current.set(self)
         try:
             try:
-                fn(self, *copy.deepcopy(self._claimed.args),
-                   **copy.deepcopy(self._claimed.kwargs))
+                fn(self, *from_json_value(self._claimed.args),
+                   **from_json_value(self._claimed.kwargs))
             except Suspend:
                 return None
             except NonDeterminismError as exc:
@@ -511,7 +511,7 @@ class WorkflowContext:
             err = error or {}
             raise ActivityError(str(err.get("type")), str(err.get("message")), kind=kind,
                                 name=name)
-        return result
+        return from_json_value(result)
 
     # ---------------------------------------------------------------- inline steps ----
 
@@ -550,8 +550,8 @@ class WorkflowContext:
                 self._in_step = False
 
         try:
-            return self._record(seq, "transaction", step_name, digest, call,
-                                state="completed", effect=effect)
+            return from_json_value(self._record(seq, "transaction", step_name, digest, call,
+                                                state="completed", effect=effect))
         except _StepFailed as failed:  # fn failed: its writes rolled back; record the failure
             exc = failed.exc
             err = engine.error_json(exc)
@@ -594,8 +594,8 @@ class WorkflowContext:
             self._in_step = False
             self._step_key = None
         engine.crash_point("step.after_body")
-        return self._record(seq, "step", step_name, digest, call, state="completed",
-                            result=value)
+        return from_json_value(self._record(seq, "step", step_name, digest, call,
+                                            state="completed", result=value))
 
     # ---------------------------------------------------------------- activities ----
 
@@ -799,7 +799,7 @@ class WorkflowContext:
         args = [name, None if timeout is None else timeout.total_seconds()]
         seq, digest, ev = self._next("signal", name, args)
         if ev is not None and ev.state != "scheduled":
-            return ev.result
+            return from_json_value(ev.result)
         if ev is None:
             holder: dict[str, Any] = {}
 
@@ -820,7 +820,7 @@ class WorkflowContext:
             if holder.get("done"):
                 self._history[seq] = _Ev(seq, "signal", name, digest, "completed", result,
                                          None, None, None)
-                return result
+                return from_json_value(result)
             fire_at = holder.get("fire_at")
         else:
             fire_at = ev.fire_at
@@ -854,7 +854,7 @@ class WorkflowContext:
             raise self._suspend(f"waiting for signal {name!r} at seq {seq}") from None
         self._history[seq] = _Ev(seq, "signal", name, digest, "completed", result, None,
                                  fire_at, None)
-        return result
+        return from_json_value(result)
 
     def _consume(self, conn: Connection, name: str, seq: int) -> Any:
         row = conn.execute(

@@ -885,7 +885,8 @@ def test_celery_json_types_reach_workflow_code_as_python_values(
     assert [type(v) for v in seen[0]] == [type(v) for v in first]
     assert result[0] == Decimal("2.20") and result[3] == Decimal("2.21")
     assert result[7] == [uid]
-    assert all(got == s for got, s in zip(seen, seen[1:]) if got[0] == s[0])  # replays
+    # every execution of the first run's code that got this far saw the same values
+    assert all(got == first for got in seen if got[0] == Decimal("1.10"))
 
 
 @pytest.mark.parametrize(("call", "names"), [

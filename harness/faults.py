@@ -38,9 +38,22 @@ What it does (see ``docs/reliability.md``):
    ``mariadbd``, at random, then a start on the same data directory: every connection of
    every process is dropped, and committed transactions must survive InnoDB's crash
    recovery), in place of ``pg_restart``.
-3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
-   the ledger, prints a markdown table and exits non-zero on any missing or duplicated
-   effect or failed check.
+   Beside the periodic entries (Celery; ``--no-workflows`` leaves them out) run three
+   **workflow shapes** (:mod:`harness.faultapp`), started by beat entries
+   (``reliable_beat.workflow.start``: one workflow per slot) and, for the signal shape, by the
+   harness itself: a saga (3 forward activities, each compensation recorded before its step;
+   the third fails permanently in a deterministic 1/3 of the workflows, which unwind), a
+   timer (activity, 3 s durable timer, activity) and a signal wait (the harness sends the
+   signal, one time in three twice under one dedup key; then an activity). Every activity
+   and compensation writes a keyed effect row into ``faults_wf_effects`` (no unique
+   constraint). ``poison_row`` also writes a workflow row naming no registered workflow: it
+   must end ``blocked``, alone.
+3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain (and the
+   workflows end), checks the ledger, prints a markdown table and exits non-zero on any
+   missing or duplicated effect or failed check. Workflows: each ended as its shape and the
+   fraction say (completed, or failed after unwinding), each forward and compensation
+   effect exactly once, compensations in reverse order, no timer early, one consumed signal
+   each, none left pending/running/waiting, ``blocked`` only where injected.
 
 ``--compare stock,redbeat`` then runs the same entries (as Celery intervals) under two stock
 ``celery beat`` processes (PersistentScheduler, one schedule file each) and two RedBeat

@@ -833,15 +833,20 @@ class Harness:
         self.result.faults["poison_row"] += 1
 
     def _poison_workflow(self, tag: str) -> None:
-        """A workflows row naming no registered workflow (with its start wake): its advance
-        must park only it ``blocked``; the other workflows go on."""
+        """Two poison workflows rows, each with its start wake: one naming no registered
+        workflow, one (a ``faults.timer``) whose ``args`` is a number, not a JSON array.
+        Each advance must park only that workflow ``blocked``; the others go on."""
+        from reliable_beat.db.tables import workflows
         from reliable_beat.workflows import start
 
-        wid = f"{tag}:wf-unknown"
+        unknown, bad_args = f"{tag}:wf-unknown", f"{tag}:wf-args"
         with self.engine.begin() as conn:
-            start(conn, "faults.no_such_workflow", wid)
-        self.wf_poisoned.append(wid)
-        log(f"poison workflow {wid}: a row naming no registered workflow")
+            start(conn, "faults.no_such_workflow", unknown)
+            start(conn, "faults.timer", bad_args)
+            conn.execute(workflows.update().where(workflows.c.workflow_id == bad_args)
+                         .values(args=5))
+        self.wf_poisoned += [unknown, bad_args]
+        log(f"poison workflows {unknown} (no such workflow), {bad_args} (args 5)")
 
     def _wf_driver(self) -> None:
         """The workflow shapes' harness side: starts a signal workflow itself every

@@ -666,16 +666,35 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Clai
             return "missing"
         if not done:
             return "busy" if row.state in ACTIVE_STATES else row.state  # type: ignore[no-any-return]
+        malformed = malformed_call(workflow_id, row.args, row.kwargs)
         return Claimed(
             pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
-            args=list(row.args or []), kwargs=dict(row.kwargs or {}), queue=row.queue,
+            args=[] if malformed else list(row.args or []),
+            kwargs={} if malformed else dict(row.kwargs or {}), queue=row.queue,
             random_seed=int(row.random_seed), fence_token=int(row.fence_token),
             seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
             history_bytes=int(row.history_bytes), owner=owner, lease=lease,
             version=row.version,
-            extra={"cancel_requested": row.cancel_requested},
+            extra={"cancel_requested": row.cancel_requested, "malformed": malformed},
             history=load_history(conn, row.id, row.run_no),
         )
+
+
+def malformed_call(workflow_id: str, args: Any, kwargs: Any) -> str | None:
+    """Why a workflows row's ``args`` / ``kwargs`` cannot be the call of its function (None:
+    they can): ``args`` must be a JSON array (or null), ``kwargs`` a JSON object (or null).
+    A row written by hand or by another tool may hold anything; the advance parks it
+    ``blocked`` with this reason instead of failing on every wake."""
+    for column, value, want, kind in (("args", args, list, "a JSON array"),
+                                      ("kwargs", kwargs, dict, "a JSON object")):
+        if value is not None and not isinstance(value, want):
+            return (
+                f"malformed workflows row {workflow_id!r}: column {column!r} holds "
+                f"{type(value).__name__} {str(value)[:100]!r}, not {kind}; write the "
+                f"intended {column} into the row, then `reliable-beat workflows resume "
+                f"{workflow_id}`"
+            )
+    return None
 
 
 def load_history(conn: Connection, pk: int, run_no: int) -> dict[int, Any]:
@@ -784,6 +803,8 @@ def advance(
     if isinstance(claimed, str):
         return claimed
     crash_point("advance.after_claim")
+    if claimed.extra.get("malformed"):  # before any code runs: nothing to replay it with
+        return block(store, claimed, str(claimed.extra["malformed"]))
     definition = _registry.get(claimed.name)
     from reliable_beat.workflows import saga
 
@@ -878,6 +899,9 @@ def replay_check(store: Store, workflow_id: str) -> str | None:
     definition = _registry.get(row.name)
     if definition is None:
         return f"workflow name {row.name!r} is not registered in this process"
+    malformed = malformed_call(workflow_id, row.args, row.kwargs)
+    if malformed:
+        return malformed
     claimed = Claimed(
         pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
         args=list(row.args or []), kwargs=dict(row.kwargs or {}), queue=row.queue,

@@ -910,7 +910,9 @@ class Harness:
         with self.engine.connect() as conn:
             wfs = conn.execute(select(
                 workflows.c.id, workflows.c.workflow_id, workflows.c.name, workflows.c.state,
-                workflows.c.error, workflows.c.block_reason, workflows.c.entry_name)).all()
+                workflows.c.error, workflows.c.block_reason, workflows.c.entry_name)
+                # this run's (an existing --postgres-url database may hold older ones)
+                .where(workflows.c.created_at >= self.t_start)).all()
             effs = conn.execute(select(
                 wf_effects.c.id, wf_effects.c.workflow_id, wf_effects.c.action,
                 wf_effects.c.created_at).order_by(wf_effects.c.id)).all()
@@ -1196,7 +1198,8 @@ class Harness:
                                                outbox.c.destination != "celery")
                 ).scalar_one()
                 wf_active = conn.execute(
-                    select(func.count()).where(workflows.c.state.in_(WF_ACTIVE))
+                    select(func.count()).where(workflows.c.state.in_(WF_ACTIVE),
+                                               workflows.c.created_at >= self.t_start)
                 ).scalar_one() if self.wf_on else 0
             if not active and not pending and not wf_active:
                 log("drained")

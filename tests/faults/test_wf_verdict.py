@@ -81,6 +81,7 @@ def engine(tmp_path: Path) -> Engine:
 def _verdict(engine: Engine) -> tuple[list[str], dict[str, Any]]:
     h = Harness(Options())
     h.engine = engine
+    h.t_start = T0
     h.wf_poisoned = [POISON]
     h._check_workflows()
     return h.result.failures, h.result.stats["wf"]
@@ -164,3 +165,16 @@ def test_each_violation_fails_the_run(engine: Engine, break_it: Callable[[Any], 
         break_it(conn)
     failures, _ = _verdict(engine)
     assert any(names in f for f in failures), failures
+
+
+def test_workflows_of_an_earlier_run_are_not_judged(engine: Engine) -> None:
+    """``--postgres-url``: the database may hold an earlier run's workflows (their effect rows
+    were dropped with the table); only this run's, created since its start, are judged."""
+    with engine.begin() as conn:
+        conn.execute(insert(t.workflows).values(
+            workflow_id="wfsaga@2026-11-30T00:00:00Z", name="faults.saga", run_no=1,
+            state="waiting", args=[], kwargs={}, random_seed=0, fence_token=1, wake_seq=1,
+            claimed_wake_seq=1, history_len=0, history_bytes=0, advances=1,
+            created_at=T0 - timedelta(days=1), updated_at=T0 - timedelta(days=1)))
+    failures, wf = _verdict(engine)
+    assert failures == [] and wf["started"] == 4

@@ -985,7 +985,11 @@ class Harness:
                 got_sigs = sigs.get(w.id, [])
                 if len(got_sigs) != 1 or got_sigs[0] is None:
                     sig_bad.append(f"{wid}: signals stored/consumed {got_sigs}")
-        dead_bad = [k for k in dead_wf if k[3:].rsplit("/", 1)[0] not in failing]
+        # an injected fwd3 failure may dead-letter while its saga still unwinds (a run that
+        # did not drain is reported above): allowed for every saga in the fraction
+        injected = {w.workflow_id for w in wfs if w.name == "faults.saga"
+                    and wf_fails(w.workflow_id, o.wf_fail_every)}
+        dead_bad = [k for k in dead_wf if k[3:].rsplit("/", 1)[0] not in injected]
         dead_missing = sorted(failing - {k[3:].rsplit("/", 1)[0] for k in dead_wf})
         r.stats["wf"] = dict(
             started=sum(started[k] for k in ("saga", "timer", "signal")),

@@ -41,6 +41,7 @@ from sqlalchemy import Text, and_, cast, func, or_, select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import outbox
+from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
 from reliable_beat.outbox import db_now, insert_ignore
@@ -140,13 +141,20 @@ def args_digest(kind: str, name: str | None, args: Any) -> str:
 
 
 def to_json(value: Any, what: str) -> Any:
-    """``value`` after a JSON round trip (what replay will see), or a clear TypeError."""
+    """``value`` as the JSON stored in the history, encoded as Celery's JSON serializer
+    (kombu) encodes it (:func:`reliable_beat.values.to_json_value`): plain JSON, and
+    ``datetime`` / ``date`` / ``time`` / ``Decimal`` / ``UUID`` / ``bytes`` as kombu's
+    ``{"__type__", "__value__"}`` objects, which :func:`reliable_beat.values.from_json_value`
+    turns back into the Python values the workflow code gets (the same on every replay).
+
+    Raises:
+        TypeError: a value neither JSON nor kombu carries (or a NaN, infinity or ``\\x00``);
+            the message names the path to it (``workflow 'x' args[1]['when']``) and the fix.
+    """
     try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"{what} must be JSON-serialisable (workflow data is stored as JSON): {exc}"
-        ) from exc
+        return rb_values.to_json_value(value, what)
+    except ValueError as exc:
+        raise TypeError(f"{exc} (workflow data is stored as JSON)") from exc
 
 
 def error_json(exc: BaseException) -> dict[str, str]:
@@ -238,17 +246,19 @@ def add_wake(
 
 
 def drop_wakes(conn: Connection, workflow_id: str) -> int:
-    """Delete the pending, unclaimed wake rows of a workflow that just ended (joins
-    ``conn``, the transaction that ends it): a 24 h ``ctx.sleep`` or signal timeout leaves
-    a delayed wake that would only find the workflow ended, and would count as outbox
-    backlog meanwhile. Activity messages are left alone. Returns the rows deleted."""
+    """Delete the delayed wake rows of a workflow that just ended (joins ``conn``, the
+    transaction that ends it): pending, not yet due and unclaimed. A 24 h ``ctx.sleep`` or
+    signal timeout leaves such a wake; it would only find the workflow ended. Rows already
+    due are left to the relay (a no-op advance): one may be the message being delivered
+    right now. Activity messages are left alone. Returns the rows deleted."""
     from reliable_beat.db.tables import outbox as outbox_table
 
     o = outbox_table
+    now = db_now(conn)
+    still = (o.c.state == "pending", o.c.claimed_by.is_(None), o.c.available_at > now)
     found = conn.execute(
         select(o.c.id, o.c.payload).where(
-            o.c.destination == WAKE_DESTINATION, o.c.state == "pending",
-            o.c.claimed_by.is_(None),
+            o.c.destination == WAKE_DESTINATION, *still,
             o.c.message_id.startswith(f"wake:{workflow_id}:", autoescape=True))
     ).all()
     ids = []
@@ -264,7 +274,8 @@ def drop_wakes(conn: Connection, workflow_id: str) -> int:
             ids.append(r.id)
     if not ids:
         return 0
-    return int(conn.execute(o.delete().where(o.c.id.in_(ids))).rowcount or 0)
+    # re-checked: a relay may have claimed one since the read
+    return int(conn.execute(o.delete().where(o.c.id.in_(ids), *still)).rowcount or 0)
 
 
 # ------------------------------------------------------------------ registry ----
@@ -424,7 +435,7 @@ class WorkflowHandle:
         while True:
             row = self.status()
             if row["state"] == "completed":
-                return row["result"]
+                return rb_values.from_json_value(row["result"])
             if row["state"] in ("failed", "cancelled"):
                 raise WorkflowFailed(self.workflow_id, row["error"], state=row["state"])
             if row["state"] == "blocked":

@@ -1,5 +1,6 @@
-"""Workflows are scoped to the schedule group of the app that started them (SQLite and
-PostgreSQL; the two-app acceptance test is tests/acceptance/test_workflow_app_scope.py).
+"""Workflows are scoped to the schedule group of the app that started them (SQLite,
+PostgreSQL, and MariaDB with ``-m mariadb``; the two-app acceptance test is
+tests/acceptance/test_workflow_app_scope.py).
 
 A workflow records its group at start (the starting app's; a child its parent's; a
 scheduled workflow its entry's), every outbox row it writes carries it (wakes, activity
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
 from wf_driver import Driver
 
 
-@pytest.fixture(params=["sqlite", "pg"])
+@pytest.fixture(params=["sqlite", "pg", pytest.param("mariadb", marks=pytest.mark.mariadb)])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     yield request.getfixturevalue(f"{request.param}_store")
 

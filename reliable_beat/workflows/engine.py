@@ -1097,7 +1097,7 @@ def _row_dict(row: Any) -> dict[str, Any]:
         "result": m["result"], "error": m["error"], "block_reason": m["block_reason"],
         "version": m.get("version"), "queue": m["queue"], "fence_token": m["fence_token"],
         "leased_by": m["leased_by"], "entry_name": m.get("entry_name"),
-        "slot_fire_at": m.get("fire_at"),
+        "slot_fire_at": m.get("fire_at"), "schedule_group": m.get("schedule_group"),
         "lease_expires_at": m["lease_expires_at"], "wake_seq": m["wake_seq"],
         "claimed_wake_seq": m["claimed_wake_seq"], "history_len": m["history_len"],
         "advances": m["advances"], "created_at": m["created_at"],

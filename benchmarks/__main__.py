@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import shlex
 import sys
@@ -21,12 +22,13 @@ PARTS = {
     "relay": ("benchmarks.dispatch", "run_relay"),
     "workflows": ("benchmarks.workflows", "run"),
     "stacks": ("benchmarks.stacks", "run"),
+    "herd": ("benchmarks.herd", "run"),
     "workflow_round_trips": ("benchmarks.workflows", "run_round_trips"),
 }
 #: Parts run only with ``--only``: part 6 (``stacks``: it starts its own MariaDB and RabbitMQ
 #: unless given ``--mariadb-url`` / ``--amqp-url``) and ``workflow_round_trips`` (the default
 #: run has its figures already).
-ONLY_ON_REQUEST = {"stacks", "workflow_round_trips"}
+ONLY_ON_REQUEST = {"stacks", "workflow_round_trips", "herd"}
 DEFAULT_PARTS = [name for name in PARTS if name not in ONLY_ON_REQUEST]
 
 
@@ -42,14 +44,25 @@ def main(argv: list[str] | None = None) -> int:
                         "that may create databases) instead of a private server")
     parser.add_argument("--amqp-url", help="part 6 (stacks): use this RabbitMQ instead of a "
                         "private node")
+    parser.add_argument("--repeats", type=int, help="measure each size this many times in "
+                        "one invocation (lateness, task_overhead; default 3 at full size, 1 at "
+                        "smoke) and print the median and the range of the runs")
+    parser.add_argument("--background-load", action="store_true", help="lateness: also "
+                        "measure ours and stock beat beside one busy process (a Python "
+                        "`while True: pass` loop, one core); on by default at full size")
     args = parser.parse_args(argv)
     size = SIZES[args.size]
+    if args.repeats is not None:
+        size = dataclasses.replace(size, repeats=max(1, args.repeats))
+    if args.background_load:
+        size = dataclasses.replace(size, lateness_background=True)
     started = datetime.now(timezone.utc)
     failed = False
     print("# reliable_beat benchmarks\n", flush=True)
     print(f"- command: `python -m benchmarks {shlex.join(sys.argv[1:])}`".replace(" `", " `")
           .rstrip())
-    print(f"- date: {started:%Y-%m-%d %H:%M} UTC, size `{size.name}`", flush=True)
+    print(f"- date: {started:%Y-%m-%d %H:%M} UTC, size `{size.name}`, "
+          f"{size.repeats} run(s) per size", flush=True)
     parts = args.only or DEFAULT_PARTS
     with servers(args.postgres_url, args.redis_url, size, mariadb_url=args.mariadb_url,
                  amqp_url=args.amqp_url, stacks="stacks" in parts) as env:

@@ -16,15 +16,17 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -48,13 +50,20 @@ class Sizes:
     lateness_seconds: float
     task_n: int
     relay_n: int
+    #: How many times parts that repeat (lateness, task overhead) measure each size in one
+    #: invocation; each figure is then printed as the median and the range of the runs
+    #: (``--repeats`` overrides it).
+    repeats: int = 1
+    #: Lateness: also measure ours (3 beats) and stock beat beside one busy core.
+    lateness_background: bool = False
 
 
 SIZES = {
     "smoke": Sizes("smoke", 1_000, 500, (1, 2), [1_000, 10_000], [1_000, 10_000], [1_000, 10_000],
                    10, 3.0, 50, 1_000),
     "full": Sizes("full", 20_000, 500, (1, 2, 4), [1_000, 100_000, 1_000_000, 10_000_000],
-                  [1_000, 100_000], [1_000, 100_000, 1_000_000], 100, 30.0, 2_000, 20_000),
+                  [1_000, 100_000], [1_000, 100_000, 1_000_000], 100, 30.0, 2_000, 20_000,
+                  repeats=3, lateness_background=True),
 }
 
 
@@ -184,6 +193,38 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def num(v: float) -> str:
+    """A number as the tables print it (thousands separators; 2-3 significant decimals)."""
+    if v != v:
+        return "-"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
+
+
+def repeat(times: int, measure: Callable[[int], T]) -> list[T]:
+    """``[measure(0), measure(1), ...]``: one size measured ``times`` times in a row."""
+    return [measure(i) for i in range(max(1, times))]
+
+
+def spread(values: Sequence[float], unit: str = "", digits: int | None = None) -> str:
+    """The median of repeated runs and their range: ``"4.15 (3.90-4.61)"``.
+
+    One value prints alone; NaNs (a run that measured nothing) are left out, and all-NaN
+    prints ``-``. ``unit`` is appended to each number (``"x"`` for ratios); ``digits``
+    fixes the decimals (default: as :func:`num`).
+    """
+    vals = [v for v in values if v == v]
+    if not vals:
+        return "-"
+
+    def fmt(v: float) -> str:
+        return (num(v) if digits is None else f"{v:.{digits}f}") + unit
+
+    mid = fmt(median(vals))
+    if len(vals) == 1:
+        return mid
+    return f"{mid} ({fmt(min(vals))}-{fmt(max(vals))})"
+
+
 def check(ok: bool | None) -> str:
     return "n/a" if ok is None else ("✔" if ok else "✘")
 
@@ -192,9 +233,7 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     """A markdown table."""
     def cell(v: Any) -> str:
         if isinstance(v, float):
-            if v != v:
-                return "-"
-            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
+            return num(v)
         if isinstance(v, int):
             return f"{v:,}"
         return str(v)

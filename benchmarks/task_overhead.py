@@ -21,10 +21,10 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import PY, ROOT, Env, check, table
+from benchmarks.common import PY, ROOT, Env, check, spread, table
 
 QUEUE = "to_q"
-TARGET = 0.5
+TARGET = 0.7  # issue 20 (was 0.5)
 
 
 def _make_app() -> Any:
@@ -146,18 +146,25 @@ def run(env: Env) -> str:
                                      "key varchar(200), n int)"))
             pools = [("solo", ["--pool", "solo"]),
                      ("prefork -c 2", ["--pool", "prefork", "-c", "2"])]
-            for label, pool in pools[:1] if env.size.name == "smoke" else pools:
-                env.flush_redis()
-                with eng.begin() as conn:
-                    conn.execute(sa.text("TRUNCATE bench_effects"))
-                plain = _drain(env, db_url, "to.plain", n, pool, label[:4], n, tmp)
-                with eng.begin() as conn:
-                    conn.execute(sa.text("TRUNCATE bench_effects"))
-                idem = _drain(env, db_url, "to.idem", n, pool, label[:4], n, tmp)
-                replay = _drain(env, db_url, "to.idem", n, pool, label[:4], n, tmp)
-                ratio = idem / plain
-                rows.append([label, plain, idem, replay, f"{ratio:.2f}x", "≥ 0.5x",
-                             check(ratio >= TARGET)])
+            measured: dict[str, list[tuple[float, float, float]]] = {}
+            for rep in range(env.size.repeats):
+                for label, pool in pools[:1] if env.size.name == "smoke" else pools:
+                    tag = f"{label[:4]}{rep}"  # fresh keys per run: none deduplicated
+                    env.flush_redis()
+                    with eng.begin() as conn:
+                        conn.execute(sa.text("TRUNCATE bench_effects"))
+                    plain = _drain(env, db_url, "to.plain", n, pool, tag, n, tmp)
+                    with eng.begin() as conn:
+                        conn.execute(sa.text("TRUNCATE bench_effects"))
+                    idem = _drain(env, db_url, "to.idem", n, pool, tag, n, tmp)
+                    replay = _drain(env, db_url, "to.idem", n, pool, tag, n, tmp)
+                    measured.setdefault(label, []).append((plain, idem, replay))
+            for label, got in measured.items():
+                ratios = [i / p for p, i, _ in got]
+                rows.append([label, spread([p for p, _, _ in got]),
+                             spread([i for _, i, _ in got]), spread([r for _, _, r in got]),
+                             spread(ratios, "x", 2), ", ".join(f"{x:.2f}x" for x in ratios),
+                             f"≥ {TARGET}x in every run", check(min(ratios) >= TARGET)])
             eng.dispose()
     finally:
         for k, v in saved.items():
@@ -166,8 +173,11 @@ def run(env: Env) -> str:
             else:
                 os.environ[k] = v
     return "\n".join([
-        f"### 4. Task overhead ({n:,} queued calls drained by one worker)",
+        f"### 4. Task overhead ({n:,} queued calls drained by one worker; "
+        + (f"{env.size.repeats} runs in a row, each cell the median and the range)"
+           if env.size.repeats > 1 else "one run)"),
         "",
         table(["worker pool", "plain task /s", "IdempotentTask /s",
-               "deduplicated replay /s", "idempotent / plain", "target", ""], rows),
+               "deduplicated replay /s", "idempotent / plain", "each run", "target", ""],
+              rows),
     ])

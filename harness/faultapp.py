@@ -52,6 +52,7 @@ from harness.faultcore import (
     metadata,
     slot_hash,
     triggers,
+    wf_activity_body,
 )
 from harness.faultcore import db as _db
 
@@ -141,6 +142,19 @@ for _e in CONFIG.get("entries", []):
     else:  # stock celery / RedBeat: Celery interval schedules of the same period
         _item["schedule"] = timedelta(seconds=int(_e["every"]))
     _schedule[_e["name"]] = _item
+#: The workflow shapes' entries (``"workflows": true``): each slot starts one workflow
+#: (``reliable_beat.workflow.start``, workflow id ``<entry>@<slot>``).
+if MODE == "reliable" and not _compare and CONFIG.get("workflows"):
+    for _w in CONFIG.get("wf_entries", []):
+        _schedule[_w["name"]] = {
+            "task": "reliable_beat.workflow.start",
+            "schedule": timedelta(seconds=int(_w["every"])),
+            "args": [_w["workflow"]],
+            "options": {"reliable_beat": {
+                "misfire_policy": "catch_up", "catch_up_limit": 1000, "misfire_grace": 600,
+                # a long outage starts the last 30 s of slots' workflows, not 2 minutes'
+                "catch_up_window": 30, "overlap_policy": "allow", "anchor": _w["anchor"]}},
+        }
 app.conf.beat_schedule = _schedule
 
 def _effect_body(task: Any, entry: str) -> dict[str, Any]:
@@ -173,6 +187,45 @@ if MODE == "reliable" and not _compare:
     def effect(self: Any, entry: str) -> dict[str, Any]:
         """The effect of one slot: an effect row + an outbox message, in one transaction."""
         return _effect_body(self, entry)
+
+
+if MODE == "reliable" and not _compare and CONFIG.get("workflows"):
+    from reliable_beat.celery.task import IdempotentTask
+    from reliable_beat.workflows import WorkflowContext, workflow
+
+    @app.task(base=IdempotentTask, bind=True, name="faultapp.wf_act")  # type: ignore[untyped-decorator]
+    def wf_act(self: Any, workflow_id: str, action: str) -> str:
+        """A workflow activity or compensation: one keyed effect row (``faults_wf_effects``)."""
+        return wf_activity_body(self, workflow_id, action)
+
+    @workflow(app, name="faults.saga")
+    def saga_shape(ctx: WorkflowContext) -> str:
+        """Three forward activities, each with its compensation recorded before it; ``fwd3``
+        fails permanently in the :func:`~harness.faultcore.wf_fails` fraction and the saga
+        unwinds ``comp3``, ``comp2``, ``comp1``; the workflow ends ``failed``."""
+        wid = ctx.info.workflow_id
+        with ctx.saga() as saga:
+            for i in (1, 2, 3):
+                saga.compensate(wf_act, wid, f"comp{i}")
+                ctx.activity(wf_act, wid, f"fwd{i}")
+        return "completed"
+
+    @workflow(app, name="faults.timer")
+    def timer_shape(ctx: WorkflowContext) -> str:
+        """An activity, a durable timer of ``wf_timer_seconds``, an activity."""
+        wid = ctx.info.workflow_id
+        ctx.activity(wf_act, wid, "before")
+        ctx.sleep(timedelta(seconds=float(CONFIG.get("wf_timer_seconds", 3))))
+        ctx.activity(wf_act, wid, "after")
+        return "completed"
+
+    @workflow(app, name="faults.signal")
+    def signal_shape(ctx: WorkflowContext) -> Any:
+        """Waits for signal ``go`` (the harness sends it, sometimes twice under one dedup
+        key), then an activity."""
+        got = ctx.wait_signal("go")
+        ctx.activity(wf_act, ctx.info.workflow_id, "signalled")
+        return got
 
 
 @app.task(bind=True, name="faultapp.record")  # type: ignore[untyped-decorator]

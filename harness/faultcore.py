@@ -51,6 +51,10 @@ __all__ = [
     "reliable_settings",
     "slot_hash",
     "triggers",
+    "wf_activity_body",
+    "wf_effects",
+    "wf_fails",
+    "wf_transient",
 ]
 
 _skew = float(os.environ.get("RB_FAULTS_CLOCK_SKEW", "0") or 0)
@@ -90,6 +94,20 @@ triggers = Table(
     Column("at", Float, nullable=False),  # the slot (reliable) or the publish time (epoch s)
     Column("task_id", String(64), nullable=True),
     Column("pid", Integer, nullable=False),
+)
+#: One row per effect of a workflow activity or compensation (the workflow shapes):
+#: ``(workflow_id, action)`` is deliberately NOT unique, so a duplicate effect is visible.
+wf_effects = Table(
+    "faults_wf_effects",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("workflow_id", String(400), nullable=False),
+    Column("action", String(20), nullable=False),  # fwd1..3, comp1..3, before, after, signalled
+    Column("run_key", String(400), nullable=False),
+    Column("fence_token", BigInteger, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("created_at", DateTime(timezone=True), server_default=func.now()),
 )
 
 
@@ -208,3 +226,41 @@ def deliver(message: Any) -> None:
         if 400 <= exc.code < 500 and exc.code not in (408, 429):
             raise PermanentDeliveryError(f"sink answered {exc.code}") from exc
         raise
+
+
+# ---------------------------------------------------------------- workflow shapes ----
+
+
+def wf_fails(workflow_id: str, every: int | None = None) -> bool:
+    """Saga workflows whose third forward activity fails permanently (so they unwind):
+    a deterministic fraction, one in ``wf_fail_every`` (default 3), by a hash of the id."""
+    n = every if every is not None else int(CONFIG.get("wf_fail_every", 3))
+    return n > 0 and slot_hash("wf", workflow_id) % n == 0
+
+
+def wf_transient(workflow_id: str, action: str) -> bool:
+    """Workflow activities whose attempt 1 raises ``ConnectionError`` after writing its
+    effect (rolled back, retried): one in five, by a hash of ``(workflow id, action)``."""
+    return slot_hash(workflow_id, action) % 5 == 1
+
+
+def wf_activity_body(run: Any, workflow_id: str, action: str) -> str:
+    """The effect of one workflow activity or compensation (``run`` is the
+    ``IdempotentTask``): an effect row ``(workflow_id, action, run_key, ...)`` written in the
+    run's completing transaction, with its result declared there.
+
+    ``fwd3`` of a saga in the :func:`wf_fails` fraction raises ``PermanentError`` (no
+    effect: it dead-letters and the saga unwinds); a :func:`wf_transient` activity raises
+    ``ConnectionError`` on attempt 1, inside the transaction, after its write."""
+    if action == "fwd3" and wf_fails(workflow_id):
+        raise PermanentError(f"injected permanent failure of {workflow_id} {action}")
+    with run.transaction() as tx:
+        tx.execute(insert(wf_effects).values(
+            workflow_id=workflow_id, action=action, run_key=run.idempotency_key,
+            fence_token=run.fence_token, attempt=run.attempt, pid=os.getpid(),
+        ))
+        if run.attempt == 1 and wf_transient(workflow_id, action):
+            raise ConnectionError(
+                f"injected transient failure of {workflow_id} {action} (attempt 1)")
+        run.returns(action)
+    return action

@@ -38,9 +38,22 @@ What it does (see ``docs/reliability.md``):
    ``mariadbd``, at random, then a start on the same data directory: every connection of
    every process is dropped, and committed transactions must survive InnoDB's crash
    recovery), in place of ``pg_restart``.
-3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain, checks
-   the ledger, prints a markdown table and exits non-zero on any missing or duplicated
-   effect or failed check.
+   Beside the periodic entries (Celery; ``--no-workflows`` leaves them out) run three
+   **workflow shapes** (:mod:`harness.faultapp`), started by beat entries
+   (``reliable_beat.workflow.start``: one workflow per slot) and, for the signal shape, by the
+   harness itself: a saga (3 forward activities, each compensation recorded before its step;
+   the third fails permanently in a deterministic 1/3 of the workflows, which unwind), a
+   timer (activity, 3 s durable timer, activity) and a signal wait (the harness sends the
+   signal, one time in three twice under one dedup key; then an activity). Every activity
+   and compensation writes a keyed effect row into ``faults_wf_effects`` (no unique
+   constraint). ``poison_row`` also writes a workflow row naming no registered workflow: it
+   must end ``blocked``, alone.
+3. Stops faults 20 s before the end, stops the beats, lets workers and relays drain (and the
+   workflows end), checks the ledger, prints a markdown table and exits non-zero on any
+   missing or duplicated effect or failed check. Workflows: each ended as its shape and the
+   fraction say (completed, or failed after unwinding), each forward and compensation
+   effect exactly once, compensations in reverse order, no timer early, one consumed signal
+   each, none left pending/running/waiting, ``blocked`` only where injected.
 
 ``--compare stock,redbeat`` then runs the same entries (as Celery intervals) under two stock
 ``celery beat`` processes (PersistentScheduler, one schedule file each) and two RedBeat
@@ -129,6 +142,16 @@ def fault_kinds(broker: str = "redis", store: str = "postgresql") -> list[str]:
 COMPARE_FAULT_KINDS = ["kill_beat", "pause_beat"]
 
 ACTIVE = ("scheduled", "dispatched", "running", "retrying", "buffered")
+#: Workflow states that are not an end: none may remain after the drain.
+WF_ACTIVE = ("pending", "running", "waiting")
+#: The workflow shapes (harness.faultapp) and the effects each must leave exactly once.
+WF_SHAPES = ("faults.saga", "faults.timer", "faults.signal")
+WF_EXPECTED = {
+    ("faults.saga", "completed"): ("fwd1", "fwd2", "fwd3"),
+    ("faults.saga", "failed"): ("fwd1", "fwd2", "comp3", "comp2", "comp1"),  # in this order
+    ("faults.timer", "completed"): ("before", "after"),
+    ("faults.signal", "completed"): ("signalled",),
+}
 
 
 def log(msg: str) -> None:
@@ -423,6 +446,16 @@ class Options:
     drain_seconds: float = 120.0
     transient_every: int = 7
     permanent_every: int = 60
+    #: the workflow shapes (Celery only): saga / timer / signal entries' periods (s), the
+    #: saga fraction that unwinds (one in ``wf_fail_every``), the timer's length (s), how
+    #: often the harness itself starts a signal workflow (s; 0: never)
+    workflows: bool = True
+    wf_saga_every: int = 6
+    wf_timer_every: int = 10
+    wf_signal_every: int = 10
+    wf_fail_every: int = 3
+    wf_timer_seconds: float = 3.0
+    wf_direct_every: float = 8.0
 
 
 @dataclass
@@ -451,6 +484,13 @@ class Harness:
         self.stop_faults = threading.Event()
         #: tags of the poison rows injected (one malformed row per table each time)
         self.poisoned: list[str] = []
+        #: workflow shapes: ids of the injected poison workflows (must end blocked), signal
+        #: workflows signalled (id -> times sent), workflows the harness started itself
+        self.wf_poisoned: list[str] = []
+        self.wf_signalled: dict[str, int] = {}
+        self.wf_direct: list[str] = []
+        self.wf_driver_errors = 0
+        self.stop_wf = threading.Event()
 
     # -- setup ---------------------------------------------------------------------------
     def _servers(self) -> tuple[str, str]:
@@ -489,6 +529,10 @@ class Harness:
             "transient_every": self.opts.transient_every,
             "permanent_every": self.opts.permanent_every,
             "entries": self.entries,
+            "workflows": self.wf_on,
+            "wf_entries": self.wf_entries,
+            "wf_fail_every": self.opts.wf_fail_every,
+            "wf_timer_seconds": self.opts.wf_timer_seconds,
             **extra,
         }
         path.write_text(json.dumps(cfg, indent=1))
@@ -503,9 +547,15 @@ class Harness:
         store.dispose()
         engine = create_engine(self.db_url, pool_pre_ping=True)
         with engine.begin() as conn:
-            conn.execute(text("DROP TABLE IF EXISTS faults_effects, faults_triggers"))
+            conn.execute(text(
+                "DROP TABLE IF EXISTS faults_effects, faults_triggers, faults_wf_effects"))
         faultcore.metadata.create_all(engine)
         return engine
+
+    @property
+    def wf_on(self) -> bool:
+        """True when the run has the workflow shapes (``--workflows``, Celery only)."""
+        return self.opts.workflows and self.opts.framework == "celery"
 
     @property
     def mysql(self) -> bool:
@@ -541,6 +591,13 @@ class Harness:
                 self.stack.callback(self.engine.dispose)
                 anchor = self.db_now().replace(microsecond=0)
                 self.entries = make_entries(o.entries, self.rng, anchor)
+                self.wf_entries = [
+                    {"name": name, "workflow": wf, "every": every,
+                     "anchor": f"{anchor:%Y-%m-%dT%H:%M:%SZ}"}
+                    for name, wf, every in (("wfsaga", "faults.saga", o.wf_saga_every),
+                                            ("wftimer", "faults.timer", o.wf_timer_every),
+                                            ("wfsignal", "faults.signal", o.wf_signal_every))
+                ] if self.wf_on else []
                 code = self._main_run()
                 print(self.report(), flush=True)
                 for mode in o.compare:
@@ -590,6 +647,9 @@ class Harness:
         timeline = threading.Thread(target=self._timeline, args=(started + o.warmup_seconds,
                                                                 fault_end), daemon=True)
         timeline.start()
+        if self.wf_on:
+            threading.Thread(target=self._wf_driver, daemon=True).start()
+            self.stack.callback(self.stop_wf.set)
         while time.monotonic() < started + total - o.quiet_seconds / 2:
             time.sleep(0.5)
         self.stop_faults.set()
@@ -600,9 +660,12 @@ class Harness:
         for name in self.procs.names("beat"):
             self.procs.stop(name)
         drained = self._drain(o.drain_seconds)
+        self.stop_wf.set()
         if not drained:
             self.result.failures.append(f"not drained within {o.drain_seconds:.0f} s")
         self._check()
+        if self.wf_on:
+            self._check_workflows()
         for name in list(self.procs.procs):
             self.procs.stop(name)
         return 1 if self.result.failures else 0
@@ -765,7 +828,206 @@ class Harness:
             ))
         self.poisoned.append(tag)
         log(f"poison rows {tag}: an entry, an outbox row and a run")
+        if self.wf_on:
+            self._poison_workflow(tag)
         self.result.faults["poison_row"] += 1
+
+    def _poison_workflow(self, tag: str) -> None:
+        """Two poison workflows rows, each with its start wake: one naming no registered
+        workflow, one (a ``faults.timer``) whose ``args`` is a number, not a JSON array.
+        Each advance must park only that workflow ``blocked``; the others go on."""
+        from reliable_beat.db.tables import workflows
+        from reliable_beat.workflows import start
+
+        unknown, bad_args = f"{tag}:wf-unknown", f"{tag}:wf-args"
+        with self.engine.begin() as conn:
+            start(conn, "faults.no_such_workflow", unknown)
+            start(conn, "faults.timer", bad_args)
+            conn.execute(workflows.update().where(workflows.c.workflow_id == bad_args)
+                         .values(args=5))
+        self.wf_poisoned += [unknown, bad_args]
+        log(f"poison workflows {unknown} (no such workflow), {bad_args} (args 5)")
+
+    def _wf_driver(self) -> None:
+        """The workflow shapes' harness side: starts a signal workflow itself every
+        ``wf_direct_every`` s (until the faults stop) and sends each signal workflow its
+        ``go`` signal 0.5-4 s after it first sees it, one time in three twice under the same
+        dedup key. Database errors (the store restarts) are retried on the next loop; starts
+        and signals are idempotent on their id / key."""
+        from reliable_beat.db.tables import workflows
+        from reliable_beat.workflows import WorkflowConflict, signal, start
+
+        o = self.opts
+        rng = random.Random(o.seed + 16)  # not self.rng: the fault timeline stays the same
+        next_direct = time.monotonic() + o.warmup_seconds
+        due: dict[str, float] = {}
+        while not self.stop_wf.is_set():
+            try:
+                if (o.wf_direct_every > 0 and not self.stop_faults.is_set()
+                        and time.monotonic() >= next_direct):
+                    wid = f"direct-signal-{len(self.wf_direct)}"
+                    with self.engine.begin() as conn:
+                        start(conn, "faults.signal", wid)
+                    self.wf_direct.append(wid)
+                    next_direct = time.monotonic() + o.wf_direct_every
+                with self.engine.connect() as conn:
+                    ids = conn.execute(select(workflows.c.workflow_id).where(
+                        workflows.c.name == "faults.signal",
+                        workflows.c.state.in_(WF_ACTIVE))).scalars().all()
+                now = time.monotonic()
+                for wid in ids:
+                    if wid in self.wf_signalled:
+                        continue
+                    if wid not in due:
+                        due[wid] = now + rng.uniform(0.5, 4.0)
+                    if now < due[wid]:
+                        continue
+                    times = 2 if rng.random() < 1 / 3 else 1
+                    for _ in range(times):
+                        with self.engine.begin() as conn:
+                            signal(conn, wid, "go", {"wid": wid}, key=f"go:{wid}")
+                    self.wf_signalled[wid] = times
+            except WorkflowConflict as exc:  # ended before its signal: the verdict says so
+                log(f"signal refused: {exc}")
+                self.wf_driver_errors += 1
+            except Exception as exc:  # the store is restarting: next loop
+                log(f"workflow driver: {exc.__class__.__name__}: {str(exc)[:120]}")
+                self.wf_driver_errors += 1
+                time.sleep(1.0)
+            self.stop_wf.wait(0.5)
+
+    def _check_workflows(self) -> None:
+        """The workflow shapes' verdict: every workflow ended as its shape and the
+        deterministic fraction say (completed, or failed after unwinding), each forward and
+        compensation effect exactly once (none duplicated, none missing for an ended
+        workflow, none unexpected), compensations in reverse order, no timer fired early,
+        each signal stored once (dedup) and consumed, ``blocked`` only where injected, no
+        dead letter but the injected ``fwd3`` failures."""
+        from harness.faultcore import wf_effects, wf_fails
+        from reliable_beat.db.tables import dead_letters, workflow_signals, workflows
+
+        o, r = self.opts, self.result
+        with self.engine.connect() as conn:
+            wfs = conn.execute(select(
+                workflows.c.id, workflows.c.workflow_id, workflows.c.name, workflows.c.state,
+                workflows.c.error, workflows.c.block_reason, workflows.c.entry_name)
+                # this run's (an existing --postgres-url database may hold older ones)
+                .where(workflows.c.created_at >= self.t_start)).all()
+            effs = conn.execute(select(
+                wf_effects.c.id, wf_effects.c.workflow_id, wf_effects.c.action,
+                wf_effects.c.created_at).order_by(wf_effects.c.id)).all()
+            sig_rows = conn.execute(select(
+                workflow_signals.c.workflow_pk, workflow_signals.c.consumed_seq)).all()
+            dead_wf = conn.execute(select(dead_letters.c.key).where(
+                dead_letters.c.key.like("wf:%"))).scalars().all()
+        by_wf: dict[str, list[Any]] = defaultdict(list)
+        for e in effs:
+            by_wf[e.workflow_id].append(e)
+        sigs: dict[int, list[Any]] = defaultdict(list)
+        for pk, consumed in sig_rows:
+            sigs[pk].append(consumed)
+        states: Counter[str] = Counter()
+        started: Counter[str] = Counter()
+        dup: list[str] = []
+        missing: list[str] = []
+        unexpected: list[str] = []
+        wrong_end: list[str] = []
+        order: list[str] = []
+        early: list[str] = []
+        sig_bad: list[str] = []
+        left: list[str] = []
+        blocked_bad: list[str] = []
+        failing = set()
+        for w in wfs:
+            if w.workflow_id in self.wf_poisoned:
+                if w.state != "blocked":
+                    blocked_bad.append(f"{w.workflow_id}: injected, but {w.state}")
+                continue
+            if w.name not in WF_SHAPES:
+                continue
+            shape = w.name.split(".")[1]
+            started[shape] += 1
+            started["scheduled" if w.entry_name else "harness"] += 1
+            states[w.state] += 1
+            wid = w.workflow_id
+            got = Counter(e.action for e in by_wf.get(wid, []))
+            dup += [f"{wid} {a} x{n}" for a, n in got.items() if n > 1]
+            if w.state in WF_ACTIVE:
+                left.append(f"{wid} {w.state}")
+                continue
+            if w.state == "blocked":
+                blocked_bad.append(f"{wid}: {w.block_reason}")
+                continue
+            want_state = ("failed" if w.name == "faults.saga" and wf_fails(wid, o.wf_fail_every)
+                          else "completed")
+            if w.state != want_state:
+                wrong_end.append(f"{wid} {w.state} (expected {want_state}): {w.error}")
+                continue
+            if w.state == "failed":
+                failing.add(wid)
+                if "injected permanent failure" not in json.dumps(w.error):
+                    wrong_end.append(f"{wid} failed, not with the original error: {w.error}")
+            want = WF_EXPECTED[(w.name, w.state)]
+            missing += [f"{wid} {a}" for a in want if got[a] == 0]
+            unexpected += [f"{wid} {a}" for a in got if a not in want]
+            firsts: dict[str, Any] = {}
+            for e in by_wf.get(wid, []):
+                firsts.setdefault(e.action, e)
+            if w.state == "failed":
+                comps = [firsts[a].id for a in ("comp3", "comp2", "comp1") if a in firsts]
+                if comps != sorted(comps):
+                    order.append(f"{wid}: {[e.action for e in by_wf[wid]]}")
+            if w.name == "faults.timer" and "before" in firsts and "after" in firsts:
+                gap = (firsts["after"].created_at - firsts["before"].created_at)
+                if gap.total_seconds() < o.wf_timer_seconds - 0.01:
+                    early.append(f"{wid}: {gap.total_seconds():.2f} s")
+            if w.name == "faults.signal":
+                got_sigs = sigs.get(w.id, [])
+                if len(got_sigs) != 1 or got_sigs[0] is None:
+                    sig_bad.append(f"{wid}: signals stored/consumed {got_sigs}")
+        # an injected fwd3 failure may dead-letter while its saga still unwinds (a run that
+        # did not drain is reported above): allowed for every saga in the fraction
+        injected = {w.workflow_id for w in wfs if w.name == "faults.saga"
+                    and wf_fails(w.workflow_id, o.wf_fail_every)}
+        dead_bad = [k for k in dead_wf if k[3:].rsplit("/", 1)[0] not in injected]
+        dead_missing = sorted(failing - {k[3:].rsplit("/", 1)[0] for k in dead_wf})
+        r.stats["wf"] = dict(
+            started=sum(started[k] for k in ("saga", "timer", "signal")),
+            by_shape={k: started[k] for k in ("saga", "timer", "signal")},
+            scheduled=started["scheduled"], harness=started["harness"],
+            states=dict(states), completed=states["completed"],
+            compensated=len(failing),
+            expected_compensated=sum(1 for w in wfs if w.name == "faults.saga"
+                                     and w.workflow_id not in self.wf_poisoned
+                                     and wf_fails(w.workflow_id, o.wf_fail_every)),
+            blocked=sum(1 for w in wfs if w.state == "blocked"),
+            injected=len(self.wf_poisoned),
+            effects=len(effs), duplicated=len(dup), missing=len(missing),
+            unexpected=len(unexpected), order=len(order), early=len(early),
+            signals_sent_twice=sum(1 for n in self.wf_signalled.values() if n == 2),
+            signal_problems=len(sig_bad), left=len(left), dead_letters=len(dead_wf),
+        )
+        checks: list[tuple[list[str], str]] = [
+            (dup, "workflow effects duplicated"),
+            (missing, "workflow effects missing (ended workflows)"),
+            (unexpected, "workflow effects that should not exist"),
+            (wrong_end, "workflows that ended wrong"),
+            (order, "sagas whose compensations did not run in reverse order"),
+            (early, "timers that fired early"),
+            (sig_bad, "signal workflows without exactly one stored, consumed signal"),
+            (left, "workflows left pending/running/waiting after the drain"),
+            (blocked_bad, "workflows blocked where nothing was injected (or injected and not "
+                          "blocked)"),
+            (dead_bad, "workflow dead letters where no failure was injected"),
+            (dead_missing, "unwound sagas without their fwd3 dead letter"),
+        ]
+        for bad, what in checks:
+            if bad:
+                r.failures.append(f"{len(bad)} {what}: {sorted(bad)[:5]}")
+        if not started["saga"] or not started["timer"] or not started["signal"]:
+            r.failures.append(f"a workflow shape never started: {dict(started)}")
+        if not failing:
+            r.failures.append("no saga unwound (the fraction should have made some fail)")
 
     def _check_poison(self) -> list[str]:
         """Every poison row quarantined / dead-lettered as malformed."""
@@ -926,7 +1188,7 @@ class Harness:
 
     # -- quiesce and check -----------------------------------------------------------------
     def _drain(self, timeout: float) -> bool:
-        from reliable_beat.db.tables import outbox, runs
+        from reliable_beat.db.tables import outbox, runs, workflows
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -939,11 +1201,16 @@ class Harness:
                     select(func.count()).where(outbox.c.state == "pending",
                                                outbox.c.destination != "celery")
                 ).scalar_one()
-            if not active and not pending:
+                wf_active = conn.execute(
+                    select(func.count()).where(workflows.c.state.in_(WF_ACTIVE),
+                                               workflows.c.created_at >= self.t_start)
+                ).scalar_one() if self.wf_on else 0
+            if not active and not pending and not wf_active:
                 log("drained")
                 return True
             time.sleep(1.0)
-        log(f"drain timed out: {active} runs active, {pending} outbox rows pending")
+        log(f"drain timed out: {active} runs active, {pending} outbox rows pending, "
+            f"{wf_active} workflows pending/running/waiting")
         return False
 
     def _check(self) -> None:
@@ -1003,6 +1270,7 @@ class Harness:
         unexpected_dl = sorted(
             key for kind, key, _ in dead
             if not key.startswith(tuple(f"{t}:" for t in self.poisoned))
+            if not key.startswith("wf:")  # a workflow activity's: see _check_workflows
             if kind != "run" or key.rsplit("@", 1)[0] not in names
             or not is_permanent(key.rsplit("@", 1)[0], key.rsplit("@", 1)[-1], o.permanent_every)
         )
@@ -1208,6 +1476,29 @@ class Harness:
             f"| max fire lateness (dispatched_at - fire_at) | "
             f"{'-' if late is None else f'{late:.2f} s'} |",
         ]
+        wf = s.get("wf")
+        if wf:
+            lines += [
+                "",
+                "| workflows | value |",
+                "|---|---|",
+                f"| workflows started (saga / timer / signal; by beat entries / by the harness) "
+                f"| {wf['started']} ({wf['by_shape']['saga']} / {wf['by_shape']['timer']} / "
+                f"{wf['by_shape']['signal']}; {wf['scheduled']} / {wf['harness']}) |",
+                f"| workflows completed | {wf['completed']} |",
+                f"| workflows compensated (saga unwound) / expected by the fraction | "
+                f"{wf['compensated']} / {wf['expected_compensated']} |",
+                f"| workflows blocked (injected) | {wf['blocked']} ({wf['injected']}) |",
+                f"| workflows left pending/running/waiting | {wf['left']} |",
+                f"| workflow effects (forward + compensation rows) | {wf['effects']} |",
+                f"| effects duplicated | {wf['duplicated']} |",
+                f"| effects missing | {wf['missing']} |",
+                f"| effects unexpected / compensations out of order / timers early | "
+                f"{wf['unexpected']} / {wf['order']} / {wf['early']} |",
+                f"| signals sent twice (deduplicated) / signal problems | "
+                f"{wf['signals_sent_twice']} / {wf['signal_problems']} |",
+                f"| workflow dead letters (injected fwd3 failures) | {wf['dead_letters']} |",
+            ]
         lines.append("")
         if r.failures:
             lines.append("RESULT: FAILED")
@@ -1291,6 +1582,8 @@ def _parse(argv: list[str] | None) -> Options:
     ap.add_argument("--compare-minutes", type=float, default=None)
     ap.add_argument("--drain-seconds", type=float, default=120.0,
                     help="how long workers and relays may take to drain after the faults")
+    ap.add_argument("--no-workflows", dest="workflows", action="store_false",
+                    help="leave out the workflow shapes (saga, timer, signal; Celery only)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep-workdir", action="store_true")
     a = ap.parse_args(argv)
@@ -1309,7 +1602,7 @@ def _parse(argv: list[str] | None) -> Options:
         entries=a.entries, postgres_url=a.postgres_url, redis_url=a.redis_url,
         broker=a.broker, framework=a.framework, store=a.store, compare=compare,
         compare_minutes=a.compare_minutes, workdir=a.workdir, drain_seconds=a.drain_seconds,
-        keep_workdir=a.keep_workdir,
+        keep_workdir=a.keep_workdir, workflows=a.workflows,
     )
 
 

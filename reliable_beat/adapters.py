@@ -13,6 +13,11 @@ Adapters are registered by name, as ``"package.module:attr"`` strings resolved o
 :func:`register_adapter`. An app belongs to the adapter whose name is the top-level package
 of a class in the app's type's MRO (``celery.app.base.Celery`` -> ``celery``); any other app
 object is taken as a Celery app, as before the core was made framework-neutral.
+
+The command line reaches an adapter the same way: ``-A`` loads the app through
+:meth:`AppAdapter.load_app` of :data:`DEFAULT_ADAPTER`, ``entries import`` uses its
+:meth:`AppAdapter.importers`; an adapter adds its own commands through the entry point group
+:data:`CLI_ENTRY_POINT_GROUP` (loaded by :mod:`reliable_beat.cli`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_ADAPTERS",
+    "CLI_ENTRY_POINT_GROUP",
     "DEFAULT_ADAPTER",
     "ENTRY_POINT_GROUP",
     "AppAdapter",
@@ -42,6 +48,9 @@ __all__ = [
 #: Entry point group for third-party adapters: ``name = "package.module:attr"`` (an
 #: :class:`AppAdapter`), ``name`` being the top-level package of the framework's app class.
 ENTRY_POINT_GROUP = "reliable_beat.adapters"
+#: Entry point group for adapters' command-line commands: ``name = "package.module:attr"``, a
+#: :class:`click.Command` (usually a group) mounted as ``reliable-beat <name>``.
+CLI_ENTRY_POINT_GROUP = "reliable_beat.cli"
 #: The adapters that ship with reliable_beat (name -> ``"module:attr"``).
 BUILTIN_ADAPTERS: dict[str, str] = {"celery": "reliable_beat.celery.adapter:ADAPTER"}
 #: The adapter of an app object no registered adapter claims.
@@ -85,6 +94,30 @@ class AppAdapter(Protocol):
 
     def install_workflows(self, app: Any) -> Callable[[], Store]:
         """Install the workflow advance task on ``app``; returns its store factory."""
+        ...
+
+    # What the command line (reliable_beat.cli) asks; it imports no adapter itself.
+
+    def load_app(self, spec: str | None, parent_app: Any = None) -> Any:
+        """The app named by ``spec`` (``-A spec``: ``module`` or ``module:attr``), or
+        ``parent_app`` (the one a framework's own command already loaded), with its task
+        modules imported, as the framework's worker would; None when neither is given.
+
+        Raises:
+            click.ClickException: the app or one of its task modules fails to import (the
+                message names it).
+        """
+        ...
+
+    def app_timezone(self, app: Any) -> str:
+        """The IANA zone ``app`` evaluates schedules in (the default of entries without one)."""
+        ...
+
+    def importers(self) -> Any:
+        """The module that imports this framework's foreign schedulers' entries:
+        ``read_<source>(...) -> [ForeignEntry]`` per source, ``import_entries(store, found,
+        ...) -> [ImportOutcome]`` and ``summary(outcomes) -> {action: count}`` (the Celery
+        adapter's: :mod:`reliable_beat.celery.importers`, RedBeat and django-celery-beat)."""
         ...
 
 

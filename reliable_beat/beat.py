@@ -105,6 +105,32 @@ def slot_counter(schedule: sch.Schedule) -> Callable[[datetime, datetime], int |
 
         return count
     return lambda _first, _last: None
+class _PlanCalls:
+    """A schedule's ``next_after`` / ``previous_at_or_before`` remembered for one tick (a
+    schedule is a value: the same instant always gets the same answer); errors are not
+    remembered. Bounded by the instants one tick asks about."""
+
+    def __init__(self, schedule: sch.Schedule) -> None:
+        self._schedule = schedule
+        self._next: dict[datetime, datetime | None] = {}
+        self._previous: dict[datetime, datetime | None] = {}
+        self.count_slots = slot_counter(schedule)
+
+    def next_after(self, t: datetime) -> datetime | None:
+        try:
+            return self._next[t]
+        except KeyError:
+            answer = self._next[t] = self._schedule.next_after(t)
+            return answer
+
+    def previous_at_or_before(self, t: datetime) -> datetime | None:
+        try:
+            return self._previous[t]
+        except KeyError:
+            answer = self._previous[t] = self._schedule.previous_at_or_before(t)
+            return answer
+
+
 #: SQLite: how often a claim also looks for rows whose instant is not readable (rows.py).
 UNREADABLE_SCAN_SECONDS = 60.0
 
@@ -463,6 +489,7 @@ class Beat:
     #: The outbox destination of this beat's trigger rows (one of TRIGGER_DESTINATIONS).
     trigger_destination: str = TRIGGER_DESTINATION
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
+    _schedules_by_spec: dict[Any, sch.Schedule] = field(default_factory=dict, repr=False)
     _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
     _last_scan: float = field(default=float("-inf"), repr=False)
 
@@ -485,10 +512,23 @@ class Beat:
         cached = self._schedules.get(name)
         if cached is not None and cached[0] == spec:
             return cached[1]
-        schedule = sch.schedule_from_spec(spec)
+        # Entries with the same spec share one schedule object (the herd: 100,000 entries
+        # of ``0 * * * *`` build and validate one CronSchedule and its croniter, not one
+        # each). A schedule is a value: a reused one answers as a fresh one
+        # (tests/unit/test_schedule_properties.py).
+        try:
+            key: Any = tuple(sorted(spec.items()))
+            shared = self._schedules_by_spec.get(key)
+        except TypeError:  # an unhashable value in a malformed spec: no sharing
+            key, shared = None, None
+        schedule = shared if shared is not None else sch.schedule_from_spec(spec)
         if len(self._schedules) > 10_000:  # bounded: memory must not grow with entries
             self._schedules.clear()
+        if len(self._schedules_by_spec) > 10_000:
+            self._schedules_by_spec.clear()
         self._schedules[name] = (spec, schedule)
+        if key is not None:
+            self._schedules_by_spec[key] = schedule
         return schedule
 
     def tick(self) -> TickResult:
@@ -634,6 +674,9 @@ class Beat:
 
             for name in active_entries(conn, overlap_entries):
                 active.setdefault(name, set()).add("running")
+        # Per tick, one memo per schedule object: entries sharing a schedule (the herd: every
+        # ``0 * * * *`` entry due at the same slot) ask it the same questions.
+        planners: dict[int, tuple[sch.Schedule, _PlanCalls]] = {}
         started = time.monotonic()
         for index, row in enumerate(rows):
             if index and time.monotonic() - started > self.plan_budget:
@@ -646,11 +689,15 @@ class Beat:
                 break
             try:
                 schedule = self._schedule(row.name, row.schedule)
+                memo = planners.get(id(schedule))
+                if memo is None or memo[0] is not schedule:
+                    memo = planners[id(schedule)] = (schedule, _PlanCalls(schedule))
+                calls = memo[1]
                 ahead_ok = self.claim_ahead > timedelta(0) and row.overlap_policy == "allow"
                 plan = plan_entry(
                     next_fire_at=row.next_fire_at,
                     now=now,
-                    next_after=schedule.next_after,
+                    next_after=calls.next_after,
                     misfire_policy=row.misfire_policy,
                     misfire_grace=timedelta(seconds=row.misfire_grace_seconds),
                     catch_up_limit=row.catch_up_limit,
@@ -661,8 +708,8 @@ class Beat:
                     ),
                     end_at=row.end_at,
                     claim_until=now + self.claim_ahead if ahead_ok else None,
-                    previous_at_or_before=schedule.previous_at_or_before,
-                    count_slots=slot_counter(schedule),
+                    previous_at_or_before=calls.previous_at_or_before,
+                    count_slots=calls.count_slots,
                 )
             except Exception:
                 # One bad entry never stops the tick: log it and push it back a minute.

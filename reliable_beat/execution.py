@@ -238,6 +238,16 @@ def complete_after_body(state: RunState, result: Any, *,
     claim, store = state.claim, state.store
     stored = storable_result(state.task_name, claim.key, result)
     if state.completed:
+        if state.transaction_used and result is not None and state.returned is None \
+                and claim.key.startswith("wf:"):
+            # a workflow activity: its outcome went into the workflow's history in the
+            # completing transaction (without a result); storing this value on the run row
+            # now cannot change what the workflow got (the history is final once committed)
+            (logger or log).warning(
+                "%s: %s is a workflow activity that returned a value after its "
+                "self.transaction() block without declaring it: the workflow gets None. "
+                "Call self.returns(value) inside the transaction (the result is then "
+                "committed with the effect)", state.task_name, claim.key)
         if state.transaction_used and stored is not None and state.returned is None:
             try:
                 if state.write_result is not None:

@@ -102,7 +102,10 @@ _HOSTPORT = re.compile(rf"{_ONE_HOST}(?:,{_ONE_HOST})*")
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 # an HTTP auth scheme and its credential ("Bearer abc", "Basic dXNlcjpw")
 _SCHEME_CREDENTIAL = re.compile(
-    r"\b(Bearer|Basic|Token|Digest|Negotiate)\s+(?!\*\*\*)([^\s'\",;]+)", re.I)
+    r"\b(Bearer|Basic|Token|Digest|Negotiate)\s+(?!\*\*\*)([^\s'\",;()]+)", re.I)
+# "digest 988d5608d86d6f42": a hash shown as a hash (a non-determinism message, a call
+# digest), never an HTTP Digest credential (those are "Digest username=..., response=...")
+_HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{8,128}$")
 # a bare request target ("/hook/abc123...?token=x", as a server echoes it): after a space,
 # a quote or the start, never inside a URL (those were redacted whole, above)
 _PATH_IN_TEXT = re.compile(r"(?:(?<=[\s'\"(\[=])|^)(/[^\s'\"<>`]+)")
@@ -306,6 +309,8 @@ def _redact_scheme_credential(m: re.Match[str]) -> str:
     scheme, value = m.group(1), m.group(2)
     if value.isdigit() and len(value) < 8:
         return m.group(0)  # "fence token 1", "basic 2 retries": a count, never a credential
+    if scheme.lower() == "digest" and _HEX_DIGEST.match(value):
+        return m.group(0)  # "args digest 988d5608d86d6f42": a hash, not a credential
     if scheme.lower() == "token" and not _TOKEN_CREDENTIAL.match(value):
         return m.group(0)  # "the token is stale": the English word, not the HTTP scheme
     return f"{scheme} {MASK}"

@@ -41,6 +41,7 @@ __all__ = [
     "check_entry_name",
     "check_length",
     "entry_name_problems",
+    "from_json_value",
     "to_json_value",
     "to_plain_json",
 ]
@@ -188,6 +189,42 @@ def to_json_value(value: Any, what: str = "value") -> Any:
         "carries (plain JSON, datetime, date, time, Decimal, UUID, bytes); convert it "
         "(e.g. to a string or a dict)"
     )
+
+
+_DECODERS: dict[str, Any] = {
+    "datetime": datetime.fromisoformat,
+    "date": date.fromisoformat,
+    "time": time.fromisoformat,
+    "decimal": Decimal,
+    "uuid": lambda v: uuid.UUID(hex=v["hex"]),
+    "bytes": lambda v: v.encode("utf-8"),
+    "base64": lambda v: base64.b64decode(v.encode("utf-8")),
+}
+
+
+def from_json_value(value: Any) -> Any:
+    """The inverse of :func:`to_json_value`: kombu's typed objects back to Python values.
+
+    ``{"__type__": "decimal", "__value__": "1.10"}`` becomes ``Decimal("1.10")``, and so on
+    for ``datetime``, ``date``, ``time``, ``uuid``, ``bytes`` and ``base64`` (what kombu's
+    JSON decoder does for a Celery worker), recursively through lists and dicts. A dict that
+    is not exactly ``{"__type__", "__value__"}`` of a known type, or whose value does not
+    decode, is kept as it is (a new dict); tuples were lists and stay lists. Deterministic:
+    the same stored JSON always gives equal values (replay relies on it).
+    """
+    if isinstance(value, list):
+        return [from_json_value(v) for v in value]
+    if isinstance(value, dict):
+        if value.keys() == {"__type__", "__value__"}:
+            decode = _DECODERS.get(value["__type__"]) if isinstance(
+                value["__type__"], str) else None
+            if decode is not None:
+                try:
+                    return decode(value["__value__"])
+                except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
+                    pass
+        return {k: from_json_value(v) for k, v in value.items()}
+    return value
 
 
 _PLAIN_RENDERINGS = {

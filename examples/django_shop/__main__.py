@@ -16,21 +16,26 @@ at all for a fired slot, or a notification was lost.
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import random
-import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections import Counter
 from contextlib import ExitStack
-from pathlib import Path
 
-from examples.payouts.__main__ import Procs, Sink, _drain, break_it
+from examples._demo import (
+    ROOT,
+    Procs,
+    Sink,
+    break_it,
+    demo_env,
+    fresh_workdir,
+    private_servers,
+    run_then_settle,
+    runs_in_flight,
+    wait_idle,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = "examples.django_shop.shop.settings"
 
 
@@ -99,20 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=str(ROOT / ".django-shop-demo"))
     args = ap.parse_args(argv)
 
-    workdir = Path(args.workdir)
-    shutil.rmtree(workdir, ignore_errors=True)
-    (workdir / "logs").mkdir(parents=True)
+    workdir = fresh_workdir(args.workdir)
     sink = Sink()
-    env = dict(os.environ)
-    env.update(DJANGO_SETTINGS_MODULE=SETTINGS, SHOP_WEBHOOK_URL=sink.url,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env = demo_env(DJANGO_SETTINGS_MODULE=SETTINGS, SHOP_WEBHOOK_URL=sink.url)
     if args.break_it:
         env.setdefault("SHOP_BODY_SECONDS", "1.5")
     with ExitStack() as stack:
-        from harness.servers import PostgresServer, RedisServer
-
-        db_url = args.database_url or stack.enter_context(PostgresServer()).url
-        broker = args.broker_url or stack.enter_context(RedisServer()).url
+        db_url, broker = private_servers(stack, args.database_url, args.broker_url)
         env.update(SHOP_DATABASE_URL=db_url, SHOP_BROKER_URL=broker)
         # manage.py migrate is enough: Django's tables, the shop's, reliable_beat's (Alembic)
         subprocess.run(manage("migrate", "-v", "0"), env=env, cwd=ROOT, check=True)
@@ -129,23 +127,14 @@ def main(argv: list[str] | None = None) -> int:
                                            str(workdir / f"beat{i}-unused")))
         print(f"running 2 beats, 2 workers and a relay for {args.seconds:.0f} s "
               f"(logs in {workdir / 'logs'}) ...", flush=True)
-        stop_at = time.monotonic() + args.seconds
-        if args.break_it:
-            threading.Thread(target=break_it, args=(procs, stop_at, random.Random(args.seed)),
-                             daemon=True).start()
-        time.sleep(max(0.0, stop_at - time.monotonic()))
-        for name in [n for n in procs.procs if n.startswith("beat")]:
-            procs.stop(name)
-        for name in procs.procs:  # nothing stays paused while draining
-            procs.signal(name, signal.SIGCONT)
-        for name in [n for n in procs.procs if n.startswith("worker")]:
-            if procs.procs[name].poll() is not None:
-                procs.start(name)
+        faults = (functools.partial(break_it, procs, rng=random.Random(args.seed))
+                  if args.break_it else None)
+        run_then_settle(procs, args.seconds, faults=faults)
         store_url = subprocess.run(
             [sys.executable, "-c", "from reliable_beat.contrib.django import database_url;"
              "print(database_url())"], env=env, cwd=ROOT, check=True, capture_output=True,
             text=True).stdout.strip()
-        _drain({"RELIABLE_BEAT_DATABASE_URL": store_url}, timeout=120)
+        wait_idle(store_url, 120, runs_in_flight)
         procs.stop_all()
         return report(store_url, sink, procs, args.seconds)
     return 1

@@ -14,21 +14,29 @@ is missing, any order is left half-done, or a receipt was lost.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
-import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from contextlib import ExitStack
-from pathlib import Path
 
-from examples.payouts.__main__ import Procs, Sink
+from sqlalchemy.engine import Connection
 
-ROOT = Path(__file__).resolve().parents[2]
+from examples._demo import (
+    ROOT,
+    Procs,
+    Sink,
+    break_it,
+    demo_env,
+    fresh_workdir,
+    private_servers,
+    run_then_settle,
+    wait_idle,
+)
+
 APP = "examples.orders.app"
 
 #: The effects each outcome must show exactly once (and no other).
@@ -45,46 +53,17 @@ def relay() -> list[str]:
     return [sys.executable, "-m", "reliable_beat.cli", "-A", APP, "relay"]
 
 
-def break_it(procs: Procs, stop_at: float, rng: random.Random) -> None:
-    """Every few seconds: SIGKILL or SIGSTOP (past the lease, some of the time) a worker,
-    a beat or a relay."""
-    while time.monotonic() < stop_at - 6:
-        time.sleep(rng.uniform(2, 5))
-        victim = rng.choice(sorted(procs.procs))
-        kind = victim.rstrip("0123456789")
-        if rng.random() < 0.5:
-            procs.signal(victim, signal.SIGKILL)
-            procs.procs[victim].wait()
-            procs.faults[f"SIGKILL {kind}"] += 1
-            time.sleep(rng.uniform(0.5, 2))
-            procs.start(victim)
-        else:
-            procs.signal(victim, signal.SIGSTOP)
-            procs.faults[f"SIGSTOP {kind}"] += 1
-            time.sleep(rng.uniform(3, 12))  # past the 10 s lease some of the time
-            procs.signal(victim, signal.SIGCONT)
-
-
-def _drain(env: dict[str, str], timeout: float) -> None:
-    """Wait until every workflow ended and the outbox is empty (bounded)."""
-    from sqlalchemy import create_engine, func, select
+def _in_flight(conn: Connection) -> int:
+    """Workflows not yet ended plus pending outbox rows."""
+    from sqlalchemy import func, select
 
     from reliable_beat.db.tables import outbox, workflows
 
-    engine = create_engine(env["RELIABLE_BEAT_DATABASE_URL"])
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            with engine.connect() as conn:
-                live = conn.execute(select(func.count()).where(
-                    workflows.c.state.in_(("pending", "running", "waiting")))).scalar_one()
-                pending = conn.execute(select(func.count())
-                                       .where(outbox.c.state == "pending")).scalar_one()
-            if not live and not pending:
-                return
-            time.sleep(0.5)
-    finally:
-        engine.dispose()
+    live = conn.execute(select(func.count()).where(
+        workflows.c.state.in_(("pending", "running", "waiting")))).scalar_one()
+    pending = conn.execute(select(func.count()).where(outbox.c.state == "pending")
+                           ).scalar_one()
+    return int(live) + int(pending)
 
 
 def report(env: dict[str, str], sink: Sink, procs: Procs, seconds: float) -> int:
@@ -199,22 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=str(ROOT / ".orders-demo"))
     args = ap.parse_args(argv)
 
-    workdir = Path(args.workdir)
-    shutil.rmtree(workdir, ignore_errors=True)
-    (workdir / "broker").mkdir(parents=True)
-    (workdir / "logs").mkdir()
+    workdir = fresh_workdir(args.workdir, "broker")
     sink = Sink()
-    env = dict(os.environ)
-    env.update(ORDERS_DIR=str(workdir), ORDERS_WEBHOOK_URL=sink.url,
-               ORDERS_HOLD_SECONDS=str(args.hold_seconds),
-               ORDERS_QUEUE=env.get("ORDERS_QUEUE", f"orders-{os.getpid()}"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env = demo_env(ORDERS_DIR=str(workdir), ORDERS_WEBHOOK_URL=sink.url,
+                   ORDERS_HOLD_SECONDS=str(args.hold_seconds),
+                   ORDERS_QUEUE=os.environ.get("ORDERS_QUEUE", f"orders-{os.getpid()}"))
     with ExitStack() as stack:
         if args.server:
-            from harness.servers import PostgresServer, RedisServer
-
-            db_url = args.database_url or stack.enter_context(PostgresServer()).url
-            broker = args.broker_url or stack.enter_context(RedisServer()).url
+            db_url, broker = private_servers(stack, args.database_url, args.broker_url)
             env.update(RELIABLE_BEAT_DATABASE_URL=db_url, ORDERS_BROKER_URL=broker)
         else:
             env["RELIABLE_BEAT_DATABASE_URL"] = f"sqlite:///{workdir / 'orders.sqlite3'}"
@@ -237,20 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"placing orders for {args.seconds:.0f} s with 2 beats, {n} worker(s) and {n} "
               f"relay(s); each order holds {args.hold_seconds:g} s on its durable timer "
               f"(logs in {workdir / 'logs'}) ...", flush=True)
-        stop_at = time.monotonic() + args.seconds
-        if args.break_it:
-            threading.Thread(target=break_it, args=(procs, stop_at, random.Random(args.seed)),
-                             daemon=True).start()
-        time.sleep(max(0.0, stop_at - time.monotonic()))
-        time.sleep(6 if args.break_it else 0)  # let the fault thread end its last fault
-        for name in [x for x in procs.procs if x.startswith("beat")]:
-            procs.stop(name)
-        for name in procs.procs:  # nothing stays paused while draining
-            procs.signal(name, signal.SIGCONT)
-        for name in [x for x in procs.procs if not x.startswith("beat")]:
-            if procs.procs[name].poll() is not None:
-                procs.start(name)
-        _drain(env, timeout=args.drain_seconds)
+        # every few seconds SIGKILL or SIGSTOP any worker, beat or relay
+        faults = (functools.partial(break_it, procs, rng=random.Random(args.seed), victims=None,
+                                    gap=(2, 5), pause=(3, 12), quiet=6)
+                  if args.break_it else None)
+        run_then_settle(procs, args.seconds, faults=faults, faults_tail=6,
+                        restart=("worker", "relay"))
+        wait_idle(env["RELIABLE_BEAT_DATABASE_URL"], args.drain_seconds, _in_flight)
         time.sleep(1.0)  # the last receipts' HTTP requests
         procs.stop_all()
         return report(env, sink, procs, args.seconds)

@@ -22,88 +22,27 @@ to install, or takes ``--broker-url``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import functools
 import random
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections import Counter
 from contextlib import ExitStack
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class Sink:
-    """A local webhook endpoint recording (Idempotency-Key, body) of every request."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, dict[str, Any]]] = []
-        self.lock = threading.Lock()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                with sink.lock:
-                    sink.requests.append((self.headers.get("Idempotency-Key", ""),
-                                          json.loads(body)))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
-class Procs:
-    """Named subprocesses of the demo, with kill / pause / restart."""
-
-    def __init__(self, env: dict[str, str], logdir: Path) -> None:
-        self.env = env
-        self.logdir = logdir
-        self.cmds: dict[str, list[str]] = {}
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.faults: Counter[str] = Counter()
-
-    def start(self, name: str, cmd: list[str] | None = None) -> None:
-        if cmd is not None:
-            self.cmds[name] = cmd
-        log = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        self.procs[name] = subprocess.Popen(
-            self.cmds[name], env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def signal(self, name: str, sig: signal.Signals) -> None:
-        p = self.procs[name]
-        if p.poll() is None:
-            os.killpg(p.pid, sig)
-
-    def stop(self, name: str, timeout: float = 15) -> None:
-        p = self.procs.get(name)
-        if p is None or p.poll() is not None:
-            return
-        os.killpg(p.pid, signal.SIGCONT)
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-    def stop_all(self) -> None:
-        for name in list(self.procs):
-            self.stop(name)
+from examples._demo import (
+    ROOT,
+    Procs,
+    Sink,
+    break_it,
+    demo_env,
+    fresh_workdir,
+    private_servers,
+    run_then_settle,
+    runs_in_flight,
+    wait_idle,
+)
 
 
 def celery(*args: str) -> list[str]:
@@ -132,24 +71,6 @@ def celery_cmds(workers: int, workdir: Path) -> dict[str, list[str]]:
     for i in range(2):
         cmds[f"beat{i}"] = celery("beat", "-l", "warning", "-s", str(workdir / f"beat{i}-unused"))
     return cmds
-
-
-def break_it(procs: Procs, stop_at: float, rng: random.Random) -> None:
-    """Every few seconds: SIGKILL or SIGSTOP (past the lease) a beat or a worker."""
-    while time.monotonic() < stop_at - 8:
-        time.sleep(rng.uniform(3, 6))
-        victim = rng.choice([n for n in procs.procs if n.startswith(("beat", "worker"))])
-        if rng.random() < 0.5:
-            procs.signal(victim, signal.SIGKILL)
-            procs.procs[victim].wait()
-            procs.faults[f"SIGKILL {victim.rstrip('0123456789')}"] += 1
-            time.sleep(rng.uniform(0.5, 2))
-            procs.start(victim)
-        else:
-            procs.signal(victim, signal.SIGSTOP)
-            procs.faults[f"SIGSTOP {victim.rstrip('0123456789')}"] += 1
-            time.sleep(rng.uniform(4, 12))  # past the 10 s lease some of the time
-            procs.signal(victim, signal.SIGCONT)
 
 
 def report(env: dict[str, str], sink: Sink, procs: Procs, seconds: float) -> int:
@@ -240,29 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=str(ROOT / ".payouts-demo"))
     args = ap.parse_args(argv)
 
-    workdir = Path(args.workdir)
-    shutil.rmtree(workdir, ignore_errors=True)
-    (workdir / "broker").mkdir(parents=True)
-    (workdir / "logs").mkdir()
+    workdir = fresh_workdir(args.workdir, "broker")
     sink = Sink()
-    env = dict(os.environ)
-    env.update(PAYOUTS_DIR=str(workdir), PAYOUTS_WEBHOOK_URL=sink.url,
-               PAYOUTS_FRAMEWORK=args.framework,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env = demo_env(PAYOUTS_DIR=str(workdir), PAYOUTS_WEBHOOK_URL=sink.url,
+                   PAYOUTS_FRAMEWORK=args.framework)
     with ExitStack() as stack:
         if args.server:
-            from harness.servers import PostgresServer, RedisServer
-
-            db_url = args.database_url or stack.enter_context(PostgresServer()).url
-            broker = args.broker_url or stack.enter_context(RedisServer()).url
+            db_url, broker = private_servers(stack, args.database_url, args.broker_url)
             env.update(RELIABLE_BEAT_DATABASE_URL=db_url, PAYOUTS_BROKER_URL=broker)
         else:
             env["RELIABLE_BEAT_DATABASE_URL"] = f"sqlite:///{workdir / 'payouts.sqlite3'}"
             if args.framework == "dramatiq":
-                broker = args.broker_url or _private_redis(stack)
-                if broker is None:
+                maybe = args.broker_url or _private_redis(stack)
+                if maybe is None:
                     return 2
-                env["PAYOUTS_BROKER_URL"] = broker
+                env["PAYOUTS_BROKER_URL"] = maybe
         if args.break_it:
             env.setdefault("PAYOUTS_BODY_SECONDS", "1.5")
         app_args = ["-A", "examples.payouts.app"] if args.framework == "celery" else []
@@ -285,19 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.framework}: running 2 beats, {workers} worker(s) and a relay for "
               f"{args.seconds:.0f} s "
               f"(logs in {workdir / 'logs'}) ...", flush=True)
-        stop_at = time.monotonic() + args.seconds
-        if args.break_it:
-            threading.Thread(target=break_it, args=(procs, stop_at, random.Random(args.seed)),
-                             daemon=True).start()
-        time.sleep(max(0.0, stop_at - time.monotonic()))
-        for name in [n for n in procs.procs if n.startswith("beat")]:
-            procs.stop(name)
-        for name in procs.procs:  # nothing stays paused while draining
-            procs.signal(name, signal.SIGCONT)
-        for name in [n for n in procs.procs if n.startswith("worker")]:
-            if procs.procs[name].poll() is not None:
-                procs.start(name)
-        _drain(env, timeout=120)
+        faults = (functools.partial(break_it, procs, rng=random.Random(args.seed))
+                  if args.break_it else None)
+        run_then_settle(procs, args.seconds, faults=faults)
+        wait_idle(env["RELIABLE_BEAT_DATABASE_URL"], 120, runs_in_flight)
         procs.stop_all()
         return report(env, sink, procs, args.seconds)
     return 1
@@ -316,32 +220,6 @@ def _private_redis(stack: ExitStack) -> str | None:
     print(f"dramatiq: embedded mode uses a private redis-server at {url} (Dramatiq has no "
           "multi-process broker without a server)", flush=True)
     return url
-
-
-def _drain(env: dict[str, str], timeout: float) -> None:
-    """Wait until every fired run finished and the outbox is empty (bounded)."""
-    from sqlalchemy import create_engine, func, select
-
-    from reliable_beat.db.tables import outbox, runs
-
-    engine = create_engine(env["RELIABLE_BEAT_DATABASE_URL"])
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            with engine.connect() as conn:
-                active = conn.execute(
-                    select(func.count()).where(
-                        runs.c.state.in_(("scheduled", "dispatched", "running", "retrying"))
-                    )
-                ).scalar_one()
-                pending = conn.execute(
-                    select(func.count()).where(outbox.c.state == "pending")
-                ).scalar_one()
-            if not active and not pending:
-                return
-            time.sleep(0.5)
-    finally:
-        engine.dispose()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Registered as the built-in adapter ``celery``
 (:data:`reliable_beat.adapters.BUILTIN_ADAPTERS`): the relay's ``celery`` / ``kombu``
 handlers, the trigger publish of manual triggers, backfills and re-dispatch, the registry of
-``IdempotentTask`` tasks, the workflow advance task.
+``IdempotentTask`` tasks, the workflow advance task; for the command line, the ``-A`` app
+loader, the app's time zone and the RedBeat / django-celery-beat importers.
 """
 
 from __future__ import annotations
@@ -67,6 +68,28 @@ class CeleryAdapter:
         from reliable_beat.celery.workflows import install
 
         return install(app)
+
+    def load_app(self, spec: str | None, parent_app: Any = None) -> Any:
+        """``-A spec`` found as ``celery -A spec`` finds it (or ``parent_app``), its task
+        modules imported: :func:`~reliable_beat.celery.commands.load_celery_app`,
+        :func:`~reliable_beat.celery.commands.prepare_app`."""
+        if not spec and parent_app is None:
+            return None
+        from reliable_beat.celery.commands import load_celery_app, prepare_app
+
+        return prepare_app(load_celery_app(spec) if spec else parent_app)
+
+    def app_timezone(self, app: Any) -> str:
+        """Celery's ``app.timezone``: :func:`reliable_beat.settings.celery_timezone`."""
+        from reliable_beat.settings import celery_timezone
+
+        return celery_timezone(app)
+
+    def importers(self) -> Any:
+        """:mod:`reliable_beat.celery.importers` (RedBeat, django-celery-beat)."""
+        from reliable_beat.celery import importers
+
+        return importers
 
     def workflow_schedule_group(self, app: Any) -> str:
         """The schedule group the workflows ``app`` starts record

@@ -2,8 +2,9 @@
 
 It mounts the framework-neutral root group (:mod:`reliable_beat.cli`) under ``celery``; the
 group takes the app Celery already loaded. This module also holds the Celery app loader the
-root group uses for ``-A`` (:func:`load_celery_app`, :func:`prepare_app`), and re-exports the
-names that lived here before the CLI moved to :mod:`reliable_beat.cli`.
+root group uses for ``-A`` (:func:`load_celery_app`, :func:`prepare_app`, reached through
+:meth:`reliable_beat.celery.adapter.CeleryAdapter.load_app`), and re-exports the names that
+lived here before the CLI moved to :mod:`reliable_beat.cli`.
 """
 
 from __future__ import annotations

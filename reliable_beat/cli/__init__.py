@@ -9,7 +9,10 @@ every command without ``-A`` works).
 Each command gets a :class:`CliContext` (``ctx.find_object(CliContext)``) holding the
 framework app (when one was given), the :class:`~reliable_beat.settings.Settings` read from
 it, and a lazily created :class:`~reliable_beat.db.dialects.Store`. Command modules register
-themselves in :data:`COMMAND_MODULES`.
+themselves in :data:`COMMAND_MODULES`; an adapter's commands come through the entry point
+group ``reliable_beat.cli`` (:func:`plugin_command`). Nothing here imports an adapter: the app,
+its zone and the foreign importers are the adapter's answers
+(:class:`reliable_beat.adapters.AppAdapter`).
 
 Output conventions, the same for every command:
 
@@ -28,6 +31,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NoReturn
 
 import click
@@ -43,7 +47,7 @@ from reliable_beat.errors import (
     ReliableBeatError,
     StoreUnavailableError,
 )
-from reliable_beat.redaction import redact_text, redact_value
+from reliable_beat.redaction import get_logger, redact_text, redact_value
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -54,8 +58,11 @@ __all__ = [
     "load_app",
     "main",
     "pass_cli",
+    "plugin_command",
     "reliable_beat",
 ]
+
+logger = get_logger(__name__)
 
 #: ``ctx.meta`` key: the command line asked for ``--json`` (errors are JSON too).
 JSON_META = "reliable_beat.json"
@@ -113,6 +120,8 @@ def fail(message: str, code: int = 1, *, kind: str = "error",
 
 
 #: Modules whose import adds commands to :func:`reliable_beat` (each defines ``register(group)``).
+#: Adapters add theirs through the entry point group
+#: :data:`~reliable_beat.adapters.CLI_ENTRY_POINT_GROUP` (see :class:`_Group`).
 COMMAND_MODULES = [
     "reliable_beat.cli.db",
     "reliable_beat.cli.entries",
@@ -123,7 +132,6 @@ COMMAND_MODULES = [
     "reliable_beat.cli.schedule",
     "reliable_beat.cli.workflows",
     "reliable_beat.cli.purge",
-    "reliable_beat.cli.dramatiq",
 ]
 
 
@@ -165,6 +173,17 @@ class CliContext:
             self._store = Store.from_url(url, role=self.role)
         return self._store
 
+    @property
+    def app_timezone(self) -> str:
+        """The IANA zone the app evaluates schedules in (its adapter's
+        :meth:`~reliable_beat.adapters.AppAdapter.app_timezone`: Celery's ``app.timezone``),
+        the zone of entries that set none; UTC without an app."""
+        if self.app is None:
+            return "UTC"
+        from reliable_beat.adapters import adapter_for
+
+        return adapter_for(self.app).app_timezone(self.app)
+
     def echo_json(self, value: Any) -> None:
         """Print ``value`` as JSON (instants as ISO 8601 ``Z``, see :func:`jsonable`; secrets
         redacted, see :func:`reliable_beat.redaction.redact_value`)."""
@@ -188,7 +207,17 @@ def _sqlite_path(url: str) -> str | None:
 
 class _Group(click.Group):
     """Turns every failure into one ``error:`` line (or JSON object, see :func:`fail`) and an
-    exit code, never a traceback."""
+    exit code, never a traceback; adds the adapters' commands (:func:`plugin_command`)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        builtin = set(self.commands)
+        for name, ep in _plugin_entry_points().items():
+            if name in builtin:
+                _warn_shadowed(name, ep)
+        return sorted(builtin | set(_plugin_entry_points()))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return self.commands.get(cmd_name) or plugin_command(cmd_name)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta[JSON_META] = "--json" in args
@@ -221,6 +250,80 @@ class _Group(click.Group):
             fail(exc.format_message(), exc.exit_code, kind="usage")
         except click.ClickException as exc:
             fail(exc.format_message(), exc.exit_code)
+
+
+#: Loaded adapter commands (entry point name -> command, or the stand-in of a broken one).
+_plugins: dict[str, click.Command] = {}
+_shadowed_warned: set[str] = set()
+
+
+def _plugin_entry_points() -> dict[str, EntryPoint]:
+    """The entry points of group :data:`~reliable_beat.adapters.CLI_ENTRY_POINT_GROUP`."""
+    from reliable_beat.adapters import CLI_ENTRY_POINT_GROUP
+
+    return {ep.name: ep for ep in entry_points(group=CLI_ENTRY_POINT_GROUP)}
+
+
+def _warn_shadowed(name: str, ep: EntryPoint) -> None:
+    if name not in _shadowed_warned:
+        _shadowed_warned.add(name)
+        logger.warning("reliable-beat: the command %r of entry point %s = %r is ignored: a "
+                       "built-in command has that name; rename the entry point", name, name,
+                       ep.value)
+
+
+def plugin_command(name: str) -> click.Command | None:
+    """The command an adapter contributes as ``reliable-beat <name>`` through the entry point
+    group :data:`~reliable_beat.adapters.CLI_ENTRY_POINT_GROUP` (``name =
+    "package.module:attr"``, a :class:`click.Command`), imported on first use (``reliable-beat
+    status`` imports no adapter); None when no entry point has that name.
+
+    A plugin that fails to import, or names no click command, becomes a stand-in command of
+    that name: listed in ``--help`` as unavailable, and running it exits 2 with one error
+    naming the entry point, its target and the cause (a missing framework names the extra to
+    install). The rest of the command line works.
+    """
+    if name in _plugins:
+        return _plugins[name]
+    ep = _plugin_entry_points().get(name)
+    if ep is None:
+        return None
+    try:
+        command = ep.load()
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{type(command).__name__} object, not a click command or group")
+    except Exception as exc:  # any failure: one clear error on use, the rest still works
+        command = _broken_plugin(ep, exc)
+    _plugins[name] = command
+    return command
+
+
+def _broken_plugin(ep: EntryPoint, exc: Exception) -> click.Command:
+    """A stand-in for the plugin ``ep`` that failed to load with ``exc``."""
+    from reliable_beat.adapters import CLI_ENTRY_POINT_GROUP
+
+    reason = f"{type(exc).__name__}: {exc}"
+    message = (f"the {ep.name!r} commands are unavailable: entry point {ep.name} = "
+               f"{ep.value!r} (group {CLI_ENTRY_POINT_GROUP!r}) failed to load ({reason})")
+    dist = getattr(ep, "dist", None)
+    if isinstance(exc, ModuleNotFoundError):
+        if dist is not None and dist.metadata["Name"] == "reliable-beat":
+            message += f"; install it with pip install 'reliable-beat[{ep.name}]'"
+        else:
+            message += f"; install {exc.name!r} or the package that provides {ep.value!r}"
+    else:
+        message += "; fix or uninstall the package that declares it"
+    logger.debug("%s", message)
+
+    def unavailable(args: tuple[str, ...]) -> None:
+        fail(message, 2, kind="usage")
+
+    return click.Command(
+        ep.name, callback=unavailable, help=message,
+        short_help=f"(unavailable: {reason})"[:200],
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                          "help_option_names": []})
 
 
 def _unavailable_message(group: click.Group, ctx: click.Context, exc: DBAPIError) -> str:
@@ -262,9 +365,9 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
     """The app for ``-A spec`` (or the one ``celery -A proj reliable-beat`` already loaded,
     ``parent_app``), with its task modules imported, or None when neither is given.
 
-    ``-A`` names a Celery app (``module`` or ``module:attr``); it is loaded by the Celery
-    adapter (:func:`reliable_beat.celery.commands.load_celery_app`,
-    :func:`~reliable_beat.celery.commands.prepare_app`).
+    ``-A`` names a Celery app (``module`` or ``module:attr``); it is loaded by the adapter
+    :data:`reliable_beat.adapters.DEFAULT_ADAPTER` (the Celery adapter), through
+    :meth:`reliable_beat.adapters.AppAdapter.load_app`: the CLI imports no adapter itself.
 
     Raises:
         click.ClickException: the Celery adapter cannot be imported (Celery is not installed:
@@ -273,8 +376,10 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
     """
     if not spec and parent_app is None:
         return None
+    from reliable_beat.adapters import DEFAULT_ADAPTER, load_adapter
+
     try:
-        from reliable_beat.celery.commands import load_celery_app, prepare_app
+        adapter = load_adapter(DEFAULT_ADAPTER)
     except ImportError as exc:
         what = f"-A {spec}" if spec else "the parent command's app"
         hint = "" if CELERY_EXTRA_HINT in str(exc) else f" ({CELERY_EXTRA_HINT})"
@@ -282,7 +387,7 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
             f"{what}: a Celery app needs the Celery adapter: {exc}{hint}; the commands run "
             "with --database-url instead of -A work without Celery"
         ) from exc
-    return prepare_app(load_celery_app(spec) if spec else parent_app)
+    return adapter.load_app(spec, parent_app)
 
 
 @click.group(name="reliable-beat", cls=_Group)

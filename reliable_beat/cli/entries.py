@@ -42,7 +42,6 @@ from reliable_beat.errors import (
 from reliable_beat.groups import schedule_group_of
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 from reliable_beat.redaction import redact_value
-from reliable_beat.settings import celery_timezone
 
 __all__ = ["build_definition", "entries", "register"]
 
@@ -224,7 +223,7 @@ def build_definition(
         rb["timezone"] = params["timezone"]
     # An entry without a zone of its own runs in the app's zone, as a beat_schedule entry
     # does (Celery's app.timezone); without -A there is no app zone: UTC.
-    app_zone = celery_timezone(cli.app) if cli.app is not None else "UTC"
+    app_zone = cli.app_timezone
     tz = rb.get("timezone") or app_zone
 
     given = [k for k in ("cron", "every", "at") if params.get(k) is not None]
@@ -324,8 +323,34 @@ def entries() -> None:
     """List, add, change, pause, trigger and backfill entries."""
 
 
+#: ``--json``: the command prints its data as JSON (:meth:`CliContext.echo_json`).
+_json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def _entry_command(name: str) -> Callable[[F], click.Command]:
+    """``entries <name> NAME [--json]``: what every one-entry command has (the argument, the
+    flag, the :class:`~reliable_beat.cli.CliContext` and :func:`handle_errors`)."""
+
+    def decorate(fn: F) -> click.Command:
+        command = click.argument("name")(_json_option(pass_cli(handle_errors(fn))))
+        return entries.command(name)(command)
+
+    return decorate
+
+
+def _echo_entry(cli: CliContext, as_json: bool, outcome: str, name: str,
+                text: Callable[[dict[str, Any]], str]) -> None:
+    """Print entry ``name`` as it is now after ``outcome``: ``{"outcome", "entry"}`` with
+    ``--json``, else the line ``text(row)``."""
+    row = get_entry(cli.store, name)
+    if as_json:
+        cli.echo_json({"outcome": outcome, "entry": _public(row)})
+    else:
+        click.echo(text(row))
+
+
 @entries.command("list")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_json_option
 @click.option("--all", "show_all", is_flag=True, help="Include disabled entries.")
 @pass_cli
 @handle_errors
@@ -363,11 +388,7 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
         click.echo(f"{hidden} disabled entries not shown: --all shows them")
 
 
-@entries.command("show")
-@click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_cli
-@handle_errors
+@_entry_command("show")
 def show_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Show one entry's full definition and state."""
     row = _public(get_entry(cli.store, name))
@@ -389,7 +410,7 @@ def show_cmd(cli: CliContext, name: str, as_json: bool) -> None:
 @click.option("--group", "schedule_group", default=None, metavar="GROUP",
               help="Schedule group whose beats fire it (default with -A: the app's group, "
                    "see `schedule groups` in docs/howto.md; without -A: none, any beat).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_json_option
 @pass_cli
 @handle_errors
 def add_cmd(cli: CliContext, /, name: str, as_json: bool = False,
@@ -404,11 +425,8 @@ def add_cmd(cli: CliContext, /, name: str, as_json: bool = False,
     if schedule_group is None and cli.app is not None:
         schedule_group = schedule_group_of(cli.app, cli.settings.schedule_group)
     save_runtime_entry(cli.store, definition, create=True, schedule_group=schedule_group)
-    row = get_entry(cli.store, name)
-    if as_json:
-        cli.echo_json({"outcome": "added", "entry": _public(row)})
-        return
-    click.echo(f"added {name}: {schedule_text(row['schedule'])}, next {_fmt(row['next_fire_at'])}")
+    _echo_entry(cli, as_json, "added", name, lambda row: (
+        f"added {name}: {schedule_text(row['schedule'])}, next {_fmt(row['next_fire_at'])}"))
 
 
 @entries.command("update")
@@ -416,7 +434,7 @@ def add_cmd(cli: CliContext, /, name: str, as_json: bool = False,
 @_schedule_options
 @click.option("--group", "schedule_group", default=None, metavar="GROUP",
               help="Move it to this schedule group (default: it keeps its group).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_json_option
 @pass_cli
 @handle_errors
 def update_cmd(cli: CliContext, /, name: str, as_json: bool = False,
@@ -428,41 +446,25 @@ def update_cmd(cli: CliContext, /, name: str, as_json: bool = False,
     definition = build_definition(cli, name, params, existing=existing)
     outcome = save_runtime_entry(cli.store, definition, create=False,
                                  schedule_group=schedule_group)
-    row = get_entry(cli.store, name)
-    if as_json:
-        cli.echo_json({"outcome": outcome, "entry": _public(row)})
-        return
-    click.echo(f"{outcome} {name}: {schedule_text(row['schedule'])}, "
-               f"next {_fmt(row['next_fire_at'])}")
+    _echo_entry(cli, as_json, outcome, name, lambda row: (
+        f"{outcome} {name}: {schedule_text(row['schedule'])}, next {_fmt(row['next_fire_at'])}"))
 
 
-@entries.command("remove")
-@click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_cli
-@handle_errors
+@_entry_command("remove")
 def remove_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Remove a runtime entry (its runs stay as history)."""
     remove(cli.store, name)
     _done(cli, as_json, "removed", name, f"removed {name}")
 
 
-@entries.command("pause")
-@click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_cli
-@handle_errors
+@_entry_command("pause")
 def pause_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Pause an entry: it stops firing; its grid is kept."""
     pause(cli.store, name)
     _done(cli, as_json, "paused", name, f"paused {name}")
 
 
-@entries.command("resume")
-@click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_cli
-@handle_errors
+@_entry_command("resume")
 def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Resume an entry; slots missed while paused go through its misfire policy.
 
@@ -476,12 +478,9 @@ def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
              f"{name}` ... (config entries: correct beat_schedule), then resume it",
              1, kind="invalid", problems=[f"entry {name!r}: {p}" for p in problems])
     resume(cli.store, name)
-    row = get_entry(cli.store, name)
-    if as_json:
-        cli.echo_json({"outcome": "resumed", "entry": _public(row)})
-        return
-    click.echo(f"resumed {name} (misfire policy {row['misfire_policy']}; "
-               f"next {_fmt(row['next_fire_at'])})")
+    _echo_entry(cli, as_json, "resumed", name, lambda row: (
+        f"resumed {name} (misfire policy {row['misfire_policy']}; "
+        f"next {_fmt(row['next_fire_at'])})"))
 
 
 def quarantine_problems(store: Any, name: str) -> list[str]:
@@ -504,11 +503,7 @@ def quarantine_problems(store: Any, name: str) -> list[str]:
     return problems if values.get("quarantine_reason") else []
 
 
-@entries.command("trigger")
-@click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_cli
-@handle_errors
+@_entry_command("trigger")
 def trigger_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Fire NAME once now, under its own key (recorded as a manual run)."""
     key = runtime.trigger(cli.store, name, app=cli.app)
@@ -529,7 +524,7 @@ def trigger_cmd(cli: CliContext, name: str, as_json: bool) -> None:
 @click.argument("start")
 @click.argument("end")
 @click.option("--force", is_flag=True, help="Allow more slots than reliable_beat_backfill_limit.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_json_option
 @pass_cli
 @handle_errors
 def backfill_cmd(
@@ -556,11 +551,7 @@ def backfill_cmd(
     )
 
 
-@entries.command("describe")
-@click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@pass_cli
-@handle_errors
+@_entry_command("describe")
 def describe_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Answer the five questions for NAME: run twice? overlap? machine dies? retry? idempotent?"""
     info = runtime.describe(cli.store, cli.app, name)
@@ -599,7 +590,7 @@ def describe_cmd(cli: CliContext, name: str, as_json: bool) -> None:
 @click.option("--group", "schedule_group", default=None, metavar="GROUP",
               help="Schedule group of the imported entries (default with -A: the app's "
                    "group; without -A: none, any beat fires them).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_json_option
 @pass_cli
 @handle_errors
 def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
@@ -611,14 +602,16 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     last run: that slot is not sent twice, and one missed at the cutover meets the entry's
     misfire policy. Disabled entries come in paused; a name that already exists is left alone.
     """
+    from reliable_beat.adapters import DEFAULT_ADAPTER, load_adapter
+
     try:  # RedBeat and django-celery-beat are Celery's: their importers are the adapter's
-        from reliable_beat.celery import importers
+        importers = load_adapter(DEFAULT_ADAPTER).importers()
     except ImportError as exc:
         raise click.ClickException(
             f"importing {source} entries needs the Celery adapter ({exc}); install it with "
             "pip install 'reliable-beat[celery]'") from exc
     app = cli.app
-    zone = celery_timezone(app) if app is not None else "UTC"
+    zone = cli.app_timezone
     if source == "redbeat":
         found = importers.read_redbeat(from_url, key_prefix=key_prefix)
     else:

@@ -85,15 +85,13 @@ def list_cmd(cli: CliContext, as_json: bool) -> None:
 def sync_cmd(cli: CliContext, force: bool, group: str | None, as_json: bool) -> None:
     """Sync the app's beat_schedule into its schedule group, as a beat does at start."""
     from reliable_beat.entries import sync_schedule_group
-    from reliable_beat.settings import celery_timezone
-
     app = cli.app
     if app is None:
         raise ConfigurationError("schedule sync needs the app: pass -A proj (or run "
                                  "`celery -A proj reliable-beat schedule sync`)")
     group = group or schedule_group_of(app, cli.settings.schedule_group)
     defs = definitions_from_beat_schedule(
-        app.conf.beat_schedule or {}, default_timezone=celery_timezone(app),  # as a beat does
+        app.conf.beat_schedule or {}, default_timezone=cli.app_timezone,  # as a beat does
         settings=cli.settings, now=datetime.now(timezone.utc),
     )
     result = sync_schedule_group(cli.store, defs, group=group, owner="cli", force=force)

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -56,6 +57,14 @@ ROLE_TIMEOUTS_MS: dict[str, tuple[int, int]] = {
     "worker": (0, 30_000),
     "cli": (0, 30_000),
 }
+
+#: Roles whose pooled connections are pinged on checkout only after this many seconds in
+#: the pool (instead of on every checkout): a worker checks a connection out two or three
+#: times per execution, and every ``SELECT 1`` was a round trip as long as the work's own.
+#: A connection the server dropped within that window fails its first statement instead,
+#: as one lost mid-execution does (``StoreUnavailableError`` at the claim: an internal
+#: retry; in the body's transaction: a transient failure, rolled back and retried).
+PING_AFTER_IDLE_SECONDS: dict[str, float] = {"worker": 1.0}
 
 
 @dataclass(repr=False)
@@ -119,10 +128,10 @@ class Store:
                 "application_name": f"reliable_beat:{role}",
                 "connect_timeout": 10,
             }
-            kwargs["pool_pre_ping"] = True
+            kwargs["pool_pre_ping"] = role not in PING_AFTER_IDLE_SECONDS
         elif backend in MYSQL_DIALECTS:
             kwargs["isolation_level"] = "READ COMMITTED"
-            kwargs["pool_pre_ping"] = True
+            kwargs["pool_pre_ping"] = role not in PING_AFTER_IDLE_SECONDS
             kwargs["pool_recycle"] = 3600  # below the server's wait_timeout (8 h default)
             kwargs["connect_args"] = {"connect_timeout": 10}
         else:
@@ -130,7 +139,11 @@ class Store:
                 f"reliable_beat_database_url uses {backend!r}; supported: postgresql, "
                 "mysql/mariadb (mysql+pymysql://, MariaDB 10.6+ / MySQL 8), sqlite"
             )
+        if backend != "sqlite" and role in PING_AFTER_IDLE_SECONDS:
+            kwargs["pool_use_lifo"] = True  # the connection used last comes back first
         engine = create_engine(parsed, **kwargs)
+        if backend != "sqlite" and role in PING_AFTER_IDLE_SECONDS:
+            _ping_after_idle(engine, PING_AFTER_IDLE_SECONDS[role])
         if backend == "postgresql":
             _setup_postgresql(engine)
         if backend == "sqlite":
@@ -515,6 +528,31 @@ def _psycopg2_infinity(value: str | None, cursor: Any) -> datetime | None:
         if sentinel is None:
             raise
         return sentinel
+
+
+def _ping_after_idle(engine: Engine, seconds: float) -> None:
+    """Pre-ping a pooled connection on checkout only when it sat in the pool ``seconds`` or
+    more (SQLAlchemy's ``pool_pre_ping`` pings on every checkout).
+
+    A ping that fails raises ``DisconnectionError``: the pool discards that connection and
+    checks out (or opens) another, as ``pool_pre_ping`` does.
+    """
+    from sqlalchemy.exc import DisconnectionError
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info["rb_checked_in"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("rb_checked_in")
+        if since is not None and time.monotonic() - since < seconds:
+            return  # used a moment ago; a fresh connection has no stamp and is pinged
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:
+            raise DisconnectionError(f"pre-ping failed: {type(exc).__name__}") from exc
 
 
 def _setup_postgresql(engine: Engine) -> None:

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflow_events, workflows
 from reliable_beat.outbox import db_now
+from reliable_beat.values import from_json_value
 from reliable_beat.workflows import engine
 from reliable_beat.workflows.errors import ActivityError, WorkflowUsageError
 
@@ -136,7 +137,7 @@ def wait_child(ctx: WorkflowContext, handle: ChildHandle) -> Any:
         err = ev.error or {}
         raise ActivityError(str(err.get("type")), str(err.get("message")), kind=CHILD_KIND,
                             name=handle.name)
-    return ev.result
+    return from_json_value(ev.result)
 
 
 def _outcome_of(state: str, result: Any, error: Any) -> tuple[str, Any, Any]:

@@ -20,7 +20,6 @@ Three kinds of step, three guarantees (docs/workflows.md):
 from __future__ import annotations
 
 import contextvars
-import copy
 import functools
 import logging
 import random as _random
@@ -38,6 +37,7 @@ from reliable_beat import outbox
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
+from reliable_beat.values import from_json_value
 from reliable_beat.workflows import children, continuation, engine, tripwire, versioning
 from reliable_beat.workflows.errors import (
     ActivityError,
@@ -276,8 +276,8 @@ class WorkflowContext:
         try:
             # fresh copies on every pass: a wake during the advance runs the code again in
             # this advance, and the code may have mutated what it was given
-            return fn(self, *copy.deepcopy(self._claimed.args),
-                      **copy.deepcopy(self._claimed.kwargs))
+            return fn(self, *from_json_value(self._claimed.args),
+                      **from_json_value(self._claimed.kwargs))
         finally:
             tripwire.in_workflow_code.reset(token)
 
@@ -288,8 +288,8 @@ class WorkflowContext:
         token = _current.set(self)
         try:
             try:
-                fn(self, *copy.deepcopy(self._claimed.args),
-                   **copy.deepcopy(self._claimed.kwargs))
+                fn(self, *from_json_value(self._claimed.args),
+                   **from_json_value(self._claimed.kwargs))
             except Suspend:
                 return None
             except NonDeterminismError as exc:
@@ -360,10 +360,26 @@ class WorkflowContext:
             raise self._suspend(f"replay reached the frontier at seq {seq}")
         if ev is not None and (ev.kind, ev.name, ev.args_digest) != (kind, name, digest):
             raise self._raise(NonDeterminismError(
-                f"seq {seq}: code did {kind} {name} (args digest {digest}), history has "
-                f"{ev.kind} {ev.name} (args digest {ev.args_digest})"
+                f"seq {seq}: code did {_describe(kind, name, args)} (args digest {digest}), "
+                f"history has {_describe(ev.kind, ev.name, self._recorded_args(seq))} "
+                f"(args digest {ev.args_digest})"
             ))
         return seq, digest, ev
+
+    def _recorded_args(self, seq: int) -> Any:
+        """The stored ``args`` of the event at ``seq`` (for an error message only), or
+        ``None`` when they cannot be read."""
+        try:
+            with self._store.connect() as conn:
+                return conn.execute(
+                    select(workflow_events.c.args).where(
+                        workflow_events.c.workflow_pk == self._claimed.pk,
+                        workflow_events.c.run_no == self._claimed.run_no,
+                        workflow_events.c.seq == seq,
+                    )
+                ).scalar()
+        except Exception:  # the message is still right without them
+            return None
 
     def _record(
         self, seq: int, kind: str, name: str | None, digest: str, args: Any, *,
@@ -495,7 +511,7 @@ class WorkflowContext:
             err = error or {}
             raise ActivityError(str(err.get("type")), str(err.get("message")), kind=kind,
                                 name=name)
-        return result
+        return from_json_value(result)
 
     # ---------------------------------------------------------------- inline steps ----
 
@@ -534,8 +550,8 @@ class WorkflowContext:
                 self._in_step = False
 
         try:
-            return self._record(seq, "transaction", step_name, digest, call,
-                                state="completed", effect=effect)
+            return from_json_value(self._record(seq, "transaction", step_name, digest, call,
+                                                state="completed", effect=effect))
         except _StepFailed as failed:  # fn failed: its writes rolled back; record the failure
             exc = failed.exc
             err = engine.error_json(exc)
@@ -578,8 +594,8 @@ class WorkflowContext:
             self._in_step = False
             self._step_key = None
         engine.crash_point("step.after_body")
-        return self._record(seq, "step", step_name, digest, call, state="completed",
-                            result=value)
+        return from_json_value(self._record(seq, "step", step_name, digest, call,
+                                            state="completed", result=value))
 
     # ---------------------------------------------------------------- activities ----
 
@@ -784,7 +800,7 @@ class WorkflowContext:
         args = [name, None if timeout is None else timeout.total_seconds()]
         seq, digest, ev = self._next("signal", name, args)
         if ev is not None and ev.state != "scheduled":
-            return ev.result
+            return from_json_value(ev.result)
         if ev is None:
             holder: dict[str, Any] = {}
 
@@ -805,7 +821,7 @@ class WorkflowContext:
             if holder.get("done"):
                 self._history[seq] = _Ev(seq, "signal", name, digest, "completed", result,
                                          None, None, None)
-                return result
+                return from_json_value(result)
             fire_at = holder.get("fire_at")
         else:
             fire_at = ev.fire_at
@@ -839,7 +855,7 @@ class WorkflowContext:
             raise self._suspend(f"waiting for signal {name!r} at seq {seq}") from None
         self._history[seq] = _Ev(seq, "signal", name, digest, "completed", result, None,
                                  fire_at, None)
-        return result
+        return from_json_value(result)
 
     def _consume(self, conn: Connection, name: str, seq: int) -> Any:
         row = conn.execute(
@@ -1026,3 +1042,28 @@ class _Ev:
     error: Any
     fire_at: datetime | None
     run_key: str | None
+
+
+def _seconds(value: float) -> str:
+    return f"{int(value)}s" if float(value).is_integer() else f"{value}s"
+
+
+def _describe(kind: str, name: str | None, args: Any) -> str:
+    """A position as a person reads it in a non-determinism message: ``activity
+    billing.charge``, ``timer sleep 40s``, ``timer until 2026-01-10T12:00:00+00:00``."""
+    if kind == "timer":
+        if isinstance(args, str):  # stored args read back as JSON text (some dialects)
+            import json
+
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return "timer"
+        if isinstance(args, list) and len(args) == 2:
+            how, when = args
+            if how == "sleep" and isinstance(when, (int, float)):
+                return f"timer sleep {_seconds(when)}"
+            if how == "until":
+                return f"timer until {when}"
+        return "timer"
+    return f"{kind} {name}" if name is not None else kind

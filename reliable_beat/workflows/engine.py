@@ -41,6 +41,7 @@ from sqlalchemy import Text, and_, cast, func, or_, select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import outbox
+from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
 from reliable_beat.outbox import db_now, insert_ignore
@@ -140,13 +141,20 @@ def args_digest(kind: str, name: str | None, args: Any) -> str:
 
 
 def to_json(value: Any, what: str) -> Any:
-    """``value`` after a JSON round trip (what replay will see), or a clear TypeError."""
+    """``value`` as the JSON stored in the history, encoded as Celery's JSON serializer
+    (kombu) encodes it (:func:`reliable_beat.values.to_json_value`): plain JSON, and
+    ``datetime`` / ``date`` / ``time`` / ``Decimal`` / ``UUID`` / ``bytes`` as kombu's
+    ``{"__type__", "__value__"}`` objects, which :func:`reliable_beat.values.from_json_value`
+    turns back into the Python values the workflow code gets (the same on every replay).
+
+    Raises:
+        TypeError: a value neither JSON nor kombu carries (or a NaN, infinity or ``\\x00``);
+            the message names the path to it (``workflow 'x' args[1]['when']``) and the fix.
+    """
     try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"{what} must be JSON-serialisable (workflow data is stored as JSON): {exc}"
-        ) from exc
+        return rb_values.to_json_value(value, what)
+    except ValueError as exc:
+        raise TypeError(f"{exc} (workflow data is stored as JSON)") from exc
 
 
 def error_json(exc: BaseException) -> dict[str, str]:
@@ -413,7 +421,7 @@ class WorkflowHandle:
         while True:
             row = self.status()
             if row["state"] == "completed":
-                return row["result"]
+                return rb_values.from_json_value(row["result"])
             if row["state"] in ("failed", "cancelled"):
                 raise WorkflowFailed(self.workflow_id, row["error"], state=row["state"])
             if row["state"] == "blocked":

@@ -15,64 +15,38 @@ finalizer; waits poll the database with generous deadlines (the machine is share
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from reliable_beat import runs
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
 from reliable_beat.db.tables import runs as runs_table
+from tests.apps.adapter_rig import Rig, running
 
-ROOT = Path(__file__).resolve().parents[2]
-APPS = ROOT / "tests" / "apps"
 BIN = Path(sys.executable).parent
 FRAMEWORKS = ["celery", "dramatiq"]
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(300)]
 
 
-class Adapter:
+class Adapter(Rig):
     """Processes and queries of one framework; subclasses say how to start and send."""
 
-    framework = ""
     #: the periodic task's / actor's name, as runs record it
     tick_task = ""
     #: the outbox destination of its beats' triggers
     trigger_destination = ""
 
-    def __init__(self, pg_url: str, broker_url: str, store: Store, tmp: Path) -> None:
-        self.pg_url, self.broker_url, self.store, self.tmp = pg_url, broker_url, store, tmp
-        self.tag = uuid.uuid4().hex[:8]
-        self.queue = f"q-{self.tag}"
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.extra: dict[str, str] = {}
+    def framework_env(self) -> dict[str, str]:
+        return {"RELIABLE_BEAT_DATABASE_URL": self.pg_url}
 
-    @property
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{APPS}",
-                "PYTHONUNBUFFERED": "1", "RB_BROKER_URL": self.broker_url,
-                "RB_DATABASE_URL": self.pg_url, "RELIABLE_BEAT_DATABASE_URL": self.pg_url,
-                "RB_NAMESPACE": f"dq-{self.tag}", "RB_QUEUE": self.queue,
-                "RB_LEASE_SECONDS": "2", **self.extra}
-
-    def _start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=self.tmp, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    # -- framework specifics ---------------------------------------------------------------
     def worker(self, name: str = "worker") -> subprocess.Popen[bytes]:
         raise NotImplementedError
 
@@ -82,55 +56,6 @@ class Adapter:
     def send_effect(self, name: str, sleep_first_attempt: float = 0.0) -> None:
         """Send ``write_effect(name)`` (key ``effect:<name>``, derived from the argument)."""
         raise NotImplementedError
-
-    # -- common ----------------------------------------------------------------------------
-    def killpg(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                self.killpg(proc, signal.SIGCONT)
-                self.killpg(proc)
-            proc.wait(timeout=20)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(self.tmp.glob("*.log")))
-
-    def rows(self, stmt: Any) -> list[dict[str, Any]]:
-        with self.store.engine.connect() as conn:
-            return [dict(r) for r in conn.execute(stmt).mappings()]
-
-    def effects(self, key: str) -> list[dict[str, Any]]:
-        return self.rows(sa.text("SELECT * FROM test_effects WHERE key = :k").bindparams(k=key))
-
-    def progress(self, key: str) -> list[dict[str, Any]]:
-        return self.rows(sa.text("SELECT * FROM test_progress WHERE key = :k ORDER BY id")
-                         .bindparams(k=key))
-
-    def attempts(self, key: str) -> list[dict[str, Any]]:
-        try:
-            return runs.list_attempts(self.store, runs.get_run(self.store, key)["id"])
-        except runs.RunNotFound:
-            return []
-
-    def state(self, key: str) -> str | None:
-        try:
-            return str(runs.get_run(self.store, key)["state"])
-        except runs.RunNotFound:
-            return None
-
-    def wait(self, what: str, cond: Callable[[], Any], timeout: float = 90.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = cond()
-            if value:
-                return value
-            time.sleep(0.2)
-        pytest.fail(f"[{self.framework}] timed out after {timeout}s waiting for {what}\n"
-                    f"{self.logs()}")
 
 
 class CeleryAdapter(Adapter):
@@ -186,18 +111,9 @@ def adapter(request: pytest.FixtureRequest, pg_url: str, broker_url: str, pg_sto
     """Each test once per adapter, on the broker of ``--broker``."""
     if request.param == "dramatiq":
         pytest.importorskip("dramatiq")
-    sys.path.insert(0, str(APPS))
-    try:
-        from dq_app import meta  # the same tables as rb_task_app's (imports no Celery)
-    finally:
-        sys.path.remove(str(APPS))
-    meta.create_all(pg_store.engine)
     cls = CeleryAdapter if request.param == "celery" else DramatiqAdapter
-    a = cls(pg_url, broker_url, pg_store, tmp_path)
-    try:
+    with running(cls(pg_url, broker_url, pg_store, tmp_path)) as a:
         yield a
-    finally:
-        a.kill_all()
 
 
 def outcomes(rows: list[dict[str, Any]]) -> list[str]:

@@ -13,13 +13,11 @@ Waits poll the database with generous deadlines (the machine is shared).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,34 +30,21 @@ from reliable_beat import runs
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox
 from reliable_beat.db.tables import runs as runs_table
+from tests.apps.adapter_rig import Rig, create_test_tables, running
 
-ROOT = Path(__file__).resolve().parents[2]
-APPS = ROOT / "tests" / "apps"
 DRAMATIQ = Path(sys.executable).parent / "dramatiq"
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(240)]
 
 
-class DqEnv:
+class DqEnv(Rig):
+    """The Dramatiq processes of one test (``redis_url``: the broker of ``--broker``)."""
+
+    wait_timeout = 60.0
+
     def __init__(self, pg_url: str, redis_url: str, store: Store, tmp: Path) -> None:
-        self.pg_url, self.redis_url, self.store, self.tmp = pg_url, redis_url, store, tmp
+        super().__init__(pg_url, redis_url, store, tmp)
+        self.redis_url = redis_url
         self.amqp = redis_url.startswith("amqp")  # --broker rabbitmq
-        self.tag = uuid.uuid4().hex[:8]
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.extra: dict[str, str] = {}
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{APPS}",
-                "PYTHONUNBUFFERED": "1", "RB_BROKER_URL": self.redis_url,
-                "RB_DATABASE_URL": self.pg_url, "RB_NAMESPACE": f"dq-{self.tag}",
-                "RB_QUEUE": f"q-{self.tag}", "RB_LEASE_SECONDS": "2", **self.extra}
-
-    def _start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=self.tmp, start_new_session=True)
-        self.procs.append(proc)
-        return proc
 
     def worker(self, name: str = "worker") -> subprocess.Popen[bytes]:
         """``dramatiq dq_app -p 1 -t 1 -Q <queue>``: one process, one thread."""
@@ -115,64 +100,12 @@ class DqEnv:
         subprocess.run([sys.executable, "-c", code, actor, json.dumps([args, kwargs, key])],
                        env=self.env, cwd=self.tmp, check=True, timeout=60)
 
-    def killpg(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                self.killpg(proc, signal.SIGCONT)
-                self.killpg(proc)
-            proc.wait(timeout=20)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(self.tmp.glob("*.log")))
-
-    def rows(self, stmt: Any) -> list[dict[str, Any]]:
-        with self.store.engine.connect() as conn:
-            return [dict(r) for r in conn.execute(stmt).mappings()]
-
-    def effects(self, key: str) -> list[dict[str, Any]]:
-        return self.rows(sa.text("SELECT * FROM test_effects WHERE key = :k").bindparams(k=key))
-
-    def attempts(self, key: str) -> list[dict[str, Any]]:
-        try:
-            return runs.list_attempts(self.store, runs.get_run(self.store, key)["id"])
-        except runs.RunNotFound:
-            return []
-
-    def state(self, key: str) -> str | None:
-        try:
-            return str(runs.get_run(self.store, key)["state"])
-        except runs.RunNotFound:
-            return None
-
-    def wait(self, what: str, cond: Callable[[], Any], timeout: float = 60.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = cond()
-            if value:
-                return value
-            time.sleep(0.2)
-        pytest.fail(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
-
 
 @pytest.fixture
 def dq(pg_url: str, broker_url: str, pg_store: Store, tmp_path: Path) -> Iterator[DqEnv]:
     """Redis (default) or, with ``--broker rabbitmq``, the session's RabbitMQ node."""
-    sys.path.insert(0, str(APPS))
-    try:
-        from dq_app import meta
-    finally:
-        sys.path.remove(str(APPS))
-    meta.create_all(pg_store.engine)
-    e = DqEnv(pg_url, broker_url, pg_store, tmp_path)
-    try:
+    with running(DqEnv(pg_url, broker_url, pg_store, tmp_path)) as e:
         yield e
-    finally:
-        e.kill_all()
 
 
 def outcomes(rows: list[dict[str, Any]]) -> list[str]:
@@ -303,11 +236,6 @@ def test_beat_started_before_the_schema_waits_then_fires(
     wait was only in the Celery scheduler)."""
     from reliable_beat.db.migrate import upgrade
 
-    sys.path.insert(0, str(APPS))
-    try:
-        from dq_app import meta
-    finally:
-        sys.path.remove(str(APPS))
     store = Store.from_url(pg_url, role="cli")
     env = DqEnv(pg_url, redis_url, store, tmp_path)
     env.extra["RB_PERIOD"] = "1"
@@ -318,7 +246,7 @@ def test_beat_started_before_the_schema_waits_then_fires(
         time.sleep(1.5)
         assert beat.poll() is None, env.logs()  # still waiting, not exited
         upgrade(store)
-        meta.create_all(store.engine)
+        create_test_tables(store)
         env.worker()
         env.wait("a slot run by the beat that waited", lambda: env.rows(
             sa.select(runs_table).where(runs_table.c.state == "succeeded")), 120)

@@ -8,30 +8,17 @@ balance, or a receipt was lost.
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.apps.demos import report_count as _count
+from tests.apps.demos import run_example
 
 
 def _run(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run(
-        [sys.executable, "-m", "examples.orders", "--workdir", str(tmp_path / "demo"), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
-
-
-def _count(out: str, label: str) -> int:
-    m = re.search(rf"\| {re.escape(label)} \| (\d+)", out)
-    assert m, f"{label!r} missing from the report:\n{out}"
-    return int(m.group(1))
+    return run_example("examples.orders", tmp_path / "demo", *args, timeout=timeout)
 
 
 def _check(out: str) -> None:

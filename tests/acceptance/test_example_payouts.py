@@ -7,28 +7,15 @@ exits non-zero when any merchant is paid twice or not at all for a fired slot.
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.apps.demos import assert_each_merchant_paid_once, run_example
+from tests.apps.demos import report_count as _count
 
 
 def _run(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run(
-        [sys.executable, "-m", "examples.payouts", "--workdir", str(tmp_path / "demo"), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
-
-
-def _count(out: str, label: str) -> int:
-    m = re.search(rf"\| {re.escape(label)} \| (\d+)", out)
-    assert m, f"{label!r} missing from the report:\n{out}"
-    return int(m.group(1))
+    return run_example("examples.payouts", tmp_path / "demo", *args, timeout=timeout)
 
 
 def test_embedded_demo_pays_each_merchant_once_per_slot(tmp_path: Path) -> None:
@@ -38,11 +25,7 @@ def test_embedded_demo_pays_each_merchant_once_per_slot(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "RESULT: OK" in out
-    slots = _count(out, "slots fired")
-    assert slots >= 2
-    assert _count(out, "merchant/slot pairs paid exactly once") == 3 * slots
-    assert _count(out, "paid twice") == 0
-    assert _count(out, "missing (fired slot, merchant unpaid)") == 0
+    assert_each_merchant_paid_once(out)
 
 
 def test_server_break_it_demo(tmp_path: Path, pg_url: str, redis_url: str) -> None:

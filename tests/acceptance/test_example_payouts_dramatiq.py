@@ -9,7 +9,6 @@ at all for a fired slot, or a notification was lost.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -17,27 +16,16 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("dramatiq")
+from tests.apps.demos import assert_each_merchant_paid_once, run_example
+from tests.apps.demos import report_count as _count
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("dramatiq")
 
 
 def _run(tmp_path: Path, *args: str, timeout: float,
          env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT)
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "examples.payouts", "--framework", "dramatiq", "--workdir",
-         str(tmp_path / "demo"), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
-
-
-def _count(out: str, label: str) -> int:
-    m = re.search(rf"\| {re.escape(label)} \| (\d+)", out)
-    assert m, f"{label!r} missing from the report:\n{out}"
-    return int(m.group(1))
+    return run_example("examples.payouts", tmp_path / "demo", "--framework", "dramatiq",
+                       *args, timeout=timeout, env_extra=env_extra)
 
 
 @pytest.mark.timeout(300)
@@ -50,11 +38,7 @@ def test_embedded_dramatiq_demo_pays_each_merchant_once_per_slot(tmp_path: Path)
     assert "embedded mode uses a private redis-server" in out  # said, not silent
     assert "payouts demo report (dramatiq," in out
     assert "RESULT: OK" in out
-    slots = _count(out, "slots fired")
-    assert slots >= 2
-    assert _count(out, "merchant/slot pairs paid exactly once") == 3 * slots
-    assert _count(out, "paid twice") == 0
-    assert _count(out, "missing (fired slot, merchant unpaid)") == 0
+    assert_each_merchant_paid_once(out)
 
 
 def test_embedded_dramatiq_demo_without_redis_server_says_what_it_needs(

@@ -73,6 +73,11 @@ class Driver:
                            lease=timedelta(seconds=30))
         else:
             task = self.app.tasks[payload["task"]]
+            # the broker hop: Celery's json serializer (kombu) encodes and decodes the
+            # message, so kombu's typed objects reach the task as Python values
+            from kombu.utils.json import dumps, loads
+
+            payload = loads(dumps(payload))
             for _ in range(2 if self.duplicate(self.delivered) else 1):
                 task.apply(tuple(payload["args"]), dict(payload["kwargs"]),
                            headers=payload.get("headers") or {})

@@ -6,7 +6,8 @@ checkout with ``pip install --no-deps -e .`` plus only ``[project].dependencies`
 so neither Celery nor kombu is there. In it, :mod:`tests.packaging.nocelery_probe` imports
 every core module, runs a core beat tick and a relay cycle on SQLite with an in-memory
 handler, and reports ``sys.modules``: no ``celery``/``kombu`` (nor any adapter) may be loaded.
-The ``reliable-beat`` command line runs there too, and ``-A`` names the missing extra.
+The ``reliable-beat`` command line runs there too, and ``-A`` names the missing extra (as
+``reliable-beat dramatiq ...`` names the Dramatiq one: Dramatiq is not there either).
 
 The first run builds the venv (about a minute with a warm pip cache). Runs in ``make test``;
 ``tox -e nocelery`` runs the same file.
@@ -40,10 +41,19 @@ def _core_dependencies() -> list[str]:
     return list(project["dependencies"])
 
 
+def _entry_points() -> dict[str, object]:
+    """The console scripts and entry points: an editable install writes them at install time."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {"scripts": project.get("scripts", {}),
+            "entry-points": project.get("entry-points", {})}
+
+
 def _python() -> Path:
-    """The venv's python, (re)built when missing or when the core dependencies changed."""
+    """The venv's python, (re)built when missing or when the core dependencies or the entry
+    points changed."""
     deps = _core_dependencies()
-    stamp = hashlib.sha256(json.dumps([sys.version, deps]).encode()).hexdigest()[:16]
+    stamp = hashlib.sha256(json.dumps([sys.version, deps, _entry_points()], sort_keys=True)
+                           .encode()).hexdigest()[:16]
     marker = VENV / f".nocelery-{stamp}"
     py = VENV / "bin" / "python"
     if marker.exists() and py.exists():
@@ -103,3 +113,16 @@ def test_cli_runs_without_celery_and_names_the_extra(nocelery_python: Path,
     assert with_app.returncode == 1
     assert "reliable-beat[celery]" in with_app.stderr, with_app.stderr
     assert "Traceback" not in with_app.stderr
+    # the Dramatiq adapter's commands (entry point group reliable_beat.cli) without Dramatiq:
+    # listed as unavailable, and running them is one error naming the extra
+    helped = subprocess.run([str(cli), "--help"], capture_output=True, text=True,
+                            cwd=tmp_path, env=env, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    assert any(line.split()[:1] == ["dramatiq"] and "unavailable" in line
+               for line in helped.stdout.splitlines()), helped.stdout
+    dq = subprocess.run([str(cli), "dramatiq", "beat", "--broker", "proj.broker"],
+                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert dq.returncode == 2, dq.stdout + dq.stderr
+    assert "entry point dramatiq = 'reliable_beat.dramatiq.cli:group'" in dq.stderr, dq.stderr
+    assert "pip install 'reliable-beat[dramatiq]'" in dq.stderr, dq.stderr
+    assert "Traceback" not in dq.stderr

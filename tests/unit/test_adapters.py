@@ -72,3 +72,18 @@ def test_unknown_names_and_no_app_are_refused(fakefw: type) -> None:
         adapters.load_adapter("broken")
     with pytest.raises(ValueError, match="no framework app"):
         adapters.adapter_for(None)
+
+
+def test_the_celery_adapter_answers_what_the_cli_asks() -> None:
+    """The command line imports no adapter: ``-A``, the app's zone and ``entries import`` are
+    the Celery adapter's answers (the whole protocol, checked by ``isinstance``)."""
+    from reliable_beat.celery import importers
+    from reliable_beat.celery.adapter import ADAPTER
+
+    assert isinstance(ADAPTER, adapters.AppAdapter)
+    app = Celery("cliq", set_as_current=False)
+    app.conf.timezone = "Europe/Berlin"
+    assert ADAPTER.load_app(None) is None
+    assert ADAPTER.load_app(None, parent_app=app) is app  # prepared: its tasks imported
+    assert ADAPTER.app_timezone(app) == "Europe/Berlin"
+    assert ADAPTER.importers() is importers

@@ -4,11 +4,16 @@ a function or under ``TYPE_CHECKING``. The core reaches an adapter only through 
 :mod:`reliable_beat.adapters` (adapters named by ``"module:attr"`` strings).
 
 Core = every module of the package except the adapters (``celery/``, ``dramatiq/``,
-``contrib/``), the command line (``cli/``: it mounts the adapters' commands) and the Celery
-testing kit (``testing/kit.py``, ``testing/pytest.py`` and ``testing/__init__.py`` which
-re-exports the kit: they run Celery tasks and workers). The package root may import the two
+``contrib/``), the command line (``cli/``, checked on its own below) and the Celery testing
+kit (``testing/kit.py``, ``testing/pytest.py`` and ``testing/__init__.py`` which re-exports the
+kit: they run Celery tasks and workers). The package root may import the two
 Celery public names lazily in its ``__getattr__`` (``reliable_beat.ReliableScheduler``,
 ``reliable_beat.IdempotentTask``), nothing else of an adapter.
+
+The command line (``cli/``) holds to the same rule: it loads the ``-A`` app, the app's zone
+and the RedBeat / django-celery-beat importers through :mod:`reliable_beat.adapters`, and an
+adapter's own commands (``reliable-beat dramatiq ...``) come in through the entry point group
+``reliable_beat.cli`` (:func:`reliable_beat.cli.plugin_command`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ def core_modules() -> list[Path]:
             continue
         out.append(path)
     return out
+
+
+def cli_modules() -> list[Path]:
+    return sorted((PACKAGE / "cli").rglob("*.py"))
 
 
 def _forbidden(module: str) -> bool:
@@ -101,6 +110,26 @@ def test_core_module_imports_no_framework(path: Path) -> None:
         "core modules must not import a framework or an adapter package; reach the adapter "
         "through reliable_beat.adapters (adapter_for(app)) or move the code into "
         "reliable_beat/celery|dramatiq/:\n" + "\n".join(bad))
+
+
+@pytest.mark.parametrize("path", cli_modules(),
+                         ids=lambda p: p.relative_to(PACKAGE).as_posix())
+def test_cli_module_imports_no_framework_nor_adapter(path: Path) -> None:
+    rel = path.relative_to(PACKAGE).as_posix()
+    bad = [
+        f"reliable_beat/{rel}:{line}: imports {module}" + (f" (in {func})" if func else "")
+        for line, func, module in imports_of(path) if _forbidden(module)
+    ]
+    assert not bad, (
+        "the command line must not import a framework or an adapter package, even lazily: "
+        "load the app / importers through reliable_beat.adapters (load_adapter, adapter_for), "
+        "or give the adapter's commands to the 'reliable_beat.cli' entry point group "
+        "(pyproject.toml):\n" + "\n".join(bad))
+
+
+def test_the_cli_is_walked() -> None:
+    names = {p.relative_to(PACKAGE).as_posix() for p in cli_modules()}
+    assert {"cli/__init__.py", "cli/entries.py", "cli/schedule.py", "cli/status.py"} <= names
 
 
 def test_the_check_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:

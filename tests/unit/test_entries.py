@@ -104,3 +104,25 @@ def test_overlap_policy_needs_an_idempotent_task() -> None:
             default_timezone="UTC", settings=Settings(), now=NOW,
             is_idempotent=lambda _task: False,
         )
+
+
+def test_docs_scheduled_workflow_example_passes_the_beats_validation() -> None:
+    """The ``beat_schedule`` of docs/workflows.md "Scheduled workflows" is accepted as
+    written (an unknown publish option such as ``overlap_policy`` directly under
+    ``options`` makes both beats refuse the configuration and exit)."""
+    import re
+    import types
+    from pathlib import Path
+
+    from reliable_beat.policies import OverlapPolicy
+
+    text = (Path(__file__).parents[2] / "docs" / "workflows.md").read_text()
+    section = text.split("## Scheduled workflows", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    app = types.SimpleNamespace(conf=types.SimpleNamespace())
+    exec(code.group(1), {"app": app, "crontab": crontab})
+    [entry] = definitions_from_beat_schedule(
+        app.conf.beat_schedule, default_timezone="UTC", settings=Settings(), now=NOW)
+    assert entry.name == "nightly-report"
+    assert entry.overlap_policy == OverlapPolicy("skip")

@@ -158,3 +158,25 @@ def test_free_text_does_not_over_mask(text: str, shown: str) -> None:
 ])
 def test_free_text_still_masks_credentials(text: str) -> None:
     assert SECRET not in redact_text(text)
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    # a non-determinism message: the digests are hashes of arguments, not HTTP Digest
+    # credentials, and the closing brackets are the prose's
+    ("seq 2: code did timer sleep 40s (args digest 988d5608d86d6f42), history has "
+     "timer sleep 30s (args digest 0a8d5608d86d6f4b)",
+     "seq 2: code did timer sleep 40s (args digest 988d5608d86d6f42), history has "
+     "timer sleep 30s (args digest 0a8d5608d86d6f4b)"),
+    ("call digest 3f2a9c0e1b7d4f5a6c8e9d0b1a2c3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d",
+     "call digest 3f2a9c0e1b7d4f5a6c8e9d0b1a2c3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d"),
+    (f"(Bearer {SECRET})", "(Bearer ***)"),
+])
+def test_hex_digests_are_shown_and_brackets_kept(text: str, shown: str) -> None:
+    assert redact_text(text) == shown
+
+
+@pytest.mark.parametrize("text", [
+    f"Digest {SECRET}", f"digest {SECRET}xyz",
+])
+def test_http_digest_credentials_still_masked(text: str) -> None:
+    assert SECRET not in redact_text(text)

@@ -94,3 +94,22 @@ def test_length_error_names_value_and_limit() -> None:
     with pytest.raises(ConfigurationError, match="is 401 characters long; the limit is 400"):
         check_length("idempotency key", "k" * 401, 400)
     assert check_length("idempotency key", "k" * 400, 400) == "k" * 400
+
+
+def test_from_json_value_inverts_to_json_value() -> None:
+    import uuid as _uuid
+    from datetime import date, datetime, time, timezone
+    from decimal import Decimal
+
+    from reliable_beat.values import from_json_value, to_json_value
+
+    value = {"d": Decimal("1.10"), "at": datetime(2026, 1, 10, 12, tzinfo=timezone.utc),
+             "day": date(2026, 1, 10), "t": time(12, 30), "u": _uuid.uuid4(),
+             "b": b"text", "bin": b"\x00\xff", "n": [1, "x", None, {"k": 2.5}]}
+    back = from_json_value(to_json_value(value))
+    assert back == value and {k: type(v) for k, v in back.items()} == {
+        k: type(v) for k, v in value.items()}
+    # not a typed object of a known type, or a value that does not decode: kept as is
+    for odd in ({"__type__": "nope", "__value__": 1}, {"__type__": "decimal", "__value__": "x"},
+                {"__type__": "decimal", "__value__": "1", "extra": 1}):
+        assert from_json_value(odd) == odd

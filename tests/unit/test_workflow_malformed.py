@@ -70,6 +70,13 @@ CASES = [
      ["reliable_beat_workflows.args", "a JSON list", "object"]),
     ("workflow kwargs wrong shape", f"UPDATE {WF} SET kwargs = '[1]' WHERE workflow_id = 'bad'",
      ["reliable_beat_workflows.kwargs", "a JSON object", "array"]),
+    # the fresh user's case: a JSON string (it was reported as non-determinism)
+    ("workflow args a string", f"UPDATE {WF} SET args = '\"notalist\"' "
+     "WHERE workflow_id = 'bad'",
+     ["reliable_beat_workflows.args", "a JSON list", "string", "notalist"]),
+    ("workflow kwargs a string", f"UPDATE {WF} SET kwargs = '\"notadict\"' "
+     "WHERE workflow_id = 'bad'",
+     ["reliable_beat_workflows.kwargs", "a JSON object", "string"]),
     ("event result not JSON", f"UPDATE {EV} SET result = 'garbage{{' WHERE seq = 1 AND "
      f"workflow_pk = (SELECT id FROM {WF} WHERE workflow_id = 'bad')",
      ["reliable_beat_workflow_events.result", "seq 1", "not valid JSON"]),

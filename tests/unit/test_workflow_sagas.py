@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,16 +46,8 @@ effects = sa.Table(
 BROKEN: set[str] = set()  # labels whose compensation fails permanently (until removed)
 
 
-def make_app(store: Store) -> Celery:
-    app = Celery("saga", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        reliable_beat_database_url=store.engine.url.render_as_string(hide_password=False),
-        reliable_beat_lease_seconds=30,
-        reliable_beat_retry_max_attempts=2,
-        reliable_beat_retry_base_seconds=0.01,
-        reliable_beat_retry_cap_seconds=0.02,
-    )
+def make_app(app: Celery) -> Celery:
+    """Register the module's tasks on ``app`` (the ``wf_celery_app`` fixture's)."""
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="saga.do")
     def do(self: IdempotentTask, label: str, fail: bool = False) -> str:
@@ -113,22 +105,20 @@ def ok_saga(ctx: WorkflowContext, order: str) -> str:
     return "ok"
 
 
-@pytest.fixture(params=["sqlite", pytest.param("mariadb", marks=pytest.mark.mariadb)])
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+@pytest.fixture
+def store(wf_dialect_store: Store) -> Store:
     """SQLite, and MariaDB (no UPDATE ... RETURNING there)."""
-    store: Store = request.getfixturevalue(f"{request.param}_store")
-    effects.create(store.engine)
+    effects.create(wf_dialect_store.engine)
     BROKEN.clear()
     workflow(name="t.three")(three_steps)
     workflow(name="t.sleepy")(sleepy)
     workflow(name="t.ok")(ok_saga)
-    yield store
-    engine.crash_hook = None
+    return wf_dialect_store
 
 
 @pytest.fixture
-def app(store: Store) -> Celery:
-    return make_app(store)
+def app(store: Store, wf_celery_app: Callable[[str, Store], Celery]) -> Celery:
+    return make_app(wf_celery_app("saga", store))
 
 
 def drain(driver: Driver, limit: int = 500) -> None:

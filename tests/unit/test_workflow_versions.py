@@ -4,7 +4,7 @@ continue-as-new, on SQLite with the in-process driver (tests/apps/wf_driver.py).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,16 +29,8 @@ from wf_driver import Crash, Driver, events
 CALLS: list[str] = []
 
 
-def make_app(store: Store) -> Celery:
-    app = Celery("wfv", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        reliable_beat_database_url=store.engine.url.render_as_string(hide_password=False),
-        reliable_beat_lease_seconds=30,
-        reliable_beat_retry_max_attempts=2,
-        reliable_beat_retry_base_seconds=0.01,
-        reliable_beat_retry_cap_seconds=0.02,
-    )
+def make_app(app: Celery) -> Celery:
+    """Register the module's tasks on ``app`` (the ``wf_celery_app`` fixture's)."""
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="wfv.act")
     def act(self: IdempotentTask, what: str) -> str:
@@ -48,19 +40,17 @@ def make_app(store: Store) -> Celery:
     return app
 
 
-@pytest.fixture(params=["sqlite", pytest.param("mariadb", marks=pytest.mark.mariadb)])
-def wf_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+@pytest.fixture
+def wf_store(wf_dialect_store: Store) -> Store:
     """SQLite, and MariaDB (no UPDATE ... RETURNING: children, continue-as-new and versions
     go through the dialect layer there)."""
-    store: Store = request.getfixturevalue(f"{request.param}_store")
     CALLS.clear()
-    yield store
-    engine.crash_hook = None
+    return wf_dialect_store
 
 
 @pytest.fixture
-def app(wf_store: Store) -> Celery:
-    return make_app(wf_store)
+def app(wf_store: Store, wf_celery_app: Callable[[str, Store], Celery]) -> Celery:
+    return make_app(wf_celery_app("wfv", wf_store))
 
 
 def kinds(store: Store, wid: str) -> list[tuple[str, str | None]]:

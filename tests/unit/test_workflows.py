@@ -12,7 +12,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -54,16 +54,8 @@ _EXAMPLE = itertools.count(1)  # crash points hit by the property test (reported
 EXAMPLES = int(os.environ.get("RB_WF_EXAMPLES", "40"))  # full size: RB_WF_EXAMPLES=1000
 
 
-def make_app(store: Store) -> Celery:
-    app = Celery("wf", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        reliable_beat_database_url=store.engine.url.render_as_string(hide_password=False),
-        reliable_beat_lease_seconds=30,
-        reliable_beat_retry_max_attempts=2,
-        reliable_beat_retry_base_seconds=0.01,
-        reliable_beat_retry_cap_seconds=0.02,
-    )
+def make_app(app: Celery) -> Celery:
+    """Register the module's tasks on ``app`` (the ``wf_celery_app`` fixture's)."""
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="wf.double")
     def double(self: IdempotentTask, x: int) -> int:
@@ -133,25 +125,16 @@ def interpret(ctx: WorkflowContext, program: list[list[Any]]) -> list[Any]:
 
 #: The engine on SQLite always; on MariaDB too (``-m mariadb``: a private server started by
 #: tests/conftest.py) unless ``RELIABLE_BEAT_TEST_DIALECTS`` leaves it out.
-WF_DIALECTS = ["sqlite"] + [
-    pytest.param("mariadb", marks=pytest.mark.mariadb)
-    for d in os.environ.get("RELIABLE_BEAT_TEST_DIALECTS", "sqlite,postgresql,mariadb")
-    .split(",") if d == "mariadb"
-]
-
-
-@pytest.fixture(params=WF_DIALECTS)
-def wf_store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    store: Store = request.getfixturevalue(f"{request.param}_store")
-    effects.create(store.engine)
+@pytest.fixture
+def wf_store(wf_dialect_store: Store) -> Store:
+    effects.create(wf_dialect_store.engine)
     STEP_CALLS.clear()
-    yield store
-    engine.crash_hook = None
+    return wf_dialect_store
 
 
 @pytest.fixture
-def app(wf_store: Store) -> Celery:
-    app = make_app(wf_store)
+def app(wf_store: Store, wf_celery_app: Callable[[str, Store], Celery]) -> Celery:
+    app = make_app(wf_celery_app("wf", wf_store))
     workflow(name="t.interp")(interpret)
     return app
 
@@ -764,3 +747,143 @@ def test_activity_run_killed_mid_body_is_resent_by_the_workflow_sweep_not_claime
     driver.run()
     assert handle.result(timeout=1) == 15
     assert count_effects(wf_store, "activity") == {killed[0]: 1}
+
+
+def test_changed_timer_is_named_by_its_duration_and_digests_survive_redaction(
+    app: Celery, wf_store: Store
+) -> None:
+    """A changed sleep is reported as ``timer sleep 40s`` (not ``timer None``), and the
+    block reason, which goes through the redaction of logs and the CLI, keeps its digests
+    and its closing brackets."""
+    from reliable_beat.redaction import redact_text
+
+    def v1(ctx: WorkflowContext) -> str:
+        ctx.sleep(timedelta(milliseconds=30))
+        ctx.wait_signal("go")
+        return "v1"
+
+    def v2(ctx: WorkflowContext) -> str:
+        ctx.sleep(timedelta(milliseconds=40))
+        ctx.wait_signal("go")
+        return "v2"
+
+    workflow(name="t.timer")(v1)
+    handle = engine.start(wf_store, "t.timer", "tm")
+    driver = Driver(wf_store, app)
+    driver.run()
+    assert handle.status()["state"] == "waiting"
+    workflow(name="t.timer")(v2)  # deploy a changed duration
+    signal(wf_store, "tm", "go", 1)
+    driver.run()
+    reason = handle.status()["block_reason"]
+    assert reason is not None, handle.status()
+    assert "code did timer sleep 0.04s (args digest " in reason
+    assert "history has timer sleep 0.03s (args digest " in reason
+    assert "None" not in reason
+    assert redact_text(reason) == reason
+
+
+def test_activity_returning_after_its_transaction_warns_naming_returns(
+    app: Celery, wf_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An activity that returns a value after ``with self.transaction():`` without
+    ``self.returns`` hands the workflow None (its history was written in the completing
+    transaction): not silently, a WARNING names the task and ``self.returns``."""
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="wf.late")
+    def late(self: IdempotentTask, x: int) -> dict[str, int]:
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(kind="late", key=self.idempotency_key))
+        return {"a": x}
+
+    workflow(name="t.late")(lambda ctx: ctx.activity("wf.late", 1))
+    handle = engine.start(wf_store, "t.late", "late1")
+    with caplog.at_level("WARNING"):
+        Driver(wf_store, app).run()
+    assert handle.result(timeout=5) is None  # what the history holds (committed with it)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+              and "wf.late" in r.getMessage()]
+    assert warned and "self.returns(value)" in warned[0] and "wf:late1/1#1" in warned[0], (
+        [r.getMessage() for r in caplog.records])
+
+
+def test_celery_json_types_reach_workflow_code_as_python_values(
+    app: Celery, wf_store: Store
+) -> None:
+    """Decimal, datetime, date, UUID and bytes travel as Celery's JSON carries them (kombu's
+    typed objects in the store) and reach the workflow code as the Python values: workflow
+    args and kwargs, activity args and results (plain return and ``self.returns``), step and
+    transaction results, signal payloads, child results and continue-as-new state; the same
+    on every replay (the workflow is advanced several times)."""
+    import uuid as _uuid
+    from datetime import date, datetime, timezone
+    from decimal import Decimal
+
+    when = datetime(2026, 1, 10, 12, 0, tzinfo=timezone.utc)
+    uid = _uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    seen: list[Any] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="wf.money")
+    def money(self: IdempotentTask, amount: Decimal, at: datetime) -> Decimal:
+        assert type(amount) is Decimal and type(at) is datetime, (amount, at)
+        return amount + Decimal("0.01")
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="wf.money_tx")
+    def money_tx(self: IdempotentTask, amount: Decimal) -> None:
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(kind="money", key=self.idempotency_key))
+            self.returns({"amount": amount, "day": date(2026, 1, 10)})
+
+    def kid(ctx: WorkflowContext, n: int) -> dict[str, Any]:
+        return {"n": n, "uid": uid}
+
+    def flow(ctx: WorkflowContext, amount: Decimal, *, at: datetime, raw: bytes,
+             loops: int = 0) -> Any:
+        got = [amount, at, raw]
+        got.append(ctx.activity("wf.money", amount, at))
+        got.append(ctx.activity("wf.money_tx", amount))
+        got.append(ctx.step(lambda: when, name="clock"))
+        got.append(ctx.transaction(lambda conn: uid, name="uid"))
+        got.append(ctx.wait_signal("pay"))
+        got.append(ctx.child("t.kid", 1))
+        seen.append(got)
+        if loops == 0:
+            ctx.continue_as_new(amount * 2, at=at, raw=raw, loops=1)
+        return got
+
+    workflow(name="t.kid")(kid)
+    workflow(name="t.types")(flow)
+    handle = engine.start(wf_store, "t.types", "ty", [Decimal("1.10")],
+                          kwargs={"at": when, "raw": b"\x00\xffbin"})
+    driver = Driver(wf_store, app)
+    driver.run()
+    signal(wf_store, "ty", "pay", {"total": Decimal("9.99")})
+    driver.run()
+    signal(wf_store, "ty", "pay", [uid])
+    driver.run()
+    result = handle.result(timeout=10)
+    first = [Decimal("1.10"), when, b"\x00\xffbin", Decimal("1.11"),
+             {"amount": Decimal("1.10"), "day": date(2026, 1, 10)}, when, uid,
+             {"total": Decimal("9.99")}, {"n": 1, "uid": uid}]
+    assert seen[0] == first, seen[0]
+    assert [type(v) for v in seen[0]] == [type(v) for v in first]
+    assert result[0] == Decimal("2.20") and result[3] == Decimal("2.21")
+    assert result[7] == [uid]
+    # every execution of the first run's code that got this far saw the same values
+    assert all(got == first for got in seen if got[0] == Decimal("1.10"))
+
+
+@pytest.mark.parametrize(("call", "names"), [
+    (lambda s: engine.start(s, "t.interp", "r1", [object()]), ["args[0]", "object"]),
+    (lambda s: engine.start(s, "t.interp", "r2", [], kwargs={"x": {1, 2}}),
+     ["kwargs['x']", "set"]),
+    (lambda s: signal(s, "r3", "go", {"when": object()}), ["signal 'go' payload['when']"]),
+])
+def test_values_celery_json_does_not_carry_are_refused_naming_the_path(
+    app: Celery, wf_store: Store, call: Any, names: list[str]
+) -> None:
+    engine.start(wf_store, "t.interp", "r3", [])
+    with pytest.raises(TypeError) as info:
+        call(wf_store)
+    for name in names:
+        assert name in str(info.value), str(info.value)
+    assert "convert it" in str(info.value)

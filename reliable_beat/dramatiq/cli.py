@@ -4,8 +4,11 @@ Dramatiq triggers and ``dramatiq`` outbox rows and re-dispatches stuck runs; ``d
 entries trigger|backfill`` (trigger rows of destination ``dramatiq``, published through the
 broker) and ``dramatiq dead-letters requeue`` (a new message through the broker).
 
-Importing this module does not import Dramatiq (the command group is registered for every
-``reliable-beat``); the commands import it when run.
+The Dramatiq adapter's commands: :data:`group` is mounted as ``reliable-beat dramatiq`` through
+the entry point ``dramatiq = "reliable_beat.dramatiq.cli:group"`` of group
+``reliable_beat.cli`` (:data:`reliable_beat.adapters.CLI_ENTRY_POINT_GROUP`), imported only
+when ``reliable-beat dramatiq ...`` (or ``--help``) runs. Without Dramatiq installed the
+import fails and the root group says so, naming the ``reliable-beat[dramatiq]`` extra.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import click
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.errors import ConfigurationError
 
-__all__ = ["register"]
-
+__all__ = ["group"]
 
 
 def _load_broker(spec: str) -> tuple[Any, Any]:
@@ -39,11 +41,6 @@ def _load_broker(spec: str) -> tuple[Any, Any]:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, cwd)
-    try:
-        import dramatiq  # noqa: F401
-    except ImportError:
-        fail('the Dramatiq adapter needs dramatiq: pip install "reliable-beat[dramatiq]"', 2,
-             kind="usage")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -285,5 +282,5 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, broker_spec: str, yes: bool
                f"{out['key']!r} (message {out['message_id']} on {out['queue']})")
 
 
-def register(group: click.Group) -> None:
-    group.add_command(dramatiq_group)
+#: The ``reliable-beat dramatiq`` group (the entry point's target).
+group = dramatiq_group

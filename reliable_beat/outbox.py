@@ -40,6 +40,7 @@ from sqlalchemy import Interval, Table, bindparam, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.elements import ColumnElement
 
 from reliable_beat.db.tables import outbox
 from reliable_beat.values import to_json_value
@@ -182,6 +183,7 @@ def add(
     ordering_key: str | None = None,
     run_id: int | None = None,
     max_bytes: int | None = None,
+    schedule_group: str | ColumnElement[Any] | None = None,
 ) -> str:
     """Add one message to the outbox inside the caller's transaction.
 
@@ -217,6 +219,10 @@ def add(
         max_bytes: the largest JSON size of ``payload`` + ``headers``, bytes (default
             :data:`DEFAULT_MAX_PAYLOAD_BYTES`; ``IdempotentTask.outbox`` passes
             ``reliable_beat_max_payload_bytes``).
+        schedule_group: only the relays and beats of this schedule group publish the row
+            (a workflow's messages carry its group, so they reach the broker of the app that
+            runs it); a SQL expression is evaluated in the insert (the workflow engine passes
+            its row's group). None: any relay with a handler for ``destination``.
 
     Returns:
         The message id (``key`` or the generated one), whether or not a row was inserted.
@@ -263,6 +269,7 @@ def add(
             headers=header_values,
             ordering_key=ordering_key,
             run_id=run_id,
+            schedule_group=schedule_group,
             state="pending",
             attempts=0,
             available_at=available_at,

@@ -162,7 +162,9 @@ def claim_outbox_batch(
             whose run's entry is of this schedule group, has no group, or is gone
             (:func:`reliable_beat.groups.run_in_group`), and those with no run: a beat's sweep
             or a relay with an app publishes into its own app's broker, never another app's
-            triggers. Other destinations are not scoped. None: every row.
+            triggers. Other destinations are not scoped by run. Rows stored with a
+            schedule group (a workflow's wakes, activity messages, compensations) are
+            claimed only by that group; rows without one by any. None: every row.
 
     A claimed row that cannot be read or has the wrong shape (:func:`reliable_beat.rows.
     check_outbox`) is dead-lettered at once (:func:`dead_letter_malformed`) and not
@@ -204,7 +206,9 @@ def claim_outbox_batch(
         sel = sel.where(o.c.destination.in_(sorted(destinations)))
     if schedule_group is not None:
         sel = sel.where(or_(o.c.destination != TRIGGER_DESTINATION,
-                            run_in_group(o.c.run_id, schedule_group)))
+                            run_in_group(o.c.run_id, schedule_group)),
+                        # a workflow's messages: only its own group's publishers
+                        or_(o.c.schedule_group.is_(None), o.c.schedule_group == schedule_group))
     if store.dialect in MYSQL_DIALECTS:
         return _claim_mysql(conn, sel, owner, now, lease, max_bytes)
     claim = store.for_update_skip_locked(sel).cte("claim")

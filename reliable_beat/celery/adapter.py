@@ -91,6 +91,15 @@ class CeleryAdapter:
 
         return importers
 
+    def workflow_schedule_group(self, app: Any) -> str:
+        """The schedule group the workflows ``app`` starts record
+        (:func:`reliable_beat.groups.schedule_group_of`): only its relays publish their
+        messages, into its broker."""
+        from reliable_beat.groups import schedule_group_of
+        from reliable_beat.settings import Settings
+
+        return schedule_group_of(app, Settings.from_celery(app).schedule_group)
+
 
 #: The instance :data:`reliable_beat.adapters.BUILTIN_ADAPTERS` names.
 ADAPTER = CeleryAdapter()

@@ -63,7 +63,7 @@ def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool)
         cli.echo_json(row)
         return
     for key in ("workflow_id", "name", "version", "state", "run_no", "args", "kwargs", "result",
-                "error", "entry_name", "slot_fire_at",
+                "error", "entry_name", "slot_fire_at", "schedule_group",
                 "block_reason", "queue", "fence_token", "leased_by", "lease_expires_at",
                 "wake_seq", "claimed_wake_seq", "history_len", "advances", "created_at",
                 "updated_at", "finished_at", "cancel_requested"):

@@ -241,6 +241,9 @@ outbox = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("sent_at", UTCDateTime, nullable=True),
     Column("last_error", Text, nullable=True),
+    # the schedule group whose relays / beats publish the row (0010): a workflow's messages
+    # carry its group; NULL (every other row, and rows from before 0010): any publisher
+    Column("schedule_group", String(200), nullable=True),
     Index(
         "ix_reliable_beat_outbox_pending",
         "available_at",
@@ -327,6 +330,9 @@ workflows = Table(
     # started by a beat entry's slot (0007): the overlap policy reads these
     Column("entry_name", String(200), nullable=True),
     Column("fire_at", UTCDateTime, nullable=True),
+    # the schedule group of the app that started it (0010): its messages go only to that
+    # group's broker; NULL (started without an app, or before 0010): any publisher
+    Column("schedule_group", String(200), nullable=True),
     Index("ix_reliable_beat_workflows_finished_at", "finished_at"),  # retention (0007)
     Index("ix_reliable_beat_workflows_entry_name_state", "entry_name", "state"),
 )

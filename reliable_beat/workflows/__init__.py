@@ -134,7 +134,12 @@ def workflow(
         if app is not None:
             from reliable_beat.adapters import adapter_for  # the app's adapter, only with one
 
-            definition.store_factory = adapter_for(app).install_workflows(app)
+            adapter = adapter_for(app)
+            definition.store_factory = adapter.install_workflows(app)
+            # the workflows it starts are published only by its app's relays (optional hook)
+            group_of_app = getattr(adapter, "workflow_schedule_group", None)
+            if group_of_app is not None:
+                definition.schedule_group_factory = lambda: group_of_app(app)
         return register(definition)
 
     return decorate

@@ -69,7 +69,11 @@ def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: di
         queue = definition.queue if definition is not None else claimed.queue
 
         def launch(conn: Connection) -> None:
-            engine.start(conn, name, child_id, call[0], call[1], queue=queue)
+            # the child runs where its parent runs: its parent's schedule group
+            group = conn.execute(select(workflows.c.schedule_group)
+                                 .where(workflows.c.id == claimed.pk)).scalar()
+            engine.start(conn, name, child_id, call[0], call[1], queue=queue,
+                         schedule_group=group)
             linked = conn.execute(
                 update(workflows)
                 .where(workflows.c.workflow_id == child_id, workflows.c.parent_pk.is_(None))

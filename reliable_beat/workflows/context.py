@@ -630,7 +630,8 @@ class WorkflowContext:
                 payload["options"] = {"queue": queue}
 
             def dispatch(conn: Connection) -> None:
-                outbox.add(conn, engine.WAKE_DESTINATION, payload, key=f"act:{key}")
+                outbox.add(conn, engine.WAKE_DESTINATION, payload, key=f"act:{key}",
+                           schedule_group=engine.group_of(self._claimed.workflow_id))
 
             # stored with its queue (not part of the digest), for the re-dispatch sweep
             self._record(seq, "activity", task_name, digest, [*call, queue],

@@ -234,14 +234,23 @@ def _wake_payload(workflow_id: str, queue: str | None) -> dict[str, Any]:
     return payload
 
 
+def group_of(workflow_id: str) -> Any:
+    """SQL: the schedule group of workflow ``workflow_id`` (NULL: none, or no such row), for
+    the ``schedule_group`` of the outbox rows it writes: only the relays and beats of that
+    group publish them, into the broker of the app that runs the workflow."""
+    return (select(workflows.c.schedule_group)
+            .where(workflows.c.workflow_id == workflow_id).scalar_subquery())
+
+
 def add_wake(
     conn: Connection, workflow_id: str, queue: str | None, what: str,
     delay: timedelta | None = None,
 ) -> str:
-    """Add the advance message ``wake:<workflow id>:<what>`` to the outbox (joins ``conn``)."""
+    """Add the advance message ``wake:<workflow id>:<what>`` to the outbox (joins ``conn``),
+    scoped to the workflow's schedule group (:func:`group_of`)."""
     return outbox.add(
         conn, WAKE_DESTINATION, _wake_payload(workflow_id, queue),
-        key=f"wake:{workflow_id}:{what}", delay=delay,
+        key=f"wake:{workflow_id}:{what}", delay=delay, schedule_group=group_of(workflow_id),
     )
 
 
@@ -296,6 +305,10 @@ class WorkflowDefinition:
             ``blocked`` by this code instead of replayed.
         continue_as_new_after: the position from which ``ctx.info.continue_as_new_suggested``
             is True (None: half the ``history_limit``); must be below ``history_limit``.
+        schedule_group_factory: returns the schedule group of the app it is registered with
+            (set by ``@workflow(app, ...)``; read at each start, so the app's configuration
+            may load later): the workflows it starts record it, so only that group's relays
+            publish their messages. None: no group (any relay).
     """
 
     name: str
@@ -306,6 +319,7 @@ class WorkflowDefinition:
     version: str | None = None
     min_supported_version: str | None = None
     continue_as_new_after: int | None = None
+    schedule_group_factory: Callable[[], str | None] | None = None
 
     def __post_init__(self) -> None:
         from reliable_beat.workflows.versioning import parse_version
@@ -334,6 +348,11 @@ class WorkflowDefinition:
         if self.continue_as_new_after is not None:
             return self.continue_as_new_after
         return max(1, self.history_limit // 2)
+
+    @property
+    def schedule_group(self) -> str | None:
+        """The schedule group the workflows it starts record (None: no group)."""
+        return self.schedule_group_factory() if self.schedule_group_factory else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the function directly (only inside tests that pass a context)."""
@@ -459,6 +478,7 @@ def start(
     *,
     queue: str | None = None,
     version: str | None = None,
+    schedule_group: str | None = None,
 ) -> WorkflowHandle:
     """Create workflow ``workflow_id`` of registered name ``name`` and send its first advance.
 
@@ -475,6 +495,11 @@ def start(
         queue: the queue of its advance messages.
         version: the code version to record (``@workflow(version=...)``; None: the
             registered definition's, if any).
+        schedule_group: the schedule group whose relays and beats publish its messages
+            (wakes, activities, compensations), into the broker of the app that runs it
+            (None: the registered definition's, i.e. its app's; none without an app: any
+            relay publishes them). A child takes its parent's, a scheduled workflow its
+            entry's.
 
     Raises:
         WorkflowConflict: ``workflow_id`` names a workflow of another name.
@@ -486,11 +511,13 @@ def start(
     call_kwargs = to_json(dict(kwargs or {}), f"workflow {name!r} kwargs")
     if version is None and name in _registry:
         version = _registry[name].version
+    if schedule_group is None and name in _registry:
+        schedule_group = _registry[name].schedule_group
     with _tx(target) as conn:
         now = db_now(conn)
         inserted = _insert_one_ignored(conn, insert_ignore(conn, workflows).values(
             workflow_id=workflow_id, name=name, version=version, run_no=1, state="pending",
-            args=call_args, kwargs=call_kwargs, queue=queue,
+            args=call_args, kwargs=call_kwargs, queue=queue, schedule_group=schedule_group,
             random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
             claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
             created_at=now, updated_at=now,
@@ -1159,7 +1186,8 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
                              ).outerjoin(runs, runs.c.idempotency_key == workflow_events.c.run_key)
     rows = conn.execute(
         select(workflow_events.c.run_key, workflow_events.c.name,
-               cast(workflow_events.c.args, Text).label("args"), workflows.c.queue)
+               cast(workflow_events.c.args, Text).label("args"), workflows.c.queue,
+               workflows.c.schedule_group)
         .select_from(j)
         .where(
             workflow_events.c.kind.in_(("activity", "compensation")),
@@ -1194,7 +1222,8 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
                                    "headers": {"reliable_beat_key": r.run_key}}
         if len(call) > 2 and call[2]:
             payload["options"] = {"queue": call[2]}
-        outbox.add(conn, WAKE_DESTINATION, payload, key=f"act:{r.run_key}:r{window}")
+        outbox.add(conn, WAKE_DESTINATION, payload, key=f"act:{r.run_key}:r{window}",
+                   schedule_group=r.schedule_group)
         sent += 1
     return sent
 
@@ -1210,7 +1239,7 @@ def _row_dict(row: Any) -> dict[str, Any]:
         "result": m["result"], "error": m["error"], "block_reason": m["block_reason"],
         "version": m.get("version"), "queue": m["queue"], "fence_token": m["fence_token"],
         "leased_by": m["leased_by"], "entry_name": m.get("entry_name"),
-        "slot_fire_at": m.get("fire_at"),
+        "slot_fire_at": m.get("fire_at"), "schedule_group": m.get("schedule_group"),
         "lease_expires_at": m["lease_expires_at"], "wake_seq": m["wake_seq"],
         "claimed_wake_seq": m["claimed_wake_seq"], "history_len": m["history_len"],
         "advances": m["advances"], "created_at": m["created_at"],

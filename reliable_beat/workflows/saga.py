@@ -344,7 +344,8 @@ def _dispatch(ctx: WorkflowContext, seq: int, name: str, key: str) -> None:
                             workflow_events.c.seq == seq)
                      .values(state="scheduled", completed_at=None))
         outbox.add(conn, engine.WAKE_DESTINATION, payload,
-                   key=f"act:{key}:f{ctx._claimed.fence_token}")
+                   key=f"act:{key}:f{ctx._claimed.fence_token}",
+                   schedule_group=engine.group_of(ctx._claimed.workflow_id))
         engine.crash_point("saga.dispatch.in")
 
     engine.crash_point("saga.dispatch.before")

@@ -7,7 +7,7 @@ slot (docs/workflows.md, "Scheduled workflows").
         "nightly-report": {"task": "reliable_beat.workflow.start",
                            "schedule": crontab(hour=2, minute=0),
                            "args": ["shop.report", "eu"],      # workflow name, then its args
-                           "options": {"overlap_policy": "skip"}},
+                           "options": {"reliable_beat": {"overlap_policy": "skip"}}},
     }
 
 The start task is an ``IdempotentTask`` keyed like every slot (``<entry>@<slot ISO Z>``), and
@@ -28,7 +28,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
-from reliable_beat.db.tables import runs, workflows
+from reliable_beat.db.tables import entries, runs, workflows
 from reliable_beat.workflows import engine
 from reliable_beat.workflows.errors import WorkflowNotFound
 
@@ -58,11 +58,15 @@ def start_for_slot(conn: Connection, name: str, key: str, args: Sequence[Any],
             f"{START_TASK}: no workflow {name!r} is registered in this process: the entry's "
             "first argument must be a @workflow name (deploy the code that registers it)"
         )
-    engine.start(conn, name, key, args, kwargs, queue=definition.queue,
-                 version=definition.version)
     slot = conn.execute(
         select(runs.c.entry_name, runs.c.fire_at).where(runs.c.idempotency_key == key)
     ).first()
+    # the workflow's messages go where its entry's triggers go: the entry's schedule group
+    group = None if slot is None or slot.entry_name is None else conn.execute(
+        select(entries.c.schedule_group).where(entries.c.name == slot.entry_name)
+    ).scalar()
+    engine.start(conn, name, key, args, kwargs, queue=definition.queue,
+                 version=definition.version, schedule_group=group)
     if slot is not None and slot.entry_name is not None:
         conn.execute(
             update(workflows)

@@ -229,6 +229,25 @@ def redis_url(redis_server: tuple[str, int]) -> Iterator[str]:
         client.close()
 
 
+@pytest.fixture
+def second_redis_url(redis_url: str, redis_server: tuple[str, int]) -> Iterator[str]:
+    """Another Redis database than ``redis_url``'s (a second app's broker), flushed before and
+    after the test."""
+    import redis
+
+    _base, databases = redis_server
+    parts = urlsplit(redis_url)
+    number = int(parts.path.strip("/") or 0)
+    other = 1 + number % max(databases - 1, 1)
+    assert other != number
+    url = urlunsplit(parts._replace(path=f"/{other}"))
+    client = redis.Redis.from_url(url, socket_timeout=30)
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()
+
+
 def _marked_processes(mark: str) -> list[tuple[int, str]]:
     """``(pid, command line)`` of every process whose environment carries ``mark``."""
     needle = f"{PROCESS_MARK}={mark}".encode()

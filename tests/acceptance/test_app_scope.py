@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from sqlalchemy import select
@@ -40,23 +39,6 @@ def procs(tmp_path: Path) -> Iterator[procs_mod.BeatProcs]:
         yield manager
     finally:
         manager.cleanup()
-
-
-@pytest.fixture
-def second_redis_url(redis_url: str, redis_server: tuple[str, int]) -> Iterator[str]:
-    """Another Redis database than ``redis_url``'s (proj2's broker), flushed."""
-    import redis
-
-    _base, databases = redis_server
-    parts = urlsplit(redis_url)
-    number = int(parts.path.strip("/") or 0)
-    other = 1 + number % max(databases - 1, 1)
-    assert other != number
-    url = urlunsplit(parts._replace(path=f"/{other}"))
-    client = redis.Redis.from_url(url, socket_timeout=30)
-    client.flushdb()
-    yield url
-    client.flushdb()
 
 
 def _worker(procs: procs_mod.BeatProcs, app: str, env: dict[str, str]) -> procs_mod.Beat:

@@ -4,23 +4,23 @@ Celery's consumer (5.7) acknowledges an ``acks_late`` task's message through
 ``Consumer.call_soon_ack``, which, in a worker with an event loop (kombu's ``Hub``: the
 ``solo`` and ``prefork`` pools), queues the ``basic.ack`` with ``hub.call_soon``. The hub runs
 that queue only at the top of its next iteration, and it does not wake itself for a callback
-queued from its own thread. A task with an ETA or countdown (every
-:class:`~reliable_beat.celery.task.IdempotentTask` retry: ``self.retry(countdown=...)``) runs
-from the hub's *timers*, after the queue was read and before the hub blocks in ``poll``: its
-ack then waits for the next timer or socket event, up to kombu's 10 s poll cap. With
-``task_acks_late`` and a small prefetch (``worker_prefetch_multiplier=1``) the unsent acks
-fill the prefetch window, RabbitMQ delivers nothing more, and the worker sleeps: measured in
-the RabbitMQ fault run, workers idle 4-8 s in ``epoll_wait`` then ack and run a burst in
-tens of milliseconds; throughput fell to about one task per 2 s, the queue grew past 1,400
-messages, and the re-dispatch sweep took the waiting triggers for lost ones (Redis wakes the
-hub every second with its ``BRPOP`` timeout, so it lost less).
+queued from its own thread. A task run from the hub's *timers* (one with an ETA or countdown:
+every :class:`~reliable_beat.celery.task.IdempotentTask` retry is ``self.retry(countdown=...)``)
+or from its ready queue (the consumer's start-up drain) runs after that queue was read and
+before the hub blocks in ``poll``: its ack then waits for the next timer or socket event, up
+to kombu's 10 s poll cap. With ``task_acks_late`` and a small prefetch
+(``worker_prefetch_multiplier=1``) the unsent acks fill RabbitMQ's prefetch window, the broker
+delivers nothing more, and the worker sleeps. Measured in the RabbitMQ fault run: workers
+idle 4-8 s in ``epoll_wait``, then ack and run a burst in tens of milliseconds; throughput
+fell to about one task per 2 s, the queue grew past 1,400 messages, and the re-dispatch
+sweep took the waiting triggers for lost ones and re-sent them (more backlog).
 
 :func:`install`, run at ``celeryd_after_setup`` in every worker of an app with an
-``IdempotentTask``, makes the worker's consumer write the ack (or reject) at once when it is called on
-the consumer's own thread, the one that owns the AMQP connection: exactly what Celery already
-does in a worker without a hub. Calls from other threads (the ``threads`` pool) keep Celery's
-deferral to the loop thread. Nothing is acknowledged earlier than Celery decides; only the
-write is no longer deferred.
+``IdempotentTask``, makes the worker's consumer write the ack (or reject) at once when it is
+called on the consumer's own thread, the one that owns the AMQP connection: what Celery
+already does in a worker without a hub. Calls from other threads (the ``threads`` pool) keep
+Celery's deferral to the loop thread. Nothing is acknowledged earlier than Celery decides;
+only the write is no longer deferred.
 """
 
 from __future__ import annotations

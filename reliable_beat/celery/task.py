@@ -114,13 +114,18 @@ def _warn_default_store_once(settings: Settings) -> None:
 
 def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
     """``celeryd_after_setup``: a worker running IdempotentTasks on the default store says so
-    at start, and bad reliable_beat settings are reported before the first task."""
+    at start, and bad reliable_beat settings are reported before the first task. Its
+    consumer writes acks at once (:mod:`reliable_beat.celery.prompt_acks`)."""
     app = getattr(instance, "app", None)
     if app is None:
         return
     try:
         tracked = any(isinstance(t, IdempotentTask) for t in list(app.tasks.values()))
         if tracked:
+            # acks written at once, not at the hub's next wake-up (see prompt_acks)
+            from reliable_beat.celery import prompt_acks
+
+            prompt_acks.install(instance)
             settings = Settings.from_celery(app)
             log.info("reliable_beat: store %s", settings.database_url_text)
             _warn_default_store_once(settings)

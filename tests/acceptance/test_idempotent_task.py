@@ -338,3 +338,29 @@ def test_scheduled_run_from_the_beat_headers(env: Env) -> None:
     assert [a["task_id"] for a in env.attempts(key)] == [task_id_for(key)] * 2
     assert len(env.effects(key)) == 1
     assert not env.effects("effect:nightly")  # the header key wins over idempotency_key_for
+
+
+
+def test_countdown_retries_do_not_stall_the_worker(env: Env) -> None:
+    """A retry (``self.retry(countdown=...)``: an ETA message, run from the worker's timers)
+    is acknowledged at once, so the worker goes on consuming. Celery queued that ack with
+    ``hub.call_soon``, which waits for the hub's next timer or socket event (up to 10 s):
+    with ``acks_late`` and prefetch 1 the worker sat idle, RabbitMQ's window full of
+    executed but unacknowledged messages (the RabbitMQ fault run's backlog; see
+    reliable_beat.celery.prompt_acks). 12 retried tasks and 12 plain ones, one solo worker:
+    about 3 s acked at once; 71-132 s with the deferred acks."""
+    env.worker("burst")
+    n = 12
+    t0 = time.monotonic()
+    for i in range(n):
+        env.send("rb.flaky", [f"b{i}"], "burst", fail_times=1)
+        env.send("rb.write_effect", [f"w{i}"], "burst")
+    env.wait("every retried and every plain task done", lambda: all(
+        env.state(f"effect:b{i}") == "succeeded" and env.effects(f"effect:w{i}")
+        for i in range(n)), 60)
+    took = time.monotonic() - t0
+    # 30 s is load slack (3 s measured); a deferred ack held the worker 10 s at a time.
+    assert took < 30.0, f"{n} retried + {n} plain tasks took {took:.1f} s\n{env.logs()}"
+    for i in range(n):
+        assert outcomes(env.attempts(f"effect:b{i}")) == ["retrying", "succeeded"]
+        assert len(env.effects(f"effect:b{i}")) == 1

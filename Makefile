@@ -46,9 +46,9 @@ test-full: $(VENV)/.installed
 # the outbox kill points, and countdown retries not stalling a worker's acks, on a private
 # RabbitMQ node. `make test-full` runs the rest.
 test-rabbitmq: $(VENV)/.installed
-	$(PY) -m pytest -q --broker rabbitmq -m "not mariadb" tests/acceptance/test_relay_kill.py \
+	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_relay_kill.py \
 		tests/acceptance/test_outbox_kill_points.py tests/acceptance/test_adapters_celery_dramatiq.py \
-		tests/acceptance/test_idempotent_task.py::test_countdown_retries_do_not_stall_the_worker
+		tests/acceptance/test_idempotent_task.py::test_countdown_retries_do_not_stall_the_worker[postgresql]
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks

@@ -48,7 +48,7 @@ test-full: $(VENV)/.installed
 test-rabbitmq: $(VENV)/.installed
 	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_relay_kill.py \
 		tests/acceptance/test_outbox_kill_points.py tests/acceptance/test_adapters_celery_dramatiq.py \
-		tests/acceptance/test_idempotent_task.py::test_countdown_retries_do_not_stall_the_worker[postgresql]
+		"tests/acceptance/test_idempotent_task.py::test_countdown_retries_do_not_stall_the_worker[postgresql]"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks

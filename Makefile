@@ -29,7 +29,7 @@ MARIADB_CI_SUBSET := tests/integration tests/unit/test_workflows.py tests/unit/t
 	tests/acceptance/test_idempotent_task.py::test_sigkill_mid_body_redelivers_and_makes_one_effect \
 	tests/acceptance/test_idempotent_task.py::test_sigstop_past_lease_is_fenced_out_on_wake tests/acceptance/test_relay_kill.py
 test: $(VENV)/.installed
-	RB_WF_KILLS=1 $(PY) -m pytest -q -m "not mariadb and not full" --durations=40
+	RB_WF_KILLS=1 $(PY) -m pytest -q -m "not mariadb and not full" -n 2 --dist loadfile --durations=40
 	$(PY) -m pytest -q -m "mariadb and not full" $(MARIADB_CI_SUBSET)
 
 # Everything: every variant on every store (MariaDB's crash matrix and fault smoke included),

@@ -273,6 +273,8 @@ def redact_text(text: object) -> str:
     low = s.lower()
     if any(w in low for w in _CREDENTIAL_SCHEMES):
         s = _SCHEME_CREDENTIAL.sub(_redact_scheme_credential, s)
+        if "digest" in low and "response" in low:  # HTTP Digest: the response is the proof
+            s = _DIGEST_RESPONSE.sub(rf"\g<1>\g<2>{MASK}", s)
     if "/" in s:
         s = _PATH_IN_TEXT.sub(_redact_bare_path, s)
     if ("=" not in s and ":" not in s) or not _mentions_sensitive_word(low):
@@ -287,6 +289,9 @@ def redact_text(text: object) -> str:
 
 
 _CREDENTIAL_SCHEMES = ("bearer", "basic", "token", "digest", "negotiate")
+# the ``response`` parameter of an HTTP ``Digest`` credential (a hash that proves the
+# password, replayable within its nonce): masked wherever a Digest credential is quoted
+_DIGEST_RESPONSE = re.compile(r"""(\bresponse\s*=\s*)(["']?)(?!\*\*\*)[^"',\s]+""", re.I)
 # punctuation that ends a sentence or a clause after a URL in prose ("see https://x/y.",
 # "url=postgresql://h/db?a=b: inserted 4"): not part of the URL (as linkifiers decide)
 _URL_TRAILING = ".,;:!?"

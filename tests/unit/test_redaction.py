@@ -180,3 +180,21 @@ def test_hex_digests_are_shown_and_brackets_kept(text: str, shown: str) -> None:
 ])
 def test_http_digest_credentials_still_masked(text: str) -> None:
     assert SECRET not in redact_text(text)
+
+
+@pytest.mark.parametrize("text", [
+    'Authorization: Digest username="u", realm="r", nonce="n1", uri="/", response="{r}"',
+    "headers={{'Authorization': 'Digest username=\"u\", response={r}, qop=auth'}}",
+    "digest auth failed: Digest username=u response = '{r}'",
+])
+def test_the_response_of_an_http_digest_credential_is_masked(text: str) -> None:
+    """The ``response`` of an HTTP Digest credential proves the password (replayable within
+    its nonce). Fails on the old code: the scheme rule masked only the word after Digest."""
+    response = "6629fae49393a05397450978507c4ef1"
+    out = redact_text(text.format(r=response))
+    assert response not in out and "response" in out and "***" in out, out
+
+
+def test_a_response_without_a_digest_credential_is_left_alone() -> None:
+    assert redact_text("webhook response=200 after 3 tries") == (
+        "webhook response=200 after 3 tries")

@@ -26,14 +26,18 @@ from typing import Any
 
 from sqlalchemy import and_, delete, func, select, tuple_
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import OperationalError
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import workflow_events, workflow_signals, workflows
+from reliable_beat.redaction import get_logger
 
 __all__ = ["ENDED_STATES", "WorkflowPurge", "purge_workflows"]
 
 #: Workflow states a purge may delete (``cancelled`` comes with cancellation).
 ENDED_STATES = ("completed", "failed", "cancelled")
+
+log = get_logger("reliable_beat.workflows.retention")
 
 
 @dataclass
@@ -171,12 +175,50 @@ def purge_workflows(
                 return out
             if max_seconds is not None and time.monotonic() - started > max_seconds:
                 return out
-            with store.begin() as conn:
-                if step == "ended":
-                    n = _delete_ended(store, conn, before, batch_size, out)
-                else:
-                    n = _delete_old_runs(conn, before, batch_size, out)
+            n = _one_batch(store, step, before, batch_size, out)
             out.batches += 1
             if n < batch_size:
                 break
     return out
+
+
+#: How many times a purge batch the database chose as a deadlock victim (rolled back whole:
+#: nothing deleted) is tried again. Two purgers (two relays' retention, or a relay and
+#: ``workflows purge``) deleting neighbouring rows can deadlock on MariaDB, whose InnoDB
+#: locks every row a ``DELETE`` scans, and in principle on PostgreSQL.
+DEADLOCK_RETRIES = 5
+
+
+def _is_deadlock(exc: OperationalError) -> bool:
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) == "40P01" or getattr(orig, "pgcode", None) == "40P01":
+        return True  # PostgreSQL deadlock_detected (psycopg 3 / psycopg2)
+    args: tuple[Any, ...] = tuple(getattr(orig, "args", None) or ())
+    return bool(args) and args[0] == 1213  # MySQL / MariaDB ER_LOCK_DEADLOCK
+
+
+def _one_batch(store: Store, step: str, before: datetime, batch_size: int,
+               out: WorkflowPurge) -> int:
+    """One purge transaction; a deadlock victim is retried (its deletes were rolled back,
+    so the batch is selected again); the counts join ``out`` only once committed."""
+    retries = 0
+    while True:
+        counts = WorkflowPurge()
+        try:
+            with store.begin() as conn:
+                if step == "ended":
+                    n = _delete_ended(store, conn, before, batch_size, counts)
+                else:
+                    n = _delete_old_runs(conn, before, batch_size, counts)
+        except OperationalError as exc:
+            if not _is_deadlock(exc) or retries >= DEADLOCK_RETRIES:
+                raise
+            retries += 1
+            log.info("workflow purge batch chosen as deadlock victim; trying again (%d)",
+                     retries)
+            time.sleep(0.05 * retries)
+            continue
+        out.workflows += counts.workflows
+        out.events += counts.events
+        out.signals += counts.signals
+        return n

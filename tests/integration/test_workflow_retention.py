@@ -152,3 +152,35 @@ def test_cli_purge_rejects_a_bad_age(sqlite_store: Store) -> None:
     out = CliRunner().invoke(cli, ["--database-url", url, "workflows", "purge",
                                    "--older-than", "thirty days"])
     assert out.exit_code == 2 and "--older-than" in out.output and "30d" in out.output
+
+
+def test_a_purge_batch_chosen_as_deadlock_victim_is_tried_again(
+        sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two purgers on MariaDB deadlock now and then (InnoDB locks every row a DELETE scans;
+    seen in CI: `(1213, 'Deadlock found ...')` from test_workflow_purge_concurrency). The
+    server rolls the victim back whole; the batch is selected and deleted again, counted
+    once. Fails on the old code: the OperationalError ended the purge."""
+    from sqlalchemy.exc import OperationalError
+
+    from reliable_beat.workflows import retention
+
+    ids = _seed(sqlite_store)
+    real = retention._delete_ended
+    raised: list[int] = []
+
+    def once_a_victim(*args: Any, **kwargs: Any) -> int:
+        n = real(*args, **kwargs)  # deletes (in the transaction), then the server says no
+        if not raised:
+            raised.append(n)
+            raise OperationalError("DELETE ...", {}, Exception(
+                1213, "Deadlock found when trying to get lock; try restarting transaction"))
+        return n
+
+    monkeypatch.setattr(retention, "_delete_ended", once_a_victim)
+    with sqlite_store.connect() as conn:
+        cutoff = sqlite_store.now(conn) - timedelta(days=30)
+    result = purge_workflows(sqlite_store, before=cutoff, batch_size=2)
+    assert raised == [2]  # the first batch was rolled back once
+    assert result.workflows == len(ids["old_ended"]) == 5  # each counted once
+    left = set(_snapshot(sqlite_store)["workflows"])
+    assert not left & set(ids["old_ended"])

@@ -164,20 +164,30 @@ def _worker(kind: str, db_url: str, redis_url: str, batch: int, ready: Any, go: 
         r.close()
 
 
-def _run(kind: str, procs: int, env: Env, db_url: str, n: int, batch: int) -> float:
-    """Start ``procs`` processes of ``kind``; slots (or messages) per second until ``n``."""
-    import redis
-
+def start_workers(kind: str, procs: int, db_url: str, redis_url: str, batch: int, *,
+                  timeout: float, label: str) -> tuple[list[Any], Any, Any, Any]:
+    """``procs`` spawned :func:`_worker` processes of ``kind``, started and ready, held until
+    ``go`` is set: ``(processes, go, stop, counter)``. Raises RuntimeError if one does not
+    report ready within ``timeout`` seconds."""
     ctx = mp.get_context("spawn")
     ready, go, stop = ctx.Semaphore(0), ctx.Event(), ctx.Event()
     counter = ctx.Value("q", 0)
-    ps = [ctx.Process(target=_worker, args=(kind, db_url, env.redis_url, batch, ready, go,
+    ps = [ctx.Process(target=_worker, args=(kind, db_url, redis_url, batch, ready, go,
                                             stop, counter), daemon=True) for _ in range(procs)]
     for p in ps:
         p.start()
     for _ in ps:
-        if not ready.acquire(timeout=60):
-            raise RuntimeError(f"dispatch {kind}: a worker did not start")
+        if not ready.acquire(timeout=timeout):
+            raise RuntimeError(f"{label} {kind}: a process did not start")
+    return ps, go, stop, counter
+
+
+def _run(kind: str, procs: int, env: Env, db_url: str, n: int, batch: int) -> float:
+    """Start ``procs`` processes of ``kind``; slots (or messages) per second until ``n``."""
+    import redis
+
+    ps, go, stop, counter = start_workers(kind, procs, db_url, env.redis_url, batch,
+                                          timeout=60, label="dispatch")
     r = redis.Redis.from_url(env.redis_url)
     t0 = time.perf_counter()
     go.set()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 import psycopg
 
 from benchmarks.common import Env, psycopg_dsn, table
-from benchmarks.dispatch import _worker
+from benchmarks.dispatch import start_workers
 
 #: entries per size name
 HERD_SIZES = {"smoke": [10_000], "full": [100_000, 1_000_000]}
@@ -168,16 +167,8 @@ def _run(kind: str, procs: int, env: Env, db_url: str, n: int,
     seconds until ``n`` are in Redis (``sql``: claimed), and cores used per process group."""
     import redis
 
-    ctx = mp.get_context("spawn")
-    ready, go, stop = ctx.Semaphore(0), ctx.Event(), ctx.Event()
-    counter = ctx.Value("q", 0)
-    ps = [ctx.Process(target=_worker, args=(kind, db_url, env.redis_url, BATCH, ready, go,
-                                            stop, counter), daemon=True) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    for _ in ps:
-        if not ready.acquire(timeout=120):
-            raise RuntimeError(f"herd {kind}: a process did not start")
+    ps, go, stop, counter = start_workers(kind, procs, db_url, env.redis_url, BATCH,
+                                          timeout=120, label="herd")
     groups: dict[str, Callable[[], list[int]]] = {
         "beats": lambda: [p.pid for p in ps if p.pid is not None]}
     if pg_pid is not None:

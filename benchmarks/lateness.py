@@ -41,6 +41,8 @@ from benchmarks.common import PY, ROOT, Env, check, median, num, pct, spread, ta
 TARGET_MEDIAN_MS = 2.0
 TARGET_P99_MS = 10.0
 ARRIVALS = "lat_arrive"
+#: The scheduler name of the floor rows (:func:`floor_publisher`, no scheduler at all).
+FLOOR = "floor"
 EXECS = "lat_exec"
 WORK_QUEUE = "lat_work"
 
@@ -177,11 +179,14 @@ def recorder(redis_url: str) -> None:
     """``BRPOP`` ``celery``, stamp arrival, forward to ``lat_work`` (runs until killed).
 
     A burst (every message of one slot lands within a millisecond or two) is drained at
-    once: after the ``BRPOP`` returns one message, a non-blocking ``RPOP celery 1000`` takes
-    every other message already there, and each is stamped with the time the call that
-    returned it came back, an upper bound of its arrival. Popping, parsing and forwarding
-    one message per round trip (about 0.3-0.5 ms each on this machine) would stamp the
-    100th message of a burst some 40 ms after it landed, measuring the recorder instead.
+    once: after the ``BRPOP`` returns one message, non-blocking ``RPOP celery 1000`` calls take
+    every other message already there until one comes back empty, and each message is stamped
+    with the time the call that returned it came back, an upper bound of its arrival. Only
+    then is the burst forwarded, raw (nothing is parsed here: the driver reads the fire time
+    afterwards), with the stamp, in one pipeline. Popping, parsing and forwarding one message
+    per round trip would stamp the 100th message of a burst some 40 ms after it landed, and
+    parsing between pops would stamp a second beat's burst late by the first one's parse:
+    both would measure the recorder instead of the scheduler.
     """
     import redis
 
@@ -191,23 +196,81 @@ def recorder(redis_url: str) -> None:
         if item is None:
             continue
         stamped = [(item[1], time.time())]
-        rest = r.rpop("celery", 1000) or []
-        arrived = time.time()
-        stamped.extend((raw, arrived) for raw in rest)
+        while True:
+            rest = r.rpop("celery", 1000)
+            if not rest:
+                break
+            arrived = time.time()
+            stamped.extend((raw, arrived) for raw in rest)
         pipe = r.pipeline(transaction=False)
         for raw, at in stamped:
-            msg = json.loads(raw)
-            h = msg.get("headers") or {}
-            if h.get("reliable_beat_fire_at"):
-                fire = datetime.fromisoformat(
-                    h["reliable_beat_fire_at"].replace("Z", "+00:00")).timestamp()
-            else:
-                fire = h.get("bench_due_at")
-            msg.setdefault("properties", {}).setdefault("delivery_info", {})
-            msg["properties"]["delivery_info"]["routing_key"] = WORK_QUEUE
-            pipe.lpush(WORK_QUEUE, json.dumps(msg))
-            pipe.lpush(ARRIVALS, json.dumps([fire, at]))
+            pipe.lpush(WORK_QUEUE, raw)
+            pipe.lpush(ARRIVALS, b"%.6f " % at + raw)
         pipe.execute()
+
+
+def _fire_time(msg: dict[str, Any]) -> float | None:
+    """A message's fire time (epoch seconds): ours carry the slot in ``reliable_beat_fire_at``,
+    the probes of stock beat and RedBeat ``bench_due_at``."""
+    h = msg.get("headers") or {}
+    if h.get("reliable_beat_fire_at"):
+        return datetime.fromisoformat(
+            h["reliable_beat_fire_at"].replace("Z", "+00:00")).timestamp()
+    due = h.get("bench_due_at")
+    return float(due) if due is not None else None
+
+
+def floor_publisher(redis_url: str, template: bytes, count: int, seconds: float) -> None:
+    """The floor of this measurement: ``count`` copies of a real ``lat.probe`` message, built
+    before each whole second (own id, the slot in ``reliable_beat_fire_at``), pushed to
+    ``celery`` in ONE Redis pipeline the moment the second comes (spinning the last
+    millisecond, as a beat holding claimed-ahead triggers does). No database, no scheduler:
+    what a publisher that does nothing else gets from this machine and this recorder."""
+    import uuid
+
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    base = json.loads(template)
+    end = time.time() + seconds
+    while True:
+        slot = float(int(time.time()) + 1)
+        if slot >= end:
+            return
+        fire = datetime.fromtimestamp(slot, timezone.utc).isoformat().replace("+00:00", "Z")
+        pipe = r.pipeline(transaction=False)
+        for _ in range(count):
+            tid = str(uuid.uuid4())
+            msg = {**base, "headers": {**base["headers"], "id": tid, "root_id": tid,
+                                       "reliable_beat_fire_at": fire}}
+            msg["properties"] = {**base["properties"], "correlation_id": tid,
+                                 "delivery_tag": str(uuid.uuid4())}
+            pipe.lpush("celery", json.dumps(msg))
+        left = slot - time.time()
+        if left > 0.001:
+            time.sleep(left - 0.001)
+        while time.time() < slot:
+            pass
+        pipe.execute()
+
+
+def _probe_template(redis_url: str) -> bytes:
+    """One ``lat.probe`` message as Celery's ``send_task`` writes it to Redis."""
+    import redis
+    from celery import Celery
+
+    app = Celery("lat-template", broker=redis_url)
+    app.conf.broker_connection_retry_on_startup = True
+    app.send_task("lat.probe", queue="lat_template")
+    app.close()
+    r = redis.Redis.from_url(redis_url)
+    raw = r.rpop("lat_template")
+    r.close()
+    if raw is None:
+        raise RuntimeError("lateness: the template message did not reach Redis")
+    msg = json.loads(raw)
+    msg["properties"]["delivery_info"]["routing_key"] = "celery"
+    return json.dumps(msg).encode()
 
 
 # -- the driver -----------------------------------------------------------------------------
@@ -235,6 +298,13 @@ def _measure(env: Env, r: Any, name: str, scheduler: str, beats: int, extra: dic
     procs = []
     log = open(os.path.join(tmp, f"{name}.log"), "ab")  # noqa: SIM115
     for i in range(beats):
+        if scheduler == FLOOR:  # the entries split over k publishers, as over k beats
+            count = size.lateness_entries // beats + (i < size.lateness_entries % beats)
+            procs.append(_spawn(["-c", "import os; from benchmarks.lateness import "
+                                 "floor_publisher as f; f(os.environ['LAT_BROKER'], "
+                                 "os.environ['LAT_TEMPLATE'].encode(), "
+                                 f"{count}, 3600.0)"], lat_env, log))
+            continue
         procs.append(_spawn(["-m", "celery", "-A", "benchmarks.lateness:app", "beat", "-S",
                              scheduler, "-s", os.path.join(tmp, f"{name}-{i}.db"),
                              "--pidfile=", "--loglevel=WARNING"], lat_env, log))
@@ -257,7 +327,11 @@ def _measure(env: Env, r: Any, name: str, scheduler: str, beats: int, extra: dic
     def window(key: str) -> list[float]:
         out = []
         for raw in r.lrange(key, 0, -1):
-            fire, at = json.loads(raw)
+            if key == ARRIVALS:  # "<stamp> <the raw message>" (see recorder)
+                stamp, _, message = raw.partition(b" ")
+                fire, at = _fire_time(json.loads(message)), float(stamp)
+            else:
+                fire, at = json.loads(raw)
             if fire is not None and t_start <= fire < t_end:
                 out.append((at - fire) * 1000)
         return out
@@ -292,7 +366,10 @@ def run(env: Env) -> str:
     # (label, scheduler, beats, extra env, background load)
     configs: list[tuple[str, str, int, dict[str, str], bool]] = []
     ours = "reliable_beat.celery:ReliableScheduler"
+    template = _probe_template(env.redis_url).decode()
     for beats in (1, 3):
+        configs.append((f"floor: raw pipeline at the slot x {beats}", FLOOR, beats,
+                        {"LAT_TEMPLATE": template}, False))
         configs.append((f"reliable_beat x {beats}", ours, beats, {}, False))
     configs.append(("stock beat x 1 (1 s grid)", "benchmarks.lateness:StockProbe", 1,
                     {"LAT_GRID": "1"}, False))
@@ -354,11 +431,17 @@ def run(env: Env) -> str:
     m3, p3 = median(m3s), median(p3s)
     rb = median(fig("RedBeat x 1 (timedelta, own due)", "pub", "p99"))
     stock = median(fig("stock beat x 1 (1 s grid)", "pub", "median"))
+    floor_m3s = fig("floor: raw pipeline at the slot x 3", "pub", "median")
+    floor_p3s = fig("floor: raw pipeline at the slot x 3", "pub", "p99")
     targets = [
         ["3 beats: median publish lateness", f"{spread(m3s)} ms", "≤ 2 ms",
          check(m3 <= TARGET_MEDIAN_MS)],
         ["3 beats: p99 publish lateness", f"{spread(p3s)} ms", "≤ 10 ms",
          check(p3 <= TARGET_P99_MS)],
+        ["3 beats above the floor (3 raw pipelines at the slot), median / p99",
+         f"{num(m3 - median(floor_m3s))} / {num(p3 - median(floor_p3s))} ms "
+         f"(floor {spread(floor_m3s)} / {spread(floor_p3s)} ms)", "what the scheduler adds",
+         "n/a" if not floor_m3s else "-"],
         ["3 beats p99 vs RedBeat p99", f"{num(p3)} vs {num(rb)} ms", "better",
          check(p3 < rb) if rb == rb else "n/a"],
         ["3 beats median vs stock median (same 1 s grid)", f"{num(m3)} vs {num(stock)} ms",
@@ -378,7 +461,11 @@ def run(env: Env) -> str:
         "apart. `exec start` is when the probe task's body began in one `--pool solo` "
         f"worker (the same worker for every row): a slot's {size.lateness_entries} tasks run "
         "one after another, so a burst's last task starts that many task times after the "
-        "slot. `one busy core`: the same beside a `python -c 'while True: pass'` process.",
+        "slot. `one busy core`: the same beside a `python -c 'while True: pass'` process. "
+        "`floor` rows: no scheduler and no database, k processes that build real `lat.probe` "
+        "messages before each second and push them in one Redis pipeline at it (spinning the "
+        "last millisecond): the lateness this machine and this recorder give a publisher "
+        "that does nothing else, i.e. the part of every row that is not the scheduler's.",
         "",
         table(["scheduler", "messages", "publish median ms", "publish p99 ms", "publish max ms",
                "exec start median ms", "exec start p99 ms", "exec start max ms"], rows),

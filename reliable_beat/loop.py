@@ -65,7 +65,7 @@ from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.beat import Beat, TickResult, Trigger, trigger_message_id
 from reliable_beat.db import migrate
-from reliable_beat.db.dialects import Store
+from reliable_beat.db.dialects import Store, is_lock_wait
 from reliable_beat.db.tables import outbox
 from reliable_beat.entries import NOTIFY_CHANNEL, EntryDefinition, sync_schedule_group
 from reliable_beat.errors import ConfigurationError, SchemaError, StoreUnavailableError
@@ -517,8 +517,17 @@ class BeatLoop:
                 break
             except (StoreUnavailableError, DBAPIError) as exc:
                 why = self.store.describe_failure(exc)
-                self.log.error("database %s at start: %s; retrying in %.0f s",
-                               "unavailable" if " unavailable" in why else "error", why, delay)
+                if is_lock_wait(exc):
+                    # Not a failure: another beat (or `schedule sync`) is syncing a schedule
+                    # group and holds the sync lock or the entries' rows; a large
+                    # beat_schedule takes a while. Wait for it, saying so.
+                    self.log.warning("waiting at start: another beat or `reliable-beat "
+                                     "schedule sync` holds the schedule's rows (a sync in "
+                                     "progress): %s; retrying in %.0f s", why, delay)
+                else:
+                    self.log.error("database %s at start: %s; retrying in %.0f s",
+                                   "unavailable" if " unavailable" in why else "error", why,
+                                   delay)
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
             except SchemaError as exc:

@@ -327,6 +327,12 @@ _TIMEOUT_SQLSTATES = frozenset({"55P03", "57014", "25P03"})
 _MYSQL_TIMEOUT_CODES = frozenset({1205, 1969, 3024})
 
 
+def is_lock_wait(exc: BaseException) -> bool:
+    """True when ``exc`` is the database giving up waiting for a lock (or a statement
+    timeout / SQLite's busy timeout): another transaction holds the rows, nothing is down."""
+    return isinstance(exc, DBAPIError) and _is_lock_timeout(exc)
+
+
 def _is_lock_timeout(exc: DBAPIError) -> bool:
     sqlstate = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
     if sqlstate in _TIMEOUT_SQLSTATES:

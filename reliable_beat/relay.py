@@ -394,7 +394,7 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
         .where(_ids_clause(conn, outbox.c.id, [int(i) for i in ids]),
                outbox.c.state == "pending")
         .values(state="sent", sent_at=now, last_error=None),
-        outbox, (outbox.c.destination, outbox.c.run_id),
+        outbox, (outbox.c.destination, outbox.c.run_id), lock_by_primary_key=True,
     )
     run_ids = sorted({run_id for destination, run_id in changed
                       if destination in TRIGGER_DESTINATIONS and run_id is not None})

@@ -95,7 +95,7 @@ def _rows(claimed: list[Any], now: Any) -> tuple[list[dict[str, Any]], list[dict
 
 
 def main() -> None:
-    from benchmarks.common import SIZES, servers, seed_entries
+    from benchmarks.common import SIZES, seed_entries, servers
     from reliable_beat.beat import _advance_entries, _insert_rows, _rows_param
     from reliable_beat.db.dialects import Store
     from reliable_beat.db.tables import entries, outbox, runs

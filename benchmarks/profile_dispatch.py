@@ -54,7 +54,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     import psycopg
     import redis
 
-    from benchmarks.common import Env, SIZES, psycopg_dsn, seed_entries
+    from benchmarks.common import SIZES, Env, psycopg_dsn, seed_entries
     from benchmarks.dispatch import _celery_app
     from reliable_beat.beat import Beat
     from reliable_beat.celery.scheduler import publish_triggers

@@ -33,6 +33,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
+from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
@@ -157,12 +158,19 @@ def _infinite_columns(table: Table, values: Mapping[str, Any]) -> list[tuple[str
     ``values`` holding a sentinel (PostgreSQL ``'infinity'``, ``'-infinity'``, a year
     Python cannot hold: :mod:`reliable_beat.db.dialects`)."""
     out: list[tuple[str, str]] = []
-    for c in table.c:
-        if isinstance(c.type, UTCDateTime) and c.name in values:
-            text = infinity_text(values[c.name])
+    for name in _instant_columns(table):
+        if name in values:
+            text = infinity_text(values[name])
             if text is not None:
-                out.append((c.name, text))
+                out.append((name, text))
     return out
+
+
+@cache
+def _instant_columns(table: Table) -> tuple[str, ...]:
+    """The names of ``table``'s :class:`~reliable_beat.db.types.UTCDateTime` columns (a
+    table's columns are fixed once defined: read once per table, not once per row)."""
+    return tuple(c.name for c in table.c if isinstance(c.type, UTCDateTime))
 
 
 def raw_labelled(columns: Mapping[str, Any], dialect: Dialect) -> list[Any]:

@@ -36,8 +36,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import and_, case, delete, func, select, true, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import beats, entries, outbox, runs, schedule_configs
@@ -258,9 +258,9 @@ def record_relay(
         relays of one process and group share the row).
     """
     key = relay_row_owner(owner, group)
-    values = {"schedule_group": group, "role": "relay", "config_hash": None,
-              "destinations": sorted(set(destinations)), "unregistered": {},
-              "stopped_at": None}
+    values: dict[str, Any] = {
+        "schedule_group": group, "role": "relay", "config_hash": None,
+        "destinations": sorted(set(destinations)), "unregistered": {}, "stopped_at": None}
     for attempt in (1, 2):
         try:
             with store.begin() as conn:
@@ -369,8 +369,7 @@ def unserved_outbox(
     entry_group = (
         select(entries.c.schedule_group)
         .select_from(runs.join(entries, entries.c.name == runs.c.entry_name))
-        .where(runs.c.id == outbox.c.run_id)
-        .limit(1)
+        .where(runs.c.id == outbox.c.run_id)  # one run (its id), one entry (unique name)
         .scalar_subquery()
     )
     group_expr = func.coalesce(
@@ -495,15 +494,15 @@ def group_health(
             if g["current_config"] is not None and row.config_hash != g["current_config"]:
                 g["beats_on_other_config"] += 1
             g["unregistered"].update(row.unregistered or {})
-    for row in conn.execute(
+    for relay in conn.execute(
         select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at)
         .where(beats.c.role == "relay", beats.c.schedule_group.is_not(None))
     ).all():
-        g = group(row.schedule_group)
-        seen = _aware(row.seen_at)
+        g = group(relay.schedule_group)
+        seen = _aware(relay.seen_at)
         if g["relay_last_seen_at"] is None or seen > g["relay_last_seen_at"]:
             g["relay_last_seen_at"] = seen
-        if row.stopped_at is None and seen >= horizon:
+        if relay.stopped_at is None and seen >= horizon:
             g["relays_alive"] += 1
     return [groups[k] for k in sorted(groups)]
 

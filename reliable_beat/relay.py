@@ -515,11 +515,11 @@ def outbox_status(conn: Connection) -> list[dict[str, Any]]:
         passed (claimable now unless held back by an ordering key); ``scheduled`` those
         not yet due and never attempted (a delayed message, e.g. a workflow timer's wake:
         not backlog); ``backlog`` those due or failed at least once (waiting for a relay or
-        for their retry: the rows the age is of). The oldest pending row and its age (seconds, store clock) are of the
-        backlog only: a row never attempted counts from its ``available_at`` (when it
-        became due), a row that failed at least once from its ``created_at`` (a failing
-        destination keeps ageing through its retries' backoff). A row a relay holds right
-        now (claimed, not failed) is neither backlog nor scheduled.
+        for their retry: the rows the age is of). The oldest pending row and its age
+        (seconds, store clock) are of the backlog only: a row never attempted counts from
+        its ``available_at`` (when it became due), a row that failed at least once from its
+        ``created_at`` (a failing destination keeps ageing through its retries' backoff). A
+        row a relay holds right now (claimed, not failed) is neither backlog nor scheduled.
     """
     now = db_now(conn)
     pending = outbox.c.state == "pending"

@@ -54,7 +54,8 @@ from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
-__all__ = ["BACKOFF_CAP", "claim_stuck_runs", "redispatch_stuck_runs", "tracked_tasks"]
+__all__ = ["BACKOFF_CAP", "backoff_wait", "claim_stuck_runs", "redispatch_stuck_runs",
+           "tracked_tasks", "waited_with_backoff"]
 
 log = get_logger("reliable_beat.redispatch")
 
@@ -66,14 +67,29 @@ BACKOFF_CAP = 4
 _TRIGGER_PREFIX = trigger_message_id("")
 
 
-def _waited(col: Any, now: datetime, after: timedelta) -> Any:
-    """``col`` older than ``after * 2**k`` for a run re-sent k times (k capped): one
-    portable condition per k, cutoffs computed here (no interval arithmetic in SQL)."""
+def backoff_wait(after: timedelta, resends: int) -> timedelta:
+    """How long a message re-sent ``resends`` times before waits before its next re-send:
+    ``after * 2**min(resends, BACKOFF_CAP)``. The one backoff rule of both sweeps (this
+    module's run sweep and the workflow sweep,
+    :func:`~reliable_beat.workflows.engine.redispatch_workflows`)."""
+    return after * 2 ** min(max(resends, 0), BACKOFF_CAP)
+
+
+def waited_with_backoff(col: Any, resends: Any, now: datetime, after: timedelta) -> Any:
+    """SQL condition: instant column ``col`` is older than :func:`backoff_wait` of
+    ``after`` and the integer column ``resends`` (how many times the row's message was
+    re-sent). One portable condition per k, the cutoffs computed here from ``now`` (the
+    store's clock; no interval arithmetic in SQL, so it runs on every dialect)."""
     return or_(*[
-        and_(runs.c.redispatches == k if k < BACKOFF_CAP else runs.c.redispatches >= k,
-             col < now - after * 2**k)
+        and_(resends == k if k < BACKOFF_CAP else resends >= k,
+             col < now - backoff_wait(after, k))
         for k in range(BACKOFF_CAP + 1)
     ])
+
+
+def _waited(col: Any, now: datetime, after: timedelta) -> Any:
+    """``col`` older than ``after * 2**k`` for a run re-sent k times (k capped)."""
+    return waited_with_backoff(col, runs.c.redispatches, now, after)
 
 
 def claim_stuck_runs(

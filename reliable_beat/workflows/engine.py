@@ -1084,7 +1084,11 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
     Activity and compensation messages of active workflows (events ``scheduled``): see
     :func:`_resend_lost_activities` (a run never started, started by a worker that died,
     requeued and never claimed, or ``retrying`` with no retry message left). At least once:
-    the run's idempotency key makes the effect once.
+    the run's idempotency key makes the effect once. Timer wakes and activity re-sends back
+    off as the run sweep's re-sends do: the k-th re-send of one event waits
+    ``older_than * 2**k`` (k capped at :data:`reliable_beat.redispatch.BACKOFF_CAP`,
+    counted in ``workflow_events.redispatches``), so a message that only waits in a
+    backlog is not re-sent once per window.
 
     Args:
         store: the store.
@@ -1122,8 +1126,34 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
         timers = _resend_lost_timer_wakes(conn, now, cutoff, older_than, limit, swept)
         resent = _resend_lost_activities(
             conn, now, cutoff, older_than, limit,
-            retry_cutoff=now - (older_than if retrying_after is None else retrying_after))
+            retry_after=older_than if retrying_after is None else retrying_after)
     return len(rows) + timers + resent
+
+
+def _backed_off(now: datetime, after: timedelta) -> Any:
+    """SQL condition on a ``workflow_events`` row: never re-sent by the sweep, or its last
+    re-send (``redispatched_at``) older than ``after * 2**redispatches`` (capped): the run
+    sweep's backoff rule (:func:`reliable_beat.redispatch.backoff_wait`), so a message that
+    only waits in a backlog gets log2(backlog / after) + 1 copies, not one per window."""
+    from reliable_beat.redispatch import waited_with_backoff
+
+    ev = workflow_events.c
+    return or_(ev.redispatched_at.is_(None),
+               waited_with_backoff(ev.redispatched_at, ev.redispatches, now, after))
+
+
+def _count_resend(conn: Connection, row: Any, now: datetime) -> bool:
+    """Count one re-send on the event ``row`` (its ``workflow_pk``, ``run_no``, ``seq`` and
+    the ``redispatches`` the sweep read): compare-and-set, so of two sweeps that read the
+    same row only one re-sends it. False: another sweep counted it first (or it completed)."""
+    ev = workflow_events.c
+    done = conn.execute(
+        update(workflow_events)
+        .where(ev.workflow_pk == row.workflow_pk, ev.run_no == row.run_no, ev.seq == row.seq,
+               ev.state == "scheduled", ev.redispatches == row.redispatches)
+        .values(redispatches=ev.redispatches + 1, redispatched_at=now)
+    )
+    return bool(done.rowcount == 1)
 
 
 def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
@@ -1135,10 +1165,14 @@ def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
     arrived early (a wake row moved by SQL) and the advance went back to sleep. Once per
     workflow per ``older_than`` window (the message id carries the fence token and the
     window number); the advance it starts is fenced and replays, so a wake too many is a
-    no-op. ``skip``: workflows already woken by this sweep. Returns the wakes added."""
+    no-op. Backs off like the run sweep: the k-th wake for one timer waits
+    ``older_than * 2**k`` (k capped; counted on the timer's event). ``skip``: workflows
+    already woken by this sweep. Returns the wakes added."""
     j = workflow_events.join(workflows, workflows.c.id == workflow_events.c.workflow_pk)
     rows = conn.execute(
-        select(workflows.c.workflow_id, workflows.c.queue, workflows.c.fence_token)
+        select(workflows.c.workflow_id, workflows.c.queue, workflows.c.fence_token,
+               workflow_events.c.workflow_pk, workflow_events.c.run_no,
+               workflow_events.c.seq, workflow_events.c.redispatches)
         .select_from(j)
         .where(
             workflows.c.state.in_(("pending", "waiting")),
@@ -1147,6 +1181,7 @@ def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
             workflow_events.c.state == "scheduled",
             workflow_events.c.fire_at.is_not(None),
             workflow_events.c.fire_at < cutoff,
+            _backed_off(now, older_than),
         )
         .order_by(workflow_events.c.fire_at)
         .limit(limit)
@@ -1157,6 +1192,8 @@ def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
         if r.workflow_id in skip:
             continue
         skip.add(r.workflow_id)
+        if not _count_resend(conn, r, now):
+            continue
         log.warning("workflow sweep: workflow %s waits on a timer due before %s that no "
                     "wake advanced (its wake was lost): waking it", r.workflow_id,
                     cutoff.isoformat())
@@ -1167,17 +1204,22 @@ def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
 
 def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
                             older_than: timedelta, limit: int, *,
-                            retry_cutoff: datetime) -> int:
+                            retry_after: timedelta) -> int:
     """Activities and compensations (events ``scheduled`` before ``cutoff``, workflow
     active) whose message is gone: publish the message again (same key: the run
     deduplicates), at most once per ``older_than`` window (the message id carries the
-    window number). Their run is
+    window number), and backing off: the k-th re-send of one event waits
+    ``older_than * 2**k`` after the previous one (``retry_after * 2**k`` for a ``retrying``
+    run; k capped, counted in the event's ``redispatches``), the run sweep's rule
+    (:func:`reliable_beat.redispatch.backoff_wait`). A message that waits in a backlog
+    looks exactly like a lost one; re-sending it every window grew the backlog. Their run
+    is
 
     * absent: the message never reached a worker (lost by the broker, or never published);
     * ``running`` with a lease expired before ``cutoff``: the worker died in the body;
     * ``scheduled`` / ``dispatched`` untouched since ``cutoff``: requeued (``workflows
       compensate``, ``dead-letters requeue``) and its message lost;
-    * ``retrying`` untouched since ``retry_cutoff``: a transient failure whose retry
+    * ``retrying`` untouched for ``retry_after``: a transient failure whose retry
       message was lost, or a lease cleared by a person (``reliable-beat lease clear``).
 
     The run sweep (:func:`reliable_beat.redispatch.claim_stuck_runs`) never takes these
@@ -1187,18 +1229,22 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
     rows = conn.execute(
         select(workflow_events.c.run_key, workflow_events.c.name,
                cast(workflow_events.c.args, Text).label("args"), workflows.c.queue,
-               workflows.c.schedule_group)
+               workflows.c.schedule_group, workflow_events.c.workflow_pk,
+               workflow_events.c.run_no, workflow_events.c.seq,
+               workflow_events.c.redispatches)
         .select_from(j)
         .where(
             workflow_events.c.kind.in_(("activity", "compensation")),
             workflow_events.c.state == "scheduled",
             workflow_events.c.created_at < cutoff,
             workflows.c.state.in_(ACTIVE_STATES),
-            or_(runs.c.id.is_(None),
-                and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff),
-                and_(runs.c.state.in_(("scheduled", "dispatched")),
-                     runs.c.updated_at < cutoff),
-                and_(runs.c.state == "retrying", runs.c.updated_at < retry_cutoff)),
+            or_(and_(or_(runs.c.id.is_(None),
+                         and_(runs.c.state == "running", runs.c.lease_expires_at < cutoff),
+                         and_(runs.c.state.in_(("scheduled", "dispatched")),
+                              runs.c.updated_at < cutoff)),
+                     _backed_off(now, older_than)),
+                and_(runs.c.state == "retrying", runs.c.updated_at < now - retry_after,
+                     _backed_off(now, retry_after))),
         )
         .order_by(workflow_events.c.created_at)
         .limit(limit)
@@ -1218,6 +1264,8 @@ def _resend_lost_activities(conn: Connection, now: datetime, cutoff: datetime,
                       str(r.args)[:80])
             continue
         call = [args, kwargs, *call[2:]]
+        if not _count_resend(conn, r, now):
+            continue  # another sweep re-sent it meanwhile
         payload: dict[str, Any] = {"task": r.name, "args": call[0], "kwargs": call[1],
                                    "headers": {"reliable_beat_key": r.run_key}}
         if len(call) > 2 and call[2]:

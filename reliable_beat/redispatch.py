@@ -57,8 +57,8 @@ from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
 __all__ = ["BACKOFF_CAP", "Backlog", "QueueDepthFn", "backlogged", "backoff_wait",
-           "claim_stuck_runs", "redispatch_stuck_runs", "redispatch_with", "tracked_tasks",
-           "waited_with_backoff"]
+           "claim_stuck_runs", "hold_backlog", "redispatch_stuck_runs", "redispatch_with",
+           "tracked_tasks", "waited_with_backoff"]
 
 log = get_logger("reliable_beat.redispatch")
 
@@ -387,20 +387,43 @@ def _hold_backlogged(store: Store, settings: Settings, tasks: Collection[str],
     # young: waited less than the backoff cap since the instant its state's wait counts from
     young = [p.since is not None and now - p.since < backoff_wait(
         retrying_after if p.state == "retrying" else after, BACKOFF_CAP) for p, _ in looked]
+    held = hold_backlog([m for _, m in looked], young, depths, every=after)
+    return {p.id for p in peek} - {looked[i][0].id for i in held}
+
+
+def hold_backlog(messages: Sequence[OutboxMessage], young: Sequence[bool],
+                 depths: QueueDepthFn, *, every: timedelta) -> set[int]:
+    """Ask the broker (``depths``) how deep the messages' queues are and apply
+    :func:`backlogged`; log each queue held back at INFO (``N runs look stuck but queue Q
+    holds M ready messages: a backlog, not a loss; not re-sending``, at most once per
+    ``every`` per queue in this process). Shared by the run sweep and the workflow sweep.
+
+    Args:
+        messages: the messages a sweep would re-send.
+        young: per message, whether it waited less than the backoff cap.
+        depths: the adapter's probe (:data:`QueueDepthFn`); may raise.
+        every: the re-dispatch period (``redispatch_seconds``).
+
+    Returns:
+        Positions in ``messages`` not to re-send; empty when the probe fails (logged at
+        INFO, once per ``every``: the sweep re-sends as without the check).
+    """
+    if not messages:
+        return set()
     try:
-        seen = list(depths([m for _, m in looked]))
-        if len(seen) != len(looked):
-            raise ValueError(f"{len(seen)} depths for {len(looked)} messages")
+        seen = list(depths(list(messages)))
+        if len(seen) != len(messages):
+            raise ValueError(f"{len(seen)} depths for {len(messages)} messages")
     except Exception as exc:  # the broker could not tell: re-send as without the check
-        _log_once("", after, "backlog check: the broker's queue depths are unknown (%r): "
-                  "re-sending stuck runs as without the check", exc)
-        return {p.id for p in peek}
+        _log_once("", every, "backlog check: the broker's queue depths are unknown (%r): "
+                  "re-sending stuck messages as without the check", exc)
+        return set()
     held, notes = backlogged([(q, ready, y) for (q, ready), y in zip(seen, young, strict=True)])
     for note in notes:
-        _log_once(note.queue, after, "%d runs look stuck but queue %s holds %d ready "
+        _log_once(note.queue, every, "%d runs look stuck but queue %s holds %d ready "
                   "messages: a backlog, not a loss; not re-sending",
                   note.runs, note.queue, note.ready)
-    return {p.id for p in peek} - {looked[i][0].id for i in held}
+    return held
 
 
 def redispatch_with(

@@ -5,26 +5,37 @@ triggers' queue is (real PostgreSQL; real Redis, or RabbitMQ with ``--broker rab
 unclaimed). While the queue holds them, nothing is re-sent (main re-sent all 50, growing the
 backlog); once they are gone from the broker (Redis ``FLUSHDB``, a RabbitMQ purge), the next
 sweep re-sends them; and a run older than the backoff cap is re-sent even into a deep queue.
+The workflow sweep does the same for activity messages.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 
 from reliable_beat.beat import Beat
 from reliable_beat.celery.backlog import queue_depths
+from reliable_beat.celery.publishing import publish_celery_batch
 from reliable_beat.celery.scheduler import publish_triggers
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import entries, runs
+from reliable_beat.db.tables import entries, outbox, runs, workflow_events
+from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import BACKOFF_CAP, redispatch_stuck_runs
+from reliable_beat.relay import mark_sent
 from reliable_beat.settings import Settings
+from reliable_beat.workflows import WorkflowContext, engine, workflow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
+from wf_driver import Driver
 
 N = 50
 LINE = "runs look stuck but queue"
@@ -40,8 +51,8 @@ def app(broker_url: str, test_queue: str, pg_store: Store) -> Iterator[Celery]:
     )
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="backlog.tick")
-    def tick(self: IdempotentTask) -> int:
-        return 1
+    def tick(self: IdempotentTask, i: int = 0) -> int:
+        return i
 
     yield app
     with app.connection_for_write() as conn:  # the RabbitMQ node is shared by the session
@@ -151,8 +162,6 @@ def test_the_check_can_be_switched_off(app: Celery, pg_store: Store, test_queue:
 def test_queue_depths_reads_the_broker(app: Celery, pg_store: Store, test_queue: str) -> None:
     """The Celery probe: the routed queue and its ready messages, a missing queue 0."""
     _fire(pg_store, app, test_queue)
-    from reliable_beat.outbox import OutboxMessage
-
     msg = OutboxMessage(id=1, message_id="m", destination="celery",
                         payload={"task": "backlog.tick"})
     other = OutboxMessage(id=2, message_id="n", destination="celery",
@@ -160,3 +169,49 @@ def test_queue_depths_reads_the_broker(app: Celery, pg_store: Store, test_queue:
                                    "options": {"queue": test_queue + "-none"}})
     assert queue_depths(app, [msg, other, msg]) == [
         (test_queue, N), (test_queue + "-none", 0), (test_queue, N)]
+
+
+@workflow(name="backlog.fan")
+def _fan(ctx: WorkflowContext, n: int) -> Any:
+    return ctx.wait_all(*[ctx.start_activity("backlog.tick", i) for i in range(n)])
+
+
+def test_the_workflow_sweep_holds_a_backlog_and_resends_a_loss(
+    app: Celery, pg_store: Store, test_queue: str, broker_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The workflow sweep applies the same check to activity messages: 50 activities queued
+    behind a stopped worker are not re-sent (main: all 50, once per window); lost by the
+    broker, they are."""
+    engine.start(pg_store, "backlog.fan", "fan", [N])
+    assert Driver(pg_store, app).step()  # the advance: 50 activity events and messages
+    with pg_store.begin() as conn:
+        rows = conn.execute(select(outbox).where(outbox.c.message_id.like("act:%"))
+                            .order_by(outbox.c.id)).all()
+        assert len(rows) == N
+        outcomes = publish_celery_batch(app, [OutboxMessage.from_row(r) for r in rows])
+        assert [err for _, err in outcomes] == [None] * N
+        mark_sent(conn, [r.id for r in rows], pg_store.now(conn))
+        # stuck for 5 s with a 1 s window: well within the cap (16 s)
+        conn.execute(update(workflow_events).values(
+            created_at=pg_store.now(conn) - timedelta(seconds=5)))
+    assert _queued(app, test_queue) == N
+
+    def sweep() -> int:
+        return engine.redispatch_workflows(
+            pg_store, older_than=timedelta(seconds=1),
+            queue_depths=lambda messages: queue_depths(app, messages))
+
+    with caplog.at_level(logging.INFO, logger="reliable_beat.redispatch"):
+        assert sweep() == 0
+    assert [r.getMessage() for r in caplog.records if LINE in r.getMessage()] == [
+        f"{N} runs look stuck but queue {test_queue} holds {N} ready messages: "
+        "a backlog, not a loss; not re-sending"]
+    assert _queued(app, test_queue) == N
+    _lose_everything(app, test_queue, broker_url)
+    assert sweep() == N
+    with pg_store.connect() as conn:
+        resent = conn.execute(select(func.count()).where(
+            outbox.c.message_id.like("act:%:r%"))).scalar_one()
+        counted = conn.execute(select(func.sum(workflow_events.c.redispatches))).scalar_one()
+    assert resent == counted == N

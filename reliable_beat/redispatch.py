@@ -75,7 +75,8 @@ def backoff_wait(after: timedelta, resends: int) -> timedelta:
     ``after * 2**min(resends, BACKOFF_CAP)``. The one backoff rule of both sweeps (this
     module's run sweep and the workflow sweep,
     :func:`~reliable_beat.workflows.engine.redispatch_workflows`)."""
-    return after * 2 ** min(max(resends, 0), BACKOFF_CAP)
+    factor: int = 2 ** min(max(resends, 0), BACKOFF_CAP)
+    return after * factor
 
 
 def waited_with_backoff(col: Any, resends: Any, now: datetime, after: timedelta) -> Any:

@@ -735,9 +735,8 @@ class Relay:
 
         redispatch_stuck_runs(self.store, self.app, self.settings)
         # durable workflows: dead advances, lost wakes, lost activity messages
-        from reliable_beat.workflows.engine import redispatch_workflows
-
         from reliable_beat.adapters import adapter_for
+        from reliable_beat.workflows.engine import redispatch_workflows
 
         app, probe = self.app, getattr(adapter_for(self.app), "queue_depths", None)
         redispatch_workflows(self.store, older_than=timedelta(

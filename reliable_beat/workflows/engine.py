@@ -1248,12 +1248,12 @@ def _lost_activities(conn: Connection, now: datetime, cutoff: datetime,
     """Activities and compensations (events ``scheduled`` before ``cutoff``, workflow
     active) whose message is gone, with the message to send again (same key: the run
     deduplicates; :func:`_add_activity_resends` adds it), at most once per ``older_than``
-    window (the message id carries the window number), and backing off: the k-th re-send of one event waits
-    ``older_than * 2**k`` after the previous one (``retry_after * 2**k`` for a ``retrying``
-    run; k capped, counted in the event's ``redispatches``), the run sweep's rule
-    (:func:`reliable_beat.redispatch.backoff_wait`). A message that waits in a backlog
-    looks exactly like a lost one; re-sending it every window grew the backlog. Their run
-    is
+    window (the message id carries the window number), and backing off: the k-th re-send
+    of one event waits ``older_than * 2**k`` after the previous one (``retry_after * 2**k``
+    for a ``retrying`` run; k capped, counted in the event's ``redispatches``), the run
+    sweep's rule (:func:`reliable_beat.redispatch.backoff_wait`). A message that waits in a
+    backlog looks exactly like a lost one; re-sending it every window grew the backlog.
+    Their run is
 
     * absent: the message never reached a worker (lost by the broker, or never published);
     * ``running`` with a lease expired before ``cutoff``: the worker died in the body;

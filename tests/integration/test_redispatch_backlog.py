@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,8 @@ def app(broker_url: str, test_queue: str, pg_store: Store) -> Iterator[Celery]:
         return i
 
     yield app
-    with app.connection_for_write() as conn:  # the RabbitMQ node is shared by the session
-        channel = conn.channel()
-        try:
-            channel.queue_delete(test_queue)
-        except Exception:
-            pass
+    with app.connection_for_write() as conn, suppress(Exception):
+        conn.channel().queue_delete(test_queue)  # the RabbitMQ node is shared by the session
 
 
 def _queued(app: Celery, queue: str) -> int:

@@ -25,13 +25,14 @@ from sqlalchemy import func, insert, select, update
 from reliable_beat.beat import Beat
 from reliable_beat.celery.backlog import queue_depths
 from reliable_beat.celery.publishing import publish_celery_batch
-from reliable_beat.celery.scheduler import publish_triggers
+from reliable_beat.celery.scheduler import CeleryPublisher, publish_triggers
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs, workflow_events
+from reliable_beat.loop import BeatLoop
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import BACKOFF_CAP, redispatch_stuck_runs
-from reliable_beat.relay import mark_sent
+from reliable_beat.relay import Relay, mark_sent
 from reliable_beat.settings import Settings
 from reliable_beat.workflows import WorkflowContext, engine, workflow
 
@@ -212,3 +213,19 @@ def test_the_workflow_sweep_holds_a_backlog_and_resends_a_loss(
             outbox.c.message_id.like("act:%:r%"))).scalar_one()
         counted = conn.execute(select(func.sum(workflow_events.c.redispatches))).scalar_one()
     assert resent == counted == N
+
+
+def test_the_beat_loop_and_the_relay_ask_the_broker(app: Celery, pg_store: Store,
+                                                     test_queue: str) -> None:
+    """The wiring: a beat's sweep (:class:`~reliable_beat.loop.BeatLoop` with the Celery
+    publisher) and a relay with the app both hold a backlog back (main: both re-sent)."""
+    _fire(pg_store, app, test_queue)
+    settings = Settings.from_celery(app)
+    _age(pg_store, 5)
+    loop = BeatLoop(store=pg_store, settings=settings, publisher=CeleryPublisher(app),
+                    owner="t:1")
+    assert loop.redispatch() == 0
+    relay = Relay(pg_store, app, settings=settings, owner="r:1")
+    relay.maybe_redispatch()
+    assert _redispatches(pg_store) == 0
+    assert _queued(app, test_queue) == N

@@ -924,7 +924,9 @@ class BeatLoop:
         """Re-send the triggers of this group's stuck runs of the tracked tasks
         (:func:`~reliable_beat.redispatch.redispatch_with`). Returns how many."""
         return redispatch_with(self.store, self.settings, list(self.publisher.tracked_tasks()),
-                               self.publisher.publish, schedule_group=self.group)
+                               self.publisher.publish, schedule_group=self.group,
+                               # optional: a publisher that can ask its broker (backlog check)
+                               queue_depths=getattr(self.publisher, "queue_depths", None))
 
     def _wake_at(self) -> float:
         """The monotonic instant of the next thing to do."""

@@ -787,11 +787,16 @@ class Relay:
 
         redispatch_stuck_runs(self.store, self.app, self.settings)
         # durable workflows: dead advances, lost wakes, lost activity messages
+        from reliable_beat.adapters import adapter_for
         from reliable_beat.workflows.engine import redispatch_workflows
 
+        app, probe = self.app, getattr(adapter_for(self.app), "queue_depths", None)
         redispatch_workflows(self.store, older_than=timedelta(
             seconds=self.settings.redispatch_seconds), retrying_after=timedelta(
-            seconds=self.settings.redispatch_seconds + self.settings.retry_cap_seconds))
+            seconds=self.settings.redispatch_seconds + self.settings.retry_cap_seconds),
+            # the backlog check (optional adapter hook): a queue deep enough is not re-sent to
+            queue_depths=None if probe is None or not self.settings.redispatch_backlog_check
+            else (lambda messages: list(probe(app, messages))))
 
     def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
         """Deliver claimed rows outside any transaction; never raises for one bad row."""

@@ -91,6 +91,15 @@ class CeleryAdapter:
 
         return importers
 
+    def queue_depths(self, app: Any, messages: list[OutboxMessage]
+                     ) -> list[tuple[str, int | None]]:
+        """The re-dispatch sweep's backlog check (optional hook,
+        :data:`reliable_beat.redispatch.QueueDepthFn`):
+        :func:`reliable_beat.celery.backlog.queue_depths`."""
+        from reliable_beat.celery.backlog import queue_depths
+
+        return queue_depths(app, messages)
+
     def workflow_schedule_group(self, app: Any) -> str:
         """The schedule group the workflows ``app`` starts record
         (:func:`reliable_beat.groups.schedule_group_of`): only its relays publish their

@@ -372,6 +372,10 @@ workflow_events = Table(
     Column("fence_token", BigInteger, nullable=False),  # the advance that wrote it
     Column("created_at", UTCDateTime, nullable=False),
     Column("completed_at", UTCDateTime, nullable=True),
+    # the workflow sweep's re-sends of this activity / compensation / timer's wake, and the
+    # last one's instant: the k-th re-send waits redispatch_seconds * 2**k (0011_wfsweep)
+    Column("redispatches", Integer, nullable=False, server_default="0"),
+    Column("redispatched_at", UTCDateTime, nullable=True),
 )
 
 # Signals: an inbox row per signal, written in the sender's transaction, consumed by one event.

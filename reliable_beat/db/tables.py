@@ -373,7 +373,7 @@ workflow_events = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("completed_at", UTCDateTime, nullable=True),
     # the workflow sweep's re-sends of this activity / compensation / timer's wake, and the
-    # last one's instant: the k-th re-send waits redispatch_seconds * 2**k (0011_wfsweep)
+    # last one's instant: the k-th re-send waits redispatch_seconds * 2**k (0012_wfsweep)
     Column("redispatches", Integer, nullable=False, server_default="0"),
     Column("redispatched_at", UTCDateTime, nullable=True),
 )

@@ -8,8 +8,8 @@ look stuck (the RabbitMQ fault run). Like the run sweep since ``0009_redispatch_
 the k-th re-send of one event now waits ``redispatch_seconds * 2**k`` (k capped), counted on
 the event row: an activity's run row does not exist before a worker claims its message.
 
-Revision ID: 0011_wfsweep
-Revises: 0010_fixwfgroup
+Revision ID: 0012_wfsweep
+Revises: 0011_relaywatch
 Create Date: 2026-12-02
 """
 
@@ -20,8 +20,8 @@ from alembic import op
 
 import reliable_beat.db.types
 
-revision = "0011_wfsweep"
-down_revision = "0010_fixwfgroup"
+revision = "0012_wfsweep"
+down_revision = "0011_relaywatch"
 branch_labels = None
 depends_on = None
 

@@ -63,7 +63,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from reliable_beat.beat import Beat, TickResult, Trigger, trigger_message_id
+from reliable_beat.beat import Beat, TickResult, Trigger, trigger_identity, trigger_message_id
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
@@ -425,6 +425,7 @@ class BeatLoop:
         self._tick_started = time.monotonic()
         self._claim_at = 0.0  # monotonic instant of the next claim
         self._held: dict[datetime, _Held] = {}
+        self._closed = False
         self._clock: tuple[datetime, float] | None = None  # (database now, monotonic)
         self._build_seconds_per_message = 0.0005
         # Triggers this beat published but could not mark sent (database gone): recorded
@@ -493,6 +494,7 @@ class BeatLoop:
         Returns:
             True once started; False when :attr:`stop_event` was set while waiting.
         """
+        self._closed = False  # a loop closed and started again closes again
         self.check_definitions(datetime.now(timezone.utc))
         if before_wait is not None:
             before_wait()
@@ -801,9 +803,10 @@ class BeatLoop:
             self._build_seconds_per_message += 0.2 * (per - self._build_seconds_per_message)
         done = time.monotonic()
         for t in triggers:
-            event(self.log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
-                "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
-                key=t.key, task=t.payload["task"], claimed_ahead=True)
+            ident = trigger_identity(t.payload)
+            event(self.log, logging.INFO, "slot.fired", entry=ident["entry"],
+                  fire_at=ident["fire_at"], key=t.key, task=t.payload["task"],
+                  claimed_ahead=True)
         # built_ms: the time taken to build the messages (never negative); ready_ahead_ms:
         # how long before the instant they were ready (they left at it; 0 when late);
         # marked_ms: the instant to the rows marked sent.
@@ -868,11 +871,11 @@ class BeatLoop:
         for t in triggers:
             # true lateness: slot -> publish, on the database clock estimated from the claim
             lateness = (result.now - t.fire_at).total_seconds() + (published - result.monotonic)
-            event(self.log, logging.INFO, "slot.fired", entry=t.payload["headers"].get(
-                "reliable_beat_entry"), fire_at=t.payload["headers"].get("reliable_beat_fire_at"),
-                key=t.key, task=t.payload["task"],
-                claim_lateness_ms=round((result.now - t.fire_at).total_seconds() * 1000, 1),
-                lateness_ms=round(lateness * 1000, 1))
+            ident = trigger_identity(t.payload)
+            event(self.log, logging.INFO, "slot.fired", entry=ident["entry"],
+                  fire_at=ident["fire_at"], key=t.key, task=t.payload["task"],
+                  claim_lateness_ms=round((result.now - t.fire_at).total_seconds() * 1000, 1),
+                  lateness_ms=round(lateness * 1000, 1))
         if result.skipped:
             event(self.log, logging.INFO, "slots.skipped", count=result.skipped)
         if result.duplicates:
@@ -983,17 +986,35 @@ class BeatLoop:
 
     def close(self) -> None:
         """Publish any triggers still held (each at its slot, at most the claim-ahead away),
-        then release the LISTEN connection, record the stop and dispose of the pool."""
+        then release the LISTEN connection, record the stop and dispose of the pool.
+
+        Idempotent: Celery's beat calls it twice on a SIGTERM (its signal handler's
+        ``Service.sync()``, then the service's ``finally``); the second call does nothing.
+        Each step's time is logged at DEBUG (``stop: ... ms``), to see where a stop goes."""
+        if self._closed:
+            return
+        self._closed = True
+        started = time.monotonic()
+
+        def step(what: str) -> None:
+            self.log.debug("reliable_beat: stop: %s at %.1f ms", what,
+                           (time.monotonic() - started) * 1000)
+
         if self._held:
             with deferred_stop_signals():
                 self._drain_held()
+            step("held triggers published")
         if self._listen is not None:
             with contextlib.suppress(Exception):
                 self._listen.close()
             self._listen = None
+            step("LISTEN connection closed")
         with contextlib.suppress(Exception):
             beat_stopped(self.store, self.owner)
+        step("stop recorded")
         if self._retention is not None:
             self._retention.stop()
             self._retention = None
+            step("retention thread joined")
         self.store.dispose()
+        step("pool disposed")

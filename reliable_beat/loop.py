@@ -426,6 +426,9 @@ class BeatLoop:
         self._claim_at = 0.0  # monotonic instant of the next claim
         self._held: dict[datetime, _Held] = {}
         self._closed = False
+        # a pipe that ends a LISTEN wait when a stop is asked (request_stop), made on first use
+        self._wake_r: int | None = None
+        self._wake_w: int | None = None
         self._clock: tuple[datetime, float] | None = None  # (database now, monotonic)
         self._build_seconds_per_message = 0.0005
         # Triggers this beat published but could not mark sent (database gone): recorded
@@ -964,7 +967,17 @@ class BeatLoop:
                     self._listen = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
                     self._listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
             conn = self._listen
-            ready, _, _ = _select.select([conn.fileno()], [], [], timeout)
+            if self._wake_r is None:
+                self._wake_r, self._wake_w = os.pipe()
+                os.set_blocking(self._wake_r, False)
+                os.set_blocking(self._wake_w, False)
+            if self.stop_event is not None and self.stop_event.is_set():
+                return False  # a stop was asked: no wait (request_stop wakes one in progress)
+            ready, _, _ = _select.select([conn.fileno(), self._wake_r], [], [], timeout)
+            if self._wake_r in ready:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 512)
+                ready = [r for r in ready if r != self._wake_r]
             notified = False
             if ready:
                 if hasattr(conn, "poll"):  # psycopg2
@@ -983,6 +996,18 @@ class BeatLoop:
             self._listen = None
             self._sleep(min(timeout, 1.0))
             return False
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run_forever` to stop: set :attr:`stop_event` and end a wait on the
+        LISTEN connection at once (a ``select`` on the database socket does not see an
+        ``Event``: without this a stop waited up to ``max_interval`` there). Safe to call from
+        a signal handler. Held triggers still go out at their slots (:meth:`close`)."""
+        if self.stop_event is None:
+            self.stop_event = threading.Event()
+        self.stop_event.set()
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
 
     def close(self) -> None:
         """Publish any triggers still held (each at its slot, at most the claim-ahead away),
@@ -1018,3 +1043,8 @@ class BeatLoop:
             step("retention thread joined")
         self.store.dispose()
         step("pool disposed")
+        for fd in (self._wake_r, self._wake_w):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_r = self._wake_w = None

@@ -442,8 +442,8 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     object with ``task`` (string), ``args`` (array), ``kwargs`` (object), ``options`` /
     ``headers`` (objects or null), ``task_id`` / ``message_id`` (strings or null),
     ``reliable_beat`` (the neutral shape's identity: an object with a ``key`` string, or
-    null) and ``expires_at`` (ISO 8601 with offset, or null). Other destinations' payload shapes are their handler's business
-    (a handler error fails that one message).
+    null) and ``expires_at`` (ISO 8601 with offset, or null). Other destinations' payload
+    shapes are their handler's business (a handler error fails that one message).
     """
     problems: list[str] = []
     for col in ("message_id", "destination"):

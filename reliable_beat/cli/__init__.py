@@ -386,10 +386,9 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
         # another framework's app (a Dramatiq broker module): its own adapter loads it
         try:
             other = adapter_for_spec(spec)
-        except ImportError as exc:
-            raise click.ClickException(f"-A {spec}: its framework's adapter cannot be "
-                                       f"imported: {exc}") from exc
-        if other.name != DEFAULT_ADAPTER:
+        except ImportError:  # the default adapter's (Celery missing): said just below
+            other = None
+        if other is not None and other.name != DEFAULT_ADAPTER:
             return other.load_app(spec, parent_app)
     try:
         adapter = load_adapter(DEFAULT_ADAPTER)

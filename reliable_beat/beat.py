@@ -72,6 +72,7 @@ __all__ = [
     "Trigger",
     "due_clause",
     "task_id_for",
+    "trigger_identity",
     "trigger_message_id",
     "trigger_outbox_row",
 ]
@@ -422,30 +423,62 @@ def build_trigger_payload(
     trigger: str,
     store_id: str | None = None,
     slot_text: SlotText | None = None,
+    destination: str = TRIGGER_DESTINATION,
 ) -> dict[str, Any]:
-    """The outbox payload of a trigger (JSON): an ordinary Celery task message description.
+    """The outbox payload of a trigger (JSON), in the shape of its ``destination``.
 
-    Headers carry the entry, the fire time (ISO 8601 UTC), the idempotency key and the id
-    of the store the run was written to (``reliable_beat_store``, when known; see
-    :mod:`reliable_beat.identity`); the task id is :func:`task_id_for`; ``expires_at`` =
-    slot + ``options["expires"]`` seconds. ``slot_text``: a batch's memo of formatted
+    ``celery`` (the default): an ordinary Celery task message description, ``{"task",
+    "args", "kwargs", "task_id", "headers", "options", "expires_at"}``. Its headers carry the
+    entry, the fire time (ISO 8601 UTC), the idempotency key and the id of the store the run
+    was written to (``reliable_beat_store``, when known; see :mod:`reliable_beat.identity`);
+    the task id is :func:`task_id_for`; ``expires_at`` = slot + ``options["expires"]``
+    seconds.
+
+    Any other trigger destination (``dramatiq``): the framework-neutral shape ``{"task",
+    "args", "kwargs", "message_id", "reliable_beat": {"key", "entry", "fire_at",
+    "trigger", "store"?}, "options", "expires_at"}`` (``message_id`` = :func:`task_id_for`;
+    ``options`` without ``expires`` and ``headers``, which are Celery message fields). It
+    also carries ``task_id`` and ``headers`` (the four ``reliable_beat_*`` identity headers
+    only), copies for readers older than this shape (a relay or beat of the previous version
+    during a rolling deploy), to be dropped a release later. Readers take the identity with
+    :func:`trigger_identity`, which reads both shapes. ``slot_text``: a batch's memo of formatted
     instants (:class:`~reliable_beat.slots.SlotText`; same text, each instant formatted once).
     """
     fmt = format_fire_at if slot_text is None else slot_text.fire_at
     publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
-    headers = dict(options.get("headers") or {})
-    headers.update(
-        reliable_beat_key=key,
-        reliable_beat_entry=entry,
-        reliable_beat_fire_at=fmt(fire_at),
-        reliable_beat_trigger=trigger,
-    )
-    if store_id:
-        headers["reliable_beat_store"] = store_id
     expires = options.get("expires")
     expires_at = (
         fmt(fire_at + timedelta(seconds=float(expires))) if expires else None
     )
+    slot = fmt(fire_at)
+    if destination != TRIGGER_DESTINATION:
+        identity: dict[str, Any] = {"key": key, "entry": entry, "fire_at": slot,
+                                    "trigger": trigger}
+        if store_id:
+            identity["store"] = store_id
+        message_id = task_id_for(key)
+        return {
+            "task": task,
+            "args": args,
+            "kwargs": kwargs,
+            "message_id": message_id,
+            "reliable_beat": identity,
+            "options": publish,
+            "expires_at": expires_at,
+            # for readers older than the neutral shape (rolling deploys); see the docstring
+            "task_id": message_id,
+            "headers": {"reliable_beat_key": key, "reliable_beat_entry": entry,
+                        "reliable_beat_fire_at": slot, "reliable_beat_trigger": trigger},
+        }
+    headers = dict(options.get("headers") or {})
+    headers.update(
+        reliable_beat_key=key,
+        reliable_beat_entry=entry,
+        reliable_beat_fire_at=slot,
+        reliable_beat_trigger=trigger,
+    )
+    if store_id:
+        headers["reliable_beat_store"] = store_id
     return {
         "task": task,
         "args": args,
@@ -455,6 +488,21 @@ def build_trigger_payload(
         "options": publish,
         "expires_at": expires_at,
     }
+
+
+def trigger_identity(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The run a trigger payload fires, whatever its shape (:func:`build_trigger_payload`):
+    ``{"key", "entry", "fire_at", "trigger", "store"}`` (values None when absent), read from
+    the neutral ``reliable_beat`` object, else from the ``reliable_beat_*`` headers of a
+    Celery-shaped payload (every ``celery`` row, and ``dramatiq`` rows written before the
+    neutral shape)."""
+    block = payload.get("reliable_beat")
+    if isinstance(block, Mapping):
+        return {f: block.get(f) for f in ("key", "entry", "fire_at", "trigger", "store")}
+    headers = payload.get("headers")
+    headers = headers if isinstance(headers, Mapping) else {}
+    return {f: headers.get(f"reliable_beat_{f}")
+            for f in ("key", "entry", "fire_at", "trigger", "store")}
 
 
 def _range_row(row: Any, rng: SkippedRange, now: datetime) -> dict[str, Any]:
@@ -815,6 +863,7 @@ class Beat:
                     options=options_by_key[key], key=key, entry=r["entry_name"],
                     fire_at=r["fire_at"], trigger=r["trigger"],
                     store_id=self._sid, slot_text=slot_text,
+                    destination=self.trigger_destination,
                 )
                 outbox_rows.append(
                     self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"])
@@ -873,7 +922,7 @@ class Beat:
                 task=b.task, args=b.args, kwargs=b.kwargs,
                 options=options.get(b.entry_name) or {},
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
-                store_id=self._sid,
+                store_id=self._sid, destination=self.trigger_destination,
             )
             oid = conn.execute(
                 outbox.insert().returning(outbox.c.id),

@@ -620,7 +620,9 @@ class Relay:
         #: The re-dispatch sweep of a framework adapter (None: the Celery app's, when given).
         self._redispatch = redispatch
         if settings is None:
-            settings = Settings.from_celery(app) if app is not None else Settings()
+            from reliable_beat.adapters import app_settings
+
+            settings = app_settings(app) if app is not None else Settings()
         self.settings = settings
         # a relay with an app publishes triggers into that app's broker: only its schedule
         # group's (and group-less ones); without an app it claims no `celery` rows at all

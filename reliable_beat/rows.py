@@ -448,9 +448,10 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     ``dramatiq``: :data:`reliable_beat.beat.TRIGGER_DESTINATIONS`; a ``dramatiq`` row whose
     payload names an ``actor`` is an application message, not a trigger) also: ``payload`` an
     object with ``task`` (string), ``args`` (array), ``kwargs`` (object), ``options`` /
-    ``headers`` (objects or null), ``task_id`` (string or null) and ``expires_at`` (ISO 8601
-    with offset, or null). Other destinations' payload shapes are their handler's business
-    (a handler error fails that one message).
+    ``headers`` (objects or null), ``task_id`` / ``message_id`` (strings or null),
+    ``reliable_beat`` (the neutral shape's identity: an object with a ``key`` string, or
+    null) and ``expires_at`` (ISO 8601 with offset, or null). Other destinations' payload
+    shapes are their handler's business (a handler error fails that one message).
     """
     problems: list[str] = []
     for col in ("message_id", "destination"):
@@ -495,6 +496,13 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
                     problems.append(f"payload.{key}={raw_repr(value)}: expected a JSON object "
                                     "or null")
             _optional_str(problems, "payload.task_id", payload.get("task_id"))
+            _optional_str(problems, "payload.message_id", payload.get("message_id"))
+            identity = payload.get("reliable_beat")
+            if identity is not None and not (isinstance(identity, Mapping)
+                                             and isinstance(identity.get("key"), str)
+                                             and identity.get("key")):
+                problems.append(f"payload.reliable_beat={raw_repr(identity)}: expected a JSON "
+                                "object with the run's key (a non-empty string), or null")
             if not _check_instant_text(payload.get("expires_at")):
                 problems.append(f"payload.expires_at={raw_repr(payload.get('expires_at'))}: "
                                 "expected ISO 8601 with a UTC offset, or null")

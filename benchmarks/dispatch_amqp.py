@@ -26,6 +26,7 @@ same durable queue, over one connection per process:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 import uuid
@@ -196,3 +197,84 @@ def run(env: Env) -> str:
                "raw kombu, no confirms /s (ref.)", "ours / batch confirmed", "target", "",
                "ours / confirm each", "ours / no confirms"], rows),
     ])
+
+
+def cpu_per_slot(env: Env, db_url: str, n: int, batch: int, *,
+                 builder: bool) -> tuple[float, float]:
+    """One process, in this one: ``n`` due entries dispatched to RabbitMQ by ``Beat.tick`` +
+    ``publish_triggers``, with the hand-built messages on or off (``send_task`` for every
+    message). Returns (this process's CPU per slot in µs, slots/s): the CPU figure does not
+    depend on the machine's other load, the rate does."""
+    from unittest import mock
+
+    from benchmarks.dispatch import _celery_app
+    from reliable_beat.beat import Beat
+    from reliable_beat.celery import publishing
+    from reliable_beat.celery.scheduler import publish_triggers
+    from reliable_beat.db.dialects import Store
+
+    assert env.amqp_url is not None
+    _reset(env, db_url, n)
+    _purge(env.amqp_url)
+    store = Store.from_url(db_url, role="beat")
+    app = _celery_app(env.amqp_url)
+    beat = Beat(store, owner="bench-cpu", batch_size=batch)
+    with app.producer_or_acquire() as p:
+        p.connection.ensure_connection()
+    off = mock.patch.object(publishing._MessageBuilder, "for_batch",
+                            classmethod(lambda cls, app: None))
+    with contextlib.nullcontext() if builder else off:
+        sent = 0
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        while sent < n and time.perf_counter() - t0 < TIMEOUT_S:
+            res = beat.tick()
+            if res.triggers:
+                assert res.now is not None
+                sent += publish_triggers(store, app, res.triggers, res.now)
+            elif not res.claimed:
+                time.sleep(0.001)
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    app.close()
+    store.dispose()
+    return cpu / max(sent, 1) * 1e6, sent / wall
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.dispatch_amqp [--entries 5000] [--runs 3]``: CPU per slot of one
+    dispatching process on RabbitMQ, hand-built messages off and on, alternated."""
+    import argparse
+    import os
+
+    from benchmarks.common import SIZES, servers
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dispatch_amqp",
+                                     description=main.__doc__)
+    parser.add_argument("--entries", type=int, default=5000)
+    parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--amqp-url")
+    parser.add_argument("--postgres-url")
+    parser.add_argument("--redis-url")
+    args = parser.parse_args(argv)
+    results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    with servers(args.postgres_url, args.redis_url, SIZES["smoke"], amqp_url=args.amqp_url,
+                 amqp=True) as env, env.database("dispatch_amqp_cpu") as db_url:
+        for _ in range(args.runs):
+            for builder in (False, True):
+                results[builder].append(cpu_per_slot(env, db_url, args.entries, args.batch,
+                                                     builder=builder))
+        load = os.getloadavg()
+    print(f"{args.entries} due entries, batch {args.batch}, one process, RabbitMQ; "
+          f"load average at the end {load[0]:.1f}")
+    print("| per slot | builder off | builder on |\n|---|---|---|")
+    for label, i, fmt in (("beat process CPU, µs", 0, "{:,.0f}"), ("slots/s", 1, "{:,.0f}")):
+        cells = []
+        for builder in (False, True):
+            vals = [r[i] for r in results[builder]]
+            cells.append(f"{fmt.format(min(vals))}-{fmt.format(max(vals))}")
+        print(f"| {label} | {cells[0]} | {cells[1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

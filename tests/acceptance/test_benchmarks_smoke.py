@@ -56,6 +56,9 @@ def test_benchmarks_stacks_smoke(pg_url: str, redis_url: str, mariadb_server: st
     assert "FAILED" not in proc.stdout
 
 
+# CI size: part 1's smoke above (the same loop on Redis); the AMQP messages' proof is
+# tests/integration/test_publish_builder_amqp.py
+@pytest.mark.full
 @pytest.mark.timeout(900)
 def test_benchmarks_dispatch_amqp_smoke(pg_url: str, redis_url: str, amqp_url: str) -> None:
     """Part 1b (``--only dispatch_amqp``): dispatch on RabbitMQ, a row per k, every column

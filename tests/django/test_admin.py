@@ -660,3 +660,49 @@ def test_runtime_entry_form_says_what_blank_gives_and_takes_group_and_dst(
     assert "cron &#x27;* * * * * */15&#x27; Europe/Berlin" in page, page[-3000:]
     assert "{&#x27;expr&#x27;" not in page and "day_or" not in page
     assert "blank keeps Europe/Berlin" in page
+
+
+def test_garbage_timestamp_text_in_a_sqlite_store_renders_as_stored(
+        users: dict[str, User], tmp_path: Path) -> None:
+    """A SQLite store (``RELIABLE_BEAT["DATABASE_ALIAS"]`` on a sqlite3 database) whose run
+    holds timestamp text that is no instant: the runs list and the run's page answer 200 and
+    show it as stored; a valid value still reads as a UTC datetime. Fails on the old code
+    (``ValueError: month must be in 1..12`` from Django's SQLite datetime converter)."""
+    from django.db import connections
+
+    from reliable_beat.contrib.django.models import Run
+    from reliable_beat.db.dialects import Store
+    from reliable_beat.db.migrate import upgrade
+    from reliable_beat.db.tables import runs
+
+    lite = connections["lite"]
+    lite.close()
+    lite.settings_dict["NAME"] = str(tmp_path / "rb.sqlite3")
+    store = Store.from_url(f"sqlite:///{tmp_path / 'rb.sqlite3'}", role="cli")
+    upgrade(store)
+    rb_runs.claim_run(store, "lite:1", owner="test", lease=timedelta(seconds=30),
+                      task="dj.pay")
+    run_id = rb_runs.get_run(store, "lite:1")["id"]
+    with store.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {runs.name} SET lease_expires_at = '2026-13-45 25:00:00',"
+                             " finished_at = 'not a date', state = 'garbage' WHERE id = :i"),
+                     {"i": run_id})
+    try:
+        with override_settings(RELIABLE_BEAT={"DATABASE_ALIAS": "lite"}):
+            c = client(users["viewer"])
+            for url in ("/admin/reliable_beat/run/",
+                        "/admin/reliable_beat/run/?state__exact=garbage",
+                        f"/admin/reliable_beat/run/{run_id}/change/"):
+                res = c.get(url)
+                assert res.status_code == 200, (url, res.content[-3000:])
+                assert "lite:1" in res.content.decode(), url
+            page = c.get(f"/admin/reliable_beat/run/{run_id}/change/").content.decode()
+            assert "malformed: 2026-13-45 25:00:00" in page and "malformed: not a date" in page
+            row = Run.objects.using("lite").get(pk=run_id)
+            assert str(row.lease_expires_at) == "malformed: 2026-13-45 25:00:00"
+            assert str(row.finished_at) == "malformed: not a date"
+            assert isinstance(row.created_at, datetime) and row.created_at.tzinfo is not None
+            assert abs(row.created_at - datetime.now(timezone.utc)) < timedelta(minutes=10)
+    finally:
+        lite.close()
+        store.engine.dispose()

@@ -706,3 +706,10 @@ def test_garbage_timestamp_text_in_a_sqlite_store_renders_as_stored(
     finally:
         lite.close()
         store.engine.dispose()
+
+
+def test_system_checks_and_migrations_accept_the_store_timestamp_field() -> None:
+    """``StoreDateTimeField`` (the admin's timestamp columns) passes Django's system checks
+    (``date_hierarchy`` must be a DateTimeField: admin.E128) and changes no migration."""
+    call_command("check")
+    call_command("makemigrations", "reliable_beat", check=True, dry_run=True, verbosity=0)

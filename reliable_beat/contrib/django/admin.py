@@ -27,6 +27,7 @@ from zoneinfo import ZoneInfo
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.checks import ModelAdminChecks
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -41,6 +42,7 @@ from reliable_beat.contrib.django.models import (
     Entry,
     OutboxMessage,
     Run,
+    StoreDateTimeField,
 )
 from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
 from reliable_beat.groups import schedule_group_of
@@ -581,8 +583,21 @@ class AttemptInline(admin.TabularInline):
         return False
 
 
+class _StoreFieldChecks(ModelAdminChecks):  # type: ignore[misc]
+    """Django's admin checks, with ``date_hierarchy`` on a :class:`StoreDateTimeField` (a
+    ``DateTimeField`` whose internal type differs so that no backend converter reads its
+    text) accepted as the ``DateTimeField`` it is."""
+
+    def _check_date_hierarchy(self, obj: Any) -> list[Any]:
+        field = obj.model._meta.get_field(obj.date_hierarchy) if obj.date_hierarchy else None
+        if isinstance(field, StoreDateTimeField):
+            return []
+        return list(super()._check_date_hierarchy(obj))
+
+
 @admin.register(Run)
 class RunAdmin(_ReadOnlyAdmin):
+    checks_class = _StoreFieldChecks
     list_display = ("idempotency_key", "entry_name", "fire_at", "state", "attempts",
                     "fence_token", "trigger", "finished_at")
     list_filter = ("state", "trigger", "entry_name")

@@ -614,8 +614,8 @@ class RunAdmin(_ReadOnlyAdmin):
         cl = super().get_changelist_instance(request)
         if cl.date_hierarchy:
             span = cl.queryset.aggregate(first=Min("created_at"), last=Max("created_at"))
-            bad = [str(v) for v in span.values() if v is not None and
-                   not isinstance(v, datetime)]
+            bad = sorted({str(v) for v in span.values() if v is not None and
+                          not isinstance(v, datetime)})
             if bad:
                 cl.date_hierarchy = None
                 self.message_user(request, "date drill-down off: a run's created_at is not "

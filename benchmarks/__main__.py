@@ -16,6 +16,7 @@ from benchmarks.common import SIZES, machine, servers
 #: name -> (module, function returning the part's markdown)
 PARTS = {
     "dispatch": ("benchmarks.dispatch", "run"),
+    "dispatch_amqp": ("benchmarks.dispatch_amqp", "run"),
     "scale": ("benchmarks.scale", "run"),
     "lateness": ("benchmarks.lateness", "run"),
     "task_overhead": ("benchmarks.task_overhead", "run"),
@@ -26,9 +27,9 @@ PARTS = {
     "workflow_round_trips": ("benchmarks.workflows", "run_round_trips"),
 }
 #: Parts run only with ``--only``: part 6 (``stacks``: it starts its own MariaDB and RabbitMQ
-#: unless given ``--mariadb-url`` / ``--amqp-url``) and ``workflow_round_trips`` (the default
-#: run has its figures already).
-ONLY_ON_REQUEST = {"stacks", "workflow_round_trips", "herd"}
+#: unless given ``--mariadb-url`` / ``--amqp-url``), part 1b (``dispatch_amqp``: RabbitMQ) and
+#: ``workflow_round_trips`` (the default run has its figures already).
+ONLY_ON_REQUEST = {"stacks", "workflow_round_trips", "herd", "dispatch_amqp"}
 DEFAULT_PARTS = [name for name in PARTS if name not in ONLY_ON_REQUEST]
 
 
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", help="use this Redis (it is FLUSHDB'd!)")
     parser.add_argument("--mariadb-url", help="part 6 (stacks): use this MariaDB (a user "
                         "that may create databases) instead of a private server")
-    parser.add_argument("--amqp-url", help="part 6 (stacks): use this RabbitMQ instead of a "
-                        "private node")
+    parser.add_argument("--amqp-url", help="parts 1b (dispatch_amqp) and 6 (stacks): use this "
+                        "RabbitMQ instead of a private node")
     parser.add_argument("--repeats", type=int, help="measure each size this many times in "
                         "one invocation (lateness, task_overhead; default 3 at full size, 1 at "
                         "smoke) and print the median and the range of the runs")
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{size.repeats} run(s) per size", flush=True)
     parts = args.only or DEFAULT_PARTS
     with servers(args.postgres_url, args.redis_url, size, mariadb_url=args.mariadb_url,
-                 amqp_url=args.amqp_url, stacks="stacks" in parts) as env:
+                 amqp_url=args.amqp_url, stacks="stacks" in parts,
+                 amqp="dispatch_amqp" in parts) as env:
         print(machine(env) + "\n", flush=True)
         for name in parts:
             t0 = time.perf_counter()

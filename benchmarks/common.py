@@ -113,15 +113,15 @@ class Env:
 @contextlib.contextmanager
 def servers(postgres_url: str | None, redis_url: str | None, size: Sizes, *,
             mariadb_url: str | None = None, amqp_url: str | None = None,
-            stacks: bool = False) -> Iterator[Env]:
+            stacks: bool = False, amqp: bool = False) -> Iterator[Env]:
     """Use the given servers, or start private ones from the local binaries (MariaDB and
-    RabbitMQ only when ``stacks``: part 6 runs)."""
+    RabbitMQ only when ``stacks``: part 6 runs; RabbitMQ also when ``amqp``: part 1b)."""
     with contextlib.ExitStack() as stack:
         if stacks and mariadb_url is None:
             from harness.servers import MariaDBServer
 
             mariadb_url = stack.enter_context(MariaDBServer()).url
-        if stacks and amqp_url is None:
+        if (stacks or amqp) and amqp_url is None:
             from harness.servers import RabbitMQServer
 
             amqp_url = stack.enter_context(RabbitMQServer()).url

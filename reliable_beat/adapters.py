@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from reliable_beat.beat import Trigger
     from reliable_beat.db.dialects import Store
     from reliable_beat.outbox import OutboxMessage
+    from reliable_beat.settings import Settings
 
 __all__ = [
     "BUILTIN_ADAPTERS",
@@ -41,6 +42,9 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AppAdapter",
     "adapter_for",
+    "adapter_for_spec",
+    "app_lease_seconds",
+    "app_settings",
     "load_adapter",
     "register_adapter",
 ]
@@ -52,7 +56,10 @@ ENTRY_POINT_GROUP = "reliable_beat.adapters"
 #: :class:`click.Command` (usually a group) mounted as ``reliable-beat <name>``.
 CLI_ENTRY_POINT_GROUP = "reliable_beat.cli"
 #: The adapters that ship with reliable_beat (name -> ``"module:attr"``).
-BUILTIN_ADAPTERS: dict[str, str] = {"celery": "reliable_beat.celery.adapter:ADAPTER"}
+BUILTIN_ADAPTERS: dict[str, str] = {
+    "celery": "reliable_beat.celery.adapter:ADAPTER",
+    "dramatiq": "reliable_beat.dramatiq.adapter:ADAPTER",
+}
 #: The adapter of an app object no registered adapter claims.
 DEFAULT_ADAPTER = "celery"
 
@@ -90,6 +97,19 @@ class AppAdapter(Protocol):
 
     def task_kind(self, app: Any, task: str) -> str:
         """``idempotent``, ``plain`` or ``unknown`` (``app`` does not register ``task``)."""
+        ...
+
+    def lease_seconds(self, app: Any, task: str) -> float | None:
+        """The run lease ``task`` declares itself, in seconds (None: the settings' default)."""
+        ...
+
+    def settings(self, app: Any, database_url: tuple[str, str] | None = None) -> Settings:
+        """The ``reliable_beat`` settings ``app`` runs with; ``database_url`` (``(url,
+        origin)``, the CLI's ``--database-url``) replaces the store URL.
+
+        Raises:
+            ConfigurationError: a bad setting (named), or the app carries none.
+        """
         ...
 
     def install_workflows(self, app: Any) -> Callable[[], Store]:
@@ -183,4 +203,70 @@ def adapter_for(app: Any) -> AppAdapter:
         top = (getattr(cls, "__module__", "") or "").partition(".")[0]
         if top in specs and top != "builtins":
             return load_adapter(top)
+    return load_adapter(DEFAULT_ADAPTER)
+
+
+def app_settings(app: Any, database_url: tuple[str, str] | None = None) -> Settings:
+    """The settings of framework ``app`` (its adapter's :meth:`AppAdapter.settings`; an
+    adapter written before that method existed: Celery's ``app.conf``)."""
+    adapter = adapter_for(app)
+    read = getattr(adapter, "settings", None)
+    if callable(read):
+        settings: Settings = read(app, database_url=database_url)
+        return settings
+    from reliable_beat.settings import Settings
+
+    return Settings.from_celery(app, database_url=database_url)
+
+
+def app_lease_seconds(app: Any, task: str) -> float | None:
+    """The run lease ``app``'s ``task`` declares (its adapter's
+    :meth:`AppAdapter.lease_seconds`), None when it declares none."""
+    read = getattr(adapter_for(app), "lease_seconds", None)
+    return read(app, task) if callable(read) else None
+
+
+def _framework_of(value: Any, names: set[str]) -> str | None:
+    """The registered adapter name (in ``names``) of an app-like object, by its type's MRO;
+    None for classes, modules, functions and other plain Python objects."""
+    for cls in type(value).__mro__:
+        top = (getattr(cls, "__module__", "") or "").partition(".")[0]
+        if top in names and top != "builtins":
+            return top
+    return None
+
+
+def adapter_for_spec(spec: str) -> AppAdapter:
+    """The adapter of the app ``-A spec`` names (``module`` or ``module:attr``).
+
+    The module is imported (the current directory importable, as ``celery -A`` and
+    ``dramatiq`` do) and the object ``attr`` names, or without ``attr`` the module's
+    app-like objects, are matched to a registered adapter the way :func:`adapter_for`
+    matches an app (``dramatiq.brokers.redis.RedisBroker`` -> ``dramatiq``). Anything else
+    (a module that does not import, a Celery spec such as ``proj.app``, objects of no other
+    registered framework, or of several) goes to :data:`DEFAULT_ADAPTER`, whose loader
+    reports a bad spec as before.
+
+    Raises:
+        ConfigurationError, ImportError: see :func:`load_adapter`.
+    """
+    import os
+    import sys
+
+    module_name, _, attr = spec.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # the default adapter's loader imports it again and says why
+        return load_adapter(DEFAULT_ADAPTER)
+    names = set(_specs())
+    if attr:
+        values = [getattr(module, attr)] if hasattr(module, attr) else []
+    else:
+        values = list(vars(module).values())
+    found = {n for n in (_framework_of(v, names) for v in values) if n is not None}
+    if len(found) == 1:
+        return load_adapter(found.pop())
     return load_adapter(DEFAULT_ADAPTER)

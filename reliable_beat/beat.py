@@ -26,6 +26,7 @@ never before its slot.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -61,7 +62,7 @@ from reliable_beat.db.tables import MYSQL_DIALECTS, entries, outbox, runs
 from reliable_beat.identity import store_id as _store_id
 from reliable_beat.planner import SkippedRange, plan_entry
 from reliable_beat.redaction import get_logger
-from reliable_beat.slots import format_fire_at, idempotency_key
+from reliable_beat.slots import SlotText, format_fire_at, idempotency_key
 
 __all__ = [
     "ACTIVE_RUN_STATES",
@@ -71,6 +72,7 @@ __all__ = [
     "Trigger",
     "due_clause",
     "task_id_for",
+    "trigger_identity",
     "trigger_message_id",
     "trigger_outbox_row",
 ]
@@ -178,8 +180,29 @@ def task_id_for(key: str) -> str:
 
     Deterministic, so a duplicate trigger of one slot shows up under the same task id in
     Flower and result backends.
+
+    Computed as :func:`uuid.uuid5` does (SHA-1 of the namespace's bytes and the name, the
+    version and variant bits set), from a SHA-1 state that already holds the namespace and
+    the prefix, without building a :class:`uuid.UUID` (a third of the cost; the same text:
+    ``tests/unit/test_dispatch_memos.py``).
+
+    Raises:
+        UnicodeEncodeError: ``key`` holds a lone surrogate (as :func:`uuid.uuid5`).
     """
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, "reliable_beat:" + key))
+    digest = _TASK_ID_SHA1.copy()
+    digest.update(key.encode("utf-8"))
+    n = int.from_bytes(digest.digest()[:16], "big")
+    n = (n & _UUID5_CLEAR) | _UUID5_SET
+    x = f"{n:032x}"
+    return f"{x[:8]}-{x[8:12]}-{x[12:16]}-{x[16:20]}-{x[20:]}"
+
+
+#: SHA-1 state holding ``NAMESPACE_URL`` and ``"reliable_beat:"`` (copied per task id).
+_TASK_ID_SHA1 = hashlib.sha1(uuid.NAMESPACE_URL.bytes + b"reliable_beat:", usedforsecurity=False)
+#: The RFC 4122 variant (bits 62-63 = 10) and version 5 (bits 76-79), as ``uuid.UUID`` sets
+#: them for ``uuid5``.
+_UUID5_CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
+_UUID5_SET = (0x8000 << 48) | (5 << 76)
 
 
 def trigger_message_id(key: str) -> str:
@@ -399,28 +422,63 @@ def build_trigger_payload(
     fire_at: datetime,
     trigger: str,
     store_id: str | None = None,
+    slot_text: SlotText | None = None,
+    destination: str = TRIGGER_DESTINATION,
 ) -> dict[str, Any]:
-    """The outbox payload of a trigger (JSON): an ordinary Celery task message description.
+    """The outbox payload of a trigger (JSON), in the shape of its ``destination``.
 
-    Headers carry the entry, the fire time (ISO 8601 UTC), the idempotency key and the id
-    of the store the run was written to (``reliable_beat_store``, when known; see
-    :mod:`reliable_beat.identity`); the task id is :func:`task_id_for`; ``expires_at`` =
-    slot + ``options["expires"]`` seconds.
+    ``celery`` (the default): an ordinary Celery task message description, ``{"task",
+    "args", "kwargs", "task_id", "headers", "options", "expires_at"}``. Its headers carry the
+    entry, the fire time (ISO 8601 UTC), the idempotency key and the id of the store the run
+    was written to (``reliable_beat_store``, when known; see :mod:`reliable_beat.identity`);
+    the task id is :func:`task_id_for`; ``expires_at`` = slot + ``options["expires"]``
+    seconds.
+
+    Any other trigger destination (``dramatiq``): the framework-neutral shape ``{"task",
+    "args", "kwargs", "message_id", "reliable_beat": {"key", "entry", "fire_at",
+    "trigger", "store"?}, "options", "expires_at"}`` (``message_id`` = :func:`task_id_for`;
+    ``options`` without ``expires`` and ``headers``, which are Celery message fields). It
+    also carries ``task_id`` and ``headers`` (the four ``reliable_beat_*`` identity headers
+    only), copies for readers older than this shape (a relay or beat of the previous version
+    during a rolling deploy), to be dropped a release later. Readers take the identity with
+    :func:`trigger_identity`, which reads both shapes. ``slot_text``: a batch's memo of formatted
+    instants (:class:`~reliable_beat.slots.SlotText`; same text, each instant formatted once).
     """
+    fmt = format_fire_at if slot_text is None else slot_text.fire_at
     publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
+    expires = options.get("expires")
+    expires_at = (
+        fmt(fire_at + timedelta(seconds=float(expires))) if expires else None
+    )
+    slot = fmt(fire_at)
+    if destination != TRIGGER_DESTINATION:
+        identity: dict[str, Any] = {"key": key, "entry": entry, "fire_at": slot,
+                                    "trigger": trigger}
+        if store_id:
+            identity["store"] = store_id
+        message_id = task_id_for(key)
+        return {
+            "task": task,
+            "args": args,
+            "kwargs": kwargs,
+            "message_id": message_id,
+            "reliable_beat": identity,
+            "options": publish,
+            "expires_at": expires_at,
+            # for readers older than the neutral shape (rolling deploys); see the docstring
+            "task_id": message_id,
+            "headers": {"reliable_beat_key": key, "reliable_beat_entry": entry,
+                        "reliable_beat_fire_at": slot, "reliable_beat_trigger": trigger},
+        }
     headers = dict(options.get("headers") or {})
     headers.update(
         reliable_beat_key=key,
         reliable_beat_entry=entry,
-        reliable_beat_fire_at=format_fire_at(fire_at),
+        reliable_beat_fire_at=slot,
         reliable_beat_trigger=trigger,
     )
     if store_id:
         headers["reliable_beat_store"] = store_id
-    expires = options.get("expires")
-    expires_at = (
-        format_fire_at(fire_at + timedelta(seconds=float(expires))) if expires else None
-    )
     return {
         "task": task,
         "args": args,
@@ -430,6 +488,21 @@ def build_trigger_payload(
         "options": publish,
         "expires_at": expires_at,
     }
+
+
+def trigger_identity(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The run a trigger payload fires, whatever its shape (:func:`build_trigger_payload`):
+    ``{"key", "entry", "fire_at", "trigger", "store"}`` (values None when absent), read from
+    the neutral ``reliable_beat`` object, else from the ``reliable_beat_*`` headers of a
+    Celery-shaped payload (every ``celery`` row, and ``dramatiq`` rows written before the
+    neutral shape)."""
+    block = payload.get("reliable_beat")
+    if isinstance(block, Mapping):
+        return {f: block.get(f) for f in ("key", "entry", "fire_at", "trigger", "store")}
+    headers = payload.get("headers")
+    headers = headers if isinstance(headers, Mapping) else {}
+    return {f: headers.get(f"reliable_beat_{f}")
+            for f in ("key", "entry", "fire_at", "trigger", "store")}
 
 
 def _range_row(row: Any, rng: SkippedRange, now: datetime) -> dict[str, Any]:
@@ -677,6 +750,7 @@ class Beat:
         # Per tick, one memo per schedule object: entries sharing a schedule (the herd: every
         # ``0 * * * *`` entry due at the same slot) ask it the same questions.
         planners: dict[int, tuple[sch.Schedule, _PlanCalls]] = {}
+        slot_text = SlotText()  # each distinct slot formatted once per tick (keys, headers)
         started = time.monotonic()
         for index, row in enumerate(rows):
             if index and time.monotonic() - started > self.plan_budget:
@@ -725,7 +799,7 @@ class Beat:
             states = active.get(row.name, set())
             tracked = row.overlap_policy != "allow" and self.is_tracked(row.task)
             for d in plan.decisions:
-                key = idempotency_key(row.name, d.fire_at)
+                key = slot_text.key(row.name, d.fire_at)
                 state, reason = "scheduled", None
                 if not d.fire:
                     state, reason = "skipped", d.reason
@@ -788,7 +862,8 @@ class Beat:
                     task=r["task"], args=r["args"], kwargs=r["kwargs"],
                     options=options_by_key[key], key=key, entry=r["entry_name"],
                     fire_at=r["fire_at"], trigger=r["trigger"],
-                    store_id=self._sid,
+                    store_id=self._sid, slot_text=slot_text,
+                    destination=self.trigger_destination,
                 )
                 outbox_rows.append(
                     self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"])
@@ -847,7 +922,7 @@ class Beat:
                 task=b.task, args=b.args, kwargs=b.kwargs,
                 options=options.get(b.entry_name) or {},
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
-                store_id=self._sid,
+                store_id=self._sid, destination=self.trigger_destination,
             )
             oid = conn.execute(
                 outbox.insert().returning(outbox.c.id),

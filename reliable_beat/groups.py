@@ -20,7 +20,9 @@ So old and new pods never flap the stored schedule, and the change is logged onc
 
 Each beat also keeps a row in ``reliable_beat_beats`` (owner id, group, the config it came
 with, a heartbeat every few seconds, the config entries whose task its app does not
-register), so ``reliable-beat status`` can tell a group with no live beat.
+register), so ``reliable-beat status`` can tell a group with no live beat. Relays keep one
+too (``role = 'relay'``, migration 0011_relaywatch: :func:`record_relay`), so ``status`` can
+tell a group whose outbox rows no live relay or beat publishes (:func:`unserved_outbox`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import and_, delete, func, select, true, update
+from sqlalchemy import and_, case, delete, func, select, true, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import beats, entries, runs, schedule_configs
+from reliable_beat.db.tables import beats, entries, outbox, runs, schedule_configs
 
 if TYPE_CHECKING:
     from reliable_beat.entries import EntryDefinition
@@ -50,12 +53,18 @@ __all__ = [
     "entry_outside_group",
     "group_config_hash",
     "group_health",
+    "live_publishers",
     "log_sync_result",
     "record_beat",
+    "record_relay",
+    "relay_heartbeat",
+    "relay_row_owner",
+    "relay_stopped",
     "run_in_group",
     "schedule_group_of",
     "shared_groups",
     "ungrouped_entries",
+    "unserved_outbox",
 ]
 
 #: The group of config entries synced without a name (no app, e.g. direct API use).
@@ -127,8 +136,9 @@ class SyncResult:
 
 
 def shared_groups(conn: Connection) -> list[str]:
-    """The schedule groups known to the store (a synced config or a beat row), sorted."""
-    known = select(schedule_configs.c.schedule_group).union(select(beats.c.schedule_group))
+    """The schedule groups known to the store (a synced config or a beat's row), sorted."""
+    known = select(schedule_configs.c.schedule_group).union(
+        select(beats.c.schedule_group).where(beats.c.role == "beat"))
     return sorted({g for g in conn.execute(known).scalars() if g is not None})
 
 
@@ -224,6 +234,199 @@ def beat_stopped(store: Store, owner: str) -> None:
             stopped_at=now, seen_at=now))
 
 
+def relay_row_owner(owner: str, group: str | None) -> str:
+    """The ``owner`` key of a relay's row in ``reliable_beat_beats``:
+    ``relay:<group or *>:<owner id>`` (at most 200 characters). One process may run a beat
+    (row key: its owner id) and relays of several apps; each keeps a row of its own."""
+    return f"relay:{group if group is not None else '*'}:{owner}"[:200]
+
+
+def record_relay(
+    store: Store, *, owner: str, group: str | None, destinations: Iterable[str]
+) -> str:
+    """Insert or refresh a relay's heartbeat row (``role = 'relay'``); returns its key.
+
+    Args:
+        owner: the relay's owner id (``claimed_by`` of its claims; ``host:pid`` by default).
+        group: the schedule group whose rows it claims (its app's); None: a relay without an
+            app, which claims the rows of every group for its destinations.
+        destinations: its handlers' destinations (the rows it can deliver).
+
+    Returns:
+        The row's key (:func:`relay_row_owner`), for :func:`relay_heartbeat` and
+        :func:`relay_stopped`. Own short transaction; safe from several processes (two
+        relays of one process and group share the row).
+    """
+    key = relay_row_owner(owner, group)
+    values: dict[str, Any] = {
+        "schedule_group": group, "role": "relay", "config_hash": None,
+        "destinations": sorted(set(destinations)), "unregistered": {}, "stopped_at": None}
+    for attempt in (1, 2):
+        try:
+            with store.begin() as conn:
+                now = store.now(conn)
+                values.update(seen_at=now, started_at=now)
+                if not conn.execute(
+                        update(beats).where(beats.c.owner == key).values(**values)).rowcount:
+                    conn.execute(beats.insert().values(owner=key, **values))
+            break
+        except IntegrityError:  # another relay of this process inserted it meanwhile
+            if attempt == 2:
+                raise
+    return key
+
+
+def relay_heartbeat(store: Store, key: str) -> bool:
+    """Refresh a relay's ``seen_at`` (row ``key`` from :func:`record_relay`) and delete rows
+    of relays gone for a week (bounded: at most 100 a call).
+
+    Returns:
+        False when the row is gone (deleted by hand): record it again.
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        found = conn.execute(update(beats).where(beats.c.owner == key)
+                             .values(seen_at=now, stopped_at=None)).rowcount
+        old = select(beats.c.owner).where(
+            beats.c.role == "relay", beats.c.seen_at < now - BEAT_ROW_RETENTION).limit(100)
+        owners = list(conn.execute(old).scalars())
+        if owners:
+            conn.execute(delete(beats).where(beats.c.owner.in_(owners)))
+    return bool(found)
+
+
+def relay_stopped(store: Store, key: str) -> None:
+    """Mark a relay's row stopped (graceful exit): ``status`` no longer counts it as live."""
+    with store.begin() as conn:
+        now = store.now(conn)
+        conn.execute(update(beats).where(beats.c.owner == key).values(
+            stopped_at=now, seen_at=now))
+
+
+def live_publishers(
+    conn: Connection, now: datetime, *, alive_seconds: float
+) -> list[dict[str, Any]]:
+    """The beats and relays whose heartbeat is at most ``alive_seconds`` old and that did
+    not stop, sorted by key.
+
+    Returns:
+        ``[{"owner" (row key), "role" ("beat" | "relay"), "schedule_group" (str | None: a
+        relay without an app), "destinations" (list[str] | None: None for a beat),
+        "seen_at" (UTC)}]``.
+    """
+    horizon = now - timedelta(seconds=alive_seconds)
+    return [
+        {"owner": r.owner, "role": r.role, "schedule_group": r.schedule_group,
+         "destinations": list(r.destinations) if isinstance(r.destinations, list) else None,
+         "seen_at": _aware(r.seen_at)}
+        for r in conn.execute(
+            select(beats.c.owner, beats.c.role, beats.c.schedule_group, beats.c.destinations,
+                   beats.c.seen_at)
+            .where(beats.c.stopped_at.is_(None), beats.c.seen_at >= horizon)
+            .order_by(beats.c.owner)
+        ).all()
+    ]
+
+
+def _serves(process: Mapping[str, Any], group: str, destination: str) -> bool:
+    """Whether a live beat / relay publishes pending rows of ``group`` to ``destination``: a
+    beat sweeps its own group's triggers and workflow messages (the trigger destinations);
+    a relay claims its group's rows (or every group's, without an app) for the
+    destinations it has handlers for."""
+    from reliable_beat.beat import TRIGGER_DESTINATIONS
+
+    if process["role"] == "beat":
+        return process["schedule_group"] == group and destination in TRIGGER_DESTINATIONS
+    if process["schedule_group"] not in (group, None):
+        return False
+    dests = process["destinations"]
+    return dests is None or destination in dests
+
+
+def unserved_outbox(
+    conn: Connection, now: datetime, *, due_seconds: float, alive_seconds: float
+) -> list[dict[str, Any]]:
+    """Pending outbox rows of a schedule group due for more than ``due_seconds`` that no live
+    relay or beat publishes, one dict per group, sorted by group.
+
+    A row's group is its ``schedule_group`` (a workflow's messages, 0010), else, for a trigger
+    (destination ``celery``), its run's entry's group; rows with neither are published by any
+    relay with the handler (``status`` reports those per destination: UNDELIVERED OUTBOX).
+    Only the relays and beats of that group publish such a row (:func:`~reliable_beat.relay.
+    claim_outbox_batch`), so with none alive (:func:`live_publishers`, heartbeat newer than
+    ``alive_seconds``) it waits forever: an app whose relay never started, or a starter and
+    a relay that disagree on the group (``Celery(__name__)`` run as ``__main__`` is group
+    ``default``).
+
+    Returns:
+        ``[{"group", "rows" (int), "destinations" ([str]), "due_since" (UTC: the oldest
+        ``available_at``), "last_seen_at" (UTC | None: the newest heartbeat of a beat or
+        relay of the group, live or not; None: never), "served_groups" ([str]: the groups
+        the live beats and relays do serve; ``"*"``: a relay without an app)}]``.
+    """
+    from reliable_beat.beat import TRIGGER_DESTINATION
+
+    entry_group = (
+        select(entries.c.schedule_group)
+        .select_from(runs.join(entries, entries.c.name == runs.c.entry_name))
+        .where(runs.c.id == outbox.c.run_id)  # one run (its id), one entry (unique name)
+        .scalar_subquery()
+    )
+    group_expr = func.coalesce(
+        outbox.c.schedule_group,
+        case((and_(outbox.c.destination == TRIGGER_DESTINATION, outbox.c.run_id.is_not(None)),
+              entry_group), else_=None),
+    )
+    stale = (
+        select(group_expr.label("grp"), outbox.c.destination.label("destination"),
+               outbox.c.available_at.label("available_at"))
+        .where(outbox.c.state == "pending",
+               outbox.c.available_at <= now - timedelta(seconds=due_seconds))
+        .subquery()
+    )
+    found = conn.execute(
+        select(stale.c.grp, stale.c.destination, func.count(), func.min(stale.c.available_at))
+        .where(stale.c.grp.is_not(None))
+        .group_by(stale.c.grp, stale.c.destination)
+    ).all()
+    if not found:
+        return []
+    live = live_publishers(conn, now, alive_seconds=alive_seconds)
+    out: dict[str, dict[str, Any]] = {}
+    for grp, destination, n, since in found:
+        if any(_serves(p, grp, destination) for p in live):
+            continue
+        g = out.setdefault(grp, {"group": grp, "rows": 0, "destinations": [],
+                                 "due_since": None, "last_seen_at": None})
+        g["rows"] += int(n)
+        g["destinations"] = sorted({*g["destinations"], destination})
+        since = _instant(since)
+        if since is not None and (g["due_since"] is None or since < g["due_since"]):
+            g["due_since"] = since
+    if not out:
+        return []
+    for grp, seen in conn.execute(
+        select(beats.c.schedule_group, func.max(beats.c.seen_at))
+        .where(beats.c.schedule_group.in_(sorted(out)))
+        .group_by(beats.c.schedule_group)
+    ).all():
+        out[grp]["last_seen_at"] = _instant(seen)
+    served = sorted({p["schedule_group"] if p["schedule_group"] is not None else "*"
+                     for p in live})
+    for g in out.values():
+        g["served_groups"] = served
+    return [out[k] for k in sorted(out)]
+
+
+def _instant(value: Any) -> datetime | None:
+    """An aggregate's instant (SQLite returns ISO text, untyped) as an aware UTC datetime."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return _aware(value)
+
+
 def group_health(
     conn: Connection, now: datetime, *, alive_seconds: float
 ) -> list[dict[str, Any]]:
@@ -241,7 +444,9 @@ def group_health(
         "current_config" (hash | None),
         "beats_on_other_config" (live beats that started with a config other than the
         current one: an old pod, or a refused config), "unregistered" ({entry: task}, from
-        the live beats)}``.
+        the live beats), "relays_alive" (int: live relays of the group, 0011),
+        "relay_last_seen_at" (UTC | None)}``. ``beats_alive`` / ``last_seen_at`` count beats
+        only (``role = 'beat'``).
     """
     horizon = now - timedelta(seconds=alive_seconds)
     groups: dict[str, dict[str, Any]] = {}
@@ -251,7 +456,7 @@ def group_health(
             "group": name, "beats_alive": 0, "last_seen_at": None, "enabled_entries": 0,
             "runtime_entries": 0,
             "config_synced_at": None, "current_config": None, "beats_on_other_config": 0,
-            "unregistered": {},
+            "unregistered": {}, "relays_alive": 0, "relay_last_seen_at": None,
         })
 
     for name, count in conn.execute(
@@ -278,6 +483,7 @@ def group_health(
     for row in conn.execute(
         select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at,
                beats.c.unregistered, beats.c.config_hash)
+        .where(beats.c.role == "beat")
     ).all():
         g = group(row.schedule_group)
         seen = _aware(row.seen_at)
@@ -288,6 +494,16 @@ def group_health(
             if g["current_config"] is not None and row.config_hash != g["current_config"]:
                 g["beats_on_other_config"] += 1
             g["unregistered"].update(row.unregistered or {})
+    for relay in conn.execute(
+        select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at)
+        .where(beats.c.role == "relay", beats.c.schedule_group.is_not(None))
+    ).all():
+        g = group(relay.schedule_group)
+        seen = _aware(relay.seen_at)
+        if g["relay_last_seen_at"] is None or seen > g["relay_last_seen_at"]:
+            g["relay_last_seen_at"] = seen
+        if relay.stopped_at is None and seen >= horizon:
+            g["relays_alive"] += 1
     return [groups[k] for k in sorted(groups)]
 
 

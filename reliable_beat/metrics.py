@@ -15,7 +15,14 @@ they are read from the database, not counted in one process):
                                                    misfire_grace + margin: **no beat running**
 ``reliable_beat_runs{state}``                      runs by state
 ``reliable_beat_dead_letters{kind}``               dead letters not requeued (run / outbox)
-``reliable_beat_outbox_pending{destination}``      outbox rows waiting for the relay
+``reliable_beat_outbox_pending{destination}``      outbox rows waiting for the relay now: due
+                                                   (``available_at`` passed) or failed and
+                                                   waiting for their retry; delayed rows not
+                                                   yet due and rows a beat or relay holds (a
+                                                   trigger being published, a claim) do not
+``reliable_beat_outbox_scheduled{destination}``    delayed rows not yet due, never attempted
+                                                   and unclaimed (a workflow timer's wake):
+                                                   not backlog
 ``reliable_beat_outbox_oldest_pending_age_seconds``  age of the oldest due row, per
                                                    destination, from its available_at (a
                                                    failed row: its created_at); delayed
@@ -181,7 +188,15 @@ class StoreCollector:
             fam.add_metric([kind], float(data["dead"].get(kind, 0)))
         yield fam
         pending = GaugeMetricFamily(
-            "reliable_beat_outbox_pending", "Pending outbox rows", labels=["destination"]
+            "reliable_beat_outbox_pending",
+            "Outbox rows waiting for a relay: due (available_at passed) or failed and waiting "
+            "for their retry; delayed rows not yet due are not counted",
+            labels=["destination"],
+        )
+        scheduled = GaugeMetricFamily(
+            "reliable_beat_outbox_scheduled",
+            "Delayed outbox rows not yet due (never attempted, unclaimed): not backlog",
+            labels=["destination"],
         )
         oldest = GaugeMetricFamily(
             "reliable_beat_outbox_oldest_pending_age_seconds",
@@ -193,10 +208,12 @@ class StoreCollector:
             "reliable_beat_outbox_dead", "Outbox rows given up on", labels=["destination"]
         )
         for o in data["outbox"]:
-            pending.add_metric([o["destination"]], float(o["pending"]))
+            pending.add_metric([o["destination"]], float(o["backlog"]))
+            scheduled.add_metric([o["destination"]], float(o["scheduled"]))
             oldest.add_metric([o["destination"]], float(o["oldest_pending_age_seconds"] or 0.0))
             dead.add_metric([o["destination"]], float(o["dead"]))
         yield pending
+        yield scheduled
         yield oldest
         yield dead
         fam = GaugeMetricFamily(

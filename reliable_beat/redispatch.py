@@ -36,8 +36,10 @@ re-sent (after at most ``redispatch_seconds * 2**BACKOFF_CAP`` once it was re-se
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -54,7 +56,9 @@ from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
-__all__ = ["BACKOFF_CAP", "claim_stuck_runs", "redispatch_stuck_runs", "tracked_tasks"]
+__all__ = ["BACKOFF_CAP", "Backlog", "QueueDepthFn", "backlogged", "backoff_wait",
+           "claim_stuck_runs", "hold_backlog", "redispatch_stuck_runs", "redispatch_with",
+           "tracked_tasks", "waited_with_backoff"]
 
 log = get_logger("reliable_beat.redispatch")
 
@@ -66,14 +70,80 @@ BACKOFF_CAP = 4
 _TRIGGER_PREFIX = trigger_message_id("")
 
 
-def _waited(col: Any, now: datetime, after: timedelta) -> Any:
-    """``col`` older than ``after * 2**k`` for a run re-sent k times (k capped): one
-    portable condition per k, cutoffs computed here (no interval arithmetic in SQL)."""
+def backoff_wait(after: timedelta, resends: int) -> timedelta:
+    """How long a message re-sent ``resends`` times before waits before its next re-send:
+    ``after * 2**min(resends, BACKOFF_CAP)``. The one backoff rule of both sweeps (this
+    module's run sweep and the workflow sweep,
+    :func:`~reliable_beat.workflows.engine.redispatch_workflows`)."""
+    factor: int = 2 ** min(max(resends, 0), BACKOFF_CAP)
+    return after * factor
+
+
+def waited_with_backoff(col: Any, resends: Any, now: datetime, after: timedelta) -> Any:
+    """SQL condition: instant column ``col`` is older than :func:`backoff_wait` of
+    ``after`` and the integer column ``resends`` (how many times the row's message was
+    re-sent). One portable condition per k, the cutoffs computed here from ``now`` (the
+    store's clock; no interval arithmetic in SQL, so it runs on every dialect)."""
     return or_(*[
-        and_(runs.c.redispatches == k if k < BACKOFF_CAP else runs.c.redispatches >= k,
-             col < now - after * 2**k)
+        and_(resends == k if k < BACKOFF_CAP else resends >= k,
+             col < now - backoff_wait(after, k))
         for k in range(BACKOFF_CAP + 1)
     ])
+
+
+def _waited(col: Any, now: datetime, after: timedelta) -> Any:
+    """``col`` older than ``after * 2**k`` for a run re-sent k times (k capped)."""
+    return waited_with_backoff(col, runs.c.redispatches, now, after)
+
+
+def _stuck_runs_select(*, now: datetime, after: timedelta, tasks: Collection[str],
+                       limit: int, retrying_after: timedelta | None,
+                       schedule_group: str | None,
+                       only_ids: Collection[int] | None = None) -> Any:
+    """The SELECT of the stuck runs :func:`claim_stuck_runs` claims (no lock): id, key,
+    state and the instant each state's wait counts from (``since``)."""
+    stuck_states = [
+        and_(runs.c.state == "dispatched", _waited(runs.c.dispatched_at, now, after)),
+        and_(runs.c.state == "running", _waited(runs.c.lease_expires_at, now, after)),
+    ]
+    if retrying_after is not None:
+        stuck_states.append(
+            and_(runs.c.state == "retrying", _waited(runs.c.updated_at, now, retrying_after))
+        )
+    # Only runs this sweep can re-send: those with a trigger row (``trigger:<key>``) of a
+    # trigger destination. A workflow activity's run (key ``wf:<id>/<run>#<seq>``, message
+    # ``act:<key>``) and an ad-hoc call's have none: claiming them would bump their
+    # ``redispatches`` and push their clock to ``now`` while sending nothing, which hid a
+    # dead activity from the workflow sweep (:func:`~reliable_beat.workflows.engine.
+    # redispatch_workflows`, which re-sends it) for another full window.
+    has_trigger = (
+        select(outbox.c.id)
+        .where(outbox.c.message_id == literal(_TRIGGER_PREFIX) + runs.c.idempotency_key,
+               outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)))
+        .exists()
+    )
+    since = case((runs.c.state == "dispatched", runs.c.dispatched_at),
+                 (runs.c.state == "running", runs.c.lease_expires_at),
+                 else_=runs.c.updated_at).label("since")
+    return (
+        select(runs.c.id, runs.c.idempotency_key, runs.c.state, since)
+        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states), has_trigger,
+               true() if schedule_group is None
+               else ~entry_outside_group(runs.c.entry_name, schedule_group),
+               true() if only_ids is None else runs.c.id.in_(sorted(only_ids)))
+        .order_by(runs.c.id)
+        .limit(limit)
+    )
+
+
+def _trigger_rows(conn: Connection, keys: Collection[str]) -> list[Any]:
+    """The trigger outbox rows of the runs with these idempotency keys, in run id order."""
+    return list(conn.execute(
+        select(outbox).where(
+            outbox.c.message_id.in_([trigger_message_id(k) for k in keys]),
+            outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)),
+        ).order_by(outbox.c.run_id)
+    ).all())
 
 
 def claim_stuck_runs(
@@ -86,6 +156,7 @@ def claim_stuck_runs(
     limit: int = 100,
     retrying_after: timedelta | None = None,
     schedule_group: str | None = None,
+    only_ids: Collection[int] | None = None,
 ) -> list[OutboxMessage]:
     """Claim stuck runs of ``tasks`` and return their trigger rows, ready to publish again.
 
@@ -110,42 +181,19 @@ def claim_stuck_runs(
             the retry backoff cap.
         schedule_group: only runs whose entry is of this schedule group, has no group, or
             is gone (the caller publishes into its own app's broker); None: every run.
+        only_ids: only runs with these ids (those a backlog check let through; see
+            :func:`redispatch_with`); None: any.
 
     Returns:
         The runs' trigger outbox rows as :class:`~reliable_beat.outbox.OutboxMessage`
         (destination ``celery``), in run id order. Runs without a trigger row (ad-hoc calls)
         are skipped.
     """
-    if not tasks:
+    if not tasks or (only_ids is not None and not only_ids):
         return []
-    stuck_states = [
-        and_(runs.c.state == "dispatched", _waited(runs.c.dispatched_at, now, after)),
-        and_(runs.c.state == "running", _waited(runs.c.lease_expires_at, now, after)),
-    ]
-    if retrying_after is not None:
-        stuck_states.append(
-            and_(runs.c.state == "retrying", _waited(runs.c.updated_at, now, retrying_after))
-        )
-    # Only runs this sweep can re-send: those with a trigger row (``trigger:<key>``) of a
-    # trigger destination. A workflow activity's run (key ``wf:<id>/<run>#<seq>``, message
-    # ``act:<key>``) and an ad-hoc call's have none: claiming them would bump their
-    # ``redispatches`` and push their clock to ``now`` while sending nothing, which hid a
-    # dead activity from the workflow sweep (:func:`~reliable_beat.workflows.engine.
-    # redispatch_workflows`, which re-sends it) for another full window.
-    has_trigger = (
-        select(outbox.c.id)
-        .where(outbox.c.message_id == literal(_TRIGGER_PREFIX) + runs.c.idempotency_key,
-               outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)))
-        .exists()
-    )
-    stmt = (
-        select(runs.c.id, runs.c.idempotency_key, runs.c.state)
-        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states), has_trigger,
-               true() if schedule_group is None
-               else ~entry_outside_group(runs.c.entry_name, schedule_group))
-        .order_by(runs.c.id)
-        .limit(limit)
-    )
+    stmt = _stuck_runs_select(now=now, after=after, tasks=tasks, limit=limit,
+                              retrying_after=retrying_after, schedule_group=schedule_group,
+                              only_ids=only_ids)
     stuck = conn.execute(store.for_update_skip_locked(stmt)).all()
     if not stuck:
         return []
@@ -165,12 +213,7 @@ def claim_stuck_runs(
     if retrying:
         conn.execute(update(runs).where(runs.c.id.in_(retrying)).values(
             updated_at=now, redispatches=runs.c.redispatches + 1))
-    rows = conn.execute(
-        select(outbox).where(
-            outbox.c.message_id.in_([trigger_message_id(r.idempotency_key) for r in stuck]),
-            outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)),
-        ).order_by(outbox.c.run_id)
-    ).all()
+    rows = _trigger_rows(conn, [r.idempotency_key for r in stuck])
     found = {r.message_id for r in rows}
     lost = [r.idempotency_key for r in stuck
             if trigger_message_id(r.idempotency_key) not in found]
@@ -235,17 +278,158 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
                 ) -> list[tuple[int, BaseException | None]]:
         return adapter.publish(app, messages, now)
 
+    probe = getattr(adapter, "queue_depths", None)  # optional: not every adapter has one
+
+    def depths(messages: list[OutboxMessage]) -> list[tuple[str, int | None]]:
+        assert probe is not None
+        return list(probe(app, messages))
+
     return redispatch_with(store, settings, tracked_tasks(app), publish,
-                           schedule_group=schedule_group_of(app, settings.schedule_group))
+                           schedule_group=schedule_group_of(app, settings.schedule_group),
+                           queue_depths=None if probe is None else depths)
 
 
 #: ``publish(messages, now) -> [(outbox id, None or the error)]``, one per message, in order.
 PublishFn = Callable[[list[OutboxMessage], datetime], list[tuple[int, "BaseException | None"]]]
 
+#: ``depths(messages) -> [(queue name, ready messages in that queue or None)]``, one per
+#: message, in order: the queue the message would be published to, and how many messages
+#: wait there ready for a consumer (RabbitMQ: ``queue_declare(passive=True)``'s
+#: ``message_count``; Redis: the queue's list length), None when the broker cannot tell.
+#: May raise (the sweep then re-sends as without it). Given by the adapter (Celery:
+#: :func:`reliable_beat.celery.backlog.queue_depths`).
+QueueDepthFn = Callable[[list[OutboxMessage]], list[tuple[str, "int | None"]]]
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """A queue the backlog check found deep enough to hold every stuck run's trigger.
+
+    Attributes:
+        queue: the queue's name.
+        ready: messages ready in it, as the broker reported.
+        runs: stuck runs whose triggers go to it (not re-sent this time).
+    """
+
+    queue: str
+    ready: int
+    runs: int
+
+
+def backlogged(candidates: Sequence[tuple[str, int | None, bool]]
+               ) -> tuple[set[int], list[Backlog]]:
+    """Decide which stuck runs wait in a backlog rather than lost their message (pure).
+
+    Per queue: when it holds at least as many ready messages as the sweep would re-send to
+    it (``ready >= n``) and every one of those runs is still *young* (waited less than the
+    backoff cap, ``redispatch_seconds * 2**BACKOFF_CAP``), their triggers are taken to be
+    queued behind others, not lost: none of them is re-sent. An unknown depth (None), a
+    shorter queue, or one run past the cap: the queue's runs are re-sent as before.
+
+    Args:
+        candidates: per stuck run, ``(queue its trigger goes to, ready messages in that
+            queue or None, young)``.
+
+    Returns:
+        The positions in ``candidates`` to hold back, and one :class:`Backlog` per queue
+        held back (sorted by queue name).
+    """
+    by_queue: dict[str, list[int]] = {}
+    ready: dict[str, int | None] = {}
+    for i, (queue, depth, _young) in enumerate(candidates):
+        by_queue.setdefault(queue, []).append(i)
+        ready.setdefault(queue, depth)
+    held: set[int] = set()
+    notes = []
+    for queue in sorted(by_queue):
+        group, depth = by_queue[queue], ready[queue]
+        if depth is None or depth < len(group) or not all(candidates[i][2] for i in group):
+            continue
+        held.update(group)
+        notes.append(Backlog(queue, depth, len(group)))
+    return held, notes
+
+
+#: When each queue's "a backlog, not a loss" line was last logged at INFO (monotonic
+#: seconds; this process): once per ``redispatch_seconds`` per queue, DEBUG between.
+_backlog_logged: dict[str, float] = {}
+
+
+def _log_once(key: str, every: timedelta, msg: str, *args: Any) -> None:
+    """INFO, at most once per ``every`` for ``key`` in this process; DEBUG between."""
+    last = _backlog_logged.get(key)
+    quiet = last is not None and time.monotonic() - last < every.total_seconds()
+    if not quiet:
+        _backlog_logged[key] = time.monotonic()
+    log.log(logging.DEBUG if quiet else logging.INFO, msg, *args)
+
+
+def _hold_backlogged(store: Store, settings: Settings, tasks: Collection[str],
+                     depths: QueueDepthFn, *, after: timedelta, retrying_after: timedelta,
+                     schedule_group: str | None) -> set[int] | None:
+    """Look at the runs the sweep would claim (no lock), ask the broker how deep their
+    queues are (outside any transaction) and apply :func:`backlogged`.
+
+    Returns:
+        The ids of the looked-at runs that may be re-sent (for ``only_ids``), or None: no
+        stuck run, nothing to claim.
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        peek = conn.execute(_stuck_runs_select(
+            now=now, after=after, tasks=tasks, limit=settings.batch_size,
+            retrying_after=retrying_after, schedule_group=schedule_group)).all()
+        if not peek:
+            return None
+        rows = {r.message_id: OutboxMessage.from_row(r)
+                for r in _trigger_rows(conn, [p.idempotency_key for p in peek])}
+    looked = [(p, rows[trigger_message_id(p.idempotency_key)]) for p in peek
+              if trigger_message_id(p.idempotency_key) in rows]
+    # young: waited less than the backoff cap since the instant its state's wait counts from
+    young = [p.since is not None and now - p.since < backoff_wait(
+        retrying_after if p.state == "retrying" else after, BACKOFF_CAP) for p, _ in looked]
+    held = hold_backlog([m for _, m in looked], young, depths, every=after)
+    return {p.id for p in peek} - {looked[i][0].id for i in held}
+
+
+def hold_backlog(messages: Sequence[OutboxMessage], young: Sequence[bool],
+                 depths: QueueDepthFn, *, every: timedelta) -> set[int]:
+    """Ask the broker (``depths``) how deep the messages' queues are and apply
+    :func:`backlogged`; log each queue held back at INFO (``N runs look stuck but queue Q
+    holds M ready messages: a backlog, not a loss; not re-sending``, at most once per
+    ``every`` per queue in this process). Shared by the run sweep and the workflow sweep.
+
+    Args:
+        messages: the messages a sweep would re-send.
+        young: per message, whether it waited less than the backoff cap.
+        depths: the adapter's probe (:data:`QueueDepthFn`); may raise.
+        every: the re-dispatch period (``redispatch_seconds``).
+
+    Returns:
+        Positions in ``messages`` not to re-send; empty when the probe fails (logged at
+        INFO, once per ``every``: the sweep re-sends as without the check).
+    """
+    if not messages:
+        return set()
+    try:
+        seen = list(depths(list(messages)))
+        if len(seen) != len(messages):
+            raise ValueError(f"{len(seen)} depths for {len(messages)} messages")
+    except Exception as exc:  # the broker could not tell: re-send as without the check
+        _log_once("", every, "backlog check: the broker's queue depths are unknown (%r): "
+                  "re-sending stuck messages as without the check", exc)
+        return set()
+    held, notes = backlogged([(q, ready, y) for (q, ready), y in zip(seen, young, strict=True)])
+    for note in notes:
+        _log_once(note.queue, every, "%d runs look stuck but queue %s holds %d ready "
+                  "messages: a backlog, not a loss; not re-sending",
+                  note.runs, note.queue, note.ready)
+    return held
+
 
 def redispatch_with(
     store: Store, settings: Settings, tasks: Collection[str], publish: PublishFn,
-    *, schedule_group: str | None = None,
+    *, schedule_group: str | None = None, queue_depths: QueueDepthFn | None = None,
 ) -> int:
     """Find stuck runs of ``tasks`` (:func:`claim_stuck_runs`) and ``publish`` their trigger
     rows again: the framework-neutral re-dispatch, called every few seconds by beats and
@@ -256,6 +440,15 @@ def redispatch_with(
     ``schedule_group``: only runs of this group's entries and of group-less ones (the
     caller publishes into its own app's broker; see :func:`claim_stuck_runs`); None: any.
 
+    ``queue_depths``: the adapter's broker probe (:data:`QueueDepthFn`). With it (and
+    ``reliable_beat_redispatch_backlog_check`` on), the sweep first looks at the stuck runs
+    without claiming them and asks the broker how many messages wait ready in their queues:
+    a queue holding at least as many as it would re-send there, with every such run younger
+    than the backoff cap, is a backlog, not a loss (:func:`backlogged`): logged at INFO
+    (``N runs look stuck but queue Q holds M ready messages: a backlog, not a loss; not
+    re-sending``, once per ``redispatch_seconds`` per queue) and nothing is re-sent or
+    counted for those runs. Without it, or when the probe fails: every stuck run is re-sent.
+
     Returns:
         How many triggers were published again.
     """
@@ -264,16 +457,22 @@ def redispatch_with(
     if not tasks:
         return 0
     after = timedelta(seconds=settings.redispatch_seconds)
+    retrying_after = timedelta(seconds=settings.redispatch_seconds + settings.retry_cap_seconds)
+    only_ids: set[int] | None = None
+    if queue_depths is not None and settings.redispatch_backlog_check:
+        only_ids = _hold_backlogged(store, settings, tasks, queue_depths, after=after,
+                                    retrying_after=retrying_after,
+                                    schedule_group=schedule_group)
+        if not only_ids:
+            return 0
     started = time.monotonic()
     with store.begin() as conn:
         now = store.now(conn)
         stuck = claim_stuck_runs(
             store, conn, now=now, after=after,
             tasks=tasks, limit=settings.batch_size,
-            retrying_after=timedelta(
-                seconds=settings.redispatch_seconds + settings.retry_cap_seconds
-            ),
-            schedule_group=schedule_group,
+            retrying_after=retrying_after,
+            schedule_group=schedule_group, only_ids=only_ids,
         )
     if not stuck:
         return 0

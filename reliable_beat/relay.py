@@ -76,7 +76,13 @@ from reliable_beat.db.dialects import MYSQL_DIALECTS, Store, update_returning
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
-from reliable_beat.groups import run_in_group, schedule_group_of
+from reliable_beat.groups import (
+    record_relay,
+    relay_heartbeat,
+    relay_stopped,
+    run_in_group,
+    schedule_group_of,
+)
 from reliable_beat.handlers import (
     DestinationUnavailableError,
     MessageExpiredError,
@@ -394,7 +400,7 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
         .where(_ids_clause(conn, outbox.c.id, [int(i) for i in ids]),
                outbox.c.state == "pending")
         .values(state="sent", sent_at=now, last_error=None),
-        outbox, (outbox.c.destination, outbox.c.run_id),
+        outbox, (outbox.c.destination, outbox.c.run_id), lock_by_primary_key=True,
     )
     run_ids = sorted({run_id for destination, run_id in changed
                       if destination in TRIGGER_DESTINATIONS and run_id is not None})
@@ -501,18 +507,19 @@ def outbox_status(conn: Connection) -> list[dict[str, Any]]:
     Returns:
         One dict per destination that has pending or dead rows, sorted by destination::
 
-            {"destination": str, "pending": int, "due": int, "scheduled": int,
-             "oldest_pending_at": datetime (UTC) | None,
+            {"destination": str, "pending": int, "due": int, "backlog": int,
+             "scheduled": int, "oldest_pending_at": datetime (UTC) | None,
              "oldest_pending_age_seconds": float | None, "dead": int}
 
         ``pending`` counts every pending row; ``due`` those whose ``available_at`` has
         passed (claimable now unless held back by an ordering key); ``scheduled`` those
         not yet due and never attempted (a delayed message, e.g. a workflow timer's wake:
-        not backlog). The oldest pending row and its age (seconds, store clock) are of the
-        backlog only: a row never attempted counts from its ``available_at`` (when it
-        became due), a row that failed at least once from its ``created_at`` (a failing
-        destination keeps ageing through its retries' backoff). A row a relay holds right
-        now (claimed, not failed) is neither backlog nor scheduled.
+        not backlog); ``backlog`` those due or failed at least once (waiting for a relay or
+        for their retry: the rows the age is of). The oldest pending row and its age
+        (seconds, store clock) are of the backlog only: a row never attempted counts from
+        its ``available_at`` (when it became due), a row that failed at least once from its
+        ``created_at`` (a failing destination keeps ageing through its retries' backoff). A
+        row a relay holds right now (claimed, not failed) is neither backlog nor scheduled.
     """
     now = db_now(conn)
     pending = outbox.c.state == "pending"
@@ -526,6 +533,7 @@ def outbox_status(conn: Connection) -> list[dict[str, Any]]:
             func.sum(case((pending, 1), else_=0)).label("pending"),
             func.sum(case((and_(pending, outbox.c.available_at <= now), 1), else_=0)).label("due"),
             func.sum(case((scheduled, 1), else_=0)).label("scheduled"),
+            func.sum(case((backlog, 1), else_=0)).label("backlog"),
             func.min(case((and_(backlog, failed), outbox.c.created_at),
                           (backlog, outbox.c.available_at), else_=None)).label("oldest"),
             func.sum(case((outbox.c.state == "dead", 1), else_=0)).label("dead"),
@@ -549,6 +557,7 @@ def outbox_status(conn: Connection) -> list[dict[str, Any]]:
                 "pending": int(row.pending or 0),
                 "due": int(row.due or 0),
                 "scheduled": int(row.scheduled or 0),
+                "backlog": int(row.backlog or 0),
                 "oldest_pending_at": oldest,
                 "oldest_pending_age_seconds": (
                     max(0.0, (now - oldest).total_seconds()) if oldest is not None else None
@@ -611,7 +620,9 @@ class Relay:
         #: The re-dispatch sweep of a framework adapter (None: the Celery app's, when given).
         self._redispatch = redispatch
         if settings is None:
-            settings = Settings.from_celery(app) if app is not None else Settings()
+            from reliable_beat.adapters import app_settings
+
+            settings = app_settings(app) if app is not None else Settings()
         self.settings = settings
         # a relay with an app publishes triggers into that app's broker: only its schedule
         # group's (and group-less ones); without an app it claims no `celery` rows at all
@@ -640,6 +651,11 @@ class Relay:
         # a sweep delay: the beat that published one during the outage records it first.
         self._triggers_after = 0.0
         self._retention: Any = None  # a RetentionThread while run_forever runs
+        # heartbeat row in reliable_beat_beats (role 'relay'): `status` tells a group whose
+        # rows no live relay or beat publishes; None until first recorded
+        self._heartbeat_key: str | None = None
+        self._last_heartbeat = float("-inf")
+        self._heartbeat_log = RepeatedLog(log)
 
     # -- one cycle -----------------------------------------------------------------------
 
@@ -678,6 +694,7 @@ class Relay:
             StoreUnavailableError: the database cannot be reached (nothing was lost: claimed
                 rows are delivered again after their lease).
         """
+        self.maybe_heartbeat()
         messages = self.claim()
         if messages:
             outcome = self.deliver(messages)
@@ -686,6 +703,43 @@ class Relay:
         self.maybe_purge()
         self.maybe_redispatch()
         return len(messages)
+
+    def maybe_heartbeat(self) -> bool:
+        """Every :data:`HEARTBEAT_SECONDS`: record this relay as alive in
+        ``reliable_beat_beats`` (``role = 'relay'``: its owner id, schedule group, handler
+        destinations and ``seen_at`` on the store clock; :func:`~reliable_beat.groups.
+        record_relay`). ``reliable-beat status`` reads it to tell a schedule group whose
+        outbox rows no live relay or beat publishes.
+
+        A failure other than the store being unreachable (e.g. a store not yet upgraded to
+        0011_relaywatch) is logged at WARNING (first, then every 30 s) and never stops
+        delivery.
+
+        Returns:
+            True when a heartbeat was written now.
+
+        Raises:
+            StoreUnavailableError: the database cannot be reached.
+        """
+        if time.monotonic() - self._last_heartbeat < HEARTBEAT_SECONDS:
+            return False
+        self._last_heartbeat = time.monotonic()
+        try:
+            if self._heartbeat_key is None or not relay_heartbeat(self.store,
+                                                                  self._heartbeat_key):
+                self._heartbeat_key = record_relay(
+                    self.store, owner=self.owner, group=self.schedule_group,
+                    destinations=self.handlers)
+        except StoreUnavailableError:
+            raise
+        except Exception as exc:
+            self._heartbeat_log.log(
+                logging.WARNING, "relay: could not record its heartbeat (`reliable-beat "
+                "status` may report its schedule group %r as unserved; run `reliable-beat db "
+                "upgrade`?): %s", self.schedule_group, _describe(exc))
+            return False
+        self._heartbeat_log.reset()
+        return True
 
     def maybe_warn_unhandled(self) -> list[tuple[str, int]]:
         """Once a minute: WARN about due rows of destinations no relay takes.
@@ -735,11 +789,16 @@ class Relay:
 
         redispatch_stuck_runs(self.store, self.app, self.settings)
         # durable workflows: dead advances, lost wakes, lost activity messages
+        from reliable_beat.adapters import adapter_for
         from reliable_beat.workflows.engine import redispatch_workflows
 
+        app, probe = self.app, getattr(adapter_for(self.app), "queue_depths", None)
         redispatch_workflows(self.store, older_than=timedelta(
             seconds=self.settings.redispatch_seconds), retrying_after=timedelta(
-            seconds=self.settings.redispatch_seconds + self.settings.retry_cap_seconds))
+            seconds=self.settings.redispatch_seconds + self.settings.retry_cap_seconds),
+            # the backlog check (optional adapter hook): a queue deep enough is not re-sent to
+            queue_depths=None if probe is None or not self.settings.redispatch_backlog_check
+            else (lambda messages: list(probe(app, messages))))
 
     def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
         """Deliver claimed rows outside any transaction; never raises for one bad row."""
@@ -984,7 +1043,18 @@ class Relay:
             if self._retention is not None:
                 self._retention.stop()
                 self._retention = None
+            self._mark_stopped()
             self.close()
+
+    def _mark_stopped(self) -> None:
+        """Graceful exit: mark the heartbeat row stopped (best effort: a relay that cannot
+        reach the store just stops; its row ages out of the live window)."""
+        if self._heartbeat_key is None:
+            return
+        try:
+            relay_stopped(self.store, self._heartbeat_key)
+        except Exception as exc:
+            log.debug("relay: could not mark its heartbeat row stopped: %s", exc)
 
     def _wait(self, stop: threading.Event, timeout: float) -> None:
         if self.store.dialect == "postgresql":
@@ -1004,6 +1074,8 @@ class Relay:
             self._listener = None
 
 
+#: Seconds between two heartbeats of a relay (``status`` counts one seen within 60 s live).
+HEARTBEAT_SECONDS = 10.0
 #: Seconds between two checks for due rows of destinations this relay has no handler for.
 UNHANDLED_CHECK_SECONDS = 60.0
 #: A row due this long and still unclaimed is reported (other relays had time to take it).

@@ -33,6 +33,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
+from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
@@ -157,12 +158,19 @@ def _infinite_columns(table: Table, values: Mapping[str, Any]) -> list[tuple[str
     ``values`` holding a sentinel (PostgreSQL ``'infinity'``, ``'-infinity'``, a year
     Python cannot hold: :mod:`reliable_beat.db.dialects`)."""
     out: list[tuple[str, str]] = []
-    for c in table.c:
-        if isinstance(c.type, UTCDateTime) and c.name in values:
-            text = infinity_text(values[c.name])
+    for name in _instant_columns(table):
+        if name in values:
+            text = infinity_text(values[name])
             if text is not None:
-                out.append((c.name, text))
+                out.append((name, text))
     return out
+
+
+@cache
+def _instant_columns(table: Table) -> tuple[str, ...]:
+    """The names of ``table``'s :class:`~reliable_beat.db.types.UTCDateTime` columns (a
+    table's columns are fixed once defined: read once per table, not once per row)."""
+    return tuple(c.name for c in table.c if isinstance(c.type, UTCDateTime))
 
 
 def raw_labelled(columns: Mapping[str, Any], dialect: Dialect) -> list[Any]:
@@ -440,9 +448,10 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     ``dramatiq``: :data:`reliable_beat.beat.TRIGGER_DESTINATIONS`; a ``dramatiq`` row whose
     payload names an ``actor`` is an application message, not a trigger) also: ``payload`` an
     object with ``task`` (string), ``args`` (array), ``kwargs`` (object), ``options`` /
-    ``headers`` (objects or null), ``task_id`` (string or null) and ``expires_at`` (ISO 8601
-    with offset, or null). Other destinations' payload shapes are their handler's business
-    (a handler error fails that one message).
+    ``headers`` (objects or null), ``task_id`` / ``message_id`` (strings or null),
+    ``reliable_beat`` (the neutral shape's identity: an object with a ``key`` string, or
+    null) and ``expires_at`` (ISO 8601 with offset, or null). Other destinations' payload
+    shapes are their handler's business (a handler error fails that one message).
     """
     problems: list[str] = []
     for col in ("message_id", "destination"):
@@ -487,6 +496,13 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
                     problems.append(f"payload.{key}={raw_repr(value)}: expected a JSON object "
                                     "or null")
             _optional_str(problems, "payload.task_id", payload.get("task_id"))
+            _optional_str(problems, "payload.message_id", payload.get("message_id"))
+            identity = payload.get("reliable_beat")
+            if identity is not None and not (isinstance(identity, Mapping)
+                                             and isinstance(identity.get("key"), str)
+                                             and identity.get("key")):
+                problems.append(f"payload.reliable_beat={raw_repr(identity)}: expected a JSON "
+                                "object with the run's key (a non-empty string), or null")
             if not _check_instant_text(payload.get("expires_at")):
                 problems.append(f"payload.expires_at={raw_repr(payload.get('expires_at'))}: "
                                 "expected ISO 8601 with a UTC offset, or null")

@@ -161,9 +161,9 @@ def app_publishes(app: Any, schedule_group: str | None) -> bool:
         return False
     if schedule_group is None:
         return True
-    from reliable_beat.settings import Settings
+    from reliable_beat.adapters import app_settings
 
-    return schedule_group_of(app, Settings.from_celery(app).schedule_group) == schedule_group
+    return schedule_group_of(app, app_settings(app).schedule_group) == schedule_group
 
 
 def _publisher(app: Any, name: str, schedule_group: str | None) -> Any:
@@ -185,8 +185,23 @@ def _publish(store: Store, app: Any, triggers: list[Trigger], now: datetime) -> 
     return adapter_for(app).publish_triggers(store, app, triggers, now)
 
 
+def _destination_of(app: Any, destination: str | None) -> str:
+    """``destination``, else the trigger destination of ``app``'s framework (its adapter's
+    name when it is one of :data:`~reliable_beat.beat.TRIGGER_DESTINATIONS`: ``dramatiq``
+    for a Dramatiq broker), else ``celery``."""
+    if destination is not None:
+        return destination
+    if app is None:
+        return TRIGGER_DESTINATION
+    from reliable_beat.adapters import adapter_for
+    from reliable_beat.beat import TRIGGER_DESTINATIONS
+
+    name = adapter_for(app).name
+    return name if name in TRIGGER_DESTINATIONS else TRIGGER_DESTINATION
+
+
 def trigger(store: Store, name: str, *, app: Any = None,
-            destination: str = TRIGGER_DESTINATION) -> str:
+            destination: str | None = None) -> str:
     """Fire entry ``name`` once, now, outside its schedule.
 
     In one transaction: insert a run (``trigger='manual'``, ``fire_at`` NULL, state
@@ -203,9 +218,10 @@ def trigger(store: Store, name: str, *, app: Any = None,
             entry of its schedule group or of none (:func:`app_publishes`); another group's
             trigger is left to that group's beat sweep or relay.
         destination: the trigger row's outbox destination (a member of
-            :data:`~reliable_beat.beat.TRIGGER_DESTINATIONS`): ``celery`` (default), or
-            ``dramatiq`` for an entry of a Dramatiq actor (``reliable-beat dramatiq entries
-            trigger`` publishes it through the broker at once).
+            :data:`~reliable_beat.beat.TRIGGER_DESTINATIONS`): ``celery``, or ``dramatiq``
+            for an entry of a Dramatiq actor (``reliable-beat dramatiq entries trigger``
+            publishes it through the broker at once); None (default): ``app``'s framework's
+            (``dramatiq`` for a Dramatiq broker), ``celery`` without an app.
 
     Returns:
         The run's idempotency key.
@@ -215,6 +231,7 @@ def trigger(store: Store, name: str, *, app: Any = None,
         ConfigurationError: the stored entry is malformed (quarantined).
         StoreUnavailableError: the database is down (nothing was written).
     """
+    destination = _destination_of(app, destination)
     sid = _store_id(store)  # outside the transaction (SQLite: one writer)
     with store.begin() as conn:
         row = _require(conn, name)
@@ -238,7 +255,7 @@ def trigger(store: Store, name: str, *, app: Any = None,
         ).scalar_one()
         payload = build_trigger_payload(
             task=row.task, args=row.args, kwargs=row.kwargs, options=row.options, key=key,
-            entry=name, fire_at=now, trigger="manual", store_id=sid,
+            entry=name, fire_at=now, trigger="manual", store_id=sid, destination=destination,
         )
         oid = conn.execute(
             outbox.insert().returning(outbox.c.id),
@@ -294,7 +311,7 @@ def backfill(
     limit: int,
     force: bool = False,
     app: Any = None,
-    destination: str = TRIGGER_DESTINATION,
+    destination: str | None = None,
 ) -> BackfillResult:
     """Create the runs of every slot of ``name`` in ``[start, end)`` that has none.
 
@@ -340,8 +357,10 @@ def backfill(
             f"entry {name!r}: backfill window is empty: START {start.isoformat()} must be "
             f"before END {end.isoformat()}"
         )
+    destination = _destination_of(app, destination)
     result = BackfillResult(entry=name)
     triggers: list[Trigger] = []
+    destination = _destination_of(app, destination)
     sid = _store_id(store)  # outside the transaction (SQLite: one writer)
     with store.begin() as conn:
         row = _require(conn, name)
@@ -410,7 +429,7 @@ def backfill(
                 payload = build_trigger_payload(
                     task=row.task, args=row.args, kwargs=row.kwargs, options=row.options,
                     key=key, entry=name, fire_at=r["fire_at"], trigger="backfill",
-                    store_id=sid,
+                    store_id=sid, destination=destination,
                 )
                 pending.append((run_id, key, payload, r["fire_at"]))
             ids = conn.execute(
@@ -430,7 +449,9 @@ def backfill(
 # -- describe ------------------------------------------------------------------------------
 
 def task_kind(app: Any, task: str) -> str:
-    """How a task is run: ``idempotent`` (an ``IdempotentTask``), ``plain``, or ``unknown``.
+    """How a task is run: ``idempotent`` (an ``IdempotentTask`` of a Celery app, an
+    ``IdempotentActor`` of a Dramatiq broker), ``plain``, or ``unknown``: asked of ``app``'s
+    adapter (:meth:`reliable_beat.adapters.AppAdapter.task_kind`).
 
     ``unknown`` when no app is given or the app does not register ``task``.
     """
@@ -459,6 +480,35 @@ def _duration_stats(conn: Connection, name: str) -> tuple[int, float | None]:
     return len(durations), (max(durations) if durations else None)
 
 
+#: The words of :func:`answer_questions` per framework (None: no app given).
+_WORDS: dict[str | None, dict[str, str]] = {
+    "celery": {
+        "idem": "IdempotentTask", "plain": "a plain Celery task", "tx": "self.transaction()",
+        "outbox": "self.outbox", "make": "base=IdempotentTask",
+        "dies_plain": "Celery decides: with the default (ack early) the message is gone and "
+        "this slot's work is lost; with acks_late the message is redelivered and the body "
+        "runs again from the start (partial effects of the first attempt stay).",
+        "dies_idem": "the message is redelivered (acks_late, reject_on_worker_lost)",
+        "retry_plain": "A Celery retry re-runs the whole body, and anything it did before "
+        "failing happens again.",
+    },
+    "dramatiq": {
+        "idem": "IdempotentActor", "plain": "a plain Dramatiq actor",
+        "tx": "current().transaction()", "outbox": "current().outbox",
+        "make": "actor_class=IdempotentActor",
+        "dies_plain": "Dramatiq acks a message when the actor returns, so the message of a "
+        "worker that dies mid-run is redelivered (Redis: after the heartbeat timeout; "
+        "RabbitMQ: when its connection drops) and the body runs again from the start (partial "
+        "effects of the first attempt stay).",
+        "dies_idem": "the message is redelivered (Dramatiq acks when the actor returns)",
+        "retry_plain": "Dramatiq's Retries middleware re-runs the whole body (max_retries, "
+        "20 by default), and anything it did before failing happens again.",
+    },
+}
+_WORDS[None] = {**_WORDS["celery"], "idem": "IdempotentTask (Celery) or IdempotentActor "
+                "(Dramatiq)", "plain": "a plain task"}
+
+
 def answer_questions(
     *,
     kind: str,
@@ -468,6 +518,7 @@ def answer_questions(
     finished_runs: int = 0,
     active_runs: int = 0,
     lease_seconds: float = 60.0,
+    framework: str | None = None,
 ) -> dict[str, dict[str, str]]:
     """The five answers of :func:`describe`, from facts already read (pure, no I/O).
 
@@ -479,6 +530,10 @@ def answer_questions(
         finished_runs: how many finished runs that figure was taken from.
         active_runs: runs of the entry now scheduled, dispatched, running or retrying.
         lease_seconds: the task's run lease in seconds.
+        framework: the adapter name of the app the task kind was asked of (``celery``,
+            ``dramatiq``; the answers use its words), None when no app was given (an
+            ``unknown`` kind then says to give ``-A APP``; with an app it says the app does
+            not register the task).
 
     Returns:
         ``{"run_twice" | "overlap" | "machine_dies" | "retry" | "idempotent":
@@ -492,6 +547,12 @@ def answer_questions(
     policy = overlap_policy
     idem = kind == "idempotent"
     plain = kind == "plain"
+    w = _WORDS.get(framework, _WORDS["celery"])
+    if framework is None:
+        unknown = "Task class unknown (give -A APP)"
+    else:
+        unknown = ("Task kind unknown: the -A app does not register this task (check the "
+                   "name, or import the module that declares it)")
 
     # 1. Can it run twice?
     trig = (
@@ -500,15 +561,15 @@ def answer_questions(
         "publish not yet marked sent means a redelivery). "
     )
     if idem:
-        run_twice = _answer("no", trig + "The task is an IdempotentTask: a second delivery "
+        run_twice = _answer("no", trig + f"The task is an {w['idem']}: a second delivery "
                             "finds the slot's key completed and returns the stored result "
                             "without running the body (recorded as 'deduplicated').")
     elif plain:
-        run_twice = _answer("yes", trig + "The task is a plain Celery task: a redelivered "
+        run_twice = _answer("yes", trig + f"The task is {w['plain']}: a redelivered "
                             "trigger runs the body again. Its effects are at-least-once.")
     else:
-        run_twice = _answer("depends", trig + "Task class unknown (give -A APP): an "
-                            "IdempotentTask runs once per slot; a plain task may run twice.")
+        run_twice = _answer("depends", trig + f"{unknown}: an {w['idem']} runs once per "
+                            "slot; a plain task may run twice.")
 
     # 2. Can it overlap?
     data = ""
@@ -523,7 +584,7 @@ def answer_questions(
     if policy == "allow":
         overlap = _answer(
             "yes", "overlap_policy='allow': a slot fires even while the previous run is still "
-            "running." + data + (" Set overlap_policy 'skip' or 'buffer_one' (IdempotentTask "
+            "running." + data + (f" Set overlap_policy 'skip' or 'buffer_one' ({w['idem']} "
                                  "only) to prevent it." if not plain else
                                  " A plain task cannot use another policy (no run tracking)."))
     elif plain:
@@ -541,49 +602,49 @@ def answer_questions(
     # 3. What if the machine dies mid-run?
     if idem:
         dies = _answer(
-            "finishes", f"The run's lease ({lease_s:.0f} s, renewed while it runs) expires; the "
-            "message is redelivered (acks_late, reject_on_worker_lost) and another worker "
+            "finishes", f"The run's lease ({lease_s:.0f} s, renewed while it runs) expires; "
+            f"{w['dies_idem']} and another worker "
             "claims the run with a higher fence token. Nothing the dead runner did commits "
             "(its effect and key were one transaction); a stale runner that wakes up is "
             "fenced out (StaleFenceToken). If the beat dies, another beat claims its entries.")
     elif plain:
         dies = _answer(
-            "depends", "Celery decides: with the default (ack early) the message is gone and "
-            "this slot's work is lost; with acks_late the message is redelivered and the body "
-            "runs again from the start (partial effects of the first attempt stay). The slot "
-            "itself is still recorded. If the beat dies, another beat claims its entries.")
+            "depends", w["dies_plain"] + " The slot itself is still recorded. If the beat "
+            "dies, another beat claims its entries.")
     else:
         dies = _answer(
-            "depends", "IdempotentTask: the lease expires and another worker finishes the run "
-            "under a new fence token. Plain task: lost (ack early) or re-run (acks_late).")
+            "depends", f"{unknown}. {w['idem']}: the lease expires and another worker "
+            "finishes the run under a new fence token. Plain task: lost (ack early) or re-run "
+            "(acks late).")
 
     # 4. Can it retry safely?
     if idem:
         retry = _answer(
             "yes", "Transient errors retry with full-jitter exponential backoff up to "
             "max_attempts; each attempt's effect commits with the key or not at all, so a retry "
-            "never doubles what the task wrote through self.transaction() / self.outbox. "
+            f"never doubles what the task wrote through {w['tx']} / {w['outbox']}. "
             "Permanent errors and exhausted retries end in dead letters (reliable-beat "
             "dead-letters).")
     elif plain:
         retry = _answer(
-            "no", "A Celery retry re-runs the whole body, and anything it did before failing "
-            "happens again. Make it an IdempotentTask to retry safely.")
+            "no", w["retry_plain"] + f" Make it an {w['idem']} to retry safely.")
     else:
-        retry = _answer("depends", "Safe for an IdempotentTask; a plain task repeats effects.")
+        retry = _answer("depends", f"{unknown}. Safe for an {w['idem']}; a plain task repeats "
+                        "effects.")
 
     # 5. Is it idempotent?
     if idem:
         idempotent = _answer(
-            "yes", "Effectively once for what it writes through self.transaction() and for "
+            "yes", f"Effectively once for what it writes through {w['tx']} and for "
             "outbox messages whose far end honours the message id. Side effects done directly "
             "in the body (an HTTP call) are not covered: move them to the outbox.")
     elif plain:
         idempotent = _answer(
             "no", "Plain task: one trigger per slot, but effects are only at-least-once. Use "
-            "base=IdempotentTask to record the slot's key with the effect.")
+            f"{w['make']} to record the slot's key with the effect.")
     else:
-        idempotent = _answer("unknown", "Give -A APP so the task class can be inspected.")
+        idempotent = _answer("unknown", "Give -A APP so the task class can be inspected."
+                             if framework is None else unknown + ".")
 
     return {
         "run_twice": run_twice,
@@ -605,12 +666,15 @@ def describe(store: Store, app: Any, name: str) -> dict[str, Any]:
 
     Args:
         store: the store.
-        app: the Celery app that registers the entry's task, or None (task kind ``unknown``:
-            the answers then cover both cases).
+        app: the framework app that registers the entry's task (a Celery app, a Dramatiq
+            broker: its adapter says the kind, :func:`task_kind`), or None (task kind
+            ``unknown``: the answers then cover both cases).
         name: the entry name.
 
     Returns:
-        ``{"entry", "task", "task_kind" ("idempotent" | "plain" | "unknown"), "schedule"
+        ``{"entry", "task", "task_kind" ("idempotent" | "plain" | "unknown"),
+        "task_kind_fix" (str for ``unknown``: what to do; else None), "framework" (the app's
+        adapter name, ``celery`` / ``dramatiq``, None without an app), "schedule"
         (spec dict), "timezone", "misfire_policy", "overlap_policy", "period_seconds" (float |
         None), "longest_recent_run_seconds" (float | None), "questions": {...}}``.
 
@@ -632,20 +696,35 @@ def describe(store: Store, app: Any, name: str) -> dict[str, Any]:
         period = None
     period_s = period.total_seconds() if period is not None else None
     lease_s: float | None = None
-    if kind == "idempotent":
-        lease_s = getattr(app.tasks[row.task], "lease_seconds", None)
+    framework = None
+    if app is not None:
+        from reliable_beat.adapters import adapter_for, app_lease_seconds, app_settings
+
+        framework = adapter_for(app).name
+        if kind == "idempotent":
+            lease_s = app_lease_seconds(app, row.task)
+        if lease_s is None:
+            try:
+                lease_s = app_settings(app).lease_seconds
+            except ConfigurationError:
+                lease_s = None
     if lease_s is None:
         from reliable_beat.settings import Settings
 
-        try:
-            lease_s = Settings.from_celery(app).lease_seconds if app is not None else None
-        except ConfigurationError:
-            lease_s = None
-        lease_s = lease_s if lease_s is not None else Settings().lease_seconds
+        lease_s = Settings().lease_seconds
+    if kind != "unknown":
+        note = None
+    elif framework is None:
+        note = "no app given: pass -A APP (the app or broker module) to inspect the task class"
+    else:
+        note = (f"task {row.task!r} is not registered in the -A app ({framework}): check the "
+                "name, or import the module that declares it in the app's module")
     return {
         "entry": name,
         "task": row.task,
         "task_kind": kind,
+        "task_kind_fix": note,
+        "framework": framework,
         "schedule": row.schedule,
         "timezone": row.timezone,
         "misfire_policy": row.misfire_policy,
@@ -655,6 +734,6 @@ def describe(store: Store, app: Any, name: str) -> dict[str, Any]:
         "questions": answer_questions(
             kind=kind, overlap_policy=row.overlap_policy, period_seconds=period_s,
             longest_run_seconds=longest, finished_runs=finished, active_runs=active,
-            lease_seconds=lease_s,
+            lease_seconds=lease_s, framework=framework,
         ),
     }

@@ -144,6 +144,11 @@ class Settings:
         redispatch_seconds: a tracked run still ``dispatched`` (no worker claimed it) or
             ``running`` with a lease expired this long has its trigger sent again (its
             message was lost; see :mod:`reliable_beat.redispatch`).
+        redispatch_backlog_check: before re-sending, ask the broker how many messages wait
+            ready in the runs' queues (where the adapter can): a queue holding at least as
+            many as would be re-sent, all younger than the backoff cap, is a backlog, not a
+            loss, and is not re-sent (:func:`reliable_beat.redispatch.backlogged`). False:
+            never ask.
         broker_consumer_timeout_seconds: the RabbitMQ broker's ``consumer_timeout`` (its
             default: 30 min). A delivery a worker holds unacknowledged longer (a retry's
             countdown, an ``acks_late`` task still running) makes RabbitMQ close the
@@ -211,6 +216,7 @@ class Settings:
     relay_poll_seconds: float = 1.0
     backfill_limit: int = 1000
     redispatch_seconds: float = 120.0
+    redispatch_backlog_check: bool = True
     broker_consumer_timeout_seconds: float = 1800.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-__all__ = ["format_fire_at", "idempotency_key", "truncate"]
+__all__ = ["SlotText", "format_fire_at", "idempotency_key", "truncate"]
 
 
 def truncate(at: datetime) -> datetime:
@@ -59,3 +59,41 @@ def idempotency_key(entry: str, fire_at: datetime) -> str:
         ValueError: ``fire_at`` is naive.
     """
     return f"{entry}@{format_fire_at(fire_at)}"
+
+
+class SlotText:
+    """:func:`format_fire_at` and :func:`idempotency_key` remembered per instant, for a batch.
+
+    A beat's tick formats the same few slots for hundreds of entries (a herd shares one
+    slot): each distinct instant is formatted once. Only instants whose ``tzinfo`` is
+    :data:`datetime.timezone.utc` are remembered (two datetimes of one zone that differ only
+    in ``fold`` compare equal, so a zone-aware instant is always formatted afresh); the text
+    is exactly what the functions above return. Bounded by the instants one batch holds:
+    make one per batch, not one per process.
+    """
+
+    __slots__ = ("_memo",)
+
+    def __init__(self) -> None:
+        self._memo: dict[datetime, str] = {}
+
+    def fire_at(self, fire_at: datetime) -> str:
+        """:func:`format_fire_at` of ``fire_at``.
+
+        Raises:
+            ValueError: ``fire_at`` is naive.
+        """
+        if fire_at.tzinfo is not timezone.utc:
+            return format_fire_at(fire_at)
+        text = self._memo.get(fire_at)
+        if text is None:
+            text = self._memo[fire_at] = format_fire_at(fire_at)
+        return text
+
+    def key(self, entry: str, fire_at: datetime) -> str:
+        """:func:`idempotency_key` of ``(entry, fire_at)``.
+
+        Raises:
+            ValueError: ``fire_at`` is naive.
+        """
+        return f"{entry}@{self.fire_at(fire_at)}"

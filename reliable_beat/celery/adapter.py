@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from reliable_beat.beat import Trigger
     from reliable_beat.db.dialects import Store
     from reliable_beat.outbox import OutboxMessage
+    from reliable_beat.settings import Settings
 
 __all__ = ["ADAPTER", "CeleryAdapter"]
 
@@ -63,6 +64,21 @@ class CeleryAdapter:
 
         return "idempotent" if isinstance(registry[task], IdempotentTask) else "plain"
 
+    def lease_seconds(self, app: Any, task: str) -> float | None:
+        """The ``lease_seconds`` attribute of the ``IdempotentTask`` ``task`` (None: unset,
+        or no such task)."""
+        registry = getattr(app, "tasks", None)
+        if registry is None or task not in registry:
+            return None
+        value = getattr(registry[task], "lease_seconds", None)
+        return float(value) if value is not None else None
+
+    def settings(self, app: Any, database_url: tuple[str, str] | None = None) -> Settings:
+        """:meth:`Settings.from_celery(app) <reliable_beat.settings.Settings.from_celery>`."""
+        from reliable_beat.settings import Settings
+
+        return Settings.from_celery(app, database_url=database_url)
+
     def install_workflows(self, app: Any) -> Callable[[], Store]:
         """:func:`reliable_beat.celery.workflows.install`."""
         from reliable_beat.celery.workflows import install
@@ -90,6 +106,15 @@ class CeleryAdapter:
         from reliable_beat.celery import importers
 
         return importers
+
+    def queue_depths(self, app: Any, messages: list[OutboxMessage]
+                     ) -> list[tuple[str, int | None]]:
+        """The re-dispatch sweep's backlog check (optional hook,
+        :data:`reliable_beat.redispatch.QueueDepthFn`):
+        :func:`reliable_beat.celery.backlog.queue_depths`."""
+        from reliable_beat.celery.backlog import queue_depths
+
+        return queue_depths(app, messages)
 
     def workflow_schedule_group(self, app: Any) -> str:
         """The schedule group the workflows ``app`` starts record

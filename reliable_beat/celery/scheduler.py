@@ -78,6 +78,13 @@ class CeleryPublisher:
         """The ``IdempotentTask`` tasks registered in the app."""
         return tracked_tasks(self.app)
 
+    def queue_depths(self, messages: Sequence[OutboxMessage]) -> list[tuple[str, int | None]]:
+        """Ready messages in each trigger's queue, for the re-dispatch sweep's backlog check
+        (:func:`reliable_beat.celery.backlog.queue_depths`)."""
+        from reliable_beat.celery.backlog import queue_depths
+
+        return queue_depths(self.app, messages)
+
 
 def publish_triggers(
     store: Store, app: Any, triggers: list[Trigger], now: datetime, *,

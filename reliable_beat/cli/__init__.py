@@ -153,7 +153,9 @@ class CliContext:
             given = ((self.database_url, self.database_url_origin) if self.database_url
                      else None)
             if self.app is not None:
-                self._settings = Settings.from_celery(self.app, database_url=given)
+                from reliable_beat.adapters import app_settings
+
+                self._settings = app_settings(self.app, database_url=given)
             elif given is not None:
                 self._settings = Settings.with_database_url(*given)
             else:
@@ -368,6 +370,8 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
     ``-A`` names a Celery app (``module`` or ``module:attr``); it is loaded by the adapter
     :data:`reliable_beat.adapters.DEFAULT_ADAPTER` (the Celery adapter), through
     :meth:`reliable_beat.adapters.AppAdapter.load_app`: the CLI imports no adapter itself.
+    A spec naming another framework's app (a Dramatiq broker module, ``-A proj.broker``) is
+    loaded by that framework's adapter (:func:`reliable_beat.adapters.adapter_for_spec`).
 
     Raises:
         click.ClickException: the Celery adapter cannot be imported (Celery is not installed:
@@ -376,8 +380,16 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
     """
     if not spec and parent_app is None:
         return None
-    from reliable_beat.adapters import DEFAULT_ADAPTER, load_adapter
+    from reliable_beat.adapters import DEFAULT_ADAPTER, adapter_for_spec, load_adapter
 
+    if spec:
+        # another framework's app (a Dramatiq broker module): its own adapter loads it
+        try:
+            other = adapter_for_spec(spec)
+        except ImportError:  # the default adapter's (Celery missing): said just below
+            other = None
+        if other is not None and other.name != DEFAULT_ADAPTER:
+            return other.load_app(spec, parent_app)
     try:
         adapter = load_adapter(DEFAULT_ADAPTER)
     except ImportError as exc:
@@ -394,7 +406,8 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
 @click.version_option(version=__version__, prog_name="reliable-beat",
                       message="%(prog)s %(version)s")
 @click.option("-A", "--app", "app_spec", default=None, envvar="RELIABLE_BEAT_APP",
-              help="Celery app (module or module:attr) whose reliable_beat_* settings to use.")
+              help="Celery app, or Dramatiq broker module (module or module:attr) whose "
+                   "reliable_beat settings to use.")
 @click.option("--database-url", default=None, envvar="RELIABLE_BEAT_DATABASE_URL",
               help="Store URL; overrides reliable_beat_database_url.")
 @click.pass_context

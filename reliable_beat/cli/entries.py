@@ -568,6 +568,8 @@ def describe_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     click.echo(f"{name}: task {info['task']} ({info['task_kind']}), "
                f"{schedule_text(info['schedule'])}, misfire {info['misfire_policy']}, "
                f"overlap {info['overlap_policy']}")
+    if info.get("task_kind_fix"):
+        click.echo(f"  task kind unknown: {info['task_kind_fix']}")
     for key, title in titles.items():
         q = info["questions"][key]
         click.echo(f"\n{title} {q['answer'].upper()}")

@@ -4,8 +4,12 @@ Per entry: next fire time, last slot and its run state, lag (how late the last s
 dispatched: ``dispatched_at - fire_at``), failing (``retrying``) and dead counts. Then the
 outbox backlog per destination, dead letters, and the **missed slots** check: an enabled,
 unpaused entry whose ``next_fire_at`` is older than ``now - misfire_grace - margin`` means no
-beat is claiming entries (none running, or all stuck). ``--check`` exits 1 when something
-needs a person (missed slots, dead letters), so the command doubles as a probe.
+beat is claiming entries (none running, or all stuck). The **unserved outbox** check: pending
+rows of a schedule group (a workflow's messages, an entry's triggers) due for a while with no
+live relay or beat of that group (relays and beats record heartbeats in
+``reliable_beat_beats``), which only that group's processes publish. ``--check`` exits 1 when
+something needs a person (missed slots, dead letters, unserved rows), so the command doubles
+as a probe.
 
 All instants are UTC and measured on the store's clock; the store URL is shown with its
 password hidden.
@@ -25,7 +29,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, outbox, runs
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import StoreUnavailableError
-from reliable_beat.groups import group_health
+from reliable_beat.groups import group_health, unserved_outbox
 from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
 
 __all__ = [
@@ -49,6 +53,9 @@ DEFAULT_DISABLED_WITHIN_MINUTES = 60.0
 BEAT_ALIVE_SECONDS = 60.0
 #: ``--check`` alarms on pending outbox rows due this many minutes and claimed by no relay.
 DEFAULT_OUTBOX_STUCK_MINUTES = 10.0
+#: ``--check`` alarms on a schedule group's pending rows due this many seconds while no live
+#: relay or beat of the group runs (nothing will ever publish them).
+DEFAULT_UNSERVED_SECONDS = 60.0
 #: Triggers dispatched within this many hours are looked at for "never started by a worker".
 UNSTARTED_WINDOW_HOURS = 24.0
 
@@ -111,6 +118,7 @@ def collect_status(
     beat_alive_seconds: float = BEAT_ALIVE_SECONDS,
     redispatch_seconds: float = 120.0,
     outbox_stuck_minutes: float = DEFAULT_OUTBOX_STUCK_MINUTES,
+    unserved_seconds: float = DEFAULT_UNSERVED_SECONDS,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -126,6 +134,9 @@ def collect_status(
             (``reliable_beat_redispatch_seconds``) counts as never acknowledged.
         outbox_stuck_minutes: pending outbox rows due this many minutes and claimed by no
             relay are an alarm, per destination (see :func:`undelivered_outbox`).
+        unserved_seconds: pending rows of a schedule group due this many seconds while no
+            live relay or beat of that group runs are an alarm, per group (see
+            :func:`reliable_beat.groups.unserved_outbox`; liveness: ``beat_alive_seconds``).
 
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
@@ -145,6 +156,8 @@ def collect_status(
         writes, :func:`reliable_beat.rows.unknown_state_runs`),
         "undelivered_outbox": [{"destination", "rows", "due_since"}] (see
         :func:`undelivered_outbox`),
+        "unserved_outbox": [{"group", "rows", "destinations", "due_since", "last_seen_at",
+        "served_groups"}] (see :func:`reliable_beat.groups.unserved_outbox`),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
         "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
         ended | quarantined | malformed: a value that cannot be read, before a beat
@@ -211,6 +224,8 @@ def collect_status(
 
         n_bad_runs, bad_runs = unknown_state_runs(conn)
         undelivered = undelivered_outbox(conn, now, outbox_stuck_minutes)
+        unserved = unserved_outbox(conn, now, due_seconds=unserved_seconds,
+                                   alive_seconds=beat_alive_seconds)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
@@ -267,6 +282,20 @@ def collect_status(
             f"handler for {u['destination']!r} (a typo in `outbox.add(..., destination)`?), "
             "no relay runs, or an earlier row of their ordering key is stuck. Fix the name "
             "(`reliable-beat outbox status`) or start a relay with that handler."
+        )
+    for u in unserved:
+        seen = _fmt(u["last_seen_at"]) if u["last_seen_at"] else "never"
+        served = ", ".join(repr(g) if g != "*" else "any (a relay without an app)"
+                           for g in u["served_groups"]) or "none"
+        problems.append(
+            f"UNSERVED OUTBOX: group {u['group']!r}: {u['rows']} outbox rows "
+            f"({', '.join(u['destinations'])}) due for more than {unserved_seconds:g} s "
+            f"(since {_fmt(u['due_since'])}) and no live relay or beat of group "
+            f"{u['group']!r} (last seen {seen}); only that group's relays and beats publish "
+            f"them (live ones serve groups: {served}). Start `reliable-beat -A <app> relay` "
+            f"for it, with the app whose schedule group is {u['group']!r} (the name in "
+            "Celery('...') or reliable_beat_schedule_group; an app module run as __main__ "
+            "is group 'default')."
         )
     if dead_total:
         problems.append(
@@ -380,6 +409,7 @@ def collect_status(
         "quarantined_rows": quarantined_rows,
         "malformed_run_states": {"count": n_bad_runs, "keys": bad_runs},
         "undelivered_outbox": undelivered,
+        "unserved_outbox": unserved,
         "problems": problems,
         "warnings": warnings,
         "ok": not problems,
@@ -456,7 +486,7 @@ def _secs(value: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--check", is_flag=True,
               help="Exit 1 when something needs a person (missed slots, dead letters, "
-                   "undelivered outbox rows).")
+                   "undelivered outbox rows, a group's rows no live relay or beat serves).")
 @click.option("--margin", type=click.FloatRange(min=0), default=DEFAULT_MARGIN_SECONDS,
               show_default=True,
               help="Seconds beyond an entry's misfire_grace before an overdue slot is 'missed'.")
@@ -467,16 +497,21 @@ def _secs(value: float | None) -> str:
               default=DEFAULT_OUTBOX_STUCK_MINUTES, show_default=True,
               help="Minutes: pending outbox rows due this long and claimed by no relay are an "
                    "alarm (per destination).")
+@click.option("--unserved-after", type=click.FloatRange(min=0),
+              default=DEFAULT_UNSERVED_SECONDS, show_default=True,
+              help="Seconds: a schedule group's pending outbox rows due this long while no "
+                   "live relay or beat of the group runs are an alarm.")
 @click.option("--all", "show_all", is_flag=True, help="Include disabled entries.")
 @pass_cli
 def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all: bool,
-           disabled_within: float, outbox_stuck: float) -> None:
+           disabled_within: float, outbox_stuck: float, unserved_after: float) -> None:
     """Entries (next fire, last slot, state, lag, failing/dead), outbox backlog, alarms."""
     try:
         info = collect_status(cli.store, margin_seconds=margin,
                               disabled_within_minutes=disabled_within,
                               redispatch_seconds=cli.settings.redispatch_seconds,
-                              outbox_stuck_minutes=outbox_stuck)
+                              outbox_stuck_minutes=outbox_stuck,
+                              unserved_seconds=unserved_after)
     except StoreUnavailableError as exc:
         fail(str(exc), 1, kind="store_unavailable")
     info["store_from"] = cli.settings.database_url_origin  # e.g. Django DATABASES['default']
@@ -522,6 +557,7 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         click.echo(f"dead letters: {info['dead_letters']}")
         for g in info["groups"]:
             click.echo(f"schedule group {g['group']}: {g['beats_alive']} live beats, "
+                       f"{g.get('relays_alive', 0)} live relays, "
                        f"{g['enabled_entries']} enabled config entries, config synced "
                        f"{_fmt(g['config_synced_at'])}, last beat seen {_fmt(g['last_seen_at'])}")
     if check and not info["ok"]:

@@ -274,6 +274,7 @@ class Store:
 
 def update_returning(
     conn: Connection, stmt: Update, table: Table, returning: Sequence[Any],
+    *, lock_by_primary_key: bool = False,
 ) -> list[Any]:
     """Run ``stmt`` (an ``UPDATE`` of ``table``) and return ``returning`` of the rows it changed.
 
@@ -291,6 +292,13 @@ def update_returning(
             1093): give MySQL 8 a ``WHERE`` on the row's own columns.
         table: the table updated; its primary key is one column.
         returning: columns (or expressions) of ``table`` to return.
+        lock_by_primary_key: MySQL/MariaDB: the ``WHERE`` names the rows by primary key
+            (``pk IN (...)``): lock them through the primary key (``FORCE INDEX (PRIMARY)``)
+            whatever the optimizer thinks of the other conditions. InnoDB locks every row a
+            locking read scans: ``id IN (...) AND state = 'pending'`` once went through the
+            ``(state, sent_at)`` index, locked every pending row of the outbox, and two relays
+            settling deadlocked (one settle rolled back: its delivered rows were delivered
+            again after the claim lease).
 
     Returns:
         One row (``Row``) per changed row, in primary-key order on MySQL (unspecified
@@ -301,6 +309,8 @@ def update_returning(
     (pk,) = table.primary_key.columns
     where = stmt.whereclause
     lock = select(pk).order_by(pk).with_for_update()
+    if lock_by_primary_key:
+        lock = lock.with_hint(table, "FORCE INDEX (PRIMARY)")
     if where is not None:
         lock = lock.where(where)
     ids = list(conn.execute(lock).scalars())
@@ -325,6 +335,12 @@ _TIMEOUT_SQLSTATES = frozenset({"55P03", "57014", "25P03"})
 #: MySQL/MariaDB error codes of the same: lock wait timeout (1205), MariaDB
 #: max_statement_time (1969), MySQL max_execution_time (3024).
 _MYSQL_TIMEOUT_CODES = frozenset({1205, 1969, 3024})
+
+
+def is_lock_wait(exc: BaseException) -> bool:
+    """True when ``exc`` is the database giving up waiting for a lock (or a statement
+    timeout / SQLite's busy timeout): another transaction holds the rows, nothing is down."""
+    return isinstance(exc, DBAPIError) and _is_lock_timeout(exc)
 
 
 def _is_lock_timeout(exc: DBAPIError) -> bool:

@@ -153,18 +153,26 @@ schedule_configs = Table(
     UniqueConstraint("schedule_group", "config_hash"),
 )
 
-# One row per beat process (owner id): its group, the config it started with, its heartbeat.
+# One row per beat or relay process (owner id): its role, its group, the config it started
+# with (beats), its heartbeat. role (0011_relaywatch): "beat" (every row before 0011) or
+# "relay"; a relay's row is keyed "relay:<group or *>:<owner id>" (a process may run a beat
+# and relays of several apps). schedule_group NULL: a relay without an app, which claims the
+# rows of every group for its destinations (0011; beats always have a group).
 beats = Table(
     "reliable_beat_beats",
     metadata,
     Column("owner", String(200), primary_key=True),
-    Column("schedule_group", String(200), nullable=False),
+    Column("schedule_group", String(200), nullable=True),
     Column("config_hash", String(64), nullable=True),
     Column("started_at", UTCDateTime, nullable=False),
     Column("seen_at", UTCDateTime, nullable=False),
     Column("stopped_at", UTCDateTime, nullable=True),
     # entry name -> task name, for config entries whose task this beat's app does not register
     Column("unregistered", JSONType, nullable=False, default=dict),
+    Column("role", String(16), nullable=False, server_default="beat"),  # beat | relay (0011)
+    # a relay's handler destinations (list of str, 0011); NULL: a beat (its trigger
+    # destination, which its sweep publishes)
+    Column("destinations", JSONType, nullable=True),
     Index("ix_reliable_beat_beats_schedule_group_seen_at", "schedule_group", "seen_at"),
 )
 
@@ -364,6 +372,10 @@ workflow_events = Table(
     Column("fence_token", BigInteger, nullable=False),  # the advance that wrote it
     Column("created_at", UTCDateTime, nullable=False),
     Column("completed_at", UTCDateTime, nullable=True),
+    # the workflow sweep's re-sends of this activity / compensation / timer's wake, and the
+    # last one's instant: the k-th re-send waits redispatch_seconds * 2**k (0012_wfsweep)
+    Column("redispatches", Integer, nullable=False, server_default="0"),
+    Column("redispatched_at", UTCDateTime, nullable=True),
 )
 
 # Signals: an inbox row per signal, written in the sender's transaction, consumed by one event.

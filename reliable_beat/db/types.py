@@ -25,7 +25,7 @@ NEG_INFINITY = datetime.min.replace(tzinfo=timezone.utc)
 def infinity_text(value: object) -> str | None:
     """``'infinity'`` / ``'-infinity'`` when ``value`` is :data:`INFINITY` /
     :data:`NEG_INFINITY` (any tzinfo), else None."""
-    if not isinstance(value, datetime):
+    if not isinstance(value, datetime) or 1 < value.year < 9999:  # neither end: an instant
         return None
     aware = value.replace(tzinfo=timezone.utc)  # compare the fields, whatever the zone
     if aware == INFINITY:

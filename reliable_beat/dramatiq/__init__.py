@@ -80,6 +80,10 @@ ACTOR_OPTIONS = frozenset({
     "max_attempts",
 })
 
+#: Entry publish options of Celery's message that a Dramatiq trigger has no field for
+#: (:func:`definitions` refuses them, naming the entry).
+CELERY_ONLY_OPTIONS = frozenset({"routing_key", "exchange", "serializer", "priority", "headers"})
+
 _message: ContextVar[Any] = ContextVar("reliable_beat_dramatiq_message", default=None)
 _run: ContextVar[RunContext | None] = ContextVar("reliable_beat_dramatiq_run", default=None)
 
@@ -499,26 +503,29 @@ def _broker_errors() -> tuple[type[BaseException], ...]:
 
 def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
     """The ``dramatiq.Message`` of a trigger payload
-    (:func:`reliable_beat.beat.build_trigger_payload`): ``message_id`` = the run's
+    (:func:`reliable_beat.beat.build_trigger_payload`, either shape: the neutral one with
+    ``message_id`` and a ``reliable_beat`` object, or the Celery-shaped one of rows written
+    before it, ``task_id`` and ``reliable_beat_*`` headers): ``message_id`` = the run's
     deterministic id, ``options["reliable_beat"]`` = key / entry / fire_at / trigger,
     ``queue_name`` from the actor (or ``options.queue``).
 
     Raises:
         KeyError: the actor is not registered on ``broker`` and no queue is given.
     """
-    headers = payload.get("headers") or {}
+    from reliable_beat.beat import trigger_identity
+
+    identity = trigger_identity(payload)
     options = dict(payload.get("options") or {})
     actor_name = str(payload["task"])
     queue = options.pop("queue_name", None) or options.pop("queue", None)
     if queue is None:
         queue = broker.get_actor(actor_name).queue_name
     message_options: dict[str, Any] = {OPTION: {
-        "key": headers.get("reliable_beat_key"), "entry": headers.get("reliable_beat_entry"),
-        "fire_at": headers.get("reliable_beat_fire_at"),
-        "trigger": headers.get("reliable_beat_trigger"),
+        "key": identity["key"], "entry": identity["entry"], "fire_at": identity["fire_at"],
+        "trigger": identity["trigger"],
     }}
     extra: dict[str, Any] = {}
-    fire_at = _parse_instant(headers.get("reliable_beat_fire_at"))
+    fire_at = _parse_instant(identity["fire_at"])
     expires_at = _parse_instant(payload.get("expires_at"))
     if fire_at is not None and expires_at is not None:
         # ``expires`` counts from the slot, as for Celery entries: AgeLimit measures from
@@ -529,7 +536,7 @@ def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
     return dramatiq.Message(
         queue_name=queue, actor_name=actor_name, args=tuple(payload.get("args") or ()),
         kwargs=dict(payload.get("kwargs") or {}), options=message_options, **extra,
-        message_id=str(payload.get("task_id") or uuid.uuid4()),
+        message_id=str(payload.get("message_id") or payload.get("task_id") or uuid.uuid4()),
     )
 
 
@@ -733,6 +740,15 @@ def definitions(broker: Any, schedule: Mapping[str, Any] | None = None, *,
     out: list[Any] = []
     problems: list[str] = []
     for name, item in raw.items():
+        opts = item.get("options")
+        celery_only = sorted(set(opts if isinstance(opts, Mapping) else ()) & CELERY_ONLY_OPTIONS)
+        if celery_only:
+            # a Dramatiq message has no such field: refused, never silently dropped
+            problems.append(
+                f"{name}: publish option(s) {', '.join(map(repr, celery_only))} are Celery "
+                "message fields a Dramatiq trigger cannot carry; remove them (a Dramatiq "
+                "entry's options: queue, expires)")
+            continue
         try:
             out.append(definition_from_celery(
                 name, item, default_timezone="UTC", settings=settings, now=now,

@@ -58,11 +58,17 @@ def _load_broker(spec: str) -> tuple[Any, Any]:
         fail(f"--broker {spec}: {exc}", 2, kind="invalid")
 
 
-def _stop_event() -> threading.Event:
+def _stop_event(on_stop: Any = None) -> threading.Event:
+    """An Event set by SIGTERM / SIGINT; ``on_stop()`` is called instead when given (the
+    beat's :meth:`~reliable_beat.loop.BeatLoop.request_stop`, which sets it and ends a LISTEN
+    wait at once)."""
     stop = threading.Event()
 
     def _stop(signum: int, _frame: Any) -> None:
-        stop.set()
+        if on_stop is not None:
+            on_stop()
+        else:
+            stop.set()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
@@ -95,7 +101,8 @@ def beat(cli: CliContext, broker_spec: str, loglevel: str) -> None:
                    err=True)
     loop = beat_loop(broker)  # the core loop: waits for the database, syncs, then fires
     click.echo(f"dramatiq beat {loop.owner} on {loop.store.safe_url}", err=True)
-    loop.stop_event = _stop_event()
+    loop.stop_event = threading.Event()
+    _stop_event(loop.request_stop)  # sets loop.stop_event, ends a LISTEN wait at once
     if loop.start():
         loop.run_forever(loop.stop_event)
 

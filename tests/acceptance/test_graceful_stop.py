@@ -145,6 +145,129 @@ def test_sigterm_while_holding_a_trigger_publishes_it_at_its_slot_once(
     check_window(h, sorted(spec), t0, t1, f"SIGTERM while holding ({moment})")
 
 
+# -- `celery worker -B`: the beat embedded in the worker, in a child process ----------------
+#: Where the SIGTERM goes: the worker's pid (``kill PID``, ``docker stop``: the worker then
+#: stops its beat child with a SIGTERM of its own) or the whole process group (systemd's
+#: default ``KillMode=control-group``, a terminal's Ctrl-C: the beat child gets it directly
+#: too, besides the worker's).
+EMBEDDED = [pytest.param("waiting", "worker", marks=pytest.mark.full),
+            ("just_claimed", "worker"), ("waiting", "group")]
+
+
+def _embedded_owner(h: Harness, others: set[str]) -> str:
+    """The owner id (``host:pid`` of the beat child process) of the one beat not in
+    ``others`` that has claimed trigger rows."""
+    def owners() -> set[str]:
+        with h.store.engine.connect() as conn:
+            found = set(conn.execute(select(outbox.c.claimed_by).distinct()).scalars())
+        return {o for o in found if o and o not in others}
+    found = procs_mod.wait_for(owners, 60, "the embedded beat to claim")
+    assert len(found) == 1, found
+    return str(found.pop())
+
+
+@pytest.mark.parametrize(("moment", "target"), EMBEDDED)
+def test_worker_dash_b_sigterm_while_holding_publishes_at_its_slot_once(
+        h: Harness, tmp_path: Path, moment: str, target: str) -> None:
+    """``celery worker -B``: Celery runs the beat in a child process (billiard), whose
+    SIGTERM handler raises ``SystemExit``; the beat service's ``finally`` closes the
+    scheduler, i.e. :meth:`BeatLoop.close`, which publishes the held slots at their instants.
+    Same two moments as the ``celery beat`` test, a second (``celery beat``) beat running; the
+    held rows are published once, by the embedded beat, at their slot, and the worker exits
+    0 after them."""
+    spec = {f"e{i}": {"cron": "* * * * * */1", "reliable_beat": {"misfire_policy": "catch_up"}}
+            for i in range(3)}
+    h.schedule(spec)
+    rec = Recorder(h)
+    flag = tmp_path / "pause-after-claim-ahead"
+    env = ({} if moment == "waiting" else
+           {"RB_CLAIM_AHEAD": "2", "RB_PAUSE_SECONDS": "1",
+            "RB_PAUSE_AFTER_CLAIM_AHEAD": str(flag)})
+    holder = h.procs.start("holder", command=[
+        "worker", "-B", "-l", "info", "-Q", f"{h.queue}-work", "-c", "1", "-P", "solo",
+        "-n", f"holder-{os.getpid()}@%h", "-s", str(tmp_path / "holder-schedule"),
+        "--without-mingle", "--without-gossip"], **env)
+    env.pop("RB_PAUSE_AFTER_CLAIM_AHEAD", None)
+    other = h.procs.start("other", **env)
+    child: int | None = None
+    try:
+        t0 = wait_running(h, len(spec)) + 2 * SECOND
+        procs_mod.wait_for(lambda: h.now() > t0, 30, "both beats up")
+        owner = _embedded_owner(h, {owner_of(other)})
+        child = int(owner.rpartition(":")[2])
+        assert child != holder.pid  # the beat runs in the worker's child process
+
+        if moment == "waiting":
+            def holding() -> list[tuple[str, datetime]]:
+                now = h.now()
+                return _held_by(h, owner, now + timedelta(milliseconds=100),
+                                now + timedelta(milliseconds=500))
+            procs_mod.wait_for(holding, 60, "the embedded beat to hold a slot 100-500 ms "
+                               "ahead", interval=0.01)
+        else:
+            flag.touch()
+            procs_mod.wait_for(lambda: "PAUSED after claiming ahead" in holder.output(), 60,
+                               "the embedded beat to claim ahead", interval=0.01)
+        asked = h.now()
+        if target == "worker":
+            os.kill(holder.pid, signal.SIGTERM)
+        else:
+            os.killpg(os.getpgid(holder.pid), signal.SIGTERM)
+        try:
+            holder.proc.wait(timeout=30)
+        except Exception:
+            pytest.fail(f"worker -B still running 30 s after SIGTERM\n{h.logs()}")
+        procs_mod.wait_for(lambda: not _alive(child), 30, "the beat child to exit")
+        exited = h.now()
+        assert holder.proc.returncode == 0, holder.output()[-3000:]
+        assert other.alive(), other.output()[-3000:]
+
+        held = dict(_claimed_by(h, owner, asked))
+        assert held, f"the embedded beat held nothing at the SIGTERM\n{h.logs()}"
+        last = max(held.values())
+        procs_mod.wait_for(lambda: h.now() > last + SWEEP_WAIT, 60, "the sweep delay to pass")
+        t1 = h.now() - 2 * SECOND
+        procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
+                                        and o.created_at <= t1], 20, "publishes")
+    finally:
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+    stop_all(h)
+    rec.stop()
+
+    late = rec.lateness()
+    seen = Counter(k for k, _, _ in rec.stamps)
+    ob = {o.message_id: o for o in h.outbox()}
+    figures = {k: (round(late[k] * 1000, 1) if k in late else None) for k in sorted(held)}
+    print(f"\n[worker -B {moment}, SIGTERM to the {target}] {len(held)} held trigger(s), "
+          f"lateness ms {figures}; exit {(exited - asked).total_seconds():.2f} s after the "
+          f"SIGTERM, {(exited - last).total_seconds():.2f} s after the last held slot")
+    for key, slot in held.items():
+        row = ob["trigger:" + key]
+        assert key in late, f"{key}: never published\n{h.logs()}"
+        assert seen[key] == 1, f"{key}: published {seen[key]} times"
+        assert row.state == "sent" and row.claimed_by == owner, (
+            f"{key}: {row.state} by {row.claimed_by}: the embedded beat left it to the sweep"
+            f"\n{h.logs()}")
+        assert 0 <= late[key] < AT_SLOT_TOLERANCE, (
+            f"{key} published {late[key]:.3f} s after its slot {slot:%H:%M:%S.%f}\n{h.logs()}")
+    assert rec.early() == [], rec.early()[:10]
+    check_window(h, sorted(spec), t0, t1, f"worker -B SIGTERM while holding ({moment})")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _claimed_by(h: Harness, owner: str, after: datetime) -> list[tuple[str, datetime]]:
     """(key, slot) of every trigger row claimed by ``owner`` whose slot is after ``after``
     (whatever its state now): the triggers the holder held at the SIGTERM."""

@@ -110,11 +110,40 @@ def test_migrate_alone_brings_the_store_to_head() -> None:
 # -- viewing and permissions ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("page", ["entry", "run", "deadletter", "outboxmessage"])
+@pytest.mark.parametrize("page", ["entry", "run", "deadletter", "outboxmessage", "workflow",
+                                  "process"])
 def test_staff_without_permissions_can_view_every_page(
         page: str, users: dict[str, User], seeded: dict[str, Any]) -> None:
     res = client(users["viewer"]).get(f"/admin/reliable_beat/{page}/")
     assert res.status_code == 200, res.content[:500]
+
+
+def test_models_mirror_the_schedule_groups_and_the_relay_heartbeats(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    """workflows.schedule_group and outbox.schedule_group (Alembic 0010), the beats' and
+    relays' heartbeat rows (0011): read through the models, shown and filtered in the admin."""
+    from reliable_beat.contrib.django.models import OutboxMessage, Process, Workflow
+    from reliable_beat.groups import record_relay
+    from reliable_beat.workflows import engine
+
+    store, tag = conf.store(), seeded["tag"]
+    group = f"djgroup-{tag}"
+    engine.start(store, "dj.flow", f"order-{tag}", schedule_group=group)
+    record_relay(store, owner=f"djrelay-{tag}", group=group, destinations=["celery"])
+    db = conf.database_alias()
+    wf = Workflow.objects.using(db).get(workflow_id=f"order-{tag}")
+    assert (wf.schedule_group, wf.state, wf.name) == (group, "pending", "dj.flow")
+    wake = OutboxMessage.objects.using(db).get(message_id=f"wake:order-{tag}:start")
+    assert wake.schedule_group == group
+    proc = Process.objects.using(db).get(schedule_group=group)
+    assert (proc.role, proc.destinations, proc.stopped_at) == ("relay", ["celery"], None)
+    c = client(users["viewer"])
+    for page, needle in (("workflow", f"order-{tag}"), ("outboxmessage", f"wake:order-{tag}"),
+                         ("process", f"djrelay-{tag}")):
+        res = c.get(f"/admin/reliable_beat/{page}/?schedule_group={group}")
+        assert res.status_code == 200, res.content[-3000:]
+        body = res.content.decode()
+        assert needle in body and group in body, (page, body[-3000:])
 
 
 def test_outsider_is_sent_to_login(users: dict[str, User]) -> None:

@@ -7,6 +7,7 @@ Fails on the old start: the sync sat after the retry loop, so the error ended th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -90,3 +91,44 @@ def test_stop_while_waiting_returns_false(
 
     monkeypatch.setattr(core, "sync_schedule_group", gone)
     assert loop.start() is False
+
+
+def test_waiting_behind_another_beats_sync_is_a_warning_not_an_error(
+        pg_store: Store, pg_url: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A second beat that starts while the first syncs a large beat_schedule waits on the
+    sync lock; its lock_timeout ends each wait. That is waiting, not a database failure: a
+    WARNING saying so (a fresh user saw five ERRORs "database error at start: lock wait
+    timed out" while the first beat synced 20,000 entries). Real PostgreSQL, the lock held by
+    another connection as a sync holds it."""
+    from sqlalchemy import text
+
+    from reliable_beat.entries import _lock_for_sync
+
+    monkeypatch.setattr(BeatLoop, "_sleep", lambda self, s: None)
+    sep = "&" if "?" in pg_url else "?"
+    beat_store = Store.from_url(f"{pg_url}{sep}options=-c%20lock_timeout%3D300", role="beat")
+    holder = pg_store.engine.connect()
+    tx = holder.begin()
+    _lock_for_sync(holder, pg_store)  # another beat's sync in progress
+    try:
+        done: list[bool] = []
+        loop = _loop(beat_store)
+        starter = threading.Thread(target=lambda: done.append(loop.start()), daemon=True)
+        caplog.set_level("WARNING")
+        starter.start()
+        deadline = time.monotonic() + 30
+        while "waiting at start" not in caplog.text and time.monotonic() < deadline:
+            starter.join(0.1)
+        assert "waiting at start" in caplog.text, caplog.text
+        assert "sync in progress" in caplog.text
+    finally:
+        tx.rollback()  # the other sync ends
+        holder.close()
+    starter.join(30)
+    assert done == [True]
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [], [r.getMessage() for r in errors]
+    with beat_store.begin() as conn:
+        assert conn.execute(text("SELECT count(*) FROM reliable_beat_entries")).scalar_one() == 1
+    beat_store.dispose()

@@ -23,7 +23,7 @@ from reliable_beat.beat import Beat
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.migrate import upgrade, upgrade_sql
 from reliable_beat.db.tables import entries, outbox, runs
-from reliable_beat.relay import claim_outbox_batch
+from reliable_beat.relay import claim_outbox_batch, mark_sent
 
 pytestmark = pytest.mark.mariadb
 
@@ -318,3 +318,42 @@ def test_config_syncs_at_the_same_instant_are_serialised(mariadb_store: Store) -
     assert sum(r["inserted"] for r in results) == 30
     with mariadb_store.begin() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(entries)).scalar() == 30
+
+
+def test_mark_sent_locks_only_its_own_rows(mariadb_store: Store) -> None:
+    """Relay r2 marks its row sent while relay r1 holds another pending row (r1 settling its
+    own batch): r2's ``SELECT ... FOR UPDATE`` of ``update_returning`` goes by primary key.
+    It once went through ix_reliable_beat_outbox_state_sent_at (``state = 'pending'`` is a
+    ref of it), locked every pending row it scanned, waited on r1's rows while r1 waited on
+    its own, and MariaDB rolled one settle back as a deadlock victim (1213): its delivered
+    rows stayed claimed for the 60 s lease and were delivered again (the flaky
+    test_ordering_key_respected_under_two_relays[mariadb])."""
+    store = mariadb_store
+    with store.begin() as conn:  # as test_ordering_key_respected_under_two_relays has them
+        ids = [outbox_add(conn, f"{k}{seq}", k) for seq in range(30) for k in "ABCD"]
+    for i in ids[:100]:  # sent one settle at a time, as relays do
+        with store.begin() as conn:
+            mark_sent(conn, [i], store.now(conn))
+    held, mine = ids[-1], ids[105:108]
+    with store.begin() as r1:  # r1's settle: its row is locked until r1 commits
+        r1.execute(outbox.update().where(outbox.c.id == held).values(last_error="r1"))
+        with store.begin() as r2:
+            r2.exec_driver_sql("SET SESSION innodb_lock_wait_timeout = 1")
+            statements = _capture(store, "FOR UPDATE", lambda: mark_sent(r2, mine,
+                                                                        store.now(r2)))
+            r2.exec_driver_sql("SET SESSION innodb_lock_wait_timeout = 5")
+            (statement, params), = statements
+            plan = _explain(store, statement, params)  # the rows are still pending there
+    assert "FORCE INDEX (PRIMARY)" in statement, statement  # not up to the optimizer
+    assert plan[0]["key"] == "PRIMARY", plan
+    with store.begin() as conn:
+        states = dict(conn.execute(sa.select(outbox.c.id, outbox.c.state)).all())
+    assert [states[i] for i in mine] == ["sent"] * 3 and states[held] == "pending"
+
+
+def outbox_add(conn: sa.Connection, key: str, ordering_key: str) -> int:
+    from reliable_beat import outbox as outbox_mod
+
+    outbox_mod.add(conn, "rec", {"k": key}, key=key, ordering_key=ordering_key)
+    return int(conn.execute(sa.select(outbox.c.id).where(outbox.c.message_id == key))
+               .scalar_one())

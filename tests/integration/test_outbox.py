@@ -299,7 +299,7 @@ def test_retention_purges_old_sent_keeps_dead(store: Store) -> None:
     with store.begin() as conn:
         assert purge_sent(conn, older_than=datetime.now(timezone.utc) + timedelta(1)) == 1
         status = outbox_status(conn)
-    assert status == [{"destination": "rec", "pending": 0, "due": 0, "scheduled": 0,
+    assert status == [{"destination": "rec", "pending": 0, "due": 0, "scheduled": 0, "backlog": 0,
                        "oldest_pending_at": None, "oldest_pending_age_seconds": None,
                        "dead": 1}]
 

@@ -236,7 +236,14 @@ def test_stock_worker_runs_built_messages_like_send_task_messages(
     """A stock ``celery worker`` (real process) runs the hand-built messages: every task
     once, ``task_prerun`` sees the same headers and arguments as for ``send_task``'s
     messages, each on the routed queue with its priority; an expired one is not run."""
-    app = Celery("builder_app", broker=redis_url)
+    check_stock_worker(redis_url, tmp_path, monkeypatch)
+
+
+def check_stock_worker(broker_url: str, tmp_path: Path,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stock worker check on ``broker_url`` (Redis here, RabbitMQ in
+    ``test_publish_builder_amqp.py``)."""
+    app = Celery("builder_app", broker=broker_url)
     app.conf.task_queues = [Queue("celery"), Queue("q2")]
     expiring_at: list[datetime] = []
     shapes = [{}, {"options": {"queue": "q2", "priority": 5}},
@@ -267,7 +274,7 @@ def test_stock_worker_runs_built_messages_like_send_task_messages(
     time.sleep(max(0.0, (max(expiring_at) - datetime.now(timezone.utc)).total_seconds()) + 0.5)
 
     out = tmp_path / "ran.jsonl"
-    env = dict(os.environ, RB_BROKER_URL=redis_url, RB_TEST_OUT=str(out),
+    env = dict(os.environ, RB_BROKER_URL=broker_url, RB_TEST_OUT=str(out),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "apps")]))
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "builder_app", "worker", "--pool", "solo",

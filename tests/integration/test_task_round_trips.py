@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from sqlalchemy.exc import DataError, OperationalError
 
 from reliable_beat import runs
 from reliable_beat.celery.task import KEY_HEADER, IdempotentTask
 from reliable_beat.db import dialects
 from reliable_beat.db.dialects import Store
+from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.execution import store_for
 
 effects = sa.Table(
@@ -111,5 +114,45 @@ def test_a_connection_idle_past_the_window_is_pinged_and_replaced_when_dead(
         with store.begin() as conn:
             again = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
         assert again != pid
+    finally:
+        store.dispose()
+
+
+def test_the_claim_never_pools_a_connection_in_autocommit(pg_store: Store) -> None:
+    """The one-statement claim runs in autocommit (its own transaction, invariant 6) by
+    setting the driver connection's flag; the flag is cleared before the connection goes
+    back to the pool, after a claim, after a refused claim and after a lost connection, so
+    the next body's effect and completion commit together (invariant 5)."""
+    effects.create(pg_store.engine, checkfirst=True)
+    store = Store.from_url(pg_store.url, role="worker")
+    lease = timedelta(seconds=30)
+
+    def pooled_autocommit() -> bool:
+        with store.connect() as conn:
+            return bool(conn.connection.dbapi_connection.autocommit)
+
+    try:
+        claim = runs.claim_run(store, "ac:1", owner="t", lease=lease, task="t")
+        assert claim.outcome == runs.ACQUIRED
+        assert pooled_autocommit() is False
+        with pytest.raises(DataError):  # the key is longer than the column: refused
+            runs.claim_run(store, "ac:" + "x" * 1000, owner="t", lease=lease, task="t")
+        assert pooled_autocommit() is False
+        with store.connect() as conn:
+            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        with pg_store.engine.connect() as admin:
+            admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            admin.commit()
+        with pytest.raises((OperationalError, StoreUnavailableError)):
+            runs.claim_run(store, "ac:2", owner="t", lease=lease, task="t")
+        assert runs.claim_run(store, "ac:2", owner="t", lease=lease, task="t").acquired
+        assert pooled_autocommit() is False
+        # and a transaction on the pooled connection is one: a failure undoes its writes
+        with pytest.raises(RuntimeError), store.begin() as conn:
+            conn.execute(effects.insert().values(key="ac:undone"))
+            raise RuntimeError("rolled back")
+        with store.connect() as conn:
+            assert conn.execute(sa.select(sa.func.count()).select_from(effects).where(
+                effects.c.key == "ac:undone")).scalar() == 0
     finally:
         store.dispose()

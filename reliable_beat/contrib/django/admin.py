@@ -41,8 +41,10 @@ from reliable_beat.contrib.django.models import (
     DeadLetter,
     Entry,
     OutboxMessage,
+    Process,
     Run,
     StoreDateTimeField,
+    Workflow,
 )
 from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
 from reliable_beat.groups import schedule_group_of
@@ -85,7 +87,10 @@ def shown_json(value: Any) -> str:
 
 
 def shown_text(value: Any) -> str:
-    """A stored error text with secrets masked as the CLI masks them; ``-`` for NULL."""
+    """A stored error text with secrets masked as the CLI masks them; ``-`` for NULL; a JSON
+    error (a workflow's) as :func:`shown_json`."""
+    if isinstance(value, (dict, list)):
+        return shown_json(value)
     return "-" if value is None else redact_text(value)
 
 
@@ -287,7 +292,7 @@ def _keep_masked_secrets(params: dict[str, Any], existing: dict[str, Any]) -> No
 class EntryAdmin(_ReadOnlyAdmin):
     list_display = ("name", "task", "schedule_in_words", "state", "next_fire_local",
                     "last_fire_at", "misfire_policy", "overlap_policy", "origin")
-    list_filter = ("origin", "paused", "enabled", "schedule_kind")
+    list_filter = ("origin", "schedule_group", "paused", "enabled", "schedule_kind")
     search_fields = ("name", "task")
     actions = ["pause_entries", "resume_entries", "trigger_entries", "backfill_entries"]
     change_form_template = "admin/reliable_beat/entry_change_form.html"
@@ -689,9 +694,9 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
 
 @admin.register(OutboxMessage)
 class OutboxAdmin(_ReadOnlyAdmin):
-    list_display = ("id", "message_id", "destination", "state", "attempts", "available_at",
-                    "sent_at", "last_error_shown")
-    list_filter = ("state", "destination")
+    list_display = ("id", "message_id", "destination", "schedule_group", "state", "attempts",
+                    "available_at", "sent_at", "last_error_shown")
+    list_filter = ("state", "destination", "schedule_group")
     search_fields = ("message_id", "destination")
     change_list_template = "admin/reliable_beat/outbox_change_list.html"
 
@@ -703,3 +708,22 @@ class OutboxAdmin(_ReadOnlyAdmin):
             backlog = outbox_backlog(conn, datetime.now(timezone.utc))
         return super().changelist_view(request, {**(extra_context or {}),
                                                  "backlog": backlog})
+
+
+@admin.register(Workflow)
+class WorkflowAdmin(_ReadOnlyAdmin):
+    list_display = ("workflow_id", "name", "version", "state", "schedule_group", "run_no",
+                    "history_len", "updated_at", "finished_at")
+    list_filter = ("state", "schedule_group", "name")
+    search_fields = ("workflow_id", "name", "entry_name")
+
+
+@admin.register(Process)
+class ProcessAdmin(_ReadOnlyAdmin):
+    """Beats and relays by heartbeat: a schedule group with none alive has nothing that
+    publishes its rows (``reliable-beat status`` says so: NO BEAT, UNSERVED OUTBOX)."""
+
+    list_display = ("owner", "role", "schedule_group", "destinations", "started_at",
+                    "seen_at", "stopped_at")
+    list_filter = ("role", "schedule_group")
+    search_fields = ("owner", "schedule_group")

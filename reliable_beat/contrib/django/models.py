@@ -14,8 +14,8 @@ from typing import Any
 
 from django.db import models
 
-__all__ = ["Attempt", "DeadLetter", "Entry", "MalformedTimestamp", "OutboxMessage", "Run",
-           "StoreDateTimeField", "parse_stored_timestamp"]
+__all__ = ["Attempt", "DeadLetter", "Entry", "MalformedTimestamp", "OutboxMessage", "Process",
+           "Run", "StoreDateTimeField", "Workflow", "parse_stored_timestamp"]
 
 
 class MalformedTimestamp(str):
@@ -107,6 +107,9 @@ class Entry(models.Model):
     paused = models.BooleanField()
     paused_at = StoreDateTimeField(null=True)
     origin = models.CharField(max_length=16)
+    #: the schedule group whose beats fire it (NULL: runtime without a group, or pre-groups)
+    schedule_group = models.CharField(max_length=200, null=True)
+    disabled_at = StoreDateTimeField(null=True)
     config_hash = models.CharField(max_length=64, null=True)
     start_at = StoreDateTimeField(null=True)
     end_at = StoreDateTimeField(null=True)
@@ -211,6 +214,9 @@ class OutboxMessage(models.Model):
     created_at = StoreDateTimeField()
     sent_at = StoreDateTimeField(null=True)
     last_error = models.TextField(null=True)
+    #: only the relays and beats of this schedule group publish the row (a workflow's
+    #: messages, Alembic 0010); NULL: any relay with the destination's handler
+    schedule_group = models.CharField(max_length=200, null=True)
 
     class Meta:
         managed = False
@@ -251,3 +257,78 @@ class DeadLetter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.key}"
+
+
+class Workflow(models.Model):
+    """``reliable_beat_workflows``: one row per durable workflow (its current run)."""
+
+    workflow_id = models.CharField(max_length=400, unique=True)
+    name = models.CharField(max_length=255)
+    version = models.CharField(max_length=64, null=True)
+    run_no = models.IntegerField()
+    state = models.CharField(max_length=16)
+    args = models.JSONField(default=list)
+    kwargs = models.JSONField(default=dict)
+    result = models.JSONField(null=True)
+    error = models.JSONField(null=True)
+    block_reason = models.TextField(null=True)
+    queue = models.CharField(max_length=200, null=True)
+    random_seed = models.BigIntegerField()
+    fence_token = models.BigIntegerField()
+    leased_by = models.CharField(max_length=200, null=True)
+    lease_expires_at = StoreDateTimeField(null=True)
+    wake_seq = models.BigIntegerField()
+    claimed_wake_seq = models.BigIntegerField()
+    history_len = models.IntegerField()
+    history_bytes = models.BigIntegerField()
+    advances = models.IntegerField()
+    created_at = StoreDateTimeField()
+    updated_at = StoreDateTimeField()
+    finished_at = StoreDateTimeField(null=True)
+    cancel_requested = models.CharField(max_length=16, null=True)
+    parent_pk = models.BigIntegerField(null=True)
+    parent_run_no = models.IntegerField(null=True)
+    parent_seq = models.IntegerField(null=True)
+    entry_name = models.CharField(max_length=200, null=True)
+    fire_at = StoreDateTimeField(null=True)
+    #: the schedule group of the app that started it (Alembic 0010): only that group's
+    #: relays and beats publish its messages
+    schedule_group = models.CharField(max_length=200, null=True)
+
+    class Meta:
+        managed = False
+        db_table = "reliable_beat_workflows"
+        ordering = ["-updated_at", "-id"]
+        default_permissions = ("view",)
+
+    def __str__(self) -> str:
+        return self.workflow_id
+
+
+class Process(models.Model):
+    """``reliable_beat_beats``: one heartbeat row per beat or relay process (``role``;
+    relays since Alembic 0011_relaywatch). ``status`` counts one seen within 60 s as live."""
+
+    #: a beat's owner id; a relay's ``relay:<group or *>:<owner id>``
+    owner = models.CharField(max_length=200, primary_key=True)
+    role = models.CharField(max_length=16)
+    #: NULL: a relay without an app (claims the rows of every group)
+    schedule_group = models.CharField(max_length=200, null=True)
+    config_hash = models.CharField(max_length=64, null=True)
+    started_at = StoreDateTimeField()
+    seen_at = StoreDateTimeField()
+    stopped_at = StoreDateTimeField(null=True)
+    unregistered = models.JSONField(default=dict)
+    #: a relay's handler destinations; NULL for a beat
+    destinations = models.JSONField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "reliable_beat_beats"
+        verbose_name = "beat or relay"
+        verbose_name_plural = "beats and relays"
+        ordering = ["schedule_group", "role", "owner"]
+        default_permissions = ("view",)
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.owner}"

@@ -281,8 +281,15 @@ def redact_text(text: object) -> str:
         return s
 
     def pair(m: re.Match[str]) -> str:
-        if not is_sensitive_name(m.group("name")) or m.group("value") == MASK:
+        if m.group("value") == MASK:
             return m.group(0)
+        if not is_sensitive_name(m.group("name")):
+            # "PermanentError: api_key=sk_live_...": the value of a harmless name may hold
+            # a sensitive pair itself (the match ran over it): look inside it
+            value = m.group("value")
+            inner = _PAIR_IN_TEXT.sub(pair, value) if ("=" in value or ":" in value) \
+                else value
+            return f"{m.group('name')}{m.group('sep')}{m.group('q')}{inner}"
         return f"{m.group('name')}{m.group('sep')}{m.group('q')}{MASK}"
 
     return _PAIR_IN_TEXT.sub(pair, s)

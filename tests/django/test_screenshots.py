@@ -155,3 +155,60 @@ def test_admin_pages_render_in_chromium(browser: Any, live: str, shots: Path) ->
                     f"{browser.find_element(By.TAG_NAME, 'body').text[:3000]}")
     assert rb_entries.get_entry(store, name)["paused"] is True
     browser.save_screenshot(str(shots / "after_pause.png"))
+
+
+def test_bad_timestamp_and_secret_pages_in_chromium(browser: Any, live: str,
+                                                    shots: Path) -> None:
+    """What a person sees of a run with ``lease_expires_at = 'infinity'`` (written by hand)
+    and of an entry whose kwargs hold an API key: the pages load (no server error), the
+    timestamp reads ``malformed: infinity``, the key reads ``***`` and never in clear."""
+    import sqlalchemy as sa
+    from selenium.webdriver.common.by import By
+
+    from reliable_beat.db.tables import runs
+
+    store = conf.store()
+    tag = os.urandom(3).hex()
+    secret = f"sk_live_SHOT{tag}"
+    name = f"shot-secret-{tag}"
+    rb_entries.save_runtime_entry(store, EntryDefinition(
+        name=name, task="dj.pay", schedule=sch.IntervalSchedule(
+            timedelta(minutes=5), datetime(2026, 1, 1, tzinfo=timezone.utc)),
+        kwargs={"customer": "adm", "api_key": secret}), create=True,
+        schedule_group="djtask_app")
+    rb_runs.claim_run(store, f"shot-inf:{tag}", owner="shots", lease=timedelta(seconds=30),
+                      task="dj.pay", kwargs={"api_key": secret})
+    run_id = rb_runs.get_run(store, f"shot-inf:{tag}")["id"]
+    with store.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {runs.name} SET state = 'garbage', "
+                             "lease_expires_at = 'infinity' WHERE id = :i"), {"i": run_id})
+    user = User.objects.filter(username=f"shots2-{tag}").first() or \
+        User.objects.create_superuser(f"shots2-{tag}", "s@example.com", "pw")
+    c = Client()
+    c.force_login(user)
+    browser.get(live + "/admin/login/")
+    browser.add_cookie({"name": "sessionid", "value": c.cookies["sessionid"].value,
+                        "path": "/"})
+    entry_id = rb_entries.get_entry(store, name)["id"]
+    try:
+        pages = {
+            "runs_bad_timestamp": ("/admin/reliable_beat/run/?state__exact=garbage",
+                                   f"shot-inf:{tag}"),
+            "run_bad_timestamp": (f"/admin/reliable_beat/run/{run_id}/change/",
+                                  "malformed: infinity"),
+            "entry_secret_masked": (f"/admin/reliable_beat/entry/{entry_id}/change/",
+                                    '"api_key": "***"'),
+        }
+        for shot, (path, must_see) in pages.items():
+            browser.get(live + path)
+            body = browser.find_element(By.TAG_NAME, "body").text
+            assert must_see in body, f"{shot}: {must_see!r} not visible on {path}:\n{body[:2000]}"
+            assert "Server Error" not in body and secret not in body, shot
+            header = browser.find_element(By.ID, "header")
+            assert header.is_displayed() and header.size["height"] > 20
+            out = shots / f"{shot}.png"
+            assert browser.save_screenshot(str(out)) and out.stat().st_size > 10_000, shot
+    finally:
+        with store.begin() as conn:
+            conn.execute(sa.text(f"UPDATE {runs.name} SET state = 'dead', "
+                                 "lease_expires_at = NULL WHERE id = :i"), {"i": run_id})

@@ -198,3 +198,17 @@ def test_the_response_of_an_http_digest_credential_is_masked(text: str) -> None:
 def test_a_response_without_a_digest_credential_is_left_alone() -> None:
     assert redact_text("webhook response=200 after 3 tries") == (
         "webhook response=200 after 3 tries")
+
+
+@pytest.mark.parametrize("text", [
+    "PermanentError: api_key=sk_live_ADMINKEY999 refused",
+    "error: password=hunter2x",
+    "ValueError: client_secret=abc123def456",
+])
+def test_a_secret_pair_after_an_exception_name_is_masked(text: str) -> None:
+    """``Name: secret_name=value``: the pair regex matched ``Name: ...`` first and swallowed
+    the secret pair (the old code left it in clear, in the CLI's ``runs show`` and the
+    admin alike)."""
+    out = redact_text(text)
+    secret = text.rsplit("=", 1)[1].split()[0]
+    assert secret not in out and MASK in out, out

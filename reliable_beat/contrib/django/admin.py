@@ -19,6 +19,7 @@ Nothing is ever requeued automatically; a requeue is a person's decision and rec
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime, timezone
 from typing import Any
@@ -26,6 +27,7 @@ from zoneinfo import ZoneInfo
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.checks import ModelAdminChecks
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -41,11 +43,13 @@ from reliable_beat.contrib.django.models import (
     OutboxMessage,
     Process,
     Run,
+    StoreDateTimeField,
     Workflow,
 )
 from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
 from reliable_beat.groups import schedule_group_of
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT
+from reliable_beat.redaction import MASK, is_sensitive_name, redact_text, redact_value
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
 _KEY_HEADER = "reliable_beat_key"
@@ -73,10 +77,89 @@ def _requeue_payload_problem(payload: Any) -> str | None:
     return "; ".join(problems) or None
 
 
+def shown_json(value: Any) -> str:
+    """A stored JSON value as the CLI shows it: secrets masked (``"api_key": "***"``, see
+    :func:`reliable_beat.redaction.redact_value`), keys sorted; ``-`` for NULL. A value of
+    the wrong shape is shown as stored (masked the same way), never an error."""
+    if value is None:
+        return "-"
+    return json.dumps(redact_value(value), ensure_ascii=False, sort_keys=True, default=str)
+
+
+def shown_text(value: Any) -> str:
+    """A stored error text with secrets masked as the CLI masks them; ``-`` for NULL; a JSON
+    error (a workflow's) as :func:`shown_json`."""
+    if isinstance(value, (dict, list)):
+        return shown_json(value)
+    return "-" if value is None else redact_text(value)
+
+
+def unmask(submitted: Any, stored: Any) -> Any:
+    """``submitted`` (parsed JSON from a form) with every ``"***"`` at a sensitive key
+    replaced by the value ``stored`` holds at the same place: a masked value copied from a
+    page never overwrites the secret with ``***``. Where ``stored`` has no value there,
+    ``"***"`` is kept as typed."""
+    if isinstance(submitted, dict) and isinstance(stored, dict):
+        return {k: (stored[k] if v == MASK and is_sensitive_name(k) and k in stored
+                    else unmask(v, stored.get(k))) for k, v in submitted.items()}
+    if isinstance(submitted, list) and isinstance(stored, list):
+        return [unmask(v, stored[i] if i < len(stored) else None)
+                for i, v in enumerate(submitted)]
+    return submitted
+
+
+#: model fields shown through a redacting display method (``<name>_shown``) on every page
+_REDACTED_JSON = ("args", "kwargs", "options", "result", "payload", "headers")
+_REDACTED_TEXT = ("error", "last_error")
+
+
 class _ReadOnlyAdmin(admin.ModelAdmin):
-    """Viewing for active staff; no add, change or delete (writes go through the API)."""
+    """Viewing for active staff; no add, change or delete (writes go through the API).
+
+    JSON columns (args, kwargs, options, result, payload, headers) and error texts are shown
+    redacted as the CLI shows them (:mod:`reliable_beat.redaction`); the stored values are
+    untouched (a requeue sends what is stored)."""
 
     list_per_page = 50
+
+    @admin.display(description="args")
+    def args_shown(self, obj: Any) -> str:
+        return shown_json(obj.args)
+
+    @admin.display(description="kwargs")
+    def kwargs_shown(self, obj: Any) -> str:
+        return shown_json(obj.kwargs)
+
+    @admin.display(description="options")
+    def options_shown(self, obj: Any) -> str:
+        return shown_json(obj.options)
+
+    @admin.display(description="result")
+    def result_shown(self, obj: Any) -> str:
+        return shown_json(obj.result)
+
+    @admin.display(description="payload")
+    def payload_shown(self, obj: Any) -> str:
+        return shown_json(obj.payload)
+
+    @admin.display(description="headers")
+    def headers_shown(self, obj: Any) -> str:
+        return shown_json(obj.headers)
+
+    @admin.display(description="error")
+    def error_shown(self, obj: Any) -> str:
+        return shown_text(obj.error)
+
+    @admin.display(description="last error")
+    def last_error_shown(self, obj: Any) -> str:
+        return shown_text(obj.last_error)
+
+    def _shown_fields(self) -> list[str]:
+        return [f"{f.name}_shown" if f.name in (*_REDACTED_JSON, *_REDACTED_TEXT) else f.name
+                for f in self.model._meta.fields]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return self._shown_fields()
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         return super().get_queryset(request).using(conf.database_alias())
@@ -97,7 +180,7 @@ class _ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
-        return [f.name for f in self.model._meta.fields]
+        return self._shown_fields()
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         actions = super().get_actions(request)
@@ -152,16 +235,23 @@ class BackfillForm(forms.Form):
 
 class RuntimeEntryForm(forms.Form):
     """A runtime entry, as ``reliable-beat entries add|update`` takes it (blank = not given;
-    on edit, not given = kept). Validated by the CLI's own ``build_definition``."""
+    on edit, not given = kept). Validated by the CLI's own ``build_definition``.
+
+    ``group`` is the schedule group (``--group``): blank on add = the Celery app's group (no
+    app: none, any beat fires it); blank on edit = kept. A ``"***"`` at a sensitive key of
+    ``args`` / ``kwargs`` (as the pages show secrets) keeps the stored value there."""
 
     name = forms.CharField(max_length=200)
     task = forms.CharField(max_length=255, required=False)
     cron = forms.CharField(required=False, help_text="croniter syntax; 6 fields = seconds LAST")
     every = forms.IntegerField(required=False, min_value=1, help_text="interval, whole seconds")
     at = forms.CharField(required=False, help_text="one-off instant, ISO 8601 with offset")
-    timezone = forms.CharField(required=False, help_text="IANA zone (default UTC)")
+    timezone = forms.CharField(required=False, help_text="IANA zone (blank: the app's zone)")
     args = forms.CharField(required=False, help_text="JSON array")
     kwargs = forms.CharField(required=False, help_text="JSON object")
+    group = forms.CharField(required=False, max_length=200, help_text=(
+        "schedule group whose beats fire it (blank: the Celery app's group; no app: none, "
+        "any beat)"))
     queue = forms.CharField(required=False)
     misfire_policy = forms.ChoiceField(required=False, choices=[
         ("", "-"), ("skip", "skip"), ("fire_once", "fire_once"), ("catch_up", "catch_up")])
@@ -170,11 +260,32 @@ class RuntimeEntryForm(forms.Form):
                                         max_value=MAX_CATCH_UP_LIMIT)
     overlap_policy = forms.ChoiceField(required=False, choices=[
         ("", "-"), ("allow", "allow"), ("skip", "skip"), ("buffer_one", "buffer_one")])
+    dst_nonexistent = forms.ChoiceField(required=False, choices=[
+        ("", "-"), ("shift", "shift"), ("gap_end", "gap_end"), ("skip", "skip")],
+        help_text="cron only: what a local time inside a DST gap gets")
+    dst_repeated = forms.ChoiceField(required=False, choices=[
+        ("", "-"), ("first", "first"), ("last", "last"), ("both", "both")],
+        help_text="cron only: what a local time that occurs twice gets")
 
     def params(self) -> dict[str, Any]:
-        """The cleaned values as the CLI's parameters (blank -> None)."""
+        """The cleaned values as the CLI's parameters (blank -> None; ``group`` apart)."""
         return {k: (None if v in ("", None) else v) for k, v in self.cleaned_data.items()
-                if k != "name"}
+                if k not in ("name", "group")}
+
+
+def _keep_masked_secrets(params: dict[str, Any], existing: dict[str, Any]) -> None:
+    """In place: ``args`` / ``kwargs`` given as JSON get each ``"***"`` at a sensitive key
+    replaced by the stored value (:func:`unmask`); text that is not JSON is left for the
+    CLI's validation to report."""
+    for what in ("args", "kwargs"):
+        text = params.get(what)
+        if text is None or MASK not in text:
+            continue
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            continue
+        params[what] = json.dumps(unmask(parsed, existing.get(what)))
 
 
 @admin.register(Entry)
@@ -228,20 +339,35 @@ class EntryAdmin(_ReadOnlyAdmin):
                 return redirect("admin:reliable_beat_entry_change", obj.pk)
         initial = {"name": existing["name"]} if existing else {}
         form = RuntimeEntryForm(request.POST or None, initial=initial)
+        cli = CliContext(app=conf.celery_app(), database_url=conf.store_url(), _store=store)
+        app_zone = cli.app_timezone
+        where = "the Celery app's zone" if cli.app is not None else "no Celery app found"
         if existing is not None:
             form.fields["name"].disabled = True  # the name is the entry's identity
+            form.fields["timezone"].help_text = (
+                f"IANA zone; blank keeps {existing['timezone'] or app_zone}")
+            form.fields["group"].help_text = (
+                f"schedule group; blank keeps {existing.get('schedule_group') or 'none'}")
+            for what in ("args", "kwargs"):
+                form.fields[what].help_text = (
+                    f"JSON {'array' if what == 'args' else 'object'}; blank keeps the stored "
+                    f"{what}. Secrets are shown as {MASK}: a {MASK} left at a secret's key "
+                    "keeps the stored secret; type a new value to change it")
+        else:
+            form.fields["timezone"].help_text = f"IANA zone; blank: {app_zone} ({where})"
         problems: list[str] = []
         if request.method == "POST" and form.is_valid():
             name = existing["name"] if existing else form.cleaned_data["name"]
             params = form.params()
-            cli = CliContext(app=conf.celery_app(), database_url=conf.store_url(),
-                             _store=store)
+            if existing is not None:
+                _keep_masked_secrets(params, existing)
             try:
                 if existing is None and params.get("task") is None:
                     raise EntryValidationError([f"entry {name!r}: task is required"])
                 definition = build_definition(cli, name, params, existing=existing)
-                group = (schedule_group_of(cli.app, cli.settings.schedule_group)
-                         if existing is None and cli.app is not None else None)
+                group = form.cleaned_data.get("group") or None
+                if group is None and existing is None and cli.app is not None:
+                    group = schedule_group_of(cli.app, cli.settings.schedule_group)
                 rb_entries.save_runtime_entry(store, definition, create=existing is None,
                                               schedule_group=group)
             except EntryValidationError as exc:
@@ -258,6 +384,7 @@ class EntryAdmin(_ReadOnlyAdmin):
             "title": f"Edit runtime entry {existing['name']}" if existing
                      else "Add a runtime entry",
             "form": form, "problems": problems, "existing": existing,
+            "existing_schedule": self.schedule_in_words_of(existing) if existing else "",
             "opts": self.model._meta,
         }
         return TemplateResponse(request, self.entry_form_template, context)
@@ -269,6 +396,18 @@ class EntryAdmin(_ReadOnlyAdmin):
 
         # a malformed stored schedule (a quarantined row) is shown as stored, not decoded
         return schedule_text(obj.schedule if obj.schedule is not None else {})
+
+    @staticmethod
+    def schedule_in_words_of(row: dict[str, Any]) -> str:
+        """A stored entry row's schedule as ``entries list`` shows it (``cron '0 2 * * *'
+        Europe/Berlin``), with its zone, misfire and overlap policies."""
+        from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
+        from reliable_beat.cli.entries import schedule_text
+
+        spec = row.get("schedule")
+        return (f"{schedule_text(spec if spec is not None else {})}; zone "
+                f"{row.get('timezone')}; misfire {row.get('misfire_policy')}; overlap "
+                f"{row.get('overlap_policy')}")
 
     @admin.display(description="status")
     def state(self, obj: Entry) -> str:
@@ -285,6 +424,8 @@ class EntryAdmin(_ReadOnlyAdmin):
     def next_fire_local(self, obj: Entry) -> str:
         if obj.next_fire_at is None:
             return "-"
+        if not isinstance(obj.next_fire_at, datetime):  # a MalformedTimestamp: as stored
+            return str(obj.next_fire_at)
         try:
             zone = ZoneInfo(obj.timezone or "UTC")
         except Exception:
@@ -311,7 +452,8 @@ class EntryAdmin(_ReadOnlyAdmin):
             if obj.quarantine_reason:
                 extra["quarantine_note"] = (
                     f"Quarantined {obj.quarantined_at:%Y-%m-%d %H:%M:%S} UTC, it does not fire "
-                    f"until fixed: {obj.quarantine_reason}" if obj.quarantined_at else
+                    f"until fixed: {obj.quarantine_reason}"
+                    if isinstance(obj.quarantined_at, datetime) else
                     f"Quarantined, it does not fire until fixed: {obj.quarantine_reason}")
             try:
                 extra["describe"] = runtime.describe(conf.store(), conf.celery_app(), obj.name)
@@ -426,8 +568,12 @@ class AttemptInline(admin.TabularInline):
     extra = 0
     can_delete = False
     fields = ("attempt", "fence_token", "outcome", "worker", "started_at", "finished_at",
-              "retry_in_seconds", "error")
+              "retry_in_seconds", "error_shown")
     readonly_fields = fields
+
+    @admin.display(description="error")
+    def error_shown(self, obj: Attempt) -> str:
+        return shown_text(obj.error)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         return super().get_queryset(request).using(conf.database_alias())
@@ -442,14 +588,45 @@ class AttemptInline(admin.TabularInline):
         return False
 
 
+class _StoreFieldChecks(ModelAdminChecks):  # type: ignore[misc]
+    """Django's admin checks, with ``date_hierarchy`` on a :class:`StoreDateTimeField` (a
+    ``DateTimeField`` whose internal type differs so that no backend converter reads its
+    text) accepted as the ``DateTimeField`` it is."""
+
+    def _check_date_hierarchy(self, obj: Any) -> list[Any]:
+        field = obj.model._meta.get_field(obj.date_hierarchy) if obj.date_hierarchy else None
+        if isinstance(field, StoreDateTimeField):
+            return []
+        return list(super()._check_date_hierarchy(obj))
+
+
 @admin.register(Run)
 class RunAdmin(_ReadOnlyAdmin):
+    checks_class = _StoreFieldChecks
     list_display = ("idempotency_key", "entry_name", "fire_at", "state", "attempts",
                     "fence_token", "trigger", "finished_at")
     list_filter = ("state", "trigger", "entry_name")
     search_fields = ("idempotency_key", "entry_name", "task")
     date_hierarchy = "created_at"
     inlines = [AttemptInline]
+
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        """The list; its date drill-down is left out while a listed ``created_at`` is not an
+        instant (``'infinity'`` written by hand: Django's drill-down cannot bucket it), and
+        a message says which value; every row is still listed."""
+        from django.db.models import Max, Min
+
+        cl = super().get_changelist_instance(request)
+        if cl.date_hierarchy:
+            span = cl.queryset.aggregate(first=Min("created_at"), last=Max("created_at"))
+            bad = sorted({str(v) for v in span.values() if v is not None and
+                          not isinstance(v, datetime)})
+            if bad:
+                cl.date_hierarchy = None
+                self.message_user(request, "date drill-down off: a run's created_at is not "
+                                  f"an instant ({', '.join(bad)}); fix that row's created_at",
+                                  messages.WARNING)
+        return cl
 
 
 @admin.register(DeadLetter)
@@ -518,7 +695,7 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
 @admin.register(OutboxMessage)
 class OutboxAdmin(_ReadOnlyAdmin):
     list_display = ("id", "message_id", "destination", "schedule_group", "state", "attempts",
-                    "available_at", "sent_at", "last_error")
+                    "available_at", "sent_at", "last_error_shown")
     list_filter = ("state", "destination", "schedule_group")
     search_fields = ("message_id", "destination")
     change_list_template = "admin/reliable_beat/outbox_change_list.html"

@@ -9,9 +9,82 @@ fencing are the same as the CLI's.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+from typing import Any
+
 from django.db import models
 
-__all__ = ["Attempt", "DeadLetter", "Entry", "OutboxMessage", "Process", "Run", "Workflow"]
+__all__ = ["Attempt", "DeadLetter", "Entry", "MalformedTimestamp", "OutboxMessage", "Process",
+           "Run", "StoreDateTimeField", "Workflow", "parse_stored_timestamp"]
+
+
+class MalformedTimestamp(str):
+    """A stored timestamp that is not an instant Python can hold (PostgreSQL ``'infinity'``
+    / ``'-infinity'``, a year after 9999 or BC, SQLite text that is no date), read by
+    :class:`StoreDateTimeField` as the text ``"malformed: <value as stored>"``, so a page
+    shows it instead of failing. ``stored`` is the value as the database returned it."""
+
+    stored: str
+
+    def __new__(cls, stored: str) -> MalformedTimestamp:
+        made = super().__new__(cls, f"malformed: {stored}")
+        made.stored = stored
+        return made
+
+
+def parse_stored_timestamp(value: Any) -> datetime | MalformedTimestamp | None:
+    """A stored timestamp (text or ``datetime``) as a UTC-aware ``datetime``, None for NULL,
+    or a :class:`MalformedTimestamp` holding the text when it is not an instant. A naive
+    value is UTC (the store writes UTC), whatever Django's ``TIME_ZONE``."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        parsed = value
+    else:
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        try:
+            parsed = datetime.fromisoformat(text.strip())
+        except ValueError:
+            return MalformedTimestamp(text)
+    if parsed.tzinfo is None or parsed.utcoffset() is None:
+        return parsed.replace(tzinfo=timezone.utc)
+    try:
+        return parsed.astimezone(timezone.utc)
+    except OverflowError:
+        return MalformedTimestamp(str(value))
+
+
+class StoreDateTimeField(models.DateTimeField):  # type: ignore[type-arg]
+    """A reliable_beat ``UTCDateTime`` column, read so that no stored value fails a page.
+
+    The column is selected as text (PostgreSQL: ``to_json(col) #>> '{}'``, ISO 8601 whatever
+    the session's ``DateStyle``; SQLite: ``CAST(col AS TEXT)``; MySQL/MariaDB:
+    ``CAST(col AS CHAR)``) and parsed by :func:`parse_stored_timestamp`: a valid value reads
+    as a UTC-aware ``datetime``; ``'infinity'``, ``'-infinity'`` or garbage text reads as a
+    :class:`MalformedTimestamp`. Only these unmanaged models use it: Django's connection and
+    the project's own models load timestamps exactly as before (no connection-wide loader).
+    Filters and ordering compare the column itself.
+    """
+
+    def get_internal_type(self) -> str:
+        # not "DateTimeField": the backends' datetime converters (which raise on a value
+        # they cannot parse) must not run on the text that select_format selects
+        return "ReliableBeatStoreDateTimeField"
+
+    def deconstruct(self) -> Any:
+        name, _path, args, kwargs = super().deconstruct()
+        return name, "django.db.models.DateTimeField", args, kwargs  # migrations unchanged
+
+    def select_format(self, compiler: Any, sql: str, params: Any) -> Any:
+        vendor = compiler.connection.vendor
+        if vendor == "postgresql":
+            return f"(to_json({sql}) #>> '{{}}')", params
+        if vendor == "mysql":
+            return f"CAST({sql} AS CHAR)", params
+        return f"CAST({sql} AS TEXT)", params
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        return parse_stored_timestamp(value)
 
 
 class Entry(models.Model):
@@ -32,21 +105,21 @@ class Entry(models.Model):
     overlap_policy = models.CharField(max_length=16)
     enabled = models.BooleanField()
     paused = models.BooleanField()
-    paused_at = models.DateTimeField(null=True)
+    paused_at = StoreDateTimeField(null=True)
     origin = models.CharField(max_length=16)
     #: the schedule group whose beats fire it (NULL: runtime without a group, or pre-groups)
     schedule_group = models.CharField(max_length=200, null=True)
-    disabled_at = models.DateTimeField(null=True)
+    disabled_at = StoreDateTimeField(null=True)
     config_hash = models.CharField(max_length=64, null=True)
-    start_at = models.DateTimeField(null=True)
-    end_at = models.DateTimeField(null=True)
-    next_fire_at = models.DateTimeField(null=True)
-    last_fire_at = models.DateTimeField(null=True)
-    created_at = models.DateTimeField()
-    updated_at = models.DateTimeField()
+    start_at = StoreDateTimeField(null=True)
+    end_at = StoreDateTimeField(null=True)
+    next_fire_at = StoreDateTimeField(null=True)
+    last_fire_at = StoreDateTimeField(null=True)
+    created_at = StoreDateTimeField()
+    updated_at = StoreDateTimeField()
     #: why the beat set the row aside (a malformed stored value), or None; see reliable_beat.rows
     quarantine_reason = models.TextField(null=True)
-    quarantined_at = models.DateTimeField(null=True)
+    quarantined_at = StoreDateTimeField(null=True)
 
     class Meta:
         managed = False
@@ -71,7 +144,7 @@ class Run(models.Model):
 
     idempotency_key = models.CharField(max_length=400, unique=True)
     entry_name = models.CharField(max_length=200, null=True)
-    fire_at = models.DateTimeField(null=True)
+    fire_at = StoreDateTimeField(null=True)
     trigger = models.CharField(max_length=16)
     task = models.CharField(max_length=255)
     args = models.JSONField(default=list)
@@ -79,16 +152,16 @@ class Run(models.Model):
     state = models.CharField(max_length=16)
     fence_token = models.BigIntegerField()
     leased_by = models.CharField(max_length=200, null=True)
-    lease_expires_at = models.DateTimeField(null=True)
+    lease_expires_at = StoreDateTimeField(null=True)
     attempts = models.IntegerField()
     result = models.JSONField(null=True)
     error = models.TextField(null=True)
     reason = models.TextField(null=True)
-    created_at = models.DateTimeField()
-    updated_at = models.DateTimeField()
-    dispatched_at = models.DateTimeField(null=True)
-    started_at = models.DateTimeField(null=True)
-    finished_at = models.DateTimeField(null=True)
+    created_at = StoreDateTimeField()
+    updated_at = StoreDateTimeField()
+    dispatched_at = StoreDateTimeField(null=True)
+    started_at = StoreDateTimeField(null=True)
+    finished_at = StoreDateTimeField(null=True)
 
     class Meta:
         managed = False
@@ -109,8 +182,8 @@ class Attempt(models.Model):
     fence_token = models.BigIntegerField()
     worker = models.CharField(max_length=200, null=True)
     task_id = models.CharField(max_length=64, null=True)
-    started_at = models.DateTimeField()
-    finished_at = models.DateTimeField(null=True)
+    started_at = StoreDateTimeField()
+    finished_at = StoreDateTimeField(null=True)
     outcome = models.CharField(max_length=16)
     error = models.TextField(null=True)
     retry_in_seconds = models.FloatField(null=True)
@@ -136,10 +209,10 @@ class OutboxMessage(models.Model):
     run_id = models.BigIntegerField(null=True)
     state = models.CharField(max_length=16)
     attempts = models.IntegerField()
-    available_at = models.DateTimeField()
+    available_at = StoreDateTimeField()
     claimed_by = models.CharField(max_length=200, null=True)
-    created_at = models.DateTimeField()
-    sent_at = models.DateTimeField(null=True)
+    created_at = StoreDateTimeField()
+    sent_at = StoreDateTimeField(null=True)
     last_error = models.TextField(null=True)
     #: only the relays and beats of this schedule group publish the row (a workflow's
     #: messages, Alembic 0010); NULL: any relay with the destination's handler
@@ -170,8 +243,8 @@ class DeadLetter(models.Model):
     reason = models.CharField(max_length=32)
     error = models.TextField(null=True)
     attempts = models.IntegerField()
-    created_at = models.DateTimeField()
-    requeued_at = models.DateTimeField(null=True)
+    created_at = StoreDateTimeField()
+    requeued_at = StoreDateTimeField(null=True)
     requeued_by = models.CharField(max_length=200, null=True)
 
     class Meta:
@@ -203,21 +276,21 @@ class Workflow(models.Model):
     random_seed = models.BigIntegerField()
     fence_token = models.BigIntegerField()
     leased_by = models.CharField(max_length=200, null=True)
-    lease_expires_at = models.DateTimeField(null=True)
+    lease_expires_at = StoreDateTimeField(null=True)
     wake_seq = models.BigIntegerField()
     claimed_wake_seq = models.BigIntegerField()
     history_len = models.IntegerField()
     history_bytes = models.BigIntegerField()
     advances = models.IntegerField()
-    created_at = models.DateTimeField()
-    updated_at = models.DateTimeField()
-    finished_at = models.DateTimeField(null=True)
+    created_at = StoreDateTimeField()
+    updated_at = StoreDateTimeField()
+    finished_at = StoreDateTimeField(null=True)
     cancel_requested = models.CharField(max_length=16, null=True)
     parent_pk = models.BigIntegerField(null=True)
     parent_run_no = models.IntegerField(null=True)
     parent_seq = models.IntegerField(null=True)
     entry_name = models.CharField(max_length=200, null=True)
-    fire_at = models.DateTimeField(null=True)
+    fire_at = StoreDateTimeField(null=True)
     #: the schedule group of the app that started it (Alembic 0010): only that group's
     #: relays and beats publish its messages
     schedule_group = models.CharField(max_length=200, null=True)
@@ -242,9 +315,9 @@ class Process(models.Model):
     #: NULL: a relay without an app (claims the rows of every group)
     schedule_group = models.CharField(max_length=200, null=True)
     config_hash = models.CharField(max_length=64, null=True)
-    started_at = models.DateTimeField()
-    seen_at = models.DateTimeField()
-    stopped_at = models.DateTimeField(null=True)
+    started_at = StoreDateTimeField()
+    seen_at = StoreDateTimeField()
+    stopped_at = StoreDateTimeField(null=True)
     unregistered = models.JSONField(default=dict)
     #: a relay's handler destinations; NULL for a beat
     destinations = models.JSONField(null=True)

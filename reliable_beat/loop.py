@@ -853,7 +853,7 @@ class BeatLoop:
               count=len(triggers),
               built_ms=round(max(0.0, built[0] - started) * 1000, 2) if built else None,
               ready_ahead_ms=round(max(0.0, group.at - built[0]) * 1000, 2) if built else None,
-              marked_ms=round((done - group.at) * 1000, 2))
+              marked_ms=round((done - group.at) * 1000, 2), claimed_ahead=True)
 
     def _db_now(self, at_least: datetime) -> datetime:
         """The database clock estimated from the last claim (never behind ``at_least``)."""
@@ -915,6 +915,17 @@ class BeatLoop:
                   fire_at=ident["fire_at"], key=t.key, task=t.payload["task"],
                   claim_lateness_ms=round((result.now - t.fire_at).total_seconds() * 1000, 1),
                   lateness_ms=round(lateness * 1000, 1))
+        if triggers:
+            # one event per slot, like a held slot's (the non-held path publishes the slots
+            # already due at the claim: usually one, several after a catch-up)
+            done = time.monotonic()
+            per_slot: dict[datetime, int] = {}
+            for t in triggers:
+                per_slot[t.fire_at] = per_slot.get(t.fire_at, 0) + 1
+            for fire_at, count in sorted(per_slot.items()):
+                event(self.log, logging.INFO, "slots.published", fire_at=format_fire_at(fire_at),
+                      count=count, claimed_ahead=False,
+                      published_ms=round((done - published) * 1000, 2))
         if result.skipped:
             event(self.log, logging.INFO, "slots.skipped", count=result.skipped)
         if result.duplicates:

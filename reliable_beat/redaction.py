@@ -34,6 +34,7 @@ letter's payload keeps what the relay needs; only what is *shown* is redacted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Mapping
@@ -123,6 +124,13 @@ def is_sensitive_name(name: object) -> bool:
     """True when a header, query parameter or JSON key named ``name`` holds a secret."""
     if not isinstance(name, str):
         return False
+    return _sensitive_str(name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sensitive_str(name: str) -> bool:
+    # cached: the same few keys come back for every row of a large JSON document
+    # (``reliable-beat status --json`` on 20,000 entries asks 280,000 times)
     if name.lower() in SENSITIVE_HEADERS:
         return True
     n = _norm(name)

@@ -56,6 +56,8 @@ DEFAULT_OUTBOX_STUCK_MINUTES = 10.0
 #: ``--check`` alarms on a schedule group's pending rows due this many seconds while no live
 #: relay or beat of the group runs (nothing will ever publish them).
 DEFAULT_UNSERVED_SECONDS = 60.0
+#: The text output of ``status`` lists at most this many entries (``--rows``), then a count.
+DEFAULT_ENTRY_ROWS = 50
 #: Triggers dispatched within this many hours are looked at for "never started by a worker".
 UNSTARTED_WINDOW_HOURS = 24.0
 
@@ -158,6 +160,7 @@ def collect_status(
         :func:`undelivered_outbox`),
         "unserved_outbox": [{"group", "rows", "destinations", "due_since", "last_seen_at",
         "served_groups"}] (see :func:`reliable_beat.groups.unserved_outbox`),
+        "entry_counts": {status: number of entries} (every entry, disabled ones too),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
         "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
         ended | quarantined | malformed: a value that cannot be read, before a beat
@@ -397,6 +400,7 @@ def collect_status(
         "store_id": sid,
         "now": now,
         "entries": out_entries,
+        "entry_counts": _count_by_status(out_entries),
         "missed": missed,
         "outbox": backlog,
         "dead_letters": int(dead_total),
@@ -414,6 +418,13 @@ def collect_status(
         "warnings": warnings,
         "ok": not problems,
     }
+
+
+def _count_by_status(rows: list[dict[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for e in rows:
+        counts[e["status"]] = counts.get(e["status"], 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _unstarted(
@@ -472,6 +483,26 @@ def _unstarted(
     return out, True, between
 
 
+def _bounded_entries(info: dict[str, Any], limit: int | None
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(shown, rest)``: at most ``limit`` entries (None: all), those needing attention
+    (missed, never started, failing, dead, quarantined, malformed, recently disabled)
+    first, each part in name order. Linear in the number of entries."""
+    rows = info["entries"]
+    if limit is None or len(rows) <= limit:
+        return rows, []
+    unstarted = info["unstarted"]
+    recent = set(info["recently_disabled"])
+
+    def urgent(e: dict[str, Any]) -> bool:
+        return bool(e["missed"] or e["failing"] or e["dead"] or e["name"] in unstarted
+                    or e["status"] in ("quarantined", "malformed") or e["name"] in recent)
+
+    first = [e for e in rows if urgent(e)]
+    ordered = first + [e for e in rows if not urgent(e)]
+    return ordered[:limit], ordered[limit:]
+
+
 def _fmt(at: datetime | None) -> str:
     if infinity_text(at) is not None:  # PostgreSQL 'infinity' (a malformed row)
         return str(infinity_text(at))
@@ -501,11 +532,23 @@ def _secs(value: float | None) -> str:
               default=DEFAULT_UNSERVED_SECONDS, show_default=True,
               help="Seconds: a schedule group's pending outbox rows due this long while no "
                    "live relay or beat of the group runs are an alarm.")
-@click.option("--all", "show_all", is_flag=True, help="Include disabled entries.")
+@click.option("--all", "show_all", is_flag=True,
+              help="Include disabled entries, and list every entry in the text output (not "
+                   f"only the first {DEFAULT_ENTRY_ROWS} and a summary).")
+@click.option("--rows", "max_rows", type=click.IntRange(min=0), default=DEFAULT_ENTRY_ROWS,
+              show_default=True,
+              help="Text output: list at most this many entries (those needing attention "
+                   "first), then a count of the rest by status. --all lifts the bound.")
 @pass_cli
 def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all: bool,
-           disabled_within: float, outbox_stuck: float, unserved_after: float) -> None:
-    """Entries (next fire, last slot, state, lag, failing/dead), outbox backlog, alarms."""
+           disabled_within: float, outbox_stuck: float, unserved_after: float,
+           max_rows: int) -> None:
+    """Entries (next fire, last slot, state, lag, failing/dead), outbox backlog, alarms.
+
+    The text output lists at most ``--rows`` entries, those needing attention first
+    (missed, never started, failing, dead, quarantined, malformed, recently disabled), then
+    a count of the others by status; ``--all`` lists every one. ``--json`` always carries
+    every entry (and ``entry_counts``: entries per status)."""
     try:
         info = collect_status(cli.store, margin_seconds=margin,
                               disabled_within_minutes=disabled_within,
@@ -529,6 +572,7 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
             click.secho(f"!! {problem}", fg="red", bold=True)
         for warning in info["warnings"]:
             click.secho(f"!  {warning}", fg="yellow")
+        shown, rest = _bounded_entries(info, None if show_all else max_rows)
         header = ("ENTRY", "GROUP", "STATUS", "NEXT", "LAST SLOT", "STATE", "LAG", "FAILING",
                   "DEAD")
         table = [header] + [
@@ -539,11 +583,22 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
              e["status"] + (f" {_fmt(e['disabled_at'])}" if e["disabled_at"] else ""),
              _fmt(e["next_fire_at"]), _fmt(e["last_fire_at"]), e["last_state"] or "-",
              _secs(e["lag_seconds"]), str(e["failing"]), str(e["dead"]))
-            for e in info["entries"]
+            for e in shown
         ]
         widths = [max(len(line[i]) for line in table) for i in range(len(header))]
         for line in table:
             click.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(info["entry_counts"].items()))
+        if rest:
+            by_status: dict[str, int] = {}
+            for e in rest:
+                by_status[e["status"]] = by_status.get(e["status"], 0) + 1
+            click.echo(f"... and {len(rest)} more entries ("
+                       + ", ".join(f"{n} {k}" for k, n in sorted(by_status.items()))
+                       + "): `reliable-beat status --all` lists every one, "
+                       "`reliable-beat status --json` gives them all as data")
+        click.echo(f"entries: {len(shown)} shown of {sum(info['entry_counts'].values())}"
+                   f" ({counts or 'none'})")
         if info["outbox"]:
             click.echo("\noutbox:")
             for o in info["outbox"]:

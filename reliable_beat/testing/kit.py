@@ -33,7 +33,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 from reliable_beat.db.tables import attempts as attempts_table
 from reliable_beat.db.tables import runs as runs_table
-from reliable_beat.errors import LeaseHeldError, StaleFenceToken
+from reliable_beat.errors import IdempotencyKeyError, LeaseHeldError, StaleFenceToken
 
 __all__ = [
     "Evidence",
@@ -425,6 +425,18 @@ class _Session:
 
     def check_one_set(self, what: str) -> None:
         ev = self.evidence
+        errors = self.calls.errors
+        if (ev.effects != ev.per_run and ev.outcomes and len(errors) == len(ev.outcomes)
+                and not any(o in ("succeeded", "deduplicated") for o in ev.outcomes)):
+            # every call raised: that error, not the probe, is the news (the headline used
+            # to say "the probe saw nothing" and hide e.g. an IdempotencyKeyError)
+            last = errors[-1]
+            raise self.fail(
+                f"{what}: every call raised, none ran the body to its commit: "
+                f"{type(last).__name__}: {last}"
+                + (" (pass key=... to the helper, or give the task idempotency_key_for)"
+                   if isinstance(last, IdempotencyKeyError) else "")
+            )
         if ev.effects != ev.per_run:
             raise self.fail(
                 f"{what} produced {ev.effects} effects; one set is {ev.per_run}"

@@ -128,3 +128,18 @@ def test_slots_published_log_fields_are_never_negative(
     assert fields["built_ms"] >= 0, record.getMessage()
     assert fields["ready_ahead_ms"] > 0, record.getMessage()  # held ~2 s for its slot
     assert fields["marked_ms"] >= 0, record.getMessage()
+
+
+def test_every_published_batch_logs_slots_published(
+    scheduler: Any, pg_store: Store, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The non-held path (slots already due at the claim) logs ``slots.published`` too:
+    a fresh user saw 2 such lines for 20,000 published slots (only held groups logged)."""
+    _seed(pg_store, ["due-a", "due-b", "due-c"], -1)  # due now: published at the claim
+    with caplog.at_level(logging.INFO, logger="reliable_beat"):
+        scheduler.loop._claim()
+    assert scheduler.loop._held == {}
+    assert _queued(redis_url) == ["due-a", "due-b", "due-c"]
+    records = [r for r in caplog.records if getattr(r, "event", None) == "slots.published"]
+    assert [(r.__dict__["count"], r.__dict__["claimed_ahead"]) for r in records] == [
+        (3, False)], [r.getMessage() for r in records]

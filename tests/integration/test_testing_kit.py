@@ -182,6 +182,20 @@ def test_probe_that_sees_nothing_fails_visibly(sqlite_tasks: Tasks) -> None:
                       effects=lambda: "two")  # type: ignore[arg-type,return-value]
 
 
+def test_run_twice_headline_names_the_error_every_call_raised(sqlite_tasks: Tasks) -> None:
+    """A task with no idempotency key (no ``key=``, no ``idempotency_key_for``): both calls
+    raise IdempotencyKeyError; the headline says so instead of "the probe saw nothing"."""
+    with pytest.raises(rbt.QuestionFailed) as caught:
+        rbt.run_twice(sqlite_tasks.tasks["correct"], ("m7",),
+                      effects=sqlite_tasks.probe("correct", "m7"))
+    headline = str(caught.value).splitlines()[0]
+    assert headline.startswith("[can it run twice?] "), headline
+    assert "IdempotencyKeyError" in headline, headline
+    assert "every call raised" in headline, headline
+    assert "probe saw nothing" not in headline, headline
+    assert caught.value.evidence.outcomes == ["IdempotencyKeyError"] * 2
+
+
 def test_call_with_explicit_key_and_eager_delay(sqlite_tasks: Tasks) -> None:
     task = sqlite_tasks.tasks["correct"]
     with pytest.raises(IdempotencyKeyError):

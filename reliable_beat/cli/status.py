@@ -21,7 +21,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import click
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.engine import Connection
 
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
@@ -35,6 +35,7 @@ from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
     "collect_status",
+    "framework_name",
     "jsonable",
     "outbox_backlog",
     "quarantine_counts",
@@ -119,6 +120,7 @@ def collect_status(
     redispatch_seconds: float = 120.0,
     outbox_stuck_minutes: float = DEFAULT_OUTBOX_STUCK_MINUTES,
     unserved_seconds: float = DEFAULT_UNSERVED_SECONDS,
+    framework: str | None = None,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -137,6 +139,8 @@ def collect_status(
         unserved_seconds: pending rows of a schedule group due this many seconds while no
             live relay or beat of that group runs are an alarm, per group (see
             :func:`reliable_beat.groups.unserved_outbox`; liveness: ``beat_alive_seconds``).
+        framework: the app's framework (``"celery"``, ``"dramatiq"``, ...; see
+            :func:`framework_name`), for advice in its terms; None: neutral advice.
 
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
@@ -146,7 +150,11 @@ def collect_status(
         within ``redispatch_seconds``, for entries with no started trigger, or with an
         unstarted one later than their first started one}, "unstarted_between": [entries
         of those whose latest unstarted trigger is older than a started one: reported as
-        UNSTARTED BETWEEN STARTED, not NEVER STARTED], "groups": [...] (see
+        UNSTARTED BETWEEN STARTED, not NEVER STARTED], "unstarted_stalled": [the others
+        that have a started trigger at any time (ran before, then stopped being started:
+        STALLED, workers down or behind), not NEVER STARTED], "last_started_at": {entry:
+        UTC datetime of its latest recorded start, for those of "unstarted" that ever
+        started}, "groups": [...] (see
         :func:`~reliable_beat.groups.group_health`),
         "recently_disabled":
         [names], "unregistered": {entry: task},
@@ -219,6 +227,7 @@ def collect_status(
         backlog = outbox_backlog(conn, now)
         groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
         unstarted, starts_recorded, between = _unstarted(conn, now, redispatch_seconds)
+        last_started = _last_started(conn, [n for n in unstarted if n not in between])
         quarantined_rows = quarantine_counts(conn)
         from reliable_beat.rows import unknown_state_runs
 
@@ -340,14 +349,28 @@ def collect_status(
             "'succeeded' by SQL); otherwise check the task's effects, then set 'retrying' "
             "(it runs again, its key deduplicates) or 'dead'"
         )
-    never = sorted(n for n in unstarted if n not in between)
+    never = sorted(n for n in unstarted if n not in between and n not in last_started)
     if never:
         problems.append(
             f"NEVER STARTED: the triggers of {len(never)} entries were not started by any "
-            f"worker within {redispatch_seconds:g} s ({', '.join(never[:10])}"
-            f"{', ...' if len(never) > 10 else ''}): no worker registers the task (a typo? a "
-            "removed task?) or none consumes its queue. `reliable-beat entries describe NAME` "
-            "shows the task; `celery -A APP inspect registered` what workers know."
+            f"worker within {redispatch_seconds:g} s, and no trigger of theirs ever started "
+            f"({', '.join(never[:10])}{', ...' if len(never) > 10 else ''}): no worker "
+            "registers the task (a typo? a removed task?) or none consumes its queue. "
+            "`reliable-beat entries describe NAME` shows the task; "
+            f"{_worker_advice(framework, registered=True)}."
+        )
+    stalled = sorted(n for n in unstarted if n not in between and n in last_started)
+    if stalled:
+        waiting = sum(unstarted[n] for n in stalled)
+        ran = ", ".join(f"{n} last ran {_fmt(last_started[n])}" for n in stalled[:10])
+        problems.append(
+            f"STALLED: {waiting} triggers of {len(stalled)} entries that ran before "
+            f"({ran}{', ...' if len(stalled) > 10 else ''}) were not started by any worker "
+            f"within {redispatch_seconds:g} s: are their workers down or behind (a backlog "
+            "in their queue)? (Or the task was renamed or removed since it last ran.) "
+            f"{_worker_advice(framework, registered=False)}; `reliable-beat runs --entry NAME "
+            "--state dispatched` lists the waiting triggers (the re-dispatch sweep re-sends "
+            "them; their idempotency keys deduplicate)."
         )
     gaps = sorted(between)
     if gaps:
@@ -403,6 +426,8 @@ def collect_status(
         "groups": groups,
         "unstarted": unstarted,
         "unstarted_between": sorted(between),
+        "unstarted_stalled": stalled,
+        "last_started_at": last_started,
         "recently_disabled": recent,
         "unregistered": unregistered,
         "quarantined": quarantined,
@@ -424,7 +449,9 @@ def _unstarted(
     than their latest unstarted one})``.
 
     A trigger counts when it is ``dispatched``, was dispatched between the window's start
-    and ``now - redispatch_seconds``, and has no ``started_at`` (an ``IdempotentTask``'s
+    and ``now - redispatch_seconds`` (or was re-dispatched already: the sweep re-sends it
+    and moves its ``dispatched_at`` to then, yet it waited that long), and has no
+    ``started_at`` (an ``IdempotentTask``'s
     claim sets it; :mod:`reliable_beat.celery.acks` sets it for plain tasks). An entry is
     reported when it has no started trigger in the window, or when such a trigger is later
     than its first started one (its workers can start it, yet some triggers went unstarted:
@@ -442,7 +469,7 @@ def _unstarted(
         (name, (int(n), _utc(latest))) for name, n, latest in conn.execute(
             select(runs.c.entry_name, func.count(), func.max(runs.c.dispatched_at))
             .where(recent, runs.c.state == "dispatched", runs.c.started_at.is_(None),
-                   runs.c.dispatched_at <= hi)
+                   or_(runs.c.dispatched_at <= hi, runs.c.redispatches > 0))
             .group_by(runs.c.entry_name)
         ).all()
     )
@@ -470,6 +497,47 @@ def _unstarted(
             if last is not None and latest is not None and latest < last:
                 between.add(name)
     return out, True, between
+
+
+def _last_started(conn: Connection, names: list[str]) -> dict[str, datetime]:
+    """``{entry: its latest recorded trigger start, at any time}`` for those of ``names``
+    that ever started one (the others never ran: NEVER STARTED)."""
+    if not names:
+        return {}
+    rows = conn.execute(
+        select(runs.c.entry_name, func.max(runs.c.started_at))
+        .where(runs.c.entry_name.in_(names), runs.c.started_at.is_not(None))
+        .group_by(runs.c.entry_name)
+    ).all()
+    return {name: at for name, last in rows if (at := _utc(last)) is not None}
+
+
+def framework_name(app: Any) -> str | None:
+    """The top-level package of ``app``'s class (``"celery"``, ``"dramatiq"`` ...), by its
+    type's MRO; None when there is no app (no ``-A``)."""
+    if app is None:
+        return None
+    for cls in type(app).__mro__:
+        top = (getattr(cls, "__module__", "") or "").partition(".")[0]
+        if top and top != "builtins":
+            return top
+    return None
+
+
+def _worker_advice(framework: str | None, *, registered: bool) -> str:
+    """Where to look at the workers, in the app's framework's terms."""
+    if framework == "celery":
+        return ("`celery -A APP inspect registered` shows what workers know" if registered
+                else "`celery -A APP inspect active_queues` shows which workers consume "
+                "which queues, `celery -A APP inspect active` what they run now")
+    if framework == "dramatiq":
+        return ("check that a `dramatiq` worker process runs with the module that declares "
+                "the actor, on the actor's queue" if registered
+                else "check that the `dramatiq` worker processes run and consume the actor's "
+                "queue (its depth in the broker tells behind from down)")
+    return ("check that a worker of the app runs with the module that declares the task"
+            if registered else "check that the app's workers run and consume the task's "
+            "queue (its depth in the broker tells behind from down)")
 
 
 def _fmt(at: datetime | None) -> str:
@@ -511,7 +579,8 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                               disabled_within_minutes=disabled_within,
                               redispatch_seconds=cli.settings.redispatch_seconds,
                               outbox_stuck_minutes=outbox_stuck,
-                              unserved_seconds=unserved_after)
+                              unserved_seconds=unserved_after,
+                              framework=framework_name(cli.app))
     except StoreUnavailableError as exc:
         fail(str(exc), 1, kind="store_unavailable")
     info["store_from"] = cli.settings.database_url_origin  # e.g. Django DATABASES['default']
@@ -534,6 +603,7 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         table = [header] + [
             (e["name"] + (" (MISSED)" if e["missed"] else "")
              + ((" (UNSTARTED)" if e["name"] in info["unstarted_between"]
+                 else " (STALLED)" if e["name"] in info["unstarted_stalled"]
                  else " (NEVER STARTED)") if e["name"] in info["unstarted"] else ""),
              e["schedule_group"] or "-",
              e["status"] + (f" {_fmt(e['disabled_at'])}" if e["disabled_at"] else ""),

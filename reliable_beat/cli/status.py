@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import dead_letters, entries, outbox, runs
+from reliable_beat.db.tables import attempts, dead_letters, entries, outbox, runs
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import group_health, unserved_outbox
@@ -42,6 +42,7 @@ __all__ = [
     "register",
     "status",
     "undelivered_outbox",
+    "waiting_retries",
 ]
 
 #: Extra slack (seconds) on top of an entry's ``misfire_grace`` before a due entry counts as
@@ -121,6 +122,7 @@ def collect_status(
     outbox_stuck_minutes: float = DEFAULT_OUTBOX_STUCK_MINUTES,
     unserved_seconds: float = DEFAULT_UNSERVED_SECONDS,
     framework: str | None = None,
+    retry_cap_seconds: float = 600.0,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -141,6 +143,9 @@ def collect_status(
             :func:`reliable_beat.groups.unserved_outbox`; liveness: ``beat_alive_seconds``).
         framework: the app's framework (``"celery"``, ``"dramatiq"``, ...; see
             :func:`framework_name`), for advice in its terms; None: neutral advice.
+        retry_cap_seconds: ``reliable_beat_retry_cap_seconds``: with ``redispatch_seconds``
+            it says when the re-dispatch sweep re-sends a ``retrying`` run (see
+            :func:`waiting_retries`).
 
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
@@ -166,6 +171,8 @@ def collect_status(
         :func:`undelivered_outbox`),
         "unserved_outbox": [{"group", "rows", "destinations", "due_since", "last_seen_at",
         "served_groups"}] (see :func:`reliable_beat.groups.unserved_outbox`),
+        "waiting_retries": {"count", "runs": [...]} (``retrying`` runs whose retry is
+        overdue, see :func:`waiting_retries`),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
         "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
         ended | quarantined | malformed: a value that cannot be read, before a beat
@@ -235,6 +242,9 @@ def collect_status(
         undelivered = undelivered_outbox(conn, now, outbox_stuck_minutes)
         unserved = unserved_outbox(conn, now, due_seconds=unserved_seconds,
                                    alive_seconds=beat_alive_seconds)
+        n_waiting, waiting_runs = waiting_retries(conn, now,
+                                                  redispatch_seconds=redispatch_seconds,
+                                                  retry_cap_seconds=retry_cap_seconds)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
@@ -372,6 +382,25 @@ def collect_status(
             "--state dispatched` lists the waiting triggers (the re-dispatch sweep re-sends "
             "them; their idempotency keys deduplicate)."
         )
+    if n_waiting:
+        shown = "; ".join(
+            f"{w['key']}: retry due {_fmt(w['retry_due_at'])}"
+            + ("" if w["retry_scheduled"] else " (no retry was scheduled: its attempt was "
+               "fenced out, e.g. `lease clear`)")
+            + (f", the re-dispatch sweep re-sends it at about {_fmt(w['resend_at'])}"
+               if w["resend_at"] is not None else ", it has no trigger row: nothing "
+               "re-sends it")
+            for w in waiting_runs)
+        problems.append(
+            f"RETRY OVERDUE: {n_waiting} runs wait in `retrying` more than "
+            f"{redispatch_seconds:g} s past their retry time ({shown}"
+            f"{'; ...' if n_waiting > len(waiting_runs) else ''}). A fenced-out attempt "
+            "sends no retry (the fence says a newer runner owns the run), so after "
+            "`lease clear` only the sweep re-sends it, redispatch_seconds + "
+            "retry_cap_seconds after (doubling per re-send); otherwise its retry message was "
+            "lost or the workers are down or behind. `reliable-beat runs show KEY` shows "
+            "each."
+        )
     gaps = sorted(between)
     if gaps:
         problems.append(
@@ -435,6 +464,7 @@ def collect_status(
         "malformed_run_states": {"count": n_bad_runs, "keys": bad_runs},
         "undelivered_outbox": undelivered,
         "unserved_outbox": unserved,
+        "waiting_retries": {"count": n_waiting, "runs": waiting_runs},
         "problems": problems,
         "warnings": warnings,
         "ok": not problems,
@@ -497,6 +527,72 @@ def _unstarted(
             if last is not None and latest is not None and latest < last:
                 between.add(name)
     return out, True, between
+
+
+def waiting_retries(conn: Connection, now: datetime, *, redispatch_seconds: float,
+                    retry_cap_seconds: float, limit: int = 10) -> tuple[int, list[dict[str, Any]]]:
+    """``retrying`` runs no worker took up ``redispatch_seconds`` after their retry time.
+
+    A run's retry time is its latest attempt's ``finished_at + retry_in_seconds`` (the
+    worker scheduled that retry), or, when none was scheduled (the attempt was fenced out,
+    e.g. by ``reliable-beat lease clear``, which sets the run ``retrying`` and sends
+    nothing), when the run became ``retrying`` (``updated_at``); a later re-send by the
+    sweep (which moves ``updated_at``) counts from then. Workflow activities (keys
+    ``wf:...``) are the workflow sweep's and left out.
+
+    Args:
+        conn: a connection to the store.
+        now: the store's clock (UTC).
+        redispatch_seconds: grace after the retry time (``reliable_beat_redispatch_seconds``).
+        retry_cap_seconds: ``reliable_beat_retry_cap_seconds`` (the sweep re-sends a
+            ``retrying`` run ``(redispatch_seconds + retry_cap_seconds) * 2**k`` after its
+            ``updated_at``, k = its re-sends, capped).
+
+    Returns:
+        ``(count, runs)``: how many, and the ``limit`` longest overdue as ``{"key",
+        "entry", "retry_due_at", "retry_scheduled" (bool), "resend_at" (UTC datetime of the
+        sweep's next re-send; None: the run has no trigger row, nothing re-sends it)}``.
+    """
+    from reliable_beat.beat import TRIGGER_DESTINATIONS, trigger_message_id
+    from reliable_beat.redispatch import backoff_wait
+
+    grace = timedelta(seconds=redispatch_seconds)
+    latest = (select(func.max(attempts.c.id)).where(attempts.c.run_id == runs.c.id)
+              .correlate(runs).scalar_subquery())
+    rows = conn.execute(
+        select(runs.c.idempotency_key, runs.c.entry_name, runs.c.updated_at,
+               runs.c.redispatches, attempts.c.finished_at, attempts.c.retry_in_seconds)
+        .select_from(runs.outerjoin(attempts, attempts.c.id == latest))
+        .where(runs.c.state == "retrying", runs.c.updated_at <= now - grace,
+               ~runs.c.idempotency_key.startswith("wf:"))
+    ).all()
+    overdue: list[dict[str, Any]] = []
+    for key, entry, updated_at, resends, finished_at, retry_in in rows:
+        updated = _utc(updated_at)
+        if updated is None:
+            continue
+        due = updated
+        finished = _utc(finished_at)
+        scheduled = retry_in is not None and finished is not None
+        if scheduled and finished is not None:
+            due = max(due, finished + timedelta(seconds=float(retry_in)))
+        if due + grace > now:
+            continue
+        wait = backoff_wait(timedelta(seconds=redispatch_seconds + retry_cap_seconds),
+                            int(resends or 0))
+        overdue.append({"key": key, "entry": entry, "retry_due_at": due,
+                        "retry_scheduled": scheduled, "resend_at": updated + wait})
+    overdue.sort(key=lambda w: (w["retry_due_at"], w["key"]))
+    shown = overdue[:limit]
+    if shown:
+        found = {m for (m,) in conn.execute(
+            select(outbox.c.message_id).where(
+                outbox.c.message_id.in_([trigger_message_id(w["key"]) for w in shown]),
+                outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS))))}
+        for w in shown:
+            if trigger_message_id(w["key"]) not in found:
+                w["resend_at"] = None
+    return len(overdue), shown
 
 
 def _last_started(conn: Connection, names: list[str]) -> dict[str, datetime]:
@@ -580,7 +676,8 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                               redispatch_seconds=cli.settings.redispatch_seconds,
                               outbox_stuck_minutes=outbox_stuck,
                               unserved_seconds=unserved_after,
-                              framework=framework_name(cli.app))
+                              framework=framework_name(cli.app),
+                              retry_cap_seconds=cli.settings.retry_cap_seconds)
     except StoreUnavailableError as exc:
         fail(str(exc), 1, kind="store_unavailable")
     info["store_from"] = cli.settings.database_url_origin  # e.g. Django DATABASES['default']

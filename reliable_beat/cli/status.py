@@ -378,7 +378,8 @@ def collect_status(
             f"({ran}{', ...' if len(stalled) > 10 else ''}) were not started by any worker "
             f"within {redispatch_seconds:g} s: are their workers down or behind (a backlog "
             "in their queue)? (Or the task was renamed or removed since it last ran.) "
-            f"{_worker_advice(framework, registered=False)}; `reliable-beat runs --entry NAME "
+            f"{_capital(_worker_advice(framework, registered=False))}; `reliable-beat runs "
+            "--entry NAME "
             "--state dispatched` lists the waiting triggers (the re-dispatch sweep re-sends "
             "them; their idempotency keys deduplicate)."
         )
@@ -387,9 +388,11 @@ def collect_status(
             f"{w['key']}: retry due {_fmt(w['retry_due_at'])}"
             + ("" if w["retry_scheduled"] else " (no retry was scheduled: its attempt was "
                "fenced out, e.g. `lease clear`)")
-            + (f", the re-dispatch sweep re-sends it at about {_fmt(w['resend_at'])}"
-               if w["resend_at"] is not None else ", it has no trigger row: nothing "
-               "re-sends it")
+            + (", it has no trigger row: nothing re-sends it" if w["resend_at"] is None
+               else f", the re-dispatch sweep re-sends it at about {_fmt(w['resend_at'])}"
+               if w["resend_at"] > now
+               else f", the re-dispatch sweep was due to re-send it at {_fmt(w['resend_at'])}"
+               " (does any beat or relay of its group run?)")
             for w in waiting_runs)
         problems.append(
             f"RETRY OVERDUE: {n_waiting} runs wait in `retrying` more than "
@@ -618,6 +621,10 @@ def framework_name(app: Any) -> str | None:
         if top and top != "builtins":
             return top
     return None
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _worker_advice(framework: str | None, *, registered: bool) -> str:

@@ -81,6 +81,8 @@ def test_retry_overdue_after_lease_clear(pg_store: Store) -> None:
     assert "2 runs" in overdue[0] and "pay@1" in overdue[0] and "pay@2" in overdue[0]
     assert "pay@3" not in overdue[0]
     assert "fenced out" in overdue[0] and "re-sends it at about" in overdue[0]
+    # pay@2 became retrying 15 min ago: the sweep (120 + 600 s) was due already
+    assert "was due to re-send it at" in overdue[0]
     assert not info["ok"]
     result = CliRunner().invoke(reliable_beat, ["--database-url", pg_store.url, "status",
                                                 "--check"], catch_exceptions=False)

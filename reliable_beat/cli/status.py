@@ -21,12 +21,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import click
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.engine import Connection
 
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import dead_letters, entries, outbox, runs
+from reliable_beat.db.tables import attempts, dead_letters, entries, outbox, runs
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import group_health, unserved_outbox
@@ -35,12 +35,14 @@ from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
     "collect_status",
+    "framework_name",
     "jsonable",
     "outbox_backlog",
     "quarantine_counts",
     "register",
     "status",
     "undelivered_outbox",
+    "waiting_retries",
 ]
 
 #: Extra slack (seconds) on top of an entry's ``misfire_grace`` before a due entry counts as
@@ -121,6 +123,8 @@ def collect_status(
     redispatch_seconds: float = 120.0,
     outbox_stuck_minutes: float = DEFAULT_OUTBOX_STUCK_MINUTES,
     unserved_seconds: float = DEFAULT_UNSERVED_SECONDS,
+    framework: str | None = None,
+    retry_cap_seconds: float = 600.0,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -139,6 +143,11 @@ def collect_status(
         unserved_seconds: pending rows of a schedule group due this many seconds while no
             live relay or beat of that group runs are an alarm, per group (see
             :func:`reliable_beat.groups.unserved_outbox`; liveness: ``beat_alive_seconds``).
+        framework: the app's framework (``"celery"``, ``"dramatiq"``, ...; see
+            :func:`framework_name`), for advice in its terms; None: neutral advice.
+        retry_cap_seconds: ``reliable_beat_retry_cap_seconds``: with ``redispatch_seconds``
+            it says when the re-dispatch sweep re-sends a ``retrying`` run (see
+            :func:`waiting_retries`).
 
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
@@ -148,7 +157,11 @@ def collect_status(
         within ``redispatch_seconds``, for entries with no started trigger, or with an
         unstarted one later than their first started one}, "unstarted_between": [entries
         of those whose latest unstarted trigger is older than a started one: reported as
-        UNSTARTED BETWEEN STARTED, not NEVER STARTED], "groups": [...] (see
+        UNSTARTED BETWEEN STARTED, not NEVER STARTED], "unstarted_stalled": [the others
+        that have a started trigger at any time (ran before, then stopped being started:
+        STALLED, workers down or behind), not NEVER STARTED], "last_started_at": {entry:
+        UTC datetime of its latest recorded start, for those of "unstarted" that ever
+        started}, "groups": [...] (see
         :func:`~reliable_beat.groups.group_health`),
         "recently_disabled":
         [names], "unregistered": {entry: task},
@@ -161,6 +174,8 @@ def collect_status(
         "unserved_outbox": [{"group", "rows", "destinations", "due_since", "last_seen_at",
         "served_groups"}] (see :func:`reliable_beat.groups.unserved_outbox`),
         "entry_counts": {status: number of entries} (every entry, disabled ones too),
+        "waiting_retries": {"count", "runs": [...]} (``retrying`` runs whose retry is
+        overdue, see :func:`waiting_retries`),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
         "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
         ended | quarantined | malformed: a value that cannot be read, before a beat
@@ -222,6 +237,7 @@ def collect_status(
         backlog = outbox_backlog(conn, now)
         groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
         unstarted, starts_recorded, between = _unstarted(conn, now, redispatch_seconds)
+        last_started = _last_started(conn, [n for n in unstarted if n not in between])
         quarantined_rows = quarantine_counts(conn)
         from reliable_beat.rows import unknown_state_runs
 
@@ -229,6 +245,9 @@ def collect_status(
         undelivered = undelivered_outbox(conn, now, outbox_stuck_minutes)
         unserved = unserved_outbox(conn, now, due_seconds=unserved_seconds,
                                    alive_seconds=beat_alive_seconds)
+        n_waiting, waiting_runs = waiting_retries(conn, now,
+                                                  redispatch_seconds=redispatch_seconds,
+                                                  retry_cap_seconds=retry_cap_seconds)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
@@ -343,14 +362,50 @@ def collect_status(
             "'succeeded' by SQL); otherwise check the task's effects, then set 'retrying' "
             "(it runs again, its key deduplicates) or 'dead'"
         )
-    never = sorted(n for n in unstarted if n not in between)
+    never = sorted(n for n in unstarted if n not in between and n not in last_started)
     if never:
         problems.append(
             f"NEVER STARTED: the triggers of {len(never)} entries were not started by any "
-            f"worker within {redispatch_seconds:g} s ({', '.join(never[:10])}"
-            f"{', ...' if len(never) > 10 else ''}): no worker registers the task (a typo? a "
-            "removed task?) or none consumes its queue. `reliable-beat entries describe NAME` "
-            "shows the task; `celery -A APP inspect registered` what workers know."
+            f"worker within {redispatch_seconds:g} s, and no trigger of theirs ever started "
+            f"({', '.join(never[:10])}{', ...' if len(never) > 10 else ''}): no worker "
+            "registers the task (a typo? a removed task?) or none consumes its queue. "
+            "`reliable-beat entries describe NAME` shows the task; "
+            f"{_worker_advice(framework, registered=True)}."
+        )
+    stalled = sorted(n for n in unstarted if n not in between and n in last_started)
+    if stalled:
+        waiting = sum(unstarted[n] for n in stalled)
+        ran = ", ".join(f"{n} last ran {_fmt(last_started[n])}" for n in stalled[:10])
+        problems.append(
+            f"STALLED: {waiting} triggers of {len(stalled)} entries that ran before "
+            f"({ran}{', ...' if len(stalled) > 10 else ''}) were not started by any worker "
+            f"within {redispatch_seconds:g} s: are their workers down or behind (a backlog "
+            "in their queue)? (Or the task was renamed or removed since it last ran.) "
+            f"{_capital(_worker_advice(framework, registered=False))}; `reliable-beat runs "
+            "--entry NAME "
+            "--state dispatched` lists the waiting triggers (the re-dispatch sweep re-sends "
+            "them; their idempotency keys deduplicate)."
+        )
+    if n_waiting:
+        shown = "; ".join(
+            f"{w['key']}: retry due {_fmt(w['retry_due_at'])}"
+            + ("" if w["retry_scheduled"] else " (no retry was scheduled: its attempt was "
+               "fenced out, e.g. `lease clear`)")
+            + (", it has no trigger row: nothing re-sends it" if w["resend_at"] is None
+               else f", the re-dispatch sweep re-sends it at about {_fmt(w['resend_at'])}"
+               if w["resend_at"] > now
+               else f", the re-dispatch sweep was due to re-send it at {_fmt(w['resend_at'])}"
+               " (does any beat or relay of its group run?)")
+            for w in waiting_runs)
+        problems.append(
+            f"RETRY OVERDUE: {n_waiting} runs wait in `retrying` more than "
+            f"{redispatch_seconds:g} s past their retry time ({shown}"
+            f"{'; ...' if n_waiting > len(waiting_runs) else ''}). A fenced-out attempt "
+            "sends no retry (the fence says a newer runner owns the run), so after "
+            "`lease clear` only the sweep re-sends it, redispatch_seconds + "
+            "retry_cap_seconds after (doubling per re-send); otherwise its retry message was "
+            "lost or the workers are down or behind. `reliable-beat runs show KEY` shows "
+            "each."
         )
     gaps = sorted(between)
     if gaps:
@@ -407,6 +462,8 @@ def collect_status(
         "groups": groups,
         "unstarted": unstarted,
         "unstarted_between": sorted(between),
+        "unstarted_stalled": stalled,
+        "last_started_at": last_started,
         "recently_disabled": recent,
         "unregistered": unregistered,
         "quarantined": quarantined,
@@ -414,6 +471,7 @@ def collect_status(
         "malformed_run_states": {"count": n_bad_runs, "keys": bad_runs},
         "undelivered_outbox": undelivered,
         "unserved_outbox": unserved,
+        "waiting_retries": {"count": n_waiting, "runs": waiting_runs},
         "problems": problems,
         "warnings": warnings,
         "ok": not problems,
@@ -435,7 +493,9 @@ def _unstarted(
     than their latest unstarted one})``.
 
     A trigger counts when it is ``dispatched``, was dispatched between the window's start
-    and ``now - redispatch_seconds``, and has no ``started_at`` (an ``IdempotentTask``'s
+    and ``now - redispatch_seconds`` (or was re-dispatched already: the sweep re-sends it
+    and moves its ``dispatched_at`` to then, yet it waited that long), and has no
+    ``started_at`` (an ``IdempotentTask``'s
     claim sets it; :mod:`reliable_beat.celery.acks` sets it for plain tasks). An entry is
     reported when it has no started trigger in the window, or when such a trigger is later
     than its first started one (its workers can start it, yet some triggers went unstarted:
@@ -453,7 +513,7 @@ def _unstarted(
         (name, (int(n), _utc(latest))) for name, n, latest in conn.execute(
             select(runs.c.entry_name, func.count(), func.max(runs.c.dispatched_at))
             .where(recent, runs.c.state == "dispatched", runs.c.started_at.is_(None),
-                   runs.c.dispatched_at <= hi)
+                   or_(runs.c.dispatched_at <= hi, runs.c.redispatches > 0))
             .group_by(runs.c.entry_name)
         ).all()
     )
@@ -501,6 +561,115 @@ def _bounded_entries(info: dict[str, Any], limit: int | None
     first = [e for e in rows if urgent(e)]
     ordered = first + [e for e in rows if not urgent(e)]
     return ordered[:limit], ordered[limit:]
+def waiting_retries(conn: Connection, now: datetime, *, redispatch_seconds: float,
+                    retry_cap_seconds: float, limit: int = 10) -> tuple[int, list[dict[str, Any]]]:
+    """``retrying`` runs no worker took up ``redispatch_seconds`` after their retry time.
+
+    A run's retry time is its latest attempt's ``finished_at + retry_in_seconds`` (the
+    worker scheduled that retry), or, when none was scheduled (the attempt was fenced out,
+    e.g. by ``reliable-beat lease clear``, which sets the run ``retrying`` and sends
+    nothing), when the run became ``retrying`` (``updated_at``); a later re-send by the
+    sweep (which moves ``updated_at``) counts from then. Workflow activities (keys
+    ``wf:...``) are the workflow sweep's and left out.
+
+    Args:
+        conn: a connection to the store.
+        now: the store's clock (UTC).
+        redispatch_seconds: grace after the retry time (``reliable_beat_redispatch_seconds``).
+        retry_cap_seconds: ``reliable_beat_retry_cap_seconds`` (the sweep re-sends a
+            ``retrying`` run ``(redispatch_seconds + retry_cap_seconds) * 2**k`` after its
+            ``updated_at``, k = its re-sends, capped).
+
+    Returns:
+        ``(count, runs)``: how many, and the ``limit`` longest overdue as ``{"key",
+        "entry", "retry_due_at", "retry_scheduled" (bool), "resend_at" (UTC datetime of the
+        sweep's next re-send; None: the run has no trigger row, nothing re-sends it)}``.
+    """
+    from reliable_beat.beat import TRIGGER_DESTINATIONS, trigger_message_id
+    from reliable_beat.redispatch import backoff_wait
+
+    grace = timedelta(seconds=redispatch_seconds)
+    latest = (select(func.max(attempts.c.id)).where(attempts.c.run_id == runs.c.id)
+              .correlate(runs).scalar_subquery())
+    rows = conn.execute(
+        select(runs.c.idempotency_key, runs.c.entry_name, runs.c.updated_at,
+               runs.c.redispatches, attempts.c.finished_at, attempts.c.retry_in_seconds)
+        .select_from(runs.outerjoin(attempts, attempts.c.id == latest))
+        .where(runs.c.state == "retrying", runs.c.updated_at <= now - grace,
+               ~runs.c.idempotency_key.startswith("wf:"))
+    ).all()
+    overdue: list[dict[str, Any]] = []
+    for key, entry, updated_at, resends, finished_at, retry_in in rows:
+        updated = _utc(updated_at)
+        if updated is None:
+            continue
+        due = updated
+        finished = _utc(finished_at)
+        scheduled = retry_in is not None and finished is not None
+        if scheduled and finished is not None:
+            due = max(due, finished + timedelta(seconds=float(retry_in)))
+        if due + grace > now:
+            continue
+        wait = backoff_wait(timedelta(seconds=redispatch_seconds + retry_cap_seconds),
+                            int(resends or 0))
+        overdue.append({"key": key, "entry": entry, "retry_due_at": due,
+                        "retry_scheduled": scheduled, "resend_at": updated + wait})
+    overdue.sort(key=lambda w: (w["retry_due_at"], w["key"]))
+    shown = overdue[:limit]
+    if shown:
+        found = {m for (m,) in conn.execute(
+            select(outbox.c.message_id).where(
+                outbox.c.message_id.in_([trigger_message_id(w["key"]) for w in shown]),
+                outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS))))}
+        for w in shown:
+            if trigger_message_id(w["key"]) not in found:
+                w["resend_at"] = None
+    return len(overdue), shown
+
+
+def _last_started(conn: Connection, names: list[str]) -> dict[str, datetime]:
+    """``{entry: its latest recorded trigger start, at any time}`` for those of ``names``
+    that ever started one (the others never ran: NEVER STARTED)."""
+    if not names:
+        return {}
+    rows = conn.execute(
+        select(runs.c.entry_name, func.max(runs.c.started_at))
+        .where(runs.c.entry_name.in_(names), runs.c.started_at.is_not(None))
+        .group_by(runs.c.entry_name)
+    ).all()
+    return {name: at for name, last in rows if (at := _utc(last)) is not None}
+
+
+def framework_name(app: Any) -> str | None:
+    """The top-level package of ``app``'s class (``"celery"``, ``"dramatiq"`` ...), by its
+    type's MRO; None when there is no app (no ``-A``)."""
+    if app is None:
+        return None
+    for cls in type(app).__mro__:
+        top = (getattr(cls, "__module__", "") or "").partition(".")[0]
+        if top and top != "builtins":
+            return top
+    return None
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _worker_advice(framework: str | None, *, registered: bool) -> str:
+    """Where to look at the workers, in the app's framework's terms."""
+    if framework == "celery":
+        return ("`celery -A APP inspect registered` shows what workers know" if registered
+                else "`celery -A APP inspect active_queues` shows which workers consume "
+                "which queues, `celery -A APP inspect active` what they run now")
+    if framework == "dramatiq":
+        return ("check that a `dramatiq` worker process runs with the module that declares "
+                "the actor, on the actor's queue" if registered
+                else "check that the `dramatiq` worker processes run and consume the actor's "
+                "queue (its depth in the broker tells behind from down)")
+    return ("check that a worker of the app runs with the module that declares the task"
+            if registered else "check that the app's workers run and consume the task's "
+            "queue (its depth in the broker tells behind from down)")
 
 
 def _fmt(at: datetime | None) -> str:
@@ -554,7 +723,9 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                               disabled_within_minutes=disabled_within,
                               redispatch_seconds=cli.settings.redispatch_seconds,
                               outbox_stuck_minutes=outbox_stuck,
-                              unserved_seconds=unserved_after)
+                              unserved_seconds=unserved_after,
+                              framework=framework_name(cli.app),
+                              retry_cap_seconds=cli.settings.retry_cap_seconds)
     except StoreUnavailableError as exc:
         fail(str(exc), 1, kind="store_unavailable")
     info["store_from"] = cli.settings.database_url_origin  # e.g. Django DATABASES['default']
@@ -578,6 +749,7 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         table = [header] + [
             (e["name"] + (" (MISSED)" if e["missed"] else "")
              + ((" (UNSTARTED)" if e["name"] in info["unstarted_between"]
+                 else " (STALLED)" if e["name"] in info["unstarted_stalled"]
                  else " (NEVER STARTED)") if e["name"] in info["unstarted"] else ""),
              e["schedule_group"] or "-",
              e["status"] + (f" {_fmt(e['disabled_at'])}" if e["disabled_at"] else ""),

@@ -236,6 +236,22 @@ def _framework_of(value: Any, names: set[str]) -> str | None:
     return None
 
 
+def import_from_cwd(module_name: str) -> Any:
+    """``importlib.import_module(module_name)`` with the current directory importable, as
+    ``celery -A proj`` and ``dramatiq proj`` make it (``./proj`` found without PYTHONPATH).
+
+    Raises:
+        whatever the import raises (ImportError, or the module's own error).
+    """
+    import os
+    import sys
+
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, cwd)
+    return importlib.import_module(module_name)
+
+
 def adapter_for_spec(spec: str) -> AppAdapter:
     """The adapter of the app ``-A spec`` names (``module`` or ``module:attr``).
 
@@ -250,15 +266,9 @@ def adapter_for_spec(spec: str) -> AppAdapter:
     Raises:
         ConfigurationError, ImportError: see :func:`load_adapter`.
     """
-    import os
-    import sys
-
     module_name, _, attr = spec.partition(":")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, cwd)
     try:
-        module = importlib.import_module(module_name)
+        module = import_from_cwd(module_name)
     except Exception:  # the default adapter's loader imports it again and says why
         return load_adapter(DEFAULT_ADAPTER)
     names = set(_specs())

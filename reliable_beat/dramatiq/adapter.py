@@ -12,13 +12,11 @@ middleware's) and how its triggers are published (through the broker).
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from reliable_beat.adapters import import_from_cwd
 from reliable_beat.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -43,11 +41,8 @@ def find_broker(spec: str) -> Any:
     import dramatiq
 
     module_name, _, attr = spec.partition(":")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, cwd)
     try:
-        module = importlib.import_module(module_name)
+        module = import_from_cwd(module_name)
     except Exception as exc:
         raise click.ClickException(
             f"-A {spec}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); run from "

@@ -13,16 +13,14 @@ import fails and the root group says so, naming the ``reliable-beat[dramatiq]`` 
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 import signal
-import sys
 import threading
 from typing import Any
 
 import click
 
+from reliable_beat.adapters import import_from_cwd
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.errors import ConfigurationError
 
@@ -38,11 +36,8 @@ def _load_broker(spec: str) -> tuple[Any, Any]:
     installed, the module or attribute does not exist, or the broker has no ReliableBeat.
     """
     module_name, _, attr = spec.partition(":")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, cwd)
     try:
-        module = importlib.import_module(module_name)
+        module = import_from_cwd(module_name)
     except ImportError as exc:
         fail(f"--broker {spec}: cannot import {module_name!r} ({exc}); run from the directory "
              f"that holds it, or put that directory on PYTHONPATH", 2, kind="usage")

@@ -288,19 +288,24 @@ def redact_text(text: object) -> str:
     if ("=" not in s and ":" not in s) or not _mentions_sensitive_word(low):
         return s
 
-    def pair(m: re.Match[str]) -> str:
+    # Scan pair by pair. A harmless name's "value" may itself begin a sensitive pair
+    # ("ValueError: token: abc", "PermanentError: api_key=sk_live_..."): after a harmless
+    # name the scan goes on from its separator, so that value is read as a name too.
+    out: list[str] = []
+    pos = 0
+    while (m := _PAIR_IN_TEXT.search(s, pos)) is not None:
         if m.group("value") == MASK:
-            return m.group(0)
-        if not is_sensitive_name(m.group("name")):
-            # "PermanentError: api_key=sk_live_...": the value of a harmless name may hold
-            # a sensitive pair itself (the match ran over it): look inside it
-            value = m.group("value")
-            inner = _PAIR_IN_TEXT.sub(pair, value) if ("=" in value or ":" in value) \
-                else value
-            return f"{m.group('name')}{m.group('sep')}{m.group('q')}{inner}"
-        return f"{m.group('name')}{m.group('sep')}{m.group('q')}{MASK}"
-
-    return _PAIR_IN_TEXT.sub(pair, s)
+            out.append(s[pos:m.end()])
+            pos = m.end()
+        elif is_sensitive_name(m.group("name")):
+            out.append(s[pos:m.start("value")])
+            out.append(MASK)
+            pos = m.end()
+        else:
+            out.append(s[pos:m.end("sep")])
+            pos = m.end("sep")
+    out.append(s[pos:])
+    return "".join(out)
 
 
 _CREDENTIAL_SCHEMES = ("bearer", "basic", "token", "digest", "negotiate")

@@ -212,3 +212,17 @@ def test_a_secret_pair_after_an_exception_name_is_masked(text: str) -> None:
     out = redact_text(text)
     secret = text.rsplit("=", 1)[1].split()[0]
     assert secret not in out and MASK in out, out
+
+
+@pytest.mark.parametrize(("text", "secret"), [
+    ("ValueError: token: abc123", "abc123"),
+    ("failed: password: hunter2 x", "hunter2"),
+    ("refused: reason: api_key: sk_live_Q7 (revoked)", "sk_live_Q7"),
+    ("time: 12:30:00 token=t0k3n", "t0k3n"),
+])
+def test_a_colon_pair_after_harmless_names_is_masked(text: str, secret: str) -> None:
+    """``Name: secret_name: value``: the harmless first pair's value ran to ``token:`` and the
+    scan went on after it, so the secret stayed in clear (the old code: two of these four).
+    The scan now goes on from a harmless name's separator."""
+    out = redact_text(text)
+    assert secret not in out and MASK in out, out

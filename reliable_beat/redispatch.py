@@ -245,7 +245,7 @@ def _still_claimed(store: Store, stuck: list[OutboxMessage],
                                            else_=runs.c.dispatched_at),
                         lease_expires_at=case((runs.c.state == "running", now),
                                               else_=runs.c.lease_expires_at)),
-                runs, (runs.c.id,),
+                runs, (runs.c.id,), lock_by_primary_key=True,  # MariaDB: not via the state index
             )}
     except (StoreUnavailableError, DBAPIError) as exc:  # gone again: send nothing, retry later
         log.error("could not re-check %d stuck runs before re-sending (%s)", len(stuck), exc)

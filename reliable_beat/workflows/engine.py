@@ -669,6 +669,7 @@ def _kick_overdue(store: Store, workflow_id: str) -> bool:
             .where(workflows.c.id == row.id, workflows.c.state.in_(("pending", "waiting")))
             .values(wake_seq=workflows.c.wake_seq + 1),
             workflows, [workflows.c.queue, workflows.c.wake_seq],
+            lock_by_primary_key=True,  # MariaDB: lock the one row, not via the state index
         ))
         if bumped is None:
             return False

@@ -343,6 +343,25 @@ def _serves(process: Mapping[str, Any], group: str, destination: str) -> bool:
     return dests is None or destination in dests
 
 
+def outbox_group() -> Any:
+    """SQL: an outbox row's schedule group: its ``schedule_group`` (a workflow's messages,
+    0010), else, for a trigger (destination ``celery``), its run's entry's group; NULL for a
+    row of no group (any relay with the handler publishes it)."""
+    from reliable_beat.beat import TRIGGER_DESTINATION
+
+    entry_group = (
+        select(entries.c.schedule_group)
+        .select_from(runs.join(entries, entries.c.name == runs.c.entry_name))
+        .where(runs.c.id == outbox.c.run_id)  # one run (its id), one entry (unique name)
+        .scalar_subquery()
+    )
+    return func.coalesce(
+        outbox.c.schedule_group,
+        case((and_(outbox.c.destination == TRIGGER_DESTINATION, outbox.c.run_id.is_not(None)),
+              entry_group), else_=None),
+    )
+
+
 def unserved_outbox(
     conn: Connection, now: datetime, *, due_seconds: float, alive_seconds: float
 ) -> list[dict[str, Any]]:
@@ -364,19 +383,7 @@ def unserved_outbox(
         relay of the group, live or not; None: never), "served_groups" ([str]: the groups
         the live beats and relays do serve; ``"*"``: a relay without an app)}]``.
     """
-    from reliable_beat.beat import TRIGGER_DESTINATION
-
-    entry_group = (
-        select(entries.c.schedule_group)
-        .select_from(runs.join(entries, entries.c.name == runs.c.entry_name))
-        .where(runs.c.id == outbox.c.run_id)  # one run (its id), one entry (unique name)
-        .scalar_subquery()
-    )
-    group_expr = func.coalesce(
-        outbox.c.schedule_group,
-        case((and_(outbox.c.destination == TRIGGER_DESTINATION, outbox.c.run_id.is_not(None)),
-              entry_group), else_=None),
-    )
+    group_expr = outbox_group()
     stale = (
         select(group_expr.label("grp"), outbox.c.destination.label("destination"),
                outbox.c.available_at.label("available_at"))

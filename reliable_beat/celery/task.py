@@ -430,6 +430,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     _rb_settings: Settings | None = None
     _rb_retry: ClassVar[_RetryPlan] = _RetryPlan()
+    #: Celery's expected exceptions (logged at INFO, no traceback): a fenced-out run
+    #: (:class:`~reliable_beat.errors.StaleFenceToken`) is an expected outcome.
+    throws: ClassVar[tuple[type[BaseException], ...]] = (StaleFenceToken,)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Check Celery's retry options at task definition (``@app.task(base=...)``).
@@ -439,6 +442,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         super().__init_subclass__(**kwargs)
         cls._rb_retry = _retry_plan(cls)
+        # A fenced-out holder's StaleFenceToken is the expected end of a run another worker
+        # took over (docs/task.md): Celery logs a task's ``throws`` at INFO without a
+        # traceback, anything else as "raised unexpected" at ERROR with one. Kept when a
+        # task gives its own ``throws``.
+        if StaleFenceToken not in tuple(cls.throws or ()):
+            cls.throws = (*tuple(cls.throws or ()), StaleFenceToken)
 
     # ------------------------------------------------------------------ keys ----
 

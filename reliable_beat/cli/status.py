@@ -29,7 +29,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, outbox, runs
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import StoreUnavailableError
-from reliable_beat.groups import group_health, unserved_outbox
+from reliable_beat.groups import group_health, outbox_group, unserved_outbox
 from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
 
 __all__ = [
@@ -101,6 +101,8 @@ def undelivered_outbox(conn: Connection, now: datetime,
     attempt, so a pending row whose ``available_at`` is older than ``now - minutes`` is one no
     running relay takes: its destination has no handler in any relay (a typo such as
     ``"emial"``), no relay runs at all, or an earlier row of its ordering key is stuck.
+    Rows of no schedule group only (:func:`~reliable_beat.groups.outbox_group`): a group's
+    rows are the UNSERVED OUTBOX check's (:func:`~reliable_beat.groups.unserved_outbox`).
 
     Returns:
         ``[{"destination": str, "rows": int, "due_since": datetime (UTC)}]``, by destination.
@@ -108,7 +110,10 @@ def undelivered_outbox(conn: Connection, now: datetime,
     cutoff = now - timedelta(minutes=minutes)
     stmt = (
         select(outbox.c.destination, func.count(), func.min(outbox.c.available_at))
-        .where(outbox.c.state == "pending", outbox.c.available_at <= cutoff)
+        .where(outbox.c.state == "pending", outbox.c.available_at <= cutoff,
+               # a row of a schedule group only that group's relays and beats publish:
+               # UNSERVED OUTBOX reports it, naming the group (not "no handler")
+               outbox_group().is_(None))
         .group_by(outbox.c.destination)
         .order_by(outbox.c.destination)
     )

@@ -226,6 +226,13 @@ def test_sigstop_past_lease_is_fenced_out_on_wake(env: Env) -> None:
     eff = env.effects(key)
     assert len(eff) == 1 and eff[0]["fence"] == 2  # A's write was rolled back
     assert runs.get_run(env.store, key)["fence_token"] == 2
+    # the fenced-out end is expected: no ERROR "raised unexpected" with a traceback
+    # (IdempotentTask.throws; a fresh user's finding)
+    log = env.tmp / "worker-stop-a.log"
+    env.wait("A's task end logged", lambda: "StaleFenceToken(" in log.read_text(
+        errors="replace"), 15)
+    logs = log.read_text(errors="replace")
+    assert "raised unexpected" not in logs, logs[-3000:]
 
 
 def test_transient_failures_then_success(env: Env) -> None:

@@ -114,6 +114,10 @@ def test_rows_of_a_group_no_live_relay_or_beat_serves_are_a_problem_naming_it(
     _add(store, "wake:w4:1", group="other", due_ago=two_min)  # taken by the live relay soon
     r = cli(store, "status", "--check")
     assert "UNSERVED OUTBOX" not in r.output, r.output
+    deadline = time.monotonic() + 30  # let the live relay publish it before it stops
+    while len(sent) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "wake:w4:1" in {m.message_id for m in sent}
     stop.set()
     worker.join(timeout=30)
     assert not worker.is_alive()

@@ -66,3 +66,26 @@ def test_relay_warns_about_due_rows_it_has_no_handler_for(
     assert len(lines) == 1, lines
     assert "'emial'" in lines[0] and "email" in lines[0] and "'sms'" not in lines[0]
     assert len(sent) == 1  # the handled row was delivered
+
+
+def test_a_row_of_a_schedule_group_is_reported_once_as_unserved_not_undelivered(
+        store: Store) -> None:
+    """A row only its group's relays publish (a workflow's message, ``schedule_group`` set)
+    and no relay of that group alive: UNSERVED OUTBOX names the group; UNDELIVERED OUTBOX (per
+    destination, "no running relay has a handler") must not report it too — its advice is
+    false when a relay with that handler runs for another group (a fresh user's finding; the
+    old code reported the row twice)."""
+    with store.begin() as conn:
+        ob.add(conn, "celery", {"task": "reports.build", "args": [], "kwargs": {}},
+               key="rep:1", schedule_group="reports")
+        now = store.now(conn)
+        conn.execute(update(outbox).where(outbox.c.message_id == "rep:1").values(
+            available_at=now - timedelta(minutes=20), created_at=now - timedelta(minutes=20)))
+    _add(store, "emial", "typo", 20)  # a group-less row: still UNDELIVERED
+    info = json.loads(cli(store, "status", "--json").output)
+    assert [u["destination"] for u in info["undelivered_outbox"]] == ["emial"], info
+    assert [u["group"] for u in info["unserved_outbox"]] == ["reports"], info
+    r = cli(store, "status", "--check")
+    assert r.exit_code == 1
+    assert r.output.count("rep:1") == 0 and "UNSERVED OUTBOX: group 'reports'" in r.output
+    assert "destination 'celery'" not in r.output, r.output

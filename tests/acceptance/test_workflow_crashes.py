@@ -450,6 +450,22 @@ def test_timer_wake_lost_by_the_broker_is_sent_again(rig: Rig) -> None:
     assert rig.effects()[("transaction", "lw1:woke")] == 1
 
 
+def _signal_retrying(store: Store, i: int) -> None:
+    """``engine.signal`` of tick ``i``, sent again under its key while it times out on the
+    workflow row's lock: a holder frozen inside one of its short transactions keeps that lock
+    until the server ends its idle transaction, and ``signal`` raises after ``lock_timeout``
+    (a CI run froze one there). The key makes the retry the same signal, never a second."""
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            engine.signal(store, "ticks", "tick", i, key=f"tick:{i}")
+            return
+        except sa.exc.OperationalError as exc:
+            if "lock timeout" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_signals_in_a_tight_loop_with_a_stopped_worker(rig: Rig) -> None:
     """Two workers; 30 signals sent in a tight loop while advances run; the worker holding
     the workflow is SIGSTOPped mid-advance, kept stopped until the other worker took the
@@ -472,7 +488,7 @@ def test_signals_in_a_tight_loop_with_a_stopped_worker(rig: Rig) -> None:
     stopped_fence = engine.get_workflow(rig.store, "ticks")["fence_token"]
     os.kill(stopped, signal.SIGSTOP)
     for i in range(5, n):  # the tight loop goes on while the holder is frozen
-        engine.signal(rig.store, "ticks", "tick", i, key=f"tick:{i}")
+        _signal_retrying(rig.store, i)
     # past the frozen advance's lease, the other worker (woken by a signal's wake or the
     # relay's sweep) takes the workflow over with a newer fence
     wait("the other worker to take over", lambda: engine.get_workflow(

@@ -194,10 +194,23 @@ def test_status_shows_the_depth_of_a_stalled_entrys_queue(broker: Any, pg_store:
     args = ["--database-url", pg_store.url, "-A", "rb_dq_backlog_app:broker", "status"]
     r = CliRunner().invoke(rb_cli, args, catch_exceptions=False)
     stalled = next(ln for ln in r.output.splitlines() if "STALLED:" in ln)
-    assert f"queue {queue} holds {N} ready messages" in stalled, stalled
+    assert f"Queue {queue} holds {N} ready messages (a backlog" in stalled, stalled
     depth_line = next(ln for ln in r.output.splitlines() if ln.startswith("queues:"))
     assert f"{queue}: {N} ready" in depth_line, depth_line
     info = json.loads(CliRunner().invoke(rb_cli, [*args, "--json"],
                                          catch_exceptions=False).output)
-    assert info["queue_depths"] == [{"queue": queue, "ready": N, "entries": ["dq00"],
-                                     "error": None}]
+    # the others never started (NEVER STARTED): their triggers wait in the same queue
+    never = next(ln for ln in r.output.splitlines() if "NEVER STARTED:" in ln)
+    assert f"Queue {queue} holds {N} ready messages" in never, never
+    assert info["queue_depths"] == [{"queue": queue, "ready": N, "error": None,
+                                     "entries": [f"dq{i:02d}" for i in range(N)]}]
+    assert any(f"Queue {queue} holds {N} ready" in p for p in info["problems"])
+    # the broker lost them: an empty queue is not a backlog
+    broker.flush(queue)
+    r = CliRunner().invoke(rb_cli, args, catch_exceptions=False)
+    stalled = next(ln for ln in r.output.splitlines() if "STALLED:" in ln)
+    assert f"Queue {queue} holds 0 ready messages (not a backlog" in stalled, stalled
+    # without -A there is no probe: no depth line, no key content
+    r = CliRunner().invoke(rb_cli, ["--database-url", pg_store.url, "status", "--json"],
+                           catch_exceptions=False)
+    assert json.loads(r.output)["queue_depths"] == []

@@ -471,8 +471,9 @@ def group_health(
         "beats_on_other_config" (live beats that started with a config other than the
         current one: an old pod, or a refused config), "unregistered" ({entry: task}, from
         the live beats), "relays_alive" (int: live relays of the group, 0011),
-        "relay_last_seen_at" (UTC | None)}``. ``beats_alive`` / ``last_seen_at`` count beats
-        only (``role = 'beat'``).
+        "relay_last_seen_at" (UTC | None), "beat_destinations" ([str]: what the live beats
+        publish to, ``celery`` / ``dramatiq``, from their rows; empty when none recorded
+        it)}``. ``beats_alive`` / ``last_seen_at`` count beats only (``role = 'beat'``).
     """
     horizon = now - timedelta(seconds=alive_seconds)
     groups: dict[str, dict[str, Any]] = {}
@@ -483,6 +484,7 @@ def group_health(
             "runtime_entries": 0,
             "config_synced_at": None, "current_config": None, "beats_on_other_config": 0,
             "unregistered": {}, "relays_alive": 0, "relay_last_seen_at": None,
+            "beat_destinations": [],
         })
 
     for name, count in conn.execute(
@@ -508,7 +510,7 @@ def group_health(
         group(cfg.schedule_group)["current_config"] = cfg.config_hash
     for row in conn.execute(
         select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at,
-               beats.c.unregistered, beats.c.config_hash)
+               beats.c.unregistered, beats.c.config_hash, beats.c.destinations)
         .where(beats.c.role == "beat")
     ).all():
         g = group(row.schedule_group)
@@ -520,6 +522,9 @@ def group_health(
             if g["current_config"] is not None and row.config_hash != g["current_config"]:
                 g["beats_on_other_config"] += 1
             g["unregistered"].update(row.unregistered or {})
+            if isinstance(row.destinations, list):
+                g["beat_destinations"] = sorted({*g["beat_destinations"],
+                                                 *map(str, row.destinations)})
     for relay in conn.execute(
         select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at)
         .where(beats.c.role == "relay", beats.c.schedule_group.is_not(None))

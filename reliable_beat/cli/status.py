@@ -929,8 +929,10 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         if info["queue_depths"]:
             click.echo("queues: " + "; ".join(_depth_text(d) for d in info["queue_depths"]))
         for g in info["groups"]:
-            click.echo(f"schedule group {g['group']}: {g['beats_alive']} live beats, "
-                       f"{g.get('relays_alive', 0)} live relays, "
+            published = (f" (publishing to {', '.join(g['beat_destinations'])})"
+                         if g.get("beat_destinations") else "")
+            click.echo(f"schedule group {g['group']}: {g['beats_alive']} live beats"
+                       f"{published}, {g.get('relays_alive', 0)} live relays, "
                        f"{g['enabled_entries']} enabled config entries, config synced "
                        f"{_fmt(g['config_synced_at'])}, last beat seen {_fmt(g['last_seen_at'])}")
     if check and not info["ok"]:

@@ -150,5 +150,9 @@ def test_a_beat_row_records_its_destination_and_serves_only_it(pg_store: Store) 
             found = unserved_outbox(conn, store.now(conn), due_seconds=60, alive_seconds=60)
         # the live Dramatiq beat publishes its group's `dramatiq` rows, not its `celery` ones
         assert [(u["group"], u["destinations"]) for u in found] == [("dq", ["celery"])]
+        r = CliRunner().invoke(reliable_beat, ["--database-url", store.url, "status"],
+                               catch_exceptions=False)
+        assert ("schedule group dq: 1 live beats (publishing to dramatiq), 0 live relays"
+                in r.output), r.output
     finally:
         loop.close()

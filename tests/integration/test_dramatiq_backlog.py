@@ -151,6 +151,22 @@ def test_the_dramatiq_beat_loop_holds_a_backlog(broker: Any, pg_store: Store,
         loop.close()
 
 
+def test_the_dramatiq_relay_commands_sweep_holds_a_backlog(broker: Any, pg_store: Store,
+                                                           queue: str) -> None:
+    """``reliable-beat dramatiq relay``'s own re-dispatch sweep asks the broker too (main:
+    it re-sent all 30 into the backlog)."""
+    from reliable_beat.adapters import app_settings
+    from reliable_beat.dramatiq.cli import relay_redispatch
+
+    _fire(pg_store, broker, queue)
+    _age(pg_store, 5)
+    sweep = relay_redispatch(pg_store, app_settings(broker), broker)
+    assert sweep() == 0
+    assert _ready(broker, queue) == N
+    broker.flush(queue)
+    assert sweep() == N
+
+
 def test_queue_depths_names_each_queue_and_a_missing_one_is_empty(broker: Any,
                                                                    queue: str) -> None:
     from reliable_beat.dramatiq.backlog import queue_depths

@@ -57,6 +57,7 @@ __all__ = [
     "log_sync_result",
     "record_beat",
     "record_relay",
+    "relay_forget",
     "relay_heartbeat",
     "relay_row_owner",
     "relay_stopped",
@@ -193,7 +194,7 @@ def config_state(conn: Connection, group: str, config_hash: str) -> tuple[str, d
 
 def record_beat(
     store: Store, *, owner: str, group: str, config_hash: str | None,
-    unregistered: Mapping[str, str],
+    unregistered: Mapping[str, str], destinations: Iterable[str] | None = None,
 ) -> None:
     """Insert or refresh this beat's row (at start, after its sync).
 
@@ -203,11 +204,16 @@ def record_beat(
         config_hash: the config it brought.
         unregistered: config entry name -> task name, for entries of its group whose task
             its app does not register (``status`` reports them).
+        destinations: the outbox destinations its sweep publishes (its publisher's:
+            ``celery`` for a Celery beat, ``dramatiq`` for a Dramatiq one), recorded as a
+            relay's are, so ``status`` can tell which broker a beat serves; None: not known
+            (a row written before; counted as serving every trigger destination).
     """
     with store.begin() as conn:
         now = store.now(conn)
         values = {"schedule_group": group, "config_hash": config_hash, "seen_at": now,
-                  "started_at": now, "stopped_at": None, "unregistered": dict(unregistered)}
+                  "started_at": now, "stopped_at": None, "unregistered": dict(unregistered),
+                  "destinations": None if destinations is None else sorted(set(destinations))}
         if not conn.execute(update(beats).where(beats.c.owner == owner).values(**values)).rowcount:
             conn.execute(beats.insert().values(owner=owner, **values))
 
@@ -303,6 +309,13 @@ def relay_stopped(store: Store, key: str) -> None:
             stopped_at=now, seen_at=now))
 
 
+def relay_forget(store: Store, key: str) -> None:
+    """Delete a relay's row (a one-shot run, ``relay --once``, at exit): nothing of a run
+    that is over ages into ``status``'s "last seen". Own short transaction."""
+    with store.begin() as conn:
+        conn.execute(delete(beats).where(beats.c.owner == key, beats.c.role == "relay"))
+
+
 def live_publishers(
     conn: Connection, now: datetime, *, alive_seconds: float
 ) -> list[dict[str, Any]]:
@@ -311,7 +324,9 @@ def live_publishers(
 
     Returns:
         ``[{"owner" (row key), "role" ("beat" | "relay"), "schedule_group" (str | None: a
-        relay without an app), "destinations" (list[str] | None: None for a beat),
+        relay without an app), "destinations" (list[str] | None: a relay's handlers, a
+        beat's publisher's destination; None: a beat row written before beats recorded
+        it),
         "seen_at" (UTC)}]``.
     """
     horizon = now - timedelta(seconds=alive_seconds)
@@ -336,7 +351,11 @@ def _serves(process: Mapping[str, Any], group: str, destination: str) -> bool:
     from reliable_beat.beat import TRIGGER_DESTINATIONS
 
     if process["role"] == "beat":
-        return process["schedule_group"] == group and destination in TRIGGER_DESTINATIONS
+        # its recorded destinations (its publisher's); a row without any (written before
+        # beats recorded them): any trigger destination
+        dests = process["destinations"]
+        return process["schedule_group"] == group and destination in (
+            TRIGGER_DESTINATIONS if dests is None else dests)
     if process["schedule_group"] not in (group, None):
         return False
     dests = process["destinations"]
@@ -452,8 +471,9 @@ def group_health(
         "beats_on_other_config" (live beats that started with a config other than the
         current one: an old pod, or a refused config), "unregistered" ({entry: task}, from
         the live beats), "relays_alive" (int: live relays of the group, 0011),
-        "relay_last_seen_at" (UTC | None)}``. ``beats_alive`` / ``last_seen_at`` count beats
-        only (``role = 'beat'``).
+        "relay_last_seen_at" (UTC | None), "beat_destinations" ([str]: what the live beats
+        publish to, ``celery`` / ``dramatiq``, from their rows; empty when none recorded
+        it)}``. ``beats_alive`` / ``last_seen_at`` count beats only (``role = 'beat'``).
     """
     horizon = now - timedelta(seconds=alive_seconds)
     groups: dict[str, dict[str, Any]] = {}
@@ -464,6 +484,7 @@ def group_health(
             "runtime_entries": 0,
             "config_synced_at": None, "current_config": None, "beats_on_other_config": 0,
             "unregistered": {}, "relays_alive": 0, "relay_last_seen_at": None,
+            "beat_destinations": [],
         })
 
     for name, count in conn.execute(
@@ -489,7 +510,7 @@ def group_health(
         group(cfg.schedule_group)["current_config"] = cfg.config_hash
     for row in conn.execute(
         select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at,
-               beats.c.unregistered, beats.c.config_hash)
+               beats.c.unregistered, beats.c.config_hash, beats.c.destinations)
         .where(beats.c.role == "beat")
     ).all():
         g = group(row.schedule_group)
@@ -501,6 +522,9 @@ def group_health(
             if g["current_config"] is not None and row.config_hash != g["current_config"]:
                 g["beats_on_other_config"] += 1
             g["unregistered"].update(row.unregistered or {})
+            if isinstance(row.destinations, list):
+                g["beat_destinations"] = sorted({*g["beat_destinations"],
+                                                 *map(str, row.destinations)})
     for relay in conn.execute(
         select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at)
         .where(beats.c.role == "relay", beats.c.schedule_group.is_not(None))

@@ -598,7 +598,8 @@ class BeatLoop:
                                      owner=self.owner)
         log_sync_result(self.log, result, self.store.safe_url)
         record_beat(self.store, owner=self.owner, group=self.group,
-                    config_hash=result.config_hash, unregistered=unregistered)
+                    config_hash=result.config_hash, unregistered=unregistered,
+                    destinations=[self.publisher.destination])
 
     def _sleep(self, seconds: float) -> None:
         if self.stop_event is not None:

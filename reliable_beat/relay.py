@@ -78,6 +78,7 @@ from reliable_beat.db.types import UTCDateTime
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
 from reliable_beat.groups import (
     record_relay,
+    relay_forget,
     relay_heartbeat,
     relay_stopped,
     run_in_group,
@@ -656,6 +657,12 @@ class Relay:
         self._heartbeat_key: str | None = None
         self._last_heartbeat = float("-inf")
         self._heartbeat_log = RepeatedLog(log)
+        # the heartbeat thread (run_forever) and run_once both beat: one at a time
+        self._heartbeat_lock = threading.Lock()
+        #: monotonic start of the cycle now running (None between cycles): the heartbeat
+        #: thread stops beating for a cycle stuck longer than STALLED_CYCLE_SECONDS
+        self._cycle_started: float | None = None
+        self._stall_log = RepeatedLog(log)
 
     # -- one cycle -----------------------------------------------------------------------
 
@@ -694,14 +701,18 @@ class Relay:
             StoreUnavailableError: the database cannot be reached (nothing was lost: claimed
                 rows are delivered again after their lease).
         """
-        self.maybe_heartbeat()
-        messages = self.claim()
-        if messages:
-            outcome = self.deliver(messages)
-            self.settle(outcome)
-        self.maybe_warn_unhandled()
-        self.maybe_purge()
-        self.maybe_redispatch()
+        self._cycle_started = time.monotonic()
+        try:
+            self.maybe_heartbeat()
+            messages = self.claim()
+            if messages:
+                outcome = self.deliver(messages)
+                self.settle(outcome)
+            self.maybe_warn_unhandled()
+            self.maybe_purge()
+            self.maybe_redispatch()
+        finally:
+            self._cycle_started = None
         return len(messages)
 
     def maybe_heartbeat(self) -> bool:
@@ -721,25 +732,55 @@ class Relay:
         Raises:
             StoreUnavailableError: the database cannot be reached.
         """
-        if time.monotonic() - self._last_heartbeat < HEARTBEAT_SECONDS:
+        with self._heartbeat_lock:
+            if time.monotonic() - self._last_heartbeat < HEARTBEAT_SECONDS:
+                return False
+            self._last_heartbeat = time.monotonic()
+            try:
+                if self._heartbeat_key is None or not relay_heartbeat(self.store,
+                                                                      self._heartbeat_key):
+                    self._heartbeat_key = record_relay(
+                        self.store, owner=self.owner, group=self.schedule_group,
+                        destinations=self.handlers)
+            except StoreUnavailableError:
+                raise
+            except Exception as exc:
+                self._heartbeat_log.log(
+                    logging.WARNING, "relay: could not record its heartbeat (`reliable-beat "
+                    "status` may report its schedule group %r as unserved; run `reliable-beat "
+                    "db upgrade`?): %s", self.schedule_group, _describe(exc))
+                return False
+            self._heartbeat_log.reset()
+            return True
+
+    def heartbeat_from_thread(self) -> bool:
+        """One beat of the heartbeat thread :meth:`run_forever` runs: :meth:`maybe_heartbeat`
+        whatever the delivery loop is doing (a long batch, a slow broker), so ``status``
+        does not take a busy relay for a dead one; never raises (an unreachable store is the
+        delivery loop's to report).
+
+        A cycle running longer than :data:`STALLED_CYCLE_SECONDS` is taken to be stuck (a
+        publish that never returns): the thread then stops beating, logs WARNING (first,
+        then every 30 s) and ``status`` shows the relay gone after its liveness window,
+        as if it had died (its claimed rows go to other relays when their lease ends).
+
+        Returns:
+            True when a heartbeat was written now.
+        """
+        started = self._cycle_started
+        if started is not None and time.monotonic() - started > STALLED_CYCLE_SECONDS:
+            self._stall_log.log(
+                logging.WARNING, "relay: one delivery cycle has been running for %.0f s "
+                "(more than %.0f s: a publish that does not return?): no longer recording "
+                "a heartbeat, so `reliable-beat status` shows this relay gone",
+                time.monotonic() - started, STALLED_CYCLE_SECONDS)
             return False
-        self._last_heartbeat = time.monotonic()
+        self._stall_log.reset()
         try:
-            if self._heartbeat_key is None or not relay_heartbeat(self.store,
-                                                                  self._heartbeat_key):
-                self._heartbeat_key = record_relay(
-                    self.store, owner=self.owner, group=self.schedule_group,
-                    destinations=self.handlers)
-        except StoreUnavailableError:
-            raise
-        except Exception as exc:
-            self._heartbeat_log.log(
-                logging.WARNING, "relay: could not record its heartbeat (`reliable-beat "
-                "status` may report its schedule group %r as unserved; run `reliable-beat db "
-                "upgrade`?): %s", self.schedule_group, _describe(exc))
+            return self.maybe_heartbeat()
+        except Exception as exc:  # the store is down: the delivery loop says so
+            log.debug("relay: heartbeat thread could not record a heartbeat: %s", exc)
             return False
-        self._heartbeat_log.reset()
-        return True
 
     def maybe_warn_unhandled(self) -> list[tuple[str, int]]:
         """Once a minute: WARN about due rows of destinations no relay takes.
@@ -1020,6 +1061,10 @@ class Relay:
         from reliable_beat.retention import start_retention
 
         self._retention = start_retention(self.store, self.settings, role="relay")
+        beating = threading.Event()  # set: the heartbeat thread stops
+        heart = threading.Thread(target=self._heartbeat_loop, args=(beating,),
+                                 name="reliable-beat-relay-heartbeat", daemon=True)
+        heart.start()
         try:
             while not stop.is_set():
                 try:
@@ -1040,11 +1085,31 @@ class Relay:
                     continue
                 self._wait(stop, poll)
         finally:
+            beating.set()
+            heart.join(timeout=HEARTBEAT_SECONDS + 30.0)
             if self._retention is not None:
                 self._retention.stop()
                 self._retention = None
             self._mark_stopped()
             self.close()
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        """The heartbeat thread: :meth:`heartbeat_from_thread` every second (it writes at
+        most every :data:`HEARTBEAT_SECONDS`) until ``stop`` is set."""
+        while not stop.wait(min(1.0, HEARTBEAT_SECONDS)):
+            self.heartbeat_from_thread()
+
+    def forget(self) -> None:
+        """Delete this relay's heartbeat row (a one-shot run, ``relay --once``, at exit): a
+        run that is over is not a relay that died, so it leaves no row to age into
+        ``status``'s "last seen" (best effort: logged at DEBUG when the store is gone)."""
+        if self._heartbeat_key is None:
+            return
+        try:
+            relay_forget(self.store, self._heartbeat_key)
+            self._heartbeat_key = None
+        except Exception as exc:
+            log.debug("relay: could not delete its heartbeat row: %s", exc)
 
     def _mark_stopped(self) -> None:
         """Graceful exit: mark the heartbeat row stopped (best effort: a relay that cannot
@@ -1075,7 +1140,12 @@ class Relay:
 
 
 #: Seconds between two heartbeats of a relay (``status`` counts one seen within 60 s live).
+#: Written by a thread of its own while :meth:`Relay.run_forever` runs, so a long batch or
+#: a slow broker does not make a busy relay look dead.
 HEARTBEAT_SECONDS = 10.0
+#: A delivery cycle running longer than this is stuck (a publish that never returns): the
+#: heartbeat thread stops beating, so ``status`` shows the relay gone.
+STALLED_CYCLE_SECONDS = 600.0
 #: Seconds between two checks for due rows of destinations this relay has no handler for.
 UNHANDLED_CHECK_SECONDS = 60.0
 #: A row due this long and still unclaimed is reported (other relays had time to take it).

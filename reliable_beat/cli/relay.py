@@ -60,12 +60,15 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
 
         serve(cli.settings.metrics_port, cli.store, addr=cli.settings.metrics_host)
     if once:
-        claimed = worker.run_once()
+        try:
+            claimed = worker.run_once()
+        finally:
+            worker.forget()  # a finished one-shot run is not a dead relay: no row left
+            worker.close()
         if as_json:
             cli.echo_json({"claimed": claimed, "owner": worker.owner})
         else:
             click.echo(f"claimed {claimed} rows")
-        worker.close()
         return
     stop = threading.Event()
 

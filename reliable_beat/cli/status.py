@@ -18,7 +18,7 @@ password hidden.
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from sqlalchemy import and_, func, or_, select
@@ -30,7 +30,11 @@ from reliable_beat.db.tables import attempts, dead_letters, entries, outbox, run
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import group_health, outbox_group, unserved_outbox
+from reliable_beat.outbox import OutboxMessage
 from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
+
+if TYPE_CHECKING:
+    from reliable_beat.redispatch import QueueDepthFn
 
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
@@ -40,6 +44,7 @@ __all__ = [
     "outbox_backlog",
     "quarantine_counts",
     "register",
+    "stalled_queue_depths",
     "status",
     "undelivered_outbox",
     "waiting_retries",
@@ -130,6 +135,7 @@ def collect_status(
     unserved_seconds: float = DEFAULT_UNSERVED_SECONDS,
     framework: str | None = None,
     retry_cap_seconds: float = 600.0,
+    queue_depths: QueueDepthFn | None = None,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -153,6 +159,11 @@ def collect_status(
         retry_cap_seconds: ``reliable_beat_retry_cap_seconds``: with ``redispatch_seconds``
             it says when the re-dispatch sweep re-sends a ``retrying`` run (see
             :func:`waiting_retries`).
+        queue_depths: the app's broker probe (its adapter's ``queue_depths``,
+            :data:`reliable_beat.redispatch.QueueDepthFn`), asked after the store's
+            connection is closed about the queues of the newest unstarted trigger of each
+            STALLED / NEVER STARTED / UNSTARTED entry (see :func:`stalled_queue_depths`);
+            None (no ``-A``, or an adapter without one): no depths.
 
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
@@ -181,6 +192,10 @@ def collect_status(
         "entry_counts": {status: number of entries} (every entry, disabled ones too),
         "waiting_retries": {"count", "runs": [...]} (``retrying`` runs whose retry is
         overdue, see :func:`waiting_retries`),
+        "queue_depths": [{"queue" (str | None), "ready" (int | None: messages ready in it;
+        None: the broker could not tell), "entries" ([names] of the unstarted entries whose
+        triggers go there), "error" (str | None: why the probe failed)}] (empty without a
+        probe or an unstarted entry; see :func:`stalled_queue_depths`),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
         "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
         ended | quarantined | malformed: a value that cannot be read, before a beat
@@ -253,6 +268,10 @@ def collect_status(
         n_waiting, waiting_runs = waiting_retries(conn, now,
                                                   redispatch_seconds=redispatch_seconds,
                                                   retry_cap_seconds=retry_cap_seconds)
+        waiting_triggers = (_unstarted_triggers(conn, sorted(unstarted))
+                            if queue_depths is not None and unstarted else [])
+    # the broker is asked with the store's connection closed (it may be slow or down)
+    depths = stalled_queue_depths(queue_depths, waiting_triggers)
 
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
@@ -375,7 +394,7 @@ def collect_status(
             f"({', '.join(never[:10])}{', ...' if len(never) > 10 else ''}): no worker "
             "registers the task (a typo? a removed task?) or none consumes its queue. "
             "`reliable-beat entries describe NAME` shows the task; "
-            f"{_worker_advice(framework, registered=True)}."
+            f"{_worker_advice(framework, registered=True)}.{_depth_note(depths, never)}"
         )
     stalled = sorted(n for n in unstarted if n not in between and n in last_started)
     if stalled:
@@ -390,6 +409,7 @@ def collect_status(
             "--entry NAME "
             "--state dispatched` lists the waiting triggers (the re-dispatch sweep re-sends "
             "them; their idempotency keys deduplicate)."
+            f"{_depth_note(depths, stalled)}"
         )
     if n_waiting:
         shown = "; ".join(
@@ -477,10 +497,101 @@ def collect_status(
         "undelivered_outbox": undelivered,
         "unserved_outbox": unserved,
         "waiting_retries": {"count": n_waiting, "runs": waiting_runs},
+        "queue_depths": depths,
         "problems": problems,
         "warnings": warnings,
         "ok": not problems,
     }
+
+
+#: ``status`` asks the broker about the queues of at most this many unstarted entries.
+MAX_DEPTH_ENTRIES = 50
+
+
+def _unstarted_triggers(conn: Connection, names: list[str]
+                        ) -> list[tuple[str, OutboxMessage]]:
+    """``[(entry, its newest unstarted trigger's outbox row)]`` for (at most
+    :data:`MAX_DEPTH_ENTRIES` of) ``names``: the trigger of each entry's latest
+    ``dispatched`` run without ``started_at`` (one query). Entries without such a row (the
+    trigger row was purged) are left out."""
+    from reliable_beat.beat import trigger_message_id
+
+    names = names[:MAX_DEPTH_ENTRIES]
+    if not names:
+        return []
+    latest = (
+        select(runs.c.entry_name, func.max(runs.c.id).label("run_id"))
+        .where(runs.c.entry_name.in_(names), runs.c.state == "dispatched",
+               runs.c.started_at.is_(None))
+        .group_by(runs.c.entry_name)
+        .subquery()
+    )
+    keys = {str(key): str(entry) for entry, key in conn.execute(
+        select(latest.c.entry_name, runs.c.idempotency_key)
+        .select_from(latest.join(runs, runs.c.id == latest.c.run_id)))}
+    if not keys:
+        return []
+    by_message = {trigger_message_id(k): e for k, e in keys.items()}
+    rows = conn.execute(select(outbox).where(outbox.c.message_id.in_(sorted(by_message))))
+    found = []
+    for row in rows:
+        try:
+            found.append((by_message[row.message_id], OutboxMessage.from_row(row)))
+        except Exception:  # a malformed row: no depth for it (status reports rows elsewhere)
+            continue
+    return sorted(found, key=lambda t: t[0])
+
+
+def stalled_queue_depths(probe: QueueDepthFn | None,
+                         triggers: list[tuple[str, OutboxMessage]]) -> list[dict[str, Any]]:
+    """Ask the broker (``probe``) how many messages wait ready in the queues the unstarted
+    entries' triggers went to: a deep queue says the workers are behind or stopped (a
+    backlog), an empty one that a worker holds the messages unacknowledged or the broker
+    lost them. Never raises: a failing probe is one dict with ``error`` set.
+
+    Args:
+        probe: the adapter's :data:`~reliable_beat.redispatch.QueueDepthFn`; None: no depths.
+        triggers: ``[(entry, trigger outbox row)]`` (see :func:`collect_status`).
+
+    Returns:
+        ``[{"queue", "ready", "entries", "error"}]`` sorted by queue (see
+        :func:`collect_status`); empty without a probe or triggers.
+    """
+    if probe is None or not triggers:
+        return []
+    try:
+        seen = list(probe([m for _, m in triggers]))
+        if len(seen) != len(triggers):
+            raise ValueError(f"{len(seen)} depths for {len(triggers)} messages")
+    except Exception as exc:  # the broker could not be asked: said, not fatal
+        return [{"queue": None, "ready": None, "entries": sorted({e for e, _ in triggers}),
+                 "error": f"{type(exc).__name__}: {exc}"}]
+    out: dict[str, dict[str, Any]] = {}
+    for (entry, _), (queue, ready) in zip(triggers, seen, strict=True):
+        q = out.setdefault(str(queue), {"queue": str(queue), "ready": ready, "entries": [],
+                                        "error": None})
+        q["entries"].append(entry)
+    return [out[k] for k in sorted(out)]
+
+
+def _depth_note(depths: list[dict[str, Any]], names: list[str]) -> str:
+    """`` Queue Q holds N ready messages (...)`` for the queues of ``names``, or ''."""
+    wanted = set(names)
+    notes = []
+    for d in depths:
+        if not wanted.intersection(d["entries"]):
+            continue
+        if d["error"] is not None:
+            notes.append(f"the broker could not tell its queue depths ({d['error']})")
+        elif d["ready"] is None:
+            notes.append(f"the broker cannot tell how deep queue {d['queue']} is")
+        elif d["ready"] > 0:
+            notes.append(f"queue {d['queue']} holds {d['ready']:,} ready messages (a "
+                         "backlog: its workers are behind or stopped)")
+        else:
+            notes.append(f"queue {d['queue']} holds 0 ready messages (not a backlog: a "
+                         "worker holds them unacknowledged, or the broker lost them)")
+    return (" " + _capital("; ".join(notes)) + ".") if notes else ""
 
 
 def _count_by_status(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -677,6 +788,33 @@ def _worker_advice(framework: str | None, *, registered: bool) -> str:
             "queue (its depth in the broker tells behind from down)")
 
 
+def _app_probe(app: Any) -> QueueDepthFn | None:
+    """The app's broker probe for ``status`` (its adapter's optional ``queue_depths``
+    hook), or None: no app, or an adapter without one."""
+    if app is None:
+        return None
+    from reliable_beat.adapters import adapter_for
+
+    hook = getattr(adapter_for(app), "queue_depths", None)
+    if hook is None:
+        return None
+
+    def probe(messages: list[OutboxMessage]) -> list[tuple[str, int | None]]:
+        assert hook is not None
+        return list(hook(app, messages))
+
+    return probe
+
+
+def _depth_text(d: dict[str, Any]) -> str:
+    """One queue of ``status``'s ``queues:`` line."""
+    names = ", ".join(d["entries"][:5]) + (", ..." if len(d["entries"]) > 5 else "")
+    if d["error"] is not None:
+        return f"depth unknown ({d['error']}) for {names}"
+    ready = "unknown" if d["ready"] is None else f"{d['ready']:,} ready"
+    return f"{d['queue']}: {ready} (waiting triggers of {names})"
+
+
 def _fmt(at: datetime | None) -> str:
     if infinity_text(at) is not None:  # PostgreSQL 'infinity' (a malformed row)
         return str(infinity_text(at))
@@ -730,7 +868,8 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                               outbox_stuck_minutes=outbox_stuck,
                               unserved_seconds=unserved_after,
                               framework=framework_name(cli.app),
-                              retry_cap_seconds=cli.settings.retry_cap_seconds)
+                              retry_cap_seconds=cli.settings.retry_cap_seconds,
+                              queue_depths=_app_probe(cli.app))
     except StoreUnavailableError as exc:
         fail(str(exc), 1, kind="store_unavailable")
     info["store_from"] = cli.settings.database_url_origin  # e.g. Django DATABASES['default']
@@ -787,9 +926,13 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         else:
             click.echo("\noutbox: empty")
         click.echo(f"dead letters: {info['dead_letters']}")
+        if info["queue_depths"]:
+            click.echo("queues: " + "; ".join(_depth_text(d) for d in info["queue_depths"]))
         for g in info["groups"]:
-            click.echo(f"schedule group {g['group']}: {g['beats_alive']} live beats, "
-                       f"{g.get('relays_alive', 0)} live relays, "
+            published = (f" (publishing to {', '.join(g['beat_destinations'])})"
+                         if g.get("beat_destinations") else "")
+            click.echo(f"schedule group {g['group']}: {g['beats_alive']} live beats"
+                       f"{published}, {g.get('relays_alive', 0)} live relays, "
                        f"{g['enabled_entries']} enabled config entries, config synced "
                        f"{_fmt(g['config_synced_at'])}, last beat seen {_fmt(g['last_seen_at'])}")
     if check and not info["ok"]:

@@ -600,6 +600,13 @@ class DramatiqPublisher:
     def tracked_tasks(self) -> Collection[str]:
         return sorted(n for n, a in self.broker.actors.items() if isinstance(a, IdempotentActor))
 
+    def queue_depths(self, messages: Sequence[OutboxMessage]) -> list[tuple[str, int | None]]:
+        """Ready messages in each trigger's queue, for the re-dispatch sweep's backlog check
+        (:func:`reliable_beat.dramatiq.backlog.queue_depths`)."""
+        from reliable_beat.dramatiq.backlog import queue_depths
+
+        return queue_depths(self.broker, messages)
+
 
 class DramatiqHandler:
     """Outbox handler of destination ``dramatiq`` (application messages) and of the beat's

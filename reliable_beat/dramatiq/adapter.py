@@ -91,6 +91,15 @@ class DramatiqAdapter:
         return publish_and_mark(store, publisher,
                                 trigger_messages(triggers, publisher.destination), now)
 
+    def queue_depths(self, app: Any, messages: list[OutboxMessage]
+                     ) -> list[tuple[str, int | None]]:
+        """The re-dispatch sweep's backlog check (optional hook,
+        :data:`reliable_beat.redispatch.QueueDepthFn`): ready messages in each message's
+        queue on broker ``app`` (:func:`reliable_beat.dramatiq.backlog.queue_depths`)."""
+        from reliable_beat.dramatiq.backlog import queue_depths
+
+        return queue_depths(app, messages)
+
     def tracked_tasks(self, app: Any) -> list[str]:
         """Names of the broker's :class:`~reliable_beat.dramatiq.IdempotentActor` actors."""
         from reliable_beat.dramatiq import DramatiqPublisher

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -24,7 +25,7 @@ from reliable_beat.adapters import import_from_cwd
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.errors import ConfigurationError
 
-__all__ = ["group"]
+__all__ = ["group", "relay_redispatch"]
 
 
 def _load_broker(spec: str) -> tuple[Any, Any]:
@@ -112,27 +113,41 @@ def relay(cli: CliContext, broker_spec: str, loglevel: str) -> None:
     logging.basicConfig(level=loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from reliable_beat.db.dialects import Store
-    from reliable_beat.dramatiq import TRIGGER_DESTINATION, DramatiqHandler, DramatiqPublisher
+    from reliable_beat.dramatiq import TRIGGER_DESTINATION, DramatiqHandler
     from reliable_beat.handlers import load_handlers
-    from reliable_beat.redispatch import redispatch_with
     from reliable_beat.relay import Relay
 
     rb, broker = _load_broker(broker_spec)
     settings = rb.settings
     store = Store.from_url(settings.database_url, role="relay")
     handler = DramatiqHandler(broker)
-    publisher = DramatiqPublisher(broker)
-
-    def redispatch() -> int:
-        return redispatch_with(store, settings, list(publisher.tracked_tasks()),
-                               lambda ms, now: publisher.publish(ms, now))
-
+    redispatch = relay_redispatch(store, settings, broker)
     handlers = load_handlers(None, settings.outbox_handlers, settings=settings,
                              extra={TRIGGER_DESTINATION: handler})
     worker = Relay(store, None, handlers, settings=settings, redispatch=redispatch)
     click.echo(f"dramatiq relay {worker.owner} on {store.safe_url}; destinations: "
                + ", ".join(sorted(worker.handlers)), err=True)
     worker.run_forever(_stop_event())
+
+
+def relay_redispatch(store: Any, settings: Any, broker: Any) -> Callable[[], int]:
+    """The re-dispatch sweep of ``reliable-beat dramatiq relay``: re-send the triggers of
+    stuck runs of the broker's idempotent actors
+    (:func:`~reliable_beat.redispatch.redispatch_with`) through its
+    :class:`~reliable_beat.dramatiq.DramatiqPublisher`, with the publisher's backlog check
+    (:func:`reliable_beat.dramatiq.backlog.queue_depths`: a queue deep enough is a backlog,
+    not a loss, and is not re-sent to)."""
+    from reliable_beat.dramatiq import DramatiqPublisher
+    from reliable_beat.redispatch import redispatch_with
+
+    publisher = DramatiqPublisher(broker)
+
+    def redispatch() -> int:
+        return redispatch_with(store, settings, list(publisher.tracked_tasks()),
+                               lambda ms, now: publisher.publish(ms, now),
+                               queue_depths=publisher.queue_depths)
+
+    return redispatch
 
 
 def _instant(value: str, what: str) -> Any:

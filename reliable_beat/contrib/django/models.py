@@ -319,7 +319,8 @@ class Process(models.Model):
     seen_at = StoreDateTimeField()
     stopped_at = StoreDateTimeField(null=True)
     unregistered = models.JSONField(default=dict)
-    #: a relay's handler destinations; NULL for a beat
+    #: a relay's handler destinations, a beat's publisher's destination (NULL: a beat row
+    #: written before beats recorded it)
     destinations = models.JSONField(null=True)
 
     class Meta:

@@ -211,12 +211,16 @@ def test_cli_lease_clear_json_and_no_resend(pg_store: Store) -> None:
     assert err["kind"] == "usage" and err["exit_code"] == 2
 
 
-def test_runs_show_shows_the_fenced_out_attempt(pg_store: Store) -> None:
+def test_cli_clear_resends_and_runs_show_shows_the_fenced_out_attempt(pg_store: Store) -> None:
+    """Through the CLI only (the same command on the old code): fails there twice over, the
+    relay found nothing to publish and attempt 1 stayed ``running``."""
     key = "pay@2026-05-01T07:00:00Z"
     _scheduled_run(pg_store, key)
     claim(pg_store, key, "worker-a")
-    runs.release_lease(pg_store, key)
+    assert _cli(pg_store, "lease", "clear", key, "--yes").exit_code == 0
+    published = relay_publishes(pg_store)
     shown = _cli(pg_store, "runs", "show", key)
     assert shown.exit_code == 0, shown.output
     line = [x for x in shown.output.splitlines() if x.startswith("1 ")]
     assert line and "fenced_out" in line[0] and "worker-a" in line[0], shown.output
+    assert published == [trigger_message_id(key)]

@@ -683,25 +683,32 @@ def expired_leases(conn: Connection, now: datetime, *, grace_seconds: float,
     total = int(conn.execute(select(func.count()).select_from(runs).where(stuck)).scalar_one())
     if not total:
         return 0, []
-    rows = conn.execute(
-        select(runs.c.idempotency_key, runs.c.entry_name, runs.c.leased_by,
-               runs.c.lease_expires_at, runs.c.redispatches)
+    columns = {"key": runs.c.idempotency_key, "entry": runs.c.entry_name,
+               "leased_by": runs.c.leased_by, "ended": runs.c.lease_expires_at,
+               "resends": runs.c.redispatches}
+    # value by value (reliable_beat.rows): a malformed row (MALFORMED RUN ROWS, quarantine)
+    # is left to its own check, never fails the whole status
+    rows = [decode_labelled(dict(r._mapping), columns, conn.dialect) for r in conn.execute(
+        select(*raw_labelled(columns, conn.dialect))
         .where(stuck).order_by(runs.c.lease_expires_at, runs.c.id).limit(limit)
-    ).all()
+    ).all()]
     found = {m for (m,) in conn.execute(
         select(outbox.c.message_id).where(
-            outbox.c.message_id.in_([trigger_message_id(r.idempotency_key) for r in rows]),
+            outbox.c.message_id.in_([trigger_message_id(str(r.key)) for r in rows]),
             outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS))))}
     shown = []
-    for key, entry, holder, ended_at, resends in rows:
-        ended = _utc(ended_at)
+    for r in rows:
+        if r.unreadable or not isinstance(r.ended, datetime):
+            continue
+        key, entry, holder, ended, resends = r.key, r.entry, r.leased_by, _utc(r.ended), r.resends
         if ended is None:
             continue
-        wait = backoff_wait(timedelta(seconds=redispatch_seconds), int(resends or 0))
+        wait = backoff_wait(timedelta(seconds=redispatch_seconds),
+                            resends if isinstance(resends, int) else 0)
         shown.append({
             "key": key, "entry": entry, "leased_by": holder, "lease_expires_at": ended,
             "expired_seconds": round((now - ended).total_seconds(), 3),
-            "resend_at": ended + wait if trigger_message_id(key) in found else None,
+            "resend_at": ended + wait if trigger_message_id(str(key)) in found else None,
         })
     return total, shown
 

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,10 @@ import sqlalchemy as sa
 
 from reliable_beat import runs
 from reliable_beat.beat import build_trigger_payload, trigger_outbox_row
+from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
 from reliable_beat.db.tables import runs as runs_t
-from tests.acceptance.test_idempotent_task import Env, env, outcomes  # noqa: F401
+from tests.acceptance.test_idempotent_task import Env, meta
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(240)]
 
@@ -68,9 +70,20 @@ class FrozenEnv(Env):
                 key, run_id, payload, now, available_at=now, claimed_by=None)))
 
 
-def test_lease_clear_resends_and_the_effect_happens_once(env: Env) -> None:
-    fx = FrozenEnv(env.pg_url, env.redis_url, env.store, env.tmp)
-    fx.procs = env.procs  # killed by the env fixture's finalizer
+@pytest.fixture
+def fx(server_url: str, broker_url: str, server_store: Store, tmp_path: Path
+       ) -> Iterator[FrozenEnv]:
+    """Workers on PostgreSQL and on MariaDB (``server_url``); every process killed after."""
+    meta.create_all(server_store.engine)
+    e = FrozenEnv(server_url, broker_url, server_store, tmp_path)
+    try:
+        yield e
+    finally:
+        e.kill_all()
+        e.client.close()
+
+
+def test_lease_clear_resends_and_the_effect_happens_once(fx: FrozenEnv) -> None:
     key = "frozen@2026-05-01T02:00:00Z"
     a = fx.worker("shared")
     fx.relay()

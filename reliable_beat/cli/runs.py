@@ -3,7 +3,9 @@
 Read commands print a table, or JSON with ``--json``. ``dead-letters requeue`` is a
 person's decision: it asks for confirmation unless ``--yes``, records who requeued
 (``--by``, default ``$USER``), resets the run and sends the task again under the **same**
-idempotency key through the Celery app (``-A`` is required for it).
+idempotency key through the Celery app (``-A`` is required for it). ``lease clear`` fences a
+stuck holder out and re-sends the run's trigger through the outbox
+(:func:`reliable_beat.runs.release_lease`); exit 2 when it needs a confirmation no TTY can give.
 """
 
 from __future__ import annotations

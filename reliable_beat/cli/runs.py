@@ -3,13 +3,16 @@
 Read commands print a table, or JSON with ``--json``. ``dead-letters requeue`` is a
 person's decision: it asks for confirmation unless ``--yes``, records who requeued
 (``--by``, default ``$USER``), resets the run and sends the task again under the **same**
-idempotency key through the Celery app (``-A`` is required for it).
+idempotency key through the Celery app (``-A`` is required for it). ``lease clear`` fences a
+stuck holder out and re-sends the run's trigger through the outbox
+(:func:`reliable_beat.runs.release_lease`); exit 2 when it needs a confirmation no TTY can give.
 """
 
 from __future__ import annotations
 
 import getpass
 import json
+import sys
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -204,22 +207,58 @@ def lease_group() -> None:
 
 @lease_group.command("clear")
 @click.argument("key")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (needed without a TTY).")
+@click.option("--no-resend", "no_resend", is_flag=True,
+              help="Only fence the holder out and free the lease; do not re-send the run's "
+                   "trigger (the next delivery or the re-dispatch sweep runs it).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_cli
-def lease_clear(cli: CliContext, key: str, yes: bool, as_json: bool) -> None:
-    """Free the lease on KEY, fencing its holder out (its commit will be rejected)."""
-    if not yes:
-        click.confirm(f"Clear the lease on {key!r}? Its current holder's work will be "
-                      "rolled back when it tries to commit.", abort=True)
+def lease_clear(cli: CliContext, key: str, yes: bool, no_resend: bool, as_json: bool) -> None:
+    """Free the lease on KEY, fencing its holder out, and re-send the run's task.
+
+    The holder's commit will be rejected (StaleFenceToken; its writes roll back). A
+    `running` run becomes `retrying` and its trigger is re-sent through the outbox (a relay
+    or beat publishes it at once) unless --no-resend. Exit codes: 0 done; 1 no run has KEY
+    (or the prompt was declined); 2 refused: confirmation needed and no TTY to ask on
+    (pass --yes).
+    """
     try:
-        fence = runs.clear_lease(cli.store, key)
+        run = runs.get_run(cli.store, key)
     except runs.RunNotFound as exc:
         fail(str(exc), 1, kind="not_found")
+    if not yes:
+        if not _interactive():
+            fail(f"refused: clearing the lease on {key!r} needs confirmation and there is "
+                 "no TTY to ask on: pass --yes", 2, kind="usage")
+        held = (f"held by {run['leased_by']} until {_fmt(run['lease_expires_at'])}"
+                if run.get("leased_by") else "held by nobody")
+        click.confirm(f"Clear the lease on {key!r} (state {run['state']}, {held})? Its "
+                      "current holder's work will be rolled back when it tries to commit"
+                      + ("" if no_resend else ", and the run's task is sent again") + ".",
+                      abort=True)
+    try:
+        done = runs.release_lease(cli.store, key, resend=not no_resend)
+    except runs.RunNotFound as exc:  # removed since (runs purge)
+        fail(str(exc), 1, kind="not_found")
     if as_json:
-        cli.echo_json({"outcome": "cleared", "key": key, "fence_token": fence})
+        cli.echo_json({"outcome": "cleared", **done.as_dict()})
         return
-    click.echo(f"lease on {key!r} cleared; fence token is now {fence}")
+    click.echo(f"lease on {key!r} cleared; fence token is now {done.fence_token}")
+    if done.holder:
+        click.echo(f"  fenced out: {done.holder} (its commit will be rejected; "
+                   f"{done.fenced_out_attempts} running attempt(s) closed fenced_out)")
+    state = (f"{done.previous_state} -> {done.state}" if done.state != done.previous_state
+             else done.state)
+    click.echo(f"  run: {state}")
+    click.echo(f"  message: {done.note}")
+
+
+def _interactive() -> bool:
+    """True when a person can answer a prompt (stdin is a terminal)."""
+    try:
+        return bool(sys.stdin.isatty())
+    except (AttributeError, ValueError):  # closed or replaced stdin
+        return False
 
 
 def register(group: click.Group) -> None:

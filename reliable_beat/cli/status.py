@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
     "collect_status",
+    "expired_leases",
     "framework_name",
     "jsonable",
     "outbox_backlog",
@@ -65,6 +66,10 @@ DEFAULT_OUTBOX_STUCK_MINUTES = 10.0
 DEFAULT_UNSERVED_SECONDS = 60.0
 #: The text output of ``status`` lists at most this many entries (``--rows``), then a count.
 DEFAULT_ENTRY_ROWS = 50
+#: LEASE EXPIRED: a ``running`` run whose lease ended more than this many seconds ago. A live
+#: holder renews every lease / 3, so its lease never ends; one that ended this long ago
+#: belongs to a worker that stopped (died, frozen), not to one in the middle of a renewal.
+DEFAULT_LEASE_EXPIRED_SECONDS = 30.0
 #: Triggers dispatched within this many hours are looked at for "never started by a worker".
 UNSTARTED_WINDOW_HOURS = 24.0
 
@@ -136,6 +141,7 @@ def collect_status(
     framework: str | None = None,
     retry_cap_seconds: float = 600.0,
     queue_depths: QueueDepthFn | None = None,
+    lease_expired_seconds: float = DEFAULT_LEASE_EXPIRED_SECONDS,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -164,6 +170,8 @@ def collect_status(
             connection is closed about the queues of the newest unstarted trigger of each
             STALLED / NEVER STARTED / UNSTARTED entry (see :func:`stalled_queue_depths`);
             None (no ``-A``, or an adapter without one): no depths.
+        lease_expired_seconds: a ``running`` run whose lease ended this long ago is an alarm
+            (LEASE EXPIRED, see :func:`expired_leases`).
 
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
@@ -196,6 +204,8 @@ def collect_status(
         None: the broker could not tell), "entries" ([names] of the unstarted entries whose
         triggers go there), "error" (str | None: why the probe failed)}] (empty without a
         probe or an unstarted entry; see :func:`stalled_queue_depths`),
+        "expired_leases": {"count", "runs": [...]} (``running`` runs whose lease ended more
+        than ``lease_expired_seconds`` ago, see :func:`expired_leases`),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
         "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
         ended | quarantined | malformed: a value that cannot be read, before a beat
@@ -270,6 +280,8 @@ def collect_status(
                                                   retry_cap_seconds=retry_cap_seconds)
         waiting_triggers = (_unstarted_triggers(conn, sorted(unstarted))
                             if queue_depths is not None and unstarted else [])
+        n_expired, expired_runs = expired_leases(conn, now, grace_seconds=lease_expired_seconds,
+                                                 redispatch_seconds=redispatch_seconds)
     # the broker is asked with the store's connection closed (it may be slow or down)
     depths = stalled_queue_depths(queue_depths, waiting_triggers)
 
@@ -427,11 +439,14 @@ def collect_status(
             f"{redispatch_seconds:g} s past their retry time ({shown}"
             f"{'; ...' if n_waiting > len(waiting_runs) else ''}). A fenced-out attempt "
             "sends no retry (the fence says a newer runner owns the run), so after "
-            "`lease clear` only the sweep re-sends it, redispatch_seconds + "
+            "`lease clear --no-resend` only the sweep re-sends it, redispatch_seconds + "
             "retry_cap_seconds after (doubling per re-send); otherwise its retry message was "
             "lost or the workers are down or behind. `reliable-beat runs show KEY` shows "
             "each."
         )
+    if n_expired:
+        problems.append(_lease_expired_problem(n_expired, expired_runs, lease_expired_seconds,
+                                               now))
     gaps = sorted(between)
     if gaps:
         problems.append(
@@ -498,6 +513,7 @@ def collect_status(
         "unserved_outbox": unserved,
         "waiting_retries": {"count": n_waiting, "runs": waiting_runs},
         "queue_depths": depths,
+        "expired_leases": {"count": n_expired, "runs": expired_runs},
         "problems": problems,
         "warnings": warnings,
         "ok": not problems,
@@ -741,6 +757,93 @@ def waiting_retries(conn: Connection, now: datetime, *, redispatch_seconds: floa
             if trigger_message_id(w["key"]) not in found:
                 w["resend_at"] = None
     return len(overdue), shown
+
+
+def expired_leases(conn: Connection, now: datetime, *, grace_seconds: float,
+                   redispatch_seconds: float, limit: int = 10
+                   ) -> tuple[int, list[dict[str, Any]]]:
+    """``running`` runs whose lease ended more than ``grace_seconds`` ago: stuck.
+
+    A live holder renews its lease every ``lease / 3`` (a renewal that waits on a lock
+    tries again at the next one), so its lease never ends; a lease that ended
+    ``grace_seconds`` ago belongs to a worker that stopped (killed, frozen, its host gone)
+    whose message did not come back to another worker (a redelivery would have taken the
+    run over). The re-dispatch sweep re-sends such a run's trigger once its lease ended
+    ``redispatch_seconds * 2**k`` ago (k: its re-sends, capped; it then moves
+    ``lease_expires_at`` to its clock, so a run it re-sent drops out of this list for
+    ``grace_seconds``); ``reliable-beat lease clear KEY`` re-sends it at once.
+
+    Args:
+        conn: a connection to the store.
+        now: the store's clock (UTC).
+        grace_seconds: how long past its end a lease must be.
+        redispatch_seconds: ``reliable_beat_redispatch_seconds`` (for ``resend_at``).
+        limit: how many runs to return (the longest expired first).
+
+    Returns:
+        ``(count, runs)``: how many, and the ``limit`` longest expired as ``{"key",
+        "entry", "leased_by", "lease_expires_at" (UTC), "expired_seconds" (float),
+        "resend_at" (UTC datetime of the sweep's next re-send; None: the run has no trigger
+        row (an ad-hoc call, a workflow activity): the sweep does not re-send it)}``.
+    """
+    from reliable_beat.beat import TRIGGER_DESTINATIONS, trigger_message_id
+    from reliable_beat.redispatch import backoff_wait
+
+    stuck = and_(runs.c.state == "running",
+                 runs.c.lease_expires_at < now - timedelta(seconds=grace_seconds))
+    total = int(conn.execute(select(func.count()).select_from(runs).where(stuck)).scalar_one())
+    if not total:
+        return 0, []
+    columns = {"key": runs.c.idempotency_key, "entry": runs.c.entry_name,
+               "leased_by": runs.c.leased_by, "ended": runs.c.lease_expires_at,
+               "resends": runs.c.redispatches}
+    # value by value (reliable_beat.rows): a malformed row (MALFORMED RUN ROWS, quarantine)
+    # is left to its own check, never fails the whole status
+    rows = [decode_labelled(dict(r._mapping), columns, conn.dialect) for r in conn.execute(
+        select(*raw_labelled(columns, conn.dialect))
+        .where(stuck).order_by(runs.c.lease_expires_at, runs.c.id).limit(limit)
+    ).all()]
+    found = {m for (m,) in conn.execute(
+        select(outbox.c.message_id).where(
+            outbox.c.message_id.in_([trigger_message_id(str(r.key)) for r in rows]),
+            outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS))))}
+    shown = []
+    for r in rows:
+        if r.unreadable or not isinstance(r.ended, datetime):
+            continue
+        key, entry, holder, ended, resends = r.key, r.entry, r.leased_by, _utc(r.ended), r.resends
+        if ended is None:
+            continue
+        wait = backoff_wait(timedelta(seconds=redispatch_seconds),
+                            resends if isinstance(resends, int) else 0)
+        shown.append({
+            "key": key, "entry": entry, "leased_by": holder, "lease_expires_at": ended,
+            "expired_seconds": round((now - ended).total_seconds(), 3),
+            "resend_at": ended + wait if trigger_message_id(str(key)) in found else None,
+        })
+    return total, shown
+
+
+def _lease_expired_problem(count: int, shown: list[dict[str, Any]], grace_seconds: float,
+                           now: datetime) -> str:
+    """The LEASE EXPIRED line (bounded: the keys of the longest expired, then ``...``)."""
+    keys = "; ".join(
+        f"{r['key']} (held by {r['leased_by'] or '?'}, expired "
+        f"{r['expired_seconds']:.0f} s ago, "
+        + ("no trigger row: the sweep does not re-send it" if r["resend_at"] is None
+           else f"the sweep re-sends it at about {_fmt(r['resend_at'])}"
+           if r["resend_at"] > now
+           else f"the sweep was due to re-send it at {_fmt(r['resend_at'])}: does any beat "
+           "or relay of its group run?")
+        + ")"
+        for r in shown)
+    return (
+        f"LEASE EXPIRED: {count} running runs whose lease expired more than "
+        f"{grace_seconds:g} s ago ({keys}{'; ...' if count > len(shown) else ''}): their "
+        "workers stopped (killed or frozen) and no redelivery took them over. The re-dispatch "
+        "sweep re-sends them at the times given, or run `reliable-beat lease clear KEY` to "
+        "fence the holder out and re-send the run now (stop a frozen worker too)."
+    )
 
 
 def _last_started(conn: Connection, names: list[str]) -> dict[str, datetime]:

@@ -53,7 +53,9 @@ progress = sa.Table(
 app = Celery("rb_task_app", broker=os.environ.get("RB_BROKER_URL", "memory://"))
 app.conf.update(
     broker_transport_options={
-        "visibility_timeout": 5,
+        # RB_VISIBILITY_TIMEOUT: a test that needs a paused worker's message to stay with it
+        # (as RabbitMQ keeps an unacknowledged message with a live connection) sets it high
+        "visibility_timeout": float(os.environ.get("RB_VISIBILITY_TIMEOUT", "5")),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
         # kombu's restore holds a Redis lock (default expiry 300 s); a worker SIGKILLed

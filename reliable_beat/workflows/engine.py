@@ -10,8 +10,10 @@ The protocol (docs/workflows.md):
 1. **claim**: ``UPDATE workflows SET fence_token = fence_token + 1, lease_expires_at = db now
    + lease, state = 'running', claimed_wake_seq = wake_seq WHERE workflow_id = :id AND state
    IN ('pending', 'waiting', 'running') AND (lease_expires_at IS NULL OR lease_expires_at <
-   db now)``. No row: someone holds a live lease (it will see our ``wake_seq`` bump) or the
-   workflow is terminal / blocked.
+   db now)``. No row: someone holds a live lease (it will see our ``wake_seq`` bump; a
+   signal on PostgreSQL may have skipped its bump, so a busy advance that finds an
+   unconsumed signal bumps it itself: :func:`_nudge_holder`) or the workflow is terminal /
+   blocked.
 2. **load** the run's events, **run** the function from the top with a
    :class:`~reliable_beat.workflows.context.WorkflowContext`: recorded calls are answered from
    the history, the first unrecorded call (the frontier) is recorded in one transaction that

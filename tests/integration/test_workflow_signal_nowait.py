@@ -269,9 +269,16 @@ def test_many_senders_while_the_workflow_loops_waiting(server_store: Store,
     total = senders * per_sender
     name = f"nw.loop{round_no}"
 
+    def hold(conn: sa.Connection) -> None:
+        time.sleep(0.005)  # inside the record transaction: the row is locked meanwhile
+
     @workflow(name=name)
     def loop(ctx: WorkflowContext, n: int) -> Any:
-        return [ctx.wait_signal("tick") for _ in range(n)]
+        got = []
+        for _ in range(n):
+            got.append(ctx.wait_signal("tick"))
+            ctx.transaction(hold, name="hold")
+        return got
 
     wid = f"loop{round_no}"
     engine.start(server_store, name, wid, [total])
@@ -319,5 +326,5 @@ def test_many_senders_while_the_workflow_loops_waiting(server_store: Store,
     assert len(sigs) == total
     # oldest first: the n-th wait got the n-th signal stored
     assert row["result"] == [s.payload for s in sigs]
-    assert [s.consumed_seq for s in sigs] == list(range(1, total + 1))
+    assert [s.consumed_seq for s in sigs] == list(range(1, 2 * total, 2))
     print(f"round {round_no}: {total} signals, slowest signal() {max(slow) * 1000:.0f} ms")

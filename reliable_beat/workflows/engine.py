@@ -690,7 +690,8 @@ def resume(store: Store, workflow_id: str) -> dict[str, Any]:
     """Unblock a ``blocked`` workflow (after the code was fixed): ``waiting`` + a wake.
 
     Also kicks a ``pending`` / ``waiting`` workflow that is overdue (a timer or signal
-    timeout past its ``fire_at``, or a wake it has not consumed): one more wake, nothing
+    timeout past its ``fire_at``, a wake it has not consumed, or a ``wait_signal`` whose
+    signal sits unconsumed in the inbox): one more wake, nothing
     else changes (the advance is fenced and replays; the sweep would send it within
     ``reliable_beat_redispatch_seconds`` too).
 
@@ -748,6 +749,18 @@ def _kick_overdue(store: Store, workflow_id: str) -> bool:
                 workflow_events.c.fire_at.is_not(None),
                 workflow_events.c.fire_at <= now)
         ).scalar_one()
+        if not due and not (row.state == "pending" or row.wake_seq > row.claimed_wake_seq):
+            # a signal whose wake_seq bump was skipped (PostgreSQL) and whose wake's advance
+            # failed: its wait_signal is scheduled while a signal of that name sits unread
+            ev, sg = workflow_events.c, workflow_signals.c
+            due = conn.execute(
+                select(func.count()).select_from(workflow_events.join(
+                    workflow_signals, and_(sg.workflow_pk == ev.workflow_pk,
+                                           sg.name == ev.name)))
+                .where(ev.workflow_pk == row.id, ev.run_no == row.run_no,
+                       ev.kind == "signal", ev.state == "scheduled",
+                       sg.consumed_seq.is_(None))
+            ).scalar_one()
         if not due and not (row.state == "pending" or row.wake_seq > row.claimed_wake_seq):
             return False
         bumped = _first(update_returning(

@@ -197,6 +197,9 @@ def test_sweep_wakes_a_workflow_whose_signal_wake_did_not_get_through(
     window = timedelta(minutes=1)
     assert engine.redispatch_workflows(pg_store, older_than=window) == 1
     assert engine.redispatch_workflows(pg_store, older_than=window) == 0  # once per window
+    assert _take_wake(pg_store, "s1")  # the broker lost that one too
+    # `workflows resume` calls it overdue (a wait_signal whose signal sits unread): a wake
+    assert engine.resume(pg_store, "s1")["state"] == "waiting"
     assert _drive(pg_store, "s1") == "completed"
     assert engine.get_workflow(pg_store, "s1")["result"] == 7
 
@@ -328,3 +331,29 @@ def test_many_senders_while_the_workflow_loops_waiting(server_store: Store,
     assert row["result"] == [s.payload for s in sigs]
     assert [s.consumed_seq for s in sigs] == list(range(1, 2 * total, 2))
     print(f"round {round_no}: {total} signals, slowest signal() {max(slow) * 1000:.0f} ms")
+
+
+def test_a_terminate_waits_for_a_signal_in_flight_then_signals_are_refused(
+        pg_store: Store) -> None:
+    """``workflows cancel --no-compensate`` ends the workflow in one transaction: it takes
+    the row FOR UPDATE first, so it waits for a signal the caller has not committed yet
+    (stored while the workflow ran); a signal after it is refused."""
+    from reliable_beat.workflows import cancel
+
+    @workflow(name="nw.term")
+    def term(ctx: WorkflowContext) -> Any:
+        return ctx.wait_signal("go")
+
+    engine.start(pg_store, "nw.term", "t1")
+    assert _drive(pg_store, "t1") == "waiting"
+    with pg_store.begin() as caller:
+        assert engine.signal(caller, "t1", "other", 1) is True
+        t, out = _in_thread(lambda: cancel(pg_store, "t1", compensate=False))
+        time.sleep(0.5)
+        assert t.is_alive(), out
+        committed = time.monotonic()
+    t.join(30)
+    assert out["value"]["changed"] is True and out["at"] >= committed, out
+    with pytest.raises(WorkflowConflict):
+        engine.signal(pg_store, "t1", "go", 2)
+    assert [s.payload for s in _signals(pg_store, "t1")] == [1]

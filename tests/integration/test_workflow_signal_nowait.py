@@ -114,6 +114,7 @@ def test_signal_returns_at_once_while_an_advance_is_paused_inside_its_transactio
     t0 = time.monotonic()
     assert engine.signal(pg_store, "p1", "go", {"n": 1}, key="go:1") is True
     took = time.monotonic() - t0
+    print(f"signal() returned in {took * 1000:.0f} ms with the advance paused in its transaction")
     assert took < 1.0, f"signal took {took:.2f} s while an advance held the row"
     assert engine.signal(pg_store, "p1", "go", {"n": 1}, key="go:1") is False  # same key
     resume.set()

@@ -10,8 +10,10 @@ The protocol (docs/workflows.md):
 1. **claim**: ``UPDATE workflows SET fence_token = fence_token + 1, lease_expires_at = db now
    + lease, state = 'running', claimed_wake_seq = wake_seq WHERE workflow_id = :id AND state
    IN ('pending', 'waiting', 'running') AND (lease_expires_at IS NULL OR lease_expires_at <
-   db now)``. No row: someone holds a live lease (it will see our ``wake_seq`` bump) or the
-   workflow is terminal / blocked.
+   db now)``. No row: someone holds a live lease (it will see our ``wake_seq`` bump; a
+   signal on PostgreSQL may have skipped its bump, so a busy advance that finds an
+   unconsumed signal bumps it itself: :func:`_nudge_holder`) or the workflow is terminal /
+   blocked.
 2. **load** the run's events, **run** the function from the top with a
    :class:`~reliable_beat.workflows.context.WorkflowContext`: recorded calls are answered from
    the history, the first unrecorded call (the frontier) is recorded in one transaction that
@@ -550,11 +552,40 @@ def signal(
 ) -> bool:
     """Send signal ``name`` with ``payload`` to a workflow; it wakes the workflow.
 
-    Writes the inbox row, bumps ``wake_seq`` and adds a wake message in one transaction
-    (the caller's when ``target`` is a Connection). Each signal is consumed by exactly one
-    ``ctx.wait_signal(name)``, oldest first.
+    Writes the inbox row and a wake message in one transaction (the caller's when
+    ``target`` is a Connection): when this returns True (and the caller committed) the
+    signal is durable and will be consumed by exactly one ``ctx.wait_signal(name)``, oldest
+    first, unless the workflow ends without waiting for it. Retrying after an error with
+    the same ``key`` is safe: the signal is stored once.
+
+    Never waits for a running advance (PostgreSQL): the workflow row is read ``FOR KEY
+    SHARE``, which no advance's write conflicts with, and ``wake_seq`` is bumped only if the
+    row is free (``FOR NO KEY UPDATE SKIP LOCKED``). When an advance holds the row, the
+    bump is skipped and the wake message does its work: the advance it starts finds the
+    holder's lease live, sees the unconsumed signal and bumps ``wake_seq`` itself (a worker
+    may wait for a row lock; a web request must not), so the holder's release runs the code
+    again; if that message fails (the holder frozen inside a transaction past the worker's
+    ``lock_timeout``), the re-dispatch sweep wakes a ``waiting`` workflow parked on a
+    ``wait_signal`` whose signal sits unconsumed (:func:`redispatch_workflows`). No wake-up
+    is lost. The one wait left is the transaction that *ends* the workflow (it takes the
+    row ``FOR UPDATE``): it lasts milliseconds, and it decides the race with a workflow
+    completing concurrently: a signal is either committed before the end (stored; consumed
+    if the code waits for it, like any signal sent while the workflow ran) or refused with
+    :class:`WorkflowConflict`, never stored on an ended workflow. A process frozen inside
+    that ending transaction makes ``signal`` wait up to the connection's ``lock_timeout``
+    and raise; sending again with the same ``key`` is safe.
+
+    SQLite (one writer at a time) and MariaDB/MySQL (InnoDB's foreign-key check of the inbox
+    row takes a shared lock on the workflow row, which an advance's write holds) bump
+    ``wake_seq`` first, locking the row as an advance does: there a signal waits for the
+    advance's current transaction (``lock_timeout`` / the busy timeout, then an error).
 
     Args:
+        target: the store, or a connection inside the caller's transaction on it.
+        workflow_id: the business id.
+        name: the signal's name (<= 200 characters), as ``ctx.wait_signal(name)`` asks it.
+        payload: a JSON value (see :func:`to_json`); None reads as a timeout to a
+            ``wait_signal(timeout=...)``: send a value.
         key: dedup key (<= 400 characters): a second signal with the same key is a no-op.
 
     Returns:
@@ -563,47 +594,104 @@ def signal(
     Raises:
         WorkflowNotFound: no such workflow.
         WorkflowError-derived WorkflowConflict: the workflow has ended (the signal would be
-            lost; nothing is written).
+            lost; nothing is written), or its row's state is malformed.
+        TypeError: ``payload`` is not JSON-serialisable (nothing is written).
     """
     data = to_json(payload, f"signal {name!r} payload")
     with _tx(target) as conn:
+        if conn.dialect.name != "postgresql":
+            return _signal_locking(conn, workflow_id, name, data, key)
         now = db_now(conn)
-        # the workflow row first (same lock order as the advance: no deadlock)
-        row = _first(update_returning(
-            conn,
-            update(workflows)
+        # FOR KEY SHARE: blocks only while a transaction that ends the workflow holds the
+        # row FOR UPDATE (lock_for_end), never behind an advance's FOR NO KEY UPDATE writes
+        row = _refuse_unsignallable(workflow_id, name, conn.execute(
+            select(workflows.c.id, workflows.c.state, workflows.c.queue)
             .where(workflows.c.workflow_id == workflow_id)
-            .values(wake_seq=workflows.c.wake_seq + 1),
-            workflows,
-            [workflows.c.id, workflows.c.state, workflows.c.queue, workflows.c.wake_seq],
-        ))
-        if row is None:
-            raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
-        if row.state in TERMINAL_STATES:
-            raise WorkflowConflict(
-                f"workflow {workflow_id!r} is {row.state}: signal {name!r} would never be "
-                "consumed; nothing was written"
-            )
-        from reliable_beat.workflows.malformed import WORKFLOW_STATES, state_problem
-
-        if row.state not in WORKFLOW_STATES:  # raising rolls the wake_seq bump back
-            raise WorkflowConflict(
-                f"signal {name!r} not stored (it would never be consumed; nothing was "
-                f"written): {state_problem(workflow_id, row.state)}")
-        stored = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
+            .with_for_update(read=True, key_share=True)
+        ).first())
+        sid = conn.execute(insert_ignore(conn, workflow_signals).values(
             workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
-        ), workflow_signals)
-        if not stored:
+        ).returning(workflow_signals.c.id)).scalar()
+        if sid is None:
             return False
-        add_wake(conn, workflow_id, row.queue, f"s{row.wake_seq}")
+        free = conn.execute(
+            select(workflows.c.id).where(workflows.c.id == row.id)
+            .with_for_update(key_share=True, skip_locked=True)
+        ).first()
+        if free is None:  # an advance (or another sender) holds the row: no bump, no wait
+            add_wake(conn, workflow_id, row.queue, f"sig{sid}")
+            return True
+        seq = conn.execute(
+            update(workflows).where(workflows.c.id == row.id)
+            .values(wake_seq=workflows.c.wake_seq + 1).returning(workflows.c.wake_seq)
+        ).scalar_one()
+        add_wake(conn, workflow_id, row.queue, f"s{seq}")
     return True
+
+
+def _refuse_unsignallable(workflow_id: str, name: str, row: Any) -> Any:
+    """``row`` (id, state, queue, ...) if it is a workflow that may still consume a signal.
+
+    Raises:
+        WorkflowNotFound: ``row`` is None.
+        WorkflowConflict: the workflow has ended, or its state is malformed.
+    """
+    if row is None:
+        raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
+    if row.state in TERMINAL_STATES:
+        raise WorkflowConflict(
+            f"workflow {workflow_id!r} is {row.state}: signal {name!r} would never be "
+            "consumed; nothing was written"
+        )
+    from reliable_beat.workflows.malformed import WORKFLOW_STATES, state_problem
+
+    if row.state not in WORKFLOW_STATES:  # raising rolls everything back
+        raise WorkflowConflict(
+            f"signal {name!r} not stored (it would never be consumed; nothing was "
+            f"written): {state_problem(workflow_id, row.state)}")
+    return row
+
+
+def _signal_locking(conn: Connection, workflow_id: str, name: str, data: Any,
+                    key: str | None) -> bool:
+    """:func:`signal` on SQLite and MySQL/MariaDB: bump ``wake_seq`` first, holding the
+    workflow row (the same lock order as the advance: no deadlock)."""
+    now = db_now(conn)
+    row = _refuse_unsignallable(workflow_id, name, _first(update_returning(
+        conn,
+        update(workflows)
+        .where(workflows.c.workflow_id == workflow_id)
+        .values(wake_seq=workflows.c.wake_seq + 1),
+        workflows,
+        [workflows.c.id, workflows.c.state, workflows.c.queue, workflows.c.wake_seq],
+    )))
+    stored = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
+        workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
+    ), workflow_signals)
+    if not stored:
+        return False
+    add_wake(conn, workflow_id, row.queue, f"s{row.wake_seq}")
+    return True
+
+
+def lock_for_end(conn: Connection, pk: int) -> None:
+    """Take workflow ``pk``'s row ``FOR UPDATE`` (PostgreSQL; a no-op elsewhere), first in a
+    transaction that ends the workflow (completed / failed / cancelled).
+
+    It conflicts with the ``FOR KEY SHARE`` a :func:`signal` holds until it commits, and
+    with nothing an advance takes (``FOR NO KEY UPDATE``): a signal commits either before
+    the end (stored while the workflow ran) or after it, reading the ended state and
+    refusing; never stored on an ended workflow."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(select(workflows.c.id).where(workflows.c.id == pk).with_for_update())
 
 
 def resume(store: Store, workflow_id: str) -> dict[str, Any]:
     """Unblock a ``blocked`` workflow (after the code was fixed): ``waiting`` + a wake.
 
     Also kicks a ``pending`` / ``waiting`` workflow that is overdue (a timer or signal
-    timeout past its ``fire_at``, or a wake it has not consumed): one more wake, nothing
+    timeout past its ``fire_at``, a wake it has not consumed, or a ``wait_signal`` whose
+    signal sits unconsumed in the inbox): one more wake, nothing
     else changes (the advance is fenced and replays; the sweep would send it within
     ``reliable_beat_redispatch_seconds`` too).
 
@@ -661,6 +749,18 @@ def _kick_overdue(store: Store, workflow_id: str) -> bool:
                 workflow_events.c.fire_at.is_not(None),
                 workflow_events.c.fire_at <= now)
         ).scalar_one()
+        if not due and not (row.state == "pending" or row.wake_seq > row.claimed_wake_seq):
+            # a signal whose wake_seq bump was skipped (PostgreSQL) and whose wake's advance
+            # failed: its wait_signal is scheduled while a signal of that name sits unread
+            ev, sg = workflow_events.c, workflow_signals.c
+            due = conn.execute(
+                select(func.count()).select_from(workflow_events.join(
+                    workflow_signals, and_(sg.workflow_pk == ev.workflow_pk,
+                                           sg.name == ev.name)))
+                .where(ev.workflow_pk == row.id, ev.run_no == row.run_no,
+                       ev.kind == "signal", ev.state == "scheduled",
+                       sg.consumed_seq.is_(None))
+            ).scalar_one()
         if not due and not (row.state == "pending" or row.wake_seq > row.claimed_wake_seq):
             return False
         bumped = _first(update_returning(
@@ -880,9 +980,50 @@ def fence_check(
     return now
 
 
+def _nudge_holder(store: Store, workflow_id: str) -> bool | None:
+    """An advance found the workflow busy (another advance holds a live lease): make sure
+    the holder sees the signals committed before this wake (PostgreSQL).
+
+    :func:`signal` skips its ``wake_seq`` bump when the row is locked, so the holder's
+    release (``WHERE wake_seq = :seen``) would not notice a signal that committed after it
+    last read the inbox. If the workflow has an unconsumed signal, bump ``wake_seq`` here
+    (this is a worker: it may wait for the holder's row lock), only while the lease is
+    still live: the holder then runs its code again and reads the inbox.
+
+    Returns:
+        True: bumped; False: nothing to tell (no unconsumed signal, or not PostgreSQL,
+        where every signal bumps); None: the lease is no longer live (released, ended or
+        expired): claim again.
+    """
+    if store.dialect != "postgresql":
+        return False
+    with store.begin() as conn:
+        now = db_now(conn)
+        pk = conn.execute(select(workflows.c.id)
+                          .where(workflows.c.workflow_id == workflow_id)).scalar()
+        if pk is None:
+            return False
+        unread = conn.execute(
+            select(workflow_signals.c.id).where(workflow_signals.c.workflow_pk == pk,
+                                                workflow_signals.c.consumed_seq.is_(None))
+            .limit(1)
+        ).first()
+        if unread is None:
+            return False
+        done = conn.execute(
+            update(workflows)
+            .where(workflows.c.id == pk, workflows.c.state == "running",
+                   workflows.c.lease_expires_at >= now)
+            .values(wake_seq=workflows.c.wake_seq + 1)
+        ).rowcount
+    return True if done == 1 else None
+
+
 def _finish(store: Store, claimed: Claimed, **values: Any) -> str:
     """Record the end (completed / failed / blocked), fenced. Returns the state or 'fenced'."""
     with store.begin() as conn:
+        if values.get("state") in TERMINAL_STATES:
+            lock_for_end(conn, claimed.pk)  # first: decides the race with a signal()
         now = db_now(conn)
         if values.get("state") in TERMINAL_STATES:
             values["finished_at"] = now
@@ -941,6 +1082,10 @@ def advance(
 
     crash_point("advance.before_claim")
     claimed = _claim(store, workflow_id, owner, lease)
+    for _ in range(3):
+        if claimed != "busy" or _nudge_holder(store, workflow_id) is not None:
+            break
+        claimed = _claim(store, workflow_id, owner, lease)  # the holder let go meanwhile
     if isinstance(claimed, str):
         return claimed
     crash_point("advance.after_claim")
@@ -1136,6 +1281,7 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
             add_wake(conn, r.workflow_id, r.queue, f"sweep{r.fence_token}.{r.wake_seq}")
         swept = {r.workflow_id for r in rows}
         timers = _resend_lost_timer_wakes(conn, now, cutoff, older_than, limit, swept)
+        timers += _resend_lost_signal_wakes(conn, now, cutoff, older_than, limit, swept)
         retry_after = older_than if retrying_after is None else retrying_after
         lost = _lost_activities(conn, now, cutoff, older_than, limit, retry_after=retry_after)
         if queue_depths is None or not lost:
@@ -1239,6 +1385,53 @@ def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
                     "wake advanced (its wake was lost): waking it", r.workflow_id,
                     cutoff.isoformat())
         add_wake(conn, r.workflow_id, r.queue, f"due{r.fence_token}.r{window}")
+        sent += 1
+    return sent
+
+
+def _resend_lost_signal_wakes(conn: Connection, now: datetime, cutoff: datetime,
+                              older_than: timedelta, limit: int, skip: set[str]) -> int:
+    """Wake ``pending`` / ``waiting`` workflows parked on a ``wait_signal(name)`` (an event
+    ``signal`` ``scheduled`` in the current run) while a signal of that name, stored before
+    ``cutoff``, sits unconsumed, and whose row has not changed since ``cutoff``: the
+    signal's wake did not reach an advance that could read it (:func:`signal` skipped its
+    ``wake_seq`` bump because an advance held the row, and the wake's advance failed, e.g.
+    on the row lock of a holder frozen inside a transaction; or the broker lost the wake).
+    Once per workflow per ``older_than`` window, backing off like the timer sweep (counted
+    on the signal's event). ``skip``: workflows already woken by this sweep. Returns the
+    wakes added."""
+    ev, wf, sg = workflow_events.c, workflows.c, workflow_signals.c
+    j = workflow_events.join(workflows, wf.id == ev.workflow_pk).join(
+        workflow_signals, and_(sg.workflow_pk == ev.workflow_pk, sg.name == ev.name))
+    rows = conn.execute(
+        select(wf.workflow_id, wf.queue, wf.fence_token, ev.workflow_pk, ev.run_no, ev.seq,
+               ev.redispatches)
+        .select_from(j)
+        .where(
+            wf.state.in_(("pending", "waiting")),
+            wf.updated_at < cutoff,
+            ev.run_no == wf.run_no,
+            ev.kind == "signal",
+            ev.state == "scheduled",
+            sg.consumed_seq.is_(None),
+            sg.created_at < cutoff,
+            _backed_off(now, older_than),
+        )
+        .order_by(sg.id)
+        .limit(limit)
+    ).all()
+    window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))
+    sent = 0
+    for r in rows:
+        if r.workflow_id in skip:
+            continue
+        skip.add(r.workflow_id)
+        if not _count_resend(conn, r, now):
+            continue
+        log.warning("workflow sweep: workflow %s waits for a signal stored before %s that no "
+                    "advance read (its wake did not get through): waking it", r.workflow_id,
+                    cutoff.isoformat())
+        add_wake(conn, r.workflow_id, r.queue, f"sigsweep{r.fence_token}.r{window}")
         sent += 1
     return sent
 

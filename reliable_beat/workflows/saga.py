@@ -467,6 +467,7 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
                     "message": f"workflow {workflow_id!r} already ended {row.state}: "
                                "nothing to cancel, nothing changed"}
         if not compensate:
+            engine.lock_for_end(conn, row.id)  # decides the race with a signal()
             done = conn.execute(update(workflows).where(*where).values(
                 state="cancelled", cancel_requested="terminate",
                 fence_token=workflows.c.fence_token + 1, leased_by=None,

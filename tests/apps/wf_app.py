@@ -146,6 +146,23 @@ def ticks(ctx: WorkflowContext, n: int) -> Any:
     return got
 
 
+def _held_tx(conn: sa.Connection, marker: str, seconds: float) -> str:
+    """Inside the record transaction (its fence check holds the workflow row): write this
+    process's pid to ``marker`` for the test, then hold the transaction open."""
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(seconds)
+    return "held"
+
+
+@workflow(app, name="wfa.held", queue=QUEUE)
+def held(ctx: WorkflowContext, marker: str, seconds: float) -> Any:
+    """A transaction that holds the workflow row ``seconds`` (a test freezes the worker
+    there), then ``wait_signal("go")`` (the signal sent meanwhile)."""
+    done = ctx.transaction(_held_tx, marker, seconds, name="held")
+    return [done, ctx.wait_signal("go")]
+
+
 @workflow(app, name="wfa.sleeper", queue=QUEUE)
 def sleeper(ctx: WorkflowContext, order: str, seconds: float) -> Any:
     """Sleeps, then one transaction (the timer across a full restart)."""

@@ -41,6 +41,7 @@ from sqlalchemy.exc import IntegrityError
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import beats, entries, outbox, runs, schedule_configs
+from reliable_beat.rows import decode_labelled, raw_labelled
 
 if TYPE_CHECKING:
     from reliable_beat.entries import EntryDefinition
@@ -330,17 +331,34 @@ def live_publishers(
         "seen_at" (UTC)}]``.
     """
     horizon = now - timedelta(seconds=alive_seconds)
-    return [
-        {"owner": r.owner, "role": r.role, "schedule_group": r.schedule_group,
-         "destinations": list(r.destinations) if isinstance(r.destinations, list) else None,
-         "seen_at": _aware(r.seen_at)}
-        for r in conn.execute(
-            select(beats.c.owner, beats.c.role, beats.c.schedule_group, beats.c.destinations,
-                   beats.c.seen_at)
-            .where(beats.c.stopped_at.is_(None), beats.c.seen_at >= horizon)
-            .order_by(beats.c.owner)
-        ).all()
-    ]
+    out: list[dict[str, Any]] = []
+    for r in _beat_rows(conn, ("owner", "role", "schedule_group", "destinations", "seen_at"),
+                        beats.c.stopped_at.is_(None), beats.c.seen_at >= horizon):
+        seen = _readable_instant(r.seen_at)
+        if seen is None or seen < horizon:  # SQLite compares text: garbage sorts after digits
+            continue
+        out.append({"owner": r.owner, "role": r.role, "schedule_group": r.schedule_group,
+                    "destinations": (list(r.destinations) if isinstance(r.destinations, list)
+                                     else None),
+                    "seen_at": seen})
+    return sorted(out, key=lambda p: str(p["owner"]))
+
+
+def _beat_rows(conn: Connection, names: Iterable[str], *where: Any) -> list[Any]:
+    """Rows of the beats table, the named columns decoded value by value
+    (:func:`reliable_beat.rows.decode_labelled`): a value a person or another version wrote
+    that cannot be read is None (an unreadable heartbeat counts as no heartbeat) instead of
+    failing ``status`` and every reader of the table."""
+    columns = {n: beats.c[n] for n in names}
+    stmt = select(*raw_labelled(columns, conn.dialect)).where(*where)
+    return [decode_labelled(dict(r._mapping), columns, conn.dialect)
+            for r in conn.execute(stmt).all()]
+
+
+def _readable_instant(value: Any) -> datetime | None:
+    """A decoded instant as aware UTC; None when it is not one (unreadable, a JSON value, a
+    PostgreSQL 'infinity' is kept: it is a datetime sentinel and compares as one)."""
+    return _aware(value) if isinstance(value, datetime) else None
 
 
 def _serves(process: Mapping[str, Any], group: str, destination: str) -> bool:
@@ -449,8 +467,11 @@ def _instant(value: Any) -> datetime | None:
     if value is None:
         return None
     if isinstance(value, str):
-        value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    return _aware(value)
+        try:
+            value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:  # SQLite: text a person wrote (max() of text picks it first)
+            return None
+    return _readable_instant(value)
 
 
 def group_health(
@@ -501,39 +522,42 @@ def group_health(
         .group_by(entries.c.schedule_group)
     ).all():
         group(name)["runtime_entries"] = int(count)
-    for cfg in conn.execute(
-        select(schedule_configs.c.schedule_group, schedule_configs.c.synced_at,
-               schedule_configs.c.config_hash)
+    cfg_columns = {"schedule_group": schedule_configs.c.schedule_group,
+                   "synced_at": schedule_configs.c.synced_at,
+                   "config_hash": schedule_configs.c.config_hash}
+    for raw in conn.execute(
+        select(*raw_labelled(cfg_columns, conn.dialect))
         .where(schedule_configs.c.superseded_at.is_(None))
     ).all():
-        group(cfg.schedule_group)["config_synced_at"] = cfg.synced_at
+        cfg = decode_labelled(dict(raw._mapping), cfg_columns, conn.dialect)
+        group(cfg.schedule_group)["config_synced_at"] = _readable_instant(cfg.synced_at)
         group(cfg.schedule_group)["current_config"] = cfg.config_hash
-    for row in conn.execute(
-        select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at,
-               beats.c.unregistered, beats.c.config_hash, beats.c.destinations)
-        .where(beats.c.role == "beat")
-    ).all():
+    for row in _beat_rows(conn, ("schedule_group", "seen_at", "stopped_at", "unregistered",
+                                 "config_hash", "destinations"), beats.c.role == "beat"):
         g = group(row.schedule_group)
-        seen = _aware(row.seen_at)
+        seen = _readable_instant(row.seen_at)
+        if seen is None:  # an unreadable heartbeat: not alive, not a last sighting
+            continue
         if g["last_seen_at"] is None or seen > g["last_seen_at"]:
             g["last_seen_at"] = seen
-        if row.stopped_at is None and seen >= horizon:
+        if row.stopped_at is None and "stopped_at" not in row.unreadable and seen >= horizon:
             g["beats_alive"] += 1
             if g["current_config"] is not None and row.config_hash != g["current_config"]:
                 g["beats_on_other_config"] += 1
-            g["unregistered"].update(row.unregistered or {})
+            if isinstance(row.unregistered, dict):
+                g["unregistered"].update(row.unregistered)
             if isinstance(row.destinations, list):
                 g["beat_destinations"] = sorted({*g["beat_destinations"],
                                                  *map(str, row.destinations)})
-    for relay in conn.execute(
-        select(beats.c.schedule_group, beats.c.seen_at, beats.c.stopped_at)
-        .where(beats.c.role == "relay", beats.c.schedule_group.is_not(None))
-    ).all():
+    for relay in _beat_rows(conn, ("schedule_group", "seen_at", "stopped_at"),
+                            beats.c.role == "relay", beats.c.schedule_group.is_not(None)):
         g = group(relay.schedule_group)
-        seen = _aware(relay.seen_at)
+        seen = _readable_instant(relay.seen_at)
+        if seen is None:
+            continue
         if g["relay_last_seen_at"] is None or seen > g["relay_last_seen_at"]:
             g["relay_last_seen_at"] = seen
-        if relay.stopped_at is None and seen >= horizon:
+        if relay.stopped_at is None and "stopped_at" not in relay.unreadable and seen >= horizon:
             g["relays_alive"] += 1
     return [groups[k] for k in sorted(groups)]
 

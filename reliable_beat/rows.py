@@ -71,6 +71,7 @@ __all__ = [
     "decode_row",
     "decode_value",
     "describe_problems",
+    "display_rows",
     "infinite_instant",
     "infinity_text",
     "jsonable_raw",
@@ -240,6 +241,37 @@ def decode_row(
         except Exception as exc:
             problems.append(f"{c.name}: unreadable value {raw_repr(raw)} ({_short(exc)})")
     return values, problems
+
+
+def display_rows(conn: Connection, stmt: Any, table: Table) -> list[dict[str, Any]]:
+    """Run ``stmt`` (a ``select(table)``, with its filters, order and limit) for showing the
+    rows to a person (``runs``, ``runs show``, ``dead-letters list|show``, ``schedule list``)
+    without letting one stored value fail the command.
+
+    On SQLite every value is fetched undecoded and decoded on its own (:func:`decode_row`);
+    a value that cannot be (text that is not JSON, not an instant) is shown as the string
+    ``"unreadable: <the stored text>"`` instead of failing the whole listing. Other dialects
+    return the typed values (a PostgreSQL ``'infinity'`` is the
+    :data:`~reliable_beat.db.types.INFINITY` sentinel, which the CLI prints as
+    ``malformed: infinity``).
+
+    Returns:
+        One dict per row, keyed by column name.
+    """
+    if conn.dialect.name != "sqlite":
+        return [dict(r) for r in conn.execute(stmt).mappings()]
+    raw_stmt = stmt.with_only_columns(*raw_columns(table, conn.dialect))
+    out: list[dict[str, Any]] = []
+    for r in conn.execute(raw_stmt).mappings():
+        values: dict[str, Any] = {}
+        for c in table.c:
+            raw = r[c.name]
+            try:
+                values[c.name] = decode_value(c, raw, conn.dialect)
+            except Exception:
+                values[c.name] = f"unreadable: {raw_repr(raw)}"
+        out.append(values)
+    return out
 
 
 def decode_value(column: Any, raw: Any, dialect: Dialect) -> Any:

@@ -1490,29 +1490,24 @@ def list_runs(
     if since is not None:
         stmt = stmt.where(runs.c.created_at >= since)
     with store.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(stmt).mappings()]
+        return rows_mod.display_rows(conn, stmt, runs)
 
 
 def get_run(store: Store, key: str) -> dict[str, Any]:
     """The run with ``key`` as a dict. Raises :class:`RunNotFound`."""
     with store.engine.connect() as conn:
-        row = conn.execute(
-            select(runs).where(runs.c.idempotency_key == key)
-        ).mappings().one_or_none()
-    if row is None:
+        rows = rows_mod.display_rows(conn, select(runs).where(runs.c.idempotency_key == key), runs)
+    if not rows:
         raise RunNotFound(f"no run with key {key!r}")
-    return dict(row)
+    return rows[0]
 
 
 def list_attempts(store: Store, run_id: int) -> list[dict[str, Any]]:
     """Attempt rows of a run, oldest first, as dicts."""
     with store.engine.connect() as conn:
-        return [
-            dict(r)
-            for r in conn.execute(
-                select(attempts).where(attempts.c.run_id == run_id).order_by(attempts.c.id)
-            ).mappings()
-        ]
+        return rows_mod.display_rows(
+            conn, select(attempts).where(attempts.c.run_id == run_id).order_by(attempts.c.id),
+            attempts)
 
 
 def list_dead_letters(
@@ -1523,15 +1518,14 @@ def list_dead_letters(
     if not include_requeued:
         stmt = stmt.where(dead_letters.c.requeued_at.is_(None))
     with store.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(stmt).mappings()]
+        return rows_mod.display_rows(conn, stmt, dead_letters)
 
 
 def get_dead_letter(store: Store, dead_letter_id: int) -> dict[str, Any]:
     """One dead letter as a dict. Raises :class:`DeadLetterNotFound`."""
     with store.engine.connect() as conn:
-        row = conn.execute(
-            select(dead_letters).where(dead_letters.c.id == dead_letter_id)
-        ).mappings().one_or_none()
-    if row is None:
+        rows = rows_mod.display_rows(
+            conn, select(dead_letters).where(dead_letters.c.id == dead_letter_id), dead_letters)
+    if not rows:
         raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
-    return dict(row)
+    return rows[0]

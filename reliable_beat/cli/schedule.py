@@ -28,6 +28,7 @@ from reliable_beat.entries import definitions_from_beat_schedule, notify_entries
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.groups import group_health, log_sync_result, schedule_group_of
 from reliable_beat.redaction import get_logger
+from reliable_beat.rows import display_rows
 
 __all__ = ["register", "schedule"]
 
@@ -50,16 +51,17 @@ def list_cmd(cli: CliContext, as_json: bool) -> None:
         now = store.now(conn)
         health = {g["group"]: g for g in group_health(conn, now,
                                                       alive_seconds=BEAT_ALIVE_SECONDS)}
-        rows = conn.execute(
-            select(schedule_configs).order_by(schedule_configs.c.schedule_group,
-                                              schedule_configs.c.synced_at.desc())
-        ).all()
+        rows = display_rows(conn, select(schedule_configs).order_by(
+            schedule_configs.c.schedule_group, schedule_configs.c.synced_at.desc()),
+            schedule_configs)
     out: list[dict[str, Any]] = [
-        {"schedule_group": r.schedule_group, "config_hash": r.config_hash,
-         "current": r.superseded_at is None, "entries": list(r.entry_names or []),
-         "first_synced_at": r.first_synced_at, "synced_at": r.synced_at,
-         "synced_by": r.synced_by, "superseded_at": r.superseded_at,
-         "beats_alive": health.get(r.schedule_group, {}).get("beats_alive", 0)}
+        {"schedule_group": r["schedule_group"], "config_hash": r["config_hash"],
+         "current": r["superseded_at"] is None,
+         "entries": ([str(n) for n in r["entry_names"]] if isinstance(r["entry_names"], list)
+                     else [f"malformed entry_names: {r['entry_names']!r}"]),
+         "first_synced_at": r["first_synced_at"], "synced_at": r["synced_at"],
+         "synced_by": r["synced_by"], "superseded_at": r["superseded_at"],
+         "beats_alive": health.get(r["schedule_group"], {}).get("beats_alive", 0)}
         for r in rows
     ]
     if as_json:
@@ -69,7 +71,7 @@ def list_cmd(cli: CliContext, as_json: bool) -> None:
         click.echo("no schedule group has synced a beat_schedule yet")
     for c in out:
         mark = "current" if c["current"] else f"superseded {jsonable(c['superseded_at'])}"
-        click.echo(f"{c['schedule_group']}  {c['config_hash'][:12]}  {mark}  "
+        click.echo(f"{c['schedule_group']}  {str(c['config_hash'])[:12]}  {mark}  "
                    f"synced {jsonable(c['synced_at'])} by {c['synced_by'] or '-'}  "
                    f"{len(c['entries'])} entries  {c['beats_alive']} live beats")
 

@@ -1066,6 +1066,9 @@ class Relay:
                                  name="reliable-beat-relay-heartbeat", daemon=True)
         heart.start()
         try:
+            # LISTEN before the first claim: a row committed between that claim and a later
+            # LISTEN would wake no one and wait a whole poll period.
+            self._listen()
             while not stop.is_set():
                 try:
                     claimed = self.run_once()
@@ -1121,16 +1124,34 @@ class Relay:
         except Exception as exc:
             log.debug("relay: could not mark its heartbeat row stopped: %s", exc)
 
-    def _wait(self, stop: threading.Event, timeout: float) -> None:
-        if self.store.dialect == "postgresql":
-            if self._listener is None:
-                self._listener = _Listener(self.store)
-            if self._listener.wait(min(timeout, 1.0)):
-                return
-            if timeout > 1.0:
-                stop.wait(timeout - 1.0)
+    def _listen(self) -> None:
+        """On PostgreSQL: open the LISTEN connection now (no-op elsewhere, or when open)."""
+        if self.store.dialect != "postgresql":
             return
-        stop.wait(timeout)
+        if self._listener is None:
+            self._listener = _Listener(self.store)
+        self._listener.listen()
+
+    def _wait(self, stop: threading.Event, timeout: float) -> None:
+        """Wait up to ``timeout`` s for a ``NOTIFY`` (PostgreSQL) or ``stop``.
+
+        The LISTEN connection is read for the whole wait, in slices of at most 1 s so that
+        ``stop`` is seen within a second. Without a LISTEN connection (it failed: logged,
+        retried at the next wait) the rest of the wait is a plain sleep.
+        """
+        if self.store.dialect != "postgresql":
+            stop.wait(timeout)
+            return
+        if self._listener is None:
+            self._listener = _Listener(self.store)
+        deadline = time.monotonic() + timeout
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._listener.wait(min(left, 1.0)):
+                return
+            if self._listener.conn is None:  # the connection failed
+                stop.wait(max(deadline - time.monotonic(), 0.0))
+                return
 
     def close(self) -> None:
         """Close the LISTEN connection and handler resources."""
@@ -1189,6 +1210,12 @@ class _Listener:
         got = bool(self.conn.notifies)
         self.conn.notifies.clear()  # one cycle serves them all
         return got
+
+    def listen(self) -> None:
+        """Connect and ``LISTEN`` now, if not connected (a failure is logged, not raised:
+        the next :meth:`wait` tries again). Notifications from then on are kept by the
+        connection until a wait reads them."""
+        self.wait(0.0)
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a notification; True if one arrived."""

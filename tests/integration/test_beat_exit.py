@@ -57,7 +57,8 @@ def test_request_stop_ends_a_listen_wait_at_once(pg_store: Store) -> None:
         # once stopping, no further wait at all
         started = time.monotonic()
         assert loop._wait_for_notify(20.0) is False
-        assert time.monotonic() - started < 1.0
+        # a wait would take the full 20 s; 5 s of slack for a loaded machine still tells
+        assert time.monotonic() - started < 5.0
     finally:
         loop.close()
         loop.close()  # idempotent (Celery's stop calls it twice)

@@ -256,12 +256,19 @@ def test_one_slow_destination_does_not_stall_the_others(sqlite_store: Store) -> 
         started = time.monotonic()
         assert relay.run_once() == 14
         took = time.monotonic() - started
-        fast_done = max(x.at for x in fast.seen) - started
-        slow_starts = sorted(round(x.at - started) for x in slow.seen)
+        # measured from the first request, not from before the claim: a claim that is slow
+        # on a loaded machine shifts every start alike (round() then tipped 0.5 s into 1)
+        first = min(x.at for x in [*slow.seen, *fast.seen])
+        fast_done = max(x.at for x in fast.seen) - first
+        slow_starts = sorted(x.at - first for x in slow.seen)
     assert states(sqlite_store) == Counter({"sent": 14})
-    assert len(fast.seen) == 10 and fast_done < 1.5, fast_done
-    assert slow_starts == [0, 0, 2, 2], slow_starts  # two at a time
-    assert 3.5 < took < 7, took
+    assert len(fast.seen) == 10 and fast_done < 1.5, fast_done  # behind the slow ones: >= 2
+    # two at a time: the first two together (one at a time: 2 s apart), the next two only
+    # after those answered (2 s each)
+    assert slow_starts[1] - slow_starts[0] < 1.5, slow_starts
+    assert slow_starts[2] - slow_starts[0] >= 1.9, slow_starts
+    assert slow_starts[3] - slow_starts[1] >= 1.9, slow_starts
+    assert 3.5 < took < 7.5, took  # one at a time: 8 s
 
 
 def test_rows_not_started_within_the_batch_budget_are_handed_back(sqlite_store: Store) -> None:

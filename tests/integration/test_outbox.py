@@ -374,6 +374,68 @@ def test_run_forever_wakes_on_notify(pg_store: Store) -> None:
         t.join(5)
 
 
+def _wait_for(cond: object, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_run_forever_wakes_on_notify_late_in_a_long_poll(pg_store: Store) -> None:
+    """A NOTIFY in the middle of a 30 s idle wait wakes the relay. On main the wait
+    listened for its first second only, then slept the other 29 s deaf: a row added then
+    waited for the next poll (any ``relay_poll_seconds`` above 1 s)."""
+    h = Recorder()
+    r = Relay(pg_store, handlers={"rec": h}, owner="t",
+              settings=Settings(database_url="unused://", relay_poll_seconds=30.0))
+    stop = threading.Event()
+    t = threading.Thread(target=r.run_forever, args=(stop,), daemon=True)
+    t.start()
+    try:
+        assert _wait_for(lambda: r._listener is not None and r._listener.conn is not None, 30)
+        time.sleep(2.5)  # well into the idle wait: past its first second
+        with pg_store.begin() as conn:
+            outbox.add(conn, "rec", {}, key="late-wake")
+        assert _wait_for(lambda: h.seen, 10), "the NOTIFY did not wake the relay"
+        assert h.seen == ["late-wake"]
+    finally:
+        stop.set()
+        t.join(35)
+
+
+def test_run_forever_listens_before_its_first_claim(
+        pg_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row committed right after the relay's first (empty) claim is delivered at once:
+    the relay LISTENs before it claims. On main it began to LISTEN only after that claim,
+    so the row's NOTIFY was lost and it waited a whole ``relay_poll_seconds`` (here 30 s)."""
+    h = Recorder()
+    r = Relay(pg_store, handlers={"rec": h}, owner="t",
+              settings=Settings(database_url="unused://", relay_poll_seconds=30.0))
+    real_run_once = r.run_once
+    calls: list[int] = []
+
+    def run_once_then_commit() -> int:
+        claimed = real_run_once()
+        calls.append(claimed)
+        if len(calls) == 1:  # committed between the first claim and the first wait
+            with pg_store.begin() as conn:
+                outbox.add(conn, "rec", {}, key="between")
+        return claimed
+
+    monkeypatch.setattr(r, "run_once", run_once_then_commit)
+    stop = threading.Event()
+    t = threading.Thread(target=r.run_forever, args=(stop,), daemon=True)
+    t.start()
+    try:
+        assert _wait_for(lambda: h.seen, 10), "the row waited for the next poll"
+        assert h.seen == ["between"] and calls[0] == 0
+    finally:
+        stop.set()
+        t.join(35)
+
+
 # ---------------------------------------------------------------- case enqueue-before-commit
 
 

@@ -203,6 +203,12 @@ def test_one_renewer_thread_serves_concurrent_executions(app: Celery, store: Sto
         seen[f"{name}-threads"] = [t.name for t in threading.enumerate()
                                    if t.name.startswith("rb-lease")]
 
+    # Create and bind the tasks here, as a worker does at start. ``@app.task`` on an app not
+    # finalized returns a lazy proxy; Celery evaluates it unlocked and registers the task
+    # before binding it, so a second thread evaluating it at once can get the task unbound
+    # (``request_stack`` None: AttributeError in build_tracer). That thread died before its
+    # claim and the other one's barrier broke after 10 s (seen 1 in 12 runs).
+    app.finalize()
     callers = [threading.Thread(target=lambda n=n: slow2.apply((n,), headers={
         KEY_HEADER: f"slow2:{n}"}).get()) for n in ("a", "b")]
     for t in callers:

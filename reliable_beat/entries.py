@@ -92,6 +92,10 @@ PUBLISH_OPTION_KEYS = frozenset(
 NOTIFY_CHANNEL = "reliable_beat_entries"
 
 
+#: :meth:`EntryDefinition.first_fire_at`'s default: a recurring entry's rule for every kind.
+_RECURRING = object()
+
+
 @dataclass
 class EntryDefinition:
     """One entry as the user defines it (config or runtime).
@@ -148,9 +152,29 @@ class EntryDefinition:
         raw = json.dumps(body, sort_keys=True, default=str).encode()
         return hashlib.sha256(raw).hexdigest()
 
-    def first_fire_at(self, now: datetime) -> datetime | None:
+    def first_fire_at(
+        self, now: datetime, *, one_off_fired_through: object = _RECURRING
+    ) -> datetime | None:
         """The first slot of a new (or changed) entry: strictly after ``now`` and at or after
-        ``start_at``. Nothing between ``start_at`` and creation is treated as missed."""
+        ``start_at``. Nothing between ``start_at`` and creation is treated as missed.
+
+        A one-off (``once``) is the exception when ``one_off_fired_through`` is given (a new
+        entry: None; a changed one: its ``last_fire_at``): its only slot is returned even if
+        it is already past — added a second late (a slow ``entries add --at`` a few seconds
+        ahead, a deploy that lands after the instant), it is due at once and meets its misfire
+        policy (fired late within or past the grace, or recorded ``skipped``), instead of
+        being stored ``ended`` and silently never run. Not if that slot already fired
+        (``at <= one_off_fired_through``), nor outside ``start_at`` / ``end_at``. The
+        run row's UNIQUE(entry, slot) keeps it to one run whatever the caller passes."""
+        schedule = self.schedule
+        if (one_off_fired_through is not _RECURRING and isinstance(schedule, sch.OneOffSchedule)
+                and schedule.at <= now):
+            at: datetime = schedule.at
+            fired = one_off_fired_through
+            if ((fired is None or (isinstance(fired, datetime) and at > fired))
+                    and (self.start_at is None or at >= self.start_at)
+                    and (self.end_at is None or at <= self.end_at)):
+                return at
         base = now
         if self.start_at is not None and self.start_at - timedelta(seconds=1) > base:
             base = self.start_at - timedelta(seconds=1)
@@ -548,7 +572,8 @@ def _upsert(
         values["schedule_group"] = group
     if row is None:
         values.update(
-            next_fire_at=definition.first_fire_at(max(now, after) if after else now),
+            next_fire_at=definition.first_fire_at(max(now, after) if after else now,
+                                                  one_off_fired_through=after),
             created_at=now, updated_at=now, enabled=True, paused=False,
         )
         if inserts is not None:
@@ -578,7 +603,10 @@ def _upsert(
         next_fire_at = row.next_fire_at
     else:
         base = max(now, row.last_fire_at) if row.last_fire_at else now
-        next_fire_at = definition.first_fire_at(base)
+        # a one-off whose instant changed is due even if the new instant is past; one merely
+        # re-enabled keeps its old rule (a slot passed while disabled is not fired)
+        next_fire_at = (definition.first_fire_at(base, one_off_fired_through=row.last_fire_at)
+                        if not same_schedule else definition.first_fire_at(base))
     # Rewriting the entry from its definition also lifts a quarantine (rows.py).
     values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True, disabled_at=None,
                   quarantine_reason=None, quarantined_at=None)

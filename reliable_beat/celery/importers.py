@@ -502,9 +502,11 @@ def _cutover_slot(
     definition: EntryDefinition, last_run_at: datetime | None, now: datetime
 ) -> datetime | None:
     """The first slot to fire: strictly after the old scheduler's last run (so a slot missed
-    at the cutover is due at once and meets the misfire policy), else strictly after now."""
+    at the cutover is due at once and meets the misfire policy), else strictly after now.
+    A one-off (a clocked task) whose instant passed without a run is due at once too (the old
+    beat would have run it at its next start)."""
     after = last_run_at if last_run_at is not None and last_run_at < now else now
-    return definition.first_fire_at(after)
+    return definition.first_fire_at(after, one_off_fired_through=last_run_at)
 
 
 def summary(outcomes: Sequence[ImportOutcome]) -> dict[str, int]:

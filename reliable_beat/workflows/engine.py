@@ -47,7 +47,7 @@ from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
 from reliable_beat.outbox import db_now, insert_ignore
-from reliable_beat.redaction import get_logger
+from reliable_beat.redaction import get_logger, redact_value
 from reliable_beat.workflows.errors import (
     WorkflowBlockedError,
     WorkflowConflict,
@@ -509,6 +509,9 @@ def start(
     Raises:
         WorkflowConflict: ``workflow_id`` names a workflow of another name.
         ValueError: bad id; TypeError: arguments not JSON-serialisable.
+
+    A second ``start`` of an existing id with other arguments (first run) returns the
+    existing workflow too, and logs a WARNING naming the id: the new arguments are not used.
     """
     if not (0 < len(workflow_id) <= MAX_WORKFLOW_ID):
         raise ValueError(f"workflow_id must be 1..{MAX_WORKFLOW_ID} characters: {workflow_id!r}")
@@ -530,14 +533,25 @@ def start(
         if inserted:
             add_wake(conn, workflow_id, queue, "start")
         else:
-            existing = conn.execute(
-                select(workflows.c.name).where(workflows.c.workflow_id == workflow_id)
-            ).scalar_one()
+            row = conn.execute(
+                select(workflows.c.name, workflows.c.run_no, workflows.c.args,
+                       workflows.c.kwargs, workflows.c.state)
+                .where(workflows.c.workflow_id == workflow_id)
+            ).one()
+            existing = row.name
             if existing != name:
                 raise WorkflowConflict(
                     f"workflow id {workflow_id!r} already names a {existing!r} workflow, not "
                     f"{name!r}; workflow ids are unique across names"
                 )
+            if row.run_no == 1 and (row.args, row.kwargs) != (call_args, call_kwargs):
+                # the same id with other arguments is a second, different request: say so
+                # (a continued run has its own arguments: not comparable)
+                log.warning(
+                    "workflow %r already exists (%s) with other arguments (stored args=%s "
+                    "kwargs=%s); start() returned it unchanged (created=False) and the new "
+                    "arguments were not used: give a new request its own workflow_id",
+                    workflow_id, row.state, redact_value(row.args), redact_value(row.kwargs))
     store = target if isinstance(target, Store) else None
     return WorkflowHandle(workflow_id, store=store, created=inserted)
 

@@ -9,6 +9,7 @@ crash-free run's; transaction and activity effects exactly once; step effects at
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -1023,3 +1024,25 @@ def test_sweep_wakes_a_workflow_whose_timer_wake_came_early(app: Celery,
     assert engine.redispatch_workflows(wf_store, older_than=timedelta(0)) == 1
     _drain_due(driver)
     assert handle.result(timeout=1) == "woke"
+
+
+def test_a_second_start_with_other_arguments_is_said(
+    wf_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second ``start`` of an existing id returns it unchanged (idempotent); with other
+    arguments it is a different request whose arguments are silently dropped, so it is logged
+    (a fresh user's finding: ``start('flow:1', args=(999,))`` returned created=False quietly)."""
+    from decimal import Decimal
+
+    first = engine.start(wf_store, "t.interp", "dup", [[["act", 1]]], {"amount": Decimal("1.10")})
+    assert first.created
+    with caplog.at_level(logging.WARNING, logger="reliable_beat.workflows"):
+        again = engine.start(wf_store, "t.interp", "dup", [[["act", 1]]],
+                             {"amount": Decimal("1.10")})
+    assert not again.created
+    assert not [r for r in caplog.records if "other arguments" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="reliable_beat.workflows"):
+        other = engine.start(wf_store, "t.interp", "dup", [[["act", 999]]])
+    assert not other.created
+    warned = [r.getMessage() for r in caplog.records if "other arguments" in r.getMessage()]
+    assert len(warned) == 1 and "'dup'" in warned[0] and "not used" in warned[0], warned

@@ -669,7 +669,16 @@ def _refuse_unsignallable(workflow_id: str, name: str, row: Any) -> Any:
 def _signal_locking(conn: Connection, workflow_id: str, name: str, data: Any,
                     key: str | None) -> bool:
     """:func:`signal` on SQLite and MySQL/MariaDB: bump ``wake_seq`` first, holding the
-    workflow row (the same lock order as the advance: no deadlock)."""
+    workflow row (the same lock order as the advance: no deadlock). A key already stored
+    returns False before the bump (a web retry of the same signal costs the workflow no
+    replay; two racing first sends of one key may still both bump: harmless)."""
+    if key is not None and conn.execute(
+        select(workflow_signals.c.id)
+        .join(workflows, workflows.c.id == workflow_signals.c.workflow_pk)
+        .where(workflows.c.workflow_id == workflow_id, workflow_signals.c.dedup_key == key)
+        .limit(1)
+    ).first() is not None:
+        return False
     now = db_now(conn)
     row = _refuse_unsignallable(workflow_id, name, _first(update_returning(
         conn,

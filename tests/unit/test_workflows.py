@@ -28,6 +28,7 @@ from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 from reliable_beat.db.tables import outbox as outbox_table
+from reliable_beat.db.tables import workflows
 from reliable_beat.workflows import (
     ActivityError,
     WorkflowBlockedError,
@@ -1046,3 +1047,23 @@ def test_a_second_start_with_other_arguments_is_said(
     assert not other.created
     warned = [r.getMessage() for r in caplog.records if "other arguments" in r.getMessage()]
     assert len(warned) == 1 and "'dup'" in warned[0] and "not used" in warned[0], warned
+
+
+def test_a_repeated_signal_key_does_not_wake_the_workflow_again(wf_store: Store) -> None:
+    """A web retry of the same signal (same key) stores nothing and bumps nothing: the
+    workflow is not replayed once per retry (a fresh user saw wake_seq reach 33 for 3
+    signals sent 30 times)."""
+    engine.start(wf_store, "t.interp", "keyed", [[["signal", "go"]]])
+
+    def wake_seq() -> int:
+        with wf_store.connect() as conn:
+            return int(conn.execute(sa.select(workflows.c.wake_seq).where(
+                workflows.c.workflow_id == "keyed")).scalar_one())
+
+    before = wake_seq()
+    assert signal(wf_store, "keyed", "go", 1, key="approve:1")
+    after_first = wake_seq()
+    assert after_first == before + 1
+    for _ in range(5):
+        assert not signal(wf_store, "keyed", "go", 1, key="approve:1")
+    assert wake_seq() == after_first

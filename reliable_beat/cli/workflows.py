@@ -46,6 +46,28 @@ def wf_list(cli: CliContext, state: str | None, name: str | None, limit: int,
         return
     _table(rows, ["workflow_id", "name", "state", "run_no", "history_len", "fence_token",
                   "advances", "updated_at", "block_reason"])
+    if len(rows) >= limit:
+        click.echo(_more_line(cli, state, name, len(rows)))
+
+
+def _more_line(cli: CliContext, state: str | None, name: str | None, shown: int) -> str:
+    """The footer of a listing cut at ``--limit``: how many match in all, and the workflows
+    that need a person (blocked) when they may be among those not shown."""
+    from sqlalchemy import func, select
+
+    from reliable_beat.db.tables import workflows
+
+    stmt = select(workflows.c.state, func.count()).group_by(workflows.c.state)
+    if name is not None:
+        stmt = stmt.where(workflows.c.name == name)
+    with cli.store.engine.connect() as conn:
+        counts = {str(k): int(n) for k, n in conn.execute(stmt).all()}
+    total = counts.get(state, 0) if state is not None else sum(counts.values())
+    line = f"showing {shown:,} of {total:,} (newest first; --limit N for more)"
+    blocked = counts.get("blocked", 0)
+    if state is None and blocked:
+        line += f"; {blocked:,} blocked: `workflows list --state blocked`"
+    return line
 
 
 @workflows_group.command("show")

@@ -1667,9 +1667,15 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
     """
     with store.connect() as conn:
         counts = workflow_counts(conn)
-        blocked = list(conn.execute(
-            select(workflows.c.workflow_id).where(workflows.c.state == "blocked")
-            .order_by(workflows.c.updated_at).limit(20)).scalars())
+        blocked_rows = conn.execute(
+            select(workflows.c.workflow_id, workflows.c.block_reason)
+            .where(workflows.c.state == "blocked")
+            .order_by(workflows.c.updated_at).limit(20)).all()
+        blocked = [r.workflow_id for r in blocked_rows]
+        # a saga whose compensation was dead-lettered is unblocked by running the
+        # compensations again (`workflows compensate`), not by `resume`
+        by_compensation = [r.workflow_id for r in blocked_rows
+                           if str(r.block_reason or "").startswith("compensation_failed")]
         overdue = overdue_timers(conn, grace=grace)
         overdue_ids = list(conn.execute(
             select(workflows.c.workflow_id).distinct()
@@ -1692,6 +1698,8 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
             f"BLOCKED WORKFLOWS: {counts.get('blocked', 0)} workflows wait for a person "
             f"({', '.join(blocked[:10])}): `reliable-beat workflows show ID` gives the reason; "
             "fix the code, then `reliable-beat workflows resume ID`"
+            + (f"; for a failed compensation ({', '.join(by_compensation[:10])}): fix it, then "
+               "`reliable-beat workflows compensate ID`" if by_compensation else "")
         )
     if overdue:
         problems.append(

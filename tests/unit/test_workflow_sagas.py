@@ -218,6 +218,10 @@ def test_dead_compensation_blocks_and_compensate_finishes_from_data(
     assert row["state"] == "blocked"
     assert row["block_reason"].startswith("compensation_failed: compensation saga.undo (seq 3")
     assert "workflows compensate o2" in row["block_reason"]
+    # status's advice for it is `compensate`, not only `resume` (which re-blocks it)
+    problems = engine.workflow_health(store, grace=timedelta(minutes=5))["problems"]
+    assert "failed compensation (o2): fix it, then `reliable-beat workflows compensate ID`" in \
+        problems[0], problems
     assert rows(store, "undo") == [("undo", "o2:c:nothing")]  # a is not run past b
     with pytest.raises(WorkflowConflict, match=r"not blocked: .* use `workflows cancel ID`"):
         _compensate_live(store, app)
@@ -418,6 +422,12 @@ def test_cli_cancel_and_compensate(app: Celery, store: Store) -> None:
     assert rows(store, "undo") == [("undo", "cli1:a")]
     out = cli("workflows", "cancel", "nope")
     assert out.exit_code == 1 and "no workflow 'nope'" in out.output
+    # a listing cut at --limit says how many there are (a fresh user missed the one blocked
+    # workflow of 1,002 in the default 50)
+    out = cli("workflows", "list", "--limit", "1")
+    assert "showing 1 of 2 (newest first; --limit N for more)" in out.output, out.output
+    out = cli("workflows", "list")
+    assert "showing" not in out.output, out.output
 
 
 def test_cancel_and_unwind_survive_a_crash_at_every_hit(app: Celery, store: Store) -> None:

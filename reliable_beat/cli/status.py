@@ -1021,11 +1021,16 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         if info["outbox"]:
             click.echo("\noutbox:")
             for o in info["outbox"]:
-                backlog = o["pending"] - o.get("scheduled", 0)
-                click.echo(f"  {o['destination']}: {backlog} pending ({o['due']} due), "
-                           f"oldest {_secs(o['oldest_pending_age_seconds'])}, "
-                           f"{o.get('scheduled', 0)} scheduled (not yet due), "
-                           f"{o['dead']} dead")
+                # every pending row is counted once: backlog (due, or waiting for its
+                # retry), scheduled (not yet due), or claimed (in a relay's hands, or held
+                # by a beat for its slot: claimed ahead)
+                backlog, scheduled = o.get("backlog", 0), o.get("scheduled", 0)
+                claimed = max(0, o["pending"] - backlog - scheduled)
+                click.echo(f"  {o['destination']}: {o['pending']} pending = {backlog} backlog "
+                           f"({o['due']} due, oldest "
+                           f"{_secs(o['oldest_pending_age_seconds'])}) + {scheduled} scheduled "
+                           f"(not yet due) + {claimed} claimed (being published, or held for "
+                           f"their slot); {o['dead']} dead")
         else:
             click.echo("\noutbox: empty")
         click.echo(f"dead letters: {info['dead_letters']}")

@@ -157,3 +157,21 @@ def test_an_unreadable_heartbeat_is_no_heartbeat(sqlite_store: Store) -> None:
     _mutate(sqlite_store, "reliable_beat_beats", "seen_at", "zz{")  # both rows
     after = {g["group"]: g for g in collect_status(sqlite_store)["groups"]}
     assert after["shop"]["beats_alive"] == 0 and after["shop"]["relays_alive"] == 0
+
+
+def test_the_outbox_line_adds_up(sqlite_store: Store) -> None:
+    """Every pending row is counted once in ``status``'s outbox line: a row a relay (or a
+    beat, claimed ahead) holds was counted as pending but neither due nor scheduled
+    (a fresh user read ``1 pending (0 due), oldest -, 0 scheduled``)."""
+    from reliable_beat import outbox as ob
+
+    with sqlite_store.begin() as conn:
+        for key in ("due", "held"):
+            ob.add(conn, "celery", {"k": key}, key=key)
+        ob.add(conn, "celery", {"k": "later"}, key="later", delay=timedelta(hours=1))
+        conn.execute(text(
+            "UPDATE reliable_beat_outbox SET claimed_by = 'relay:1', "
+            "available_at = datetime('now', '+60 seconds') WHERE message_id = 'held'"))
+    out = _cli(sqlite_store, "status")
+    assert ("celery: 3 pending = 1 backlog (1 due, oldest " in out.output
+            and "+ 1 scheduled (not yet due) + 1 claimed" in out.output), out.output

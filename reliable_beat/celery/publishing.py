@@ -22,6 +22,7 @@ Celery protocol headers (:data:`~reliable_beat.handlers.CELERY_PROTOCOL_HEADERS`
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -128,6 +129,11 @@ def publish_celery_batch(
     results: list[tuple[int, Result]] = []
     if not messages:
         return results
+    hung = _hung_broker(app)
+    if hung is not None:  # a publish timed out: not tried again until the broker answers
+        if wait is not None:
+            wait()  # claimed ahead: never handed back (to a sweep) before the slot's instant
+        return [(m.id, hung) for m in messages]
     conn_errors: tuple[type[BaseException], ...] = ()
     try:
         with app.producer_or_acquire() as pooled, _amqp_confirms(pooled) as confirms:
@@ -250,20 +256,87 @@ def _unavailable(app: Any, exc: BaseException) -> DestinationUnavailableError:
     """The "broker unavailable" result of a publish that failed on the connection; names the
     broker (password masked) and, for a timeout, the bound that cut the wait short."""
     if _timed_out(exc):
-        try:
-            broker = app.connection_for_write().as_uri()  # masks the password
-        except Exception:  # pragma: no cover - the URL was usable a moment ago
-            broker = "?"
-        limit = (app.conf.broker_transport_options or {}).get("socket_timeout")
-        within = f" within {limit:g} s" if isinstance(limit, (int, float)) else ""
+        broker, within = _broker_name(app)
         down = DestinationUnavailableError(
             f"celery broker unavailable: {broker} did not answer{within} (a hung broker: "
             "paused, overloaded or a stalled network; bound: broker_transport_options"
             f"['socket_timeout'], default reliable_beat_publish_timeout_seconds): {exc!r}")
-    else:
-        down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
+        down.__cause__ = exc
+        _broker_hangs(app, down)
+        return down
+    down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
     down.__cause__ = exc
     return down
+
+
+def _broker_name(app: Any) -> tuple[str, str]:
+    """The broker URL (password masked) and `` within N s`` (its socket timeout) or ``""``."""
+    from reliable_beat.redaction import redact_url
+
+    try:  # the password masked (and no mask when there is none)
+        broker = redact_url(app.connection_for_write().as_uri(include_password=True))
+    except Exception:  # pragma: no cover - the URL was usable a moment ago
+        broker = "?"
+    limit = (app.conf.broker_transport_options or {}).get("socket_timeout")
+    return broker, (f" within {limit:g} s" if isinstance(limit, (int, float)) else "")
+
+
+#: How often a hung broker is probed (seconds) until it answers again.
+PROBE_SECONDS = 1.0
+_hung_lock = threading.Lock()
+#: id(app) -> the error every publish to that app's broker gets until a probe gets an answer
+_hung: dict[int, DestinationUnavailableError] = {}
+
+
+def _hung_broker(app: Any) -> DestinationUnavailableError | None:
+    """The fail-fast error while ``app``'s broker is known to hang, else None."""
+    return _hung.get(id(app))
+
+
+def _broker_hangs(app: Any, down: DestinationUnavailableError) -> None:
+    """A publish to ``app``'s broker timed out: from now on every publish in this process
+    fails at once with ``down`` (rows stay pending, nothing waits on the broker, so the beat
+    keeps claiming every slot on time) until a background probe (:func:`_probe_broker`, every
+    :data:`PROBE_SECONDS`, bounded by the same socket timeout) gets an answer."""
+    with _hung_lock:
+        known = id(app) in _hung
+        _hung[id(app)] = down
+    if known:
+        return
+    broker, within = _broker_name(app)
+    log.warning("celery broker %s did not answer%s: publishes fail at once (their rows stay "
+                "pending in the outbox) until it answers again; probing it every %g s",
+                broker, within, PROBE_SECONDS)
+    threading.Thread(target=_probe_broker, args=(app,), name="reliable-beat-broker-probe",
+                     daemon=True).start()
+
+
+def _probe_broker(app: Any) -> None:
+    """Until ``app``'s broker answers (a fresh connection; on Redis a ``PING``), then lift
+    the fail-fast state of :func:`_broker_hangs`."""
+    started = time.monotonic()
+    while True:
+        time.sleep(PROBE_SECONDS)
+        try:
+            with app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=1)
+                channel = conn.channel()  # kombu's Redis channel PINGs on creation
+                try:
+                    client = getattr(channel, "client", None)
+                    if client is not None and hasattr(client, "ping"):
+                        client.ping()
+                finally:
+                    channel.close()
+        except Exception as exc:  # still hung (or down): keep probing
+            log.debug("celery broker probe: %r", exc)
+            continue
+        with _hung_lock:
+            _hung.pop(id(app), None)
+        broker, _ = _broker_name(app)
+        log.warning("celery broker %s answers again after %.0f s: publishing resumes (the "
+                    "triggers kept pending go out with the next sweep, same task ids)",
+                    broker, time.monotonic() - started)
+        return
 
 
 #: How long a batch published to RabbitMQ waits for the broker's publisher confirms

@@ -33,7 +33,7 @@ import procs as procs_mod  # tests/apps
 
 SECOND = timedelta(seconds=1)
 PAUSE_SECONDS = 25
-PUBLISH_TIMEOUT = 3.0
+PUBLISH_TIMEOUT = 2.0
 
 
 @pytest.fixture
@@ -59,15 +59,15 @@ def test_hung_broker_times_out_beat_keeps_claiming_and_heartbeating(
         procs.env.update(RB_BROKER_URL=server.url, RELIABLE_BEAT_DATABASE_URL=store.url,
                          RB_QUEUE=queue, RB_MAX_LOOP="1",
                          RB_PUBLISH_TIMEOUT=str(PUBLISH_TIMEOUT),
-                         RB_SCHEDULE=json.dumps({"hang": {"every": 1}}))
+                         RB_SCHEDULE=json.dumps({"sec": {"every": 1},
+                                                  "five": {"every": 5}}))
         beat = procs.start("hang")
 
         def rows() -> list[object]:
             with store.engine.connect() as conn:
-                return list(conn.execute(select(runs).where(runs.c.entry_name == "hang")
-                                         .order_by(runs.c.fire_at)))
+                return list(conn.execute(select(runs).order_by(runs.c.fire_at)))
 
-        procs_mod.wait_for(lambda: client.llen(queue) >= 3, 60, "the first triggers")
+        procs_mod.wait_for(lambda: client.llen(queue) >= 6, 60, "the first triggers")
         client.execute_command("CLIENT", "PAUSE", str(PAUSE_SECONDS * 1000), "ALL")
         paused_at = _now(store)
         paused_mono = time.monotonic()
@@ -77,16 +77,15 @@ def test_hung_broker_times_out_beat_keeps_claiming_and_heartbeating(
         with store.engine.connect() as conn:
             seen = conn.execute(select(beats.c.seen_at).where(beats.c.role == "beat")
                                 ).scalars().all()
-        claimed = [r.fire_at for r in rows() if r.fire_at > paused_at]  # type: ignore[attr-defined]
+        claimed = [r.fire_at for r in rows() if r.fire_at > paused_at and r.entry_name == "sec"]  # type: ignore[attr-defined]
         assert beat.alive(), beat.output()
         assert seen and (during - max(seen)).total_seconds() <= 15, (
             f"heartbeat {during - max(seen)} old, {PAUSE_SECONDS - 5} s into the pause: "
             f"the beat is stuck in a publish\n{beat.output()[-3000:]}")
-        assert len(claimed) >= PAUSE_SECONDS - 5 - 6, (
+        assert len(claimed) >= PAUSE_SECONDS - 5 - 2 * PUBLISH_TIMEOUT - 2, (
             f"only {len(claimed)} slots claimed during the pause\n{beat.output()[-3000:]}")
         out = beat.output()
-        assert "did not answer within 3 s" in out and server.url.split("/0")[0] in out, \
-            out[-3000:]
+        assert f"celery broker {server.url} did not answer within 2 s" in out, out[-3000:]
 
         # after the pause: every slot of the window is delivered (the sweep re-sends)
         time.sleep(max(0.0, PAUSE_SECONDS - (time.monotonic() - paused_mono)) + 1)
@@ -99,22 +98,37 @@ def test_hung_broker_times_out_beat_keeps_claiming_and_heartbeating(
 
         procs_mod.wait_for(all_sent, 90, "every trigger sent after the pause")
         procs.terminate(beat)
-        window = [r for r in rows()
-                  if paused_at - SECOND <= r.fire_at <= resumed_at]  # type: ignore[attr-defined]
-        slots = [r.fire_at for r in window]  # type: ignore[attr-defined]
-        # none skipped by the misfire policy: one run per second of the window, no gap
-        assert slots == [slots[0] + k * SECOND for k in range(len(slots))], slots
-        assert len(slots) >= PAUSE_SECONDS, len(slots)
         keys = Counter(json.loads(m)["headers"]["reliable_beat_key"]
                        for m in client.lrange(queue, 0, -1))
-        missing = [r.idempotency_key for r in window  # type: ignore[attr-defined]
-                   if keys[r.idempotency_key] == 0]  # type: ignore[attr-defined]
-        assert not missing, missing
-        dups = sum(1 for r in window if keys[r.idempotency_key] > 1)  # type: ignore[attr-defined]
+        window = [r for r in rows()
+                  if paused_at - SECOND <= r.fire_at <= resumed_at]  # type: ignore[attr-defined]
+        figures = []
+        for name, every in (("sec", 1), ("five", 5)):
+            mine = [r for r in window if r.entry_name == name]  # type: ignore[attr-defined]
+            slots = [r.fire_at for r in mine]  # type: ignore[attr-defined]
+            step = every * SECOND
+            # every slot of the window has its run row: no gap
+            assert slots == [slots[0] + k * step for k in range(len(slots))], (name, slots)
+            assert len(slots) >= PAUSE_SECONDS // every, (name, len(slots))
+            skipped = [r.fire_at for r in mine if r.state == "skipped"]  # type: ignore[attr-defined]
+            # Only the first timed-out publish stalls the loop (at most about twice the
+            # bound); after it publishes fail at once and every slot is claimed on time. A
+            # slot missed in that one stall is decided by the misfire policy (fire_once
+            # collapses it), so an entry slower than the stall loses none.
+            first_stall_end = paused_at + timedelta(seconds=2 * PUBLISH_TIMEOUT + 2)
+            assert all(at <= first_stall_end for at in skipped), (name, skipped, paused_at)
+            if every > 2 * PUBLISH_TIMEOUT:
+                assert not skipped, (name, skipped)
+            fired = [r for r in mine if r.state != "skipped"]  # type: ignore[attr-defined]
+            missing = [r.idempotency_key for r in fired  # type: ignore[attr-defined]
+                       if keys[r.idempotency_key] == 0]  # type: ignore[attr-defined]
+            assert not missing, (missing, f"paused at {paused_at}", out[-3000:])
+            dups = sum(1 for r in fired if keys[r.idempotency_key] > 1)  # type: ignore[attr-defined]
+            figures.append(f"{name}: {len(slots)} slots in the window, {len(fired)} fired and "
+                           f"delivered, {len(skipped)} skipped (first stall), {dups} twice")
         timeouts = out.count("did not answer within")
         print(f"\n[broker hang] pause {PAUSE_SECONDS} s, publish timeout {PUBLISH_TIMEOUT} s: "
-              f"{len(claimed)} slots claimed during the pause, heartbeat age at "
-              f"{PAUSE_SECONDS - 5} s {during - max(seen)}, {len(slots)} slots in the window "
-              f"all delivered, {dups} delivered twice (at-least-once window), "
-              f"{timeouts} timeout warnings, at {datetime.now(timezone.utc):%H:%M:%S}")
+              f"{len(claimed)} slots claimed during the pause, heartbeat age "
+              f"{(during - max(seen)).total_seconds():.1f} s at {PAUSE_SECONDS - 5} s; "
+              + "; ".join(figures) + f"; {timeouts} timeout warnings")
         client.close()

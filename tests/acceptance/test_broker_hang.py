@@ -25,6 +25,7 @@ import redis
 from sqlalchemy import select
 
 from harness.servers import RedisServer
+from reliable_beat.cli.status import collect_status
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import beats, outbox, runs
 
@@ -84,6 +85,11 @@ def test_hung_broker_times_out_beat_keeps_claiming_and_heartbeating(
             f"the beat is stuck in a publish\n{beat.output()[-3000:]}")
         assert len(claimed) >= PAUSE_SECONDS - 5 - 2 * PUBLISH_TIMEOUT - 2, (
             f"only {len(claimed)} slots claimed during the pause\n{beat.output()[-3000:]}")
+        # status names the broker as the cause, and not a missing beat or relay
+        info = collect_status(store, unserved_seconds=5)
+        problems = "\n".join(info["problems"])
+        assert "BROKER NOT TAKING TRIGGERS: group 'beatapp'" in problems, problems
+        assert "NO BEAT" not in problems and "UNSERVED OUTBOX" not in problems, problems
         out = beat.output()
         assert f"celery broker {server.url} did not answer within 2 s" in out, out[-3000:]
 

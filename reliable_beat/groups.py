@@ -66,6 +66,7 @@ __all__ = [
     "schedule_group_of",
     "shared_groups",
     "ungrouped_entries",
+    "unpublished_triggers",
     "unserved_outbox",
 ]
 
@@ -460,6 +461,43 @@ def unserved_outbox(
     for g in out.values():
         g["served_groups"] = served
     return [out[k] for k in sorted(out)]
+
+
+def unpublished_triggers(
+    conn: Connection, now: datetime, *, pending_seconds: float, alive_seconds: float
+) -> list[dict[str, Any]]:
+    """Triggers (destination ``celery``) of a schedule group still pending more than
+    ``pending_seconds`` after they were written although a live beat or relay of the group
+    publishes them: the group's broker does not take them (it refuses connections, or hangs:
+    each publish times out, see ``reliable_beat_publish_timeout_seconds``). The counterpart
+    of :func:`unserved_outbox` (no live publisher at all); the rows wait, nothing is lost.
+
+    Returns:
+        ``[{"group", "rows" (int), "since" (UTC: the oldest row's ``created_at``),
+        "publishers" (int: live beats and relays of the group)}]``, sorted by group.
+    """
+    group_expr = outbox_group()
+    old = (
+        select(group_expr.label("grp"), outbox.c.created_at.label("created_at"))
+        .where(outbox.c.state == "pending", outbox.c.destination == "celery",
+               outbox.c.available_at <= now,  # not a trigger held for a later instant
+               outbox.c.created_at <= now - timedelta(seconds=pending_seconds))
+        .subquery()
+    )
+    found = conn.execute(
+        select(old.c.grp, func.count(), func.min(old.c.created_at))
+        .where(old.c.grp.is_not(None)).group_by(old.c.grp)
+    ).all()
+    if not found:
+        return []
+    live = live_publishers(conn, now, alive_seconds=alive_seconds)
+    out = []
+    for grp, n, since in sorted(found, key=lambda f: str(f[0])):
+        serving = [p for p in live if _serves(p, grp, "celery")]
+        if serving:
+            out.append({"group": grp, "rows": int(n), "since": _instant(since),
+                        "publishers": len(serving)})
+    return out
 
 
 def _instant(value: Any) -> datetime | None:

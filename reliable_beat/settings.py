@@ -155,6 +155,14 @@ class Settings:
             worker's channel and redeliver. Not readable over AMQP, so state it here when
             the broker's differs; beats and workers warn at start when
             ``retry_cap_seconds`` reaches it (:mod:`reliable_beat.celery.brokers`).
+        publish_timeout_seconds: the longest a beat's or relay's publish waits on a broker
+            that accepted the connection but does not answer (a hung, paused or overloaded
+            broker; seconds, > 0, default 10). Applied to the publishing process's Redis
+            broker connection as kombu's ``socket_timeout`` transport option when
+            ``broker_transport_options`` leaves it unset (a value set there wins). A publish
+            that times out counts as "broker unavailable": its rows stay pending in the
+            outbox and are re-sent under the same task id (see :mod:`reliable_beat.celery.
+            publishing`).
         metrics_port: serve Prometheus metrics on this port (None: off).
         metrics_host: the address the metrics server binds (default ``127.0.0.1``: loopback
             only; ``0.0.0.0`` exposes it on every interface).
@@ -218,6 +226,7 @@ class Settings:
     redispatch_seconds: float = 120.0
     redispatch_backlog_check: bool = True
     broker_consumer_timeout_seconds: float = 1800.0
+    publish_timeout_seconds: float = 10.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     owner_id: str | None = None
@@ -277,7 +286,7 @@ class Settings:
                 )
             for name in ("batch_size", "outbox_batch_size", "retry_max_attempts",
                          "purge_batch_size", "lease_seconds", "retry_base_seconds",
-                         "outbox_retry_base_seconds"):
+                         "outbox_retry_base_seconds", "publish_timeout_seconds"):
                 if getattr(self, name) <= 0:
                     problems.append(f"{PREFIX}{name} must be > 0")
             if self.claim_ahead_seconds > MAX_CLAIM_AHEAD_SECONDS:

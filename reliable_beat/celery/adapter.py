@@ -28,9 +28,20 @@ class CeleryAdapter:
     name = "celery"
 
     def handlers(self, app: Any) -> dict[str, Callable[[OutboxMessage], None]]:
-        """``celery`` (``send_task``) and ``kombu`` (raw publish) over ``app``'s broker."""
-        from reliable_beat.celery.publishing import CeleryHandler, KombuHandler
+        """``celery`` (``send_task``) and ``kombu`` (raw publish) over ``app``'s broker.
 
+        Bounds a publish's wait on a hung broker first
+        (:func:`~reliable_beat.celery.publishing.bound_broker_wait`,
+        ``reliable_beat_publish_timeout_seconds``)."""
+        from reliable_beat.celery.publishing import (
+            CeleryHandler,
+            KombuHandler,
+            bound_broker_wait,
+        )
+        from reliable_beat.settings import Settings
+
+        timeout = app.conf.get("reliable_beat_publish_timeout_seconds")
+        bound_broker_wait(app, float(timeout or Settings.publish_timeout_seconds))
         return {"celery": CeleryHandler(app), "kombu": KombuHandler(app)}
 
     def publish(self, app: Any, messages: list[OutboxMessage], now: datetime

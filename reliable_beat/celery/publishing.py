@@ -22,6 +22,7 @@ Celery protocol headers (:data:`~reliable_beat.handlers.CELERY_PROTOCOL_HEADERS`
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,6 +42,7 @@ from reliable_beat.redaction import get_logger
 __all__ = [
     "CeleryHandler",
     "KombuHandler",
+    "bound_broker_wait",
     "celery_task_id",
     "publish_celery_batch",
 ]
@@ -127,6 +129,11 @@ def publish_celery_batch(
     results: list[tuple[int, Result]] = []
     if not messages:
         return results
+    hung = _hung_broker(app)
+    if hung is not None:  # a publish timed out: not tried again until the broker answers
+        if wait is not None:
+            wait()  # claimed ahead: never handed back (to a sweep) before the slot's instant
+        return [(m.id, hung) for m in messages]
     conn_errors: tuple[type[BaseException], ...] = ()
     try:
         with app.producer_or_acquire() as pooled, _amqp_confirms(pooled) as confirms:
@@ -158,8 +165,7 @@ def publish_celery_batch(
                     except conn_errors + batch_error as exc:
                         if not _is_connection_error(exc, conn_errors):
                             raise  # the broker refused a command: isolate the culprit below
-                        down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
-                        down.__cause__ = exc
+                        down = _unavailable(app, exc)
                         results.extend((m.id, down) for m in messages[index:])
                         break
                     except Exception as exc:
@@ -188,12 +194,149 @@ def publish_celery_batch(
             retry = [m for m in messages if m.id not in done]
             singles = dict(_publish_one_by_one(app, retry, now))
             return [(m.id, done[m.id] if m.id in done else singles[m.id]) for m in messages]
-        down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
-        down.__cause__ = exc
+        down = _unavailable(app, exc)
         # Buffered messages were not (or not surely) written: none counts as published.
         # The rows stay pending and the relay re-publishes them under the same task id.
         results = [(m.id, done.get(m.id, down)) for m in messages]
     return results
+
+
+def bound_broker_wait(app: Any, seconds: float) -> bool:
+    """Bound how long a publish in this process waits on a broker that does not answer.
+
+    A broker that *refuses* connections fails a publish at once; one that accepts them but
+    answers nothing (Redis ``CLIENT PAUSE``, a stalled network, an overloaded server) would
+    block a publish, and the beat's whole loop with it (no claims, no heartbeat), for as
+    long as it hangs. On a Redis broker (kombu's ``redis`` / ``rediss`` / ``sentinel``
+    transports) this sets kombu's ``socket_timeout`` transport option to ``seconds`` in
+    ``app.conf.broker_transport_options``, unless the user set one there (theirs wins):
+    a publish then fails within about ``seconds`` with a timeout, which
+    :func:`publish_celery_batch` reports as "broker unavailable" (the rows stay pending; see
+    there). Call it before the process opens its first broker connection (the beat does, in
+    :class:`~reliable_beat.celery.scheduler.ReliableScheduler`; the relay when it builds its
+    Celery handlers): connections opened earlier keep their options. RabbitMQ needs none:
+    its publisher confirms are awaited at most :data:`CONFIRM_TIMEOUT_SECONDS`.
+
+    Args:
+        app: the Celery app whose broker settings to complete (this process only).
+        seconds: the socket timeout (``reliable_beat_publish_timeout_seconds``), > 0.
+
+    Returns:
+        True when the option was set; False when the broker is not Redis or the user's
+        ``broker_transport_options`` already had a ``socket_timeout``.
+    """
+    try:
+        driver = app.connection_for_write().transport.driver_type
+    except Exception:  # an unknown transport: sending will say so
+        return False
+    if driver != "redis":
+        return False
+    options = dict(app.conf.broker_transport_options or {})
+    if options.get("socket_timeout") is not None:
+        return False
+    options["socket_timeout"] = float(seconds)
+    app.conf.broker_transport_options = options
+    return True
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """True when a timeout is in ``exc``'s cause chain (socket or redis-py timeout)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TimeoutError) or type(current).__name__ == "TimeoutError" \
+                or "timeout" in str(current).lower():
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _unavailable(app: Any, exc: BaseException) -> DestinationUnavailableError:
+    """The "broker unavailable" result of a publish that failed on the connection; names the
+    broker (password masked) and, for a timeout, the bound that cut the wait short."""
+    if _timed_out(exc):
+        broker, within = _broker_name(app)
+        down = DestinationUnavailableError(
+            f"celery broker unavailable: {broker} did not answer{within} (a hung broker: "
+            "paused, overloaded or a stalled network; bound: broker_transport_options"
+            f"['socket_timeout'], default reliable_beat_publish_timeout_seconds): {exc!r}")
+        down.__cause__ = exc
+        _broker_hangs(app, down)
+        return down
+    down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
+    down.__cause__ = exc
+    return down
+
+
+def _broker_name(app: Any) -> tuple[str, str]:
+    """The broker URL (password masked) and `` within N s`` (its socket timeout) or ``""``."""
+    from reliable_beat.redaction import redact_url
+
+    try:  # the password masked (and no mask when there is none)
+        broker = redact_url(app.connection_for_write().as_uri(include_password=True))
+    except Exception:  # pragma: no cover - the URL was usable a moment ago
+        broker = "?"
+    limit = (app.conf.broker_transport_options or {}).get("socket_timeout")
+    return broker, (f" within {limit:g} s" if isinstance(limit, (int, float)) else "")
+
+
+#: How often a hung broker is probed (seconds) until it answers again.
+PROBE_SECONDS = 1.0
+_hung_lock = threading.Lock()
+#: id(app) -> the error every publish to that app's broker gets until a probe gets an answer
+_hung: dict[int, DestinationUnavailableError] = {}
+
+
+def _hung_broker(app: Any) -> DestinationUnavailableError | None:
+    """The fail-fast error while ``app``'s broker is known to hang, else None."""
+    return _hung.get(id(app))
+
+
+def _broker_hangs(app: Any, down: DestinationUnavailableError) -> None:
+    """A publish to ``app``'s broker timed out: from now on every publish in this process
+    fails at once with ``down`` (rows stay pending, nothing waits on the broker, so the beat
+    keeps claiming every slot on time) until a background probe (:func:`_probe_broker`, every
+    :data:`PROBE_SECONDS`, bounded by the same socket timeout) gets an answer."""
+    with _hung_lock:
+        known = id(app) in _hung
+        _hung[id(app)] = down
+    if known:
+        return
+    broker, within = _broker_name(app)
+    log.warning("celery broker %s did not answer%s: publishes fail at once (their rows stay "
+                "pending in the outbox) until it answers again; probing it every %g s",
+                broker, within, PROBE_SECONDS)
+    threading.Thread(target=_probe_broker, args=(app,), name="reliable-beat-broker-probe",
+                     daemon=True).start()
+
+
+def _probe_broker(app: Any) -> None:
+    """Until ``app``'s broker answers (a fresh connection; on Redis a ``PING``), then lift
+    the fail-fast state of :func:`_broker_hangs`."""
+    started = time.monotonic()
+    while True:
+        time.sleep(PROBE_SECONDS)
+        try:
+            with app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=1)
+                channel = conn.channel()  # kombu's Redis channel PINGs on creation
+                try:
+                    client = getattr(channel, "client", None)
+                    if client is not None and hasattr(client, "ping"):
+                        client.ping()
+                finally:
+                    channel.close()
+        except Exception as exc:  # still hung (or down): keep probing
+            log.debug("celery broker probe: %r", exc)
+            continue
+        with _hung_lock:
+            _hung.pop(id(app), None)
+        broker, _ = _broker_name(app)
+        log.warning("celery broker %s answers again after %.0f s: publishing resumes (the "
+                    "triggers kept pending go out with the next sweep, same task ids)",
+                    broker, time.monotonic() - started)
+        return
 
 
 #: How long a batch published to RabbitMQ waits for the broker's publisher confirms
@@ -416,17 +559,14 @@ def _publish_one_by_one(
                     results.append((message.id, exc))
                 except Exception as exc:
                     if _is_connection_error(exc, conn_errors):
-                        down = DestinationUnavailableError(
-                            f"celery broker unavailable: {exc!r}")
-                        down.__cause__ = exc
+                        down = _unavailable(app, exc)
                         results.extend((m.id, down) for m in messages[index:])
                         break
                     log.warning("celery trigger %s (outbox row %d) refused by the broker: %r",
                                 message.message_id, message.id, exc)
                     results.append((message.id, exc))
     except Exception as exc:  # acquiring / releasing the producer
-        down = DestinationUnavailableError(f"celery broker unavailable: {exc!r}")
-        down.__cause__ = exc
+        down = _unavailable(app, exc)
         got = dict(results)
         results = [(m.id, got.get(m.id, down)) for m in messages]
     return results

@@ -31,7 +31,7 @@ from celery.beat import Scheduler
 from reliable_beat import loop as core
 from reliable_beat.beat import TRIGGER_DESTINATION, Trigger
 from reliable_beat.celery.brokers import warn_broker_timeouts
-from reliable_beat.celery.publishing import publish_celery_batch
+from reliable_beat.celery.publishing import bound_broker_wait, publish_celery_batch
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.entries import EntryDefinition, definitions_from_beat_schedule
@@ -167,6 +167,9 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.settings = Settings.from_celery(app)
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self.app = app
+        # before any broker connection: a hung broker fails a publish within this bound
+        # instead of freezing the loop (claims, heartbeat) for as long as it hangs
+        bound_broker_wait(app, self.settings.publish_timeout_seconds)
         self.group = schedule_group_of(app, self.settings.schedule_group)
         self.loop = BeatLoop(
             self.store, self.settings, CeleryPublisher(app), self.settings.owner,

@@ -29,7 +29,12 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, outbox, runs
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import StoreUnavailableError
-from reliable_beat.groups import group_health, outbox_group, unserved_outbox
+from reliable_beat.groups import (
+    group_health,
+    outbox_group,
+    unpublished_triggers,
+    unserved_outbox,
+)
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
 
@@ -197,6 +202,8 @@ def collect_status(
         :func:`undelivered_outbox`),
         "unserved_outbox": [{"group", "rows", "destinations", "due_since", "last_seen_at",
         "served_groups"}] (see :func:`reliable_beat.groups.unserved_outbox`),
+        "unpublished_triggers": [{"group", "rows", "since", "publishers"}] (live publishers,
+        broker not taking them; see :func:`reliable_beat.groups.unpublished_triggers`),
         "entry_counts": {status: number of entries} (every entry, disabled ones too),
         "waiting_retries": {"count", "runs": [...]} (``retrying`` runs whose retry is
         overdue, see :func:`waiting_retries`),
@@ -275,6 +282,8 @@ def collect_status(
         undelivered = undelivered_outbox(conn, now, outbox_stuck_minutes)
         unserved = unserved_outbox(conn, now, due_seconds=unserved_seconds,
                                    alive_seconds=beat_alive_seconds)
+        unpublished = unpublished_triggers(conn, now, pending_seconds=unserved_seconds,
+                                           alive_seconds=beat_alive_seconds)
         n_waiting, waiting_runs = waiting_retries(conn, now,
                                                   redispatch_seconds=redispatch_seconds,
                                                   retry_cap_seconds=retry_cap_seconds)
@@ -354,6 +363,17 @@ def collect_status(
             f"for it, with the app whose schedule group is {u['group']!r} (the name in "
             "Celery('...') or reliable_beat_schedule_group; an app module run as __main__ "
             "is group 'default')."
+        )
+    for u in unpublished:
+        problems.append(
+            f"BROKER NOT TAKING TRIGGERS: group {u['group']!r}: {u['rows']} triggers are "
+            f"still pending more than {unserved_seconds:g} s after they were written (oldest "
+            f"since {_fmt(u['since'])}) although {u['publishers']} beats / relays of the group "
+            "are alive: the Celery broker of that app refuses or hangs (each publish times "
+            "out after reliable_beat_publish_timeout_seconds). Their logs name it: `celery "
+            "broker URL did not answer within N s` or `N triggers not published (celery "
+            "broker unavailable: ...)`. Fix the broker; nothing is lost: the triggers go "
+            "out, under the same task ids, once it takes them."
         )
     if dead_total:
         problems.append(
@@ -511,6 +531,7 @@ def collect_status(
         "malformed_run_states": {"count": n_bad_runs, "keys": bad_runs},
         "undelivered_outbox": undelivered,
         "unserved_outbox": unserved,
+        "unpublished_triggers": unpublished,
         "waiting_retries": {"count": n_waiting, "runs": waiting_runs},
         "queue_depths": depths,
         "expired_leases": {"count": n_expired, "runs": expired_runs},

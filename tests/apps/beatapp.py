@@ -6,6 +6,7 @@ Configured from the environment so each test can point it at its own servers:
 * RB_SCHEDULE: JSON name -> {"cron": str | "every": seconds, "task", "args" (default:
   [name]), "reliable_beat": {...}};
 * RB_QUEUE: the default queue (each test its own, so messages can be counted in Redis);
+* RB_PUBLISH_TIMEOUT: ``reliable_beat_publish_timeout_seconds``;
 * RB_CLAIM_AHEAD: ``reliable_beat_claim_ahead_seconds`` (default: the setting's default);
 * RB_PURGE_INTERVAL: ``reliable_beat_purge_interval_seconds`` (0: the beat starts no
   retention thread);
@@ -82,6 +83,8 @@ if os.environ.get("RB_REDISPATCH"):
     app.conf.reliable_beat_redispatch_seconds = float(os.environ["RB_REDISPATCH"])
 if os.environ.get("RB_ACKS"):  # workers record the starts of plain tasks' triggers
     app.conf.imports = ["reliable_beat.celery.acks"]
+if os.environ.get("RB_PUBLISH_TIMEOUT"):
+    app.conf.reliable_beat_publish_timeout_seconds = float(os.environ["RB_PUBLISH_TIMEOUT"])
 if os.environ.get("RB_CLAIM_AHEAD"):
     app.conf.reliable_beat_claim_ahead_seconds = float(os.environ["RB_CLAIM_AHEAD"])
 if os.environ.get("RB_PURGE_INTERVAL"):  # 0: no retention thread in the beat

@@ -135,7 +135,7 @@ def test_malformed_check_cost_at_20000_entries(pg_store: Store) -> None:
     t1 = time.perf_counter()
     info = collect_status(store)
     t2 = time.perf_counter()
-    print(f"\n20,000 entries (1,440 distinct crons): malformed_entries {t1 - t0:.2f} s, "
+    print(f"\n20,000 entries (120 distinct crons): malformed_entries {t1 - t0:.2f} s, "
           f"collect_status {t2 - t1:.2f} s")
     assert [m["name"] for m in found] == ["big-12345"]
     assert [m["name"] for m in info["malformed_entries"]] == ["big-12345"]

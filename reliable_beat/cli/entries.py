@@ -370,7 +370,7 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     check = entry_checker()
     malformed = {r["name"]: problems for r in rows
                  if r.get("enabled") is True and not r.get("quarantine_reason")
-                 and (problems := check(r))}
+                 and r.get("next_fire_at") is not None and (problems := check(r))}
     if as_json:
         cli.echo_json(jsonable([
             {**_public(r), **({"malformed": malformed[r["name"]]}

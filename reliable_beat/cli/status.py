@@ -232,7 +232,8 @@ _CHECKED_COLUMNS = (
 
 
 def malformed_entries(conn: Connection) -> list[dict[str, Any]]:
-    """Enabled, unquarantined entries whose stored row a beat's claim would quarantine.
+    """Enabled, unquarantined entries with a next slot whose stored row a beat's claim
+    would quarantine.
 
     Each row is checked with :func:`reliable_beat.rows.check_entry`, the check a beat's
     claim makes when the entry comes due; so a row changed by SQL (``args='"notalist"'``, a
@@ -250,7 +251,10 @@ def malformed_entries(conn: Connection) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     for raw in conn.execute(
         select(*raw_labelled(columns, conn.dialect))
-        .where(entries.c.enabled.is_(True), entries.c.quarantine_reason.is_(None))
+        # what a claim can take: enabled, not quarantined, a next slot (an ended entry's
+        # NULL next_fire_at is no problem: nothing claims it)
+        .where(entries.c.enabled.is_(True), entries.c.quarantine_reason.is_(None),
+               entries.c.next_fire_at.is_not(None))
         .order_by(entries.c.name)
     ):
         r = decode_labelled(dict(raw._mapping), columns, conn.dialect)

@@ -47,6 +47,9 @@ def test_malformed_entry_reported_before_it_is_due(any_store: Store) -> None:
     record_beat(store, owner="beat-a", group="proj", config_hash=synced.config_hash,
                 unregistered={})  # a live beat of the group: no NO BEAT problem
     assert _cli(store, "status", "--check").exit_code == 0
+    with store.begin() as conn:  # an ended entry (no next slot) is not malformed
+        conn.execute(text("UPDATE reliable_beat_entries SET next_fire_at = NULL "
+                          "WHERE name = 'fine'"))
     with store.begin() as conn:
         conn.execute(text("UPDATE reliable_beat_entries SET args = '\"notalist\"', "
                           "schedule = '{\"every\": \"soon\"}' WHERE name = 'weekday9'"))
@@ -61,7 +64,7 @@ def test_malformed_entry_reported_before_it_is_due(any_store: Store) -> None:
     assert {p.split("=")[0] for p in bad["problems"]} == {"args", "schedule"}
     by_name = {e["name"]: e for e in info["entries"]}
     assert by_name["weekday9"]["status"] == "malformed"
-    assert by_name["fine"]["status"] == "active"
+    assert by_name["fine"]["status"] == "ended"
     assert not info["ok"]
     listed = _cli(store, "entries", "list")
     line = next(x for x in listed.output.splitlines() if x.startswith("weekday9"))

@@ -398,8 +398,8 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     for name, problems in list(malformed.items())[:10]:
         click.echo(f"MALFORMED ENTRY {name!r}: {'; '.join(problems[:3])}: a beat quarantines it "
                    f"when it comes due (that slot is lost); fix: `reliable-beat entries update "
-                   f"{name} ...` (a config entry: set its config_hash to NULL by SQL, then "
-                   "`reliable-beat -A APP schedule sync` rewrites it from its beat_schedule)")
+                   f"{name} ...` (a config entry: `reliable-beat -A APP schedule sync`, or a "
+                   "restart of its group's beat, rewrites it from its beat_schedule)")
     if len(malformed) > 10:
         click.echo(f"... and {len(malformed) - 10} more MALFORMED entries "
                    "(`reliable-beat status` counts them)")

@@ -57,7 +57,7 @@ def test_malformed_entry_reported_before_it_is_due(any_store: Store) -> None:
     assert checked.exit_code == 1, checked.output  # main: 0
     assert "MALFORMED ENTRY: 1 enabled entries" in checked.output
     assert "'weekday9': " in checked.output and "args=" in checked.output
-    assert "schedule=" in checked.output and "config_hash = NULL" in checked.output
+    assert "schedule=" in checked.output and "schedule sync" in checked.output
     info = json.loads(_cli(store, "status", "--json").output)
     (bad,) = info["malformed_entries"]
     assert bad["name"] == "weekday9" and bad["origin"] == "config"
@@ -72,12 +72,22 @@ def test_malformed_entry_reported_before_it_is_due(any_store: Store) -> None:
     assert "MALFORMED ENTRY 'weekday9'" in listed.output
     as_json = {r["name"]: r for r in json.loads(_cli(store, "entries", "list", "--json").output)}
     assert as_json["weekday9"]["malformed"] and "malformed" not in as_json["fine"]
-    # the fix the report gives works: the sync rewrites the row from the config
-    with store.begin() as conn:
-        conn.execute(text("UPDATE reliable_beat_entries SET config_hash = NULL "
-                          "WHERE name = 'weekday9'"))
-    sync_schedule_group(store, [_daily("weekday9"), _daily("fine")], group="proj",
-                        owner="beat-a")
+    # the fix the report gives works: a sync of the current config (a beat's restart,
+    # `schedule sync`) rewrites the malformed row from the config (main: "unchanged")
+    again = sync_schedule_group(store, [_daily("weekday9"), _daily("fine")], group="proj",
+                                owner="beat-a")
+    assert again.outcome == "current" and again.updated == ["weekday9"], again
+    with store.engine.connect() as conn:
+        args, schedule, nxt = conn.execute(text(
+            "SELECT args, schedule, next_fire_at FROM reliable_beat_entries "
+            "WHERE name = 'weekday9'")).one()
+    assert (json.loads(args) if isinstance(args, str) else args) == [1]
+    assert (json.loads(schedule) if isinstance(schedule, str) else schedule)["expr"] == "0 9 * * *"
+    assert nxt is not None
+    # and a sync of healthy rows changes nothing
+    quiet = sync_schedule_group(store, [_daily("weekday9"), _daily("fine")], group="proj",
+                                owner="beat-a")
+    assert quiet.updated == [] and quiet.unchanged == 2, quiet
     after = _cli(store, "status", "--check")
     assert after.exit_code == 0, after.output
     assert "MALFORMED" not in after.output

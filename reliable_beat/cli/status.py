@@ -9,7 +9,11 @@ rows of a schedule group (a workflow's messages, an entry's triggers) due for a 
 live relay or beat of that group (relays and beats record heartbeats in
 ``reliable_beat_beats``), which only that group's processes publish. ``--check`` exits 1 when
 something needs a person (missed slots, dead letters, unserved rows), so the command doubles
-as a probe.
+as a probe. **MALFORMED ENTRY**: an enabled entry whose stored row fails the claim's check
+(:func:`reliable_beat.rows.check_entry`), reported before it comes due (a beat would
+quarantine it then, losing that slot). **NAME CONFLICT**: an entry of a group's current
+beat_schedule that is an enabled config entry of another group (its sync left it alone: it
+never fires for this group).
 
 All instants are UTC and measured on the store's clock; the store URL is shown with its
 password hidden.
@@ -1078,7 +1082,8 @@ def _secs(value: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--check", is_flag=True,
               help="Exit 1 when something needs a person (missed slots, dead letters, "
-                   "undelivered outbox rows, a group's rows no live relay or beat serves).")
+                   "undelivered outbox rows, a group's rows no live relay or beat serves, "
+                   "malformed entries, entry names owned by another group).")
 @click.option("--margin", type=click.FloatRange(min=0), default=DEFAULT_MARGIN_SECONDS,
               show_default=True,
               help="Seconds beyond an entry's misfire_grace before an overdue slot is 'missed'.")

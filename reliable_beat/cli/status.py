@@ -233,8 +233,9 @@ def name_conflicts(conn: Connection, stored: Mapping[str, tuple[Any, Any, Any]]
 
     Returns:
         ``[{"entry", "group" (whose config has it), "owner_group" (the group that owns it),
-        "synced_by" (str | None: the beat that synced the group's config)}]``, by group
-        then entry.
+        "synced_by" (str | None: the beat that synced the group's config), "owner_enabled"
+        (bool: enabled there; False: the owner disabled it since, and ``group`` adopts it
+        at its next sync, a beat restart or ``schedule sync``)}]``, by group then entry.
     """
     found: list[dict[str, Any]] = []
     columns = {"group": schedule_configs.c.schedule_group,
@@ -250,10 +251,10 @@ def name_conflicts(conn: Connection, stored: Mapping[str, tuple[Any, Any, Any]]
             continue
         for name in sorted({n for n in cfg.names if isinstance(n, str)}):
             owner_group, origin, enabled = stored.get(name, (None, None, None))
-            if (origin == "config" and enabled is True and owner_group is not None
+            if (origin == "config" and owner_group is not None
                     and owner_group != cfg.group):
                 found.append({"entry": name, "group": cfg.group, "owner_group": owner_group,
-                              "synced_by": cfg.synced_by})
+                              "synced_by": cfg.synced_by, "owner_enabled": enabled is True})
     return found
 
 
@@ -319,7 +320,7 @@ def collect_status(
         "malformed_entries": [{"name", "origin", "schedule_group", "problems"}] (enabled
         entries a beat's claim would quarantine when due, see :func:`malformed_entries`:
         MALFORMED ENTRY), "name_conflicts": [{"entry", "group", "owner_group",
-        "synced_by"}] (see :func:`name_conflicts`: NAME CONFLICT),
+        "synced_by", "owner_enabled"}] (see :func:`name_conflicts`: NAME CONFLICT),
         "quarantined_rows": {"entries", "outbox", "runs"} (see :func:`quarantine_counts`),
         "malformed_run_states": {"count", "keys"} (runs whose state is none the library
         writes, :func:`reliable_beat.rows.unknown_state_runs`),
@@ -475,7 +476,12 @@ def collect_status(
             f"NAME CONFLICT: entry {c['entry']!r} of group {c['group']!r} (beat "
             f"{c['synced_by'] or '?'}) is owned by group {c['owner_group']!r}; rename it in "
             f"one app's beat_schedule (group {c['group']!r}'s beats never fire it: its sync "
-            "leaves it to the group that owns it)"
+            "leaves it to the group that owns it)" if c["owner_enabled"] else
+            f"NAME CONFLICT: entry {c['entry']!r} of group {c['group']!r} (beat "
+            f"{c['synced_by'] or '?'}) is a config entry of group {c['owner_group']!r}, "
+            f"which disabled it: it does not fire for either. Restart a beat of group "
+            f"{c['group']!r} or run `reliable-beat -A APP schedule sync` with its app: the "
+            "sync adopts it"
         )
     if len(conflicts) > MAX_SHOWN:
         problems.append(f"NAME CONFLICT: ... and {len(conflicts) - MAX_SHOWN} more (`reliable-"

@@ -95,7 +95,8 @@ def test_malformed_entry_reported_before_it_is_due(any_store: Store) -> None:
 
 def test_two_groups_with_one_entry_name_are_a_status_problem(pg_store: Store) -> None:
     store = pg_store
-    first = sync_schedule_group(store, [_daily("tick3")], group="proj", owner="host:1")
+    first = sync_schedule_group(store, [_daily("tick3"), _daily("other")], group="proj",
+                                owner="host:1")
     record_beat(store, owner="host:1", group="proj", config_hash=first.config_hash,
                 unregistered={})
     assert not first.conflicts
@@ -110,7 +111,24 @@ def test_two_groups_with_one_entry_name_are_a_status_problem(pg_store: Store) ->
             "'proj'; rename it in one app's beat_schedule") in checked.output
     info = json.loads(_cli(store, "status", "--json").output)
     assert info["name_conflicts"] == [{"entry": "tick3", "group": "reports",
-                                       "owner_group": "proj", "synced_by": "host:2"}]
+                                       "owner_group": "proj", "synced_by": "host:2",
+                                       "owner_enabled": True}]
+    # removed from proj's beat_schedule: proj disables it, reports has not adopted it yet
+    dropped = sync_schedule_group(store, [_daily("other")], group="proj", owner="host:1")
+    assert dropped.disabled == ["tick3"], dropped
+    info = json.loads(_cli(store, "status", "--json").output)
+    assert [c["owner_enabled"] for c in info["name_conflicts"]] == [False]
+    assert any("which disabled it: it does not fire for either" in p
+               for p in info["problems"]), info["problems"]
+    adopted = sync_schedule_group(store, [_daily("tick3"), _daily("own")], group="reports",
+                                  owner="host:2")
+    assert adopted.adopted == ["tick3"]
+    assert json.loads(_cli(store, "status", "--json").output)["name_conflicts"] == []
+    # back in proj (a fresh conflict), then renamed in the reports app: the conflict is gone
+    sync_schedule_group(store, [_daily("tick3-reports"), _daily("own")], group="reports",
+                        owner="host:2")
+    sync_schedule_group(store, [_daily("tick3"), _daily("other")], group="proj",
+                        owner="host:1")
     # renamed in the reports app: the conflict is gone
     sync_schedule_group(store, [_daily("tick3-reports"), _daily("own")], group="reports",
                         owner="host:2")

@@ -52,7 +52,14 @@ from reliable_beat.groups import (
     ungrouped_entries,
 )
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy, catch_up_limit_problem
-from reliable_beat.rows import check_options, decode_row, decode_value, raw_columns
+from reliable_beat.redaction import get_logger
+from reliable_beat.rows import (
+    check_options,
+    decode_row,
+    decode_value,
+    entry_checker,
+    raw_columns,
+)
 from reliable_beat.settings import Settings
 
 __all__ = [
@@ -69,6 +76,8 @@ __all__ = [
     "sync_config_entries",
     "sync_schedule_group",
 ]
+
+log = get_logger(__name__)
 
 ENTRY_OPTION_KEYS = frozenset(
     {
@@ -492,7 +501,13 @@ def _lock_for_sync(conn: Connection, store: Store) -> None:
 
 _UPSERT_COLUMNS = (entries.c.id, entries.c.config_hash, entries.c.schedule, entries.c.enabled,
                    entries.c.origin, entries.c.last_fire_at, entries.c.next_fire_at,
-                   entries.c.paused, entries.c.schedule_group)
+                   entries.c.paused, entries.c.schedule_group,
+                   # what the claim's check reads (a row changed by SQL is rewritten, see
+                   # _stored_malformed)
+                   entries.c.task, entries.c.args, entries.c.kwargs, entries.c.options,
+                   entries.c.timezone, entries.c.misfire_policy, entries.c.overlap_policy,
+                   entries.c.misfire_grace_seconds, entries.c.catch_up_limit,
+                   entries.c.catch_up_window_seconds, entries.c.start_at, entries.c.end_at)
 #: Names per statement when a sync reads its entries (bounded IN lists: MariaDB turns long
 #: ones into a join, every server has a parameter limit).
 _SYNC_CHUNK = 500
@@ -509,7 +524,7 @@ def _decode_for_upsert(conn: Connection, raw: Any) -> Any:
     that cannot be decoded (SQLite: invalid JSON text, a non-instant) reads as None, so a
     malformed row is simply rewritten from the definition (see :mod:`reliable_beat.rows`)."""
     sqlite = conn.dialect.name == "sqlite"
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"name": raw._mapping["name"]}
     for c in _UPSERT_COLUMNS:
         try:
             value = raw._mapping[c.name]
@@ -522,6 +537,20 @@ def _decode_for_upsert(conn: Connection, raw: Any) -> Any:
         if not isinstance(values[instant], datetime):
             values[instant] = None
     return SimpleNamespace(**values)
+
+
+def _stored_malformed(row: Any) -> bool:
+    """True when a stored row a claim can take (enabled, a next slot) fails the claim's check
+    (:func:`reliable_beat.rows.check_entry`: a row changed by SQL, its ``config_hash`` left
+    as it was). A sync then rewrites it from its definition, even when the config is current,
+    instead of leaving it for a beat to quarantine when it comes due (its slot lost)."""
+    if not row.enabled or row.next_fire_at is None:
+        return False
+    problems = entry_checker()(vars(row))
+    if problems:
+        log.warning("entry %r: its stored row is malformed (%s); rewriting it from its "
+                    "definition", row.name, "; ".join(problems[:3]))
+    return bool(problems)
 
 
 def _read_for_upsert(conn: Connection, name: str) -> Any:
@@ -588,7 +617,8 @@ def _upsert(
         adopted = True
     regrouped = definition.origin != "config" and group is not None and (
         row.schedule_group != group)
-    if row.config_hash == values["config_hash"] and row.enabled and not (adopted or regrouped):
+    if (row.config_hash == values["config_hash"] and row.enabled and not (adopted or regrouped)
+            and not _stored_malformed(row)):
         return "unchanged"
     if definition.schedule.kind == "interval" and not getattr(
         definition, "_explicit_anchor", False

@@ -363,8 +363,18 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     rows = [r for r in every if show_all or r.get("enabled") is not False
             or r.get("quarantine_reason")]
     hidden = len(every) - len(rows)
+    # the check a beat's claim makes (reliable_beat.rows.check_entry): a row changed by SQL
+    # is marked MALFORMED now, not quarantined (its slot lost) when it comes due
+    from reliable_beat.cli.status import entry_checker
+
+    check = entry_checker()
+    malformed = {r["name"]: problems for r in rows
+                 if r.get("enabled") is True and not r.get("quarantine_reason")
+                 and r.get("next_fire_at") is not None and (problems := check(r))}
     if as_json:
-        cli.echo_json(jsonable([_public(r) for r in rows]))
+        cli.echo_json(jsonable([
+            {**_public(r), **({"malformed": malformed[r["name"]]}
+                              if r["name"] in malformed else {})} for r in rows]))
         return
     if not rows:
         click.echo("no entries" + (f" ({hidden} disabled: --all shows them)" if hidden else ""))
@@ -372,7 +382,8 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     header = ("NAME", "ORIGIN", "STATUS", "SCHEDULE", "ZONE", "NEXT (UTC)", "LAST SLOT",
               "LAST STATE")
     table = [header] + [
-        (r["name"], r["origin"], _status(r), schedule_text(r["schedule"]),
+        (r["name"], r["origin"], "MALFORMED" if r["name"] in malformed else _status(r),
+         schedule_text(r["schedule"]),
          r.get("timezone") or "UTC", _fmt(r["next_fire_at"]), _fmt(r["last_fire_at"]),
          r["last_state"] or "-")
         for r in rows
@@ -384,6 +395,14 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     if quarantined:
         click.echo(f"{len(quarantined)} quarantined (malformed row, not firing): "
                    f"`reliable-beat entries show NAME` gives the reason and the fix")
+    for name, problems in list(malformed.items())[:10]:
+        click.echo(f"MALFORMED ENTRY {name!r}: {'; '.join(problems[:3])}: a beat quarantines it "
+                   f"when it comes due (that slot is lost); fix: `reliable-beat entries update "
+                   f"{name} ...` (a config entry: `reliable-beat -A APP schedule sync`, or a "
+                   "restart of its group's beat, rewrites it from its beat_schedule)")
+    if len(malformed) > 10:
+        click.echo(f"... and {len(malformed) - 10} more MALFORMED entries "
+                   "(`reliable-beat status` counts them)")
     if hidden:
         click.echo(f"{hidden} disabled entries not shown: --all shows them")
 

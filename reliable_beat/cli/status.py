@@ -9,7 +9,11 @@ rows of a schedule group (a workflow's messages, an entry's triggers) due for a 
 live relay or beat of that group (relays and beats record heartbeats in
 ``reliable_beat_beats``), which only that group's processes publish. ``--check`` exits 1 when
 something needs a person (missed slots, dead letters, unserved rows), so the command doubles
-as a probe.
+as a probe. **MALFORMED ENTRY**: an enabled entry whose stored row fails the claim's check
+(:func:`reliable_beat.rows.check_entry`), reported before it comes due (a beat would
+quarantine it then, losing that slot). **NAME CONFLICT**: an entry of a group's current
+beat_schedule that is an enabled config entry of another group (its sync left it alone: it
+never fires for this group).
 
 All instants are UTC and measured on the store's clock; the store URL is shown with its
 password hidden.
@@ -17,6 +21,7 @@ password hidden.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +31,14 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import attempts, dead_letters, entries, outbox, runs
+from reliable_beat.db.tables import (
+    attempts,
+    dead_letters,
+    entries,
+    outbox,
+    runs,
+    schedule_configs,
+)
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import (
@@ -36,7 +48,13 @@ from reliable_beat.groups import (
     unserved_outbox,
 )
 from reliable_beat.outbox import OutboxMessage
-from reliable_beat.rows import decode_labelled, quarantine_counts, raw_labelled
+from reliable_beat.rows import (
+    column_of,
+    decode_labelled,
+    entry_checker,
+    quarantine_counts,
+    raw_labelled,
+)
 
 if TYPE_CHECKING:
     from reliable_beat.redispatch import QueueDepthFn
@@ -44,9 +62,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MARGIN_SECONDS",
     "collect_status",
+    "entry_checker",
     "expired_leases",
     "framework_name",
     "jsonable",
+    "malformed_entries",
+    "name_conflicts",
     "outbox_backlog",
     "quarantine_counts",
     "register",
@@ -75,6 +96,8 @@ DEFAULT_ENTRY_ROWS = 50
 #: holder renews every lease / 3, so its lease never ends; one that ended this long ago
 #: belongs to a worker that stopped (died, frozen), not to one in the middle of a renewal.
 DEFAULT_LEASE_EXPIRED_SECONDS = 30.0
+#: MALFORMED ENTRY / NAME CONFLICT: at most this many names (with their problems) are shown.
+MAX_SHOWN = 10
 #: Triggers dispatched within this many hours are looked at for "never started by a worker".
 UNSTARTED_WINDOW_HOURS = 24.0
 
@@ -136,6 +159,110 @@ def undelivered_outbox(conn: Connection, now: datetime,
             for d, n, since in conn.execute(stmt)]
 
 
+#: The columns :func:`reliable_beat.rows.check_entry` reads (MALFORMED ENTRY reads only these).
+_CHECKED_COLUMNS = (
+    "name", "task", "args", "kwargs", "options", "schedule", "timezone", "misfire_policy",
+    "overlap_policy", "misfire_grace_seconds", "catch_up_limit", "catch_up_window_seconds",
+    "next_fire_at", "last_fire_at", "end_at", "start_at",
+)
+
+
+def malformed_entries(conn: Connection) -> list[dict[str, Any]]:
+    """Enabled, unquarantined entries with a next slot whose stored row a beat's claim
+    would quarantine.
+
+    Each row is checked with :func:`reliable_beat.rows.check_entry`, the check a beat's
+    claim makes when the entry comes due; so a row changed by SQL (``args='"notalist"'``, a
+    schedule ``{"every": "soon"}``) is found before it costs its slot. One query reading
+    only the columns the check needs; values are decoded one by one (a value SQLite cannot
+    decode is a problem of its column).
+
+    Returns:
+        ``[{"name", "origin" ("config" | "runtime"), "schedule_group" (str | None),
+        "problems" ([str], each naming a column and what is expected)}]``, by name.
+    """
+    columns = {c: entries.c[c]
+               for c in (*_CHECKED_COLUMNS, "config_hash", "origin", "schedule_group")}
+    check = entry_checker()
+    found: list[dict[str, Any]] = []
+    for raw in conn.execute(
+        select(*raw_labelled(columns, conn.dialect))
+        # what a claim can take: enabled, not quarantined, a next slot (an ended entry's
+        # NULL next_fire_at is no problem: nothing claims it)
+        .where(entries.c.enabled.is_(True), entries.c.quarantine_reason.is_(None),
+               entries.c.next_fire_at.is_not(None))
+        .order_by(entries.c.name)
+    ):
+        r = decode_labelled(dict(raw._mapping), columns, conn.dialect)
+        values = {c: getattr(r, c) for c in (*_CHECKED_COLUMNS, "config_hash")}
+        problems = [f"{c}: unreadable value" for c in sorted(r.unreadable)]
+        problems += [p for p in check(values) if column_of(p) not in r.unreadable]
+        if problems:
+            found.append({"name": r.name, "origin": r.origin,
+                          "schedule_group": r.schedule_group, "problems": problems})
+    return found
+
+
+def _malformed_fix(m: dict[str, Any]) -> str:
+    """How to repair one MALFORMED ENTRY (a config entry: from its beat_schedule)."""
+    name = m["name"]
+    if m["origin"] == "config":
+        return (f"a config entry: `reliable-beat -A APP schedule sync` (or a restart of a "
+                f"beat of group {m['schedule_group'] or 'default'!r}) rewrites it from its "
+                "beat_schedule")
+    return f"`reliable-beat entries update {name} ...` with the right values"
+
+
+def _malformed_problem(found: list[dict[str, Any]]) -> str:
+    """The MALFORMED ENTRY line (bounded: the first :data:`MAX_SHOWN` entries)."""
+    shown = "; ".join(
+        f"{m['name']!r}: {', '.join(m['problems'][:3])}"
+        f"{' ...' if len(m['problems']) > 3 else ''} (fix: {_malformed_fix(m)})"
+        for m in found[:MAX_SHOWN])
+    return (
+        f"MALFORMED ENTRY: {len(found)} enabled entries have a stored row a beat cannot fire "
+        f"({shown}{'; ...' if len(found) > MAX_SHOWN else ''}): a beat quarantines each when it "
+        "comes due, and that slot is lost. Repair them before then (`reliable-beat entries "
+        "show NAME` shows the row)."
+    )
+
+
+def name_conflicts(conn: Connection, stored: Mapping[str, tuple[Any, Any, Any]]
+                   ) -> list[dict[str, Any]]:
+    """Entries a group's current beat_schedule has that are enabled config entries of
+    another group (its sync left them to that group: they never fire for this one).
+
+    Args:
+        conn: a connection to the store.
+        stored: entry name -> ``(schedule_group, origin, enabled)`` of every stored entry.
+
+    Returns:
+        ``[{"entry", "group" (whose config has it), "owner_group" (the group that owns it),
+        "synced_by" (str | None: the beat that synced the group's config), "owner_enabled"
+        (bool: enabled there; False: the owner disabled it since, and ``group`` adopts it
+        at its next sync, a beat restart or ``schedule sync``)}]``, by group then entry.
+    """
+    found: list[dict[str, Any]] = []
+    columns = {"group": schedule_configs.c.schedule_group,
+               "names": schedule_configs.c.entry_names,
+               "synced_by": schedule_configs.c.synced_by}
+    for raw in conn.execute(
+        select(*raw_labelled(columns, conn.dialect))
+        .where(schedule_configs.c.superseded_at.is_(None))
+        .order_by(schedule_configs.c.schedule_group)
+    ):
+        cfg = decode_labelled(dict(raw._mapping), columns, conn.dialect)
+        if not isinstance(cfg.names, list):
+            continue
+        for name in sorted({n for n in cfg.names if isinstance(n, str)}):
+            owner_group, origin, enabled = stored.get(name, (None, None, None))
+            if (origin == "config" and owner_group is not None
+                    and owner_group != cfg.group):
+                found.append({"entry": name, "group": cfg.group, "owner_group": owner_group,
+                              "synced_by": cfg.synced_by, "owner_enabled": enabled is True})
+    return found
+
+
 def collect_status(
     store: Store, *, margin_seconds: float = DEFAULT_MARGIN_SECONDS,
     disabled_within_minutes: float = DEFAULT_DISABLED_WITHIN_MINUTES,
@@ -195,6 +322,10 @@ def collect_status(
         "recently_disabled":
         [names], "unregistered": {entry: task},
         "quarantined": [{"name", "reason"}] (malformed entries, disabled),
+        "malformed_entries": [{"name", "origin", "schedule_group", "problems"}] (enabled
+        entries a beat's claim would quarantine when due, see :func:`malformed_entries`:
+        MALFORMED ENTRY), "name_conflicts": [{"entry", "group", "owner_group",
+        "synced_by", "owner_enabled"}] (see :func:`name_conflicts`: NAME CONFLICT),
         "quarantined_rows": {"entries", "outbox", "runs"} (see :func:`quarantine_counts`),
         "malformed_run_states": {"count", "keys"} (runs whose state is none the library
         writes, :func:`reliable_beat.rows.unknown_state_runs`),
@@ -215,8 +346,8 @@ def collect_status(
         than ``lease_expired_seconds`` ago, see :func:`expired_leases`),
         "problems": [str], "warnings": [str], "ok" (bool)}``. Each entry: ``{"name", "task",
         "origin", "schedule_group", "disabled_at", "status" (active | paused | disabled |
-        ended | quarantined | malformed: a value that cannot be read, before a beat
-        quarantines it), "next_fire_at", "last_fire_at",
+        ended | quarantined | malformed: a value that cannot be read, or a row the claim's
+        check fails, before a beat quarantines it), "next_fire_at", "last_fire_at",
         "last_state", "lag_seconds" (float | None), "overdue_seconds" (float | None),
         "missed" (bool), "failing" (retrying runs), "dead" (dead letters not requeued)}``.
 
@@ -252,6 +383,9 @@ def collect_status(
         # value by value (reliable_beat.rows): a malformed row is shown as such, never fails
         # the whole status
         rows = [decode_labelled(dict(r._mapping), columns, conn.dialect) for r in raw_rows]
+        malformed = malformed_entries(conn)
+        conflicts = name_conflicts(conn, {r.name: (r.schedule_group, r.origin, r.enabled)
+                                          for r in rows})
         failing: dict[str, int] = dict(
             conn.execute(
                 select(runs.c.entry_name, func.count())
@@ -297,6 +431,7 @@ def collect_status(
     out_entries: list[dict[str, Any]] = []
     missed: list[str] = []
     quarantined: list[dict[str, Any]] = []
+    malformed_names = {m["name"] for m in malformed}
     for r in rows:
         status = ("quarantined" if r.quarantine_reason is not None
                   else "malformed" if r.unreadable
@@ -317,6 +452,8 @@ def collect_status(
             is_missed = now - r.next_fire_at > limit
         if is_missed:
             missed.append(r.name)
+        if r.name in malformed_names and status in ("active", "paused", "ended"):
+            status = "malformed"  # readable, but the claim's check quarantines it
         out_entries.append({
             "name": r.name, "task": r.task, "origin": r.origin, "status": status,
             "schedule_group": r.schedule_group, "disabled_at": _utc(r.disabled_at),
@@ -341,6 +478,23 @@ def collect_status(
             "entries show NAME`, then fix the row (`entries update`, the beat_schedule, or SQL "
             "and `entries resume NAME`)"
         )
+    if malformed:
+        problems.append(_malformed_problem(malformed))
+    for c in conflicts[:MAX_SHOWN]:
+        problems.append(
+            f"NAME CONFLICT: entry {c['entry']!r} of group {c['group']!r} (beat "
+            f"{c['synced_by'] or '?'}) is owned by group {c['owner_group']!r}; rename it in "
+            f"one app's beat_schedule (group {c['group']!r}'s beats never fire it: its sync "
+            "leaves it to the group that owns it)" if c["owner_enabled"] else
+            f"NAME CONFLICT: entry {c['entry']!r} of group {c['group']!r} (beat "
+            f"{c['synced_by'] or '?'}) is a config entry of group {c['owner_group']!r}, "
+            f"which disabled it: it does not fire for either. Restart a beat of group "
+            f"{c['group']!r} or run `reliable-beat -A APP schedule sync` with its app: the "
+            "sync adopts it"
+        )
+    if len(conflicts) > MAX_SHOWN:
+        problems.append(f"NAME CONFLICT: ... and {len(conflicts) - MAX_SHOWN} more (`reliable-"
+                        "beat status --json` lists every one under name_conflicts)")
     for u in undelivered:
         problems.append(
             f"UNDELIVERED OUTBOX: {u['rows']} pending rows for destination "
@@ -527,6 +681,8 @@ def collect_status(
         "recently_disabled": recent,
         "unregistered": unregistered,
         "quarantined": quarantined,
+        "malformed_entries": malformed,
+        "name_conflicts": conflicts,
         "quarantined_rows": quarantined_rows,
         "malformed_run_states": {"count": n_bad_runs, "keys": bad_runs},
         "undelivered_outbox": undelivered,
@@ -953,7 +1109,8 @@ def _secs(value: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--check", is_flag=True,
               help="Exit 1 when something needs a person (missed slots, dead letters, "
-                   "undelivered outbox rows, a group's rows no live relay or beat serves).")
+                   "undelivered outbox rows, a group's rows no live relay or beat serves, "
+                   "malformed entries, entry names owned by another group).")
 @click.option("--margin", type=click.FloatRange(min=0), default=DEFAULT_MARGIN_SECONDS,
               show_default=True,
               help="Seconds beyond an entry's misfire_grace before an overdue slot is 'missed'.")

@@ -286,7 +286,10 @@ def test_replay_of_completed_key_only_adds_a_deduplicated_attempt(env: Env) -> N
     env.worker("replay")
     key = "effect:replay"
     env.send("rb.write_effect", ["replay"], "replay")
-    env.wait("first run", lambda: env.state(key) == "succeeded")
+    # the body completes the run in its own transaction; the value it returns is stored just
+    # after (runs.set_result): wait for both, or the replay's comparison races it
+    env.wait("first run", lambda: env.state(key) == "succeeded"
+             and runs.get_run(env.store, key)["result"] is not None)
     run_before = runs.get_run(env.store, key)
     eff_before = env.effects(key)
     n_attempts = env.scalar(sa.select(sa.func.count()).select_from(attempts))

@@ -1396,6 +1396,18 @@ def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
         .order_by(workflow_events.c.fire_at)
         .limit(limit)
     ).all()
+    return _wake_swept(conn, rows, now, older_than, skip, "due",
+                       "waits on a timer due before %s that no wake advanced (its wake was "
+                       "lost): waking it", cutoff)
+
+
+def _wake_swept(conn: Connection, rows: Sequence[Any], now: datetime, older_than: timedelta,
+                skip: set[str], prefix: str, why: str, cutoff: datetime) -> int:
+    """Add one wake per workflow of ``rows`` (a sweep's candidates: ``workflow_id``,
+    ``queue``, ``fence_token`` and the event's resend columns) not in ``skip``, each counted
+    on its event first (:func:`_count_resend`: another sweep's re-send in the same window
+    wins); the wake's id is ``<prefix><fence>.r<window>`` so two sweeps of one window add
+    one message. Logs ``why`` (with ``cutoff``) per wake. Returns the wakes added."""
     window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))
     sent = 0
     for r in rows:
@@ -1404,10 +1416,8 @@ def _resend_lost_timer_wakes(conn: Connection, now: datetime, cutoff: datetime,
         skip.add(r.workflow_id)
         if not _count_resend(conn, r, now):
             continue
-        log.warning("workflow sweep: workflow %s waits on a timer due before %s that no "
-                    "wake advanced (its wake was lost): waking it", r.workflow_id,
-                    cutoff.isoformat())
-        add_wake(conn, r.workflow_id, r.queue, f"due{r.fence_token}.r{window}")
+        log.warning("workflow sweep: workflow %s " + why, r.workflow_id, cutoff.isoformat())
+        add_wake(conn, r.workflow_id, r.queue, f"{prefix}{r.fence_token}.r{window}")
         sent += 1
     return sent
 
@@ -1443,20 +1453,9 @@ def _resend_lost_signal_wakes(conn: Connection, now: datetime, cutoff: datetime,
         .order_by(sg.id)
         .limit(limit)
     ).all()
-    window = int(now.timestamp() // max(older_than.total_seconds(), 1.0))
-    sent = 0
-    for r in rows:
-        if r.workflow_id in skip:
-            continue
-        skip.add(r.workflow_id)
-        if not _count_resend(conn, r, now):
-            continue
-        log.warning("workflow sweep: workflow %s waits for a signal stored before %s that no "
-                    "advance read (its wake did not get through): waking it", r.workflow_id,
-                    cutoff.isoformat())
-        add_wake(conn, r.workflow_id, r.queue, f"sigsweep{r.fence_token}.r{window}")
-        sent += 1
-    return sent
+    return _wake_swept(conn, rows, now, older_than, skip, "sigsweep",
+                       "waits for a signal stored before %s that no advance read (its wake "
+                       "did not get through): waking it", cutoff)
 
 
 def _lost_activities(conn: Connection, now: datetime, cutoff: datetime,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import and_, case, delete, func, select, true, update
+from sqlalchemy import and_, case, delete, func, or_, select, true, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
@@ -480,7 +480,9 @@ def unpublished_triggers(
     old = (
         select(group_expr.label("grp"), outbox.c.created_at.label("created_at"))
         .where(outbox.c.state == "pending", outbox.c.destination == "celery",
-               outbox.c.available_at <= now,  # not a trigger held for a later instant
+               # not a trigger held for a later instant; a row a relay backed off after a
+               # failed publish (last_error set) is waiting on the broker too
+               or_(outbox.c.available_at <= now, outbox.c.last_error.is_not(None)),
                outbox.c.created_at <= now - timedelta(seconds=pending_seconds))
         .subquery()
     )

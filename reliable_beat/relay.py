@@ -47,7 +47,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -578,6 +578,8 @@ class _Outcome:
     expired: list[int]
     failed: list[tuple[OutboxMessage, BaseException]]
     unavailable: dict[str, list[tuple[OutboxMessage, BaseException]]]
+    #: destinations at least one row of this batch was delivered to
+    delivered_to: set[str] = field(default_factory=set)
 
 
 class Relay:
@@ -642,6 +644,9 @@ class Relay:
         self._last_purge = float("-inf")
         self._last_redispatch = float("-inf")
         self._down_streak: dict[str, int] = {}
+        #: destination -> ids of rows this relay backed off while the destination was down:
+        #: made due again at once when a delivery to it succeeds (see :meth:`settle`)
+        self._backed_off: dict[str, set[int]] = {}
         self._last_scan = float("-inf")  # last claim that also took unreadable rows
         self._last_unhandled_check = float("-inf")
         self._outage_log = RepeatedLog(log)  # "store unavailable": first, then every 30 s
@@ -852,6 +857,7 @@ class Relay:
             for m, err in zip(group, results, strict=True):
                 if err is None:
                     outcome.sent.append(m.id)
+                    outcome.delivered_to.add(destination)
                     self._delivered_at[destination] = time.monotonic()
                     self._uncharged.pop(m.id, None)
                 elif isinstance(err, MessageExpiredError):
@@ -863,6 +869,11 @@ class Relay:
             if destination not in outcome.unavailable:
                 self._down_streak.pop(destination, None)
         return outcome
+
+    #: While a destination is down, one of the rows handed back is retried after this long
+    #: (seconds) at most, whatever the backoff of the others: the probe that notices the
+    #: destination is back (the others then become due at once, :meth:`settle`).
+    PROBE_SECONDS = 5.0
 
     def _deliver_group(self, destination: str, group: list[OutboxMessage]) -> list[Any]:
         handler = self.handlers.get(destination)
@@ -892,11 +903,28 @@ class Relay:
         return results
 
     def settle(self, outcome: _Outcome) -> None:
-        """Record the outcome of a delivered batch, in short transactions."""
+        """Record the outcome of a delivered batch, in short transactions.
+
+        Rows of a destination that is down are handed back with a growing backoff (up to
+        ``outbox_retry_cap_seconds``), except one, retried within :attr:`PROBE_SECONDS`; once
+        a delivery to the destination succeeds again, the rows this relay backed off for it
+        are made due at once (a broker back after a hang does not leave them waiting out a
+        5-minute backoff)."""
         with self.store.begin() as conn:
             now = db_now(conn)
             mark_sent(conn, outcome.sent, now)
             mark_expired(conn, outcome.expired, now)
+            back = sorted(d for d in outcome.delivered_to if d in self._backed_off)
+            for destination in back:
+                ids = sorted(self._backed_off.pop(destination))
+                for i in range(0, len(ids), 500):
+                    conn.execute(
+                        update(outbox)
+                        .where(outbox.c.id.in_(ids[i:i + 500]), outbox.c.state == "pending",
+                               outbox.c.claimed_by.is_(None), outbox.c.available_at > now)
+                        .values(available_at=now))
+                log.info("outbox destination %r answers again: %d rows it was backed off for "
+                         "are due now", destination, len(ids))
         if outcome.failed:
             with self.store.begin() as conn:
                 self._record_failures(conn, outcome.failed, db_now(conn))
@@ -917,16 +945,21 @@ class Relay:
             )
             log.warning("outbox destination %r unavailable (%s); %d rows back off %.1f s",
                         destination, items[0][1], len(items), delay)
+            ids = [m.id for m, _ in items]
+            self._backed_off.setdefault(destination, set()).update(ids)
             with self.store.begin() as conn:
                 now = db_now(conn)
-                conn.execute(
-                    update(outbox)
-                    .where(outbox.c.id.in_([m.id for m, _ in items]), outbox.c.state == "pending",
-                           outbox.c.claimed_by == self.owner)
-                    .values(available_at=now + timedelta(seconds=delay), claimed_by=None,
-                            attempts=outbox.c.attempts - 1,
-                            last_error=_describe(items[0][1]))
-                )
+                for chunk, wait in ((ids[:1], min(delay, self.PROBE_SECONDS)), (ids[1:], delay)):
+                    if not chunk:
+                        continue
+                    conn.execute(
+                        update(outbox)
+                        .where(outbox.c.id.in_(chunk), outbox.c.state == "pending",
+                               outbox.c.claimed_by == self.owner)
+                        .values(available_at=now + timedelta(seconds=wait), claimed_by=None,
+                                attempts=outbox.c.attempts - 1,
+                                last_error=_describe(items[0][1]))
+                    )
 
     def _charge_repeat_returns(
         self, destination: str, items: list[tuple[OutboxMessage, BaseException]]

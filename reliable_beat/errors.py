@@ -9,6 +9,8 @@ and also from the builtin that fits, so ``except ValueError`` keeps working::
     │   ├── UnknownTimezoneError              not an IANA zone name zoneinfo knows
     │   └── EntryValidationError              one or more entries are invalid (lists all problems)
     ├── EntryNotFoundError (LookupError)     no entry with that name
+    ├── RunNotFound (LookupError)            no run with that idempotency key
+    ├── DeadLetterNotFound (LookupError)     no dead letter with that id
     ├── SchemaError (RuntimeError)           the database schema is missing or behind
     ├── StoreUnavailableError (ConnectionError)  the database cannot be reached
     ├── IdempotencyKeyError (ValueError)     an ad-hoc call has no derivable idempotency key
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "ConfigurationError",
+    "DeadLetterNotFound",
     "DeliveryError",
     "EntryNotFoundError",
     "EntryValidationError",
@@ -37,6 +40,7 @@ __all__ = [
     "PermanentDeliveryError",
     "PermanentError",
     "ReliableBeatError",
+    "RunNotFound",
     "SchemaError",
     "StaleFenceToken",
     "StoreUnavailableError",
@@ -84,6 +88,14 @@ _ENTRY_NAME = re.compile(r"entry ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"):")
 
 class EntryNotFoundError(ReliableBeatError, LookupError):
     """No entry with the given name exists."""
+
+
+class RunNotFound(ReliableBeatError, LookupError):
+    """No run has the given idempotency key."""
+
+
+class DeadLetterNotFound(ReliableBeatError, LookupError):
+    """No dead letter has the given id."""
 
 
 class SchemaError(ReliableBeatError, RuntimeError):

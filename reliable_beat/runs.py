@@ -51,7 +51,7 @@ from sqlalchemy.types import Interval
 from reliable_beat import rows as rows_mod
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import MYSQL_DIALECTS, attempts, dead_letters, runs
-from reliable_beat.errors import StaleFenceToken
+from reliable_beat.errors import DeadLetterNotFound, RunNotFound, StaleFenceToken
 from reliable_beat.redaction import get_logger
 from reliable_beat.triggers import TRIGGER_DESTINATIONS, trigger_message_id
 
@@ -91,14 +91,6 @@ ACQUIRED = "acquired"
 ALREADY_SUCCEEDED = "already_succeeded"
 BUSY = "busy"
 DEAD = "dead"
-
-
-class RunNotFound(LookupError):
-    """No run has the given idempotency key."""
-
-
-class DeadLetterNotFound(LookupError):
-    """No dead letter has the given id."""
 
 
 @dataclass(frozen=True)

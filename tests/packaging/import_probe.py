@@ -8,6 +8,7 @@ names of the module's ``__all__`` it does not bind.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -17,10 +18,8 @@ import traceback
 
 # Third-party packages first: the child's import of our module then costs only our code.
 for name in ("sqlalchemy", "click", "croniter", "celery", "kombu", "dramatiq", "django"):
-    try:
+    with contextlib.suppress(ImportError):
         importlib.import_module(name)
-    except ImportError:
-        pass
 
 #: Modules that need a configured Django project (they are imported by the Django tests).
 NEEDS_DJANGO_SETUP = ("reliable_beat.contrib.django.",)
@@ -40,7 +39,7 @@ def modules() -> list[str]:
 def probe(name: str) -> dict[str, object]:
     try:
         module = importlib.import_module(name)
-    except Exception:  # noqa: BLE001 - reported to the test
+    except Exception:  # reported to the test
         return {"module": name, "error": traceback.format_exc(limit=3), "missing": []}
     missing = [n for n in getattr(module, "__all__", ()) if not hasattr(module, n)]
     return {"module": name, "error": None, "missing": missing}
@@ -62,7 +61,8 @@ def main() -> None:
         with os.fdopen(read) as f:
             out = f.read()
         os.waitpid(pid, 0)
-        sys.stdout.write(out or json.dumps({"module": name, "error": "child died", "missing": []}) + "\n")
+        died = json.dumps({"module": name, "error": "child died", "missing": []}) + "\n"
+        sys.stdout.write(out or died)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ from reliable_beat.triggers import (
     trigger_message_id,
     trigger_outbox_row,
 )
+from reliable_beat.workflow_store import active_entries
 
 __all__ = [
     "ACTIVE_RUN_STATES",
@@ -568,8 +569,6 @@ class Beat:
             ):
                 active.setdefault(name, set()).add(state)
             # entries that start workflows: the previous slot's workflow, not its start run
-            from reliable_beat.workflows.scheduled import active_entries
-
             for name in active_entries(conn, overlap_entries):
                 active.setdefault(name, set()).add("running")
         # Per tick, one memo per schedule object: entries sharing a schedule (the herd: every

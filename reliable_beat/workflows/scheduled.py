@@ -21,7 +21,7 @@ entry and the slot (``entry_name``, ``fire_at``); the beat's overlap policy (``s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -29,6 +29,7 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat.db.tables import entries, runs, workflows
+from reliable_beat.workflow_store import OVERLAP_STATES, active_entries
 from reliable_beat.workflows import engine
 from reliable_beat.workflows.errors import WorkflowNotFound
 
@@ -36,8 +37,6 @@ __all__ = ["OVERLAP_STATES", "START_TASK", "active_entries", "start_for_slot"]
 
 #: The task a beat entry names to start a workflow (args: workflow name, then its args).
 START_TASK = "reliable_beat.workflow.start"
-#: Workflow states in which an entry's previous slot counts as still running (overlap).
-OVERLAP_STATES = ("pending", "running", "waiting", "blocked")
 
 
 def start_for_slot(conn: Connection, name: str, key: str, args: Sequence[Any],
@@ -74,18 +73,6 @@ def start_for_slot(conn: Connection, name: str, key: str, args: Sequence[Any],
             .values(entry_name=slot.entry_name, fire_at=slot.fire_at)
         )
     return key
-
-
-def active_entries(conn: Connection, names: Iterable[str]) -> set[str]:
-    """The entries among ``names`` with a workflow still pending, running, waiting or
-    blocked (the beat's overlap policy reads it beside the runs' states)."""
-    wanted = list(names)
-    if not wanted:
-        return set()
-    return {str(n) for n in conn.execute(
-        select(workflows.c.entry_name).distinct().where(
-            workflows.c.entry_name.in_(wanted), workflows.c.state.in_(OVERLAP_STATES))
-    ).scalars()}
 
 
 def slot_of(workflow: dict[str, Any]) -> tuple[str | None, datetime | None]:

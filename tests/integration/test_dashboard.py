@@ -208,3 +208,32 @@ def test_secrets_are_redacted_as_in_the_cli(store: Store, local: TestClient) -> 
         create=True)
     html = local.get("/entries/with-secret").text
     assert "s3cr3t-value" not in html and "hunter2" not in html
+
+
+def test_command_names_the_web_extra_when_it_is_missing(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import sys
+
+    from click.testing import CliRunner
+
+    from reliable_beat.cli import reliable_beat
+
+    monkeypatch.setitem(sys.modules, "reliable_beat.web", None)  # as if not installed
+    r = CliRunner().invoke(reliable_beat, ["--database-url", f"sqlite:///{tmp_path}/x.db",
+                                           "dashboard"])
+    assert r.exit_code == 2
+    assert "pip install 'reliable-beat[web]'" in r.output
+
+
+def test_command_refuses_a_public_bind_without_a_token(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from click.testing import CliRunner
+
+    from reliable_beat.cli import reliable_beat
+
+    monkeypatch.delenv("RELIABLE_BEAT_DASHBOARD_OPERATOR_TOKEN", raising=False)
+    monkeypatch.delenv("RELIABLE_BEAT_DASHBOARD_VIEWER_TOKEN", raising=False)
+    r = CliRunner().invoke(reliable_beat, ["--database-url", f"sqlite:///{tmp_path}/x.db",
+                                           "dashboard", "--host", "0.0.0.0"])
+    assert r.exit_code == 2
+    assert "no token configured" in r.output

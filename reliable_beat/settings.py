@@ -195,6 +195,11 @@ class Settings:
         schedule_group: the schedule group of this app's ``beat_schedule`` entries (default:
             the Celery app's main name). A beat's start-up sync only touches its own group's
             config entries (see :mod:`reliable_beat.groups`).
+        dashboard_operator_token / dashboard_viewer_token: the web dashboard's tokens
+            (``reliable-beat dashboard``, :mod:`reliable_beat.web.auth`): operators may act,
+            viewers only look; ``$RELIABLE_BEAT_DASHBOARD_OPERATOR_TOKEN`` /
+            ``$RELIABLE_BEAT_DASHBOARD_VIEWER_TOKEN`` when unset. Required to serve it off
+            loopback.
     """
 
     database_url: str = field(default_factory=_default_database_url)
@@ -244,6 +249,9 @@ class Settings:
     outbox_batch_bytes: int = 16 * 1024 * 1024
     key_reuse: str = "warn"
     schedule_group: str | None = None
+    # the web dashboard's tokens (reliable_beat.web.auth); repr=False: secrets
+    dashboard_operator_token: str | None = field(default=None, repr=False)
+    dashboard_viewer_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         problems = []

@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the adapter: Celery (default) or Dramatiq (needs redis-server or "
                          "--broker-url)")
     ap.add_argument("--workdir", default=str(ROOT / ".payouts-demo"))
+    ap.add_argument("--dashboard", action="store_true",
+                    help="after the run, serve the web dashboard on its store at "
+                         "http://127.0.0.1:8477/ until Ctrl-C (needs reliable-beat[web])")
     args = ap.parse_args(argv)
 
     workdir = fresh_workdir(args.workdir, "broker")
@@ -203,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         run_then_settle(procs, args.seconds, faults=faults)
         wait_idle(env["RELIABLE_BEAT_DATABASE_URL"], 120, runs_in_flight)
         procs.stop_all()
-        return report(env, sink, procs, args.seconds)
+        code = report(env, sink, procs, args.seconds)
+        if args.dashboard:
+            print("\ndashboard: http://127.0.0.1:8477/ (Ctrl-C stops it)", flush=True)
+            subprocess.run([sys.executable, "-m", "reliable_beat.cli", *app_args, "dashboard",
+                            "--port", "8477"], env=env, cwd=ROOT, check=False)
+        return code
     return 1
 
 

@@ -132,6 +132,7 @@ COMMAND_MODULES = [
     "reliable_beat.cli.schedule",
     "reliable_beat.cli.workflows",
     "reliable_beat.cli.purge",
+    "reliable_beat.cli.dashboard",
 ]
 
 

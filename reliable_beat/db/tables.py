@@ -48,6 +48,7 @@ __all__ = [
     "entries",
     "exists_on",
     "metadata",
+    "operator_actions",
     "outbox",
     "runs",
     "schedule_configs",
@@ -396,6 +397,26 @@ workflow_signals = Table(
     Column("consumed_seq", Integer, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
     Index("ix_reliable_beat_workflow_signals_workflow_pk_name_id", "workflow_pk", "name", "id"),
+)
+
+# What a person did through the web dashboard (0013_dashboard): who (the authenticated name),
+# with which role (viewer | operator), what (action + target + detail), when, from where, and
+# how it ended (outcome: ok | refused | failed). Never purged automatically.
+operator_actions = Table(
+    "reliable_beat_operator_actions",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("at", UTCDateTime, nullable=False),
+    Column("actor", String(200), nullable=False),
+    Column("role", String(16), nullable=False),
+    # pause | resume | trigger | backfill | requeue | lease_clear
+    Column("action", String(32), nullable=False),
+    Column("target", String(400), nullable=False),  # entry name, run key, dead letter id
+    Column("detail", JSONType, nullable=False, default=dict),
+    Column("outcome", String(16), nullable=False),
+    Column("error", Text, nullable=True),
+    Column("remote", String(64), nullable=True),
+    Index("ix_reliable_beat_operator_actions_at", "at"),
 )
 
 #: One row: the store's identity, a random id written by the migration that created it.

@@ -169,3 +169,56 @@ def test_a_store_that_is_no_django_database_refuses_orm_writes_in_the_block() ->
 ])
 def test_write_statements_are_told_from_reads(sql: Any, write: bool) -> None:
     assert is_write(sql) is write
+
+
+@pytest.fixture
+def dramatiq_stub() -> Iterator[Any]:
+    """A Dramatiq ``StubBroker`` and a real ``Worker`` on the Django project's store."""
+    dramatiq = pytest.importorskip("dramatiq")
+    from dramatiq.brokers.stub import StubBroker
+
+    from reliable_beat.dramatiq import ReliableBeat
+
+    broker = StubBroker()
+    broker.add_middleware(ReliableBeat(settings={
+        "database_url": conf.store_url(), "retry_max_attempts": 3,
+        "retry_base_seconds": 0.01, "retry_cap_seconds": 0.02, "lease_seconds": 2}))
+    dramatiq.set_broker(broker)
+    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        yield broker
+    finally:
+        worker.stop()
+        broker.close()
+
+
+def test_dramatiq_actor_transaction_without_using_joins_and_refuses(
+        dramatiq_stub: Any) -> None:
+    """``current().transaction()`` of an ``IdempotentActor``: the payout written through the
+    ORM before a transient failure inside the block rolls back with it (one payout after
+    the retry), and a write on another alias is refused naming ``using=``."""
+    import dramatiq
+
+    from reliable_beat.dramatiq import IdempotentActor, current
+
+    @dramatiq.actor(actor_class=IdempotentActor, broker=dramatiq_stub, queue_name="dj")
+    def dq_pay(merchant: str, alias: str) -> None:
+        run = current()
+        with run.transaction():
+            Payout.objects.using(alias).create(key=run.idempotency_key,
+                                               fence=run.fence_token, run_id=run.run_id, pid=0)
+            if run.attempt == 1 and alias == "default":
+                raise ConnectionError("the network blinked before the commit")
+
+    dq_pay.send_with_key("dq:m1", "m1", "default")
+    dq_pay.send_with_key("dq:m2", "m2", "other")
+    dramatiq_stub.join("dj", fail_fast=False)
+    store = conf.store()
+    assert runs.get_run(store, "dq:m1")["state"] == "succeeded"
+    assert Payout.objects.filter(key="dq:m1").count() == 1
+    assert runs.get_run(store, "dq:m2")["state"] == "dead"
+    [dead] = runs.list_attempts(store, runs.get_run(store, "dq:m2")["id"])[-1:]
+    assert "Django database 'other' inside current().transaction()" in str(dead["error"])
+    assert "current().transaction(using='other')" in str(dead["error"])
+    assert not Payout.objects.filter(key="dq:m2").exists()

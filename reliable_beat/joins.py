@@ -50,10 +50,11 @@ class Join(Protocol):
     def alias_of(self, conn: Connection) -> str | None:
         """The alias whose connection ``conn`` lends (one :meth:`atomic` yielded), or None."""
 
-    def guard(self, alias: str | None, *, where: str, task_name: str,
-              store: Store) -> AbstractContextManager[None]:
+    def guard(self, alias: str | None, *, where: str, task_name: str, store: Store,
+              fix: str | None = None) -> AbstractContextManager[None]:
         """For the block's duration: a write on a framework connection other than
-        ``alias``'s (all of them when None) raises ``ConfigurationError`` naming the fix."""
+        ``alias``'s (all of them when None) raises ``ConfigurationError`` naming the fix
+        (``fix``, else ``where(using=...)``)."""
 
     def result_writer(self, alias: str, store: Store,
                       claim: runs.Claim) -> Callable[[Any], None] | None:
@@ -101,11 +102,11 @@ def for_using(using: str, where: str) -> Join:
 
 
 def guard(join: Join | None, alias: str | None, *, where: str, task_name: str,
-          store: Store) -> AbstractContextManager[None]:
+          store: Store, fix: str | None = None) -> AbstractContextManager[None]:
     """``join.guard(...)``, or a no-op without a framework."""
     if join is None:
         return nullcontext()
-    return join.guard(alias, where=where, task_name=task_name, store=store)
+    return join.guard(alias, where=where, task_name=task_name, store=store, fix=fix)
 
 
 _DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}

@@ -65,9 +65,9 @@ class _RefuseWrites:
     """A Django execute wrapper on alias ``other`` refusing writes during a block."""
 
     def __init__(self, other: str, block: str | None, *, where: str, task_name: str,
-                 store: Store) -> None:
+                 store: Store, fix: str | None = None) -> None:
         self.other, self.block, self.where = other, block, where
-        self.task_name, self.store = task_name, store
+        self.task_name, self.store, self.fix = task_name, store, fix
 
     def __call__(self, execute: Callable[..., Any], sql: Any, params: Any, many: bool,
                  context: Any) -> Any:
@@ -82,6 +82,8 @@ class _RefuseWrites:
                 "would commit on its own connection, outside the transaction of the "
                 "idempotency key (a retry, a redelivery or a stale runner writes it again); "
                 "refused")
+        if self.fix is not None:
+            return f"{head}. {self.fix}. Statement: {statement}"
         if block is not None:
             return (
                 f"{head}. The block runs in Django's transaction on {block!r}: write through "
@@ -164,13 +166,14 @@ class DjangoJoin:
         return names
 
     @contextmanager
-    def guard(self, alias: str | None, *, where: str, task_name: str,
-              store: Store) -> Iterator[None]:
-        """Refuse writes on every Django connection but ``alias``'s for the block."""
+    def guard(self, alias: str | None, *, where: str, task_name: str, store: Store,
+              fix: str | None = None) -> Iterator[None]:
+        """Refuse writes on every Django connection but ``alias``'s for the block (the
+        message says what to do: ``fix``, else how to use ``using=``)."""
         with ExitStack() as stack:
             for other in self._guarded(alias):
                 stack.enter_context(connections[other].execute_wrapper(_RefuseWrites(
-                    other, alias, where=where, task_name=task_name, store=store)))
+                    other, alias, where=where, task_name=task_name, store=store, fix=fix)))
             yield
 
     def result_writer(self, alias: str, store: Store,

@@ -52,6 +52,7 @@ test-rabbitmq: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 type: $(VENV)/.installed
 	$(VENV)/bin/mypy

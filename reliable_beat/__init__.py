@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from reliable_beat._version import __version__
 from reliable_beat.errors import (
     ConfigurationError,
     DeliveryError,
@@ -42,8 +43,6 @@ from reliable_beat.policies import MisfirePolicy, OverlapPolicy, RetryPolicy, ba
 from reliable_beat.schedules import CronSchedule, IntervalSchedule, OneOffSchedule
 from reliable_beat.settings import Settings
 from reliable_beat.slots import idempotency_key
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from reliable_beat.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from reliable_beat.beat import Trigger
     from reliable_beat.db.dialects import Store
     from reliable_beat.outbox import OutboxMessage
     from reliable_beat.settings import Settings
+    from reliable_beat.triggers import Trigger
 
 __all__ = [
     "BUILTIN_ADAPTERS",

@@ -26,10 +26,8 @@ never before its slot.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -63,6 +61,17 @@ from reliable_beat.identity import store_id as _store_id
 from reliable_beat.planner import SkippedRange, plan_entry
 from reliable_beat.redaction import get_logger
 from reliable_beat.slots import SlotText, format_fire_at, idempotency_key
+from reliable_beat.triggers import (
+    ACTIVE_RUN_STATES,
+    TRIGGER_DESTINATION,
+    TRIGGER_DESTINATIONS,
+    Trigger,
+    build_trigger_payload,
+    task_id_for,
+    trigger_identity,
+    trigger_message_id,
+    trigger_outbox_row,
+)
 
 __all__ = [
     "ACTIVE_RUN_STATES",
@@ -79,14 +88,6 @@ __all__ = [
 
 log = get_logger("reliable_beat.beat")
 
-#: Run states that mean "not finished yet" for the overlap policy.
-ACTIVE_RUN_STATES = ("scheduled", "dispatched", "running", "retrying")
-TRIGGER_DESTINATION = "celery"
-#: Every outbox destination that carries a beat's triggers (one per framework adapter): rows
-#: of these destinations move their runs (``scheduled -> dispatched`` on send, ``skipped`` on
-#: expiry, ``dead`` when undeliverable) and are found by the re-dispatch sweep. The
-#: destination is data: the Celery adapter writes ``celery``, the Dramatiq one ``dramatiq``.
-TRIGGER_DESTINATIONS = frozenset({"celery", "dramatiq"})
 #: Planning time one claim transaction may spend (seconds): entries claimed but not yet
 #: planned when it runs out are left untouched (their row locks go at the commit) and the
 #: next claim takes them at once. Keeps the transaction far below PostgreSQL's
@@ -173,88 +174,6 @@ def due_clause_for_min(dialect: str) -> Any:
     if dialect in MYSQL_DIALECTS:
         return and_(entries.c.enabled, not_(entries.c.paused))
     return due_clause()
-
-
-def task_id_for(key: str) -> str:
-    """The Celery task id of a run: ``uuid5(NAMESPACE_URL, "reliable_beat:" + key)``.
-
-    Deterministic, so a duplicate trigger of one slot shows up under the same task id in
-    Flower and result backends.
-
-    Computed as :func:`uuid.uuid5` does (SHA-1 of the namespace's bytes and the name, the
-    version and variant bits set), from a SHA-1 state that already holds the namespace and
-    the prefix, without building a :class:`uuid.UUID` (a third of the cost; the same text:
-    ``tests/unit/test_dispatch_memos.py``).
-
-    Raises:
-        UnicodeEncodeError: ``key`` holds a lone surrogate (as :func:`uuid.uuid5`).
-    """
-    digest = _TASK_ID_SHA1.copy()
-    digest.update(key.encode("utf-8"))
-    n = int.from_bytes(digest.digest()[:16], "big")
-    n = (n & _UUID5_CLEAR) | _UUID5_SET
-    x = f"{n:032x}"
-    return f"{x[:8]}-{x[8:12]}-{x[12:16]}-{x[16:20]}-{x[20:]}"
-
-
-#: SHA-1 state holding ``NAMESPACE_URL`` and ``"reliable_beat:"`` (copied per task id).
-_TASK_ID_SHA1 = hashlib.sha1(uuid.NAMESPACE_URL.bytes + b"reliable_beat:", usedforsecurity=False)
-#: The RFC 4122 variant (bits 62-63 = 10) and version 5 (bits 76-79), as ``uuid.UUID`` sets
-#: them for ``uuid5``.
-_UUID5_CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
-_UUID5_SET = (0x8000 << 48) | (5 << 76)
-
-
-def trigger_message_id(key: str) -> str:
-    """The outbox message id of a run's trigger."""
-    return "trigger:" + key
-
-
-def trigger_outbox_row(
-    key: str,
-    run_id: int,
-    payload: dict[str, Any],
-    now: datetime,
-    *,
-    available_at: datetime,
-    claimed_by: str | None,
-    destination: str = TRIGGER_DESTINATION,
-) -> dict[str, Any]:
-    """The ``reliable_beat_outbox`` row of a run's trigger (``destination``: one of
-    :data:`TRIGGER_DESTINATIONS`, ``celery`` by default).
-
-    ``available_at`` is when a relay or a beat's sweep may publish it: the beat gives its own
-    fast path a head start (now + sweep delay); a manual trigger is due at once.
-    """
-    return {
-        "message_id": trigger_message_id(key),
-        "destination": destination,
-        "payload": payload,
-        "headers": {},
-        "run_id": run_id,
-        "state": "pending",
-        "attempts": 0,
-        "available_at": available_at,
-        "claimed_by": claimed_by,
-        "created_at": now,
-    }
-
-
-@dataclass(frozen=True)
-class Trigger:
-    """A committed trigger to publish: one outbox row of destination ``celery``.
-
-    Attributes:
-        outbox_id / run_id: row ids.
-        payload: the outbox payload (task, args, kwargs, task_id, headers, options, expires_at).
-        fire_at: the slot (UTC), or the request time for a manual trigger.
-    """
-
-    outbox_id: int
-    run_id: int
-    key: str
-    payload: dict[str, Any]
-    fire_at: datetime
 
 
 @dataclass
@@ -409,100 +328,6 @@ def _advance_entries(conn: Connection, store: Store, updates: list[dict[str, Any
         ),
         updates,
     )
-
-
-def build_trigger_payload(
-    *,
-    task: str,
-    args: list[Any],
-    kwargs: dict[str, Any],
-    options: dict[str, Any],
-    key: str,
-    entry: str | None,
-    fire_at: datetime,
-    trigger: str,
-    store_id: str | None = None,
-    slot_text: SlotText | None = None,
-    destination: str = TRIGGER_DESTINATION,
-) -> dict[str, Any]:
-    """The outbox payload of a trigger (JSON), in the shape of its ``destination``.
-
-    ``celery`` (the default): an ordinary Celery task message description, ``{"task",
-    "args", "kwargs", "task_id", "headers", "options", "expires_at"}``. Its headers carry the
-    entry, the fire time (ISO 8601 UTC), the idempotency key and the id of the store the run
-    was written to (``reliable_beat_store``, when known; see :mod:`reliable_beat.identity`);
-    the task id is :func:`task_id_for`; ``expires_at`` = slot + ``options["expires"]``
-    seconds.
-
-    Any other trigger destination (``dramatiq``): the framework-neutral shape ``{"task",
-    "args", "kwargs", "message_id", "reliable_beat": {"key", "entry", "fire_at",
-    "trigger", "store"?}, "options", "expires_at"}`` (``message_id`` = :func:`task_id_for`;
-    ``options`` without ``expires`` and ``headers``, which are Celery message fields). It
-    also carries ``task_id`` and ``headers`` (the four ``reliable_beat_*`` identity headers
-    only), copies for readers older than this shape (a relay or beat of the previous version
-    during a rolling deploy), to be dropped a release later. Readers take the identity with
-    :func:`trigger_identity`, which reads both shapes. ``slot_text``: a batch's memo of formatted
-    instants (:class:`~reliable_beat.slots.SlotText`; same text, each instant formatted once).
-    """
-    fmt = format_fire_at if slot_text is None else slot_text.fire_at
-    publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
-    expires = options.get("expires")
-    expires_at = (
-        fmt(fire_at + timedelta(seconds=float(expires))) if expires else None
-    )
-    slot = fmt(fire_at)
-    if destination != TRIGGER_DESTINATION:
-        identity: dict[str, Any] = {"key": key, "entry": entry, "fire_at": slot,
-                                    "trigger": trigger}
-        if store_id:
-            identity["store"] = store_id
-        message_id = task_id_for(key)
-        return {
-            "task": task,
-            "args": args,
-            "kwargs": kwargs,
-            "message_id": message_id,
-            "reliable_beat": identity,
-            "options": publish,
-            "expires_at": expires_at,
-            # for readers older than the neutral shape (rolling deploys); see the docstring
-            "task_id": message_id,
-            "headers": {"reliable_beat_key": key, "reliable_beat_entry": entry,
-                        "reliable_beat_fire_at": slot, "reliable_beat_trigger": trigger},
-        }
-    headers = dict(options.get("headers") or {})
-    headers.update(
-        reliable_beat_key=key,
-        reliable_beat_entry=entry,
-        reliable_beat_fire_at=slot,
-        reliable_beat_trigger=trigger,
-    )
-    if store_id:
-        headers["reliable_beat_store"] = store_id
-    return {
-        "task": task,
-        "args": args,
-        "kwargs": kwargs,
-        "task_id": task_id_for(key),
-        "headers": headers,
-        "options": publish,
-        "expires_at": expires_at,
-    }
-
-
-def trigger_identity(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """The run a trigger payload fires, whatever its shape (:func:`build_trigger_payload`):
-    ``{"key", "entry", "fire_at", "trigger", "store"}`` (values None when absent), read from
-    the neutral ``reliable_beat`` object, else from the ``reliable_beat_*`` headers of a
-    Celery-shaped payload (every ``celery`` row, and ``dramatiq`` rows written before the
-    neutral shape)."""
-    block = payload.get("reliable_beat")
-    if isinstance(block, Mapping):
-        return {f: block.get(f) for f in ("key", "entry", "fire_at", "trigger", "store")}
-    headers = payload.get("headers")
-    headers = headers if isinstance(headers, Mapping) else {}
-    return {f: headers.get(f"reliable_beat_{f}")
-            for f in ("key", "entry", "fire_at", "trigger", "store")}
 
 
 def _range_row(row: Any, rng: SkippedRange, now: datetime) -> dict[str, Any]:

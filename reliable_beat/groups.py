@@ -42,6 +42,7 @@ from sqlalchemy.exc import IntegrityError
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import beats, entries, outbox, runs, schedule_configs
 from reliable_beat.rows import decode_labelled, raw_labelled
+from reliable_beat.triggers import TRIGGER_DESTINATION, TRIGGER_DESTINATIONS
 
 if TYPE_CHECKING:
     from reliable_beat.entries import EntryDefinition
@@ -367,7 +368,6 @@ def _serves(process: Mapping[str, Any], group: str, destination: str) -> bool:
     beat sweeps its own group's triggers and workflow messages (the trigger destinations);
     a relay claims its group's rows (or every group's, without an app) for the
     destinations it has handlers for."""
-    from reliable_beat.beat import TRIGGER_DESTINATIONS
 
     if process["role"] == "beat":
         # its recorded destinations (its publisher's); a row without any (written before
@@ -385,7 +385,6 @@ def outbox_group() -> Any:
     """SQL: an outbox row's schedule group: its ``schedule_group`` (a workflow's messages,
     0010), else, for a trigger (destination ``celery``), its run's entry's group; NULL for a
     row of no group (any relay with the handler publishes it)."""
-    from reliable_beat.beat import TRIGGER_DESTINATION
 
     entry_group = (
         select(entries.c.schedule_group)

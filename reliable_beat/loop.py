@@ -65,7 +65,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from reliable_beat.beat import Beat, TickResult, Trigger, trigger_identity, trigger_message_id
+from reliable_beat.beat import Beat, TickResult
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store, is_lock_wait
 from reliable_beat.db.tables import outbox
@@ -86,6 +86,7 @@ from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
 from reliable_beat.retention import RetentionThread, start_retention
 from reliable_beat.settings import Settings
 from reliable_beat.slots import format_fire_at
+from reliable_beat.triggers import Trigger, trigger_identity, trigger_message_id
 
 __all__ = [
     "STOP_SIGNALS",

@@ -55,15 +55,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-import click
 from sqlalchemy import func, select, type_coerce
 from sqlalchemy.types import NullType
 
@@ -77,18 +75,9 @@ __all__ = [
     "MetricsServer",
     "StoreCollector",
     "make_registry",
-    "register",
     "serve",
     "write_textfile",
 ]
-
-if TYPE_CHECKING:
-    from reliable_beat.cli import CliContext
-
-# ctx.obj of the reliable-beat group is the CliContext (click.pass_obj, not the group's
-# pass_cli: importing reliable_beat.cli here would be circular, since it imports
-# this module to register the commands)
-pass_cli = click.pass_obj
 
 log = get_logger("reliable_beat.metrics")
 
@@ -493,47 +482,3 @@ def write_textfile(path: str, store: Store, **kwargs: Any) -> None:
     """
     prom = _prometheus()
     prom.write_to_textfile(path, make_registry(store, **kwargs))
-
-
-@click.group("metrics")
-def metrics() -> None:
-    """Prometheus metrics read from the store (needs the 'metrics' extra)."""
-
-
-@metrics.command("serve")
-@click.option("--port", type=int, default=9808, show_default=True)
-@click.option("--addr", default=None,
-              help="Bind address [default: reliable_beat_metrics_host, 127.0.0.1].")
-@pass_cli
-def serve_cmd(cli: CliContext, port: int, addr: str | None) -> None:
-    """Serve /metrics over HTTP until interrupted (loopback unless --addr says otherwise)."""
-    addr = addr or cli.settings.metrics_host
-    try:
-        server = serve(port, cli.store, addr=addr)
-    except ImportError as exc:
-        click.echo(f"error: {exc}", err=True)
-        raise SystemExit(2) from exc
-    click.echo(f"serving metrics of {cli.store.safe_url} on http://{addr}:{server.port}/metrics")
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.stop()
-
-
-@metrics.command("textfile")
-@click.argument("path")
-@pass_cli
-def textfile_cmd(cli: CliContext, path: str) -> None:
-    """Write the metrics once to PATH (for node-exporter's textfile collector; run from cron)."""
-    try:
-        write_textfile(path, cli.store)
-    except ImportError as exc:
-        click.echo(f"error: {exc}", err=True)
-        raise SystemExit(2) from exc
-    click.echo(f"wrote {path}")
-
-
-def register(group: click.Group) -> None:
-    """Add ``metrics`` to the ``reliable-beat`` group."""
-    group.add_command(metrics)

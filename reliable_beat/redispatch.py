@@ -47,7 +47,6 @@ from sqlalchemy import and_, case, literal, or_, select, true, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from reliable_beat.beat import TRIGGER_DESTINATIONS, trigger_message_id
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import outbox, runs
 from reliable_beat.errors import StoreUnavailableError
@@ -55,6 +54,7 @@ from reliable_beat.groups import entry_outside_group, schedule_group_of
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
+from reliable_beat.triggers import TRIGGER_DESTINATIONS, trigger_message_id
 
 __all__ = ["BACKOFF_CAP", "Backlog", "QueueDepthFn", "backlogged", "backoff_wait",
            "claim_stuck_runs", "hold_backlog", "redispatch_stuck_runs", "redispatch_with",

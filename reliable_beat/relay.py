@@ -71,7 +71,6 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from reliable_beat import rows as rows_mod
-from reliable_beat.beat import TRIGGER_DESTINATION, TRIGGER_DESTINATIONS
 from reliable_beat.db.dialects import MYSQL_DIALECTS, Store, update_returning
 from reliable_beat.db.tables import dead_letters, outbox, runs
 from reliable_beat.db.types import UTCDateTime
@@ -94,6 +93,7 @@ from reliable_beat.outbox import NOTIFY_CHANNEL, OutboxMessage, db_now
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger, redact_text
 from reliable_beat.settings import Settings
+from reliable_beat.triggers import TRIGGER_DESTINATION, TRIGGER_DESTINATIONS
 
 __all__ = [
     "EXPIRED_ERROR",

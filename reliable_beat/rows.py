@@ -57,6 +57,7 @@ from reliable_beat.db.tables import dead_letters, entries, runs
 from reliable_beat.db.types import UTCDateTime, infinity_text
 from reliable_beat.policies import catch_up_limit_problem
 from reliable_beat.redaction import get_logger
+from reliable_beat.triggers import TRIGGER_DESTINATIONS
 
 __all__ = [
     "KNOWN_RUN_STATES",
@@ -573,7 +574,6 @@ def check_outbox(row: Mapping[str, Any]) -> list[str]:
     for col in ("available_at", "created_at"):
         if not _is_instant(row.get(col)):
             problems.append(f"{col}={raw_repr(row.get(col))}: expected a UTC instant")
-    from reliable_beat.beat import TRIGGER_DESTINATIONS  # beat imports this module
 
     payload = row.get("payload")
     destination = row.get("destination")

@@ -53,6 +53,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import MYSQL_DIALECTS, attempts, dead_letters, runs
 from reliable_beat.errors import StaleFenceToken
 from reliable_beat.redaction import get_logger
+from reliable_beat.triggers import TRIGGER_DESTINATIONS, trigger_message_id
 
 __all__ = [
     "UNFINISHED_STATES",
@@ -1239,7 +1240,6 @@ def release_lease(store: Store, key: str, *, resend: bool = True) -> LeaseCleare
         RunNotFound: no run has ``key``.
         StoreUnavailableError: the database cannot be reached (nothing was changed).
     """
-    from reliable_beat.beat import TRIGGER_DESTINATIONS, trigger_message_id
     from reliable_beat.db.tables import outbox
 
     with store.begin() as conn:

@@ -30,14 +30,6 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
 from reliable_beat import schedules as sch
-from reliable_beat.beat import (
-    ACTIVE_RUN_STATES,
-    TRIGGER_DESTINATION,
-    Trigger,
-    build_trigger_payload,
-    trigger_message_id,
-    trigger_outbox_row,
-)
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
 from reliable_beat.entries import notify_entries_changed
@@ -47,6 +39,14 @@ from reliable_beat.identity import store_id as _store_id
 from reliable_beat.redaction import get_logger
 from reliable_beat.rows import check_options, check_run_call
 from reliable_beat.slots import idempotency_key
+from reliable_beat.triggers import (
+    ACTIVE_RUN_STATES,
+    TRIGGER_DESTINATION,
+    Trigger,
+    build_trigger_payload,
+    trigger_message_id,
+    trigger_outbox_row,
+)
 
 __all__ = [
     "BackfillLimitError",
@@ -194,7 +194,7 @@ def _destination_of(app: Any, destination: str | None) -> str:
     if app is None:
         return TRIGGER_DESTINATION
     from reliable_beat.adapters import adapter_for
-    from reliable_beat.beat import TRIGGER_DESTINATIONS
+    from reliable_beat.triggers import TRIGGER_DESTINATIONS
 
     name = adapter_for(app).name
     return name if name in TRIGGER_DESTINATIONS else TRIGGER_DESTINATION

@@ -14,10 +14,10 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from reliable_beat.beat import Trigger
     from reliable_beat.db.dialects import Store
     from reliable_beat.outbox import OutboxMessage
     from reliable_beat.settings import Settings
+    from reliable_beat.triggers import Trigger
 
 __all__ = ["ADAPTER", "CeleryAdapter"]
 

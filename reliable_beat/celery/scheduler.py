@@ -29,7 +29,6 @@ from typing import Any, ClassVar
 from celery.beat import Scheduler
 
 from reliable_beat import loop as core
-from reliable_beat.beat import TRIGGER_DESTINATION, Trigger
 from reliable_beat.celery.brokers import warn_broker_timeouts
 from reliable_beat.celery.publishing import bound_broker_wait, publish_celery_batch
 from reliable_beat.db import migrate
@@ -44,6 +43,7 @@ from reliable_beat.redaction import get_logger
 from reliable_beat.redispatch import tracked_tasks
 from reliable_beat.schedules import validate_timezone
 from reliable_beat.settings import Settings, celery_timezone
+from reliable_beat.triggers import TRIGGER_DESTINATION, Trigger
 
 __all__ = ["SWEEP_SECONDS", "CeleryPublisher", "ReliableScheduler", "publish_messages",
            "publish_triggers"]

@@ -38,7 +38,7 @@ import click
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from reliable_beat import __version__
+from reliable_beat._version import __version__
 from reliable_beat.db.dialects import Store, is_unavailable
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import (
@@ -127,7 +127,7 @@ COMMAND_MODULES = [
     "reliable_beat.cli.entries",
     "reliable_beat.cli.relay",
     "reliable_beat.cli.status",
-    "reliable_beat.metrics",
+    "reliable_beat.cli.metrics",
     "reliable_beat.cli.runs",
     "reliable_beat.cli.schedule",
     "reliable_beat.cli.workflows",

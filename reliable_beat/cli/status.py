@@ -55,6 +55,7 @@ from reliable_beat.rows import (
     quarantine_counts,
     raw_labelled,
 )
+from reliable_beat.triggers import TRIGGER_DESTINATIONS, trigger_message_id
 
 if TYPE_CHECKING:
     from reliable_beat.redispatch import QueueDepthFn
@@ -707,7 +708,6 @@ def _unstarted_triggers(conn: Connection, names: list[str]
     :data:`MAX_DEPTH_ENTRIES` of) ``names``: the trigger of each entry's latest
     ``dispatched`` run without ``started_at`` (one query). Entries without such a row (the
     trigger row was purged) are left out."""
-    from reliable_beat.beat import trigger_message_id
 
     names = names[:MAX_DEPTH_ENTRIES]
     if not names:
@@ -894,7 +894,6 @@ def waiting_retries(conn: Connection, now: datetime, *, redispatch_seconds: floa
         "entry", "retry_due_at", "retry_scheduled" (bool), "resend_at" (UTC datetime of the
         sweep's next re-send; None: the run has no trigger row, nothing re-sends it)}``.
     """
-    from reliable_beat.beat import TRIGGER_DESTINATIONS, trigger_message_id
     from reliable_beat.redispatch import backoff_wait
 
     grace = timedelta(seconds=redispatch_seconds)
@@ -963,7 +962,6 @@ def expired_leases(conn: Connection, now: datetime, *, grace_seconds: float,
         "resend_at" (UTC datetime of the sweep's next re-send; None: the run has no trigger
         row (an ad-hoc call, a workflow activity): the sweep does not re-send it)}``.
     """
-    from reliable_beat.beat import TRIGGER_DESTINATIONS, trigger_message_id
     from reliable_beat.redispatch import backoff_wait
 
     stuck = and_(runs.c.state == "running",

@@ -534,7 +534,7 @@ def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
     Raises:
         KeyError: the actor is not registered on ``broker`` and no queue is given.
     """
-    from reliable_beat.beat import trigger_identity
+    from reliable_beat.triggers import trigger_identity
 
     identity = trigger_identity(payload)
     options = dict(payload.get("options") or {})

@@ -20,10 +20,10 @@ from reliable_beat.adapters import import_from_cwd
 from reliable_beat.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from reliable_beat.beat import Trigger
     from reliable_beat.db.dialects import Store
     from reliable_beat.outbox import OutboxMessage
     from reliable_beat.settings import Settings
+    from reliable_beat.triggers import Trigger
 
 __all__ = ["ADAPTER", "DramatiqAdapter", "find_broker"]
 

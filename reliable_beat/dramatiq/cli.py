@@ -235,10 +235,10 @@ def _publish_pending(store: Any, publisher: Any, keys: list[str]) -> int:
     beat's fast path); rows the broker refused stay pending for a sweep or a relay."""
     from sqlalchemy import select
 
-    from reliable_beat.beat import trigger_message_id
     from reliable_beat.db.tables import outbox
     from reliable_beat.loop import publish_and_mark
     from reliable_beat.outbox import OutboxMessage, db_now
+    from reliable_beat.triggers import trigger_message_id
 
     if not keys:
         return 0

@@ -24,7 +24,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
@@ -41,7 +41,7 @@ from sqlalchemy.exc import (
     StatementError,
 )
 
-from reliable_beat import runs
+from reliable_beat import joins, runs
 from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import (
@@ -615,50 +615,56 @@ class IdempotentTask(Task):  # type: ignore[misc]
             using: a Django database alias (``"default"``): the block is
                 ``transaction.atomic(using=using)`` on Django's own connection and yields a
                 ``Connection`` on it, so ORM writes in the block commit with the key (see
-                :mod:`reliable_beat.contrib.django.db` and ``docs/django.md``).
+                :mod:`reliable_beat.contrib.django.db` and ``docs/django.md``). Without
+                ``using``/``bind``/``session``, in a Django project with the app installed,
+                it is the alias whose database is the store's (when one is).
+
+        In a Django project with the app installed, a write on a Django connection other
+        than the block's (another alias, or any when the block is not on Django's) raises
+        ``ConfigurationError`` naming ``using=`` (:mod:`reliable_beat.contrib.django.join`).
 
         Raises:
             StaleFenceToken: the fence moved (another runner claimed the run after this
                 one): everything written in the block was rolled back; the attempt is
                 recorded ``fenced_out``.
             ConfigurationError: ``bind``/``session``/``using`` point at another database,
-                ``using`` is given with ``bind``/``session``, or Django is not installed.
+                ``using`` is given with ``bind``/``session``, Django is not installed, or
+                (Django) an ORM write on another connection inside the block.
             RuntimeError: called outside an execution, or twice in one execution.
         """
         state = self._state()
         if state.transaction_used:
             raise RuntimeError(f"{self.name}: self.transaction() may be used once per run")
         state.transaction_used = True
+        join = joins.registered()  # Django's, when the app is installed
+        if using is None and bind is None and session is None and join is not None:
+            using = join.default_alias(state.store)  # the store is this Django database
         if using is not None:
             if bind is not None or session is not None:
                 raise ConfigurationError(
                     f"{self.name}: self.transaction(using={using!r}) runs on Django's "
                     "connection; pass bind=/session= or using=, not both"
                 )
+            join = joins.for_using(using, f"{self.name}: self.transaction")
             try:
-                django_db = importlib.import_module("reliable_beat.contrib.django.db")
-            except ImportError as exc:
-                raise ConfigurationError(
-                    f"{self.name}: self.transaction(using={using!r}) joins Django's connection "
-                    f"and needs Django ({exc}); pip install 'reliable-beat[django]'"
-                ) from exc
-            try:
-                with django_db.atomic_connection(using) as tx:
-                    self._check_same_database(tx.engine, state.store)
-                    yield tx
+                with join.atomic(using) as tx:
+                    joins.check_same_database(tx.engine, state.store)
+                    with self._guard(join, using, state):
+                        yield tx
                     _renewer.discard(state)  # see below
                     runs.complete(tx, state.claim, state.returned)
             except BaseException as exc:
                 self._after_rollback(state, exc)
                 raise
-            state.write_result = django_db.result_writer(using, state.store, state.claim)
+            state.write_result = join.result_writer(using, state.store, state.claim)
             state.completed = True
             return
         if session is not None:
             conn = session.connection()
             self._check_same_database(conn.engine, state.store)
             try:
-                yield conn
+                with self._guard(join, None, state):
+                    yield conn
                 session.flush()
                 _renewer.discard(state)  # see below
                 runs.complete(conn, state.claim, state.returned)
@@ -672,7 +678,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if isinstance(bind, Connection):
             self._check_same_database(bind.engine, state.store)
             if bind.in_transaction():
-                yield bind
+                lent = join.alias_of(bind) if join is not None else None  # atomic_connection()'s
+                with self._guard(join, lent, state):
+                    yield bind
                 _renewer.discard(state)  # see below
                 runs.complete(bind, state.claim, state.returned)  # joins the caller's transaction
                 state.completed = True
@@ -688,7 +696,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             with cm as entered:
                 tx = conn if conn is not None else entered
-                yield tx
+                with self._guard(join, None, state):
+                    yield tx
                 # The completion locks the run row until the commit: a renewal now would
                 # wait on our own lock (and hold up the leases of other executions the
                 # renewer serves). The fence is checked inside this transaction, so no
@@ -699,6 +708,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self._after_rollback(state, exc)
             raise
         state.completed = True
+
+    def _guard(self, join: joins.Join | None, alias: str | None,
+               state: _RunState) -> AbstractContextManager[None]:
+        """Writes on the framework's other connections refused inside the block."""
+        return joins.guard(join, alias, where="self.transaction", task_name=self.name,
+                           store=state.store)
 
     def returns(self, value: Any) -> None:
         """Declare the run's result inside ``self.transaction()``: it is stored by the
@@ -738,13 +753,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @staticmethod
     def _check_same_database(engine: Engine, store: Store) -> None:
-        a, b = engine.url, store.engine.url
-        if (a.host, a.port, a.database) != (b.host, b.port, b.database):
-            raise ConfigurationError(
-                f"the transaction's database {a.render_as_string(hide_password=True)} is "
-                f"not the reliable_beat store {store.safe_url}; effect and key cannot commit "
-                "together"
-            )
+        joins.check_same_database(engine, store)
 
     def _after_rollback(self, state: _RunState, exc: BaseException) -> None:
         if isinstance(exc, StaleFenceToken):

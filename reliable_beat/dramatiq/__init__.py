@@ -38,7 +38,7 @@ from dramatiq.middleware import Middleware
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, IntegrityError
 
-from reliable_beat import execution, runs
+from reliable_beat import execution, joins, runs
 from reliable_beat import values as rb_values
 from reliable_beat.errors import (
     ConfigurationError,
@@ -286,28 +286,50 @@ class RunContext:
         return self._outbox
 
     @contextmanager
-    def transaction(self) -> Iterator[Connection]:
+    def transaction(self, *, using: str | None = None) -> Iterator[Connection]:
         """One transaction on the store's database for the body's effect; leaving the block
         marks the run ``succeeded`` (fenced) in it and commits: effect, outbox rows and key
         together or not at all. Use it once per execution.
 
+        Args:
+            using: a Django database alias: the block is ``transaction.atomic(using=using)``
+                on Django's own connection (its database must be the store's), so ORM
+                writes in it commit with the key. In a Django project with
+                ``reliable_beat.contrib.django`` installed it defaults to the alias whose
+                database is the store's, and a write on any other Django connection inside
+                the block raises ``ConfigurationError`` naming ``using=`` (``docs/django.md``).
+
         Raises:
             StaleFenceToken: the fence moved (a newer runner owns the run); everything
                 rolled back, the attempt is recorded ``fenced_out``.
+            ConfigurationError: ``using`` names another database than the store's, or
+                (Django) an ORM write on another connection inside the block.
             RuntimeError: used twice in one execution.
         """
         state = self.state
         if state.transaction_used:
             raise RuntimeError(f"{state.task_name}: transaction() may be used once per run")
         state.transaction_used = True
+        join = joins.registered()  # Django's, when the app is installed
+        if using is None and join is not None:
+            using = join.default_alias(state.store)  # the store is this Django database
+        if using is not None:
+            join = joins.for_using(using, f"{state.task_name}: current().transaction")
         try:
-            with state.store.begin() as conn:
-                yield conn
+            opened = join.atomic(using) if join is not None and using is not None \
+                else state.store.begin()
+            with opened as conn:
+                joins.check_same_database(conn.engine, state.store)
+                with joins.guard(join, using, where="current().transaction",
+                                 task_name=state.task_name, store=state.store):
+                    yield conn
                 execution.renewer().discard(state)
                 runs.complete(conn, state.claim, None)
         except StaleFenceToken:
             runs.record_fenced_out(state.store, state.claim)
             raise
+        if join is not None and using is not None:
+            state.write_result = join.result_writer(using, state.store, state.claim)
         state.completed = True
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import outbox
+from reliable_beat import joins, outbox
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
@@ -119,6 +119,14 @@ def _callable_name(fn: Any, name: str | None) -> str:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: What a write on a framework connection inside ``ctx.transaction(fn)`` is told to do
+#: instead (:mod:`reliable_beat.joins`): ``fn`` runs on the store's own connection.
+_TRANSACTION_FIX = (
+    "fn runs on the store's own connection (conn), not on Django's: write the effect "
+    "through conn (SQLAlchemy), or in an activity whose body writes it in "
+    "self.transaction() (it joins Django's connection when the store is a Django database)"
+)
 
 
 def _durable(method: _F) -> _F:
@@ -522,7 +530,10 @@ class WorkflowContext:
 
         Exactly once for what ``fn`` writes through ``conn`` (the store's database): the
         effect, the history record and the fence check commit together or not at all.
-        Replays return the recorded result without running ``fn``.
+        Replays return the recorded result without running ``fn``. In a Django project
+        with ``reliable_beat.contrib.django`` installed, an ORM write inside ``fn`` (on
+        Django's connection, not ``conn``) is refused: ``ConfigurationError``, recorded as
+        the step's failure.
 
         Returns:
             ``fn``'s JSON-serialisable return value.
@@ -540,7 +551,10 @@ class WorkflowContext:
         def effect(conn: Connection) -> Any:
             self._in_step = True
             try:
-                value = fn(conn, *args, **kwargs)
+                with joins.guard(joins.registered(), None, where="ctx.transaction",
+                                 task_name=f"workflow {self._definition.name}",
+                                 store=self._store, fix=_TRANSACTION_FIX):
+                    value = fn(conn, *args, **kwargs)
                 return engine.to_json(value, f"transaction {step_name!r} result")
             except OperationalError:
                 raise  # the database, not the step (deadlock, connection): the advance retries

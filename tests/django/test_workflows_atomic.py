@@ -110,3 +110,31 @@ def test_view_under_atomic_requests_commits_order_and_workflow_together() -> Non
     assert c.get("/checkout/c2/?fail=1").status_code == 500
     assert status("checkout:c2") is None and wakes("checkout:c2") == []
     assert not Payout.objects.filter(key="checkout:c2").exists()
+
+
+def test_an_orm_write_inside_ctx_transaction_is_refused_naming_the_fix() -> None:
+    """``ctx.transaction(fn)`` runs ``fn`` on the store's own connection: an ORM write in
+    it would commit on Django's, outside the history record (repeated by a re-run of the
+    advance). It is refused, recorded as the step's failure, and nothing is written."""
+    from reliable_beat.workflows import engine
+
+    def write_orm(conn: Any) -> int:
+        return int(Payout.objects.create(key="wf:o4", fence=0, run_id=0, pid=0).pk)
+
+    def flow(ctx: Any) -> str:
+        try:
+            ctx.transaction(write_orm, name="write_orm")
+        except wf.ActivityError as exc:
+            return f"{exc.type}: {exc}"
+        return "written"
+
+    wf.workflow(name="djshop.orm_in_tx")(flow)
+    engine.start(conf.store(), "djshop.orm_in_tx", "wf:o4")
+    engine.advance(conf.store(), "wf:o4", owner="test")
+    row = status("wf:o4")
+    assert row is not None and row["state"] == "completed", row
+    result = str(row["result"])
+    assert result.startswith("ConfigurationError"), result
+    assert "Django database 'default' inside ctx.transaction()" in result
+    assert "write the effect through conn" in result
+    assert not Payout.objects.filter(key="wf:o4").exists()

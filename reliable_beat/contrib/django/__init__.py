@@ -1,10 +1,12 @@
 """Django, first class: the ORM effect commits with the idempotency key, an admin, a command.
 
 Add ``"reliable_beat.contrib.django"`` to ``INSTALLED_APPS``. Inside an ``IdempotentTask``
-body, ``with self.transaction(using="default") as tx:`` opens ``transaction.atomic()`` on
-Django's connection and completes the run (fenced) on that same connection, so whatever the
-ORM writes in the block commits or rolls back with the key, the result and the outbox rows.
-See ``docs/django.md``.
+body, ``with self.transaction() as tx:`` opens ``transaction.atomic()`` on Django's
+connection to the store's database (``using="default"`` names the alias) and completes the
+run (fenced) on that same connection, so whatever the ORM writes in the block commits or
+rolls back with the key, the result and the outbox rows; an ORM write on another Django
+connection in the block is refused (:mod:`reliable_beat.contrib.django.join`). See
+``docs/django.md``.
 
 Importing this package does not import Django; :mod:`reliable_beat.contrib.django.db` does.
 """

@@ -46,7 +46,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.runs import Claim
 
-__all__ = ["atomic_connection", "database_url", "in_outer_atomic", "result_writer"]
+__all__ = ["atomic_connection", "database_url", "in_outer_atomic", "lent_alias", "result_writer"]
 
 
 class _BorrowedConnectionDialect:
@@ -273,6 +273,16 @@ def _engine_for(alias: str) -> Engine:
                 **kwargs,
             )
         return engine
+
+
+def lent_alias(engine: Engine) -> str | None:
+    """The alias whose connection ``engine`` lends (an engine :func:`atomic_connection`
+    made in this process), or None for any other engine."""
+    with _engines_lock:
+        for (pid, alias, _driver), mine in _engines.items():
+            if mine is engine and pid == os.getpid():
+                return alias
+    return None
 
 
 @contextmanager

@@ -39,6 +39,10 @@ DATABASES = {
 # the same server: a transaction there cannot hold the key.
 DATABASES["other"] = {**DATABASES["default"]}
 DATABASES["elsewhere"] = {**DATABASES["default"], "NAME": "postgres"}
+# A second database of the project, to hold the store there (created by the test that uses
+# it; no request opens a transaction on it).
+DATABASES["second"] = {**DATABASES["default"], "NAME": f"{_url.database}_second",
+                       "ATOMIC_REQUESTS": False}
 # Backends the store URL is derived from without connecting (tests/django/test_store_url.py):
 # MySQL/MariaDB (no mysqlclient needed), a SQLite file, and an unsupported ENGINE.
 DATABASES["maria"] = {"ENGINE": "django.db.backends.mysql", "NAME": "shop", "USER": "shop",

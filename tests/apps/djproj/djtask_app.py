@@ -81,3 +81,30 @@ def pay_on(self: IdempotentTask, merchant: str, alias: str) -> dict[str, Any]:
                                            run_id=self.run_id, pid=os.getpid())
         seen = {name: connections[name].in_atomic_block for name in ("default", alias)}
     return seen
+
+
+@app.task(base=PayTask, bind=True, name="dj.pay_plain")
+def pay_plain(self: IdempotentTask, merchant: str) -> int:
+    """The README's form, ``self.transaction()`` without ``using=``: a payout through the ORM
+    (and its signal's write) and an outbox row."""
+    with self.transaction() as tx:
+        payout = Payout.objects.create(key=self.idempotency_key, fence=self.fence_token,
+                                       run_id=self.run_id, pid=os.getpid())
+        self.outbox.add(tx, "hook", {"merchant": merchant, "payout": payout.pk})
+        self.returns(payout.pk)
+    return int(payout.pk)
+
+
+@app.task(base=PayTask, bind=True, name="dj.pay_via")
+def pay_via(self: IdempotentTask, merchant: str, alias: str, read_on: str = "") -> str:
+    """``self.transaction()`` without ``using=``, the payout written on Django database
+    ``alias`` (after a read and a savepoint on ``read_on``); returns the block's alias."""
+    with self.transaction():
+        block = next((a for a in ("default", "other", "second")
+                      if connections[a].in_atomic_block), "")
+        if read_on:
+            with transaction.atomic(using=read_on):
+                Payout.objects.using(read_on).filter(key=self.idempotency_key).count()
+        Payout.objects.using(alias).create(key=self.idempotency_key, fence=self.fence_token,
+                                           run_id=self.run_id, pid=os.getpid())
+    return block

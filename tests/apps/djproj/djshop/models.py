@@ -31,5 +31,6 @@ class Audit(models.Model):
 @receiver(post_save, sender=Payout)
 def _audit_payout(sender: type, instance: Payout, created: bool, **kwargs: object) -> None:
     """A signal handler's write: it must commit or roll back with the payout."""
-    if created:
-        Audit.objects.create(key=instance.key, fence=instance.fence, what="signal")
+    if created:  # on the payout's database (a write elsewhere would leave its transaction)
+        Audit.objects.using(str(kwargs["using"])).create(key=instance.key, fence=instance.fence,
+                                                         what="signal")

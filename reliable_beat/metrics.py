@@ -73,6 +73,7 @@ from sqlalchemy.types import NullType
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
+from reliable_beat.policies import is_missed
 from reliable_beat.redaction import get_logger
 
 __all__ = [
@@ -372,16 +373,16 @@ def _instant_pairs(conn: Any, first: Any, second: Any, where: Any) -> list[tuple
 
 
 def _late(raw_next: Any, raw_grace: Any, now: Any, margin: timedelta, dialect: Any) -> bool:
-    """Whether an entry is overdue by more than its grace + margin; a value that cannot be
-    read (a malformed row, see :mod:`reliable_beat.rows`) counts as not late."""
+    """Whether an entry is overdue by more than its grace + margin (the MISSED check of
+    ``status``: :func:`reliable_beat.policies.is_missed`); a value that cannot be read (a
+    malformed row, see :mod:`reliable_beat.rows`) counts as not late."""
     from reliable_beat.rows import decode_value
 
     try:
         nfa = decode_value(entries.c.next_fire_at, raw_next, dialect)
-        grace = float(raw_grace)
-        return bool(now - nfa > margin + timedelta(seconds=grace))
     except Exception:
         return False
+    return is_missed(nfa, raw_grace, now, margin.total_seconds())
 
 
 def make_registry(store: Store, **kwargs: Any) -> Any:

@@ -48,6 +48,8 @@ from reliable_beat.groups import (
     unserved_outbox,
 )
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.policies import MISSED_MARGIN_SECONDS
+from reliable_beat.policies import is_missed as missed_slot
 from reliable_beat.rows import (
     column_of,
     decode_labelled,
@@ -78,9 +80,8 @@ __all__ = [
 ]
 
 #: Extra slack (seconds) on top of an entry's ``misfire_grace`` before a due entry counts as
-#: missed: a beat sleeps at most ``beat_max_loop_interval`` (default 300 s on stock Celery,
-#: usually far less with NOTIFY) and a tick takes a moment.
-DEFAULT_MARGIN_SECONDS = 60.0
+#: missed (:func:`reliable_beat.policies.is_missed`).
+DEFAULT_MARGIN_SECONDS = MISSED_MARGIN_SECONDS
 #: ``--check`` alarms on config entries a sync disabled within this many minutes.
 DEFAULT_DISABLED_WITHIN_MINUTES = 60.0
 #: A beat whose heartbeat (every few seconds) is older than this counts as gone.
@@ -451,10 +452,8 @@ def collect_status(
         is_missed = False
         if status == "active" and r.next_fire_at is not None and r.next_fire_at <= now:
             overdue = round((now - r.next_fire_at).total_seconds(), 3)
-            grace = r.misfire_grace_seconds
-            grace = grace if isinstance(grace, (int, float)) and grace >= 0 else 0.0
-            limit = timedelta(seconds=grace + margin_seconds)
-            is_missed = now - r.next_fire_at > limit
+            is_missed = missed_slot(r.next_fire_at, r.misfire_grace_seconds, now,
+                                    margin_seconds)
         if is_missed:
             missed.append(r.name)
         if r.name in malformed_names and status in ("active", "paused", "ended"):

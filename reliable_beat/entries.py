@@ -19,7 +19,9 @@ Keys: ``misfire_policy``, ``misfire_grace`` (seconds or ``timedelta``), ``catch_
 ``catch_up_window`` (seconds or ``timedelta``), ``overlap_policy``, ``timezone`` (IANA),
 ``dst_nonexistent`` (``shift``, ``gap_end``, ``skip``), ``dst_repeated`` (``first``, ``last``,
 ``both``), ``start_at`` / ``end_at`` (tz-aware ``datetime`` or ISO 8601), ``anchor`` (interval
-grid anchor; default: when the entry is first stored).
+grid anchor; default: when the entry is first stored), ``task_elsewhere`` (``True``: the task
+is registered only by workers of another code base, so a beat whose app does not register it
+fires it anyway instead of parking it; see :func:`park_reason`).
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ __all__ = [
     "EntryDefinition",
     "definition_from_celery",
     "get_entry",
+    "is_task_elsewhere",
     "list_entries",
     "notify_entries_changed",
+    "park_reason",
     "pause",
     "remove",
     "resume",
@@ -92,6 +96,7 @@ ENTRY_OPTION_KEYS = frozenset(
         "start_at",
         "end_at",
         "anchor",
+        "task_elsewhere",
     }
 )
 #: Celery publish options an entry may carry (``expires`` counts from the slot).
@@ -451,7 +456,27 @@ def definition_from_celery(
         origin=origin,
     )
     object.__setattr__(definition, "_explicit_anchor", explicit_anchor)
+    if rb.get("task_elsewhere") not in (None, False, True):
+        raise EntryValidationError([f"entry {name!r}: reliable_beat option task_elsewhere="
+                                    f"{rb['task_elsewhere']!r}: give True or False"])
+    object.__setattr__(definition, "_task_elsewhere", bool(rb.get("task_elsewhere")))
     return definition
+
+
+def park_reason(task: str) -> str:
+    """The ``quarantine_reason`` of a config entry parked because the syncing beat's app does
+    not register its ``task`` (see :func:`sync_schedule_group`)."""
+    return (f"task {task!r} is not registered in this beat's app, so no worker would run its "
+            "triggers: parked, not fired. Fix: correct the task name in beat_schedule, or "
+            "import the module that defines it in the app (Celery: `imports` / `include` / "
+            "autodiscover_tasks; Dramatiq: the broker module); if only workers of another "
+            "code base register it, set options['reliable_beat']['task_elsewhere'] = True on "
+            "the entry. The next beat start fires it again")
+
+
+def is_task_elsewhere(definition: EntryDefinition) -> bool:
+    """The entry says its task is registered only by workers elsewhere (``task_elsewhere``)."""
+    return bool(getattr(definition, "_task_elsewhere", False))
 
 
 def definitions_from_beat_schedule(
@@ -507,7 +532,8 @@ _UPSERT_COLUMNS = (entries.c.id, entries.c.config_hash, entries.c.schedule, entr
                    entries.c.task, entries.c.args, entries.c.kwargs, entries.c.options,
                    entries.c.timezone, entries.c.misfire_policy, entries.c.overlap_policy,
                    entries.c.misfire_grace_seconds, entries.c.catch_up_limit,
-                   entries.c.catch_up_window_seconds, entries.c.start_at, entries.c.end_at)
+                   entries.c.catch_up_window_seconds, entries.c.start_at, entries.c.end_at,
+                   entries.c.quarantine_reason)
 #: Names per statement when a sync reads its entries (bounded IN lists: MariaDB turns long
 #: ones into a join, every server has a parameter limit).
 _SYNC_CHUNK = 500
@@ -584,7 +610,7 @@ _UNREAD: Any = object()
 def _upsert(
     conn: Connection, store: Store, definition: EntryDefinition, now: datetime,
     group: str | None = None, after: datetime | None = None, *, row: Any = _UNREAD,
-    inserts: list[dict[str, Any]] | None = None,
+    inserts: list[dict[str, Any]] | None = None, park: str | None = None,
 ) -> str:
     """Insert or update one entry. Returns ``inserted``, ``updated``, ``unchanged``,
     ``adopted`` (a config entry of no group, or disabled in another group, now ``group``'s) or
@@ -593,7 +619,9 @@ def _upsert(
     ``after``: a new entry's first slot is after this instant too (a renamed entry continues
     where its old name stopped). ``row``: the stored row as :func:`_read_many_for_upsert`
     read it (None: there is none); not given, it is read here. ``inserts``: a new row's values
-    are appended there for the caller to insert in one statement, instead of inserted here."""
+    are appended there for the caller to insert in one statement, instead of inserted here.
+    ``park``: write the entry disabled with this ``quarantine_reason`` (its task is not
+    registered in the syncing beat's app, :func:`park_reason`); it does not fire."""
     if row is _UNREAD:
         row = _read_for_upsert(conn, definition.name)
     values = definition.row_values()
@@ -603,7 +631,8 @@ def _upsert(
         values.update(
             next_fire_at=definition.first_fire_at(max(now, after) if after else now,
                                                   one_off_fired_through=after),
-            created_at=now, updated_at=now, enabled=True, paused=False,
+            created_at=now, updated_at=now, enabled=park is None, paused=False,
+            quarantine_reason=park, quarantined_at=now if park else None,
         )
         if inserts is not None:
             inserts.append(values)
@@ -617,9 +646,12 @@ def _upsert(
         adopted = True
     regrouped = definition.origin != "config" and group is not None and (
         row.schedule_group != group)
-    if (row.config_hash == values["config_hash"] and row.enabled and not (adopted or regrouped)
-            and not _stored_malformed(row)):
+    if (row.config_hash == values["config_hash"] and row.enabled and park is None
+            and not (adopted or regrouped) and not _stored_malformed(row)):
         return "unchanged"
+    if (park is not None and row.config_hash == values["config_hash"] and not row.enabled
+            and row.quarantine_reason == park and not (adopted or regrouped)):
+        return "unchanged"  # parked before for the same reason: keep when it was parked
     if definition.schedule.kind == "interval" and not getattr(
         definition, "_explicit_anchor", False
     ):
@@ -638,8 +670,9 @@ def _upsert(
         next_fire_at = (definition.first_fire_at(base, one_off_fired_through=row.last_fire_at)
                         if not same_schedule else definition.first_fire_at(base))
     # Rewriting the entry from its definition also lifts a quarantine (rows.py).
-    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=True, disabled_at=None,
-                  quarantine_reason=None, quarantined_at=None)
+    values.update(next_fire_at=next_fire_at, updated_at=now, enabled=park is None,
+                  disabled_at=None, quarantine_reason=park,
+                  quarantined_at=now if park else None)
     del values["name"]
     conn.execute(update(entries).where(entries.c.id == row.id).values(**values))
     return "adopted" if adopted else "updated"
@@ -652,6 +685,7 @@ def sync_schedule_group(
     group: str = DEFAULT_GROUP,
     owner: str | None = None,
     force: bool = False,
+    unregistered: Mapping[str, str] | None = None,
 ) -> SyncResult:
     """Make the stored config entries of schedule group ``group`` match ``beat_schedule``, in
     one transaction, unless this config is an older one of the group.
@@ -675,6 +709,13 @@ def sync_schedule_group(
             ``reliable_beat_schedule_group``).
         owner: who syncs (recorded with the config; for the logs).
         force: sync even an older config (``reliable-beat schedule sync --force``).
+        unregistered: entry name -> task, for the entries whose task the syncing beat's app
+            does not register (and that do not say ``task_elsewhere``): each is **parked**,
+            written disabled with :func:`park_reason` as its ``quarantine_reason`` (not fired;
+            ``status``: QUARANTINED), as the claim quarantines a malformed row. A later sync
+            whose app registers the task (or whose entry says ``task_elsewhere``) lifts it.
+            None (the caller did not check, e.g. ``schedule sync`` from a CLI that loaded
+            the app but not its task modules): an entry parked for the same task stays so.
 
     Raises:
         ConfigurationError: a config entry has the name of an existing runtime entry.
@@ -743,7 +784,15 @@ def sync_schedule_group(
                 inserts.clear()
                 row = _UNREAD
             seen.add(d.name)
-            outcome = _upsert(conn, store, d, now, group, after, row=row, inserts=inserts)
+            if unregistered is not None:
+                park = park_reason(d.task) if d.name in unregistered else None
+            else:  # registration not checked (`schedule sync`): a park for this task stays
+                park = (row.quarantine_reason if row is not None and row is not _UNREAD
+                        and row.quarantine_reason == park_reason(d.task) else None)
+            outcome = _upsert(conn, store, d, now, group, after, row=row, inserts=inserts,
+                              park=park)
+            if park is not None and outcome != "conflict":
+                result.parked.append(d.name)
             if outcome == "unchanged":
                 result.unchanged += 1
             elif outcome == "conflict":

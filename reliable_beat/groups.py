@@ -106,6 +106,8 @@ class SyncResult:
             name's last), so a rename neither repeats nor skips a slot.
         refused: for ``refused``, why (names the group, its entries and the fix).
         superseded_at: for ``older``, when this config was replaced (UTC).
+        parked: config entries written disabled because the syncing beat's app does not
+            register their task (:func:`reliable_beat.entries.park_reason`).
         ungrouped: when several schedule groups share the store, the enabled entries with no
             group (every group's beats may fire them, each through its own app's broker);
             empty otherwise. Logged as a warning naming them and the fix.
@@ -126,6 +128,7 @@ class SyncResult:
     superseded_at: datetime | None = None
     ungrouped: list[str] = field(default_factory=list)
     groups: list[str] = field(default_factory=list)
+    parked: list[str] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:

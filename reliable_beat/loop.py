@@ -69,7 +69,13 @@ from reliable_beat.beat import Beat, TickResult
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store, is_lock_wait
 from reliable_beat.db.tables import outbox
-from reliable_beat.entries import NOTIFY_CHANNEL, EntryDefinition, sync_schedule_group
+from reliable_beat.entries import (
+    NOTIFY_CHANNEL,
+    EntryDefinition,
+    is_task_elsewhere,
+    park_reason,
+    sync_schedule_group,
+)
 from reliable_beat.errors import ConfigurationError, SchemaError, StoreUnavailableError
 from reliable_beat.groups import (
     DEFAULT_GROUP,
@@ -585,19 +591,24 @@ class BeatLoop:
         self._sync(definitions, self._unregistered(definitions))
 
     def _unregistered(self, definitions: list[EntryDefinition]) -> dict[str, str]:
-        """Entry name -> task of the definitions whose task this app does not know (logged)."""
+        """Entry name -> task of the definitions whose task this app does not know and that
+        do not say ``task_elsewhere`` (the sync parks them: :func:`park_reason`)."""
         registered = self.is_registered or (lambda _task: True)
-        unregistered = {d.name: d.task for d in definitions if not registered(d.task)}
-        for name, task in sorted(unregistered.items()):
-            self.log.error("entry %r: task %r is not registered in this beat's app: unless a "
-                           "worker registers it, its triggers are dropped (check the name, or "
-                           "import the task module in this app)", name, task)
-        return unregistered
+        return {d.name: d.task for d in definitions
+                if not registered(d.task) and not is_task_elsewhere(d)}
 
     def _sync(self, definitions: list[EntryDefinition], unregistered: dict[str, str]) -> None:
-        result = sync_schedule_group(self.store, definitions, group=self.group,
-                                     owner=self.owner)
+        result = sync_schedule_group(
+            self.store, definitions, group=self.group, owner=self.owner,
+            unregistered=unregistered if self.is_registered is not None else None)
         log_sync_result(self.log, result, self.store.safe_url)
+        for name, task in sorted(unregistered.items()):
+            if name in result.parked:
+                self.log.error("entry %r: %s", name, park_reason(task))
+            else:  # this beat's config was not synced (an older one): the group's stands
+                self.log.error("entry %r: task %r is not registered in this beat's app: "
+                               "unless a worker registers it, its triggers are dropped (check "
+                               "the name, or import the task module in this app)", name, task)
         record_beat(self.store, owner=self.owner, group=self.group,
                     config_hash=result.config_hash, unregistered=unregistered,
                     destinations=[self.publisher.destination])

@@ -14,7 +14,11 @@ they are read from the database, not counted in one process):
 ``reliable_beat_entries_late``                     enabled entries overdue by more than their
                                                    misfire_grace + margin: **no beat running**
 ``reliable_beat_runs{state}``                      runs by state
-``reliable_beat_dead_letters{kind}``               dead letters not requeued (run / outbox)
+``reliable_beat_dead_letters{kind}``               dead letters not requeued (run / outbox),
+                                                   except those handled by design
+``reliable_beat_dead_letters_handled``             dead letters of failures handled by design
+                                                   (a saga's step whose compensations
+                                                   completed): no alarm
 ``reliable_beat_outbox_pending{destination}``      outbox rows waiting for the relay now: due
                                                    (``available_at`` passed) or failed and
                                                    waiting for their retry; delayed rows not
@@ -67,6 +71,7 @@ from sqlalchemy.types import NullType
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
+from reliable_beat.policies import is_missed
 from reliable_beat.redaction import get_logger
 
 __all__ = [
@@ -176,6 +181,11 @@ class StoreCollector:
         for kind in ("run", "outbox"):
             fam.add_metric([kind], float(data["dead"].get(kind, 0)))
         yield fam
+        yield GaugeMetricFamily(
+            "reliable_beat_dead_letters_handled",
+            "Dead letters of failures the application handled by design (a saga's step "
+            "whose compensations completed), not requeued; not an alarm",
+            value=float(data["handled"]))
         pending = GaugeMetricFamily(
             "reliable_beat_outbox_pending",
             "Outbox rows waiting for a relay: due (available_at passed) or failed and waiting "
@@ -280,10 +290,16 @@ class StoreCollector:
                 str(k): int(n)
                 for k, n in conn.execute(
                     select(dead_letters.c.kind, func.count())
-                    .where(dead_letters.c.requeued_at.is_(None))
+                    .where(dead_letters.c.requeued_at.is_(None),
+                           dead_letters.c.handled_at.is_(None))
                     .group_by(dead_letters.c.kind)
                 )
             }
+            handled = int(conn.execute(
+                select(func.count()).select_from(dead_letters)
+                .where(dead_letters.c.requeued_at.is_(None),
+                       dead_letters.c.handled_at.is_not(None))
+            ).scalar_one())
             backlog = outbox_status(conn)
             quarantined_rows = quarantine_counts(conn)
             since = now - timedelta(seconds=self.window_seconds)
@@ -322,6 +338,7 @@ class StoreCollector:
                     .limit(LATENESS_SAMPLE))
             ]
         return {"entries": counts, "late": late, "runs": by_state, "dead": dead,
+                "handled": handled,
                 "outbox": backlog, "lateness": lateness, "attempts": outcomes, "slots": slots,
                 "batches": batches, "durations": durations, "quarantined": quarantined_rows}
 
@@ -345,16 +362,16 @@ def _instant_pairs(conn: Any, first: Any, second: Any, where: Any) -> list[tuple
 
 
 def _late(raw_next: Any, raw_grace: Any, now: Any, margin: timedelta, dialect: Any) -> bool:
-    """Whether an entry is overdue by more than its grace + margin; a value that cannot be
-    read (a malformed row, see :mod:`reliable_beat.rows`) counts as not late."""
+    """Whether an entry is overdue by more than its grace + margin (the MISSED check of
+    ``status``: :func:`reliable_beat.policies.is_missed`); a value that cannot be read (a
+    malformed row, see :mod:`reliable_beat.rows`) counts as not late."""
     from reliable_beat.rows import decode_value
 
     try:
         nfa = decode_value(entries.c.next_fire_at, raw_next, dialect)
-        grace = float(raw_grace)
-        return bool(now - nfa > margin + timedelta(seconds=grace))
     except Exception:
         return False
+    return is_missed(nfa, raw_grace, now, margin.total_seconds())
 
 
 def make_registry(store: Store, **kwargs: Any) -> Any:

@@ -8,11 +8,42 @@ https://aws.amazon.com/blogs/architecture/exponential-backoff-and-jitter/
 from __future__ import annotations
 
 import enum
+import math
 import random
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-__all__ = ["MAX_CATCH_UP_LIMIT", "MisfirePolicy", "OverlapPolicy", "RetryPolicy",
-           "backoff_delay", "catch_up_limit_problem"]
+__all__ = ["MAX_CATCH_UP_LIMIT", "MISSED_MARGIN_SECONDS", "MisfirePolicy", "OverlapPolicy",
+           "RetryPolicy", "backoff_delay", "catch_up_limit_problem", "is_missed"]
+
+#: Slack (seconds) on top of an entry's ``misfire_grace`` before a due entry counts as
+#: missed: a beat sleeps at most ``beat_max_loop_interval`` (default 300 s on stock Celery,
+#: usually far less with NOTIFY) and a tick takes a moment.
+MISSED_MARGIN_SECONDS = 60.0
+
+
+def is_missed(next_fire_at: object, misfire_grace_seconds: object, now: datetime,
+              margin_seconds: float = MISSED_MARGIN_SECONDS) -> bool:
+    """The MISSED check of one enabled, unpaused entry: its next slot is overdue (on the
+    store's clock ``now``) by more than its ``misfire_grace`` + ``margin_seconds``, so no
+    beat is claiming entries. ``reliable-beat status`` (MISSED SLOTS), the
+    ``reliable_beat_entries_late`` metric and the Django admin all ask this one function.
+
+    A ``next_fire_at`` that is not an instant (a malformed row) is not missed; a grace that
+    is not a number >= 0 counts as 0.
+    """
+    if not isinstance(next_fire_at, datetime):
+        return False
+    try:
+        grace = float(misfire_grace_seconds)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        grace = 0.0
+    if isinstance(misfire_grace_seconds, bool) or math.isnan(grace) or grace < 0:
+        grace = 0.0
+    try:
+        return now - next_fire_at > timedelta(seconds=grace + margin_seconds)
+    except (TypeError, OverflowError):  # a naive value, or one out of range
+        return False
 
 #: The largest ``catch_up_limit`` accepted: one catch-up plan walks at most this many
 #: schedule steps (about 0.5 s for a cron), inside the claim transaction. A larger value is

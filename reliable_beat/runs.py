@@ -1503,12 +1503,20 @@ def list_attempts(store: Store, run_id: int) -> list[dict[str, Any]]:
 
 
 def list_dead_letters(
-    store: Store, *, include_requeued: bool = True, limit: int = 100
+    store: Store, *, include_requeued: bool = True, limit: int = 100,
+    handled: bool | None = None,
 ) -> list[dict[str, Any]]:
-    """Dead letters, newest first, as dicts."""
+    """Dead letters, newest first, as dicts.
+
+    ``handled``: True only those the application handled by design (``handled_at`` set: a
+    saga's step whose compensations completed; they raise no alarm), False only the others
+    (what ``status --check`` counts), None both."""
     stmt = select(dead_letters).order_by(dead_letters.c.id.desc()).limit(limit)
     if not include_requeued:
         stmt = stmt.where(dead_letters.c.requeued_at.is_(None))
+    if handled is not None:
+        stmt = stmt.where(dead_letters.c.handled_at.is_not(None) if handled
+                          else dead_letters.c.handled_at.is_(None))
     with store.engine.connect() as conn:
         return rows_mod.display_rows(conn, stmt, dead_letters)
 

@@ -47,7 +47,10 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from croniter import CroniterBadDateError, CroniterError, croniter
 
 from reliable_beat.errors import InvalidScheduleError, UnknownTimezoneError
+from reliable_beat.redaction import get_logger
 from reliable_beat.slots import format_fire_at, truncate
+
+log = get_logger(__name__)
 
 __all__ = [
     "MAX_CRON_LENGTH",
@@ -1018,6 +1021,40 @@ def _croniter_sets(expr: str) -> list[set[int]]:
     return out
 
 
+#: (where, crontab as written) already warned about by :func:`_warn_lenient_fields`: a beat
+#: builds its definitions more than once at start; the warning is said once per process.
+_LENIENT_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_lenient_fields(obj: Any, where: str, expr: str) -> None:
+    """Log a WARNING when a crontab field's text holds spaces (a whole cron string given as
+    ``minute=``, say): Celery reads each comma-separated part up to its first space and
+    ignores the rest, without a word. Celery's meaning is kept; the warning names the
+    entry, the field, what Celery read and what it ignored."""
+    ignored: list[str] = []
+    for _attr, orig_attr, keyword, _lo, _hi in _CELERY_FIELDS:
+        orig = getattr(obj, orig_attr, None)
+        if not isinstance(orig, str) or not any(c.isspace() for c in orig.strip()):
+            continue
+        parts = [p.strip() for p in orig.split(",")]
+        read = ",".join(p.split(None, 1)[0] for p in parts if p)
+        dropped = "; ".join(p.split(None, 1)[1] for p in parts if len(p.split(None, 1)) > 1)
+        ignored.append(f"{keyword}={orig!r} is read as {keyword}={read!r}, ignoring "
+                       f"{dropped!r}")
+    if not ignored:
+        return
+    source = describe_crontab(obj)
+    if (where, source) in _LENIENT_WARNED:
+        return
+    if len(_LENIENT_WARNED) < 10_000:
+        _LENIENT_WARNED.add((where, source))
+    log.warning(
+        "%s%s: %s. That is Celery's own reading of it, kept as is: cron %r. If the ignored "
+        "part was meant (a whole cron string given as one field), give each field its own "
+        "argument, e.g. crontab(minute='*/2', hour='6-17'), or give the cron string itself "
+        "as the schedule", where, source, "; ".join(ignored), expr)
+
+
 def _crontab_expr(obj: Any, where: str) -> str:
     """Render a Celery ``crontab`` as a 5-field croniter string, from Celery's own sets.
 
@@ -1079,6 +1116,7 @@ def _crontab_expr(obj: Any, where: str) -> str:
                 f"(Celery: {sorted(want)}, cron {expr!r}: {sorted(got)}); please report it, "
                 "and write the schedule as a cron string meanwhile"
             )
+    _warn_lenient_fields(obj, where, expr)
     return expr
 
 

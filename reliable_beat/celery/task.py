@@ -431,8 +431,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     _rb_settings: Settings | None = None
     _rb_retry: ClassVar[_RetryPlan] = _RetryPlan()
     #: Celery's expected exceptions (logged at INFO, no traceback): a fenced-out run
-    #: (:class:`~reliable_beat.errors.StaleFenceToken`) is an expected outcome.
-    throws: ClassVar[tuple[type[BaseException], ...]] = (StaleFenceToken,)
+    #: (:class:`~reliable_beat.errors.StaleFenceToken`) and an eager call that finds the
+    #: lease held (:class:`~reliable_beat.errors.LeaseHeldError`) are expected outcomes.
+    throws: ClassVar[tuple[type[BaseException], ...]] = (StaleFenceToken, LeaseHeldError)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Check Celery's retry options at task definition (``@app.task(base=...)``).
@@ -443,11 +444,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         super().__init_subclass__(**kwargs)
         cls._rb_retry = _retry_plan(cls)
         # A fenced-out holder's StaleFenceToken is the expected end of a run another worker
-        # took over (docs/task.md): Celery logs a task's ``throws`` at INFO without a
-        # traceback, anything else as "raised unexpected" at ERROR with one. Kept when a
-        # task gives its own ``throws``.
-        if StaleFenceToken not in tuple(cls.throws or ()):
-            cls.throws = (*tuple(cls.throws or ()), StaleFenceToken)
+        # took over (docs/task.md), and an eager call's LeaseHeldError the expected answer
+        # when another runner holds the lease (rbt.run_concurrently): Celery logs a task's
+        # ``throws`` at INFO without a traceback, anything else as "raised unexpected" at
+        # ERROR with one. Kept when a task gives its own ``throws``.
+        for expected in (StaleFenceToken, LeaseHeldError):
+            if expected not in tuple(cls.throws or ()):
+                cls.throws = (*tuple(cls.throws or ()), expected)
 
     # ------------------------------------------------------------------ keys ----
 
@@ -835,6 +838,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # retry takes the run over with a new fence.
             wait = decision.seconds
             if request.is_eager:  # an eager retry would run again at once, in a loop
+                log.info("%s: %s is busy (leased by another runner for %.1fs more); an "
+                         "eager call raises LeaseHeldError instead of retrying", self.name,
+                         key, wait)
                 raise LeaseHeldError(
                     f"run {key!r} is leased by another runner for {wait:.1f}s more"
                 )

@@ -120,17 +120,23 @@ def dead_letters_group() -> None:
 
 @dead_letters_group.command("list")
 @click.option("--pending", is_flag=True, help="Only those not requeued yet.")
+@click.option("--handled/--unhandled", default=None,
+              help="Only failures the application handled by design (a saga's step whose "
+                   "compensations completed: no alarm), or only the others (what `status "
+                   "--check` counts). Default: both.")
 @click.option("--limit", default=100, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)
 @pass_cli
-def dl_list(cli: CliContext, pending: bool, limit: int, as_json: bool) -> None:
+def dl_list(cli: CliContext, pending: bool, handled: bool | None, limit: int,
+            as_json: bool) -> None:
     """List dead letters, newest first."""
-    rows = runs.list_dead_letters(cli.store, include_requeued=not pending, limit=limit)
+    rows = runs.list_dead_letters(cli.store, include_requeued=not pending, limit=limit,
+                                  handled=handled)
     if as_json:
         cli.echo_json(rows)
         return
     _table(rows, ["id", "kind", "key", "task", "reason", "attempts", "created_at",
-                  "requeued_at", "requeued_by"])
+                  "requeued_at", "requeued_by", "handled_by"])
 
 
 @dead_letters_group.command("show")

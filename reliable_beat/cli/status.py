@@ -48,6 +48,8 @@ from reliable_beat.groups import (
     unserved_outbox,
 )
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.policies import MISSED_MARGIN_SECONDS
+from reliable_beat.policies import is_missed as missed_slot
 from reliable_beat.rows import (
     column_of,
     decode_labelled,
@@ -79,9 +81,8 @@ __all__ = [
 ]
 
 #: Extra slack (seconds) on top of an entry's ``misfire_grace`` before a due entry counts as
-#: missed: a beat sleeps at most ``beat_max_loop_interval`` (default 300 s on stock Celery,
-#: usually far less with NOTIFY) and a tick takes a moment.
-DEFAULT_MARGIN_SECONDS = 60.0
+#: missed (:func:`reliable_beat.policies.is_missed`).
+DEFAULT_MARGIN_SECONDS = MISSED_MARGIN_SECONDS
 #: ``--check`` alarms on config entries a sync disabled within this many minutes.
 DEFAULT_DISABLED_WITHIN_MINUTES = 60.0
 #: A beat whose heartbeat (every few seconds) is older than this counts as gone.
@@ -309,7 +310,9 @@ def collect_status(
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
         see :mod:`reliable_beat.identity`), "now" (UTC), "entries": [...], "missed": [names],
-        "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued),
+        "outbox": [...] (see :func:`outbox_backlog`), "dead_letters" (int, not requeued
+        nor handled), "dead_letters_handled" (int: failures handled by design, e.g. a saga's
+        compensated step; listed by ``dead-letters list --handled``, no alarm),
         "unstarted": {entry: count of its triggers of the last 24 h that no worker started
         within ``redispatch_seconds``, for entries with no started trigger, or with an
         unstarted one later than their first started one}, "unstarted_between": [entries
@@ -398,14 +401,17 @@ def collect_status(
             conn.execute(
                 select(dead_letters.c.entry_name, func.count())
                 .where(dead_letters.c.requeued_at.is_(None), dead_letters.c.kind == "run",
+                       dead_letters.c.handled_at.is_(None),
                        dead_letters.c.entry_name.is_not(None))
                 .group_by(dead_letters.c.entry_name)
             ).all()
         )
-        dead_total = conn.execute(
-            select(func.count()).select_from(dead_letters)
+        # a failure handled by design (a completed saga's step: handled_at) pages no one
+        dead_total, handled_total = conn.execute(
+            select(func.count(dead_letters.c.id) - func.count(dead_letters.c.handled_at),
+                   func.count(dead_letters.c.handled_at))
             .where(dead_letters.c.requeued_at.is_(None))
-        ).scalar_one()
+        ).one()
         backlog = outbox_backlog(conn, now)
         groups = group_health(conn, now, alive_seconds=beat_alive_seconds)
         unstarted, starts_recorded, between = _unstarted(conn, now, redispatch_seconds)
@@ -447,10 +453,8 @@ def collect_status(
         is_missed = False
         if status == "active" and r.next_fire_at is not None and r.next_fire_at <= now:
             overdue = round((now - r.next_fire_at).total_seconds(), 3)
-            grace = r.misfire_grace_seconds
-            grace = grace if isinstance(grace, (int, float)) and grace >= 0 else 0.0
-            limit = timedelta(seconds=grace + margin_seconds)
-            is_missed = now - r.next_fire_at > limit
+            is_missed = missed_slot(r.next_fire_at, r.misfire_grace_seconds, now,
+                                    margin_seconds)
         if is_missed:
             missed.append(r.name)
         if r.name in malformed_names and status in ("active", "paused", "ended"):
@@ -532,7 +536,8 @@ def collect_status(
         )
     if dead_total:
         problems.append(
-            f"{dead_total} dead letters wait for a person: `reliable-beat dead-letters list`"
+            f"{dead_total} dead letters wait for a person: `reliable-beat dead-letters list "
+            "--pending --unhandled`"
         )
     horizon = now - timedelta(minutes=disabled_within_minutes)
     recent = [e["name"] for e in out_entries if e["status"] == "disabled"
@@ -674,6 +679,7 @@ def collect_status(
         "missed": missed,
         "outbox": backlog,
         "dead_letters": int(dead_total),
+        "dead_letters_handled": int(handled_total or 0),
         "groups": groups,
         "unstarted": unstarted,
         "unstarted_between": sorted(between),
@@ -1209,7 +1215,10 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                            f"their slot); {o['dead']} dead")
         else:
             click.echo("\noutbox: empty")
-        click.echo(f"dead letters: {info['dead_letters']}")
+        handled = info["dead_letters_handled"]
+        click.echo(f"dead letters: {info['dead_letters']}"
+                   + (f" (+ {handled} handled by design, no alarm: `reliable-beat "
+                      "dead-letters list --handled`)" if handled else ""))
         if info["queue_depths"]:
             click.echo("queues: " + "; ".join(_depth_text(d) for d in info["queue_depths"]))
         for g in info["groups"]:

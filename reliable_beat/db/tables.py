@@ -286,6 +286,10 @@ dead_letters = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("requeued_at", UTCDateTime, nullable=True),
     Column("requeued_by", String(200), nullable=True),
+    # A failure the application handled by design (a saga whose compensations all completed,
+    # 0014_parked): kept and listed, but it pages no one (status --check, metrics).
+    Column("handled_at", UTCDateTime, nullable=True),
+    Column("handled_by", String(200), nullable=True),
     Index("ix_reliable_beat_dead_letters_created_at", "created_at"),
 )
 

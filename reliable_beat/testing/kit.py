@@ -276,18 +276,28 @@ def make_app(store: Store, *, name: str = "rb-test", eager: bool = True, **conf:
     return app
 
 
-def call(task: Any, *args: Any, key: str, **kwargs: Any) -> Any:
+def call(task: Any, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
     """Call an ``IdempotentTask`` directly, as a test would call a function, under ``key``.
 
     Runs the real protocol (claim, body, fenced completion) in this thread through
     ``task.apply`` and returns the body's result, or the stored one when ``key`` already
-    succeeded (deduplicated).
+    succeeded (deduplicated). Without ``key`` the task's ``idempotency_key_for(*args,
+    **kwargs)`` derives it, as ``delay()`` does.
 
     Raises:
+        IdempotencyKeyError: no ``key`` given and ``idempotency_key_for`` derives none.
         Whatever the body raised (after the task's own classification: a permanent error
         is dead-lettered first); :class:`~reliable_beat.errors.LeaseHeldError` when another
         runner holds the key's lease.
     """
+    if key is None:
+        _store_of(task)  # a plain task: refused naming the fix
+        key = task.idempotency_key_for(*args, **kwargs)
+        if not key:
+            raise IdempotencyKeyError(
+                f"rbt.call({task.name}, ...): no key: pass key=..., or let the task derive "
+                "one by overriding idempotency_key_for() (it returned None for "
+                f"args={args!r} kwargs={kwargs!r})")
     result = task.apply(args, kwargs, headers={KEY_HEADER: key})
     return result.get(disable_sync_subtasks=False, propagate=True)
 

@@ -16,6 +16,10 @@ nothing sent) -> ``scheduled`` (its activity message is in the outbox, key
 ``wf:<id>/<run>#<seq of the compensation>``) -> ``completed`` | ``failed`` (dead-lettered);
 ``released`` when its block ended without an error (it will never run).
 
+Once every compensation of a failed block completed, the failure was handled by design: the
+dead letters of the block's failed activities are marked handled (``handled_at`` /
+``handled_by``); they stay listed (``dead-letters list --handled``) but page no one.
+
 When an ``Exception`` leaves the block (an :class:`ActivityError`, :class:`WorkflowCancelled`,
 the workflow's own), ``Saga.__exit__``:
 
@@ -252,8 +256,37 @@ def _unwind(ctx: WorkflowContext, start_seq: int, seqs: list[int],
                         break
         if failed:
             _block_failed(ctx, failed, original, stopped=not (parallel or continue_on_error))
+        _mark_handled(ctx, [s for s in range(start_seq + 1,
+                                             (ctx._seq if upto is None else upto) + 1)
+                            if (ev := ctx._history.get(s)) is not None
+                            and ev.kind == "activity" and ev.state == "failed"])
     finally:
         ctx._unwinding = False
+
+
+def _mark_handled(ctx: WorkflowContext, seqs: list[int]) -> None:
+    """Every compensation of the block completed: the dead letters of its failed activities
+    (``seqs``) are failures the application handled by design. They stay dead letters
+    (listed, requeueable) marked ``handled_at`` / ``handled_by``, so they page no one
+    (``status --check``, the ``reliable_beat_dead_letters`` metric). A compensation that
+    dead-lettered blocks the workflow before this: then nothing is marked, both page."""
+    keys = [str(ctx._history[s].run_key) for s in seqs if ctx._history[s].run_key]
+    if not keys:
+        return
+    by = (f"saga of workflow {ctx._claimed.workflow_id} (run {ctx._claimed.run_no}): "
+          "its compensations completed")[:200]
+
+    def write(conn: Any) -> None:
+        dead_runs = select(runs_table.c.id).where(runs_table.c.idempotency_key.in_(keys),
+                                                  runs_table.c.state == "dead")
+        conn.execute(update(dead_letters)
+                     .where(dead_letters.c.kind == "run",
+                            dead_letters.c.run_id.in_(dead_runs),
+                            dead_letters.c.handled_at.is_(None),
+                            dead_letters.c.requeued_at.is_(None))
+                     .values(handled_at=db_now(conn), handled_by=by))
+
+    _fenced(ctx, write)
 
 
 def _settle(ctx: WorkflowContext, seq: int) -> str:

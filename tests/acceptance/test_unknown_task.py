@@ -1,7 +1,8 @@
 """A task name no process registers (a typo, a removed task), with real processes: the beat
-flags it at its start-up sync (ERROR), its triggers are dropped by the worker, and
-``reliable-beat status`` flags the entry (NEVER STARTED) and ``--check`` fails, while the
-entry whose plain task the worker runs stays clean.
+parks the entry at its start-up sync (ERROR naming the fix; written disabled with the reason,
+never fired, so no worker is sent triggers it drops), ``reliable-beat status`` shows it
+QUARANTINED and ``--check`` fails, while the entry whose plain task the worker runs stays
+clean and fires.
 """
 
 from __future__ import annotations
@@ -66,16 +67,18 @@ def test_unknown_task_is_flagged_by_beat_and_status(
         if r.returncode != 0:
             return None
         info = json.loads(r.stdout)
-        return info if info.get("unstarted", {}).get("typo") else None
+        started = [e for e in info["entries"] if e["name"] == "ok" and e["last_fire_at"]]
+        return info if info.get("quarantined") and started else None
 
-    info = procs_mod.wait_for(flagged, 120, "status to flag the unknown task", interval=1.0)
-    assert "ok" not in info["unstarted"], info["unstarted"]
-    assert any("NEVER STARTED" in p and "typo" in p for p in info["problems"])
-    assert info["unregistered"] == {"typo": "beatapp.tikc"}
+    info = procs_mod.wait_for(flagged, 120, "status to show the parked entry", interval=1.0)
+    assert [q["name"] for q in info["quarantined"]] == ["typo"], info["quarantined"]
+    assert "task 'beatapp.tikc' is not registered" in info["quarantined"][0]["reason"]
+    assert any(p.startswith("QUARANTINED") and "typo" in p for p in info["problems"])
+    assert "typo" not in info["unstarted"], info["unstarted"]  # never fired: nothing sent
+    typo = next(e for e in info["entries"] if e["name"] == "typo")
+    assert typo["status"] == "quarantined" and typo["last_fire_at"] is None, typo
     checked = status(env, "--check")
-    assert checked.returncode == 1 and "NEVER STARTED" in checked.stdout
-    assert "typo (NEVER STARTED)" in checked.stdout
+    assert checked.returncode == 1 and "QUARANTINED" in checked.stdout
     out = beat.output()
     assert "ERROR" in out and "task 'beatapp.tikc' is not registered" in out, out[-3000:]
-    print(f"\n[unknown task] unstarted triggers of 'typo': {info['unstarted']['typo']}; "
-          f"worker log mentions it: {'beatapp.tikc' in worker.output()}")
+    assert "beatapp.tikc" not in worker.output()  # no trigger of it ever reached a worker

@@ -183,6 +183,39 @@ def test_entry_page_shows_schedule_zone_five_questions_and_last_slots(
     assert "02:00:00 CE" in listing.content.decode()
 
 
+def test_an_overdue_entry_is_flagged_missed_as_status_flags_it(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    """The same MISSED check as `reliable-beat status` (one function, the store's clock): an
+    entry overdue past its misfire grace + margin is flagged on the list and its page; one
+    overdue within its grace is not, nor a paused one."""
+    from reliable_beat.cli.status import collect_status
+    from reliable_beat.db.tables import entries
+
+    store = conf.store()
+    tag = seeded["tag"]
+    names = {k: f"{k}-{tag}" for k in ("stale", "fresh", "held")}
+    for name in names.values():
+        rb_entries.save_runtime_entry(store, EntryDefinition(
+            name=name, task="dj.pay", schedule=sch.CronSchedule("*/5 * * * *", "UTC")),
+            create=True, schedule_group="djtask_app")
+    with store.begin() as conn:
+        now = store.now(conn)
+        for key, ago in (("stale", 3600), ("fresh", 10), ("held", 3600)):
+            conn.execute(sa.update(entries).where(entries.c.name == names[key]).values(
+                next_fire_at=now - timedelta(seconds=ago), misfire_grace_seconds=60,
+                paused=key == "held"))
+    missed = set(collect_status(store)["missed"])
+    assert names["stale"] in missed and not missed & {names["fresh"], names["held"]}
+    viewer = client(users["viewer"])
+    for key, flagged in (("stale", True), ("fresh", False), ("held", False)):
+        listing = viewer.get(f"/admin/reliable_beat/entry/?q={names[key]}").content.decode()
+        page = viewer.get(f"/admin/reliable_beat/entry/{entry_pk(names[key])}/change/"
+                          ).content.decode()
+        assert ("(MISSED: overdue by more than its misfire grace + 60 s" in listing) is \
+            flagged, (key, listing[-3000:])
+        assert ("(MISSED:" in page) is flagged, key
+
+
 def test_config_entry_page_says_where_it_comes_from(
         users: dict[str, User], seeded: dict[str, Any]) -> None:
     page = client(users["viewer"]).get(

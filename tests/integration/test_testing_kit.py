@@ -240,3 +240,49 @@ def test_plugin_refuses_a_bad_app_spec_naming_the_fix() -> None:
     with pytest.raises(pytest.UsageError, match="no_such_module_xyz"):
         _load_app("no_such_module_xyz:app")
     assert _load_app("examples.payouts.app:app").main == "payouts"
+
+
+def test_call_derives_the_key_from_idempotency_key_for(sqlite_tasks: Tasks) -> None:
+    """`rbt.call` without `key=` uses the task's own `idempotency_key_for`, as `delay()`
+    does; a task that derives none is refused naming `key=`."""
+    from reliable_beat import runs
+
+    app = sqlite_tasks.tasks["correct"].app
+
+    class Keyed(IdempotentTask):  # type: ignore[misc]
+        def idempotency_key_for(self, merchant: str) -> str:
+            return f"payout:{merchant}:2026-02"
+
+    @app.task(shared=False, base=Keyed, bind=True, name="kit.keyed")
+    def keyed(self: IdempotentTask, merchant: str) -> str:
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(merchant=merchant))
+        return merchant
+
+    assert rbt.call(keyed, "m7") == "m7"
+    assert rbt.call(keyed, "m7") == "m7"  # deduplicated under the derived key
+    assert runs.get_run(sqlite_tasks.store, "payout:m7:2026-02")["state"] == "succeeded"
+    assert count_of(sqlite_tasks, "m7") == 1
+    with pytest.raises(IdempotencyKeyError, match=r"no key: pass key=\.\.\."):
+        rbt.call(sqlite_tasks.tasks["correct"], "m8")
+
+
+def count_of(tasks: Tasks, merchant: str) -> int:
+    return rbt.count_effects(tasks.probe("correct", merchant), tasks.store)
+
+
+def test_a_passing_overlap_scenario_logs_no_error(
+    sqlite_tasks: Tasks, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The busy calls of `run_concurrently` (LeaseHeldError: another runner holds the lease)
+    are the expected answer: logged at INFO, never Celery's ERROR "raised unexpected"."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    ev = rbt.run_concurrently(sqlite_tasks.tasks["correct"], ("m9",), key="payout:m9:2026-01",
+                              effects=sqlite_tasks.probe("correct", "m9"), n=3)
+    assert "busy" in ev.outcomes, ev.outcomes
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
+    assert any("is busy (leased by another runner" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]

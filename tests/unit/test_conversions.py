@@ -352,3 +352,35 @@ def test_next_slot_equals_celery_own_remaining_estimate(
         got = ours.next_after(last)
         assert got == expected.astimezone(UTC), (last, expected, got)
         last = got.astimezone(ZoneInfo(zone))
+
+
+@pytest.mark.parametrize("field", ["minute", "hour", "day_of_week", "day_of_month",
+                                   "month_of_year"])
+def test_a_crontab_field_holding_spaces_keeps_celerys_meaning_and_warns(
+    field: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`crontab(minute='*/2 6-17 * * *')`: Celery reads '*/2' and drops the rest without a
+    word. The conversion keeps Celery's meaning and logs one WARNING naming the entry, the
+    field, what is read and what is ignored; a clean crontab logs nothing."""
+    import logging
+    import uuid
+
+    text = {"minute": "*/2 6-17 * * *", "hour": "6-17 * * *", "day_of_week": "1-5 *",
+            "day_of_month": "1-15 x", "month_of_year": "*/3 x"}[field]
+    read = text.split()[0]
+    entry = f"poll-{uuid.uuid4().hex[:6]}"
+    anchor = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    caplog.set_level(logging.WARNING, logger="reliable_beat.schedules")
+    got = from_celery(crontab(**{field: text}), timezone="UTC", anchor=anchor, entry=entry)
+    assert got == from_celery(crontab(**{field: read}), timezone="UTC", anchor=anchor,
+                                  entry=entry)  # Celery's meaning, kept
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert f"entry {entry!r}: " in warned[0]
+    assert f"{field}={text!r} is read as {field}={read!r}, ignoring " \
+        f"{text.split(None, 1)[1]!r}" in warned[0], warned[0]
+    caplog.clear()
+    from_celery(crontab(**{field: text}), timezone="UTC", anchor=anchor, entry=entry)
+    from_celery(crontab(minute="*/2", hour="6-17"), timezone="UTC", anchor=anchor,
+                    entry=entry)
+    assert [r for r in caplog.records if r.levelno == logging.WARNING] == []  # said once

@@ -679,3 +679,54 @@ def test_parallel_saga_with_two_dead_compensations_blocks_naming_both(
     drain(driver)
     assert handle.status()["state"] == "failed"
     assert sorted(lbl for _, lbl in rows(store, "undo")) == ["p2:a", "p2:b", "p2:c:nothing"]
+
+
+def _dead_letter_alarms(store: Store) -> tuple[int, list[str]]:
+    """(dead letters `status --check` counts, the problems naming dead letters)."""
+    from reliable_beat.cli.status import collect_status
+
+    info = collect_status(store)
+    return info["dead_letters"], [p for p in info["problems"] if "dead letters" in p]
+
+
+def test_a_compensated_step_is_a_handled_dead_letter_that_does_not_page(
+    app: Celery, store: Store
+) -> None:
+    """The saga's third step is refused (a declined order) and every compensation runs: the
+    step's dead letter stays (listed, with who handled it) but `status --check` and the
+    dead-letter metric stay green. A compensation that itself dead-letters still pages."""
+    from click.testing import CliRunner
+
+    from reliable_beat import runs
+    from reliable_beat.cli import reliable_beat as rb_cli
+    from reliable_beat.metrics import StoreCollector
+
+    engine.start(store, "t.three", "declined", ["declined"])
+    drain(Driver(store, app))
+    assert engine.get_workflow(store, "declined")["state"] == "failed"
+    everything = runs.list_dead_letters(store)
+    assert [(d["key"], d["reason"]) for d in everything] == [("wf:declined/1#6", "permanent")]
+    assert everything[0]["handled_by"] == ("saga of workflow declined (run 1): its "
+                                           "compensations completed")
+    assert everything[0]["handled_at"] is not None
+    assert _dead_letter_alarms(store) == (0, [])
+    assert [d["key"] for d in runs.list_dead_letters(store, handled=True)] == [
+        "wf:declined/1#6"]
+    assert runs.list_dead_letters(store, handled=False) == []
+    families = {f.name: f for f in StoreCollector(store).collect()}
+    assert [s.value for s in families["reliable_beat_dead_letters"].samples] == [0.0, 0.0]
+    assert families["reliable_beat_dead_letters_handled"].samples[0].value == 1.0
+    out = CliRunner().invoke(rb_cli, ["--database-url", store.url, "dead-letters", "list",
+                                      "--handled"])
+    assert out.exit_code == 0 and "wf:declined/1#6" in out.output, out.output
+    assert "saga of workflow declined" in out.output
+
+    # unhandled: the compensation of b dead-letters -> blocked; both dead letters page
+    BROKEN.add("broken:b")
+    engine.start(store, "t.three", "broken", ["broken"])
+    drain(Driver(store, app))
+    assert engine.get_workflow(store, "broken")["state"] == "blocked"
+    count, problems = _dead_letter_alarms(store)
+    assert count == 2 and problems, problems  # the step c and the compensation of b
+    assert sorted(d["key"] for d in runs.list_dead_letters(store, handled=False)) == [
+        "wf:broken/1#3", "wf:broken/1#6"]

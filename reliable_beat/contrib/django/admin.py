@@ -29,6 +29,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.checks import ModelAdminChecks
 from django.db.models import QuerySet
+from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
@@ -48,7 +49,7 @@ from reliable_beat.contrib.django.models import (
 )
 from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
 from reliable_beat.groups import schedule_group_of
-from reliable_beat.policies import MAX_CATCH_UP_LIMIT
+from reliable_beat.policies import MAX_CATCH_UP_LIMIT, MISSED_MARGIN_SECONDS, is_missed
 from reliable_beat.redaction import MASK, is_sensitive_name, redact_text, redact_value
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
@@ -420,6 +421,23 @@ class EntryAdmin(_ReadOnlyAdmin):
             return "paused"
         return "active" if obj.next_fire_at is not None else "ended"
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # the store's clock read with the rows (design invariant 4): the MISSED check
+        return super().get_queryset(request).annotate(rb_store_now=Now())
+
+    @staticmethod
+    def missed(obj: Entry) -> bool:
+        """``reliable-beat status``'s MISSED flag of this entry (the same function:
+        :func:`reliable_beat.policies.is_missed`, on the store's clock)."""
+        if obj.quarantine_reason or not obj.enabled or obj.paused:
+            return False
+        now = getattr(obj, "rb_store_now", None)
+        if not isinstance(now, datetime) or now.tzinfo is None:
+            store = conf.store()
+            with store.engine.connect() as conn:
+                now = store.now(conn)
+        return is_missed(obj.next_fire_at, obj.misfire_grace_seconds, now)
+
     @admin.display(description="next fire (entry's zone)", ordering="next_fire_at")
     def next_fire_local(self, obj: Entry) -> str:
         if obj.next_fire_at is None:
@@ -430,7 +448,12 @@ class EntryAdmin(_ReadOnlyAdmin):
             zone = ZoneInfo(obj.timezone or "UTC")
         except Exception:
             zone = ZoneInfo("UTC")
-        return obj.next_fire_at.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z")
+        text = obj.next_fire_at.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z")
+        if self.missed(obj):
+            text += (" (MISSED: overdue by more than its misfire grace + "
+                     f"{MISSED_MARGIN_SECONDS:g} s: no beat is claiming entries; see "
+                     "`reliable-beat status`)")
+        return text
 
     def has_pause_permission(self, request: HttpRequest) -> bool:
         return self._perm(request, "pause_entry")

@@ -305,7 +305,7 @@ def check_payload(destination: str, payload: Any, *, label: str,
         where = f" field {exc.field!r}" if exc.field else ""
         raise OutboxPayloadError(f"{label}: refused, payload{where}: {exc.problem}",
                                  field=exc.field, destination=destination) from None
-    except (ValueError, TypeError, LookupError) as exc:
+    except Exception as exc:  # a hook's ValueError, or its own bug on an odd payload
         raise OutboxPayloadError(
             f"{label}: refused by the handler's validate(): {exc}",
             destination=destination) from exc

@@ -324,9 +324,9 @@ def test_referenced_files_exist() -> None:
 
 #: Phrases of a page written about the project's own history, not for its users.
 HISTORY = re.compile(r"(\bNot yet\b|\bnot yet (?:shipped|implemented|built|available|done)|"
-                     r"\bpart 2\b|\bsecond part\b|\breserved\b|nothing here exists|"
+                     r"\bpart 2\b|\bsecond part\b|\*Reserved\.\*|nothing here exists|"
                      r"\bsessions? \d|fresh user|\bthe lead\b|\bhelpers?'|\bissue \d+|"
-                     r"\bissues? #\d+|§)")
+                     r"\bissues? #\d+|\bthis session\b)")
 
 
 def test_pages_speak_to_users() -> None:

@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	$(PY) -m examples.payouts --seconds 40
 
 # Unit, integration (real PostgreSQL + Redis started by the tests) and acceptance tests.
-# CI size vs full size, split deliberately (docs/testing-the-project.md): `make test` runs every
+# CI size vs full size, split deliberately (docs/development.md): `make test` runs every
 # kind of test at least once: every unit and integration test on SQLite, PostgreSQL and Redis,
 # one real-process test of each crash/kill kind, the fault smoke, the examples, and a MariaDB
 # subset (the integration suite, the workflow engine's unit suites, one kill and one pause on

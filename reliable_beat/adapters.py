@@ -31,7 +31,7 @@ from reliable_beat.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from reliable_beat.db.dialects import Store
-    from reliable_beat.outbox import OutboxMessage
+    from reliable_beat.messages import OutboxMessage
     from reliable_beat.settings import Settings
     from reliable_beat.triggers import Trigger
 

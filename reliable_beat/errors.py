@@ -14,6 +14,7 @@ and also from the builtin that fits, so ``except ValueError`` keeps working::
     ├── SchemaError (RuntimeError)           the database schema is missing or behind
     ├── StoreUnavailableError (ConnectionError)  the database cannot be reached
     ├── IdempotencyKeyError (ValueError)     an ad-hoc call has no derivable idempotency key
+    ├── OutboxPayloadError (ValueError)      outbox.add: a row its handler can never deliver
     ├── StaleFenceToken (RuntimeError)       a newer claim superseded this runner
     ├── LeaseHeldError (RuntimeError)        another runner holds a live lease on the run
     ├── PermanentError                       raise from a task body: no retry, dead letter at once
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "ConfigurationError",
@@ -37,6 +39,7 @@ __all__ = [
     "IdempotencyKeyError",
     "InvalidScheduleError",
     "LeaseHeldError",
+    "OutboxPayloadError",
     "PermanentDeliveryError",
     "PermanentError",
     "ReliableBeatError",
@@ -115,6 +118,33 @@ class IdempotencyKeyError(ReliableBeatError, ValueError):
     Fix: pass ``headers={"reliable_beat_key": ...}`` in the call, or override
     ``IdempotentTask.idempotency_key_for(*args, **kwargs)``.
     """
+
+
+class OutboxPayloadError(ReliableBeatError, ValueError):
+    """``outbox.add`` refused a row its destination's handler can never deliver (a
+    ``webhook`` row with a ``url``, an ``smtp`` row without ``to``, ...): nothing was written,
+    and the caller's transaction is still usable. The message names the message, the field
+    and the fix. See :mod:`reliable_beat.payloads`.
+
+    Attributes:
+        field: the payload key at fault, or None (the payload as a whole, or unknown).
+        destination: the destination the row was for, or None (raised by a validator).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None,
+                 destination: str | None = None) -> None:
+        self.problem = message
+        self.field = field
+        self.destination = destination
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_outbox_payload_error, (self.problem, self.field, self.destination))
+
+
+def _outbox_payload_error(message: str, field: str | None,
+                          destination: str | None) -> OutboxPayloadError:
+    return OutboxPayloadError(message, field=field, destination=destination)
 
 
 class StaleFenceToken(ReliableBeatError, RuntimeError):

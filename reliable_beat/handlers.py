@@ -63,7 +63,7 @@ from typing import Any, Protocol, runtime_checkable
 from urllib.parse import quote, unquote, urlsplit
 
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
-from reliable_beat.outbox import OutboxMessage
+from reliable_beat.messages import OutboxMessage
 from reliable_beat.redaction import get_logger
 from reliable_beat.values import to_plain_json
 

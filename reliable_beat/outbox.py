@@ -32,17 +32,18 @@ import json
 import uuid
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import Interval, Table, bindparam, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy.engine import Connection
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import ColumnElement
 
 from reliable_beat.db.tables import outbox
+from reliable_beat.messages import OutboxMessage
+from reliable_beat.payloads import check_payload
 from reliable_beat.values import to_json_value
 
 __all__ = [
@@ -70,56 +71,6 @@ def json_size(value: Any) -> int:
     """Bytes of ``value`` as compact UTF-8 JSON (values JSON cannot encode count as ``str``)."""
     return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False,
                           default=str).encode())
-
-
-@dataclass(frozen=True)
-class OutboxMessage:
-    """One outbox row, as handlers see it.
-
-    Attributes:
-        id: the row's primary key (insertion order).
-        message_id: the stable message id / idempotency key; the far end dedupes on it.
-        destination: the handler name (``celery``, ``kombu``, ``webhook``, ``smtp`` or a user
-            handler name).
-        payload: the JSON payload; its shape is defined by the destination's handler.
-        headers: JSON object of handler options / message headers (may be empty).
-        ordering_key: rows sharing it are delivered in id order, or None.
-        run_id: the ``reliable_beat_runs`` row this message belongs to, or None.
-        attempts: delivery attempts so far, this one included once claimed.
-        available_at: UTC instant before which the row is not claimed.
-        created_at: UTC instant of the insert (store clock).
-        state: ``pending``, ``sent`` or ``dead``.
-    """
-
-    id: int
-    message_id: str
-    destination: str
-    payload: Any
-    headers: Mapping[str, Any] = field(default_factory=dict)
-    ordering_key: str | None = None
-    run_id: int | None = None
-    attempts: int = 0
-    available_at: datetime | None = None
-    created_at: datetime | None = None
-    state: str = "pending"
-
-    @classmethod
-    def from_row(cls, row: Row[Any] | Mapping[str, Any]) -> OutboxMessage:
-        """Build from a result row (or mapping) of ``reliable_beat_outbox``."""
-        m: Mapping[str, Any] = row._mapping if isinstance(row, Row) else row  # type: ignore[assignment]
-        return cls(
-            id=int(m["id"]),
-            message_id=m["message_id"],
-            destination=m["destination"],
-            payload=m["payload"],
-            headers=m.get("headers") or {},
-            ordering_key=m.get("ordering_key"),
-            run_id=m.get("run_id"),
-            attempts=int(m.get("attempts") or 0),
-            available_at=m.get("available_at"),
-            created_at=m.get("created_at"),
-            state=m.get("state") or "pending",
-        )
 
 
 def db_now(conn: Connection) -> datetime:
@@ -184,6 +135,7 @@ def add(
     run_id: int | None = None,
     max_bytes: int | None = None,
     schedule_group: str | ColumnElement[Any] | None = None,
+    handlers: Mapping[str, Any] | None = None,
 ) -> str:
     """Add one message to the outbox inside the caller's transaction.
 
@@ -223,11 +175,19 @@ def add(
             (a workflow's messages carry its group, so they reach the broker of the app that
             runs it); a SQL expression is evaluated in the insert (the workflow engine passes
             its row's group). None: any relay with a handler for ``destination``.
+        handlers: the ``reliable_beat_outbox_handlers`` setting (name ->
+            ``"package.module:attr"`` or the handler): the ``validate(payload)`` hook of the
+            handler named for ``destination`` checks the payload (``IdempotentTask.outbox``
+            and ``current().outbox`` pass their settings'). Built-in destinations and entry
+            point handlers are found without it. See :mod:`reliable_beat.payloads`.
 
     Returns:
         The message id (``key`` or the generated one), whether or not a row was inserted.
 
     Raises:
+        OutboxPayloadError: (a ``ValueError``) the destination's handler can never deliver
+            ``payload`` (e.g. a ``webhook`` row with the retired ``url``, an ``smtp`` row
+            without ``to``); the message names the field and the fix, nothing is written.
         ValueError: a payload or header value neither JSON nor Celery's JSON serializer
             carries (the message names the message and the path to the value), ``key`` is
             empty or longer than 400 characters, ``delay`` is negative,
@@ -243,6 +203,7 @@ def add(
     label = f"outbox message {key or '(no key)'!r} to {destination!r}"
     payload = to_json_value(payload, f"{label}: payload")
     header_values = to_json_value(dict(headers or {}), f"{label}: headers")
+    check_payload(destination, payload, label=label, handlers=handlers)
     limit = DEFAULT_MAX_PAYLOAD_BYTES if max_bytes is None else max_bytes
     size = json_size(payload) + json_size(header_values)
     if size > limit:

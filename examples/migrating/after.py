@@ -29,5 +29,5 @@ def send_invoices(self: IdempotentTask) -> None:
         tx.execute(text("INSERT INTO invoices (day) VALUES (current_date)"))
         self.outbox.add(  # (3)
             tx, "smtp", {"to": "billing@example.com", "subject": "invoices",
-                         "body": "invoices are out"},
+                         "text": "invoices are out"},
         )

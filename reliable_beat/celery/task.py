@@ -187,6 +187,7 @@ class _Outbox:
             ordering_key=ordering_key,
             run_id=state.claim.run_id,
             max_bytes=self._task.reliable_beat_settings.max_payload_bytes,
+            handlers=self._task.reliable_beat_settings.outbox_handlers,
         )
 
 

@@ -239,6 +239,7 @@ class _Outbox:
             headers=headers, ordering_key=ordering_key, run_id=state.claim.run_id,
             delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
             max_bytes=self._ctx.settings.max_payload_bytes,
+            handlers=self._ctx.settings.outbox_handlers,
         )
 
 

@@ -41,13 +41,13 @@ def payouts(key: str) -> list[dict[str, Any]]:
 def test_orm_row_and_outbox_row_roll_back_and_commit_together() -> None:
     with pytest.raises(RuntimeError), atomic_connection() as tx:
         Payout.objects.create(key="tx:1", fence=0, run_id=0, pid=0)
-        outbox.add(tx, "webhook", {"n": 1}, key="tx:1")
+        outbox.add(tx, "webhook", {"destination": "d", "path": "/n", "body": {"n": 1}}, key="tx:1")
         assert Payout.objects.filter(key="tx:1").count() == 1  # the ORM sees it inside
         raise RuntimeError("boom")
     assert payouts("tx:1") == [] and outbox_ids("tx:1") == []
     with atomic_connection("default") as tx:
         Payout.objects.create(key="tx:1", fence=0, run_id=0, pid=0)
-        outbox.add(tx, "webhook", {"n": 1}, key="tx:1")
+        outbox.add(tx, "webhook", {"destination": "d", "path": "/n", "body": {"n": 1}}, key="tx:1")
     assert len(payouts("tx:1")) == 1 and outbox_ids("tx:1") == ["tx:1"]
 
 
@@ -60,7 +60,8 @@ def test_a_caught_savepoint_rollback_inside_the_block_keeps_the_rest() -> None:
                 raise ValueError("undo the savepoint only")
         except ValueError:
             pass
-        outbox.add(tx, "webhook", {"n": 2}, key="sp:msg")
+        outbox.add(tx, "webhook", {"destination": "d", "path": "/n", "body": {"n": 2}},
+                   key="sp:msg")
     assert len(payouts("sp:kept")) == 1 and payouts("sp:undone") == []
     assert outbox_ids("sp:msg") == ["sp:msg"]
 

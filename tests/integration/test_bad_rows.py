@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from unittest import mock
 
 import pytest
 from sqlalchemy import select, text, update
@@ -156,8 +157,10 @@ def _add_outbox(store: Store) -> None:
     with store.begin() as conn:
         for i in range(6):
             ob.add(conn, "sink", {"i": i}, key=f"k{i}")
-        ob.add(conn, "celery", ["not", "a", "trigger"], key="trigger:list")
-        ob.add(conn, "celery", {"task": "t", "args": "1", "kwargs": {}}, key="trigger:args")
+        # rows outbox.add refuses now, as an earlier version (or a person with SQL) wrote them
+        with mock.patch.object(ob, "check_payload", lambda *args, **kwargs: None):
+            ob.add(conn, "celery", ["not", "a", "trigger"], key="trigger:list")
+            ob.add(conn, "celery", {"task": "t", "args": "1", "kwargs": {}}, key="trigger:args")
         conn.execute(update(outbox).where(outbox.c.message_id == "k1")
                      .values(headers=["not", "an", "object"]))
         if store.dialect == "sqlite":

@@ -373,7 +373,7 @@ def test_process_tz_does_not_matter(store: Store, process_tz: str,
 
 
 # -- the paperless real schedule -------------------------------------------------------------
-PAPERLESS = [  # transcribed from shared/cases/real/paperless-schedule.json
+PAPERLESS = [  # transcribed from tests/cases/real/paperless-schedule.json
     ("Check all e-mail accounts", "*/10 * * * *", 540),
     ("Train the classifier", "5 */1 * * *", 3540),
     ("Optimize the index", "0 0 * * *", 82800),
@@ -398,11 +398,9 @@ def _crontab(expr: str) -> Any:
 
 
 def test_paperless_schedule_slots_for_dst_days() -> None:
-    shared = ROOT.parent / "shared" / "cases" / "real" / "paperless-schedule.json"
-    if shared.exists():
-        data = json.loads(shared.read_text())
-        assert [(e["name"], e["schedule"]["expr"], e["options"]["expires"])
-                for e in data["entries"]] == PAPERLESS
+    data = json.loads((ROOT / "tests" / "cases" / "real" / "paperless-schedule.json").read_text())
+    assert [(e["name"], e["schedule"]["expr"], e["options"]["expires"])
+            for e in data["entries"]] == PAPERLESS
     beat_schedule = {name: {"task": "documents.tasks.x", "schedule": _crontab(expr),
                             "options": {"expires": exp}} for name, expr, exp in PAPERLESS}
     defs = definitions_from_beat_schedule(

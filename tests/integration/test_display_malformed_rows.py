@@ -167,8 +167,9 @@ def test_the_outbox_line_adds_up(sqlite_store: Store) -> None:
 
     with sqlite_store.begin() as conn:
         for key in ("due", "held"):
-            ob.add(conn, "celery", {"k": key}, key=key)
-        ob.add(conn, "celery", {"k": "later"}, key="later", delay=timedelta(hours=1))
+            ob.add(conn, "celery", {"task": "t", "kwargs": {"k": key}}, key=key)
+        ob.add(conn, "celery", {"task": "t", "kwargs": {"k": "later"}}, key="later",
+               delay=timedelta(hours=1))
         conn.execute(text(
             "UPDATE reliable_beat_outbox SET claimed_by = 'relay:1', "
             "available_at = datetime('now', '+60 seconds') WHERE message_id = 'held'"))

@@ -187,7 +187,7 @@ def test_relay_back_from_an_outage_leaves_triggers_to_their_publisher(
 
     with pg_store.begin() as conn:
         outbox_api.add(conn, "celery", {"task": "x"})
-        outbox_api.add(conn, "webhook", {"url": "x"})
+        outbox_api.add(conn, "webhook", {"destination": "d", "path": "/x"})
     relay = Relay(pg_store, handlers={"celery": handler, "webhook": handler},
                   settings=Settings(relay_poll_seconds=0.1))
     stop = threading.Event()

@@ -1,7 +1,7 @@
 """The testing kit's scheduler clock (issue 19): entries driven through a window on a
 simulated database clock, real beat ticks on a real store, no waiting.
 
-Expected slots are the handed cases of ``shared/cases/handed.json`` (DST days, downtime
+Expected slots are the handed cases of ``tests/cases/handed.json`` (DST days, downtime
 with each misfire policy, a blocked loop, a restart straddling a slot), transcribed here so
 the tests run without the shared file; when it is present, ``test_transcription_matches``
 checks the transcription against it.
@@ -22,12 +22,7 @@ from celery.schedules import crontab
 from reliable_beat import testing as rbt
 from reliable_beat.db.dialects import Store
 
-#: The checkout's sibling ``shared/`` (a main checkout), or its parent's (a worktree).
-CASES_FILE = next(
-    (p for p in (Path(__file__).parents[n].parent / "shared/cases/handed.json" for n in (2, 3))
-     if p.exists()),
-    Path(__file__).parents[2].parent / "shared/cases/handed.json",
-)
+CASES_FILE = Path(__file__).parents[1] / "cases" / "handed.json"
 
 
 def z(text: str) -> datetime:
@@ -219,7 +214,6 @@ def test_clock_refuses_naive_and_backwards_instants(store: Store) -> None:
         clock.set(z("2026-01-10T09:00:00Z"))
 
 
-@pytest.mark.skipif(not CASES_FILE.exists(), reason="shared/cases/handed.json not present")
 def test_transcription_matches() -> None:
     cases = {c["id"]: c for c in json.loads(CASES_FILE.read_text())}
     for name, (_, zone, start, end, expected) in DST_CASES.items():

@@ -1,4 +1,4 @@
-"""The handed case ``full-jitter-at-cap`` (shared/cases/handed.json).
+"""The handed case ``full-jitter-at-cap`` (tests/cases/handed.json).
 
 ``delay_k ~ Uniform[0, min(cap, base * 2**k)]``, base 1 s, cap 60 s, max_retries 5 (= 6
 attempts, then one dead letter). The draws are pure; the always-failing task runs eagerly
@@ -24,25 +24,14 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters
 from reliable_beat.policies import backoff_delay
 
-CASES = Path(__file__).resolve().parents[3] / "shared" / "cases" / "handed.json"
+CASES = Path(__file__).resolve().parents[1] / "cases" / "handed.json"
 
 
 def _case() -> dict[str, Any]:
-    if CASES.exists():
-        for case in json.loads(CASES.read_text()):
-            if case["id"] == "full-jitter-at-cap":
-                return case  # type: ignore[no-any-return]
-    # The case inlined, so the test runs outside the shared workspace too.
-    return {
-        "schedule": {"retry_policy": {"base_seconds": 1, "cap_seconds": 60, "max_retries": 5}},
-        "expected": {
-            "k0_range": [0, 1], "k3_range": [0, 8], "k6_and_above_range": [0, 60],
-            "k20_10000_draws": {"min_at_most": 1, "max_at_least": 59,
-                                "mean_between": [28, 32], "distinct_values_at_least": 50},
-            "always_failing_task": {"attempts": 6, "dead_letter_rows": 1,
-                                    "retried_after_dead_letter": False},
-        },
-    }
+    for case in json.loads(CASES.read_text()):
+        if case["id"] == "full-jitter-at-cap":
+            return case  # type: ignore[no-any-return]
+    raise AssertionError(f"case 'full-jitter-at-cap' missing from {CASES}")
 
 
 CASE = _case()

@@ -1,4 +1,4 @@
-"""Handed cases (``shared/cases/handed.json``) of kind cron_slots / interval_slots.
+"""Handed cases (``tests/cases/handed.json``) of kind cron_slots / interval_slots.
 
 The expected values are transcribed below so the tests run without the shared
 file; when the file is present, a second set of tests checks the transcription
@@ -20,8 +20,8 @@ from reliable_beat.errors import InvalidScheduleError
 from reliable_beat.schedules import CronSchedule, IntervalSchedule, Schedule, from_celery
 
 UTC = timezone.utc
-CASES_FILE = Path(__file__).parents[2].parent / "shared/cases/handed.json"
-PAPERLESS_FILE = Path(__file__).parents[2].parent / "shared/cases/real/paperless-schedule.json"
+CASES_FILE = Path(__file__).parents[1] / "cases" / "handed.json"
+PAPERLESS_FILE = Path(__file__).parents[1] / "cases" / "real" / "paperless-schedule.json"
 
 
 def z(text: str) -> datetime:
@@ -436,8 +436,6 @@ def test_paperless_schedule_on_dst_days(
 
 
 def test_paperless_transcription_matches_file() -> None:
-    if not PAPERLESS_FILE.exists():
-        pytest.skip("shared/cases not present")
     data = json.loads(PAPERLESS_FILE.read_text())
     assert [(e["name"], e["schedule"]["expr"]) for e in data["entries"]] == [
         (p[0], p[2]) for p in PAPERLESS
@@ -448,16 +446,12 @@ def test_paperless_transcription_matches_file() -> None:
 
 
 def _load_cases() -> list[dict[str, Any]]:
-    if not CASES_FILE.exists():
-        return []
     cases: list[dict[str, Any]] = json.loads(CASES_FILE.read_text())
     return [c for c in cases if c["kind"] in ("cron_slots", "interval_slots")]
 
 
 def test_transcription_matches_file() -> None:
     cases = {c["id"]: c for c in _load_cases()}
-    if not cases:
-        pytest.skip("shared/cases not present")
     assert set(cases) == {
         "dst-ny-daily-fixed",
         "dst-pacific-hourly-fallback",

@@ -1,4 +1,4 @@
-"""Handed restart / misfire cases (shared/cases/handed.json) through ``plan_entry``.
+"""Handed restart / misfire cases (tests/cases/handed.json) through ``plan_entry``.
 
 A simulated beat ticks every whole second of simulated time while it is up; the entry's
 ``next_fire_at`` persists across restarts (it lives in the store). Expected values are
@@ -29,7 +29,7 @@ from reliable_beat.planner import SKIP_RECORD_LIMIT, Plan, plan_entry
 
 UTC = timezone.utc
 ONE = timedelta(seconds=1)
-HANDED = Path(__file__).resolve().parents[3] / "shared" / "cases" / "handed.json"
+HANDED = Path(__file__).resolve().parents[1] / "cases" / "handed.json"
 _CLAIM_AHEAD = [timedelta(0)]
 
 
@@ -49,9 +49,7 @@ def Z(at: datetime) -> str:
     return f"{at:%Y-%m-%dT%H:%M:%SZ}"
 
 
-def handed(case_id: str) -> dict | None:
-    if not HANDED.exists():
-        return None
+def handed(case_id: str) -> dict:
     for case in json.loads(HANDED.read_text()):
         if case["id"] == case_id:
             return case

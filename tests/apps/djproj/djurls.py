@@ -15,7 +15,8 @@ def order(request: HttpRequest, name: str) -> HttpResponse:
 
     with atomic_connection() as tx:
         Payout.objects.create(key=f"order:{name}", fence=0, run_id=0, pid=0)
-        outbox.add(tx, "webhook", {"order": name}, key=f"order:{name}")
+        outbox.add(tx, "webhook", {"destination": "shop", "path": "/orders",
+                                   "body": {"order": name}}, key=f"order:{name}")
     if request.GET.get("fail"):
         raise RuntimeError("the view failed after writing")
     return HttpResponse("ok")

@@ -1,0 +1,64 @@
+"""The outbox row as handlers see it: :class:`OutboxMessage` (also importable from
+:mod:`reliable_beat.outbox`). A module of its own so that the handlers and the write-time
+payload checks (:mod:`reliable_beat.payloads`) need not import the outbox writer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.engine import Row
+
+__all__ = ["OutboxMessage"]
+
+
+@dataclass(frozen=True)
+class OutboxMessage:
+    """One outbox row, as handlers see it.
+
+    Attributes:
+        id: the row's primary key (insertion order).
+        message_id: the stable message id / idempotency key; the far end dedupes on it.
+        destination: the handler name (``celery``, ``kombu``, ``webhook``, ``smtp`` or a user
+            handler name).
+        payload: the JSON payload; its shape is defined by the destination's handler.
+        headers: JSON object of handler options / message headers (may be empty).
+        ordering_key: rows sharing it are delivered in id order, or None.
+        run_id: the ``reliable_beat_runs`` row this message belongs to, or None.
+        attempts: delivery attempts so far, this one included once claimed.
+        available_at: UTC instant before which the row is not claimed.
+        created_at: UTC instant of the insert (store clock).
+        state: ``pending``, ``sent`` or ``dead``.
+    """
+
+    id: int
+    message_id: str
+    destination: str
+    payload: Any
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    ordering_key: str | None = None
+    run_id: int | None = None
+    attempts: int = 0
+    available_at: datetime | None = None
+    created_at: datetime | None = None
+    state: str = "pending"
+
+    @classmethod
+    def from_row(cls, row: Row[Any] | Mapping[str, Any]) -> OutboxMessage:
+        """Build from a result row (or mapping) of ``reliable_beat_outbox``."""
+        m: Mapping[str, Any] = row._mapping if isinstance(row, Row) else row  # type: ignore[assignment]
+        return cls(
+            id=int(m["id"]),
+            message_id=m["message_id"],
+            destination=m["destination"],
+            payload=m["payload"],
+            headers=m.get("headers") or {},
+            ordering_key=m.get("ordering_key"),
+            run_id=m.get("run_id"),
+            attempts=int(m.get("attempts") or 0),
+            available_at=m.get("available_at"),
+            created_at=m.get("created_at"),
+            state=m.get("state") or "pending",
+        )

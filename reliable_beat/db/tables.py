@@ -203,6 +203,9 @@ runs = Table(
     Column("finished_at", UTCDateTime, nullable=True),
     # how many times the run's trigger was re-sent (reliable_beat.redispatch backs off on it)
     Column("redispatches", Integer, nullable=False, server_default="0"),
+    # a ``retrying`` run's next try is due (its retry's countdown end, or the sweep's last
+    # re-send); the run sweep re-sends it redispatch_seconds after (0015_retrysweep)
+    Column("retry_at", UTCDateTime, nullable=True),
     UniqueConstraint("entry_name", "fire_at"),
     Index("ix_reliable_beat_runs_state", "state"),
     Index("ix_reliable_beat_runs_entry_name_created_at", "entry_name", "created_at"),

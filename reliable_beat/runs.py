@@ -1009,7 +1009,8 @@ def record_failure(
     ``{"task", "args", "kwargs", "key", "headers"}``); otherwise the run becomes
     ``retrying`` with its lease released and ``retry_at`` = now + ``retry_in_seconds``
     (when its retry is due: the re-dispatch sweep re-sends the run ``redispatch_seconds``
-    after it if no worker took it up), and the attempt row records ``retry_in_seconds``.
+    after it if no worker took it up; ``redispatches``, its re-sends of this wait, starts
+    at 0), and the attempt row records ``retry_in_seconds``.
 
     Args:
         store: the store.
@@ -1041,8 +1042,10 @@ def record_failure(
         }
         if dead_reason:
             values.update(reason=dead_reason, finished_at=now)
-        else:  # the retry is due then; the re-dispatch sweep re-sends it if nothing came
+        else:  # the retry is due then; the re-dispatch sweep re-sends it if nothing came,
+            # its re-sends of this wait counted from 0 (a worker took the last message)
             values["retry_at"] = now + timedelta(seconds=max(float(retry_in_seconds or 0), 0))
+            values["redispatches"] = 0
         tries = claim.attempt if ran_body else claim.attempt - 1
         if not ran_body:
             values["attempts"] = tries
@@ -1268,7 +1271,7 @@ def release_lease(store: Store, key: str, *, resend: bool = True) -> LeaseCleare
                 state=new_state,
                 updated_at=now,
                 # a cleared run is due at once: the sweep re-sends it if nothing else does
-                **({"retry_at": now} if was_running else {}),
+                **({"retry_at": now, "redispatches": 0} if was_running else {}),
             )
         )
         holder = row.leased_by

@@ -14,6 +14,8 @@ they are read from the database, not counted in one process):
 ``reliable_beat_entries_late``                     enabled entries overdue by more than their
                                                    misfire_grace + margin: **no beat running**
 ``reliable_beat_runs{state}``                      runs by state
+``reliable_beat_runs_retry_overdue``               runs in ``retrying`` that re-sending did not
+                                                   move on (status: RETRY OVERDUE)
 ``reliable_beat_dead_letters{kind}``               dead letters not requeued (run / outbox)
 ``reliable_beat_outbox_pending{destination}``      outbox rows waiting for the relay now: due
                                                    (``available_at`` passed) or failed and
@@ -44,7 +46,7 @@ they are read from the database, not counted in one process):
 =================================================  ===========================================
 
 Alert on ``reliable_beat_entries_late > 0`` (the "missed slot" alarm),
-``reliable_beat_dead_letters > 0`` and a growing
+``reliable_beat_dead_letters > 0``, ``reliable_beat_runs_retry_overdue > 0`` and a growing
 ``reliable_beat_outbox_oldest_pending_age_seconds``.
 
 Serve them with :func:`serve`, ``reliable-beat metrics serve --port 9808``, or write a
@@ -70,6 +72,8 @@ from sqlalchemy.types import NullType
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
 from reliable_beat.redaction import get_logger
+from reliable_beat.retry_watch import overdue_retries
+from reliable_beat.settings import Settings
 
 __all__ = [
     "DEFAULT_METRICS_HOST",
@@ -130,16 +134,22 @@ class StoreCollector:
         store: the store.
         margin_seconds: slack beyond an entry's ``misfire_grace`` before it counts as late.
         window_seconds: how far back the lateness histogram looks (dispatch time).
+        redispatch_seconds / retry_cap_seconds: the settings the re-dispatch sweep runs
+            with (``reliable_beat_runs_retry_overdue``; default the settings' defaults).
 
     A scrape never raises: if the database is down it reports ``reliable_beat_up 0``.
     """
 
     def __init__(
-        self, store: Store, *, margin_seconds: float = 60.0, window_seconds: float = 3600.0
+        self, store: Store, *, margin_seconds: float = 60.0, window_seconds: float = 3600.0,
+        redispatch_seconds: float = Settings.redispatch_seconds,
+        retry_cap_seconds: float = Settings.retry_cap_seconds,
     ) -> None:
         self.store = store
         self.margin_seconds = margin_seconds
         self.window_seconds = window_seconds
+        self.redispatch_seconds = redispatch_seconds
+        self.retry_cap_seconds = retry_cap_seconds
 
     def describe(self) -> list[Any]:
         """Nothing up front: the registry then does not scrape at registration time."""
@@ -181,6 +191,11 @@ class StoreCollector:
         for state, n in sorted(data["runs"].items()):
             fam.add_metric([state], float(n))
         yield fam
+        yield GaugeMetricFamily(
+            "reliable_beat_runs_retry_overdue",
+            "Runs waiting in retrying that the re-dispatch sweep's re-sends did not move on "
+            "(status: RETRY OVERDUE)", value=float(data["retry_overdue"]),
+        )
         fam = GaugeMetricFamily(
             "reliable_beat_dead_letters", "Dead letters not requeued", labels=["kind"]
         )
@@ -332,7 +347,11 @@ class StoreCollector:
                     .order_by(runs.c.id.desc())
                     .limit(LATENESS_SAMPLE))
             ]
+            retry_overdue, _ = overdue_retries(
+                conn, now, redispatch_seconds=self.redispatch_seconds,
+                retry_cap_seconds=self.retry_cap_seconds, limit=0)
         return {"entries": counts, "late": late, "runs": by_state, "dead": dead,
+                "retry_overdue": retry_overdue,
                 "outbox": backlog, "lateness": lateness, "attempts": outcomes, "slots": slots,
                 "batches": batches, "durations": durations, "quarantined": quarantined_rows}
 
@@ -500,6 +519,12 @@ def metrics() -> None:
     """Prometheus metrics read from the store (needs the 'metrics' extra)."""
 
 
+def _sweep_settings(cli: CliContext) -> dict[str, float]:
+    """The re-dispatch sweep's settings of the CLI's app, for the retry-overdue gauge."""
+    s = cli.settings
+    return {"redispatch_seconds": s.redispatch_seconds, "retry_cap_seconds": s.retry_cap_seconds}
+
+
 @metrics.command("serve")
 @click.option("--port", type=int, default=9808, show_default=True)
 @click.option("--addr", default=None,
@@ -509,7 +534,7 @@ def serve_cmd(cli: CliContext, port: int, addr: str | None) -> None:
     """Serve /metrics over HTTP until interrupted (loopback unless --addr says otherwise)."""
     addr = addr or cli.settings.metrics_host
     try:
-        server = serve(port, cli.store, addr=addr)
+        server = serve(port, cli.store, addr=addr, **_sweep_settings(cli))
     except ImportError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from exc
@@ -527,7 +552,7 @@ def serve_cmd(cli: CliContext, port: int, addr: str | None) -> None:
 def textfile_cmd(cli: CliContext, path: str) -> None:
     """Write the metrics once to PATH (for node-exporter's textfile collector; run from cron)."""
     try:
-        write_textfile(path, cli.store)
+        write_textfile(path, cli.store, **_sweep_settings(cli))
     except ImportError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from exc

@@ -153,7 +153,7 @@ def failure_decision(
     store: Store, claim: runs.Claim, exc: BaseException, kind: str, *,
     max_attempts: int, payload: dict[str, Any], delay: float | None = None,
     base_seconds: float = 1.0, cap_seconds: float = 300.0, task_name: str = "",
-    logger: logging.Logger | None = None,
+    logger: logging.Logger | None = None, error: str | None = None,
 ) -> Decision:
     """Record a body failure of kind ``kind`` (:func:`classify`) and decide what follows.
 
@@ -165,11 +165,13 @@ def failure_decision(
     silently): a transient failure that could not be recorded is still ``retry_in`` (with
     :attr:`Decision.unrecorded`); a dead letter that could not be written is
     ``retry_unrecorded`` (the next try records it). Both are logged at ERROR on ``logger``.
+    ``error``: the text recorded for the try (default ``exc``'s type, message and
+    traceback), e.g. for a retry the body asked for, which is not an error.
     """
     logger = logger or log
     if delay is None:
         delay = backoff_delay(claim.attempt - 1, base=base_seconds, cap=cap_seconds)
-    error = runs.format_error(exc)
+    error = runs.format_error(exc) if error is None else error
     if kind == "transient" and claim.attempt < max_attempts:
         try:
             outcome = runs.record_failure(store, claim, error, retry_in_seconds=delay)

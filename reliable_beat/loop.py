@@ -983,7 +983,8 @@ class BeatLoop:
         return redispatch_with(self.store, self.settings, list(self.publisher.tracked_tasks()),
                                self.publisher.publish, schedule_group=self.group,
                                # optional: a publisher that can ask its broker (backlog check)
-                               queue_depths=getattr(self.publisher, "queue_depths", None))
+                               queue_depths=getattr(self.publisher, "queue_depths", None),
+                               destination=getattr(self.publisher, "destination", "celery"))
 
     def _wake_at(self) -> float:
         """The monotonic instant of the next thing to do."""

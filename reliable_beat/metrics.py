@@ -19,6 +19,8 @@ they are read from the database, not counted in one process):
 ``reliable_beat_dead_letters_handled``             dead letters of failures handled by design
                                                    (a saga's step whose compensations
                                                    completed): no alarm
+``reliable_beat_runs_retry_overdue``               runs in ``retrying`` that re-sending did not
+                                                   move on (status: RETRY OVERDUE)
 ``reliable_beat_outbox_pending{destination}``      outbox rows waiting for the relay now: due
                                                    (``available_at`` passed) or failed and
                                                    waiting for their retry; delayed rows not
@@ -48,7 +50,7 @@ they are read from the database, not counted in one process):
 =================================================  ===========================================
 
 Alert on ``reliable_beat_entries_late > 0`` (the "missed slot" alarm),
-``reliable_beat_dead_letters > 0`` and a growing
+``reliable_beat_dead_letters > 0``, ``reliable_beat_runs_retry_overdue > 0`` and a growing
 ``reliable_beat_outbox_oldest_pending_age_seconds``.
 
 Serve them with :func:`serve`, ``reliable-beat metrics serve --port 9808``, or write a
@@ -73,6 +75,8 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs
 from reliable_beat.policies import is_missed
 from reliable_beat.redaction import get_logger
+from reliable_beat.retry_watch import overdue_retries
+from reliable_beat.settings import Settings
 
 __all__ = [
     "DEFAULT_METRICS_HOST",
@@ -124,16 +128,22 @@ class StoreCollector:
         store: the store.
         margin_seconds: slack beyond an entry's ``misfire_grace`` before it counts as late.
         window_seconds: how far back the lateness histogram looks (dispatch time).
+        redispatch_seconds / retry_cap_seconds: the settings the re-dispatch sweep runs
+            with (``reliable_beat_runs_retry_overdue``; default the settings' defaults).
 
     A scrape never raises: if the database is down it reports ``reliable_beat_up 0``.
     """
 
     def __init__(
-        self, store: Store, *, margin_seconds: float = 60.0, window_seconds: float = 3600.0
+        self, store: Store, *, margin_seconds: float = 60.0, window_seconds: float = 3600.0,
+        redispatch_seconds: float = Settings.redispatch_seconds,
+        retry_cap_seconds: float = Settings.retry_cap_seconds,
     ) -> None:
         self.store = store
         self.margin_seconds = margin_seconds
         self.window_seconds = window_seconds
+        self.redispatch_seconds = redispatch_seconds
+        self.retry_cap_seconds = retry_cap_seconds
 
     def describe(self) -> list[Any]:
         """Nothing up front: the registry then does not scrape at registration time."""
@@ -175,6 +185,11 @@ class StoreCollector:
         for state, n in sorted(data["runs"].items()):
             fam.add_metric([state], float(n))
         yield fam
+        yield GaugeMetricFamily(
+            "reliable_beat_runs_retry_overdue",
+            "Runs waiting in retrying that the re-dispatch sweep's re-sends did not move on "
+            "(status: RETRY OVERDUE)", value=float(data["retry_overdue"]),
+        )
         fam = GaugeMetricFamily(
             "reliable_beat_dead_letters", "Dead letters not requeued", labels=["kind"]
         )
@@ -337,8 +352,12 @@ class StoreCollector:
                     .order_by(runs.c.id.desc())
                     .limit(LATENESS_SAMPLE))
             ]
+            retry_overdue, _ = overdue_retries(
+                conn, now, redispatch_seconds=self.redispatch_seconds,
+                retry_cap_seconds=self.retry_cap_seconds, limit=0)
         return {"entries": counts, "late": late, "runs": by_state, "dead": dead,
                 "handled": handled,
+                "retry_overdue": retry_overdue,
                 "outbox": backlog, "lateness": lateness, "attempts": outcomes, "slots": slots,
                 "batches": batches, "durations": durations, "quarantined": quarantined_rows}
 

@@ -12,13 +12,17 @@ The beat therefore looks, every few seconds, for runs of *tracked* tasks
 * ``dispatched`` for longer than ``redispatch_after`` with no worker having claimed them, or
 * ``running`` with a lease that expired more than ``redispatch_after`` ago (the worker died
   and its message did not come back),
-* ``retrying`` and untouched for ``redispatch_after`` + the retry cap (a lost retry message,
-  or a lease cleared by a person with ``reliable-beat lease clear``),
+* ``retrying`` for ``redispatch_after`` past the time its retry was due (``runs.retry_at``:
+  a retry message lost by the broker or dropped by the framework's own retry options, a
+  retry that could not be published, or a lease cleared by a person with ``reliable-beat
+  lease clear``),
 
-and publishes their trigger again, with the same task id and idempotency key. A duplicate is
-harmless: the task deduplicates it (a second claim of a live or finished run does not run the
-body). Plain Celery tasks are never re-sent: they keep no run state, so "stuck" cannot be told
-from "done".
+and publishes their trigger again, with the same task id and idempotency key. A run with no
+trigger row (an ad-hoc call, a requeued dead letter) is re-sent as built from its run row
+(task, arguments, key; to the task's default queue); a workflow activity's run is left to the
+workflow sweep. A duplicate is harmless: the task deduplicates it (a second claim of a live
+or finished run does not run the body). Plain Celery tasks are never re-sent: they keep no
+run state, so "stuck" cannot be told from "done".
 
 Pick ``reliable_beat_redispatch_seconds`` above the longest time a trigger may legitimately
 wait in a queue (worker backlog), and above the broker's own redelivery delay if you would
@@ -54,7 +58,12 @@ from reliable_beat.groups import entry_outside_group, schedule_group_of
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
-from reliable_beat.triggers import TRIGGER_DESTINATIONS, trigger_message_id
+from reliable_beat.triggers import (
+    TRIGGER_DESTINATION,
+    TRIGGER_DESTINATIONS,
+    build_trigger_payload,
+    trigger_message_id,
+)
 
 __all__ = ["BACKOFF_CAP", "Backlog", "QueueDepthFn", "backlogged", "backoff_wait",
            "claim_stuck_runs", "hold_backlog", "redispatch_stuck_runs", "redispatch_with",
@@ -68,6 +77,8 @@ BACKOFF_CAP = 4
 
 #: What a run's trigger message id starts with (``trigger:<idempotency key>``).
 _TRIGGER_PREFIX = trigger_message_id("")
+#: What a workflow activity's run key starts with (its runs are the workflow sweep's).
+WORKFLOW_KEY_PREFIX = "wf:"
 
 
 def backoff_wait(after: timedelta, resends: int) -> timedelta:
@@ -107,27 +118,32 @@ def _stuck_runs_select(*, now: datetime, after: timedelta, tasks: Collection[str
         and_(runs.c.state == "running", _waited(runs.c.lease_expires_at, now, after)),
     ]
     if retrying_after is not None:
-        stuck_states.append(
-            and_(runs.c.state == "retrying", _waited(runs.c.updated_at, now, retrying_after))
-        )
+        # ``retry_at``: when the retry is due (its countdown's end, or the last re-send);
+        # rows written before it existed (0015_retrysweep) count from updated_at + the cap
+        stuck_states.append(and_(runs.c.state == "retrying", or_(
+            and_(runs.c.retry_at.is_not(None), _waited(runs.c.retry_at, now, after)),
+            and_(runs.c.retry_at.is_(None), _waited(runs.c.updated_at, now, retrying_after)),
+        )))
     # Only runs this sweep can re-send: those with a trigger row (``trigger:<key>``) of a
-    # trigger destination. A workflow activity's run (key ``wf:<id>/<run>#<seq>``, message
-    # ``act:<key>``) and an ad-hoc call's have none: claiming them would bump their
-    # ``redispatches`` and push their clock to ``now`` while sending nothing, which hid a
-    # dead activity from the workflow sweep (:func:`~reliable_beat.workflows.engine.
-    # redispatch_workflows`, which re-sends it) for another full window.
+    # trigger destination, and any other run but a workflow activity's (an ad-hoc call, a
+    # requeued dead letter: re-sent as built from the run row, :func:`_run_message`). A
+    # workflow activity's run (key ``wf:<id>/<run>#<seq>``, message ``act:<key>``) is the
+    # workflow sweep's (:func:`~reliable_beat.workflows.engine.redispatch_workflows`):
+    # claiming it here would push its clock to ``now`` and hide it from that sweep.
     has_trigger = (
         select(outbox.c.id)
         .where(outbox.c.message_id == literal(_TRIGGER_PREFIX) + runs.c.idempotency_key,
                outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)))
         .exists()
     )
+    resendable = or_(has_trigger, ~runs.c.idempotency_key.startswith(WORKFLOW_KEY_PREFIX))
     since = case((runs.c.state == "dispatched", runs.c.dispatched_at),
                  (runs.c.state == "running", runs.c.lease_expires_at),
+                 (runs.c.retry_at.is_not(None), runs.c.retry_at),
                  else_=runs.c.updated_at).label("since")
     return (
-        select(runs.c.id, runs.c.idempotency_key, runs.c.state, since)
-        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states), has_trigger,
+        select(runs.c.id, runs.c.idempotency_key, runs.c.state, runs.c.retry_at, since)
+        .where(runs.c.task.in_(sorted(tasks)), or_(*stuck_states), resendable,
                true() if schedule_group is None
                else ~entry_outside_group(runs.c.entry_name, schedule_group),
                true() if only_ids is None else runs.c.id.in_(sorted(only_ids)))
@@ -157,16 +173,18 @@ def claim_stuck_runs(
     retrying_after: timedelta | None = None,
     schedule_group: str | None = None,
     only_ids: Collection[int] | None = None,
+    destination: str = TRIGGER_DESTINATION,
 ) -> list[OutboxMessage]:
     """Claim stuck runs of ``tasks`` and return their trigger rows, ready to publish again.
 
     Joins the caller's transaction (``FOR UPDATE SKIP LOCKED`` on the runs, so concurrent
     beats never pick the same run). Each claimed run's clock is pushed to ``now``
-    (``dispatched_at``, or ``lease_expires_at`` for an expired ``running`` run), so it is not
-    picked again for another ``after``. A run re-sent k times before must have waited
-    ``after * 2**k`` (k capped at :data:`BACKOFF_CAP`; ``retrying_after * 2**k`` for a
-    ``retrying`` run): re-sends back off, so a backlog is not flooded with duplicates (see
-    the module's docstring); each claim adds one to ``runs.redispatches``.
+    (``dispatched_at``, ``lease_expires_at`` for an expired ``running`` run, ``retry_at``
+    for a ``retrying`` one), so it is not picked again for another ``after``. A run re-sent
+    k times before must have waited ``after * 2**k`` (k capped at :data:`BACKOFF_CAP`; a
+    ``retrying`` run counts from ``retry_at``, when its retry was due): re-sends back off, so
+    a backlog is not flooded with duplicates (see the module's docstring); each claim adds
+    one to ``runs.redispatches``.
 
     Args:
         store: the store.
@@ -176,18 +194,22 @@ def claim_stuck_runs(
             trigger is sent again.
         tasks: names of tracked tasks (``IdempotentTask``); other runs are never touched.
         limit: most runs per call.
-        retrying_after: also re-send ``retrying`` runs not updated for this long (a retry
-            message lost, or a lease cleared by a person); None: leave them. Pick it above
-            the retry backoff cap.
+        retrying_after: also re-send ``retrying`` runs ``after`` past their ``retry_at``
+            (a retry message lost or dropped, or a lease cleared by a person); a row with no
+            ``retry_at`` (written before 0015_retrysweep) when not updated for this long
+            (pick it above the retry backoff cap); None: leave them.
         schedule_group: only runs whose entry is of this schedule group, has no group, or
             is gone (the caller publishes into its own app's broker); None: every run.
         only_ids: only runs with these ids (those a backlog check let through; see
             :func:`redispatch_with`); None: any.
+        destination: the trigger destination whose payload shape the caller's publisher
+            reads (``celery``, ``dramatiq``), for the messages of runs without a trigger row.
 
     Returns:
         The runs' trigger outbox rows as :class:`~reliable_beat.outbox.OutboxMessage`
-        (destination ``celery``), in run id order. Runs without a trigger row (ad-hoc calls)
-        are skipped.
+        (in run id order), then, for runs without one (an ad-hoc call, a requeued dead
+        letter; never a workflow activity's, the workflow sweep's), a message built from
+        the run row (:func:`_run_message`: not stored, ``id`` the run's id negated).
     """
     if not tasks or (only_ids is not None and not only_ids):
         return []
@@ -210,20 +232,32 @@ def claim_stuck_runs(
                 lease_expires_at=now, updated_at=now, redispatches=runs.c.redispatches + 1)
         )
     retrying = [r.id for r in stuck if r.state == "retrying"]
-    if retrying:
+    if retrying:  # its next try is due one re-send window from now
         conn.execute(update(runs).where(runs.c.id.in_(retrying)).values(
-            updated_at=now, redispatches=runs.c.redispatches + 1))
-    rows = _trigger_rows(conn, [r.idempotency_key for r in stuck])
-    found = {r.message_id for r in rows}
-    lost = [r.idempotency_key for r in stuck
-            if trigger_message_id(r.idempotency_key) not in found]
-    if lost:  # a trigger row removed between the claim's two reads (pruned): say so
-        log.error(
-            "claimed %d stuck runs whose trigger row is gone, nothing re-sent for them: %s. "
-            "Check them with `reliable-beat runs show KEY`; a worker's retry or a person "
-            "(`reliable-beat lease clear`) must finish them.",
-            len(lost), ", ".join(lost[:5]))
-    return [OutboxMessage.from_row(r) for r in rows]
+            updated_at=now, retry_at=now, redispatches=runs.c.redispatches + 1))
+    messages = [OutboxMessage.from_row(r)
+                for r in _trigger_rows(conn, [r.idempotency_key for r in stuck])]
+    found = {m.message_id for m in messages}
+    bare = [r.id for r in stuck if trigger_message_id(r.idempotency_key) not in found]
+    if bare:  # an ad-hoc call's run, a requeued dead letter: its message from the run row
+        messages += [_run_message(row, destination) for row in conn.execute(
+            select(runs).where(runs.c.id.in_(bare)).order_by(runs.c.id))]
+    return messages
+
+
+def _run_message(row: Any, destination: str) -> OutboxMessage:
+    """The message re-sending a run that has no trigger row (an ad-hoc call, a requeued
+    dead letter), built from the run row: its task, arguments and idempotency key, to the
+    task's default queue, in the trigger payload shape of ``destination``
+    (:func:`~reliable_beat.beat.build_trigger_payload`). Never stored: its ``id`` is the
+    run's id negated (no outbox row has it)."""
+    payload = build_trigger_payload(
+        task=row.task, args=list(row.args or []), kwargs=dict(row.kwargs or {}), options={},
+        key=row.idempotency_key, entry=row.entry_name, fire_at=row.fire_at,
+        trigger=row.trigger or "adhoc", destination=destination)
+    return OutboxMessage(id=-int(row.id), message_id=trigger_message_id(row.idempotency_key),
+                         destination=destination, payload=payload, run_id=int(row.id),
+                         state="sent")
 
 
 def _still_claimed(store: Store, stuck: list[OutboxMessage],
@@ -244,7 +278,9 @@ def _still_claimed(store: Store, stuck: list[OutboxMessage],
                         dispatched_at=case((runs.c.state == "dispatched", now),
                                            else_=runs.c.dispatched_at),
                         lease_expires_at=case((runs.c.state == "running", now),
-                                              else_=runs.c.lease_expires_at)),
+                                              else_=runs.c.lease_expires_at),
+                        retry_at=case((runs.c.state == "retrying", now),
+                                      else_=runs.c.retry_at)),
                 runs, (runs.c.id,), lock_by_primary_key=True,  # MariaDB: not via the state index
             )}
     except (StoreUnavailableError, DBAPIError) as exc:  # gone again: send nothing, retry later
@@ -286,7 +322,9 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
 
     return redispatch_with(store, settings, tracked_tasks(app), publish,
                            schedule_group=schedule_group_of(app, settings.schedule_group),
-                           queue_depths=None if probe is None else depths)
+                           queue_depths=None if probe is None else depths,
+                           destination=adapter.name if adapter.name in TRIGGER_DESTINATIONS
+                           else TRIGGER_DESTINATION)
 
 
 #: ``publish(messages, now) -> [(outbox id, None or the error)]``, one per message, in order.
@@ -387,7 +425,8 @@ def _hold_backlogged(store: Store, settings: Settings, tasks: Collection[str],
               if trigger_message_id(p.idempotency_key) in rows]
     # young: waited less than the backoff cap since the instant its state's wait counts from
     young = [p.since is not None and now - p.since < backoff_wait(
-        retrying_after if p.state == "retrying" else after, BACKOFF_CAP) for p, _ in looked]
+        retrying_after if p.state == "retrying" and p.retry_at is None else after,
+        BACKOFF_CAP) for p, _ in looked]
     held = hold_backlog([m for _, m in looked], young, depths, every=after)
     return {p.id for p in peek} - {looked[i][0].id for i in held}
 
@@ -430,6 +469,7 @@ def hold_backlog(messages: Sequence[OutboxMessage], young: Sequence[bool],
 def redispatch_with(
     store: Store, settings: Settings, tasks: Collection[str], publish: PublishFn,
     *, schedule_group: str | None = None, queue_depths: QueueDepthFn | None = None,
+    destination: str = TRIGGER_DESTINATION,
 ) -> int:
     """Find stuck runs of ``tasks`` (:func:`claim_stuck_runs`) and ``publish`` their trigger
     rows again: the framework-neutral re-dispatch, called every few seconds by beats and
@@ -448,6 +488,9 @@ def redispatch_with(
     (``N runs look stuck but queue Q holds M ready messages: a backlog, not a loss; not
     re-sending``, once per ``redispatch_seconds`` per queue) and nothing is re-sent or
     counted for those runs. Without it, or when the probe fails: every stuck run is re-sent.
+
+    ``destination``: the trigger destination whose payload shape ``publish`` reads
+    (``celery``, ``dramatiq``), for runs re-sent without a trigger row.
 
     Returns:
         How many triggers were published again.
@@ -472,7 +515,7 @@ def redispatch_with(
             store, conn, now=now, after=after,
             tasks=tasks, limit=settings.batch_size,
             retrying_after=retrying_after,
-            schedule_group=schedule_group, only_ids=only_ids,
+            schedule_group=schedule_group, only_ids=only_ids, destination=destination,
         )
     if not stuck:
         return 0
@@ -482,8 +525,9 @@ def redispatch_with(
         if not stuck:
             return 0
     log.warning(
-        "re-sending %d triggers whose runs never started or whose worker died (message lost "
-        "by the broker?): %s", len(stuck), ", ".join(m.message_id for m in stuck[:5]),
+        "re-sending %d triggers whose runs never started, whose worker died or whose retry "
+        "never came (message lost by the broker or dropped by the framework?): %s",
+        len(stuck), ", ".join(m.message_id for m in stuck[:5]),
     )
     # Their outbox rows are already `sent`: publish without re-marking them.
     outcomes = publish(stuck, now)

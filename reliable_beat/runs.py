@@ -1000,7 +1000,10 @@ def record_failure(
     'running'``). With ``dead_reason`` the run becomes ``dead`` and a
     ``reliable_beat_dead_letters`` row is inserted with ``payload`` (what a replay needs:
     ``{"task", "args", "kwargs", "key", "headers"}``); otherwise the run becomes
-    ``retrying`` with its lease released, and the attempt row records ``retry_in_seconds``.
+    ``retrying`` with its lease released and ``retry_at`` = now + ``retry_in_seconds``
+    (when its retry is due: the re-dispatch sweep re-sends the run ``redispatch_seconds``
+    after it if no worker took it up; ``redispatches``, its re-sends of this wait, starts
+    at 0), and the attempt row records ``retry_in_seconds``.
 
     Args:
         store: the store.
@@ -1032,6 +1035,10 @@ def record_failure(
         }
         if dead_reason:
             values.update(reason=dead_reason, finished_at=now)
+        else:  # the retry is due then; the re-dispatch sweep re-sends it if nothing came,
+            # its re-sends of this wait counted from 0 (a worker took the last message)
+            values["retry_at"] = now + timedelta(seconds=max(float(retry_in_seconds or 0), 0))
+            values["redispatches"] = 0
         tries = claim.attempt if ran_body else claim.attempt - 1
         if not ran_body:
             values["attempts"] = tries
@@ -1255,6 +1262,8 @@ def release_lease(store: Store, key: str, *, resend: bool = True) -> LeaseCleare
                 lease_expires_at=None,
                 state=new_state,
                 updated_at=now,
+                # a cleared run is due at once: the sweep re-sends it if nothing else does
+                **({"retry_at": now, "redispatches": 0} if was_running else {}),
             )
         )
         holder = row.leased_by

@@ -130,7 +130,7 @@ def build_trigger_payload(
     options: dict[str, Any],
     key: str,
     entry: str | None,
-    fire_at: datetime,
+    fire_at: datetime | None,
     trigger: str,
     store_id: str | None = None,
     slot_text: SlotText | None = None,
@@ -159,9 +159,10 @@ def build_trigger_payload(
     publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
     expires = options.get("expires")
     expires_at = (
-        fmt(fire_at + timedelta(seconds=float(expires))) if expires else None
+        fmt(fire_at + timedelta(seconds=float(expires)))
+        if expires and fire_at is not None else None
     )
-    slot = fmt(fire_at)
+    slot = fmt(fire_at) if fire_at is not None else None  # None: a run of no slot (ad hoc)
     if destination != TRIGGER_DESTINATION:
         identity: dict[str, Any] = {"key": key, "entry": entry, "fire_at": slot,
                                     "trigger": trigger}

@@ -20,6 +20,12 @@ def metrics() -> None:
     """Prometheus metrics read from the store (needs the 'metrics' extra)."""
 
 
+def _sweep_settings(cli: CliContext) -> dict[str, float]:
+    """The re-dispatch sweep's settings of the CLI's app, for the retry-overdue gauge."""
+    s = cli.settings
+    return {"redispatch_seconds": s.redispatch_seconds, "retry_cap_seconds": s.retry_cap_seconds}
+
+
 @metrics.command("serve")
 @click.option("--port", type=int, default=9808, show_default=True)
 @click.option("--addr", default=None,
@@ -29,7 +35,7 @@ def serve_cmd(cli: CliContext, port: int, addr: str | None) -> None:
     """Serve /metrics over HTTP until interrupted (loopback unless --addr says otherwise)."""
     addr = addr or cli.settings.metrics_host
     try:
-        server = serve(port, cli.store, addr=addr)
+        server = serve(port, cli.store, addr=addr, **_sweep_settings(cli))
     except ImportError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from exc
@@ -47,7 +53,7 @@ def serve_cmd(cli: CliContext, port: int, addr: str | None) -> None:
 def textfile_cmd(cli: CliContext, path: str) -> None:
     """Write the metrics once to PATH (for node-exporter's textfile collector; run from cron)."""
     try:
-        write_textfile(path, cli.store)
+        write_textfile(path, cli.store, **_sweep_settings(cli))
     except ImportError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from exc

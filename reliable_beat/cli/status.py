@@ -32,7 +32,6 @@ from sqlalchemy.engine import Connection
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import (
-    attempts,
     dead_letters,
     entries,
     outbox,
@@ -50,6 +49,7 @@ from reliable_beat.groups import (
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.policies import MISSED_MARGIN_SECONDS
 from reliable_beat.policies import is_missed as missed_slot
+from reliable_beat.retry_watch import overdue_retries
 from reliable_beat.rows import (
     column_of,
     decode_labelled,
@@ -340,8 +340,8 @@ def collect_status(
         "unpublished_triggers": [{"group", "rows", "since", "publishers"}] (live publishers,
         broker not taking them; see :func:`reliable_beat.groups.unpublished_triggers`),
         "entry_counts": {status: number of entries} (every entry, disabled ones too),
-        "waiting_retries": {"count", "runs": [...]} (``retrying`` runs whose retry is
-        overdue, see :func:`waiting_retries`),
+        "waiting_retries": {"count", "runs": [...]} (``retrying`` runs that re-sending
+        did not move on, see :func:`waiting_retries`),
         "queue_depths": [{"queue" (str | None), "ready" (int | None: messages ready in it;
         None: the broker could not tell), "entries" ([names] of the unstarted entries whose
         triggers go there), "error" (str | None: why the probe failed)}] (empty without a
@@ -605,24 +605,23 @@ def collect_status(
         )
     if n_waiting:
         shown = "; ".join(
-            f"{w['key']}: retry due {_fmt(w['retry_due_at'])}"
-            + ("" if w["retry_scheduled"] else " (no retry was scheduled: its attempt was "
-               "fenced out, e.g. `lease clear`)")
-            + (", it has no trigger row: nothing re-sends it" if w["resend_at"] is None
-               else f", the re-dispatch sweep re-sends it at about {_fmt(w['resend_at'])}"
-               if w["resend_at"] > now
-               else f", the re-dispatch sweep was due to re-send it at {_fmt(w['resend_at'])}"
-               " (does any beat or relay of its group run?)")
+            f"{w['key']}: " + (
+                f"re-sent {w['resends']} times by the re-dispatch sweep, last at "
+                f"{_fmt(w['retry_due_at'])}, and no worker took it up"
+                if w["why"] == "resent" else
+                f"retry due {_fmt(w['retry_due_at'])}"
+                + ("" if w["retry_scheduled"] else " (no retry was scheduled: its attempt "
+                   "was fenced out, e.g. `lease clear`)")
+                + f", the re-dispatch sweep was due to re-send it at {_fmt(w['resend_at'])}"
+                " and did not")
             for w in waiting_runs)
         problems.append(
-            f"RETRY OVERDUE: {n_waiting} runs wait in `retrying` more than "
-            f"{redispatch_seconds:g} s past their retry time ({shown}"
-            f"{'; ...' if n_waiting > len(waiting_runs) else ''}). A fenced-out attempt "
-            "sends no retry (the fence says a newer runner owns the run), so after "
-            "`lease clear --no-resend` only the sweep re-sends it, redispatch_seconds + "
-            "retry_cap_seconds after (doubling per re-send); otherwise its retry message was "
-            "lost or the workers are down or behind. `reliable-beat runs show KEY` shows "
-            "each."
+            f"RETRY OVERDUE: {n_waiting} runs wait in `retrying` although their retry was due "
+            f"more than {redispatch_seconds:g} s ago and re-sending did not move them on "
+            f"({shown}{'; ...' if n_waiting > len(waiting_runs) else ''}). Re-sent and not "
+            "taken up: are the workers of its queue down or behind, and does one register "
+            "the task? Not re-sent: does a beat or relay of its app (schedule group) run, "
+            "and is its queue backlogged? `reliable-beat runs show KEY` shows each."
         )
     if n_expired:
         problems.append(_lease_expired_problem(n_expired, expired_runs, lease_expired_seconds,
@@ -878,67 +877,10 @@ def _bounded_entries(info: dict[str, Any], limit: int | None
     return ordered[:limit], ordered[limit:]
 def waiting_retries(conn: Connection, now: datetime, *, redispatch_seconds: float,
                     retry_cap_seconds: float, limit: int = 10) -> tuple[int, list[dict[str, Any]]]:
-    """``retrying`` runs no worker took up ``redispatch_seconds`` after their retry time.
-
-    A run's retry time is its latest attempt's ``finished_at + retry_in_seconds`` (the
-    worker scheduled that retry), or, when none was scheduled (the attempt was fenced out,
-    e.g. by ``reliable-beat lease clear``, which sets the run ``retrying`` and sends
-    nothing), when the run became ``retrying`` (``updated_at``); a later re-send by the
-    sweep (which moves ``updated_at``) counts from then. Workflow activities (keys
-    ``wf:...``) are the workflow sweep's and left out.
-
-    Args:
-        conn: a connection to the store.
-        now: the store's clock (UTC).
-        redispatch_seconds: grace after the retry time (``reliable_beat_redispatch_seconds``).
-        retry_cap_seconds: ``reliable_beat_retry_cap_seconds`` (the sweep re-sends a
-            ``retrying`` run ``(redispatch_seconds + retry_cap_seconds) * 2**k`` after its
-            ``updated_at``, k = its re-sends, capped).
-
-    Returns:
-        ``(count, runs)``: how many, and the ``limit`` longest overdue as ``{"key",
-        "entry", "retry_due_at", "retry_scheduled" (bool), "resend_at" (UTC datetime of the
-        sweep's next re-send; None: the run has no trigger row, nothing re-sends it)}``.
-    """
-    from reliable_beat.redispatch import backoff_wait
-
-    grace = timedelta(seconds=redispatch_seconds)
-    latest = (select(func.max(attempts.c.id)).where(attempts.c.run_id == runs.c.id)
-              .correlate(runs).scalar_subquery())
-    rows = conn.execute(
-        select(runs.c.idempotency_key, runs.c.entry_name, runs.c.updated_at,
-               runs.c.redispatches, attempts.c.finished_at, attempts.c.retry_in_seconds)
-        .select_from(runs.outerjoin(attempts, attempts.c.id == latest))
-        .where(runs.c.state == "retrying", runs.c.updated_at <= now - grace,
-               ~runs.c.idempotency_key.startswith("wf:"))
-    ).all()
-    overdue: list[dict[str, Any]] = []
-    for key, entry, updated_at, resends, finished_at, retry_in in rows:
-        updated = _utc(updated_at)
-        if updated is None:
-            continue
-        due = updated
-        finished = _utc(finished_at)
-        scheduled = retry_in is not None and finished is not None
-        if scheduled and finished is not None:
-            due = max(due, finished + timedelta(seconds=float(retry_in)))
-        if due + grace > now:
-            continue
-        wait = backoff_wait(timedelta(seconds=redispatch_seconds + retry_cap_seconds),
-                            int(resends or 0))
-        overdue.append({"key": key, "entry": entry, "retry_due_at": due,
-                        "retry_scheduled": scheduled, "resend_at": updated + wait})
-    overdue.sort(key=lambda w: (w["retry_due_at"], w["key"]))
-    shown = overdue[:limit]
-    if shown:
-        found = {m for (m,) in conn.execute(
-            select(outbox.c.message_id).where(
-                outbox.c.message_id.in_([trigger_message_id(w["key"]) for w in shown]),
-                outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS))))}
-        for w in shown:
-            if trigger_message_id(w["key"]) not in found:
-                w["resend_at"] = None
-    return len(overdue), shown
+    """``retrying`` runs the re-dispatch sweep's re-sends did not move on (RETRY OVERDUE):
+    :func:`reliable_beat.retry_watch.overdue_retries`."""
+    return overdue_retries(conn, now, redispatch_seconds=redispatch_seconds,
+                           retry_cap_seconds=retry_cap_seconds, limit=limit)
 
 
 def expired_leases(conn: Connection, now: datetime, *, grace_seconds: float,

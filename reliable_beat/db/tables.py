@@ -202,8 +202,12 @@ runs = Table(
     Column("dispatched_at", UTCDateTime, nullable=True),
     Column("started_at", UTCDateTime, nullable=True),
     Column("finished_at", UTCDateTime, nullable=True),
-    # how many times the run's trigger was re-sent (reliable_beat.redispatch backs off on it)
+    # how many times the run's trigger was re-sent (reliable_beat.redispatch backs off on it);
+    # back to 0 when the run becomes ``retrying`` (then: the re-sends of this wait)
     Column("redispatches", Integer, nullable=False, server_default="0"),
+    # a ``retrying`` run's next try is due (its retry's countdown end, or the sweep's last
+    # re-send); the run sweep re-sends it redispatch_seconds after (0015_retrysweep)
+    Column("retry_at", UTCDateTime, nullable=True),
     UniqueConstraint("entry_name", "fire_at"),
     Index("ix_reliable_beat_runs_state", "state"),
     Index("ix_reliable_beat_runs_entry_name_created_at", "entry_name", "created_at"),

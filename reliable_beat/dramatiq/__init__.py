@@ -40,6 +40,12 @@ from sqlalchemy.exc import DataError, IntegrityError
 
 from reliable_beat import execution, joins, runs
 from reliable_beat import values as rb_values
+from reliable_beat.dramatiq.retry_options import (
+    drop_message_options,
+    neutralize_broker_retry_when,
+    retry_plan,
+    retry_request,
+)
 from reliable_beat.errors import (
     ConfigurationError,
     IdempotencyKeyError,
@@ -111,7 +117,9 @@ class ReliableBeat(Middleware):  # type: ignore[misc]
 
     Declares the actor options ``periodic``, ``periodic_name``, ``reliable_beat``,
     ``idempotency_key``, ``lease_seconds``, ``max_attempts``; on an :class:`IdempotentActor`
-    it sets ``max_retries=None`` (our budget counts tries in the database) and adds
+    it sets ``max_retries=None`` (our budget counts tries in the database; a ``max_retries``
+    the user gave is the actor's ``max_attempts - 1``) and ``retry_when=None`` (a broker's
+    ``Retries(retry_when=...)`` is not applied to it, :mod:`.retry_options`), and adds
     :class:`DeadLettered`, ``StaleFenceToken``, ``IdempotencyKeyError``, ``SchemaError`` to
     ``throws``. Its hooks never raise (Dramatiq swallows hook exceptions): control flow goes
     through the actor class.
@@ -137,7 +145,8 @@ class ReliableBeat(Middleware):  # type: ignore[misc]
 
     def after_declare_actor(self, broker: Any, actor: Any) -> None:
         if isinstance(actor, IdempotentActor):
-            actor.options["max_retries"] = None
+            actor.options["max_retries"] = None  # a given one is max_attempts (retry_options)
+            neutralize_broker_retry_when(broker, actor)
             throws = actor.options.get("throws") or ()
             throws = throws if isinstance(throws, tuple) else (throws,)
             actor.options["throws"] = tuple(dict.fromkeys((*throws, *_THROWS)))
@@ -361,10 +370,32 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
     runs, the message is failed). Never a random key.
 
     Actor options: ``lease_seconds`` / ``max_attempts`` (None: the settings). Classification
-    (first match): ``PermanentError``, ``ValueError``, ``TypeError`` -> dead letter; connection
+    (first match): ``dramatiq.Retry`` raised by the body -> a retry request with its delay,
+    counted against ``max_attempts`` (not an error); ``PermanentError``, an exception listed
+    in the actor's ``throws``, ``ValueError``, ``TypeError`` -> dead letter; connection
     errors, timeouts, ``OSError``, SQLAlchemy/redis errors, Dramatiq's ``TimeLimitExceeded``
     -> retry; others -> retry (the attempt budget bounds them).
+
+    Dramatiq's retry options (:mod:`reliable_beat.dramatiq.retry_options`): ``retry_when``
+    and a ``throws`` matching ``dramatiq.Retry`` are refused at decoration
+    (:class:`~reliable_beat.errors.ConfigurationError`: they would drop the retries we ask
+    for); ``max_retries=N`` means ``N + 1`` tries; the message options ``max_retries`` /
+    ``throws`` are dropped with a WARNING.
     """
+
+    def __init__(self, fn: Any, *, broker: Any, actor_name: str, queue_name: str,
+                 priority: int, options: dict[str, Any]) -> None:
+        # refused here, at decoration: Dramatiq's hooks swallow what they raise
+        self._rb_retry = retry_plan(actor_name, options)
+        super().__init__(fn, broker=broker, actor_name=actor_name, queue_name=queue_name,
+                         priority=priority, options=options)
+
+    def message_with_options(self, *, args: tuple[Any, ...] = (),
+                             kwargs: dict[str, Any] | None = None, **options: Any) -> Any:
+        """Dramatiq's, without the message options that would drop our retries
+        (``max_retries``, ``throws``: a WARNING names them)."""
+        drop_message_options(self.actor_name, options, where="when the message was built")
+        return super().message_with_options(args=args, kwargs=kwargs, **options)
 
     def send_with_key(self, key: str, *args: Any, **kwargs: Any) -> Any:
         """``send(*args, **kwargs)`` under the explicit idempotency ``key``."""
@@ -388,11 +419,15 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         message = _message.get()
         rb = _middleware(self.broker)
         settings = rb.settings
+        if message is not None:  # a message built elsewhere: Retries reads these after us
+            drop_message_options(self.actor_name, message.options, where="in the worker",
+                                 message_id=message.message_id)
         key = self._resolve_key(message, args, kwargs)
         opts = (message.options.get(OPTION) or {}) if message is not None else {}
         store = execution.store_for(settings.database_url)
         lease = timedelta(seconds=self.options.get("lease_seconds") or settings.lease_seconds)
-        max_attempts = int(self.options.get("max_attempts") or settings.retry_max_attempts)
+        max_attempts = int(self.options.get("max_attempts") or self._rb_retry.max_attempts
+                           or settings.retry_max_attempts)
         entry = opts.get("entry")
         message_id = getattr(message, "message_id", None)
         try:  # values the store can never take: refused (permanent, visible), never retried
@@ -460,24 +495,38 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
 
     def _on_body_error(self, exc: BaseException, claim: runs.Claim, store: Any,
                        settings: Settings, max_attempts: int, message: Any) -> Any:
-        kind = execution.classify(exc, transient=execution.transient_defaults(
-            *_interrupts(), *_broker_errors()))
+        asked: float | None = None
+        error: str | None = None
+        if isinstance(exc, dramatiq.Retry):  # the body asks for a retry: Dramatiq's meaning
+            kind = "transient"
+            asked, error = retry_request(exc)
+        elif self._rb_retry.throws and isinstance(exc, self._rb_retry.throws):
+            kind = "permanent"  # Dramatiq's meaning of throws: never retried
+        else:
+            kind = execution.classify(exc, transient=execution.transient_defaults(
+                *_interrupts(), *_broker_errors()))
         decision = execution.failure_decision(
-            store, claim, exc, kind, max_attempts=max_attempts,
+            store, claim, exc, kind, max_attempts=max_attempts, delay=asked,
             base_seconds=settings.retry_base_seconds, cap_seconds=settings.retry_cap_seconds,
-            payload=self._payload(claim, message), task_name=self.actor_name, logger=log)
+            payload=self._payload(claim, message), task_name=self.actor_name, logger=log,
+            error=error)
         if decision.verb == "fenced_out":
             raise StaleFenceToken(claim.key, claim.fence_token) from exc
         if decision.verb == "retry_unrecorded":  # the dead letter could not be written
             raise dramatiq.Retry(delay=max(1, int(decision.seconds * 1000))
                                  ) from decision.unrecorded
         if decision.verb == "retry_in":
-            log.warning("%s: %s attempt %d failed (%s); retry in %.2fs", self.actor_name,
-                        claim.key, claim.attempt, type(exc).__name__, decision.seconds)
+            if error is not None:
+                log.info("%s: %s attempt %d asked for a retry; retry in %.2fs",
+                         self.actor_name, claim.key, claim.attempt, decision.seconds)
+            else:
+                log.warning("%s: %s attempt %d failed (%s); retry in %.2fs", self.actor_name,
+                            claim.key, claim.attempt, type(exc).__name__, decision.seconds)
             raise dramatiq.Retry(delay=max(1, int(decision.seconds * 1000))) from exc
+        why = error or exc
         log.error("%s: %s dead-lettered (%s): %s", self.actor_name, claim.key, decision.reason,
-                  exc)
-        raise DeadLettered(f"{self.actor_name}: {claim.key}: {decision.reason}: {exc}") from exc
+                  why)
+        raise DeadLettered(f"{self.actor_name}: {claim.key}: {decision.reason}: {why}") from exc
 
     def _refuse(self, store: Any, key: str, exc: BaseException, message: Any,
                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:

@@ -145,7 +145,8 @@ def relay_redispatch(store: Any, settings: Any, broker: Any) -> Callable[[], int
     def redispatch() -> int:
         return redispatch_with(store, settings, list(publisher.tracked_tasks()),
                                lambda ms, now: publisher.publish(ms, now),
-                               queue_depths=publisher.queue_depths)
+                               queue_depths=publisher.queue_depths,
+                               destination=publisher.destination)
 
     return redispatch
 

@@ -6,7 +6,9 @@ with an ``amqp://`` URL: ``RabbitmqBroker(confirm_delivery=True)``),
 ``RB_DATABASE_URL`` (the PostgreSQL store), ``RB_NAMESPACE`` (a Redis namespace per test,
 so leftovers never leak between tests), ``RB_QUEUE`` (the actors' queue), ``RB_PERIOD``
 (seconds between slots of the periodic actor; unset: no periodic entry), ``RB_CLAIM_AHEAD``
-(``claim_ahead_seconds``), ``RB_PAUSE_AFTER_CLAIM_AHEAD`` (tests/apps/pause_hook.py).
+(``claim_ahead_seconds``), ``RB_PAUSE_AFTER_CLAIM_AHEAD`` (tests/apps/pause_hook.py),
+``RB_REDISPATCH_SECONDS`` (``redispatch_seconds``), ``RB_RETRY_OPTION`` (``retry_when`` or
+``throws``: declare an actor with that refused Dramatiq retry option).
 
 The broker's ``heartbeat_timeout`` is 3 s and maintenance runs on every command, so the
 message of a SIGKILLed worker comes back within seconds (defaults: 60 s and 0.1 %).
@@ -70,6 +72,8 @@ broker.add_middleware(ReliableBeat(schedule=SCHEDULE, settings={
     "retry_cap_seconds": 2.0,
     **({"claim_ahead_seconds": float(os.environ["RB_CLAIM_AHEAD"])}
        if os.environ.get("RB_CLAIM_AHEAD") else {}),
+    **({"redispatch_seconds": float(os.environ["RB_REDISPATCH_SECONDS"])}
+       if os.environ.get("RB_REDISPATCH_SECONDS") else {}),
 }))
 dramatiq.set_broker(broker)
 if os.environ.get("RB_PAUSE_AFTER_CLAIM_AHEAD"):
@@ -150,6 +154,35 @@ def fan_out(name: str) -> None:
     rb = current()
     with rb.transaction() as tx:
         rb.outbox.add(tx, "dramatiq", {"actor": "write_effect", "args": [name]})
+
+
+@dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE, actor_name="asks_retry")
+def asks_retry(name: str, times: int, delay_ms: int) -> None:
+    """Raises ``dramatiq.Retry(delay=delay_ms)`` on its first ``times`` tries, then writes
+    its effect."""
+    _mark("start")
+    if current().attempt <= times:
+        raise dramatiq.Retry(delay=delay_ms)
+    _effect()
+
+
+@dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE, actor_name="throws_key_error",
+                throws=(KeyError,))
+def throws_key_error(name: str) -> None:
+    """Raises KeyError, listed in its ``throws``: never retried (Dramatiq's meaning)."""
+    _mark("start")
+    raise KeyError(name)
+
+
+if os.environ.get("RB_RETRY_OPTION"):
+    _refused: dict[str, object] = (
+        {"retry_when": lambda retries, exc: retries < 1}
+        if os.environ["RB_RETRY_OPTION"] == "retry_when" else {"throws": (Exception,)})
+
+    @dramatiq.actor(actor_class=IdempotentActor, queue_name=QUEUE, actor_name="bad_retry",
+                    **_refused)
+    def bad_retry() -> None:
+        """Declared with a Dramatiq retry option that would drop our retries: refused."""
 
 
 if PERIOD:

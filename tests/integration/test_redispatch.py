@@ -130,3 +130,42 @@ def test_redispatch_backs_off_while_the_trigger_waits_in_a_backlog(store: Store)
         conn.execute(update(runs).values(redispatches=10))
         later = late + timedelta(seconds=60 * 2**BACKOFF_CAP + 1)
         assert claim_stuck_runs(store, conn, now=later, after=after, tasks=["app.tracked"])
+
+
+def _retrying_adhoc(store: Store, key: str, task: str, due_ago: float) -> int:
+    """An ad-hoc call's run (no trigger row) waiting in ``retrying`` since ``due_ago`` s."""
+    with store.begin() as conn:
+        now = store.now(conn)
+        return int(conn.execute(insert(runs).values(
+            idempotency_key=key, trigger="adhoc", task=task, args=[1], kwargs={"b": 2},
+            state="retrying", fence_token=1, attempts=1, created_at=now, updated_at=now,
+            retry_at=now - timedelta(seconds=due_ago)).returning(runs.c.id)).scalar_one())
+
+
+def test_retrying_run_without_trigger_row_is_re_sent_from_its_run_row(store: Store) -> None:
+    """An ad-hoc call's run left ``retrying`` (its retry message lost or dropped) is re-sent
+    ``after`` past its ``retry_at``, as built from the run row, in the publisher's payload
+    shape; a workflow activity's run is left to the workflow sweep. Fails on the old code:
+    runs without a trigger row were never claimed."""
+    celery_id = _retrying_adhoc(store, "manual:c", "app.tracked", 90)
+    dq_id = _retrying_adhoc(store, "manual:d", "app.actor", 90)
+    _retrying_adhoc(store, "manual:young", "app.tracked", 30)
+    _retrying_adhoc(store, "wf:w1/r1#1", "app.tracked", 900)
+    args = {"after": timedelta(seconds=60), "retrying_after": timedelta(seconds=600)}
+    with store.begin() as conn:
+        now = store.now(conn)
+        [c] = claim_stuck_runs(store, conn, now=now, tasks=["app.tracked"], **args)
+        [d] = claim_stuck_runs(store, conn, now=now, tasks=["app.actor"],
+                               destination="dramatiq", **args)
+    assert (c.run_id, c.id, c.destination) == (celery_id, -celery_id, "celery")
+    assert c.payload["task"] == "app.tracked" and c.payload["args"] == [1]
+    assert c.payload["kwargs"] == {"b": 2}
+    assert c.payload["headers"]["reliable_beat_key"] == "manual:c"
+    assert (d.run_id, d.destination) == (dq_id, "dramatiq")
+    assert d.payload["reliable_beat"]["key"] == "manual:d"
+    with store.begin() as conn:
+        row = conn.execute(select(runs.c.retry_at, runs.c.redispatches)
+                           .where(runs.c.id == celery_id)).one()
+        assert row.redispatches == 1 and row.retry_at == now  # the next re-send counts from now
+        assert claim_stuck_runs(store, conn, now=store.now(conn), tasks=["app.tracked"],
+                                **args) == []

@@ -20,7 +20,10 @@ from pathlib import Path
 #: ``testing.kit``, which runs Celery tasks). ``reliable_beat.cli`` IS imported: the command
 #: line works without Celery (``-A`` then names the missing extra).
 NOT_CORE = ("reliable_beat.celery", "reliable_beat.dramatiq", "reliable_beat.contrib",
-            "reliable_beat.testing")
+            "reliable_beat.testing",
+            # the dashboard: its own extra (starlette, jinja2); `reliable-beat dashboard`
+            # names the extra without it (tests/integration/test_dashboard.py)
+            "reliable_beat.web")
 FRAMEWORKS = ("celery", "kombu", "dramatiq", "django", "amqp")
 
 

@@ -48,6 +48,7 @@ from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
 from reliable_beat.outbox import db_now, insert_ignore
 from reliable_beat.redaction import get_logger, redact_value
+from reliable_beat.workflows import signal_keys
 from reliable_beat.workflows.errors import (
     WorkflowBlockedError,
     WorkflowConflict,
@@ -626,8 +627,8 @@ def signal(
         sid = conn.execute(insert_ignore(conn, workflow_signals).values(
             workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
         ).returning(workflow_signals.c.id)).scalar()
-        if sid is None:
-            return False
+        if sid is None:  # only a key makes a duplicate
+            return signal_keys.stored_key(conn, row.id, workflow_id, name, data, str(key))
         free = conn.execute(
             select(workflows.c.id).where(workflows.c.id == row.id)
             .with_for_update(key_share=True, skip_locked=True)
@@ -670,15 +671,18 @@ def _signal_locking(conn: Connection, workflow_id: str, name: str, data: Any,
                     key: str | None) -> bool:
     """:func:`signal` on SQLite and MySQL/MariaDB: bump ``wake_seq`` first, holding the
     workflow row (the same lock order as the advance: no deadlock). A key already stored
-    returns False before the bump (a web retry of the same signal costs the workflow no
-    replay; two racing first sends of one key may still both bump: harmless)."""
-    if key is not None and conn.execute(
-        select(workflow_signals.c.id)
-        .join(workflows, workflows.c.id == workflow_signals.c.workflow_pk)
-        .where(workflows.c.workflow_id == workflow_id, workflow_signals.c.dedup_key == key)
-        .limit(1)
-    ).first() is not None:
-        return False
+    for this workflow returns False before the bump (a web retry of the same signal costs
+    the workflow no replay; two racing first sends of one key may still both bump:
+    harmless)."""
+    if key is not None:
+        stored = conn.execute(
+            select(workflow_signals.c.name, workflow_signals.c.payload)
+            .join(workflows, workflows.c.id == workflow_signals.c.workflow_pk)
+            .where(workflows.c.workflow_id == workflow_id, workflow_signals.c.dedup_key == key)
+            .limit(1)
+        ).first()
+        if stored is not None:
+            return signal_keys.repeated(workflow_id, key, stored, name, data)
     now = db_now(conn)
     row = _refuse_unsignallable(workflow_id, name, _first(update_returning(
         conn,
@@ -688,11 +692,11 @@ def _signal_locking(conn: Connection, workflow_id: str, name: str, data: Any,
         workflows,
         [workflows.c.id, workflows.c.state, workflows.c.queue, workflows.c.wake_seq],
     )))
-    stored = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
+    inserted = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
         workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
     ), workflow_signals)
-    if not stored:
-        return False
+    if not inserted:  # a racing sender of the key committed first (or an older schema)
+        return signal_keys.stored_key(conn, row.id, workflow_id, name, data, str(key))
     add_wake(conn, workflow_id, row.queue, f"s{row.wake_seq}")
     return True
 

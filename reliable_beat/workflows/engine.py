@@ -48,7 +48,7 @@ from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
 from reliable_beat.outbox import db_now, insert_ignore
 from reliable_beat.redaction import get_logger, redact_value
-from reliable_beat.workflows import signal_keys
+from reliable_beat.workflows import limits, signal_keys
 from reliable_beat.workflows.errors import (
     WorkflowBlockedError,
     WorkflowConflict,
@@ -510,6 +510,9 @@ def start(
     Raises:
         WorkflowConflict: ``workflow_id`` names a workflow of another name.
         ValueError: bad id; TypeError: arguments not JSON-serialisable.
+        WorkflowValueError: ``args`` + ``kwargs`` over the size limit as JSON
+            (:data:`~reliable_beat.outbox.DEFAULT_MAX_PAYLOAD_BYTES`; every advance reads
+            them); nothing is written.
 
     A second ``start`` of an existing id with other arguments (first run) returns the
     existing workflow too, and logs a WARNING naming the id: the new arguments are not used.
@@ -518,6 +521,7 @@ def start(
         raise ValueError(f"workflow_id must be 1..{MAX_WORKFLOW_ID} characters: {workflow_id!r}")
     call_args = to_json(list(args), f"workflow {name!r} args")
     call_kwargs = to_json(dict(kwargs or {}), f"workflow {name!r} kwargs")
+    limits.check_size(f"workflow {name!r} arguments", call_args, call_kwargs)
     if version is None and name in _registry:
         version = _registry[name].version
     if schedule_group is None and name in _registry:
@@ -601,18 +605,26 @@ def signal(
         name: the signal's name (<= 200 characters), as ``ctx.wait_signal(name)`` asks it.
         payload: a JSON value (see :func:`to_json`); None reads as a timeout to a
             ``wait_signal(timeout=...)``: send a value.
-        key: dedup key (<= 400 characters): a second signal with the same key is a no-op.
+        key: dedup key (<= 400 characters), unique per workflow: a second signal with
+            the same key to the same workflow is a no-op (another workflow may use the same
+            key). A re-send whose name or payload differs is not stored either, and logs a
+            WARNING (the key names one signal: give a new signal a new key).
 
     Returns:
-        True if the signal was stored, False if ``key`` was seen before.
+        True if the signal was stored, False if this workflow already has a signal with
+        ``key``.
 
     Raises:
         WorkflowNotFound: no such workflow.
         WorkflowError-derived WorkflowConflict: the workflow has ended (the signal would be
-            lost; nothing is written), or its row's state is malformed.
+            lost; nothing is written), or its row's state is malformed, or (a schema before
+            0014_signalkey, one key per store) another workflow holds ``key``.
         TypeError: ``payload`` is not JSON-serialisable (nothing is written).
+        WorkflowValueError: ``payload`` is over the size limit as JSON
+            (:data:`~reliable_beat.outbox.DEFAULT_MAX_PAYLOAD_BYTES`); nothing is written.
     """
     data = to_json(payload, f"signal {name!r} payload")
+    limits.check_size(f"signal {name!r} payload", data)
     with _tx(target) as conn:
         if conn.dialect.name != "postgresql":
             return _signal_locking(conn, workflow_id, name, data, key)

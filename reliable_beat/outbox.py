@@ -28,7 +28,6 @@ transaction that creates the entity), because a second call adds a second messag
 
 from __future__ import annotations
 
-import json
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -44,7 +43,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from reliable_beat.db.tables import outbox
 from reliable_beat.messages import OutboxMessage
 from reliable_beat.payloads import check_payload
-from reliable_beat.values import to_json_value
+from reliable_beat.values import DEFAULT_MAX_PAYLOAD_BYTES, json_size, to_json_value
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -61,16 +60,6 @@ __all__ = [
 NOTIFY_CHANNEL = "reliable_beat_outbox"
 #: Length of the ``message_id`` column.
 MAX_MESSAGE_ID_LENGTH = 400
-#: Default largest JSON size of a row's payload + headers, in bytes (the setting
-#: ``reliable_beat_max_payload_bytes``): a row is copied into the broker or the far end on
-#: every delivery, and a relay holds a whole claimed batch in memory.
-DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
-
-
-def json_size(value: Any) -> int:
-    """Bytes of ``value`` as compact UTF-8 JSON (values JSON cannot encode count as ``str``)."""
-    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False,
-                          default=str).encode())
 
 
 def db_now(conn: Connection) -> datetime:

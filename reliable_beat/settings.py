@@ -24,6 +24,7 @@ from reliable_beat.policies import (
     catch_up_limit_problem,
 )
 from reliable_beat.schedules import validate_timezone
+from reliable_beat.values import DEFAULT_MAX_PAYLOAD_BYTES
 
 __all__ = [
     "DEFAULT_DATABASE_URL",
@@ -186,7 +187,9 @@ class Settings:
             (default True), "ssl", "username", "password", "timeout_seconds", "from",
             "allowed_from", "ca_file"}`` (see :class:`reliable_beat.handlers.SmtpConfig`).
         max_payload_bytes: the largest JSON size of an entry's args + kwargs + options and
-            of an outbox row's payload + headers (bytes, checked where they enter).
+            of an outbox row's payload + headers (bytes, checked where they enter). The
+            default is :data:`reliable_beat.outbox.DEFAULT_MAX_PAYLOAD_BYTES`, the fixed limit
+            of workflow values (arguments, signal payloads, activity messages).
         outbox_batch_bytes: a relay claim stops adding rows once their payloads reach this
             many bytes (at least one row is always claimed).
         key_reuse: what an IdempotentTask does when a call reuses an idempotency key with
@@ -245,7 +248,7 @@ class Settings:
     webhook_max_response_bytes: int = 65536
     webhook_batch_seconds: float = 30.0
     smtp: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    max_payload_bytes: int = 1024 * 1024
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     outbox_batch_bytes: int = 16 * 1024 * 1024
     key_reuse: str = "warn"
     schedule_group: str | None = None

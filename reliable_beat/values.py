@@ -32,6 +32,7 @@ from typing import Any
 from reliable_beat.errors import ConfigurationError
 
 __all__ = [
+    "DEFAULT_MAX_PAYLOAD_BYTES",
     "MAX_ENTRY_NAME",
     "MAX_IDEMPOTENCY_KEY",
     "MAX_TASK_ID",
@@ -42,6 +43,7 @@ __all__ = [
     "check_length",
     "entry_name_problems",
     "from_json_value",
+    "json_size",
     "to_json_value",
     "to_plain_json",
 ]
@@ -272,3 +274,15 @@ def call_digest(args: Any, kwargs: Any) -> str:
         sort_keys=True, separators=(",", ":"),
     )
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+#: Default largest JSON size of a row's payload + headers, in bytes (the setting
+#: ``reliable_beat_max_payload_bytes``): a row is copied into the broker or the far end on
+#: every delivery, and a relay holds a whole claimed batch in memory.
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+
+
+def json_size(value: Any) -> int:
+    """Bytes of ``value`` as compact UTF-8 JSON (values JSON cannot encode count as ``str``)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+                          default=str).encode())

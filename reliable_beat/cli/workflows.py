@@ -19,7 +19,11 @@ import click
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.cli.runs import _fmt, _table
 from reliable_beat.workflows import engine, saga
-from reliable_beat.workflows.errors import WorkflowConflict, WorkflowNotFound
+from reliable_beat.workflows.errors import (
+    WorkflowConflict,
+    WorkflowNotFound,
+    WorkflowValueError,
+)
 
 __all__ = ["register"]
 
@@ -107,7 +111,8 @@ def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool)
 @click.argument("workflow_id")
 @click.argument("name")
 @click.argument("payload", default="null")
-@click.option("--key", default=None, help="Dedup key: a second signal with it is a no-op.")
+@click.option("--key", default=None,
+              help="Dedup key: a second signal with it to this workflow is a no-op.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_cli
 def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str, key: str | None,
@@ -123,10 +128,13 @@ def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str, key: s
         fail(str(exc), 1, kind="not_found")
     except WorkflowConflict as exc:
         fail(str(exc), 1, kind="conflict")
+    except WorkflowValueError as exc:  # a payload over the size limit
+        fail(str(exc), 2, kind="usage")
     if as_json:
         cli.echo_json({"workflow_id": workflow_id, "name": name, "stored": stored})
     else:
-        click.echo("signal stored" if stored else f"signal with key {key!r} already stored")
+        click.echo("signal stored" if stored
+                   else f"signal with key {key!r} already stored for {workflow_id!r}")
 
 
 @workflows_group.command("resume")

@@ -387,7 +387,8 @@ workflow_events = Table(
     Column("redispatched_at", UTCDateTime, nullable=True),
 )
 
-# Signals: an inbox row per signal, written in the sender's transaction, consumed by one event.
+# Signals: an inbox row per signal, written in the sender's transaction, consumed by one event;
+# ``dedup_key`` (optional) is unique per workflow.
 workflow_signals = Table(
     "reliable_beat_workflow_signals",
     metadata,
@@ -400,11 +401,14 @@ workflow_signals = Table(
     ),
     Column("name", String(200), nullable=False),
     Column("payload", JSONType, nullable=True),
-    Column("dedup_key", String(400), nullable=True, unique=True),
+    Column("dedup_key", String(400), nullable=True),
     Column("consumed_run_no", Integer, nullable=True),
     Column("consumed_seq", Integer, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
     Index("ix_reliable_beat_workflow_signals_workflow_pk_name_id", "workflow_pk", "name", "id"),
+    # a dedup key is the workflow's own: two workflows may use the same key (0016_signalkey;
+    # before it, one key per store)
+    UniqueConstraint("workflow_pk", "dedup_key"),
 )
 
 # What a person did through the web dashboard (0013_dashboard): who (the authenticated name),

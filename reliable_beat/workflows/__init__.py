@@ -55,12 +55,15 @@ from reliable_beat.workflows.errors import (
     WorkflowFailed,
     WorkflowNotFound,
     WorkflowUsageError,
+    WorkflowValueError,
 )
+from reliable_beat.workflows.limits import MAX_TIMER
 from reliable_beat.workflows.saga import Saga, cancel, compensate
 
 __all__ = [
     "ADVANCE_TASK",
     "DEFAULT_HISTORY_LIMIT",
+    "MAX_TIMER",
     "ActivityError",
     "ActivityHandle",
     "NonDeterminismError",
@@ -78,6 +81,7 @@ __all__ = [
     "WorkflowInfo",
     "WorkflowNotFound",
     "WorkflowUsageError",
+    "WorkflowValueError",
     "advance",
     "cancel",
     "compensate",

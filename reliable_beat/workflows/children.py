@@ -61,6 +61,7 @@ def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: di
             f"got {wf!r}"
         )
     call = engine.to_json([list(args), kwargs, workflow_id], f"child {name!r} arguments")
+    ctx._check_size(CHILD_KIND, name, call, f"child {name!r} arguments")
     seq, digest, ev = ctx._next(CHILD_KIND, name, call)
     claimed = ctx._claimed
     child_id = workflow_id or child_id_for(claimed.workflow_id, claimed.run_no, seq)

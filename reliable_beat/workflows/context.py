@@ -38,7 +38,14 @@ from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
 from reliable_beat.values import from_json_value
-from reliable_beat.workflows import children, continuation, engine, tripwire, versioning
+from reliable_beat.workflows import (
+    children,
+    continuation,
+    engine,
+    limits,
+    tripwire,
+    versioning,
+)
 from reliable_beat.workflows.errors import (
     ActivityError,
     EndWorkflow,
@@ -48,6 +55,7 @@ from reliable_beat.workflows.errors import (
     WorkflowCancelled,
     WorkflowControl,
     WorkflowUsageError,
+    WorkflowValueError,
 )
 
 if TYPE_CHECKING:
@@ -267,8 +275,10 @@ class WorkflowContext:
             if tail:
                 return tail
             try:
-                value = engine.to_json(result, f"workflow {self._claimed.name!r} result")
-            except TypeError as exc:
+                what = f"workflow {self._claimed.name!r} result"
+                value = engine.to_json(result, what)
+                limits.check_size(what, value)
+            except (TypeError, WorkflowValueError) as exc:
                 return engine._finish(self._store, self._claimed, state="failed",
                                       error=engine.error_json(exc))
             engine.crash_point("advance.before_finish")
@@ -388,6 +398,39 @@ class WorkflowContext:
                 ).scalar()
         except Exception:  # the message is still right without them
             return None
+
+    def _activity_message(self, task_name: str, call: list[Any], queue: str | None,
+                         seq: int | None = None) -> dict[str, Any]:
+        """The outbox payload of the activity (or compensation) ``task_name`` called with
+        ``call`` (``[args, kwargs]``) at position ``seq`` (None: the next one)."""
+        key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no,
+                                  self._seq + 1 if seq is None else seq)
+        payload: dict[str, Any] = {"task": task_name, "args": call[0], "kwargs": call[1],
+                                   "headers": {"reliable_beat_key": key}}
+        if queue:
+            payload["options"] = {"queue": queue}
+        return payload
+
+    def _check_size(self, kind: str, name: str | None, args: Any, what: str, *,
+                    message: Any = None) -> None:
+        """Refuse a durable call whose ``args`` (as stored), or the outbox ``message`` it
+        sends if given, are over the size limit, before it takes a position
+        (:mod:`~reliable_beat.workflows.limits`): the check depends on the arguments only,
+        so a replay refuses it at the same place. The call the history records at the next
+        position (written before the limit) replays as it was.
+
+        Raises:
+            WorkflowValueError: over :data:`~reliable_beat.outbox.DEFAULT_MAX_PAYLOAD_BYTES`.
+        """
+        # an outbox row's size counts its headers too: {} for activity messages
+        size = limits.over_size(args) if message is None else limits.over_size(message, {})
+        if size is None:
+            return
+        ev = self._history.get(self._seq + 1)
+        if ev is not None and (ev.kind, ev.name, ev.args_digest) == (
+                kind, name, engine.args_digest(kind, name, args)):
+            return
+        raise limits.size_error(what, size)
 
     def _record(
         self, seq: int, kind: str, name: str | None, digest: str, args: Any, *,
@@ -544,6 +587,8 @@ class WorkflowContext:
         """
         step_name = _callable_name(fn, name)
         call = engine.to_json([list(args), kwargs], f"transaction {step_name!r} arguments")
+        self._check_size("transaction", step_name, call,
+                         f"transaction {step_name!r} arguments")
         seq, digest, ev = self._next("transaction", step_name, call)
         if ev is not None:
             return self._outcome(ev.state, ev.result, ev.error, "transaction", step_name)
@@ -555,7 +600,9 @@ class WorkflowContext:
                                  task_name=f"workflow {self._definition.name}",
                                  store=self._store, fix=_TRANSACTION_FIX):
                     value = fn(conn, *args, **kwargs)
-                return engine.to_json(value, f"transaction {step_name!r} result")
+                value = engine.to_json(value, f"transaction {step_name!r} result")
+                limits.check_size(f"transaction {step_name!r} result", value)
+                return value
             except OperationalError:
                 raise  # the database, not the step (deadlock, connection): the advance retries
             except Exception as exc:
@@ -589,6 +636,7 @@ class WorkflowContext:
         """
         step_name = _callable_name(fn, name)
         call = engine.to_json([list(args), kwargs], f"step {step_name!r} arguments")
+        self._check_size("step", step_name, call, f"step {step_name!r} arguments")
         seq, digest, ev = self._next("step", step_name, call)
         if ev is not None:
             return self._outcome(ev.state, ev.result, ev.error, "step", step_name)
@@ -598,6 +646,7 @@ class WorkflowContext:
         try:
             value = fn(*args, **kwargs)
             value = engine.to_json(value, f"step {step_name!r} result")
+            limits.check_size(f"step {step_name!r} result", value)
         except Exception as exc:
             self._in_step = False
             err = engine.error_json(exc)
@@ -633,15 +682,13 @@ class WorkflowContext:
             )
         task_name = task if isinstance(task, str) else str(task.name)
         call = engine.to_json([list(args), kwargs], f"activity {task_name!r} arguments")
+        self._check_size("activity", task_name, call,
+                         f"activity {task_name!r} arguments (in their message)",
+                         message=self._activity_message(task_name, call, queue))
         seq, digest, ev = self._next("activity", task_name, call)
         key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no, seq)
         if ev is None:
-            payload: dict[str, Any] = {
-                "task": task_name, "args": call[0], "kwargs": call[1],
-                "headers": {"reliable_beat_key": key},
-            }
-            if queue:
-                payload["options"] = {"queue": queue}
+            payload = self._activity_message(task_name, call, queue, seq)
 
             def dispatch(conn: Connection) -> None:
                 outbox.add(conn, engine.WAKE_DESTINATION, payload, key=f"act:{key}",
@@ -762,16 +809,25 @@ class WorkflowContext:
         Records a ``timer`` event with ``fire_at = db now + duration`` and an outbox wake
         with ``available_at = fire_at`` in one transaction; nothing holds a worker or a
         message meanwhile. Precision: the relay's poll.
+
+        Raises:
+            WorkflowValueError: ``duration`` is not a ``timedelta`` from 0 to
+                :data:`~reliable_beat.workflows.limits.MAX_TIMER` (100 years).
         """
-        if not isinstance(duration, timedelta) or duration < timedelta(0):
-            raise ValueError(f"ctx.sleep needs a timedelta >= 0, got {duration!r}")
+        limits.check_duration("ctx.sleep duration", duration)
         self._timer(["sleep", duration.total_seconds()], lambda now: now + duration)
 
     @_durable
     def sleep_until(self, instant: datetime) -> None:
-        """Durable sleep until ``instant`` (tz-aware; naive datetimes are refused)."""
-        if instant.tzinfo is None:
-            raise ValueError(f"ctx.sleep_until needs a tz-aware datetime, got {instant!r}")
+        """Durable sleep until ``instant`` (tz-aware; naive datetimes are refused).
+
+        Raises:
+            WorkflowValueError: ``instant`` is not a tz-aware ``datetime``.
+        """
+        if not isinstance(instant, datetime) or instant.tzinfo is None:
+            raise WorkflowValueError(
+                f"ctx.sleep_until instant must be a tz-aware datetime, got {instant!r}; "
+                "e.g. datetime(2030, 1, 1, tzinfo=timezone.utc)")
         self._timer(["until", instant.isoformat()], lambda now: max(now, instant))
 
     def _timer(self, args: Any, fire: Callable[[datetime], datetime]) -> None:
@@ -810,7 +866,14 @@ class WorkflowContext:
         Consuming the signal and recording it are one fenced transaction: each signal is
         consumed by exactly one wait. With ``timeout``, returns None if none came in time
         (which came first is decided once, by the advance that sees it, then replayed).
+        ``timeout=timedelta(0)`` polls: the oldest signal if one is there, else None.
+
+        Raises:
+            WorkflowValueError: ``timeout`` is not None nor a ``timedelta`` from 0 to
+                :data:`~reliable_beat.workflows.limits.MAX_TIMER` (100 years).
         """
+        if timeout is not None:
+            limits.check_duration("ctx.wait_signal timeout", timeout)
         args = [name, None if timeout is None else timeout.total_seconds()]
         seq, digest, ev = self._next("signal", name, args)
         if ev is not None and ev.state != "scheduled":
@@ -1002,6 +1065,9 @@ class WorkflowContext:
 
         Raises:
             TypeError: the arguments are not JSON-serialisable (raised into the code).
+            WorkflowValueError: the arguments are over the size limit as JSON (the next
+                run would read them on every advance); raised into the code, nothing is
+                written.
         """
         call_args = engine.to_json(list(args), "continue_as_new args")
         call_kwargs = engine.to_json(dict(kwargs), "continue_as_new kwargs")
@@ -1011,6 +1077,7 @@ class WorkflowContext:
             raise WorkflowUsageError("ctx.continue_as_new inside ctx.step/ctx.transaction")
         if self._dry_run:
             raise self._suspend(f"replay reached continue_as_new at seq {self._seq}")
+        limits.check_size("continue_as_new arguments", call_args, call_kwargs)
         still_open = continuation.open_work(self)
         if still_open:
             raise self._raise(continuation.ContinueAsNewRefused(

@@ -48,6 +48,7 @@ from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
 from reliable_beat.outbox import db_now, insert_ignore
 from reliable_beat.redaction import get_logger, redact_value
+from reliable_beat.workflows import limits, signal_keys
 from reliable_beat.workflows.errors import (
     WorkflowBlockedError,
     WorkflowConflict,
@@ -509,6 +510,9 @@ def start(
     Raises:
         WorkflowConflict: ``workflow_id`` names a workflow of another name.
         ValueError: bad id; TypeError: arguments not JSON-serialisable.
+        WorkflowValueError: ``args`` + ``kwargs`` over the size limit as JSON
+            (:data:`~reliable_beat.outbox.DEFAULT_MAX_PAYLOAD_BYTES`; every advance reads
+            them); nothing is written.
 
     A second ``start`` of an existing id with other arguments (first run) returns the
     existing workflow too, and logs a WARNING naming the id: the new arguments are not used.
@@ -517,6 +521,7 @@ def start(
         raise ValueError(f"workflow_id must be 1..{MAX_WORKFLOW_ID} characters: {workflow_id!r}")
     call_args = to_json(list(args), f"workflow {name!r} args")
     call_kwargs = to_json(dict(kwargs or {}), f"workflow {name!r} kwargs")
+    limits.check_size(f"workflow {name!r} arguments", call_args, call_kwargs)
     if version is None and name in _registry:
         version = _registry[name].version
     if schedule_group is None and name in _registry:
@@ -600,18 +605,26 @@ def signal(
         name: the signal's name (<= 200 characters), as ``ctx.wait_signal(name)`` asks it.
         payload: a JSON value (see :func:`to_json`); None reads as a timeout to a
             ``wait_signal(timeout=...)``: send a value.
-        key: dedup key (<= 400 characters): a second signal with the same key is a no-op.
+        key: dedup key (<= 400 characters), unique per workflow: a second signal with
+            the same key to the same workflow is a no-op (another workflow may use the same
+            key). A re-send whose name or payload differs is not stored either, and logs a
+            WARNING (the key names one signal: give a new signal a new key).
 
     Returns:
-        True if the signal was stored, False if ``key`` was seen before.
+        True if the signal was stored, False if this workflow already has a signal with
+        ``key``.
 
     Raises:
         WorkflowNotFound: no such workflow.
         WorkflowError-derived WorkflowConflict: the workflow has ended (the signal would be
-            lost; nothing is written), or its row's state is malformed.
+            lost; nothing is written), or its row's state is malformed, or (a schema before
+            0016_signalkey, one key per store) another workflow holds ``key``.
         TypeError: ``payload`` is not JSON-serialisable (nothing is written).
+        WorkflowValueError: ``payload`` is over the size limit as JSON
+            (:data:`~reliable_beat.outbox.DEFAULT_MAX_PAYLOAD_BYTES`); nothing is written.
     """
     data = to_json(payload, f"signal {name!r} payload")
+    limits.check_size(f"signal {name!r} payload", data)
     with _tx(target) as conn:
         if conn.dialect.name != "postgresql":
             return _signal_locking(conn, workflow_id, name, data, key)
@@ -626,8 +639,8 @@ def signal(
         sid = conn.execute(insert_ignore(conn, workflow_signals).values(
             workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
         ).returning(workflow_signals.c.id)).scalar()
-        if sid is None:
-            return False
+        if sid is None:  # only a key makes a duplicate
+            return signal_keys.stored_key(conn, row.id, workflow_id, name, data, str(key))
         free = conn.execute(
             select(workflows.c.id).where(workflows.c.id == row.id)
             .with_for_update(key_share=True, skip_locked=True)
@@ -670,15 +683,18 @@ def _signal_locking(conn: Connection, workflow_id: str, name: str, data: Any,
                     key: str | None) -> bool:
     """:func:`signal` on SQLite and MySQL/MariaDB: bump ``wake_seq`` first, holding the
     workflow row (the same lock order as the advance: no deadlock). A key already stored
-    returns False before the bump (a web retry of the same signal costs the workflow no
-    replay; two racing first sends of one key may still both bump: harmless)."""
-    if key is not None and conn.execute(
-        select(workflow_signals.c.id)
-        .join(workflows, workflows.c.id == workflow_signals.c.workflow_pk)
-        .where(workflows.c.workflow_id == workflow_id, workflow_signals.c.dedup_key == key)
-        .limit(1)
-    ).first() is not None:
-        return False
+    for this workflow returns False before the bump (a web retry of the same signal costs
+    the workflow no replay; two racing first sends of one key may still both bump:
+    harmless)."""
+    if key is not None:
+        stored = conn.execute(
+            select(workflow_signals.c.name, workflow_signals.c.payload)
+            .join(workflows, workflows.c.id == workflow_signals.c.workflow_pk)
+            .where(workflows.c.workflow_id == workflow_id, workflow_signals.c.dedup_key == key)
+            .limit(1)
+        ).first()
+        if stored is not None:
+            return signal_keys.repeated(workflow_id, key, stored, name, data)
     now = db_now(conn)
     row = _refuse_unsignallable(workflow_id, name, _first(update_returning(
         conn,
@@ -688,11 +704,11 @@ def _signal_locking(conn: Connection, workflow_id: str, name: str, data: Any,
         workflows,
         [workflows.c.id, workflows.c.state, workflows.c.queue, workflows.c.wake_seq],
     )))
-    stored = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
+    inserted = _insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
         workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
     ), workflow_signals)
-    if not stored:
-        return False
+    if not inserted:  # a racing sender of the key committed first (or an older schema)
+        return signal_keys.stored_key(conn, row.id, workflow_id, name, data, str(key))
     add_wake(conn, workflow_id, row.queue, f"s{row.wake_seq}")
     return True
 

@@ -6,6 +6,7 @@
     └── WorkflowError
         ├── WorkflowNotFound (LookupError)        no workflow with that id
         ├── WorkflowConflict (ValueError)         start(): the id names another workflow
+        ├── WorkflowValueError (ValueError)       a duration or a value past its limit
         ├── WorkflowUsageError (RuntimeError)     a durable call where none is allowed
         ├── WorkflowFailed                        handle.result(): the workflow failed
         ├── WorkflowCancelled                     raised INTO workflow code: cancelled
@@ -46,6 +47,7 @@ __all__ = [
     "WorkflowFailed",
     "WorkflowNotFound",
     "WorkflowUsageError",
+    "WorkflowValueError",
 ]
 
 
@@ -59,6 +61,14 @@ class WorkflowNotFound(WorkflowError, LookupError):
 
 class WorkflowConflict(WorkflowError, ValueError):
     """``start`` with a workflow id that already names a workflow of another name."""
+
+
+class WorkflowValueError(WorkflowError, ValueError):
+    """A workflow call refused a value, before writing anything: a duration that is not a
+    ``timedelta`` from 0 to ``MAX_TIMER`` (100 years), or a value (arguments, a signal's
+    payload, a step's result) over the size limit as JSON
+    (:data:`reliable_beat.outbox.DEFAULT_MAX_PAYLOAD_BYTES`). The message names the
+    argument and the limit (:mod:`reliable_beat.workflows.limits`)."""
 
 
 class WorkflowUsageError(WorkflowError, RuntimeError):

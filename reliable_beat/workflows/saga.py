@@ -134,6 +134,8 @@ class Saga:
         Raises:
             WorkflowUsageError: outside the ``with`` block, or ``task`` is a plain task.
             TypeError: arguments not JSON-serialisable.
+            WorkflowValueError: arguments over the size limit as JSON (refused here, not
+                when an unwind sends the compensation).
         """
         with _engine_code():
             if not self._open:
@@ -147,6 +149,10 @@ class Saga:
 
         ctx = self._ctx
         call = engine.to_json([list(args), kwargs], f"compensation {name!r} arguments")
+        # refused at registration: an unwind could not send it
+        ctx._check_size("compensation", name, call,
+                        f"compensation {name!r} arguments (in their message)",
+                        message=ctx._activity_message(name, call, queue))
         seq, digest, ev = ctx._next("compensation", name, call)
         if ev is None:
             key = engine.activity_key(ctx._claimed.workflow_id, ctx._claimed.run_no, seq)

@@ -14,6 +14,10 @@ parsed, ``reliable-beat relay`` (banner and DEBUG log, deliveries that fail and 
 read command of the CLI with and without ``--json`` (status, entries, runs, dead-letters,
 outbox, db), with the database up and down. Every output is grepped for every secret:
 zero hits. Sanity checks make sure each output says what it should (it is not empty).
+
+A second test gives an ``IdempotentTask`` credentials as keyword arguments (``key=``,
+``api_key=``) and has it fail quoting them: a real ``celery worker`` at DEBUG, ``runs show``
+and ``dead-letters list`` show neither.
 """
 
 from __future__ import annotations

@@ -44,10 +44,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import ipaddress
 import json
 import os
-import re
 import smtplib
 import socket
 import ssl
@@ -60,12 +58,18 @@ from email import policy as email_policy
 from email.message import EmailMessage
 from email.utils import formatdate
 from typing import Any, Protocol, runtime_checkable
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, urlsplit
 
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
 from reliable_beat.messages import OutboxMessage
 from reliable_beat.redaction import get_logger
 from reliable_beat.values import to_plain_json
+from reliable_beat.webhook_guard import (
+    blocked_reason,
+    header_name_problem,
+    header_value_problem,
+    normalise_path,
+)
 
 __all__ = [
     "CELERY_PROTOCOL_HEADERS",
@@ -198,27 +202,18 @@ class WebhookDestination:
         """``base_url`` + ``path``; the path cannot leave the base (scheme, host, port, prefix).
 
         Raises:
-            PermanentDeliveryError: ``path`` is not a string starting with ``/``, contains
-                control characters, a backslash, ``..`` segments, or would change the host.
+            PermanentDeliveryError: ``path`` is refused by
+                :func:`reliable_beat.webhook_guard.normalise_path` (not a string starting
+                with a single ``/``; whitespace, control characters, ``\\`` or ``#``;
+                ``.``/``..`` segments, ``;`` path parameters or encoded ``/`` in any
+                percent-decoded form). Printable non-ASCII characters are percent-encoded as
+                UTF-8, not refused.
         """
-        if not isinstance(path, str) or not path.startswith("/") or path.startswith("//"):
-            raise PermanentDeliveryError(
-                f"webhook destination {self.name!r}: 'path' must be a string starting with "
-                f"a single '/', got {_short(path)}"
-            )
-        if any(ord(c) < 0x21 or c in "\\\x7f" for c in path) or "#" in path:
-            raise PermanentDeliveryError(
-                f"webhook destination {self.name!r}: 'path' contains whitespace, control "
-                "characters, '\\' or '#'; percent-encode them"
-            )
-        for seg in path.split("?", 1)[0].split("/"):
-            decoded = unquote(unquote(seg))  # twice: a server may decode %252e too
-            if decoded in (".", "..") or "/" in decoded or "\\" in decoded:
-                raise PermanentDeliveryError(
-                    f"webhook destination {self.name!r}: 'path' may not contain '.' or '..' "
-                    "segments or encoded '/' or '\\'"
-                )
-        url = self.base_url.rstrip("/") + path
+        try:
+            sent = normalise_path(path)
+        except ValueError as exc:
+            raise PermanentDeliveryError(f"webhook destination {self.name!r}: {exc}") from None
+        url = self.base_url.rstrip("/") + sent
         base, full = urlsplit(self.base_url), urlsplit(url)
         if (full.scheme, full.netloc) != (base.scheme, base.netloc):  # pragma: no cover
             raise PermanentDeliveryError(f"webhook destination {self.name!r}: path leaves host")
@@ -233,6 +228,10 @@ def _short(value: Any) -> str:
 def _check_base_url(url: Any, what: str, allowed_hosts: Sequence[str]) -> str:
     if not isinstance(url, str):
         raise ConfigurationError(f"{what}: expected an http(s) URL string")
+    if not url.isascii() or any(c <= " " or c == "\x7f" for c in url):
+        raise ConfigurationError(
+            f"{what}: only visible ASCII in base_url (give an internationalised host name in "
+            "its xn-- form and percent-encode the prefix)")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigurationError(f"{what}: expected http://host[:port][/prefix] or https://...")
@@ -317,7 +316,7 @@ def parse_webhook_destinations(
             headers: dict[str, str] = {}
             for hname, hvalue in headers_raw.items():
                 hwhat = f"{what}.headers[{hname!r}]"
-                if not isinstance(hname, str) or not _HEADER_NAME.fullmatch(hname):
+                if header_name_problem(hname) is not None:
                     raise ConfigurationError(f"{hwhat}: not a valid HTTP header name")
                 if hname.lower() in _RESERVED_HTTP_HEADERS:
                     raise ConfigurationError(f"{hwhat}: set by the handler, cannot be configured")
@@ -328,8 +327,9 @@ def parse_webhook_destinations(
                             f"{hwhat}: expected a string or {{'env': 'VARIABLE'}}")
                     continue
                 value = _secret(hvalue, hwhat, environ)
-                if "\r" in value or "\n" in value:
-                    raise ConfigurationError(f"{hwhat}: the value contains CR or LF")
+                problem = header_value_problem(value)  # never the value: it may be a secret
+                if problem is not None:
+                    raise ConfigurationError(f"{hwhat}: the {problem}")
                 headers[hname] = value
             out[name] = WebhookDestination(
                 name=name, base_url=base_url, headers=headers, timeout_seconds=float(timeout),
@@ -343,28 +343,10 @@ def parse_webhook_destinations(
     return out
 
 
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}")
-
-
 class BlockedAddressError(PermanentDeliveryError):
     """A webhook host resolved only to addresses the destination may not reach."""
 
 
-def blocked_reason(address: str) -> str | None:
-    """Why ``address`` (an IP literal) is blocked by ``block_private_networks``, or None."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    for attr in ("is_loopback", "is_unspecified", "is_link_local", "is_multicast",
-                 "is_private", "is_reserved"):
-        if getattr(ip, attr):
-            return attr[3:].replace("_", "-")
-    if isinstance(ip, ipaddress.IPv4Address) and ip in _CGNAT:
-        return "shared (100.64.0.0/10)"
-    return None
-
-
-_CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _deadline = threading.local()
 
 
@@ -609,10 +591,26 @@ class WebhookHandler:
             raise PermanentDeliveryError(
                 f"outbox row {message.id}: method {method!r} refused for a row URL "
                 "(POST, PUT or PATCH)")
-        headers = {str(k): str(v) for k, v in dict(p.get("headers") or {}).items()
+        url = str(url)
+        if not url.isascii() or any(c <= " " or c == "\x7f" for c in url):
+            raise PermanentDeliveryError(
+                f"outbox row {message.id}: the row URL has whitespace, control or non-ASCII "
+                "characters; percent-encode them")
+        try:
+            parts.port  # noqa: B018 - raises ValueError for a port out of range
+        except ValueError as exc:
+            raise PermanentDeliveryError(f"outbox row {message.id}: row URL: {exc}") from None
+        raw_headers = p.get("headers") or {}
+        if not isinstance(raw_headers, Mapping):
+            raise PermanentDeliveryError(
+                f"outbox row {message.id}: 'headers' must be an object {{name: value}}")
+        headers = {str(k): str(v) for k, v in raw_headers.items()
                    if str(k).lower() not in _RESERVED_HTTP_HEADERS}
-        if any("\r" in k + v or "\n" in k + v for k, v in headers.items()):
-            raise PermanentDeliveryError(f"outbox row {message.id}: CR/LF in a header")
+        for k, v in headers.items():
+            problem = header_name_problem(k) or header_value_problem(v)
+            if problem is not None:  # CR/LF (header injection), non-ASCII, ...: never sent
+                raise PermanentDeliveryError(
+                    f"outbox row {message.id}: header {_short(k)}: the {problem}")
         timeout = p.get("timeout_seconds")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             timeout = _DEFAULT_WEBHOOK_TIMEOUT
@@ -635,8 +633,13 @@ class WebhookHandler:
         for index, m in enumerate(messages):
             try:
                 req = self._request_for(m)
-            except Exception as exc:
+            except DeliveryError as exc:
                 results[index] = exc
+                continue
+            except Exception as exc:  # building a request does no I/O: it fails every time
+                results[index] = _chain(PermanentDeliveryError(
+                    f"outbox row {m.id}: the webhook request cannot be built from the row: "
+                    f"{type(exc).__name__}: {exc}"), exc)
                 continue
             queues.setdefault(req.group, []).append((index, m, req))
 
@@ -679,9 +682,14 @@ class WebhookHandler:
     def _send(self, message: OutboxMessage, req: _WebhookRequest) -> None:
         httpcore = self._httpcore
         try:
-            content = json.dumps(to_plain_json(req.body)).encode()
-        except (TypeError, ValueError) as exc:
+            content = json.dumps(to_plain_json(req.body), allow_nan=False).encode()
+        except (TypeError, ValueError, RecursionError) as exc:
             raise PermanentDeliveryError(f"{req.label}: body is not JSON ({exc})") from exc
+        problem = header_value_problem(message.message_id)
+        if problem is not None:  # a key with CR/LF would inject a header; non-ASCII is refused
+            raise PermanentDeliveryError(
+                f"{req.label}: the row's key cannot be sent as its Idempotency-Key header: "
+                f"the {problem}; write webhook rows under keys of visible ASCII")
         headers = [(k, v) for k, v in req.headers.items()]
         headers += [("Content-Type", "application/json"),
                     ("Idempotency-Key", message.message_id)]
@@ -704,6 +712,9 @@ class WebhookHandler:
                         break
         except PermanentDeliveryError:
             raise
+        except (TypeError, UnicodeError) as exc:  # the HTTP client refused the request as built
+            raise PermanentDeliveryError(
+                f"{req.label}: the HTTP client refused the request: {exc}") from None
         except _DeadlinePassed as exc:
             raise DeliveryError(f"{req.label}: {exc}") from None
         except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,

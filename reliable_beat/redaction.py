@@ -19,12 +19,21 @@ Every log line, banner, CLI output (text and ``--json``), ``last_error`` column,
   ``***``.
 * **Free text** (:func:`redact_text`): every URL found in the text is redacted as above,
   an HTTP credential (``Bearer ...``, ``Basic ...``) loses its value, and ``name=value`` /
-  ``name: value`` pairs with a sensitive name (libpq DSNs, ``password=...``) lose their
-  value. Used on exception messages before they are logged or stored.
+  ``name: value`` pairs with a sensitive name (libpq DSNs, ``password=...``, header lines),
+  also quoted as JSON or a Python dict shows them (``"api_key": "..."``), lose their value
+  (a quoted value whole; a ``Cookie:`` line to its end). A bare ``key`` is sensitive here
+  (``key=sk_live_...``, ``API key: ...``) unless a word before it names a harmless key
+  (``idempotency key: ...``, ``duplicate key: ...``). Used on exception messages before they
+  are logged or stored.
 * **JSON-like values** (:func:`redact_value`): dicts, lists and strings, recursively; keys
   with sensitive names lose their values, ``headers`` mappings go through
-  :func:`redact_headers`, strings through :func:`redact_text`. Used by ``dead-letters``
-  output.
+  :func:`redact_headers`, strings through :func:`redact_text`. A bare ``key`` is this
+  project's idempotency key (shown) except in a task's ``args`` / ``kwargs``. Used by
+  ``dead-letters`` output, ``--json`` and the Celery messages' ``argsrepr`` / ``kwargsrepr``
+  (:mod:`reliable_beat.celery.reprs`).
+* **Loggers**: every reliable_beat logger and the third-party loggers that print URLs, task
+  arguments, exceptions or message bodies (:data:`THIRD_PARTY_LOGGERS`: httpx, Celery's
+  worker, Dramatiq's worker thread) carry :class:`RedactingFilter`.
 
 The masking is one-way and stable (``***``), so two redacted outputs of the same input are
 equal and can be compared in tests. Nothing here touches what is stored for replay: a dead
@@ -42,10 +51,12 @@ from typing import Any
 from urllib.parse import parse_qsl, quote
 
 __all__ = [
+    "IDENTIFIER_FIELDS",
     "MASK",
     "SENSITIVE_HEADERS",
     "SENSITIVE_WORDS",
     "THIRD_PARTY_LOGGERS",
+    "USER_DATA_FIELDS",
     "WEBHOOK_HOSTS",
     "RedactingFilter",
     "get_logger",
@@ -110,10 +121,26 @@ _HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{8,128}$")
 # a bare request target ("/hook/abc123...?token=x", as a server echoes it): after a space,
 # a quote or the start, never inside a URL (those were redacted whole, above)
 _PATH_IN_TEXT = re.compile(r"(?:(?<=[\s'\"(\[=])|^)(/[^\s'\"<>`]+)")
-# name=value or name: value with a sensitive name (libpq DSN, "password=...", JSON-ish)
+# name=value or name: value with a sensitive name (libpq DSN, "password=...", a header
+# line), also quoted as JSON or a Python dict shows it ("api_key": "...", 'key': '...'); a
+# quoted value is taken whole, up to its closing quote (spaces included); a value starting
+# with '{' or '[' is a nested object, scanned on its own
 _PAIR_IN_TEXT = re.compile(
-    r"(?P<name>[A-Za-z][A-Za-z0-9_\-]*)(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<value>[^\s'\",;&)}]+)"
+    r"(?P<name>[A-Za-z][A-Za-z0-9_\-]*)(?P<nq>['\"]?)(?P<sep>\s*[=:]\s*)"
+    r"(?:(?P<q>['\"])(?P<qvalue>(?:\\.|(?!(?P=q))[^\\\r\n])*)(?P=q)"
+    r"|['\"]?(?P<value>[^\s'\",;&)}{\[][^\s'\",;&)}]*))"
 )
+# a bare "key" names a credential ("key=sk_live_...", "?key=...", "API key: ...") unless a
+# word before it says which harmless key it is ("idempotency key: ...", "duplicate key: ...")
+_HARMLESS_KEY_QUALIFIERS = frozenset({
+    "idempotency", "ordering", "routing", "dedup", "dedupe", "deduplication", "duplicate",
+    "primary", "foreign", "unique", "sort", "partition", "cache", "lookup", "row", "run",
+    "message", "entry", "slot", "signal", "redis", "public", "dict", "mapping", "index",
+    "composite", "natural", "shard", "hash", "lock", "group", "schedule", "workflow",
+})
+_WORD_BEFORE = re.compile(r"([A-Za-z]+)[ \t_\-]+$")
+# after a credential's header name: "Authorization: Token <credential>"
+_SCHEME_THEN_CREDENTIAL = re.compile(r"[ \t]+(?P<cred>[^\s'\",;()]+)")
 
 
 def _norm(name: str) -> str:
@@ -294,18 +321,53 @@ def redact_text(text: object) -> str:
     out: list[str] = []
     pos = 0
     while (m := _PAIR_IN_TEXT.search(s, pos)) is not None:
-        if m.group("value") == MASK:
+        group = "qvalue" if m.group("q") else "value"
+        value = m.group(group)
+        if not value or value == MASK:
             out.append(s[pos:m.end()])
             pos = m.end()
-        elif is_sensitive_name(m.group("name")):
-            out.append(s[pos:m.start("value")])
-            out.append(MASK)
-            pos = m.end()
-        else:
+            continue
+        name = m.group("name")
+        if (m.start() and s[m.start() - 1] == ":") or not _secret_pair(name, s, m.start()):
+            # ":" right before the name: a part of a colon-joined identifier (an idempotency
+            # key "wf:password-reset:1", "session:42:close"), not a pair's name
             out.append(s[pos:m.end("sep")])
             pos = m.end("sep")
+            continue
+        start, end = m.start(group), m.end(group)
+        scheme = value.split(None, 1)[0]
+        if group == "qvalue" and scheme.lower() in _CREDENTIAL_SCHEMES and scheme != value:
+            start += len(scheme) + 1  # 'Digest username=..., response=...': 'Digest ***'
+        elif group == "value" and value.lower() in _CREDENTIAL_SCHEMES:
+            # "Authorization: Bearer ***" (masked above) stays; "Token abc": abc goes
+            cred = _SCHEME_THEN_CREDENTIAL.match(s, end)
+            if cred is not None and cred.group("cred") == MASK:
+                out.append(s[pos:cred.end()])
+                pos = cred.end()
+                continue
+            if cred is not None:
+                start, end = cred.span("cred")
+        elif group == "value" and _norm(name) in ("cookie", "setcookie") and (
+                ":" in m.group("sep")):
+            # a Cookie header line: every cookie of it ("a=1; b=2"), to the end of the line
+            newline = s.find("\n", end)
+            end = len(s) if newline == -1 else newline
+            end -= s[end - 1:end] == "\r"
+        out.append(s[pos:start])
+        out.append(MASK)
+        pos = end
     out.append(s[pos:])
     return "".join(out)
+
+
+def _secret_pair(name: str, text: str, start: int) -> bool:
+    """Whether ``name`` (found at ``start`` of ``text``) names a secret in free text."""
+    if is_sensitive_name(name):
+        return True
+    if _norm(name) != "key":
+        return False
+    before = _WORD_BEFORE.search(text, max(0, start - 40), start)
+    return before is None or before.group(1).lower() not in _HARMLESS_KEY_QUALIFIERS
 
 
 _CREDENTIAL_SCHEMES = ("bearer", "basic", "token", "digest", "negotiate")
@@ -339,7 +401,7 @@ def _redact_scheme_credential(m: re.Match[str]) -> str:
     if scheme.lower() == "token" and not _TOKEN_CREDENTIAL.match(value):
         return m.group(0)  # "the token is stale": the English word, not the HTTP scheme
     return f"{scheme} {MASK}"
-_TEXT_WORDS = (*SENSITIVE_WORDS, *_EXACT_SENSITIVE)
+_TEXT_WORDS = (*SENSITIVE_WORDS, *_EXACT_SENSITIVE, "key")
 
 
 def _mentions_sensitive_word(low: str) -> bool:
@@ -347,30 +409,50 @@ def _mentions_sensitive_word(low: str) -> bool:
     return any(w in squeezed for w in _TEXT_WORDS)
 
 
-def redact_value(value: Any) -> Any:
+def redact_value(value: Any, *, user_data: bool = False) -> Any:
     """``value`` (JSON-like: dict / list / str / scalar) with every secret masked.
 
     Keys with sensitive names lose their values; a ``headers`` mapping goes through
     :func:`redact_headers`; a ``url`` string through :func:`redact_url`; other strings
     through :func:`redact_text`. The input is not modified.
+
+    A bare ``key`` is this project's own field (an idempotency key, a dead letter's key),
+    shown as it is (as are the other :data:`IDENTIFIER_FIELDS`), except in an application's
+    data: the values under ``args``, ``kwargs`` and ``body`` (:data:`USER_DATA_FIELDS`), or
+    all of ``value`` with ``user_data=True``, where ``key`` names a credential as in free
+    text (``key="sk_..."``).
     """
     if isinstance(value, Mapping):
         out: dict[Any, Any] = {}
         for k, v in value.items():
-            if is_sensitive_name(k) and not isinstance(v, (Mapping, list, tuple)):
+            if (is_sensitive_name(k) or (user_data and isinstance(k, str) and _norm(k) == "key")
+                    ) and not isinstance(v, (Mapping, list, tuple)):
                 out[k] = MASK if v not in (None, "") else v
             elif k == "headers" and isinstance(v, Mapping):
                 out[k] = redact_headers(v)
             elif k == "url" and isinstance(v, str):
                 out[k] = redact_url(v)
+            elif k in IDENTIFIER_FIELDS and isinstance(v, str) and not user_data:
+                out[k] = v  # our own identifier, whatever it reads like ("session:42:close")
             else:
-                out[k] = redact_value(v)
+                out[k] = redact_value(v, user_data=user_data or k in USER_DATA_FIELDS)
         return out
     if isinstance(value, (list, tuple)):
-        return [redact_value(v) for v in value]
+        return [redact_value(v, user_data=user_data) for v in value]
     if isinstance(value, str):
         return redact_text(value)
     return value
+
+
+#: The keys under which an application's own data is found (a task's, a workflow's
+#: arguments, a webhook's body): a bare ``key`` there is a credential's name, not an
+#: idempotency key.
+USER_DATA_FIELDS = frozenset({"args", "kwargs", "body"})
+#: Fields that hold this project's own identifiers (idempotency keys, message, workflow and
+#: entry names): shown as they are, even when one reads like a secret pair
+#: (``"session:42:close"``), outside :data:`USER_DATA_FIELDS`.
+IDENTIFIER_FIELDS = frozenset({"idempotency_key", "key", "run_key", "message_id",
+                               "workflow_id", "dedup_key", "ordering_key", "entry_name"})
 
 
 class RedactingFilter(logging.Filter):
@@ -396,6 +478,10 @@ class RedactingFilter(logging.Filter):
             value = record.__dict__.get(name)
             if isinstance(value, str):
                 record.__dict__[name] = redact_text(value)
+        data = record.__dict__.get("data")
+        if isinstance(data, Mapping):  # Celery's ``extra={"data": context}`` (args, exc)
+            with contextlib.suppress(Exception):
+                record.__dict__["data"] = redact_value(data)
         return True
 
 
@@ -423,10 +509,16 @@ _FORMATTER = logging.Formatter()
 _FILTER = RedactingFilter()
 
 #: Third-party loggers that print request URLs or headers (httpx logs every request's full
-#: URL at INFO): they get the same filter when this module is imported.
+#: URL at INFO), or a task's arguments, its exception and traceback, or a message body
+#: (Celery's worker: the "raised unexpected" ERROR line, "TaskPool: Apply" at DEBUG, an
+#: unknown message's body; Dramatiq's worker thread: "Failed to process message
+#: actor(args, kwargs)"): they get the same filter when this module is imported. A filter
+#: applies to the records of the logger it is attached to, so each is named.
 THIRD_PARTY_LOGGERS = (
     "httpx", "httpcore", "httpcore.connection", "httpcore.http11", "httpcore.http2",
     "httpcore.proxy", "httpcore.socks", "urllib3", "urllib3.connectionpool",
+    "celery.app.trace", "celery.worker.strategy", "celery.worker.request", "celery.pool",
+    "celery.worker.consumer.consumer", "dramatiq.worker.WorkerThread",
 )
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from reliable_beat.celery.reprs import shown_reprs
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
 from reliable_beat.handlers import (
     CELERY_PROTOCOL_HEADERS,
@@ -678,6 +679,7 @@ def _send_one(app: Any, producer: Any, message: OutboxMessage, now: datetime,
                            expires_at, options):
             return
         builder.captured = None
+    argsrepr, kwargsrepr = shown_reprs(app, args, kwargs)  # what logs and events show
     app.send_task(
         payload["task"],
         args=args,
@@ -686,6 +688,8 @@ def _send_one(app: Any, producer: Any, message: OutboxMessage, now: datetime,
         headers=headers,
         expires=expires_at,
         producer=_CapturingProducer(producer, builder) if builder is not None else producer,
+        argsrepr=argsrepr,
+        kwargsrepr=kwargsrepr,
         **options,
         **send_options,
     )
@@ -754,12 +758,6 @@ class _MessageBuilder:
 
         self._on_task_call = None if on_task_call is Backend.on_task_call else \
             app.backend.on_task_call
-        from celery.utils.saferepr import saferepr
-
-        self._saferepr = saferepr
-        self._argsrepr_max = app.amqp.argsrepr_maxsize
-        self._kwargsrepr_max = app.amqp.kwargsrepr_maxsize
-        self._maxlevels = app.conf.get("task_repr_maxlevels", 3)
 
     @classmethod
     def for_batch(cls, app: Any) -> _MessageBuilder | None:
@@ -826,11 +824,15 @@ class _MessageBuilder:
         kwargs_: Any = kwargs or {}
         headers = dict(protocol)
         headers["id"] = headers["root_id"] = task_id
-        headers["argsrepr"] = protocol["argsrepr"] if args == t_args else self._saferepr(
-            args_, self._argsrepr_max, maxlevels=self._maxlevels)
-        headers["kwargsrepr"] = protocol["kwargsrepr"] if kwargs == t_kwargs else \
-            self._saferepr(kwargs_, self._kwargsrepr_max, maxlevels=self._maxlevels)
+        if args == t_args and kwargs == t_kwargs:
+            shown = protocol["argsrepr"], protocol["kwargsrepr"]
+        else:  # as _send_one passes them to send_task: redacted (reliable_beat.celery.reprs)
+            shown = shown_reprs(self.app, args, kwargs)
+        headers["argsrepr"], headers["kwargsrepr"] = shown
         publish = dict(publish_kwargs, headers=headers, correlation_id=task_id)
+        for name, value in zip(("argsrepr", "kwargsrepr"), shown, strict=True):
+            if name in publish:  # send_task also passes its options on as properties
+                publish[name] = value
         if expires_at is not None:
             headers["expires"] = expires_at.isoformat()
             seconds = (expires_at - self.app.now()).total_seconds()

@@ -43,6 +43,7 @@ from sqlalchemy.exc import (
 
 from reliable_beat import joins, runs
 from reliable_beat import values as rb_values
+from reliable_beat.celery.reprs import shown_reprs
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import (
     ConfigurationError,
@@ -473,7 +474,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Celery's ``apply_async``, refusing calls that have no derivable key.
 
         The derived key is put into the ``reliable_beat_key`` header, so the worker uses
-        exactly the key the caller saw.
+        exactly the key the caller saw. The message's ``argsrepr`` / ``kwargsrepr`` (what
+        Celery's logs, events and ``inspect`` show of the arguments) are redacted
+        (:mod:`reliable_beat.celery.reprs`) unless given.
 
         Raises:
             IdempotencyKeyError: no ``reliable_beat_key`` header and
@@ -504,6 +507,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "take that slot's place. Use another form (e.g. 'manual:...'), or "
                 "`reliable-beat entries trigger` / `backfill` to run an entry's slot"
             )
+        if options.get("argsrepr") is None or options.get("kwargsrepr") is None:
+            # what Celery's logs, events and `inspect` show of the arguments: redacted
+            shown_args, shown_kwargs = shown_reprs(self.app, args, kwargs)
+            options["argsrepr"] = options.get("argsrepr") or shown_args
+            options["kwargsrepr"] = options.get("kwargsrepr") or shown_kwargs
         return super().apply_async(args, kwargs, *a, **options)
 
     def delay_with_key(self, key: str, *args: Any, **kwargs: Any) -> Any:

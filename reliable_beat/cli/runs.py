@@ -22,7 +22,12 @@ import click
 from reliable_beat import runs
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.db.types import infinity_text
-from reliable_beat.redaction import redact_text, redact_value
+from reliable_beat.redaction import (
+    IDENTIFIER_FIELDS,
+    USER_DATA_FIELDS,
+    redact_text,
+    redact_value,
+)
 
 __all__ = ["register"]
 
@@ -43,20 +48,25 @@ def _parse_since(value: str) -> datetime:
     return parsed.astimezone(timezone.utc)
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, column: str | None = None) -> str:
+    """One cell of ``column``, redacted as :func:`reliable_beat.redaction.redact_value` does:
+    an identifier (an idempotency key) as it is, a task's ``args`` / ``kwargs`` as an
+    application's data (a bare ``key`` there names a credential)."""
     if infinity_text(value) is not None:  # PostgreSQL 'infinity' (a malformed row)
         return f"malformed: {infinity_text(value)}"
     if isinstance(value, datetime):
         return value.strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
     if value is None:
         return "-"
+    if isinstance(value, str) and column in IDENTIFIER_FIELDS:
+        return value
     if isinstance(value, (dict, list)):
-        return json.dumps(redact_value(value), default=str)
+        return json.dumps(redact_value(value, user_data=column in USER_DATA_FIELDS), default=str)
     return redact_text(value)
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    cells = [[_fmt(r.get(c), c) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     click.echo("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
     for row in cells:
@@ -105,7 +115,7 @@ def runs_show(cli: CliContext, key: str, as_json: bool) -> None:
     for name in ("idempotency_key", "id", "entry_name", "fire_at", "trigger", "task", "state",
                  "fence_token", "leased_by", "lease_expires_at", "attempts", "result", "reason",
                  "created_at", "started_at", "finished_at"):
-        click.echo(f"{name:17} {_fmt(run.get(name))}")
+        click.echo(f"{name:17} {_fmt(run.get(name), name)}")
     if run.get("error"):
         click.echo("error:\n  " + redact_text(run["error"]).strip().replace("\n", "\n  "))
     click.echo("")

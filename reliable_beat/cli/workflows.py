@@ -96,7 +96,7 @@ def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool)
         value = row.get(key)
         if key == "error" and value:
             value = f"{value.get('type')}: {value.get('message')}"
-        click.echo(f"{key:17} {_fmt(value)}")
+        click.echo(f"{key:17} {_fmt(value, key)}")
     if with_events:
         click.echo("")
         _table(row["events"], ["seq", "kind", "name", "state", "result", "error", "fire_at",

@@ -14,6 +14,10 @@ parsed, ``reliable-beat relay`` (banner and DEBUG log, deliveries that fail and 
 read command of the CLI with and without ``--json`` (status, entries, runs, dead-letters,
 outbox, db), with the database up and down. Every output is grepped for every secret:
 zero hits. Sanity checks make sure each output says what it should (it is not empty).
+
+A second test gives an ``IdempotentTask`` credentials as keyword arguments (``key=``,
+``api_key=``) and has it fail quoting them: a real ``celery worker`` at DEBUG, ``runs show``
+and ``dead-letters list`` show neither.
 """
 
 from __future__ import annotations
@@ -392,6 +396,64 @@ def test_no_secret_reaches_any_output(pg_store: Store, pg_url: str, broker_url: 
                 if at != -1:
                     hits.append(f"{what} in {channel}: ...{text[max(0, at - 120):at + 40]!r}")
                     break
+    (tmp_path / "outputs.txt").write_text(
+        "\n\n".join(f"===== {k}\n{v}" for k, v in outputs.items()))
+    assert not hits, "secrets leaked:\n" + "\n".join(hits)
+
+
+# the credentials a task is given and its exception quotes (tests/apps/secret_app.py)
+TASK_SECRETS = {"key kwarg": "LkTaskKey8c41d2e9", "api_key kwarg": "LkTaskApi5e07b3f1"}
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_task_failing_with_its_credentials_leaks_none(pg_store: Store, pg_url: str,
+                                                        redis_url: str, tmp_path: Path) -> None:
+    """An ``IdempotentTask`` is called with ``key=`` and ``api_key=`` keyword arguments and
+    fails with an exception quoting them (``key=... api_key=...``, an ``Authorization``
+    header): a real ``celery worker`` at DEBUG (Celery's "TaskPool: Apply" line with the
+    message body, its "raised unexpected" ERROR line and traceback, reliable_beat's
+    dead-letter ERROR line), ``runs show`` (text and JSON) and ``dead-letters list --json``
+    quote neither, and still show the idempotency key in full. On the old code ``key=`` was
+    shown in clear everywhere, and Celery's own lines showed both."""
+    run_key = "charge:c-42:2026-03"
+    queue = f"q-secrets-{os.getpid()}"
+    env = _env(pg_url, redis_url, RB_SECRET_BROKER_URL=redis_url, RB_SECRET_DB_URL=pg_url)
+    log = tmp_path / "worker.log"
+    worker = _start([sys.executable, "-m", "celery", "-A", "secret_app", "worker", "--pool",
+                     "solo", "-c", "1", "-Q", queue, "-l", "debug", "--without-gossip",
+                     "--without-mingle", "--without-heartbeat"], env, tmp_path, log)
+    try:
+        _wait_text(log, "ready.", 60)
+        sent = subprocess.run(
+            [sys.executable, "-c",
+             "import sys; from secret_app import charge; charge.apply_async(('c-42',), "
+             "{'key': sys.argv[1], 'api_key': sys.argv[2]}, queue=sys.argv[3], "
+             "headers={'reliable_beat_key': sys.argv[4]})",
+             TASK_SECRETS["key kwarg"], TASK_SECRETS["api_key kwarg"], queue, run_key],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+        assert sent.returncode == 0, sent.stderr
+        _wait_text(log, "dead-lettered", 60)
+        _wait_text(log, "raised unexpected", 30)
+    finally:
+        _stop(worker)
+    outputs = {"worker log (DEBUG)": log.read_text(errors="replace")}
+    db_env = {**env, "RELIABLE_BEAT_DATABASE_URL": pg_url}
+    for cmd in (["runs", "show", run_key], ["runs", "show", run_key, "--json"],
+                ["dead-letters", "list", "--json"]):
+        outputs[" ".join(cmd)] = _run([*CLI, *cmd], db_env, tmp_path)
+
+    worker_log = outputs["worker log (DEBUG)"]
+    assert "TaskPool: Apply" in worker_log and "ERROR" in worker_log
+    shown = outputs[f"runs show {run_key}"]
+    assert "key=*** api_key=***" in shown, shown
+    assert f"idempotency key: {run_key}" in shown, shown  # our own words: not mangled
+    assert f"idempotency_key   {run_key}" in shown, shown
+    assert '"key": "***"' in outputs[f"runs show {run_key} --json"]
+    hits = [f"{what} in {channel}: ...{text[max(0, text.find(secret) - 120):][:200]!r}"
+            for what, secret in TASK_SECRETS.items() for channel, text in outputs.items()
+            if secret in text]
     (tmp_path / "outputs.txt").write_text(
         "\n\n".join(f"===== {k}\n{v}" for k, v in outputs.items()))
     assert not hits, "secrets leaked:\n" + "\n".join(hits)

@@ -8,6 +8,7 @@ and per-destination concurrency with one slow destination.
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
 import time
@@ -116,6 +117,9 @@ def test_rows_cannot_leave_their_destination(sqlite_store: Store) -> None:
             "encoded-dotdot": {"destination": "billing", "path": "/%2e%2e/admin", "body": 1},
             "encoded-slash": {"destination": "billing", "path": "/..%2fadmin", "body": 1},
             "double-encoded": {"destination": "billing", "path": "/%252e%252e/x", "body": 1},
+            "triple-encoded": {"destination": "billing", "path": "/%25252e%25252e/x",
+                               "body": 1},
+            "path-parameter": {"destination": "billing", "path": "/..;/admin", "body": 1},
             "absolute": {"destination": "billing", "path": internal.url + "/x", "body": 1},
             "crlf": {"destination": "billing", "path": "/a\r\nHost: evil", "body": 1},
             "unknown": {"destination": "internal", "path": "/x", "body": 1},
@@ -320,3 +324,84 @@ def test_relay_cli_exits_2_naming_a_missing_secret(
     monkeypatch.setenv("RB_TEST_HOOK_TOKEN", "Bearer x")
     r = CliRunner().invoke(reliable_beat, args)
     assert r.exit_code == 0 and "claimed 0 rows" in r.output, r.output
+
+
+def test_non_ascii_paths_and_unsendable_keys_are_never_retried(sqlite_store: Store) -> None:
+    """A non-ASCII path is sent percent-encoded as UTF-8 (as browsers do), once; a row whose
+    key cannot be an ``Idempotency-Key`` header (non-ASCII, or CR/LF: header injection) is
+    dead-lettered on its first attempt, naming why. On the old code the HTTP client raised
+    TypeError / LocalProtocolError, which the relay retried to the attempt limit."""
+    with ScriptedHttp() as http:
+        s = settings(webhook_destinations={"d": {"base_url": http.url + "/hooks"}},
+                     outbox_max_attempts=5)
+        with sqlite_store.begin() as conn:
+            outbox.add(conn, "webhook", {"destination": "d", "path": "/caf\u00e9/\u65e5\u672c?q=1",
+                                         "body": {"a": 1}}, key="unicode-path")
+            outbox.add(conn, "webhook", {"destination": "d", "path": "/x"}, key="cl\u00e9")
+            outbox.add(conn, "webhook", {"destination": "d", "path": "/x"},
+                       key="k\r\nX-Injected: 1")
+        drain(Relay(sqlite_store, settings=s, owner="r"), rounds=3)
+        assert [x.path for x in http.seen] == ["/hooks/caf%C3%A9/%E6%97%A5%E6%9C%AC?q=1"]
+        assert all("X-Injected" not in x.headers for x in http.seen)
+    with sqlite_store.begin() as conn:
+        rows = {r.message_id: (r.state, r.attempts) for r in conn.execute(sa.select(
+            outbox_t.c.message_id, outbox_t.c.state, outbox_t.c.attempts))}
+    assert rows == {"unicode-path": ("sent", 1), "cl\u00e9": ("dead", 1),
+                    "k\r\nX-Injected: 1": ("dead", 1)}, rows
+    errors = dead(sqlite_store)
+    assert "Idempotency-Key" in errors["cl\u00e9"] and "U+00E9" in errors["cl\u00e9"]
+    assert "CR or LF" in errors["k\r\nX-Injected: 1"]
+
+
+@pytest.mark.parametrize(("headers", "reason"), [
+    ({"X-Note": "caf\u00e9"}, "U+00E9"),
+    ({"X-Note": "a\r\nHost: evil"}, "CR or LF"),
+    ({"X-Note": "a\x00b"}, "U+0000"),
+    ({"X-Note": "trailing "}, "leading or trailing whitespace"),
+    ({"X Note": "v"}, "not an HTTP token"),
+    ("not-a-mapping", "must be an object"),
+])
+def test_a_row_url_header_the_client_would_refuse_is_permanent(headers: Any,
+                                                                reason: str) -> None:
+    """Rows of the retired ``url`` form (operator opt-in) carry their own headers: one the
+    HTTP client refuses (or that would inject another header) is a permanent error naming
+    the header, sent to nobody. On the old code: TypeError or LocalProtocolError, retried."""
+    with ScriptedHttp() as http:
+        hook = WebhookHandler(settings=settings(webhook_allow_row_urls=True,
+                                                webhook_allowed_hosts=["127.0.0.1"]))
+        [err] = hook.deliver_batch([msg(1, {"url": http.url + "/old", "headers": headers})])
+        hook.close()
+        assert http.seen == []
+    assert isinstance(err, PermanentDeliveryError) and reason in str(err), repr(err)
+
+
+@pytest.mark.parametrize(("payload", "reason"), [
+    ({"url": "http://127.0.0.1/caf\u00e9"}, "non-ASCII"),
+    ({"url": "http://127.0.0.1:99999/x"}, "Port out of range"),
+    ({"destination": "d", "path": "/x", "body": float("nan")}, "body is not JSON"),
+    ({"destination": "d", "path": "/\u202egnp.exe"}, "U+202E"),
+])
+def test_other_rows_the_client_would_refuse_are_permanent(payload: Any, reason: str) -> None:
+    with ScriptedHttp() as http:
+        hook = WebhookHandler(settings=settings(
+            webhook_allow_row_urls=True, webhook_allowed_hosts=["127.0.0.1"],
+            webhook_destinations={"d": {"base_url": http.url}}))
+        [err] = hook.deliver_batch([msg(1, payload)])
+        hook.close()
+        assert http.seen == []
+    assert isinstance(err, PermanentDeliveryError) and reason in str(err), repr(err)
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    ({"base_url": "https://b\u00fccher.example"}, "only visible ASCII in base_url"),
+    ({"base_url": "https://h.example", "headers": {"X-Key": "v\u00e9"}}, "U+00E9"),
+    ({"base_url": "https://h.example", "headers": {"X-Key": "Bearer abc "}},
+     "leading or trailing whitespace"),
+])
+def test_destinations_the_client_could_not_use_are_refused_at_start(spec: Any,
+                                                                     reason: str) -> None:
+    """A destination whose base URL or header the HTTP client would refuse fails the relay's
+    start (ConfigurationError), not every delivery; the error never quotes the value."""
+    with pytest.raises(ConfigurationError, match=re.escape(reason)) as info:
+        WebhookHandler(settings=settings(webhook_destinations={"d": spec}))
+    assert "abc" not in str(info.value)

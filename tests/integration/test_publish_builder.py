@@ -84,6 +84,12 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[], list[OutboxMessage]]]] = {
     "delivery_mode": ({"task_default_delivery_mode": "transient"}, lambda: _rows(5)),
     "result_backend": ({"result_backend": "REDIS"}, lambda: _rows(5)),
     "registered_task_options": ({"register": True}, lambda: _rows(5)),
+    "secret_arguments": ({}, lambda: [
+        OutboxMessage(id=i, message_id=f"trigger:s{i}@2030", destination="celery",
+                      payload={"task": "rb.echo", "args": [i, f"key=LeakArg{i}"],
+                               "kwargs": {"api_key": f"LeakKw{i}", "key": f"LeakKey{i}",
+                                          "n": i}, "headers": TRIGGER})
+        for i in range(1, 6)]),
 }
 
 
@@ -185,6 +191,35 @@ def test_built_messages_equal_send_task_byte_for_byte(
         assert all(abs(a - b) < 10_000 for a, b in zip(b_exp, r_exp, strict=True))
         if "expires" in case:
             assert len(b_exp) >= 4
+    finally:
+        app.close()
+
+
+def test_shown_arguments_are_redacted_and_the_task_gets_the_real_ones(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trigger's ``argsrepr`` / ``kwargsrepr`` (what Celery's worker logs, events and
+    ``inspect`` show) mask credential-named arguments, by ``send_task`` and by the builder
+    alike; the body keeps the real ones. On the old code the reprs showed them in clear."""
+    import base64
+
+    app = _app(redis_url, {})
+    try:
+        built, reference, n_built = _publish_both(app, redis_url, CASES["secret_arguments"][1](),
+                                                  monkeypatch)
+        assert n_built >= 3
+        for lists in (built, reference):
+            raws = [json.loads(raw) for raws in lists.values() for raw in raws]
+            assert len(raws) == 5
+            for i, raw in enumerate(raws, start=1):
+                shown = json.dumps([raw["headers"], raw["properties"]])
+                assert "Leak" not in shown, shown
+                assert raw["headers"]["kwargsrepr"] == (
+                    f"{{'api_key': '***', 'key': '***', 'n': {i}}}")
+                assert raw["headers"]["argsrepr"] == f"[{i}, 'key=***']"
+                body = json.loads(base64.b64decode(raw["body"]))
+                assert body[0] == [i, f"key=LeakArg{i}"]
+                assert body[1] == {"api_key": f"LeakKw{i}", "key": f"LeakKey{i}", "n": i}
     finally:
         app.close()
 

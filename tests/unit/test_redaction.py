@@ -192,7 +192,9 @@ def test_the_response_of_an_http_digest_credential_is_masked(text: str) -> None:
     its nonce). Fails on the old code: the scheme rule masked only the word after Digest."""
     response = "6629fae49393a05397450978507c4ef1"
     out = redact_text(text.format(r=response))
-    assert response not in out and "response" in out and "***" in out, out
+    assert response not in out and "***" in out, out
+    # a quoted header value is masked whole after its scheme
+    assert ("response" in out) != ("'Digest ***'" in out), out
 
 
 def test_a_response_without_a_digest_credential_is_left_alone() -> None:
@@ -226,3 +228,141 @@ def test_a_colon_pair_after_harmless_names_is_masked(text: str, secret: str) -> 
     The scan now goes on from a harmless name's separator."""
     out = redact_text(text)
     assert secret not in out and MASK in out, out
+
+
+# ---------------------------------------------------------------- credential names, all forms
+
+#: (name, how it is written) -> texts with the secret in every form a message carries it
+_FORMS = [
+    "{n}={s}", "{n}: {s}", "{n} = {s}", '"{n}": "{s}"', "'{n}': '{s}'", "{n}='{s}'",
+    '{n}="{s}"', "error: {n}={s} (refused)", "https://api.example.com/v1?{n}={s}&x=1",
+    "GET /v1/pay?a=1&{n}={s} HTTP/1.1", "?{n}={s}", "{{'headers': {{'{n}': '{s}'}}}}",
+]
+_NAMES = [
+    "key", "Key", "KEY", "apikey", "api_key", "api-key", "X-Api-Key", "secret", "auth",
+    "authorization", "credential", "credentials", "signature", "sig", "private_key",
+    "access_token", "client_secret", "session", "sessionid", "cookie", "password", "token",
+    "refresh_token", "secret_key", "AWS_SECRET_ACCESS_KEY", "x-auth-token",
+]
+
+
+@pytest.mark.parametrize("name", _NAMES)
+@pytest.mark.parametrize("form", _FORMS)
+def test_every_credential_name_in_every_form_is_masked(name: str, form: str) -> None:
+    """Fails on the old code for ``key`` (in free text) and every quoted (JSON, dict) form."""
+    text = form.format(n=name, s=SECRET)
+    out = redact_text(text)
+    assert SECRET not in out and MASK in out, (text, out)
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ('password="my secret phrase" user=u', 'password="***" user=u'),  # a quoted value, whole
+    ('{"token": "a\\"b c", "n": 1}', '{"token": "***", "n": 1}'),
+    ("Cookie: sid=abc; uid=xyz\nnext line", "Cookie: ***\nnext line"),  # every cookie
+    ("{'Cookie': 'sid=abc; uid=xyz'}", "{'Cookie': '***'}"),
+    ("Authorization: Token abc", "Authorization: Token ***"),  # short: only the scheme rule
+    (f"Authorization: Bearer {SECRET}", "Authorization: Bearer ***"),
+    (f"authorization: Basic {SECRET}", "authorization: Basic ***"),
+    ('{"auth": {"token": "t1"}, "n": 2}', '{"auth": {"token": "***"}, "n": 2}'),  # nested
+    (f"ftp://u:{SECRET}@h/x", "ftp://u:***@h/x"),
+    (f"API key: {SECRET}", "API key: ***"),
+    (f"ValueError: key={SECRET}", "ValueError: key=***"),
+])
+def test_credential_values_are_masked_whole(text: str, shown: str) -> None:
+    assert redact_text(text) == shown
+
+
+@pytest.mark.parametrize("text", [
+    # our own words: an idempotency key is not a secret, and messages that name one stay
+    "idempotency key: payout:m1:2026-01 was used for another call",
+    "Idempotency-Key: trigger:e@2026-01-01T00:00:00Z",
+    "idempotency_key=payout:m1",
+    "INSERT IGNORE downgraded an error other than a duplicate key: (1062) Duplicate entry",
+    "ordering key: customer-42", "routing key: celery", "dedup key: approval:42",
+    "KeyError: 'amount'", "key 'x' not found", "under key 'payout:m1' (message 7)",
+    "primary key: (42)", "the public key: ssh-ed25519 AAAA", "keys=3",
+    "author=ann", "fence token 12 is stale (current 13)",
+])
+def test_harmless_keys_and_words_are_shown(text: str) -> None:
+    assert redact_text(text) == text
+
+
+def test_structured_values_keep_our_key_and_mask_an_applications() -> None:
+    """A bare ``key`` in our own documents is the idempotency key (shown); under ``args`` /
+    ``kwargs`` (a task's arguments) it names a credential, as in free text."""
+    row = {"key": "payout:m1", "kwargs": {"key": SECRET, "api_key": SECRET, "n": 1,
+                                          "nested": {"key": SECRET}},
+           "args": [{"key": SECRET}, "plain", f"key={SECRET}"],
+           "payload": {"key": "trigger:e@2026"}}
+    shown = redact_value(row)
+    assert SECRET not in repr(shown)
+    assert shown["key"] == "payout:m1" and shown["payload"] == {"key": "trigger:e@2026"}
+    assert shown["kwargs"] == {"key": MASK, "api_key": MASK, "n": 1, "nested": {"key": MASK}}
+    assert shown["args"] == [{"key": MASK}, "plain", "key=***"]
+    assert redact_value({"key": SECRET}, user_data=True) == {"key": MASK}
+
+
+def test_celery_and_dramatiq_loggers_are_filtered() -> None:
+    """Celery's worker logs a task's exception (and, in ``extra``, its arguments) and at
+    DEBUG the message body; Dramatiq's worker thread logs ``actor(args, kwargs)``."""
+    from reliable_beat.redaction import THIRD_PARTY_LOGGERS
+
+    for name in ("celery.app.trace", "celery.worker.strategy", "celery.worker.request",
+                 "celery.pool", "dramatiq.worker.WorkerThread"):
+        assert name in THIRD_PARTY_LOGGERS
+        assert any(isinstance(f, RedactingFilter) for f in logging.getLogger(name).filters)
+
+
+def test_the_filter_redacts_celerys_extra_data(caplog: pytest.LogCaptureFixture) -> None:
+    """Celery logs a failure as ``logger.log(level, fmt, context, extra={'data': context})``:
+    the message and the ``data`` a JSON log handler prints are both redacted."""
+    logger = logging.getLogger("celery.app.trace")
+    context = {"name": "t", "id": "1", "description": "raised unexpected",
+               "exc": f"ValueError('key={SECRET}')", "args": "()",
+               "kwargs": f"{{'api_key': '{SECRET}'}}"}
+    with caplog.at_level(logging.ERROR, logger=logger.name):
+        logger.log(logging.ERROR, "Task %(name)s[%(id)s] %(description)s: %(exc)s", context,
+                   extra={"data": context})
+    [record] = caplog.records
+    assert record.getMessage() == "Task t[1] raised unexpected: ValueError('key=***')"
+    assert SECRET not in repr(record.__dict__["data"])
+
+
+def test_a_real_dramatiq_worker_logs_no_keyword_secret(caplog: pytest.LogCaptureFixture) -> None:
+    """Dramatiq's worker logs a failed message as ``actor('arg', api_key='...')`` with the
+    traceback: keyword arguments with credential names are masked, as is the exception."""
+    dramatiq = pytest.importorskip("dramatiq")
+    from dramatiq.brokers.stub import StubBroker
+
+    broker = StubBroker()
+    broker.emit_after("process_boot")
+
+    @dramatiq.actor(broker=broker, max_retries=0, actor_name="leaky_charge")
+    def leaky_charge(customer: str, api_key: str) -> None:
+        raise ValueError(f"refused: api_key={api_key}")
+
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="dramatiq"):
+            leaky_charge.send("c-1", api_key=SECRET)
+            broker.join(leaky_charge.queue_name, fail_fast=False)
+            worker.join()
+    finally:
+        worker.stop()
+        broker.close()
+    text = caplog.text + "".join(r.exc_text or "" for r in caplog.records)
+    assert "Failed to process message leaky_charge('c-1', api_key=" in text, text
+    assert SECRET not in text, text
+
+
+@pytest.mark.parametrize("key", ["session:42:close", "password-reset:u1:2026-03",
+                                 "token-refresh:7", "wf:api_key-rotation:1"])
+def test_our_identifiers_are_shown_whole(key: str) -> None:
+    """An idempotency key that reads like a pair (``session:42``) is ours, not a secret: shown
+    whole in JSON identifier fields and inside a sentence after a colon-joined part. (The
+    old code showed ``session:***`` in ``runs show --json`` and the dead letters.)"""
+    row = {"idempotency_key": key, "key": key, "run_key": key, "message_id": key,
+           "workflow_id": key, "payload": {"key": key}}
+    assert redact_value(row) == row
+    assert redact_text(f"(idempotency key: wf:{key})") == f"(idempotency key: wf:{key})"

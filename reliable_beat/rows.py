@@ -35,12 +35,15 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cache
+from itertools import pairwise
 from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     Table,
     and_,
+    cast,
     func,
     literal_column,
     not_,
@@ -62,6 +65,7 @@ from reliable_beat.triggers import TRIGGER_DESTINATIONS
 __all__ = [
     "KNOWN_RUN_STATES",
     "MALFORMED",
+    "LabelledReader",
     "check_entry",
     "check_options",
     "check_outbox",
@@ -187,7 +191,7 @@ def raw_labelled(columns: Mapping[str, Any], dialect: Dialect) -> list[Any]:
 
 
 def decode_labelled(
-    row: Mapping[str, Any], columns: Mapping[str, Any], dialect: Dialect
+    row: Mapping[Any, Any], columns: Mapping[str, Any], dialect: Dialect
 ) -> SimpleNamespace:
     """Decode a row read with :func:`raw_labelled`, value by value.
 
@@ -196,21 +200,71 @@ def decode_labelled(
         ``unreadable``: the set of labels that could not be decoded or hold a PostgreSQL
         ``'infinity'`` / ``'-infinity'`` (kept as the sentinel, not an instant).
     """
-    values: dict[str, Any] = {}
+    if dialect.name != "sqlite":  # typed by the driver; only an instant can be 'infinity'
+        values = {label: row[label] for label in columns}
+        return SimpleNamespace(unreadable={
+            label for label, raw in values.items()
+            if isinstance(raw, datetime) and not 1 < raw.year < 9999  # (fast: no call)
+            and infinity_text(raw) is not None}, **values)
+    values = {}
     unreadable: set[str] = set()
     for label, c in columns.items():
         raw = row[label]
-        if dialect.name != "sqlite":
-            values[label] = raw
-            if infinity_text(raw) is not None:  # PostgreSQL 'infinity': shown, not an instant
-                unreadable.add(label)
-            continue
         try:
             values[label] = decode_value(c, raw, dialect)
         except Exception:
             values[label] = None
             unreadable.add(label)
     return SimpleNamespace(unreadable=unreadable, **values)
+
+
+class LabelledReader:
+    """:func:`raw_labelled` and :func:`decode_labelled` for many rows whose JSON values
+    repeat (entries' ``args``, ``options``, ``schedule``): each JSON column is read as text
+    and each distinct text decoded once (the same object for equal texts: read-only), the
+    other columns as :func:`decode_labelled` decodes them. The same values and the same
+    ``unreadable`` labels; at 20,000 entries a third of the time the driver takes to decode
+    every JSON value."""
+
+    def __init__(self, columns: Mapping[str, Any], dialect: Dialect) -> None:
+        self.columns = columns
+        self.dialect = dialect
+        self.json = [label for label, c in columns.items() if isinstance(c.type, JSON)]
+        self.plain = {label: c for label, c in columns.items() if label not in self.json}
+        self._memo: dict[tuple[str, Any], tuple[Any, bool]] = {}
+
+    def select(self) -> list[Any]:
+        """The labelled columns to select (JSON ones as text)."""
+        if self.dialect.name == "sqlite":
+            return raw_labelled(self.columns, self.dialect)
+        return [cast(c, Text).label(label) if label in self.json else c.label(label)
+                for label, c in self.columns.items()]
+
+    def decode(self, row: Mapping[Any, Any]) -> SimpleNamespace:
+        """One row: :func:`decode_labelled`'s namespace."""
+        r = decode_labelled(row, self.plain, self.dialect)
+        for label in self.json:
+            text = row[label]
+            got = self._memo.get((label, text))
+            if got is None:
+                try:
+                    got = (self._load(label, text), False)
+                except Exception:  # not JSON (SQLite): a problem of this column only
+                    got = (None, True)
+                if len(self._memo) > 10_000:  # bounded: memory must not grow with rows
+                    self._memo.clear()
+                self._memo[(label, text)] = got
+            setattr(r, label, got[0])
+            if got[1]:
+                r.unreadable.add(label)
+        return r
+
+    def _load(self, label: str, text: Any) -> Any:
+        if text is None:
+            return None
+        if self.dialect.name == "sqlite":
+            return decode_value(self.columns[label], text, self.dialect)
+        return json.loads(text)
 
 
 def decode_row(
@@ -502,32 +556,61 @@ def entry_checker() -> Callable[[Mapping[str, Any]], list[str]]:
         ``row -> [problem]`` (each problem names the column and what is expected; empty:
         the beat can fire the entry).
     """
-    built: dict[str, Any] = {}
+    built: dict[str, Any] = {}  # spec as sorted JSON -> its schedule, or why it fails
+    seen: dict[int, tuple[Any, Any]] = {}  # id(spec) -> (spec, built[...]): a shared object
 
     def check(row: Mapping[str, Any]) -> list[str]:
-        stored = row.get("config_hash")
-        trusted = isinstance(stored, str) and stored in stored_config_hashes(row)
-        return check_entry(row, skip_build if trusted else schedule_of)
+        def trusted() -> bool:
+            stored = row.get("config_hash")
+            return isinstance(stored, str) and stored in stored_config_hashes(row)
 
-    def skip_build(_name: str, _spec: Mapping[str, Any]) -> None:
-        return None  # the schedule of a definition, as written by the library
+        def schedule_of(_name: str, spec: Mapping[str, Any]) -> Any:
+            # a spec built before (the same object, or an equal one) needs no digest: its
+            # outcome is known; only a failing one asks whether the row is a definition's
+            hit = seen.get(id(spec))
+            found = hit[1] if hit is not None and hit[0] is spec else _built(spec)
+            if found is None:  # never built: a definition's row is not built at all
+                if trusted():
+                    return None  # the schedule of a definition, as written by the library
+                found = _build(spec)
+            if isinstance(found, Exception):
+                if trusted():
+                    return None
+                raise found
+            return found
 
-    def schedule_of(_name: str, spec: Mapping[str, Any]) -> Any:
+        return check_entry(row, schedule_of)
+
+    def _key(spec: Mapping[str, Any]) -> str | None:
         try:
-            key = json.dumps(spec, sort_keys=True, default=str)
+            return json.dumps(spec, sort_keys=True, default=str)
         except (TypeError, ValueError):  # an odd value in a malformed spec: no sharing
-            return sch.schedule_from_spec(spec)
-        if key not in built:
+            return None
+
+    def _built(spec: Mapping[str, Any]) -> Any:
+        key = _key(spec)
+        found = built.get(key) if key is not None else None
+        if found is not None:
+            _remember(spec, found)
+        return found
+
+    def _build(spec: Mapping[str, Any]) -> Any:
+        try:
+            found: Any = sch.schedule_from_spec(spec)
+        except Exception as exc:
+            found = exc
+        key = _key(spec)
+        if key is not None:
             if len(built) > 10_000:  # bounded: memory must not grow with entries
                 built.clear()
-            try:
-                built[key] = sch.schedule_from_spec(spec)
-            except Exception as exc:
-                built[key] = exc
-        found = built[key]
-        if isinstance(found, Exception):
-            raise found
+            built[key] = found
+            _remember(spec, found)
         return found
+
+    def _remember(spec: Mapping[str, Any], found: Any) -> None:
+        if len(seen) > 10_000:
+            seen.clear()
+        seen[id(spec)] = (spec, found)  # holds spec: its id is not reused meanwhile
 
     return check
 
@@ -875,7 +958,12 @@ def unknown_state_runs(conn: Connection, limit: int = 10) -> tuple[int, list[str
     dead-lettered yet: ``(count, idempotency keys of the first ``limit``)``. No claim,
     sweep or completion of the library leaves such a row: ``reliable-beat status`` reports
     them (MALFORMED RUN ROWS) and ``status --check`` fails."""
-    bad = runs.c.state.not_in(sorted(KNOWN_RUN_STATES))
+    # NOT IN, written as the ranges between the known states (state is NOT NULL): each
+    # range is a probe of the state index, not a scan of every run (0.2 s at a million)
+    known = sorted(KNOWN_RUN_STATES)
+    bad = or_(runs.c.state < known[0], runs.c.state > known[-1],
+              *(and_(runs.c.state > lo, runs.c.state < hi)
+                for lo, hi in pairwise(known)))
     count = int(conn.execute(select(func.count()).select_from(runs).where(bad)).scalar_one())
     keys = list(conn.execute(select(runs.c.idempotency_key).where(bad)
                              .order_by(runs.c.id).limit(limit)).scalars()) if count else []

@@ -1,9 +1,10 @@
 """The overview's alarms: the same collection as ``reliable-beat status``, kept fresh.
 
 :func:`reliable_beat.cli.status.collect_status` reads every entry and checks each row (the
-MALFORMED ENTRY check), which takes seconds at tens of thousands of entries (9 s at
-20,000 entries and a million runs on PostgreSQL, benchmarks/dashboard.py): too long
-for a page that refreshes every few seconds. :class:`AlarmCache` keeps the last collection;
+MALFORMED ENTRY check), which takes a second or more at tens of thousands of entries
+(1.3-2.6 s at 20,000 entries and a million runs on PostgreSQL on a busy 2-core machine,
+benchmarks/dashboard.py): too long for a page that refreshes every few seconds.
+:class:`AlarmCache` keeps the last collection;
 a page older than ``ttl`` seconds triggers one refresh in a background thread and is served
 the previous one meanwhile (its age is shown). Only the first page ever waits for it.
 

@@ -52,7 +52,13 @@ from reliable_beat.web.auth import (
     csrf_problem,
     new_csrf_token,
 )
-from reliable_beat.web.timeline import OUTCOMES, last_slots, strip
+from reliable_beat.web.timeline import (
+    OUTCOMES,
+    last_slots,
+    legend_cells,
+    strip,
+    strip_svg,
+)
 from reliable_beat.workflows.engine import get_workflow, workflow_counts
 from reliable_beat.workflows.errors import WorkflowNotFound
 
@@ -121,6 +127,8 @@ def _environment() -> Environment:
     env.filters["seg"] = lambda v: quote(str(v), safe="")  # one path segment
     env.filters["age"] = _age
     env.globals["OUTCOMES"] = OUTCOMES
+    env.globals["strip_svg"] = strip_svg  # Markup built in Python (see timeline.strip_svg)
+    env.globals["legend_cells"] = legend_cells()
     return env
 
 

@@ -86,10 +86,20 @@ def entry_page(conn: Connection, flt: EntryFilter, *, page: int, per_page: int
     cond = flt.where(last)
     count_from = joined if flt.outcome else entries
     total = conn.execute(select(func.count()).select_from(count_from).where(*cond)).scalar_one()
-    stmt = (select(*raw_columns(entries, conn.dialect), last.c.state.label("last_state"),
-                   last.c.dispatched_at.label("last_dispatched_at"))
-            .select_from(joined).where(*cond).order_by(entries.c.name)
-            .offset(max(page - 1, 0) * per_page).limit(per_page))
+    offset = max(page - 1, 0) * per_page
+    shown = [*raw_columns(entries, conn.dialect), last.c.state.label("last_state"),
+             last.c.dispatched_at.label("last_dispatched_at")]
+    if flt.outcome:  # the filter is on the last run: join, then page
+        stmt = (select(*shown).select_from(joined).where(*cond).order_by(entries.c.name)
+                .offset(offset).limit(per_page))
+    else:  # page the entries by name first (the index), then join only the page's runs
+        ids = (select(entries.c.id).where(*cond).order_by(entries.c.name)
+               .offset(offset).limit(per_page).subquery("page"))
+        stmt = (select(*shown)
+                .select_from(ids.join(entries, entries.c.id == ids.c.id).outerjoin(
+                    last, and_(last.c.entry_name == entries.c.name,
+                               last.c.fire_at == entries.c.last_fire_at)))
+                .order_by(entries.c.name))
     rows = []
     for r in conn.execute(stmt).mappings():
         row, _bad = decode_row(entries, dict(r), conn.dialect)

@@ -21,17 +21,21 @@ import functools
 import itertools
 import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import quote
 
+from markupsafe import Markup, escape
 from sqlalchemy import String, case, column, exists, func, select, true, values
 from sqlalchemy.engine import Connection
 
 from reliable_beat import schedules as sch
 from reliable_beat.db.tables import attempts, runs
 from reliable_beat.errors import ReliableBeatError
+from reliable_beat.redaction import redact_text
 
-__all__ = ["OUTCOMES", "Cell", "last_slots", "outcome_of", "strip"]
+__all__ = ["OUTCOMES", "Cell", "last_slots", "legend_cells", "outcome_of", "strip",
+           "strip_svg"]
 
 #: Outcome -> (label, colour, shape) for the legend and the SVG cells. Shapes: ``square``
 #: done, ``circle`` in flight, ``cross`` dead, ``hollow`` not fired, ``bar`` fenced out,
@@ -60,6 +64,7 @@ class Cell:
     outcome: str
     title: str  # the hover text: the slot, the outcome, lateness, attempts, reason
     key: str | None  # the run's idempotency key (None: a gap)
+    stored_text: bool = False  # the title quotes a stored value (the reason): redacted
 
     @property
     def label(self) -> str:
@@ -108,8 +113,11 @@ def last_slots(conn: Connection, names: list[str], n: int) -> dict[str, list[dic
             .subquery("ranked"))
         stmt = (select(*[c for c in ranked.c if c.name != "rn"])
                 .where(ranked.c.rn <= n))
-    for row in conn.execute(stmt).mappings():
-        out.setdefault(row["entry_name"], []).append(dict(row))
+    result = conn.execute(stmt)
+    keys = list(result.keys())
+    for row in result:
+        found = dict(zip(keys, row, strict=True))
+        out.setdefault(found["entry_name"], []).append(found)
     for rows in out.values():
         rows.sort(key=lambda r: r["fire_at"], reverse=True)
     return out
@@ -156,7 +164,7 @@ def _seconds(delta: timedelta) -> str:
 
 def _title(run: dict[str, Any], outcome: str) -> str:
     at = run["fire_at"]
-    parts = [f"{at:%Y-%m-%d %H:%M:%S} UTC" if isinstance(at, datetime) else str(at),
+    parts = [at.isoformat(" ", "seconds")[:19] + " UTC" if isinstance(at, datetime) else str(at),
              OUTCOMES[outcome][0]]
     if run.get("dispatched_at") is not None:
         parts.append(f"dispatched {_seconds(_lateness(run))} after its slot")
@@ -181,9 +189,12 @@ def strip(runs_newest_first: list[dict[str, Any]], *, schedule_spec: Any, n: int
     """One entry's cells, oldest first: its slot runs, and a ``gap`` cell for each slot of
     its schedule between the oldest shown and the newest that has no run row (at most ``n``
     cells in all; the newest kept)."""
-    cells = [Cell(r["fire_at"], outcome_of(r, late_after), _title(r, outcome_of(r, late_after)),
-                  r["idempotency_key"]) for r in runs_newest_first
-             if isinstance(r["fire_at"], datetime)]
+    cells = []
+    for r in runs_newest_first:
+        if isinstance(r["fire_at"], datetime):
+            outcome = outcome_of(r, late_after)
+            cells.append(Cell(r["fire_at"], outcome, _title(r, outcome), r["idempotency_key"],
+                              bool(r.get("reason"))))
     if len(cells) >= 2:
         try:
             expected = _expected_slots(json.dumps(schedule_spec, sort_keys=True),
@@ -195,3 +206,54 @@ def strip(runs_newest_first: list[dict[str, Any]], *, schedule_spec: Any, n: int
                           "this slot", None) for at in expected if at not in have)
     cells.sort(key=lambda c: c.fire_at)
     return cells[-n:]
+
+
+#: Each shape's SVG, drawn at ``x`` (``{x}``, ``{x1}`` = x + 1, ...) in colour ``{c}``: trusted
+#: constants only (the legend's colours, integers).
+_SHAPES = {
+    "square": '<rect x="{x}" y="1" width="10" height="14" fill="{c}"/>',
+    "notch": '<rect x="{x}" y="5" width="10" height="10" fill="{c}"/>'
+             '<rect x="{x}" y="1" width="10" height="3" fill="{c}" opacity=".35"/>',
+    "diamond": '<path d="M{x5},1 L{x10},8 L{x5},15 L{x},8 Z" fill="{c}"/>',
+    "bar": '<rect x="{x}" y="1" width="10" height="14" fill="{c}"/>'
+           '<path d="M{x},15 L{x10},1" stroke="#fff" stroke-width="2"/>',
+    "cross": '<path d="M{x1},2 L{x9},14 M{x9},2 L{x1},14" stroke="{c}" stroke-width="2.5"/>'
+             '<rect x="{x}" y="1" width="10" height="14" fill="transparent"/>',
+    "circle": '<circle cx="{x5}" cy="8" r="5" fill="{c}"/>',
+    "hollow": '<rect x="{x1}" y="2" width="8" height="12" fill="#fff" stroke="{c}" '
+              'stroke-width="1.5"/>',
+    "gap": '<rect x="{x1}" y="2" width="8" height="12" fill="#fff" stroke="{c}" '
+           'stroke-width="1.5" stroke-dasharray="2,2"/>',
+}
+
+
+def strip_svg(cells: list[Cell], root: str, width: int = 40) -> Markup:
+    """One strip as SVG markup, built from trusted constants: each cell's shape and colour
+    (:data:`OUTCOMES`), its position; a run's cell links to the run (its key quoted as one
+    path segment: nothing in it is markup or a secret pattern any more), and its hover text
+    is escaped, and redacted (the CLI's redaction) when it quotes a stored value (the run's
+    reason). Rendering the same SVG through the template took most of a page's time: a page
+    of 50 strips is 2,000 cells."""
+    base = f"{escape(redact_text(root))}/runs/"
+    out = [f'<svg class="strip" width="{width * 12}" height="16" '
+           f'viewBox="0 0 {width * 12} 16" role="img" aria-label="last slots">']
+    for i, c in enumerate(cells):
+        _label, colour, shape = OUTCOMES[c.outcome]
+        title = escape(redact_text(c.title) if c.stored_text else c.title)
+        if c.key is not None:
+            out.append(f'<a href="{base}{quote(c.key, safe="")}" data-outcome="{c.outcome}">')
+        else:
+            out.append(f'<g data-outcome="{c.outcome}">')
+        x = i * 12
+        out.append(f"<title>{title}</title>")
+        out.append(_SHAPES.get(shape, _SHAPES["gap"]).format(
+            x=x, x1=x + 1, x5=x + 5, x9=x + 9, x10=x + 10, c=colour))
+        out.append("</a>" if c.key is not None else "</g>")
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+def legend_cells() -> list[Cell]:
+    """One cell per outcome (the legend)."""
+    never = datetime.min.replace(tzinfo=timezone.utc)  # a legend cell has no slot
+    return [Cell(never, key, label, None) for key, (label, _c, _s) in OUTCOMES.items()]

@@ -237,3 +237,37 @@ def test_command_refuses_a_public_bind_without_a_token(
                                            "dashboard", "--host", "0.0.0.0"])
     assert r.exit_code == 2
     assert "no token configured" in r.output
+
+
+def test_strip_hover_text_redacts_and_escapes_a_stored_reason(store: Store,
+                                                              local: TestClient) -> None:
+    """The strip is built in Python: a run's reason (stored text, e.g. a broker error) is
+    redacted and escaped in its cell's hover text; the link quotes the key."""
+    from datetime import timedelta
+
+    from reliable_beat import entries as rb_entries
+    from reliable_beat import schedules as sch
+    from reliable_beat.db.tables import runs
+    from reliable_beat.entries import EntryDefinition
+    from reliable_beat.slots import idempotency_key
+
+    name = "reasoned"
+    rb_entries.save_runtime_entry(store, EntryDefinition(
+        name=name, task="t.x", schedule=sch.CronSchedule("*/5 * * * *", "UTC")), create=True)
+    with store.begin() as conn:
+        now = store.now(conn)
+        last = sch.CronSchedule("*/5 * * * *", "UTC").previous_at_or_before(now)
+        assert last is not None
+        for i, at in enumerate((last - timedelta(minutes=5), last)):
+            conn.execute(runs.insert().values(
+                idempotency_key=idempotency_key(name, at), entry_name=name, fire_at=at,
+                task="t.x", args=[], kwargs={}, state="dead" if i else "succeeded",
+                attempts=1, created_at=at, updated_at=now,
+                reason=f"trigger undeliverable: redis://u:hunter2@h:6379/0 {XSS}" if i
+                else None))
+    html = local.get(f"/entries?q={name}").text
+    row = html.split(f'data-entry="{name}"', 1)[1].split("</svg>", 1)[0]
+    assert re.findall(r'data-outcome="([a-z_]+)"', row) == ["on_time", "dead"]
+    assert "hunter2" not in html and "<script>alert" not in html
+    assert "trigger undeliverable: redis://u:***@h:6379/0 &lt;script&gt;" in row
+    assert f'href="/runs/{quote(idempotency_key(name, last), safe="")}"' in row

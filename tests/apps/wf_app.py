@@ -61,7 +61,9 @@ app.conf.update(
     # the runaway guards (tests/acceptance/test_workflow_runaway.py sets them short)
     reliable_beat_workflow_code_timeout_seconds=float(
         os.environ.get("RB_WF_CODE_TIMEOUT", "30")),
-    reliable_beat_workflow_max_takeovers=int(os.environ.get("RB_WF_MAX_TAKEOVERS", "3")),
+    # a crash grid that kills one advance RB_WF_KILLS times in a row is not a runaway
+    reliable_beat_workflow_max_takeovers=int(os.environ.get(
+        "RB_WF_MAX_TAKEOVERS", max(3, int(os.environ.get("RB_WF_KILLS", "3"))))),
     reliable_beat_workflow_pending_alarm_seconds=float(
         os.environ.get("RB_WF_PENDING_ALARM", "300")),
 )

@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_MAX_TAKEOVERS",
     "DEFAULT_PENDING_ALARM_SECONDS",
     "MAX_TAKEOVERS_SETTING",
+    "PENDING_ALARM_SETTING",
     "CodeClock",
     "code_timeout_reason",
     "expiring_advances",

@@ -922,7 +922,7 @@ def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
                 or_(workflows.c.lease_expires_at.is_(None), workflows.c.lease_expires_at < now),
                 runaway.may_take_over(max_takeovers),
             )
-            .ordered_values(  # takeovers first: MariaDB's SET sees the columns set before it
+            .ordered_values(  # takeovers first: MySQL sets left to right (its CASE reads state)
                 (workflows.c.takeovers, runaway.takeovers_after_claim()),
                 (workflows.c.fence_token, workflows.c.fence_token + 1),
                 (workflows.c.leased_by, owner), (workflows.c.lease_expires_at, now + lease),

@@ -844,7 +844,8 @@ class Relay:
             seconds=self.settings.redispatch_seconds + self.settings.retry_cap_seconds),
             # the backlog check (optional adapter hook): a queue deep enough is not re-sent to
             queue_depths=None if probe is None or not self.settings.redispatch_backlog_check
-            else (lambda messages: list(probe(app, messages))))
+            else (lambda messages: list(probe(app, messages))),
+            max_takeovers=self.settings.workflow_max_takeovers)
 
     def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
         """Deliver claimed rows outside any transaction; never raises for one bad row."""

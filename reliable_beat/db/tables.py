@@ -329,6 +329,9 @@ workflows = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
     Column("finished_at", UTCDateTime, nullable=True),
+    # claims that took over an advance whose lease expired, since an advance last finished
+    # (0017_wfrunaway): past reliable_beat_workflow_max_takeovers the workflow is parked
+    Column("takeovers", Integer, nullable=False, server_default="0"),
     # what a person asked for (migration 0008_sagas): NULL, "cancel" (cooperative: the code
     # sees WorkflowCancelled, sagas unwind), "compensate" / "cancel_data" (run the recorded
     # compensations from data, without the code; end failed / cancelled)

@@ -42,6 +42,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import ColumnElement
 
+from reliable_beat import tracing
 from reliable_beat.db.tables import outbox
 from reliable_beat.values import to_json_value
 
@@ -89,6 +90,8 @@ class OutboxMessage:
         available_at: UTC instant before which the row is not claimed.
         created_at: UTC instant of the insert (store clock).
         state: ``pending``, ``sent`` or ``dead``.
+        traceparent: the W3C context of the span that wrote the row (the relay's delivery span
+            joins its trace: :mod:`reliable_beat.tracing`), or None.
     """
 
     id: int
@@ -102,6 +105,7 @@ class OutboxMessage:
     available_at: datetime | None = None
     created_at: datetime | None = None
     state: str = "pending"
+    traceparent: str | None = None
 
     @classmethod
     def from_row(cls, row: Row[Any] | Mapping[str, Any]) -> OutboxMessage:
@@ -119,6 +123,7 @@ class OutboxMessage:
             available_at=m.get("available_at"),
             created_at=m.get("created_at"),
             state=m.get("state") or "pending",
+            traceparent=m.get("traceparent"),
         )
 
 
@@ -274,6 +279,7 @@ def add(
             attempts=0,
             available_at=available_at,
             created_at=created_at,
+            traceparent=tracing.current_traceparent(),
         )
     )
     if pg:

@@ -184,6 +184,7 @@ def failure_decision(
                                                            decision.verb))
         s.update_name(name)
         s.set_attribute(tracing.OUTCOME, outcome)
+        tracing.annotate({tracing.OUTCOME: outcome})
         s.set_attribute("reliable_beat.retry_in_seconds", decision.seconds)
         return decision
 

@@ -30,6 +30,7 @@ This module imports no framework; the adapters pass what their framework holds.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import time
 import traceback
@@ -420,7 +421,7 @@ def annotate(attrs: Mapping[str, Any]) -> None:
     """Set ``attrs`` on the current span (the execution's ``process`` span, or the framework
     instrumentation's task span); no-op when off."""
     if tracer() is not None and attrs:
-        _trace.get_current_span().set_attributes(attrs)
+        _execution_span().set_attributes(attrs)
 
 
 @contextlib.contextmanager
@@ -432,8 +433,15 @@ def process_span(task: str, *, traceparent: Any, system: str, message_id: str | 
     framework's own instrumentation, e.g. ``opentelemetry-instrumentation-celery``, started one
     from the same ``traceparent``), no second one is made: the protocol's spans nest under it.
     ``expected``: the framework's retry signals (ended without an error status)."""
-    if tracer() is None or in_span():
+    if tracer() is None:
         yield None
+        return
+    if in_span():
+        token = _EXECUTION.set(_trace.get_current_span())
+        try:
+            yield None
+        finally:
+            _EXECUTION.reset(token)
         return
     attrs: dict[str, Any] = {"messaging.system": system, "messaging.operation.type": "process",
                              "messaging.operation.name": "process"}
@@ -443,7 +451,11 @@ def process_span(task: str, *, traceparent: Any, system: str, message_id: str | 
         attrs["messaging.message.id"] = message_id
     with span(f"process {task}", parent=traceparent, root=True, kind="consumer",
               attributes=attrs, expected=expected) as s:
-        yield s
+        token = _EXECUTION.set(s)
+        try:
+            yield s
+        finally:
+            _EXECUTION.reset(token)
 
 
 @contextlib.contextmanager
@@ -453,13 +465,26 @@ def completion_span(key: str, fence_token: int, attempt: int) -> Iterator[Any]:
     if tracer() is None:
         yield None
         return
+    execution = _execution_span()
     with span("reliable_beat.complete", attributes=attributes(
             key=key, fence_token=fence_token, attempt=attempt)) as s:
         try:
             yield s
         except StaleFenceToken:
             s.set_attribute(OUTCOME, "fenced_out")
-            annotate({OUTCOME: "fenced_out"})
+            execution.set_attribute(OUTCOME, "fenced_out")
             raise
         s.set_attribute(OUTCOME, "succeeded")
-        annotate({OUTCOME: "succeeded"})
+        execution.set_attribute(OUTCOME, "succeeded")
+
+
+def _execution_span() -> Any:
+    """The span of the execution in progress (:func:`process_span`'s, or the framework's task
+    span it found current), else the current span."""
+    found = _EXECUTION.get()
+    return found if found is not None else _trace.get_current_span()
+
+
+#: the execution's span while :func:`process_span` runs (outcome set from the protocol spans)
+_EXECUTION: contextvars.ContextVar[Any] = contextvars.ContextVar("reliable_beat_execution",
+                                                                 default=None)

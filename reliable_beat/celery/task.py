@@ -704,7 +704,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # renewer serves). The fence is checked inside this transaction, so no
                 # takeover can slip in before the commit; the lease is no longer needed.
                 _renewer.discard(state)
-                runs.complete(tx, state.claim, state.returned)
+                with tracing.completion_span(state.claim.key, state.claim.fence_token,
+                                             state.claim.attempt):
+                    runs.complete(tx, state.claim, state.returned)
         except BaseException as exc:
             self._after_rollback(state, exc)
             raise

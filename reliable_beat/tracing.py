@@ -68,6 +68,7 @@ __all__ = [
     "completion_span",
     "current_traceparent",
     "inject",
+    "linked_root",
     "process_span",
     "record_error",
     "span",
@@ -488,3 +489,16 @@ def _execution_span() -> Any:
 #: the execution's span while :func:`process_span` runs (outcome set from the protocol spans)
 _EXECUTION: contextvars.ContextVar[Any] = contextvars.ContextVar("reliable_beat_execution",
                                                                  default=None)
+
+
+def linked_root(name: str, **attrs: Any) -> str | None:
+    """Start and end a span ``name`` in a new trace, linked to the current span; its
+    ``traceparent`` (None when off). Continue-as-new: the next run's trace."""
+    t = tracer()
+    if t is None:
+        return None
+    links = _links([current_traceparent()])
+    s = t.start_span(name, context=_context.Context(), links=links,
+                     attributes=attributes(**attrs))
+    s.end()
+    return traceparent_of(s)

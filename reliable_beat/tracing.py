@@ -65,6 +65,7 @@ __all__ = [
     "DeliverySpans",
     "PublishSpans",
     "annotate",
+    "carrier",
     "completion_span",
     "current_traceparent",
     "inject",
@@ -230,6 +231,14 @@ def inject(carrier: MutableMapping[str, Any]) -> None:
     tp = current_traceparent()
     if tp is not None:
         carrier[TRACEPARENT] = tp
+
+
+def carrier() -> dict[str, str]:
+    """``{"traceparent": ...}`` of the current span for a message's headers; ``{}`` when off
+    (a workflow's activity and compensation messages: the activity joins the workflow's
+    trace)."""
+    tp = current_traceparent()
+    return {} if tp is None else {TRACEPARENT: tp}
 
 
 def in_span() -> bool:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import joins, outbox
+from reliable_beat import joins, outbox, tracing
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
@@ -638,7 +638,7 @@ class WorkflowContext:
         if ev is None:
             payload: dict[str, Any] = {
                 "task": task_name, "args": call[0], "kwargs": call[1],
-                "headers": {"reliable_beat_key": key},
+                "headers": {"reliable_beat_key": key, **tracing.carrier()},
             }
             if queue:
                 payload["options"] = {"queue": queue}

@@ -19,7 +19,7 @@ from reliable_beat.workflows import WorkflowFailed, engine
 from tests.unit.test_workflow_sagas import app, drain, store  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
-from wf_driver import Driver  # noqa: E402
+from wf_driver import Driver
 
 
 @pytest.fixture

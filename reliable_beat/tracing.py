@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 import time
 import traceback
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
@@ -89,6 +90,12 @@ SEQ = "reliable_beat.seq"
 TRACEPARENT = "traceparent"
 
 _tracer: Any = None
+#: No provider set and none named by ``OTEL_PYTHON_TRACER_PROVIDER``: off. Read from the API's
+#: global directly (``get_tracer_provider()`` reads the environment on every call: 30 times
+#: slower, per hook); the public lookup is used when the variable is set or a future API
+#: moves the global.
+_UNSET_IS_OFF = (_trace is not None and hasattr(_trace, "_TRACER_PROVIDER")
+                 and "OTEL_PYTHON_TRACER_PROVIDER" not in os.environ)
 _W3C: Any = TraceContextTextMapPropagator() if _trace is not None else None
 
 
@@ -97,7 +104,7 @@ def tracer() -> Any:
     global _tracer
     if _tracer is not None:
         return _tracer
-    if _trace is None:
+    if _trace is None or (_UNSET_IS_OFF and _trace._TRACER_PROVIDER is None):
         return None
     provider = _trace.get_tracer_provider()
     if isinstance(provider, (_trace.ProxyTracerProvider, _trace.NoOpTracerProvider)):
@@ -113,7 +120,17 @@ def _reset() -> None:
 
 
 def _text(value: Any) -> str:
-    return redact_text(value)
+    """:func:`redact_text`, remembering the last string (an execution's spans repeat its key)."""
+    global _last_text
+    last = _last_text  # one read: another thread may replace it meanwhile
+    if last[0] == value:
+        return last[1]
+    out = redact_text(value)
+    _last_text = (value, out)
+    return out
+
+
+_last_text: tuple[Any, str] = (None, "")
 
 
 def attributes(**values: Any) -> dict[str, Any]:

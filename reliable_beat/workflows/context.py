@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import joins, outbox
+from reliable_beat import joins, outbox, tracing
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
@@ -715,6 +715,9 @@ class WorkflowContext:
         key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no, seq)
         if ev is None:
             payload = self._activity_message(task_name, call, queue, seq)
+            # the activity joins the workflow's trace (not part of the size check: the
+            # check must not depend on whether tracing is on)
+            payload["headers"].update(tracing.carrier())
 
             def dispatch(conn: Connection) -> None:
                 outbox.add(conn, engine.WAKE_DESTINATION, payload, key=f"act:{key}",

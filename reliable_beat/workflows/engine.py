@@ -26,6 +26,7 @@ The protocol (docs/workflows.md):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Text, and_, cast, func, or_, select, update
 from sqlalchemy.engine import Connection
 
-from reliable_beat import outbox
+from reliable_beat import outbox, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
@@ -475,6 +476,47 @@ class WorkflowHandle:
             time.sleep(interval)
 
 
+def _traced_start(fn: Callable[..., WorkflowHandle]) -> Callable[..., WorkflowHandle]:
+    """``start`` in a ``start workflow <name>`` span, the root of the workflow's trace (linked
+    to the caller's span): the row stores its traceparent, every advance joins it."""
+    @functools.wraps(fn)
+    def traced(target: Any, name: str, workflow_id: str, *args: Any, **kwargs: Any
+               ) -> WorkflowHandle:
+        if tracing.tracer() is None:
+            return fn(target, name, workflow_id, *args, **kwargs)
+        with tracing.span(f"start workflow {name}", root=True,
+                          links=[tracing.current_traceparent()],
+                          attributes=tracing.attributes(workflow_id=workflow_id)) as s:
+            handle = fn(target, name, workflow_id, *args, **kwargs)
+            s.set_attribute(tracing.OUTCOME, "started" if handle.created else "existed")
+            return handle
+    return traced
+
+
+def _traced_advance(fn: Callable[..., str]) -> Callable[..., str]:
+    """``advance`` in an ``advance workflow <name>`` span of the workflow's trace (the
+    traceparent stored at start / continue-as-new), its outcome as ``reliable_beat.outcome``:
+    activities, timers, signals and compensations it schedules are delivered under it."""
+    @functools.wraps(fn)
+    def traced(store: Store, workflow_id: str, **kwargs: Any) -> str:
+        if tracing.tracer() is None:
+            return fn(store, workflow_id, **kwargs)
+        with store.connect() as conn:
+            row = conn.execute(select(workflows.c.name, workflows.c.run_no,
+                                      workflows.c.traceparent)
+                               .where(workflows.c.workflow_id == workflow_id)).first()
+        name = row.name if row is not None else "?"
+        with tracing.span(f"advance workflow {name}", parent=row and row.traceparent,
+                          root=True, attributes=tracing.attributes(
+                              workflow_id=workflow_id,
+                              workflow_run=row.run_no if row is not None else None)) as s:
+            outcome = fn(store, workflow_id, **kwargs)
+            s.set_attribute(tracing.OUTCOME, outcome)
+            return outcome
+    return traced
+
+
+@_traced_start
 def start(
     target: Store | Connection,
     name: str,
@@ -533,7 +575,7 @@ def start(
             args=call_args, kwargs=call_kwargs, queue=queue, schedule_group=schedule_group,
             random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
             claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
-            created_at=now, updated_at=now,
+            created_at=now, updated_at=now, traceparent=tracing.current_traceparent(),
         ), workflows)
         if inserted:
             add_wake(conn, workflow_id, queue, "start")
@@ -1099,6 +1141,7 @@ def block(store: Store, claimed: Claimed, reason: str) -> str:
     return _finish(store, claimed, state="blocked", block_reason=reason[:4000])
 
 
+@_traced_advance
 def advance(
     store: Store,
     workflow_id: str,

@@ -209,7 +209,7 @@ def check_entry(
 
 
 def stored_config_hashes(row: Mapping[str, Any]) -> set[str]:
-    """The digests :meth:`reliable_beat.entries.EntryDefinition.config_hash` gives for the
+    """The digests :meth:`reliable_beat.definitions.EntryDefinition.config_hash` gives for the
     definition a stored row holds (an interval's anchor excluded or not: two candidates);
     empty when the row's values cannot be a definition's."""
     try:

@@ -1,36 +1,19 @@
-"""Entries: definitions, validation, the config sync, and the runtime API.
+"""Entries: the config sync and the runtime API.
 
 An *entry* is a named recurring definition (Celery's word): a task, its arguments, publish
-options, a schedule, and per-entry policies. Entries live in ``reliable_beat_entries``; the
-beat never holds them all in memory.
-
-Per-entry settings in a Celery ``beat_schedule`` entry go under ``options["reliable_beat"]``
-(portable: stock beat ignores unknown options) or a top-level ``"reliable_beat"`` key::
-
-    "pay-merchants": {
-        "task": "shop.pay_merchants",
-        "schedule": crontab(minute=0, hour=2),
-        "options": {"queue": "payouts", "expires": 3600,
-                    "reliable_beat": {"misfire_policy": "catch_up", "catch_up_limit": 3,
-                                      "timezone": "Europe/Berlin", "overlap_policy": "skip"}},
-    }
-
-Keys: ``misfire_policy``, ``misfire_grace`` (seconds or ``timedelta``), ``catch_up_limit``,
-``catch_up_window`` (seconds or ``timedelta``), ``overlap_policy``, ``timezone`` (IANA),
-``dst_nonexistent`` (``shift``, ``gap_end``, ``skip``), ``dst_repeated`` (``first``, ``last``,
-``both``), ``start_at`` / ``end_at`` (tz-aware ``datetime`` or ISO 8601), ``anchor`` (interval
-grid anchor; default: when the entry is first stored), ``task_elsewhere`` (``True``: the task
-is registered only by workers of another code base, so a beat whose app does not register it
-fires it anyway instead of parking it; see :func:`park_reason`).
+options, a schedule, and per-entry policies (:class:`EntryDefinition`, parsed from a
+``beat_schedule`` item in :mod:`reliable_beat.definitions`, which also lists the per-entry
+settings). Entries live in ``reliable_beat_entries``; the beat never holds them all in
+memory. :func:`sync_schedule_group` makes a schedule group's stored config entries match
+its ``beat_schedule``; :func:`save_runtime_entry`, :func:`pause`, :func:`resume`,
+:func:`remove`, :func:`get_entry` and :func:`list_entries` are the runtime API.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta, timezone
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime
 from types import SimpleNamespace
 from typing import Any
 
@@ -43,7 +26,17 @@ from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.migrate import VERSION_TABLE
 from reliable_beat.db.tables import MYSQL_DIALECTS, entries, runs
-from reliable_beat.errors import ConfigurationError, EntryNotFoundError, EntryValidationError
+from reliable_beat.definitions import (
+    ENTRY_OPTION_KEYS,
+    EntryDefinition,
+    definition_from_celery,
+    is_task_elsewhere,
+)
+from reliable_beat.definitions import PUBLISH_OPTION_KEYS as PUBLISH_OPTION_KEYS
+from reliable_beat.definitions import (
+    definitions_from_beat_schedule as definitions_from_beat_schedule,
+)
+from reliable_beat.errors import ConfigurationError, EntryNotFoundError
 from reliable_beat.groups import (
     DEFAULT_GROUP,
     SyncResult,
@@ -53,16 +46,13 @@ from reliable_beat.groups import (
     shared_groups,
     ungrouped_entries,
 )
-from reliable_beat.policies import MisfirePolicy, OverlapPolicy, catch_up_limit_problem
 from reliable_beat.redaction import get_logger
 from reliable_beat.rows import (
-    check_options,
     decode_row,
     decode_value,
     entry_checker,
     raw_columns,
 )
-from reliable_beat.settings import Settings
 
 __all__ = [
     "ENTRY_OPTION_KEYS",
@@ -83,384 +73,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-ENTRY_OPTION_KEYS = frozenset(
-    {
-        "misfire_policy",
-        "misfire_grace",
-        "catch_up_limit",
-        "catch_up_window",
-        "overlap_policy",
-        "timezone",
-        "dst_nonexistent",
-        "dst_repeated",
-        "start_at",
-        "end_at",
-        "anchor",
-        "task_elsewhere",
-    }
-)
-#: Celery publish options an entry may carry (``expires`` counts from the slot).
-PUBLISH_OPTION_KEYS = frozenset(
-    {"queue", "routing_key", "exchange", "priority", "expires", "headers", "serializer"}
-)
 NOTIFY_CHANNEL = "reliable_beat_entries"
-
-
-#: :meth:`EntryDefinition.first_fire_at`'s default: a recurring entry's rule for every kind.
-_RECURRING = object()
-
-
-@dataclass
-class EntryDefinition:
-    """One entry as the user defines it (config or runtime).
-
-    Attributes:
-        name: unique name.
-        task: registered Celery task name.
-        schedule: when it fires (its ``timezone`` is the entry's zone).
-        args / kwargs: JSON-serialisable call arguments.
-        options: publish options (queue, routing_key, exchange, priority, headers, serializer,
-            expires in seconds counted from the slot).
-        misfire_policy / misfire_grace / catch_up_limit / catch_up_window / overlap_policy: see
-            :mod:`reliable_beat.policies`.
-        start_at / end_at: UTC-aware bounds of the slots, or None.
-        origin: ``config`` (from ``beat_schedule``) or ``runtime`` (API / CLI).
-    """
-
-    name: str
-    task: str
-    schedule: sch.Schedule
-    args: list[Any] = field(default_factory=list)
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)
-    misfire_policy: str = MisfirePolicy.FIRE_ONCE.value
-    misfire_grace: timedelta = timedelta(seconds=60)
-    catch_up_limit: int = 100
-    catch_up_window: timedelta | None = None
-    overlap_policy: str = OverlapPolicy.ALLOW.value
-    start_at: datetime | None = None
-    end_at: datetime | None = None
-    origin: str = "runtime"
-
-    def config_hash(self) -> str:
-        """A digest of what the user defined (an interval's stored anchor excluded)."""
-        spec = self.schedule.to_spec()
-        if spec.get("kind") == "interval" and not getattr(self, "_explicit_anchor", False):
-            spec = {k: v for k, v in spec.items() if k != "anchor"}
-        body = {
-            "task": self.task,
-            "schedule": spec,
-            "args": self.args,
-            "kwargs": self.kwargs,
-            "options": self.options,
-            "misfire_policy": self.misfire_policy,
-            "misfire_grace": self.misfire_grace.total_seconds(),
-            "catch_up_limit": self.catch_up_limit,
-            "catch_up_window": (
-                self.catch_up_window.total_seconds() if self.catch_up_window else None
-            ),
-            "overlap_policy": self.overlap_policy,
-            "start_at": self.start_at.isoformat() if self.start_at else None,
-            "end_at": self.end_at.isoformat() if self.end_at else None,
-        }
-        raw = json.dumps(body, sort_keys=True, default=str).encode()
-        return hashlib.sha256(raw).hexdigest()
-
-    def first_fire_at(
-        self, now: datetime, *, one_off_fired_through: object = _RECURRING
-    ) -> datetime | None:
-        """The first slot of a new (or changed) entry: strictly after ``now`` and at or after
-        ``start_at``. Nothing between ``start_at`` and creation is treated as missed.
-
-        A one-off (``once``) is the exception when ``one_off_fired_through`` is given (a new
-        entry: None; a changed one: its ``last_fire_at``): its only slot is returned even if
-        it is already past — added a second late (a slow ``entries add --at`` a few seconds
-        ahead, a deploy that lands after the instant), it is due at once and meets its misfire
-        policy (fired late within or past the grace, or recorded ``skipped``), instead of
-        being stored ``ended`` and silently never run. Not if that slot already fired
-        (``at <= one_off_fired_through``), nor outside ``start_at`` / ``end_at``. The
-        run row's UNIQUE(entry, slot) keeps it to one run whatever the caller passes."""
-        schedule = self.schedule
-        if (one_off_fired_through is not _RECURRING and isinstance(schedule, sch.OneOffSchedule)
-                and schedule.at <= now):
-            at: datetime = schedule.at
-            fired = one_off_fired_through
-            if ((fired is None or (isinstance(fired, datetime) and at > fired))
-                    and (self.start_at is None or at >= self.start_at)
-                    and (self.end_at is None or at <= self.end_at)):
-                return at
-        base = now
-        if self.start_at is not None and self.start_at - timedelta(seconds=1) > base:
-            base = self.start_at - timedelta(seconds=1)
-        nxt = self.schedule.next_after(base)
-        if nxt is not None and self.end_at is not None and nxt > self.end_at:
-            return None
-        return nxt
-
-    def row_values(self) -> dict[str, Any]:
-        """Column values of ``reliable_beat_entries`` for this definition."""
-        return {
-            "name": self.name,
-            "task": self.task,
-            "args": list(self.args),
-            "kwargs": dict(self.kwargs),
-            "options": dict(self.options),
-            "schedule_kind": self.schedule.kind,
-            "schedule": self.schedule.to_spec(),
-            "timezone": self.schedule.timezone,
-            "misfire_policy": self.misfire_policy,
-            "misfire_grace_seconds": self.misfire_grace.total_seconds(),
-            "catch_up_limit": self.catch_up_limit,
-            "catch_up_window_seconds": (
-                self.catch_up_window.total_seconds() if self.catch_up_window else None
-            ),
-            "overlap_policy": self.overlap_policy,
-            "origin": self.origin,
-            "config_hash": self.config_hash(),
-            "start_at": self.start_at,
-            "end_at": self.end_at,
-        }
-
-
-def _seconds(value: Any, what: str) -> timedelta:
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return timedelta(seconds=float(value))
-    raise ConfigurationError(f"{what}={value!r}: expected seconds (number >= 0) or a timedelta")
-
-
-def _instant(value: Any, what: str) -> datetime:
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError as exc:
-            raise ConfigurationError(f"{what}={value!r}: not an ISO 8601 instant") from exc
-    if not isinstance(value, datetime):
-        raise ConfigurationError(f"{what}={value!r}: expected a tz-aware datetime")
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ConfigurationError(
-            f"{what}={value.isoformat()!r} is naive: give a tz-aware datetime (UTC offset)"
-        )
-    return value.astimezone(timezone.utc)
-
-
-def _check_custom_headers(headers: Any, bad: Callable[[str], None]) -> None:
-    """``options["headers"]`` must be an object of custom headers: a Celery protocol header
-    (``task``, ``id``, ``eta``, ``retries``, ``root_id``, ...) would override the message's
-    own (an entry for task A sent with ``task=B`` ran B)."""
-    from reliable_beat.handlers import CELERY_PROTOCOL_HEADERS
-
-    if headers is None:
-        return
-    if not isinstance(headers, Mapping):
-        bad(f"options['headers'] must be a dict of custom headers, got {type(headers).__name__}")
-        return
-    reserved = sorted(str(k) for k in headers if str(k).lower() in CELERY_PROTOCOL_HEADERS)
-    if reserved:
-        bad(f"options['headers'] may not set Celery protocol header(s) {', '.join(reserved)}: "
-            "they belong to the message itself (use the entry's 'task', 'expires', ... "
-            "instead, or rename the custom header)")
-
-
-def _encoded_arguments(
-    args: list[Any], kwargs: dict[str, Any], bad: Callable[[str], None]
-) -> tuple[list[Any], dict[str, Any]]:
-    """An entry's args / kwargs as Celery's JSON serializer sends them (stock beat does).
-
-    ``datetime``, ``Decimal``, ``UUID`` ... are stored in kombu's ``{"__type__", "__value__"}``
-    form (:func:`reliable_beat.values.to_json_value`), which the worker's JSON decoder turns
-    back into the same values; anything else is reported through ``bad``, naming the
-    argument (``args[1]``, ``kwargs['when']``).
-    """
-    try:
-        encoded_args = rb_values.to_json_value(args, "args")
-    except ValueError as exc:
-        bad(str(exc))
-        encoded_args = []
-    try:
-        encoded_kwargs = rb_values.to_json_value(kwargs, "kwargs")
-    except ValueError as exc:
-        bad(str(exc))
-        encoded_kwargs = {}
-    return encoded_args, encoded_kwargs
-
-
-def definition_from_celery(
-    name: str,
-    raw: Mapping[str, Any],
-    *,
-    default_timezone: str,
-    settings: Settings,
-    now: datetime,
-    origin: str = "config",
-    is_idempotent: Callable[[str], bool | None] | None = None,
-) -> EntryDefinition:
-    """Build an :class:`EntryDefinition` from one ``beat_schedule`` item.
-
-    Args:
-        name: the entry name (the ``beat_schedule`` key).
-        raw: the item: ``task``, ``schedule`` (crontab / schedule / seconds / timedelta / cron
-            string / a :class:`~reliable_beat.schedules.Schedule`), ``args``, ``kwargs``,
-            ``options`` (with optional ``options["reliable_beat"]``), optional top-level
-            ``reliable_beat``.
-        default_timezone: the zone for entries that set none (Celery's ``timezone`` or UTC).
-        settings: policy defaults.
-        now: UTC-aware instant used as the default interval anchor.
-        is_idempotent: task name -> True (IdempotentTask), False (plain task), None (unknown);
-            used to refuse overlap policies that need run tracking on plain tasks.
-
-    Raises:
-        EntryValidationError: every problem of this entry, each naming the entry and the fix.
-    """
-    problems: list[str] = []
-
-    def bad(msg: str) -> None:
-        problems.append(f"entry {name!r}: {msg}")
-
-    if not isinstance(raw, Mapping):
-        raise EntryValidationError([f"entry {name!r}: expected a dict, got {type(raw).__name__}"])
-    task = raw.get("task")
-    if not isinstance(task, str) or not task:
-        bad("'task' must be the registered task name (a non-empty string)")
-        task = "?"
-    options = dict(raw.get("options") or {})
-    rb = dict(options.pop("reliable_beat", None) or {})
-    rb.update(raw.get("reliable_beat") or {})
-    for key in sorted(set(rb) - ENTRY_OPTION_KEYS):
-        bad(f"unknown reliable_beat option {key!r}; valid: {', '.join(sorted(ENTRY_OPTION_KEYS))}")
-    for key in sorted(set(options) - PUBLISH_OPTION_KEYS):
-        supported = ", ".join(sorted(PUBLISH_OPTION_KEYS))
-        bad(f"unsupported publish option {key!r}; supported: {supported}")
-    _check_custom_headers(options.get("headers"), bad)
-    args = list(raw.get("args") or [])
-    kwargs = dict(raw.get("kwargs") or {})
-    if "expires" in options:
-        exp = options["expires"]
-        if isinstance(exp, timedelta):
-            options["expires"] = exp.total_seconds()
-        elif not isinstance(exp, (int, float)) or isinstance(exp, bool) or exp <= 0:
-            bad(f"options['expires']={exp!r}: give seconds (> 0) counted from the slot")
-
-    # the shapes a trigger needs (the beat checks stored rows the same way, rows.py)
-    expires_bad = any("options['expires']" in p for p in problems)
-    for problem in check_options(options):
-        if not (expires_bad and problem.startswith("options.expires")):
-            bad(problem)
-    for problem in rb_values.entry_name_problems(name):
-        bad(problem)
-    args, kwargs = _encoded_arguments(args, kwargs, bad)
-    try:
-        json.dumps(options)
-    except (TypeError, ValueError) as exc:
-        bad(f"options are not JSON-serialisable ({exc}); pass plain JSON values")
-    size = sum(len(json.dumps(v, separators=(",", ":"), ensure_ascii=False, default=str)
-                   .encode()) for v in (args, kwargs, options))
-    if size > settings.max_payload_bytes:
-        bad(f"args + kwargs + options are {size} bytes as JSON, over "
-            f"reliable_beat_max_payload_bytes ({settings.max_payload_bytes}); they are copied "
-            "into every run, trigger and broker message: pass a reference (an id, a key) "
-            "and load the data in the task")
-    tz = rb.get("timezone") or default_timezone
-    try:
-        tz = sch.validate_timezone(tz)
-    except ConfigurationError as exc:
-        bad(str(exc))
-        tz = "UTC"
-    anchor = now.replace(microsecond=0)
-    explicit_anchor = False
-    if "anchor" in rb:
-        try:
-            anchor = _instant(rb["anchor"], "anchor")
-            explicit_anchor = True
-        except ConfigurationError as exc:
-            bad(str(exc))
-    schedule: sch.Schedule | None = None
-    if "schedule" not in raw:
-        bad("'schedule' is missing")
-    else:
-        try:
-            # 'relative' as Celery reads it: it changes a number/timedelta (refused there),
-            # and is ignored on a crontab or a schedule object, as Celery ignores it
-            schedule = sch.from_celery(
-                raw["schedule"], timezone=tz, anchor=anchor, entry=name,
-                relative=bool(raw.get("relative", False)),
-            )
-            if rb.get("timezone") and schedule.timezone != tz:
-                bad(f"timezone={tz!r} conflicts with the schedule's own zone "
-                    f"{schedule.timezone!r} (a crontab's nowfun/tz or a Schedule object); "
-                    "set the zone in one place")
-            if schedule.kind == "cron" and (rb.get("dst_nonexistent") or rb.get("dst_repeated")):
-                spec = schedule.to_spec()
-                spec["nonexistent"] = rb.get("dst_nonexistent") or spec.get("nonexistent")
-                spec["repeated"] = rb.get("dst_repeated") or spec.get("repeated")
-                schedule = sch.schedule_from_spec(spec)
-            elif rb.get("dst_nonexistent") or rb.get("dst_repeated"):
-                bad("dst_nonexistent / dst_repeated apply to cron schedules only")
-        except ConfigurationError as exc:
-            bad(str(exc).replace(f"entry {name!r}: ", ""))
-
-    misfire = rb.get("misfire_policy", settings.misfire_policy)
-    if misfire not in {p.value for p in MisfirePolicy}:
-        bad(f"misfire_policy={misfire!r}: expected one of catch_up, fire_once, skip")
-    overlap = rb.get("overlap_policy", settings.overlap_policy)
-    if overlap not in {p.value for p in OverlapPolicy}:
-        bad(f"overlap_policy={overlap!r}: expected one of allow, skip, buffer_one")
-    elif overlap != "allow" and is_idempotent is not None and is_idempotent(task) is False:
-        bad(
-            f"overlap_policy={overlap!r} needs run tracking, which only IdempotentTask keeps; "
-            f"task {task!r} is a plain Celery task: use base=IdempotentTask or overlap 'allow'"
-        )
-    grace = timedelta(seconds=settings.misfire_grace_seconds)
-    window = (
-        timedelta(seconds=settings.catch_up_window_seconds)
-        if settings.catch_up_window_seconds is not None
-        else None
-    )
-    limit = settings.catch_up_limit
-    try:
-        if "misfire_grace" in rb:
-            grace = _seconds(rb["misfire_grace"], "misfire_grace")
-        if rb.get("catch_up_window") is not None:
-            window = _seconds(rb["catch_up_window"], "catch_up_window")
-    except ConfigurationError as exc:
-        bad(str(exc))
-    if "catch_up_limit" in rb:
-        limit = rb["catch_up_limit"]
-        limit_problem = catch_up_limit_problem(limit)
-        if limit_problem is not None:
-            bad(limit_problem)
-            limit = 0
-    start_at = end_at = None
-    try:
-        start_at = _instant(rb["start_at"], "start_at") if rb.get("start_at") else None
-        end_at = _instant(rb["end_at"], "end_at") if rb.get("end_at") else None
-    except ConfigurationError as exc:
-        bad(str(exc))
-    if problems or schedule is None:
-        raise EntryValidationError(problems)
-    definition = EntryDefinition(
-        name=name,
-        task=task,
-        schedule=schedule,
-        args=args,
-        kwargs=kwargs,
-        options=options,
-        misfire_policy=misfire,
-        misfire_grace=grace,
-        catch_up_limit=limit,
-        catch_up_window=window,
-        overlap_policy=overlap,
-        start_at=start_at,
-        end_at=end_at,
-        origin=origin,
-    )
-    object.__setattr__(definition, "_explicit_anchor", explicit_anchor)
-    if rb.get("task_elsewhere") not in (None, False, True):
-        raise EntryValidationError([f"entry {name!r}: reliable_beat option task_elsewhere="
-                                    f"{rb['task_elsewhere']!r}: give True or False"])
-    object.__setattr__(definition, "_task_elsewhere", bool(rb.get("task_elsewhere")))
-    return definition
 
 
 def park_reason(task: str) -> str:
@@ -472,41 +85,6 @@ def park_reason(task: str) -> str:
             "autodiscover_tasks; Dramatiq: the broker module); if only workers of another "
             "code base register it, set options['reliable_beat']['task_elsewhere'] = True on "
             "the entry. The next beat start fires it again")
-
-
-def is_task_elsewhere(definition: EntryDefinition) -> bool:
-    """The entry says its task is registered only by workers elsewhere (``task_elsewhere``)."""
-    return bool(getattr(definition, "_task_elsewhere", False))
-
-
-def definitions_from_beat_schedule(
-    beat_schedule: Mapping[str, Any],
-    *,
-    default_timezone: str,
-    settings: Settings,
-    now: datetime,
-    is_idempotent: Callable[[str], bool | None] | None = None,
-) -> list[EntryDefinition]:
-    """Validate every ``beat_schedule`` item; all problems of all entries in one error.
-
-    Raises:
-        EntryValidationError: lists every problem, each naming its entry.
-    """
-    problems: list[str] = []
-    out: list[EntryDefinition] = []
-    for name, raw in beat_schedule.items():
-        try:
-            out.append(
-                definition_from_celery(
-                    name, raw, default_timezone=default_timezone, settings=settings, now=now,
-                    is_idempotent=is_idempotent,
-                )
-            )
-        except EntryValidationError as exc:
-            problems.extend(exc.problems)
-    if problems:
-        raise EntryValidationError(problems)
-    return out
 
 
 def notify_entries_changed(conn: Connection, store: Store) -> None:
@@ -669,7 +247,7 @@ def _upsert(
         # re-enabled keeps its old rule (a slot passed while disabled is not fired)
         next_fire_at = (definition.first_fire_at(base, one_off_fired_through=row.last_fire_at)
                         if not same_schedule else definition.first_fire_at(base))
-    # Rewriting the entry from its definition also lifts a quarantine (rows.py).
+    # Rewriting the entry from its definition also lifts a quarantine (reliable_beat.rows).
     values.update(next_fire_at=next_fire_at, updated_at=now, enabled=park is None,
                   disabled_at=None, quarantine_reason=park,
                   quarantined_at=now if park else None)

@@ -45,7 +45,7 @@ from reliable_beat.rows import decode_labelled, raw_labelled
 from reliable_beat.triggers import TRIGGER_DESTINATION, TRIGGER_DESTINATIONS
 
 if TYPE_CHECKING:
-    from reliable_beat.entries import EntryDefinition
+    from reliable_beat.definitions import EntryDefinition
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -79,7 +79,7 @@ BEAT_ROW_RETENTION = timedelta(days=7)
 
 def group_config_hash(definitions: Iterable[EntryDefinition]) -> str:
     """A digest of a whole ``beat_schedule`` as synced: every entry's name and its
-    :meth:`~reliable_beat.entries.EntryDefinition.config_hash` (order-independent)."""
+    :meth:`~reliable_beat.definitions.EntryDefinition.config_hash` (order-independent)."""
     body = sorted((d.name, d.config_hash()) for d in definitions)
     return hashlib.sha256(json.dumps(body).encode()).hexdigest()
 

@@ -713,6 +713,9 @@ class Beat:
                 )
                 pending.append((run_id, key, payload, r["fire_at"]))
             if outbox_rows:
+                if any("traceparent" in row for row in outbox_rows):  # all the same keys
+                    for row in outbox_rows:
+                        row.setdefault("traceparent", None)
                 ids = _insert_rows(conn, self.store, outbox, outbox_rows, ignore=False,
                                    returning=("id", "message_id"))
                 id_by_mid = {mid: oid for oid, mid in ids}

@@ -63,6 +63,15 @@ NOTIFY_CHANNEL = "reliable_beat_outbox"
 MAX_MESSAGE_ID_LENGTH = 400
 
 
+def _traceparent_column() -> dict[str, str]:
+    """``{"traceparent": ...}`` while a span is recording, else nothing: the column is
+    written only when tracing is on, so a store not yet upgraded to it (new code during a
+    rolling deploy) takes rows as before (`reliable-beat db upgrade` before turning tracing
+    on)."""
+    tp = tracing.current_traceparent()
+    return {"traceparent": tp} if tp else {}
+
+
 def db_now(conn: Connection) -> datetime:
     """The store's clock as a UTC-aware ``datetime``, read on ``conn``.
 
@@ -225,7 +234,7 @@ def add(
             attempts=0,
             available_at=available_at,
             created_at=created_at,
-            traceparent=tracing.current_traceparent(),
+            **_traceparent_column(),
         )
     )
     if pg:

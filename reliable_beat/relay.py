@@ -227,9 +227,16 @@ def claim_outbox_batch(
         update(o)
         .where(o.c.id.in_(claimed_ids))
         .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
-        .returning(*rows_mod.raw_columns(o, conn.dialect))
+        .returning(*_outbox_columns(conn))
     )
     return _decode_claimed(conn, conn.execute(stmt).all(), now)
+
+
+def _outbox_columns(conn: Connection) -> list[Any]:
+    """The outbox columns a claim reads, without decoding (:func:`rows.raw_columns`), less
+    the optional ones a store not yet upgraded lacks (``traceparent``)."""
+    return rows_mod.raw_columns(outbox, conn.dialect,
+                                rows_mod.missing_optional_columns(conn, outbox))
 
 
 def _dead_letter_infinite(store: Store, conn: Connection, now: datetime, limit: int,
@@ -237,7 +244,7 @@ def _dead_letter_infinite(store: Store, conn: Connection, now: datetime, limit: 
     """PostgreSQL: dead-letter (``malformed``) pending rows whose ``available_at`` is
     ``'infinity'`` / ``'-infinity'`` (or a year Python cannot hold), at most ``limit``."""
     o = outbox
-    sel = (select(*rows_mod.raw_columns(o, conn.dialect))
+    sel = (select(*_outbox_columns(conn))
            .where(o.c.state == "pending", rows_mod.infinite_instant(o.c.available_at))
            .order_by(o.c.id).limit(limit))
     if destinations is not None:
@@ -337,7 +344,7 @@ def _claim_mysql(conn: Connection, sel: Any, owner: str, now: datetime, lease: t
         .values(claimed_by=owner, available_at=now + lease, attempts=o.c.attempts + 1)
     )
     raws = conn.execute(
-        select(*rows_mod.raw_columns(o, conn.dialect)).where(o.c.id.in_(ids)).order_by(o.c.id)
+        select(*_outbox_columns(conn)).where(o.c.id.in_(ids)).order_by(o.c.id)
     ).all()
     return _decode_claimed(conn, raws, now)
 

@@ -104,7 +104,8 @@ def trigger_outbox_row(
         "available_at": available_at,
         "claimed_by": claimed_by,
         "created_at": now,
-        "traceparent": traceparent,
+        # written only when tracing is on: a store not yet upgraded takes rows as before
+        **({"traceparent": traceparent} if traceparent else {}),
     }
 
 

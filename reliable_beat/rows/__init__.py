@@ -44,6 +44,7 @@ from reliable_beat.rows.checks import (
 )
 from reliable_beat.rows.checks import MAX_SECONDS as MAX_SECONDS
 from reliable_beat.rows.decode import (
+    OPTIONAL_COLUMNS,
     LabelledReader,
     decode_labelled,
     decode_row,
@@ -51,6 +52,7 @@ from reliable_beat.rows.decode import (
     display_rows,
     infinite_instant,
     infinity_text,
+    missing_optional_columns,
     raw_columns,
     raw_labelled,
     raw_repr,
@@ -76,6 +78,7 @@ from reliable_beat.rows.quarantine import unknown_state_runs as unknown_state_ru
 __all__ = [
     "KNOWN_RUN_STATES",
     "MALFORMED",
+    "OPTIONAL_COLUMNS",
     "LabelledReader",
     "check_entry",
     "check_options",
@@ -93,6 +96,7 @@ __all__ = [
     "infinite_instant",
     "infinity_text",
     "jsonable_raw",
+    "missing_optional_columns",
     "quarantine_counts",
     "quarantine_entry",
     "raw_columns",

@@ -16,13 +16,25 @@ from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import JSON, Table, and_, cast, func, literal_column, not_, or_, type_coerce
+from sqlalchemy import (
+    JSON,
+    Table,
+    and_,
+    cast,
+    func,
+    inspect,
+    literal_column,
+    not_,
+    or_,
+    type_coerce,
+)
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.types import NullType, Text
 
 from reliable_beat.db.types import UTCDateTime, infinity_text
 
 __all__ = [
+    "OPTIONAL_COLUMNS",
     "LabelledReader",
     "decode_labelled",
     "decode_row",
@@ -30,6 +42,7 @@ __all__ = [
     "display_rows",
     "infinite_instant",
     "infinity_text",
+    "missing_optional_columns",
     "raw_columns",
     "raw_labelled",
     "raw_repr",
@@ -37,7 +50,30 @@ __all__ = [
 ]
 
 
-def raw_columns(table: Table, dialect: Dialect) -> list[Any]:
+#: Columns a later migration added that the code writes and reads only when a feature is
+#: on (``traceparent``: tracing); a store not yet upgraded lacks them, and reads skip them.
+OPTIONAL_COLUMNS = frozenset({"traceparent"})
+_present: dict[tuple[int, str], frozenset[str]] = {}
+
+
+def missing_optional_columns(conn: Connection, table: Table) -> frozenset[str]:
+    """The :data:`OPTIONAL_COLUMNS` of ``table`` that the store's table lacks (new code on a
+    store not yet upgraded: a rolling deploy). Read once per engine and table."""
+    wanted = OPTIONAL_COLUMNS & set(table.c.keys())
+    if not wanted:
+        return frozenset()
+    key = (id(conn.engine), table.name)
+    names = _present.get(key)
+    if names is None:
+        names = frozenset(c["name"] for c in inspect(conn).get_columns(
+            table.name, schema=table.schema))
+        if wanted <= names:  # upgraded: remember; not yet: ask again next time
+            _present[key] = names
+    return frozenset(wanted - names)
+
+
+def raw_columns(table: Table, dialect: Dialect,
+                skip: frozenset[str] = frozenset()) -> list[Any]:
     """The columns of ``table`` to select so that fetching never decodes a value.
 
     SQLite (dynamic typing: any column may hold anything, a JSON column may hold invalid
@@ -45,9 +81,10 @@ def raw_columns(table: Table, dialect: Dialect) -> list[Any]:
     later by :func:`decode_row`, one value at a time. Other dialects: the typed columns
     (the server enforces the column types; only JSON *shapes* can be wrong there).
     """
+    columns = [c for c in table.c if c.name not in skip]
     if dialect.name != "sqlite":
-        return list(table.c)
-    return [type_coerce(c, NullType()).label(c.name) for c in table.c]
+        return columns
+    return [type_coerce(c, NullType()).label(c.name) for c in columns]
 
 
 def unreadable_instant(column: Any) -> Any:

@@ -46,6 +46,14 @@ class ContinueAsNewRefused(WorkflowControl):
     """``ctx.continue_as_new`` while work of this run is still open (the workflow blocks)."""
 
 
+def _new_trace(claimed: Any) -> dict[str, Any]:
+    """``{"traceparent": ...}`` of the new run's root span, linked to this run's, or nothing
+    when tracing is off."""
+    tp = tracing.linked_root(f"continue workflow {claimed.name}",
+                             workflow_id=claimed.workflow_id, workflow_run=claimed.run_no + 1)
+    return {"traceparent": tp} if tp else {}
+
+
 def open_work(ctx: WorkflowContext) -> list[str]:
     """What of this run cannot cross a run boundary: ``["activity wfa.charge at seq 3",
     "saga block"]``; empty when ``continue_as_new`` may be called."""
@@ -94,10 +102,9 @@ def switch_run(ctx: WorkflowContext, request: ContinueAsNew) -> str:
                 version=ctx._definition.version, wake_seq=workflows.c.wake_seq + 1,
                 leased_by=None, lease_expires_at=None, updated_at=now,
                 advances=0,  # the crash-loop budget is per run: a long loop is not a crash loop
-                # the new run's trace, linked to this one's (a trace never grows unbounded)
-                traceparent=tracing.linked_root(
-                    f"continue workflow {claimed.name}", workflow_id=claimed.workflow_id,
-                    workflow_run=claimed.run_no + 1),
+                # the new run's trace, linked to this one's (a trace never grows unbounded);
+                # the column only while tracing is on (a store not yet upgraded to it)
+                **_new_trace(claimed),
             ),
             workflows, [workflows.c.wake_seq],
         )

@@ -476,6 +476,13 @@ class WorkflowHandle:
             time.sleep(interval)
 
 
+def _traceparent_column() -> dict[str, str]:
+    """``{"traceparent": ...}`` while tracing records a span, else nothing: a store not yet
+    upgraded to the column (new code during a rolling deploy) starts workflows as before."""
+    tp = tracing.current_traceparent()
+    return {"traceparent": tp} if tp else {}
+
+
 def _traced_start(fn: Callable[..., WorkflowHandle]) -> Callable[..., WorkflowHandle]:
     """``start`` in a ``start workflow <name>`` span, the root of the workflow's trace (linked
     to the caller's span): the row stores its traceparent, every advance joins it."""
@@ -575,7 +582,7 @@ def start(
             args=call_args, kwargs=call_kwargs, queue=queue, schedule_group=schedule_group,
             random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
             claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
-            created_at=now, updated_at=now, traceparent=tracing.current_traceparent(),
+            created_at=now, updated_at=now, **_traceparent_column(),
         ), workflows)
         if inserted:
             add_wake(conn, workflow_id, queue, "start")

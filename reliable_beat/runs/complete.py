@@ -22,6 +22,7 @@ from reliable_beat.errors import StaleFenceToken
 from reliable_beat.redaction import get_logger
 from reliable_beat.runs.claim import Claim, db_now
 from reliable_beat.values import MAX_IDEMPOTENCY_KEY, MAX_TASK_NAME, to_json_value
+from reliable_beat.workflow_store import on_run_finished
 
 __all__ = [
     "complete",
@@ -174,10 +175,8 @@ def _log_unknown_state(claim: Claim, state: Any) -> None:
 def _workflow_hook(conn: Connection, key: str, state: str, result: Any = None,
                    error: str | None = None) -> None:
     """An activity of a durable workflow (key ``wf:...``): write its outcome into the
-    workflow's history in this same transaction (reliable_beat.workflows.engine)."""
+    workflow's history in this same transaction (reliable_beat.workflow_store)."""
     if key.startswith("wf:"):
-        from reliable_beat.workflows.engine import on_run_finished
-
         on_run_finished(conn, key, state, result, error)
 
 

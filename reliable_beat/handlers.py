@@ -60,6 +60,7 @@ from email.utils import formatdate
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import quote, urlsplit
 
+from reliable_beat import tracing
 from reliable_beat.errors import ConfigurationError, DeliveryError, PermanentDeliveryError
 from reliable_beat.messages import OutboxMessage
 from reliable_beat.redaction import get_logger
@@ -680,6 +681,15 @@ class WebhookHandler:
         return results
 
     def _send(self, message: OutboxMessage, req: _WebhookRequest) -> None:
+        # an HTTP client span under the relay's delivery span; the far end gets its traceparent
+        with tracing.span(req.method, parent=message.traceparent, kind="client",
+                          attributes=tracing.http_attributes(req.method, req.url)) as s:
+            status = self._request(message, req, tracing.traceparent_of(s))
+            if s is not None:
+                s.set_attribute("http.response.status_code", status)
+
+    def _request(self, message: OutboxMessage, req: _WebhookRequest,
+                 traceparent: str | None) -> int:
         httpcore = self._httpcore
         try:
             content = json.dumps(to_plain_json(req.body), allow_nan=False).encode()
@@ -693,6 +703,8 @@ class WebhookHandler:
         headers = [(k, v) for k, v in req.headers.items()]
         headers += [("Content-Type", "application/json"),
                     ("Idempotency-Key", message.message_id)]
+        if traceparent is not None:
+            headers.append(("traceparent", traceparent))
         pool = self._pool(req.group, req.concurrency, req.block_private)
         t = req.timeout_seconds
         deadline = time.monotonic() + t
@@ -725,7 +737,7 @@ class WebhookHandler:
         finally:
             _deadline.at = None
         if 200 <= status < 300:
-            return
+            return status
         phrase = reason.decode("ascii", "replace") if isinstance(reason, bytes) else str(reason)
         phrase = "".join(c for c in phrase if c.isprintable())[:60]
         detail = f"{req.label} answered HTTP {status} {phrase}".rstrip()

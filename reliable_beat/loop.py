@@ -63,6 +63,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.exc import DBAPIError
 
+from reliable_beat import tracing
 from reliable_beat.beat import Beat, TickResult
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
@@ -164,7 +165,15 @@ def publish_and_mark(
     logger = logger or log
     if not messages:
         return 0
+    spans = tracing.PublishSpans.of(messages, publisher.destination)
+    if spans is not None:  # a `send` span per trigger, in its slot's trace
+        if wait is None:
+            spans.start()
+        else:
+            wait = spans.after(wait)
     outcomes = _send(publisher, messages, now, wait)
+    if spans is not None:
+        spans.end(outcomes)
     sent = [i for i, err in outcomes if err is None]
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
     failed = [i for i, err in outcomes if err is not None and i not in expired]

@@ -233,8 +233,9 @@ class BeatProcess:
         if self.settings.metrics_port is not None and self._metrics is None:
             from reliable_beat.metrics import serve
 
-            self._metrics = serve(self.settings.metrics_port, self.store,
-                                  addr=self.settings.metrics_host)
+            self._metrics = serve(
+                self.settings.metrics_port, self.store, addr=self.settings.metrics_host,
+                pending_alarm_seconds=self.settings.workflow_pending_alarm_seconds)
             self.log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
         if self._retention is None:  # bounded-batch purge of old history, in the background
             self._retention = start_retention(self.store, self.settings, role="beat")

@@ -174,7 +174,8 @@ class WorkflowContext:
     ) -> None:
         self._dry_run = dry_run  # offline replay: stop at the frontier, write nothing
         #: times the code between durable calls (None: no deadline); see runaway.py
-        self._clock = runaway.CodeClock(code_timeout, claimed.workflow_id)
+        self._clock = runaway.CodeClock(code_timeout, claimed.workflow_id,
+                                        on_stuck=self._park_stuck)
         self._store = store
         self._claimed = claimed
         self._history = history
@@ -316,6 +317,22 @@ class WorkflowContext:
         finally:
             self._clock.disarm()
             tripwire.in_workflow_code.reset(token)
+
+    def _park_stuck(self, ran: float) -> None:
+        """The watchdog's thread: the code stayed past its deadline through every
+        interruption (swallowed, or stuck in a call): park the workflow now, fenced, so the
+        sweep hands it to no other worker (:func:`~reliable_beat.workflows.runaway.park_stuck`).
+        """
+        assert self._clock.timeout is not None
+        reason = runaway.stuck_reason(self._claimed.workflow_id, self._seq, ran,
+                                      self._clock.timeout)
+        try:
+            with self._store.engine.begin() as conn:
+                runaway.park_stuck(conn, self._claimed.pk, self._claimed.workflow_id,
+                                   self._claimed.fence_token, reason, db_now(conn))
+        except Exception:  # the store is away: the takeover count still parks it
+            get_logger("reliable_beat.workflows").exception(
+                "workflow %s: parking its stuck code failed", self._claimed.workflow_id)
 
     def _block_runaway(self) -> str:
         """The code ran past ``reliable_beat_workflow_code_timeout_seconds`` between

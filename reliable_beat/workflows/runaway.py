@@ -12,7 +12,10 @@ two alarms:
    middleware does) when it runs past the deadline, and again every
    :data:`REFIRE_SECONDS` while it is still there (code that swallows it with a bare
    ``except:``), and the code's next durable call raises it too. The advance then parks the
-   workflow ``blocked`` naming the position and the setting. Python checks such an
+   workflow ``blocked`` naming the position and the setting. Code still past its deadline
+   after :data:`PARK_AFTER_FIRES` interruptions (swallowed in a loop, or waiting in a call
+   that releases the GIL) is parked by the watchdog itself, fenced, while it runs
+   (:func:`park_stuck`): the sweep hands it to no other worker. Python checks such an
    exception between bytecodes, so ``while True: pass`` is stopped; code blocked inside one C
    call (a regex that backtracks for ever, a lock wait, a socket read without a timeout) is
    not, until that call returns. The clock stops inside durable calls: a step's or a
@@ -48,6 +51,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -64,6 +68,7 @@ __all__ = [
     "DEFAULT_MAX_TAKEOVERS",
     "DEFAULT_PENDING_ALARM_SECONDS",
     "MAX_TAKEOVERS_SETTING",
+    "PARK_AFTER_FIRES",
     "PENDING_ALARM_SETTING",
     "CodeClock",
     "code_timeout_reason",
@@ -71,7 +76,9 @@ __all__ = [
     "late_pending",
     "may_take_over",
     "park_expired",
+    "park_stuck",
     "problems",
+    "stuck_reason",
     "takeovers_after_claim",
 ]
 
@@ -89,6 +96,11 @@ PENDING_ALARM_SETTING = "reliable_beat_workflow_pending_alarm_seconds"
 REFIRE_SECONDS = 1.0
 #: The watchdog looks at paused clocks (inside a durable call) at least this often.
 POLL_SECONDS = 0.25
+#: Interruptions after which code still past its deadline (it swallows them, or it is stuck
+#: in a C call that releases the GIL: a sleep, a lock or socket wait) is parked by the
+#: watchdog itself, fenced, without waiting for its lease to expire: the sweep then re-sends
+#: nothing and no other worker is taken, whatever the size of the pool.
+PARK_AFTER_FIRES = 3
 
 # ------------------------------------------------------------------ the code deadline ----
 
@@ -128,11 +140,17 @@ class CodeClock:
         timeout: seconds the code may run between durable calls; None: never interrupted
             (offline replay, or a caller that opts out).
         label: what the watchdog's log lines name (the workflow id).
+        on_stuck: called once, in the watchdog's thread, with the seconds the code has run
+            when it is still past its deadline after :data:`PARK_AFTER_FIRES` interruptions
+            (the advance parks its workflow there: :func:`park_stuck`); None: nothing.
     """
 
-    def __init__(self, timeout: float | None, label: str = "") -> None:
+    def __init__(self, timeout: float | None, label: str = "",
+                 on_stuck: Callable[[float], None] | None = None) -> None:
         self.timeout = timeout
         self.label = label
+        self.on_stuck = on_stuck
+        self._stuck_reported = False
         self._lock = threading.Lock()
         self._thread = 0  # the advance's thread while armed, else 0
         self._in_code = False
@@ -216,14 +234,23 @@ class CodeClock:
                             CODE_TIMEOUT_SETTING, self.timeout)
             elif self.fired == 1:
                 log.error("workflow %s: its code swallowed the interruption (a bare `except:`"
-                          " or `except BaseException:`) and runs on; raising it every %g s. "
-                          "If it never stops, its lease expires and it is parked after %s "
-                          "takeovers", self.label, REFIRE_SECONDS, MAX_TAKEOVERS_SETTING)
+                          " or `except BaseException:`), or is stuck in a call that does not "
+                          "return, and runs on; raising it every %g s, and parking the "
+                          "workflow after %d tries", self.label, REFIRE_SECONDS,
+                          PARK_AFTER_FIRES)
             self.fired += 1
             self._fired_at = now
             if _set_async_exc(self._thread, CodeTimeout) != 1:  # the thread is gone
                 self._in_code = False
-            return REFIRE_SECONDS
+            stuck = (self.fired >= PARK_AFTER_FIRES and self._in_code
+                     and not self._stuck_reported and self.on_stuck is not None)
+            if stuck:
+                self._stuck_reported = True
+            ran = now - self._since
+        if stuck:
+            assert self.on_stuck is not None
+            self.on_stuck(ran)  # outside the lock: it writes to the store
+        return REFIRE_SECONDS
 
 
 class _Watchdog:
@@ -286,6 +313,41 @@ def code_timeout_reason(workflow_id: str, seq: int, ran: float, timeout: float) 
         "computation goes in ctx.step or an activity, whose bodies the limit does not "
         f"count) or raise the setting, then `reliable-beat workflows resume {workflow_id}`"
     )
+
+
+def stuck_reason(workflow_id: str, seq: int, ran: float, timeout: float) -> str:
+    """The ``block_reason`` of a workflow whose code stayed past its deadline through
+    :data:`PARK_AFTER_FIRES` interruptions (parked by the watchdog)."""
+    where = f"after seq {seq}" if seq else "from its start"
+    return (
+        f"code_timeout: the workflow code ran {ran:.1f} s {where} without reaching a durable "
+        f"call, past {CODE_TIMEOUT_SETTING}={timeout:g}, and went on through "
+        f"{PARK_AFTER_FIRES} interruptions: it swallows them (a bare `except:` or `except "
+        "BaseException:` in a loop) or is stuck in a call that never returns (a sleep, a "
+        "lock or socket wait without a timeout). Parked so that no other worker takes it; "
+        "the worker running it stays busy until the code returns or the worker is restarted "
+        "(SIGTERM waits for the task: restart it with SIGKILL). Fix the code, then "
+        f"`reliable-beat workflows resume {workflow_id}`"
+    )
+
+
+def park_stuck(conn: Connection, pk: int, workflow_id: str, fence_token: int, reason: str,
+               now: datetime) -> bool:
+    """Park the workflow ``pk`` ``blocked`` with ``reason`` if it is still ``running`` under
+    ``fence_token`` (the stuck advance's claim), bumping the fence: the stuck advance writes
+    nothing if it ever returns, and the sweep re-sends nothing. Joins the caller's
+    transaction. Returns True when parked."""
+    done = conn.execute(
+        update(workflows)
+        .where(workflows.c.id == pk, workflows.c.state == "running",
+               workflows.c.fence_token == fence_token)
+        .values(state="blocked", block_reason=reason[:4000], leased_by=None,
+                lease_expires_at=None, fence_token=workflows.c.fence_token + 1,
+                updated_at=now)
+    ).rowcount
+    if done == 1:
+        log.error("workflow %s blocked: %s", workflow_id, reason)
+    return bool(done == 1)
 
 
 # ------------------------------------------------------------------ the takeover count ----

@@ -265,3 +265,58 @@ def test_a_finished_advance_resets_the_takeover_count(store: Store) -> None:
     engine.signal(store, "two", "go", 1)
     assert _advance(store, "two", max_takeovers=2) == "completed"
     assert engine.get_workflow(store, "two")["takeovers"] == 0
+
+
+def _swallow_until_released(ctx: WorkflowContext) -> str:
+    while not GATE.is_set():
+        try:
+            while not GATE.is_set():
+                pass
+        except BaseException:
+            pass
+    return "released"
+
+
+def _wait_in_c(ctx: WorkflowContext) -> str:
+    GATE.wait()  # a lock wait: the interruption is not delivered until it returns
+    return "released"
+
+
+@pytest.mark.parametrize("fn", [_swallow_until_released, _wait_in_c],
+                         ids=["swallows_for_ever", "stuck_in_a_wait"])
+def test_code_that_stays_past_its_deadline_is_parked_while_it_still_runs(
+    store: Store, fn: Callable[..., Any]
+) -> None:
+    """The advance never returns on its own: the watchdog parks the workflow itself, fenced,
+    long before its lease expires, so the sweep hands it to no other worker (a pool of
+    three was all taken by one such workflow while it waited for takeovers)."""
+    name = f"t.stuck.{fn.__name__}"
+    _define(name, fn)
+    wid = f"stuck-{fn.__name__}"
+    engine.start(store, name, wid)
+    result: list[str] = []
+    runner = threading.Thread(target=lambda: result.append(
+        _advance(store, wid, lease=timedelta(seconds=120))), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 15
+    row = engine.get_workflow(store, wid)
+    while time.monotonic() < deadline and row["state"] != "blocked":
+        time.sleep(0.1)
+        row = engine.get_workflow(store, wid)
+    assert row["state"] == "blocked", row
+    assert runner.is_alive(), "parked while the advance still runs, not after it returned"
+    assert row["block_reason"].startswith("code_timeout:")
+    assert "interruptions" in row["block_reason"] and f"workflows resume {wid}" in (
+        row["block_reason"])
+    # the sweep re-sends nothing for it
+    with store.engine.connect() as conn:
+        wakes_before = conn.execute(sa.select(sa.func.count()).select_from(outbox)).scalar()
+    engine.redispatch_workflows(store, older_than=timedelta(0))
+    with store.engine.connect() as conn:
+        wakes_after = conn.execute(sa.select(sa.func.count()).select_from(outbox)).scalar()
+    assert wakes_after == wakes_before
+    GATE.set()
+    runner.join(10)
+    assert not runner.is_alive()
+    assert result == ["fenced"], result  # the stuck advance wrote nothing when it returned
+    assert engine.get_workflow(store, wid)["state"] == "blocked"

@@ -4,7 +4,7 @@
 :func:`reliable_beat.workflows.engine.advance`; everything else (history, replay, fencing,
 timers, signals) is framework-neutral. Activities are ordinary ``IdempotentTask`` tasks: their
 completion writes the workflow's history inside their own completing transaction
-(:func:`reliable_beat.runs.complete` -> :func:`reliable_beat.workflows.engine.on_run_finished`).
+(:func:`reliable_beat.runs.complete` -> :func:`reliable_beat.workflow_store.on_run_finished`).
 
 The advance is ``acks_late``: a worker killed mid-advance leaves its message to be redelivered
 and its lease to expire; the next advance takes over with a new fence token and replays.

@@ -49,6 +49,16 @@ from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
 from reliable_beat.outbox import db_now, insert_ignore
 from reliable_beat.redaction import get_logger, redact_value
+from reliable_beat.workflow_store import (
+    ADVANCE_TASK,
+    WAKE_DESTINATION,
+    activity_key,
+    now_sql,
+    on_run_finished,
+)
+from reliable_beat.workflow_store import add_wake as add_wake
+from reliable_beat.workflow_store import group_of as group_of
+from reliable_beat.workflow_store import parse_activity_key as parse_activity_key
 from reliable_beat.workflows import limits, runaway, signal_keys
 from reliable_beat.workflows.errors import (
     WorkflowBlockedError,
@@ -84,10 +94,6 @@ __all__ = [
 
 log = get_logger("reliable_beat.workflows")
 
-#: Name of the advance task (a Celery task registered by the adapter).
-ADVANCE_TASK = "reliable_beat.workflow.advance"
-#: Outbox destination of advance and activity messages.
-WAKE_DESTINATION = "celery"
 ACTIVE_STATES = ("pending", "running", "waiting")
 TERMINAL_STATES = ("completed", "failed", "cancelled")
 #: Events per run past which a frontier record blocks the workflow (``history_limit``).
@@ -173,22 +179,6 @@ def error_json(exc: BaseException) -> dict[str, str]:
     }
 
 
-def activity_key(workflow_id: str, run_no: int, seq: int) -> str:
-    """The idempotency key of the activity at ``seq``: ``wf:<workflow id>/<run>#<seq>``."""
-    return f"wf:{workflow_id}/{run_no}#{seq}"
-
-
-def parse_activity_key(key: str) -> tuple[str, int, int] | None:
-    """``(workflow id, run, seq)`` of an activity key, or None for any other key."""
-    if not key.startswith("wf:"):
-        return None
-    head, _, seq = key[3:].rpartition("#")
-    wf, _, run = head.rpartition("/")
-    if not (wf and run.isdigit() and seq.isdigit()):
-        return None
-    return wf, int(run), int(seq)
-
-
 def _insert_one_ignored(conn: Connection, stmt: Any, table: Any) -> bool:
     """Run an insert-ignore of one row; True if it was stored, False if the unique key
     already existed.
@@ -217,48 +207,8 @@ def _tx(target: Store | Connection) -> Iterator[Connection]:
         yield conn
 
 
-def now_sql(conn: Connection) -> Any:
-    """The store's clock as a SQL expression evaluated inside the statement that uses it
-    (saves the round trip of :func:`~reliable_beat.outbox.db_now` when the value is only
-    written): ``clock_timestamp()`` on PostgreSQL, ``UTC_TIMESTAMP(6)`` on MySQL/MariaDB;
-    on SQLite (no server) this host's clock, read now, as :func:`db_now` does."""
-    name = conn.dialect.name
-    if name == "postgresql":
-        return func.clock_timestamp()
-    if name in ("mysql", "mariadb"):
-        return func.utc_timestamp(6)
-    return db_now(conn)
-
-
 def _first(rows: list[Any]) -> Any:
     return rows[0] if rows else None
-
-
-def _wake_payload(workflow_id: str, queue: str | None) -> dict[str, Any]:
-    payload: dict[str, Any] = {"task": ADVANCE_TASK, "args": [workflow_id], "kwargs": {}}
-    if queue:
-        payload["options"] = {"queue": queue}
-    return payload
-
-
-def group_of(workflow_id: str) -> Any:
-    """SQL: the schedule group of workflow ``workflow_id`` (NULL: none, or no such row), for
-    the ``schedule_group`` of the outbox rows it writes: only the relays and beats of that
-    group publish them, into the broker of the app that runs the workflow."""
-    return (select(workflows.c.schedule_group)
-            .where(workflows.c.workflow_id == workflow_id).scalar_subquery())
-
-
-def add_wake(
-    conn: Connection, workflow_id: str, queue: str | None, what: str,
-    delay: timedelta | None = None,
-) -> str:
-    """Add the advance message ``wake:<workflow id>:<what>`` to the outbox (joins ``conn``),
-    scoped to the workflow's schedule group (:func:`group_of`)."""
-    return outbox.add(
-        conn, WAKE_DESTINATION, _wake_payload(workflow_id, queue),
-        key=f"wake:{workflow_id}:{what}", delay=delay, schedule_group=group_of(workflow_id),
-    )
 
 
 def drop_wakes(conn: Connection, workflow_id: str) -> int:
@@ -864,60 +814,6 @@ def _kick_overdue(store: Store, workflow_id: str) -> bool:
         log.warning("workflow %s is %s and overdue: kicked by resume (wake %s)",
                     workflow_id, row.state, bumped.wake_seq)
         add_wake(conn, workflow_id, bumped.queue, f"kick{bumped.wake_seq}")
-    return True
-
-
-# ------------------------------------------------------------------ completion hook ----
-
-
-def on_run_finished(
-    conn: Connection, key: str, state: str, result: Any = None, error: str | None = None
-) -> bool:
-    """Write an activity's outcome into its workflow's history, in the caller's transaction.
-
-    Called by :func:`reliable_beat.runs.complete` (``state='succeeded'``, in the activity's
-    completing transaction: effect, run, result and history commit together) and by
-    :func:`reliable_beat.runs.record_failure` when the run dies (``state='dead'``). A no-op
-    for keys that are not activity keys, or whose event is no longer ``scheduled``.
-    Retrying activities do not wake the workflow (retries are the activity's business).
-
-    Returns:
-        True if an event was completed (and the workflow woken).
-    """
-    parsed = parse_activity_key(key)
-    if parsed is None:
-        return False
-    workflow_id, run_no, seq = parsed
-    # the workflow row first: the same lock order as an advance's record transaction
-    wf = _first(update_returning(
-        conn,
-        update(workflows)
-        .where(workflows.c.workflow_id == workflow_id, workflows.c.run_no == run_no)
-        .values(wake_seq=workflows.c.wake_seq + 1),
-        workflows, [workflows.c.id, workflows.c.queue, workflows.c.wake_seq],
-    ))
-    if wf is None:
-        return False
-    values: dict[str, Any] = {"completed_at": now_sql(conn)}
-    if state == "succeeded":
-        values.update(state="completed", result=result)
-    else:
-        values.update(state="failed", error={"type": "dead", "message": (error or "")[-2000:]})
-    done = conn.execute(
-        update(workflow_events)
-        .where(
-            workflow_events.c.workflow_pk == wf.id,
-            workflow_events.c.run_no == run_no,
-            workflow_events.c.seq == seq,
-            workflow_events.c.run_key == key,
-            workflow_events.c.state == "scheduled",
-        )
-        .values(**values)
-    ).rowcount
-    if done != 1:
-        return False
-    # wake_seq in the id: a requeued compensation completes the same seq a second time
-    add_wake(conn, workflow_id, wf.queue, f"{run_no}#{seq}.{wf.wake_seq}")
     return True
 
 

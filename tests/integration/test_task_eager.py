@@ -317,10 +317,14 @@ def test_retry_that_cannot_be_sent_stays_retrying_for_the_redispatch_sweep(
 
     with store.begin() as conn:
         later = store.now(conn) + timedelta(hours=1)
-        # Ad-hoc run: no trigger row to re-send, but the sweep does find and claim it.
+        # Ad-hoc run: no trigger row, so the sweep rebuilds its message from the run row
+        # and re-sends it (a retrying run is never left with nothing to move it on)
         found = claim_stuck_runs(store, conn, now=later, after=timedelta(seconds=60),
                                  tasks=["e.unsent"], retrying_after=timedelta(seconds=60))
-    assert found == []
+    assert len(found) == 1, found
+    payload = found[0].payload
+    assert payload["task"] == "e.unsent"
+    assert payload["headers"]["reliable_beat_key"] == "unsent:1"
 
 
 def test_eager_call_on_a_leased_run_raises_lease_held(app: Celery, store: Store) -> None:

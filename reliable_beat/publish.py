@@ -1,0 +1,153 @@
+"""Publishing a beat's triggers: the port an adapter gives the loop, and what surrounds it.
+
+:class:`Publisher` (and :class:`HoldingPublisher`, which builds a batch ahead and flushes it
+at an instant) is how a trigger row becomes a message of the adapter's framework;
+:func:`trigger_messages` turns committed triggers into the outbox messages a publisher takes;
+:func:`record_unmarked` writes the ``sent`` marks a publish could not write (the database was
+gone); :func:`sleep_until` waits for a held slot's instant. The loop
+(:mod:`reliable_beat.loop`) publishes through them with
+:func:`~reliable_beat.loop.publish_and_mark`.
+"""
+
+from __future__ import annotations
+
+import logging
+import select as _select
+import time
+from collections.abc import Callable, Collection, Sequence
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from sqlalchemy.exc import DBAPIError
+
+from reliable_beat.db.dialects import Store
+from reliable_beat.errors import StoreUnavailableError
+from reliable_beat.logs import RepeatedLog
+from reliable_beat.outbox import OutboxMessage
+from reliable_beat.redaction import get_logger
+from reliable_beat.relay import mark_expired, mark_sent
+from reliable_beat.triggers import Trigger, trigger_message_id
+
+__all__ = [
+    "SPIN_SECONDS",
+    "HoldingPublisher",
+    "Outcomes",
+    "Publisher",
+    "record_unmarked",
+    "sleep_until",
+    "trigger_messages",
+]
+
+log = get_logger("reliable_beat.loop")
+
+#: The last this-many seconds before a held slot's instant are spent spinning, not asleep.
+SPIN_SECONDS = 0.002
+
+#: ``(outbox id, None or the error)`` per message, in order.
+Outcomes = list[tuple[int, "BaseException | None"]]
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """What a framework adapter gives the core loop.
+
+    Attributes:
+        destination: the outbox destination of its trigger rows (one of
+            :data:`reliable_beat.beat.TRIGGER_DESTINATIONS`).
+    """
+
+    destination: str
+
+    def publish(self, messages: Sequence[OutboxMessage], now: datetime) -> Outcomes:
+        """Publish trigger rows (payload of :func:`reliable_beat.beat.build_trigger_payload`).
+
+        Args:
+            messages: the rows, in order.
+            now: the store's clock (UTC), for the ``expires_at`` check.
+
+        Returns:
+            ``(outbox id, None or the error)`` per message, in order; never raises.
+            :class:`~reliable_beat.handlers.MessageExpiredError` for a trigger past its
+            ``expires_at``, :class:`~reliable_beat.handlers.DestinationUnavailableError` when
+            the broker cannot be reached.
+        """
+        ...
+
+    def tracked_tasks(self) -> Collection[str]:
+        """Names of the tasks/actors that keep run state (idempotent ones)."""
+        ...
+
+
+@runtime_checkable
+class HoldingPublisher(Publisher, Protocol):
+    """A :class:`Publisher` that can build a batch ahead and flush it at an instant.
+
+    The loop uses :meth:`publish_at` for the triggers it claimed ahead and holds; a publisher
+    without it is simply called at the instant.
+    """
+
+    def publish_at(self, messages: Sequence[OutboxMessage], now: datetime,
+                   wait: Callable[[], None]) -> Outcomes:
+        """Like :meth:`Publisher.publish`, but build the batch first and call ``wait()``
+        right before the first message can reach the broker (the loop sleeps there until
+        the slot). ``wait`` may raise a ``BaseException`` to abandon the batch: nothing may
+        have been sent then, and the exception must propagate."""
+        ...
+
+
+def trigger_messages(triggers: Sequence[Trigger], destination: str) -> list[OutboxMessage]:
+    """The outbox messages of committed triggers (as a sweep would read them)."""
+    return [
+        OutboxMessage(id=t.outbox_id, message_id=trigger_message_id(t.key),
+                      destination=destination, payload=t.payload, run_id=t.run_id)
+        for t in triggers
+    ]
+
+
+#: "still cannot record ..." is retried every tick during an outage: first, then every 30 s
+_STILL_UNMARKED = RepeatedLog(log)
+
+
+def record_unmarked(store: Store, unmarked: list[tuple[list[int], list[int]]], *,
+                    repeated: RepeatedLog | None = None,
+                    logger: logging.Logger | None = None) -> bool:
+    """Write the marks a publish could not write (see :func:`publish_and_mark`).
+
+    Args:
+        repeated: rate-limits the "still cannot record" line (default a module one).
+
+    Returns:
+        True when nothing is left to record (``unmarked`` is emptied); False: the database
+        is still unavailable (``unmarked`` is kept).
+    """
+    if not unmarked:
+        return True
+    repeated = repeated or _STILL_UNMARKED
+    try:
+        with store.begin() as conn:
+            at = store.now(conn)
+            for sent, expired in unmarked:
+                mark_sent(conn, sent, at)
+                mark_expired(conn, expired, at)
+    except (StoreUnavailableError, DBAPIError) as exc:
+        repeated.log(logging.ERROR, "still cannot record %d published triggers as sent (%s)",
+                     sum(len(a) + len(b) for a, b in unmarked), exc)
+        return False
+    repeated.reset()
+    (logger or log).warning("recorded %d triggers published while the database was "
+                            "unavailable", sum(len(a) for a, _ in unmarked))
+    unmarked.clear()
+    return True
+
+
+def sleep_until(at: float) -> None:
+    """Return once ``time.monotonic() >= at``: sleep, then spin the last
+    :data:`SPIN_SECONDS` (a process woken from sleep on a busy machine can wait a few ms for
+    a CPU; one that is already running does not)."""
+    left = at - time.monotonic()
+    if left > SPIN_SECONDS:
+        # select(), not time.sleep(): Python 3.11's sleep is an absolute clock_nanosleep,
+        # which libfaketime-style clock shims (used to test skewed clocks) break with EINVAL.
+        _select.select([], [], [], left - SPIN_SECONDS)
+    while time.monotonic() < at:
+        pass

@@ -53,6 +53,7 @@ from typing import Any
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import Connection
 
+from reliable_beat.adapters import adapter_for, app_settings
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox
 from reliable_beat.errors import PermanentDeliveryError, StoreUnavailableError
@@ -166,8 +167,6 @@ class Relay:
         #: The re-dispatch sweep of a framework adapter (None: the Celery app's, when given).
         self._redispatch = redispatch
         if settings is None:
-            from reliable_beat.adapters import app_settings
-
             settings = app_settings(app) if app is not None else Settings()
         self.settings = settings
         # a relay with an app publishes triggers into that app's broker: only its schedule
@@ -378,7 +377,6 @@ class Relay:
 
         redispatch_stuck_runs(self.store, self.app, self.settings)
         # durable workflows: dead advances, lost wakes, lost activity messages
-        from reliable_beat.adapters import adapter_for
         from reliable_beat.workflows.engine import redispatch_workflows
 
         app, probe = self.app, getattr(adapter_for(self.app), "queue_depths", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import shlex
 import sys
 import time
@@ -51,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--background-load", action="store_true", help="lateness: also "
                         "measure ours and stock beat beside one busy process (a Python "
                         "`while True: pass` loop, one core); on by default at full size")
+    parser.add_argument("--tracing", action="store_true", help="task_overhead: measure the "
+                        "IdempotentTask with OpenTelemetry tracing off and on (SDK, an exporter "
+                        "that drops) instead of against a plain task")
     args = parser.parse_args(argv)
+    if args.tracing:
+        os.environ["BENCH_TRACING"] = "1"
     size = SIZES[args.size]
     if args.repeats is not None:
         size = dataclasses.replace(size, repeats=max(1, args.repeats))

@@ -55,6 +55,7 @@ from sqlalchemy.types import JSON, BigInteger, DateTime, NullType, Text, TypeEng
 
 from reliable_beat import rows as rows_mod
 from reliable_beat import schedules as sch
+from reliable_beat import tracing
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import MYSQL_DIALECTS, entries, outbox, runs
 from reliable_beat.identity import store_id as _store_id
@@ -391,6 +392,8 @@ class Beat:
     _schedules_by_spec: dict[Any, sch.Schedule] = field(default_factory=dict, repr=False)
     _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
     _last_scan: float = field(default=float("-inf"), repr=False)
+    #: the spans of the tick in progress (reliable_beat.tracing; None: tracing off)
+    _trace: tracing.BeatTrace | None = field(default=None, repr=False)
 
     def _due(self) -> Any:
         """:func:`due_clause`, scoped to this beat's schedule group (and group-less rows)."""
@@ -443,6 +446,18 @@ class Beat:
         Raises:
             StoreUnavailableError: the database is down (nothing was written).
         """
+        trace = self._trace = tracing.BeatTrace.start(self.trigger_destination)
+        if trace is None:
+            return self._tick()
+        try:
+            result = self._tick()
+        except BaseException as exc:  # rolled back: the slots' spans end as errors
+            trace.end(exc)
+            raise
+        trace.end()  # committed: each fired slot's span ends here
+        return result
+
+    def _tick(self) -> TickResult:
         result = TickResult()
         if self._sid is None:  # read outside the claim transaction (SQLite: one writer)
             self._sid = _store_id(self.store)
@@ -682,15 +697,19 @@ class Beat:
                     continue
                 if r["state"] != "scheduled":
                     continue
+                tp = None if self._trace is None else self._trace.fire(
+                    entry=r["entry_name"], slot=slot_text.fire_at(r["fire_at"]), key=key,
+                    task=r["task"], trigger=r["trigger"], task_id=task_id_for(key))
                 payload = build_trigger_payload(
                     task=r["task"], args=r["args"], kwargs=r["kwargs"],
                     options=options_by_key[key], key=key, entry=r["entry_name"],
                     fire_at=r["fire_at"], trigger=r["trigger"],
                     store_id=self._sid, slot_text=slot_text,
-                    destination=self.trigger_destination,
+                    destination=self.trigger_destination, traceparent=tp,
                 )
                 outbox_rows.append(
-                    self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"])
+                    self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"],
+                                     traceparent=tp)
                 )
                 pending.append((run_id, key, payload, r["fire_at"]))
             if outbox_rows:
@@ -706,14 +725,15 @@ class Beat:
 
     def _outbox_row(
         self, key: str, run_id: int, payload: dict[str, Any], now: datetime,
-        fire_at: datetime | None = None,
+        fire_at: datetime | None = None, traceparent: str | None = None,
     ) -> dict[str, Any]:
         # A slot claimed ahead is swept no earlier than slot + sweep delay: a beat that dies
         # holding it never lets a relay publish it before its instant.
         start = max(now, fire_at) if fire_at is not None else now
         return trigger_outbox_row(key, run_id, payload, now,
                                   available_at=start + self.sweep_delay, claimed_by=self.owner,
-                                  destination=self.trigger_destination)
+                                  destination=self.trigger_destination,
+                                  traceparent=traceparent)
 
     def _release_buffered(self, conn: Connection, now: datetime, result: TickResult) -> None:
         """Turn a ``buffered`` run into a trigger once its entry has no active run."""
@@ -742,14 +762,17 @@ class Beat:
             if not done.rowcount:
                 continue
             still_active.add(b.entry_name)  # one released run per entry at a time
+            tp = None if self._trace is None else self._trace.fire(
+                entry=b.entry_name, slot=format_fire_at(b.fire_at), key=b.idempotency_key,
+                task=b.task, trigger=b.trigger, task_id=task_id_for(b.idempotency_key))
             payload = build_trigger_payload(
                 task=b.task, args=b.args, kwargs=b.kwargs,
                 options=options.get(b.entry_name) or {},
                 key=b.idempotency_key, entry=b.entry_name, fire_at=b.fire_at, trigger=b.trigger,
-                store_id=self._sid, destination=self.trigger_destination,
+                store_id=self._sid, destination=self.trigger_destination, traceparent=tp,
             )
             oid = conn.execute(
                 outbox.insert().returning(outbox.c.id),
-                [self._outbox_row(b.idempotency_key, b.id, payload, now)],
+                [self._outbox_row(b.idempotency_key, b.id, payload, now, traceparent=tp)],
             ).scalar_one()
             result.triggers.append(Trigger(oid, b.id, b.idempotency_key, payload, b.fire_at))

@@ -27,12 +27,13 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import runs
+from reliable_beat import runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import PermanentError, SchemaError, StaleFenceToken
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger
+from reliable_beat.slots import format_fire_at
 
 __all__ = [
     "PERMANENT_DEFAULTS",
@@ -121,6 +122,24 @@ class Decision:
     unrecorded: BaseException | None = None
 
 
+def claim_run(store: Store, key: str, **kwargs: Any) -> runs.Claim:
+    """:func:`reliable_beat.runs.claim_run` in a ``reliable_beat.claim`` span (tracing on): its
+    outcome, fence token and attempt on the span and on the execution's span."""
+    if tracing.tracer() is None:
+        return runs.claim_run(store, key, **kwargs)
+    fire_at = kwargs.get("fire_at")
+    attrs = tracing.attributes(key=key, entry=kwargs.get("entry"),
+                               slot=None if fire_at is None else format_fire_at(fire_at))
+    tracing.annotate(attrs)
+    with tracing.span("reliable_beat.claim", attributes=attrs) as s:
+        claim = runs.claim_run(store, key, **kwargs)
+        found = tracing.attributes(outcome=claim.outcome, fence_token=claim.fence_token,
+                                   attempt=claim.attempt)
+        s.set_attributes(found)
+        tracing.annotate({k: v for k, v in found.items() if k != tracing.OUTCOME})
+        return claim
+
+
 def claim_decision(claim: runs.Claim, lease: timedelta, max_attempts: int) -> Decision:
     """The decision for a claim's outcome (before the body runs).
 
@@ -150,6 +169,36 @@ def claim_decision(claim: runs.Claim, lease: timedelta, max_attempts: int) -> De
 
 
 def failure_decision(
+    store: Store, claim: runs.Claim, exc: BaseException, kind: str, **kwargs: Any,
+) -> Decision:
+    """:func:`decide_failure` in a span named by what it recorded (tracing on):
+    ``reliable_beat.retry`` or ``reliable_beat.dead_letter`` (``reliable_beat.fenced_out`` when
+    the fence moved), with the failure recorded redacted."""
+    if tracing.tracer() is None:
+        return decide_failure(store, claim, exc, kind, **kwargs)
+    with tracing.span("reliable_beat.failure", attributes=tracing.attributes(
+            key=claim.key, attempt=claim.attempt, fence_token=claim.fence_token)) as s:
+        tracing.record_error(s, exc, status=False)
+        decision = decide_failure(store, claim, exc, kind, **kwargs)
+        name, outcome = _FAILURE_SPANS.get(decision.verb, ("reliable_beat.failure",
+                                                           decision.verb))
+        s.update_name(name)
+        s.set_attribute(tracing.OUTCOME, outcome)
+        tracing.annotate({tracing.OUTCOME: outcome})
+        s.set_attribute("reliable_beat.retry_in_seconds", decision.seconds)
+        return decision
+
+
+#: failure_decision's span name and outcome per verb
+_FAILURE_SPANS = {
+    "retry_in": ("reliable_beat.retry", "retrying"),
+    "retry_unrecorded": ("reliable_beat.retry", "retrying_unrecorded"),
+    "dead": ("reliable_beat.dead_letter", "dead"),
+    "fenced_out": ("reliable_beat.fenced_out", "fenced_out"),
+}
+
+
+def decide_failure(
     store: Store, claim: runs.Claim, exc: BaseException, kind: str, *,
     max_attempts: int, payload: dict[str, Any], delay: float | None = None,
     base_seconds: float = 1.0, cap_seconds: float = 300.0, task_name: str = "",
@@ -203,7 +252,12 @@ def run_body(state: RunState, body: Callable[[], Any]) -> Any:
     r = renewer()
     r.add(state)
     try:
-        return body()
+        if tracing.tracer() is None:
+            return body()
+        with tracing.span("reliable_beat.body", attributes=tracing.attributes(
+                key=state.claim.key, attempt=state.claim.attempt,
+                fence_token=state.claim.fence_token)):
+            return body()
     finally:
         r.discard(state)
 
@@ -260,12 +314,13 @@ def complete_after_body(state: RunState, result: Any, *,
                 (logger or log).exception("%s: %s succeeded; its result could not be stored",
                                           state.task_name, claim.key)
         return
-    try:
-        with store.begin() as conn:
-            runs.complete(conn, claim, stored)
-    except StaleFenceToken:
-        runs.record_fenced_out(store, claim)
-        raise
+    with tracing.completion_span(claim.key, claim.fence_token, claim.attempt):
+        try:
+            with store.begin() as conn:
+                runs.complete(conn, claim, stored)
+        except StaleFenceToken:
+            runs.record_fenced_out(store, claim)
+            raise
     state.completed = True
 
 

@@ -80,4 +80,5 @@ def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
         return
     shown = {k: v for k, v in fields.items() if v is not None}
     text = " ".join(f"{k}={v}" for k, v in shown.items())
-    logger.log(level, "%s %s", name, text, extra={"event": name, **shown})
+    logger.log(level, "%s %s", name, text,
+               extra={"event": name, "event_fields": tuple(shown), **shown})

@@ -65,6 +65,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
+from reliable_beat import tracing
 from reliable_beat.beat import Beat, TickResult
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store, is_lock_wait
@@ -220,7 +221,15 @@ def publish_and_mark(
     logger = logger or log
     if not messages:
         return 0
+    spans = tracing.PublishSpans.of(messages, publisher.destination)
+    if spans is not None:  # a `send` span per trigger, in its slot's trace
+        if wait is None:
+            spans.start()
+        else:
+            wait = spans.after(wait)
     outcomes = _send(publisher, messages, now, wait)
+    if spans is not None:
+        spans.end(outcomes)
     sent = [i for i, err in outcomes if err is None]
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
     failed = [i for i, err in outcomes if err is not None and i not in expired]
@@ -578,8 +587,9 @@ class BeatLoop:
         if self.settings.metrics_port is not None and self._metrics is None:
             from reliable_beat.metrics import serve
 
-            self._metrics = serve(self.settings.metrics_port, self.store,
-                                  addr=self.settings.metrics_host)
+            self._metrics = serve(
+                self.settings.metrics_port, self.store, addr=self.settings.metrics_host,
+                pending_alarm_seconds=self.settings.workflow_pending_alarm_seconds)
             self.log.info("reliable_beat: metrics on :%d/metrics", self._metrics.port)
         if self._retention is None:  # bounded-batch purge of old history, in the background
             self._retention = start_retention(self.store, self.settings, role="beat")

@@ -31,6 +31,8 @@ class OutboxMessage:
         available_at: UTC instant before which the row is not claimed.
         created_at: UTC instant of the insert (store clock).
         state: ``pending``, ``sent`` or ``dead``.
+        traceparent: the W3C context of the span that wrote the row (the relay's delivery span
+            joins its trace: :mod:`reliable_beat.tracing`), or None.
     """
 
     id: int
@@ -44,6 +46,7 @@ class OutboxMessage:
     available_at: datetime | None = None
     created_at: datetime | None = None
     state: str = "pending"
+    traceparent: str | None = None
 
     @classmethod
     def from_row(cls, row: Row[Any] | Mapping[str, Any]) -> OutboxMessage:
@@ -61,4 +64,5 @@ class OutboxMessage:
             available_at=m.get("available_at"),
             created_at=m.get("created_at"),
             state=m.get("state") or "pending",
+            traceparent=m.get("traceparent"),
         )

@@ -47,11 +47,20 @@ they are read from the database, not counted in one process):
                                                    tick share its ``created_at``)
 ``reliable_beat_run_duration_seconds``             gauge histogram of ``finished_at -
                                                    started_at`` of runs finished in the window
+``reliable_beat_workflows{state}``                 workflows by state
+``reliable_beat_workflows_advances_expiring``      ``running`` workflows whose advance's lease
+                                                   expired twice in a row without finishing
+                                                   (stuck code, or a worker that dies)
+``reliable_beat_workflows_pending_late``           workflows ``pending`` longer than
+                                                   ``pending_alarm_seconds``: no worker
+                                                   took their wake
 =================================================  ===========================================
 
 Alert on ``reliable_beat_entries_late > 0`` (the "missed slot" alarm),
-``reliable_beat_dead_letters > 0``, ``reliable_beat_runs_retry_overdue > 0`` and a growing
-``reliable_beat_outbox_oldest_pending_age_seconds``.
+``reliable_beat_dead_letters > 0``, ``reliable_beat_runs_retry_overdue > 0``, a growing
+``reliable_beat_outbox_oldest_pending_age_seconds``, ``reliable_beat_workflows{state="blocked"}
+> 0``, ``reliable_beat_workflows_advances_expiring > 0`` and
+``reliable_beat_workflows_pending_late > 0``.
 
 Serve them with :func:`serve`, ``reliable-beat metrics serve --port 9808``, or write a
 node-exporter textfile with ``reliable-beat metrics textfile PATH``.
@@ -72,11 +81,12 @@ from sqlalchemy import func, select, type_coerce
 from sqlalchemy.types import NullType
 
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import attempts, dead_letters, entries, runs
+from reliable_beat.db.tables import attempts, dead_letters, entries, runs, workflows
 from reliable_beat.policies import is_missed
 from reliable_beat.redaction import get_logger
 from reliable_beat.retry_watch import overdue_retries
 from reliable_beat.settings import Settings
+from reliable_beat.workflows import runaway
 
 __all__ = [
     "DEFAULT_METRICS_HOST",
@@ -130,6 +140,9 @@ class StoreCollector:
         window_seconds: how far back the lateness histogram looks (dispatch time).
         redispatch_seconds / retry_cap_seconds: the settings the re-dispatch sweep runs
             with (``reliable_beat_runs_retry_overdue``; default the settings' defaults).
+        pending_alarm_seconds: a workflow ``pending`` longer counts in
+            ``reliable_beat_workflows_pending_late``
+            (``reliable_beat_workflow_pending_alarm_seconds``).
 
     A scrape never raises: if the database is down it reports ``reliable_beat_up 0``.
     """
@@ -138,12 +151,14 @@ class StoreCollector:
         self, store: Store, *, margin_seconds: float = 60.0, window_seconds: float = 3600.0,
         redispatch_seconds: float = Settings.redispatch_seconds,
         retry_cap_seconds: float = Settings.retry_cap_seconds,
+        pending_alarm_seconds: float = runaway.DEFAULT_PENDING_ALARM_SECONDS,
     ) -> None:
         self.store = store
         self.margin_seconds = margin_seconds
         self.window_seconds = window_seconds
         self.redispatch_seconds = redispatch_seconds
         self.retry_cap_seconds = retry_cap_seconds
+        self.pending_alarm_seconds = pending_alarm_seconds
 
     def describe(self) -> list[Any]:
         """Nothing up front: the registry then does not scrape at registration time."""
@@ -263,6 +278,22 @@ class StoreCollector:
             "finished_at - started_at of runs finished in the recent window",
             data["durations"], DURATION_BUCKETS,
         )
+        fam = GaugeMetricFamily("reliable_beat_workflows", "Workflows by state",
+                                labels=["state"])
+        for state, n in sorted(data["workflows"].items()):
+            fam.add_metric([state], float(n))
+        yield fam
+        yield GaugeMetricFamily(
+            "reliable_beat_workflows_advances_expiring",
+            "Running workflows whose advance's lease expired twice in a row without the "
+            "advance finishing (stuck code, or a worker that dies each time)",
+            value=float(data["wf_expiring"]),
+        )
+        yield GaugeMetricFamily(
+            "reliable_beat_workflows_pending_late",
+            "Workflows pending longer than reliable_beat_workflow_pending_alarm_seconds (no "
+            "worker took their wake)", value=float(data["wf_pending_late"]),
+        )
 
     def _read(self) -> dict[str, Any]:
         from reliable_beat.relay import outbox_status
@@ -345,6 +376,11 @@ class StoreCollector:
                 slots[key] = slots.get(key, 0) + int(n)
                 per_claim[created] = per_claim.get(created, 0) + int(n)
             batches = [float(n) for n in per_claim.values()]
+            wf_states = {str(s): int(n) for s, n in conn.execute(
+                select(workflows.c.state, func.count()).group_by(workflows.c.state))}
+            wf_expiring = runaway.expiring_advances(conn, now, limit=0)[0]
+            wf_pending_late = runaway.late_pending(
+                conn, now, after=timedelta(seconds=self.pending_alarm_seconds), limit=0)[0]
             durations = [
                 max(0.0, (f - s).total_seconds())
                 for s, f in _instant_pairs(conn, runs.c.started_at, runs.c.finished_at, lambda q: q
@@ -359,7 +395,9 @@ class StoreCollector:
                 "handled": handled,
                 "retry_overdue": retry_overdue,
                 "outbox": backlog, "lateness": lateness, "attempts": outcomes, "slots": slots,
-                "batches": batches, "durations": durations, "quarantined": quarantined_rows}
+                "batches": batches, "durations": durations, "quarantined": quarantined_rows,
+                "workflows": wf_states, "wf_expiring": wf_expiring,
+                "wf_pending_late": wf_pending_late}
 
 
 def _instant_pairs(conn: Any, first: Any, second: Any, where: Any) -> list[tuple[Any, Any]]:

@@ -40,6 +40,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import ColumnElement
 
+from reliable_beat import tracing
 from reliable_beat.db.tables import outbox
 from reliable_beat.messages import OutboxMessage
 from reliable_beat.payloads import check_payload
@@ -224,6 +225,7 @@ def add(
             attempts=0,
             available_at=available_at,
             created_at=created_at,
+            traceparent=tracing.current_traceparent(),
         )
     )
     if pg:

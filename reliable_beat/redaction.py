@@ -487,6 +487,16 @@ class RedactingFilter(logging.Filter):
 
     @staticmethod
     def _redact_message(record: logging.LogRecord) -> None:
+        fields = record.__dict__.get("event_fields")
+        if isinstance(fields, tuple) and isinstance(record.__dict__.get("event"), str):
+            # a structured event of ours (reliable_beat.logs.event): redact it field by
+            # field, so an identifier field (the idempotency ``key``) is shown whole while
+            # its neighbours (an ``error``) are redacted
+            record.msg = record.__dict__["event"] + " " + " ".join(
+                f"{k}={v}" if k in IDENTIFIER_FIELDS else f"{k}={redact_text(str(v))}"
+                for k, v in ((k, record.__dict__.get(k)) for k in fields))
+            record.args = ()
+            return
         message = record.getMessage()
         redacted = redact_text(message)
         if redacted == message:  # the common case: nothing secret, the record is untouched

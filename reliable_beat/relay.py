@@ -53,6 +53,7 @@ from typing import Any
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import Connection
 
+from reliable_beat import tracing
 from reliable_beat.adapters import adapter_for, app_settings
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox
@@ -385,7 +386,8 @@ class Relay:
             seconds=self.settings.redispatch_seconds + self.settings.retry_cap_seconds),
             # the backlog check (optional adapter hook): a queue deep enough is not re-sent to
             queue_depths=None if probe is None or not self.settings.redispatch_backlog_check
-            else (lambda messages: list(probe(app, messages))))
+            else (lambda messages: list(probe(app, messages))),
+            max_takeovers=self.settings.workflow_max_takeovers)
 
     def deliver(self, messages: Sequence[OutboxMessage]) -> _Outcome:
         """Deliver claimed rows outside any transaction; never raises for one bad row."""
@@ -421,6 +423,15 @@ class Relay:
         if handler is None:  # cannot happen through claim(); kept for direct callers
             err = PermanentDeliveryError(f"no outbox handler for destination {destination!r}")
             return [err] * len(group)
+        spans = tracing.DeliverySpans.of(group)  # None: tracing off
+        if spans is not None:
+            results = self._deliver_to(handler, destination, spans.messages)
+            spans.end(results)
+            return results
+        return self._deliver_to(handler, destination, group)
+
+    def _deliver_to(self, handler: Any, destination: str, group: list[OutboxMessage]
+                    ) -> list[Any]:
         batch = getattr(handler, "deliver_batch", None)
         if batch is not None:
             try:

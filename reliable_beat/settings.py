@@ -204,6 +204,20 @@ class Settings:
             viewers only look; ``$RELIABLE_BEAT_DASHBOARD_OPERATOR_TOKEN`` /
             ``$RELIABLE_BEAT_DASHBOARD_VIEWER_TOKEN`` when unset. Required to serve it off
             loopback.
+        workflow_code_timeout_seconds: the longest a workflow function may run between two
+            durable calls (its own code: not a step's or a transaction's body, which run
+            inside a durable call), in seconds, > 0 (default 30). Past it a watchdog thread
+            interrupts the advance and the workflow is parked ``blocked`` naming the
+            position (see :mod:`reliable_beat.workflows.runaway`). Keep it below
+            ``lease_seconds``.
+        workflow_max_takeovers: how many times in a row an advance whose lease expired
+            (it never returned: code stuck outside Python, a step that hangs, a worker that
+            dies each time) may be taken over by another worker; the next expiry parks the
+            workflow ``blocked`` instead of re-sending it (a whole number >= 1, default 3).
+        workflow_pending_alarm_seconds: a workflow ``pending`` (started, or continued as
+            new, and not yet claimed by any advance) this long is named by ``status`` and
+            counted by the metrics: no worker consumes its queue, or all are busy (> 0,
+            default 300).
     """
 
     database_url: str = field(default_factory=_default_database_url)
@@ -256,6 +270,9 @@ class Settings:
     # the web dashboard's tokens (reliable_beat.web.auth); repr=False: secrets
     dashboard_operator_token: str | None = field(default=None, repr=False)
     dashboard_viewer_token: str | None = field(default=None, repr=False)
+    workflow_code_timeout_seconds: float = 30.0
+    workflow_max_takeovers: int = 3
+    workflow_pending_alarm_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -298,7 +315,9 @@ class Settings:
                 )
             for name in ("batch_size", "outbox_batch_size", "retry_max_attempts",
                          "purge_batch_size", "lease_seconds", "retry_base_seconds",
-                         "outbox_retry_base_seconds", "publish_timeout_seconds"):
+                         "outbox_retry_base_seconds", "publish_timeout_seconds",
+                         "workflow_code_timeout_seconds", "workflow_max_takeovers",
+                         "workflow_pending_alarm_seconds"):
                 if getattr(self, name) <= 0:
                     problems.append(f"{PREFIX}{name} must be > 0")
             if self.claim_ahead_seconds > MAX_CLAIM_AHEAD_SECONDS:

@@ -84,12 +84,14 @@ def trigger_outbox_row(
     available_at: datetime,
     claimed_by: str | None,
     destination: str = TRIGGER_DESTINATION,
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
     """The ``reliable_beat_outbox`` row of a run's trigger (``destination``: one of
     :data:`TRIGGER_DESTINATIONS`, ``celery`` by default).
 
     ``available_at`` is when a relay or a beat's sweep may publish it: the beat gives its own
     fast path a head start (now + sweep delay); a manual trigger is due at once.
+    ``traceparent``: the W3C context of the slot's ``fire`` span (:mod:`reliable_beat.tracing`).
     """
     return {
         "message_id": trigger_message_id(key),
@@ -102,6 +104,7 @@ def trigger_outbox_row(
         "available_at": available_at,
         "claimed_by": claimed_by,
         "created_at": now,
+        "traceparent": traceparent,
     }
 
 
@@ -135,6 +138,7 @@ def build_trigger_payload(
     store_id: str | None = None,
     slot_text: SlotText | None = None,
     destination: str = TRIGGER_DESTINATION,
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
     """The outbox payload of a trigger (JSON), in the shape of its ``destination``.
 
@@ -154,6 +158,9 @@ def build_trigger_payload(
     during a rolling deploy), to be dropped a release later. Readers take the identity with
     :func:`trigger_identity`, which reads both shapes. ``slot_text``: a batch's memo of formatted
     instants (:class:`~reliable_beat.slots.SlotText`; same text, each instant formatted once).
+    ``traceparent``: the W3C context of the slot's ``fire`` span (:mod:`reliable_beat.tracing`),
+    carried as the ``traceparent`` message header (Celery) or in the identity object
+    (``reliable_beat.traceparent``; the Dramatiq adapter makes it a message option).
     """
     fmt = format_fire_at if slot_text is None else slot_text.fire_at
     publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
@@ -168,6 +175,8 @@ def build_trigger_payload(
                                     "trigger": trigger}
         if store_id:
             identity["store"] = store_id
+        if traceparent:
+            identity["traceparent"] = traceparent
         message_id = task_id_for(key)
         return {
             "task": task,
@@ -191,6 +200,8 @@ def build_trigger_payload(
     )
     if store_id:
         headers["reliable_beat_store"] = store_id
+    if traceparent:
+        headers["traceparent"] = traceparent
     return {
         "task": task,
         "args": args,

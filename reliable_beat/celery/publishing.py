@@ -671,6 +671,8 @@ def _send_one(app: Any, producer: Any, message: OutboxMessage, now: datetime,
     }
     headers = _custom_headers(payload.get("headers"), message)
     headers.setdefault("reliable_beat_message_id", message.message_id)
+    if message.traceparent:  # the row's trace (reliable_beat.tracing): the worker joins it
+        headers.setdefault("traceparent", message.traceparent)
     args = list(payload.get("args") or [])
     kwargs = dict(payload.get("kwargs") or {})
     task_id = celery_task_id(message)

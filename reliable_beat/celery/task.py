@@ -41,7 +41,7 @@ from sqlalchemy.exc import (
     StatementError,
 )
 
-from reliable_beat import joins, runs
+from reliable_beat import joins, runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.celery.reprs import shown_reprs
 from reliable_beat.db.dialects import Store
@@ -75,7 +75,8 @@ FIRE_AT_HEADER = "reliable_beat_fire_at"
 TRIGGER_HEADER = "reliable_beat_trigger"
 #: Internal retries (busy lease, store unreachable) that led to a message; not a try.
 WAITS_HEADER = "reliable_beat_waits"
-_HEADERS = (KEY_HEADER, ENTRY_HEADER, FIRE_AT_HEADER, TRIGGER_HEADER)
+# (traceparent: a retry's message stays in its slot's trace)
+_HEADERS = (KEY_HEADER, ENTRY_HEADER, FIRE_AT_HEADER, TRIGGER_HEADER, tracing.TRACEPARENT)
 
 
 def _transient_defaults() -> tuple[type[BaseException], ...]:
@@ -715,7 +716,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # renewer serves). The fence is checked inside this transaction, so no
                 # takeover can slip in before the commit; the lease is no longer needed.
                 _renewer.discard(state)
-                runs.complete(tx, state.claim, state.returned)
+                with tracing.completion_span(state.claim.key, state.claim.fence_token,
+                                             state.claim.attempt):
+                    runs.complete(tx, state.claim, state.returned)
         except BaseException as exc:
             self._after_rollback(state, exc)
             raise
@@ -770,6 +773,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _after_rollback(self, state: _RunState, exc: BaseException) -> None:
         if isinstance(exc, StaleFenceToken):
             log.warning("%s: %s", self.name, exc)
+            tracing.annotate({tracing.OUTCOME: "fenced_out"})
             runs.record_fenced_out(state.store, state.claim)
             state.completed = True  # nothing more to record for this attempt
         else:
@@ -779,7 +783,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # -------------------------------------------------------------- execution ----
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Claim -> body -> fenced completion -> failure classification."""
+        """Claim -> body -> fenced completion -> failure classification (tracing on: in a
+        ``process <task>`` span of the message's trace, unless Celery's instrumentation
+        already made one: :func:`reliable_beat.tracing.process_span`)."""
+        if tracing.tracer() is None:
+            return self._call(*args, **kwargs)
+        request = self.request
+        with tracing.process_span(
+            self.name, traceparent=_header(request, tracing.TRACEPARENT), system="celery",
+            message_id=request.id, queue=(request.delivery_info or {}).get("routing_key"),
+            expected=(Retry, Ignore, Reject),
+        ):
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         self._unwrap_autoretry()
         try:
             key = self._resolve_key(args, kwargs)
@@ -803,7 +820,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._refuse(key, exc, args, kwargs)
         try:
             self._check_store_identity(store, key)
-            claim = runs.claim_run(
+            claim = execution.claim_run(
                 store,
                 key,
                 owner=self.reliable_beat_settings.owner,

@@ -32,7 +32,9 @@ def install(app: Any) -> Callable[[], Store]:
     """Register the advance task on ``app`` (idempotent) and return its store factory.
 
     The store is this process's (created lazily, per process after fork), from the app's
-    ``reliable_beat_database_url``; the lease is ``reliable_beat_lease_seconds``.
+    ``reliable_beat_database_url``; the lease is ``reliable_beat_lease_seconds``; the code
+    deadline and the takeover limit are ``reliable_beat_workflow_code_timeout_seconds`` and
+    ``reliable_beat_workflow_max_takeovers`` (:mod:`reliable_beat.workflows.runaway`).
     """
     settings_box: dict[str, Settings] = {}
 
@@ -54,6 +56,8 @@ def install(app: Any) -> Callable[[], Store]:
             outcome = engine.advance(
                 store_factory(), workflow_id, owner=s.owner,
                 lease=timedelta(seconds=s.lease_seconds),
+                code_timeout=timedelta(seconds=s.workflow_code_timeout_seconds),
+                max_takeovers=s.workflow_max_takeovers,
             )
             log.info("workflow %s advanced: %s", workflow_id, outcome)
             return outcome

@@ -21,9 +21,10 @@ def metrics() -> None:
 
 
 def _sweep_settings(cli: CliContext) -> dict[str, float]:
-    """The re-dispatch sweep's settings of the CLI's app, for the retry-overdue gauge."""
+    """The settings of the CLI's app the alarm gauges read (retry overdue, workflows pending)."""
     s = cli.settings
-    return {"redispatch_seconds": s.redispatch_seconds, "retry_cap_seconds": s.retry_cap_seconds}
+    return {"redispatch_seconds": s.redispatch_seconds, "retry_cap_seconds": s.retry_cap_seconds,
+            "pending_alarm_seconds": s.workflow_pending_alarm_seconds}
 
 
 @metrics.command("serve")

@@ -58,7 +58,8 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
     if cli.settings.metrics_port is not None and not once:
         from reliable_beat.metrics import serve
 
-        serve(cli.settings.metrics_port, cli.store, addr=cli.settings.metrics_host)
+        serve(cli.settings.metrics_port, cli.store, addr=cli.settings.metrics_host,
+              pending_alarm_seconds=cli.settings.workflow_pending_alarm_seconds)
     if once:
         try:
             claimed = worker.run_once()

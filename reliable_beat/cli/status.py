@@ -13,7 +13,9 @@ as a probe. **MALFORMED ENTRY**: an enabled entry whose stored row fails the cla
 (:func:`reliable_beat.rows.check_entry`), reported before it comes due (a beat would
 quarantine it then, losing that slot). **NAME CONFLICT**: an entry of a group's current
 beat_schedule that is an enabled config entry of another group (its sync left it alone: it
-never fires for this group).
+never fires for this group). **WORKFLOW ADVANCES EXPIRING** / **WORKFLOWS NOT STARTED**:
+workflows whose advance's lease keeps expiring, and workflows ``pending`` past
+``reliable_beat_workflow_pending_alarm_seconds`` (:mod:`reliable_beat.workflows.runaway`).
 
 All instants are UTC and measured on the store's clock; the store URL is shown with its
 password hidden.
@@ -294,6 +296,8 @@ def collect_status(
     retry_cap_seconds: float = 600.0,
     queue_depths: QueueDepthFn | None = None,
     lease_expired_seconds: float = DEFAULT_LEASE_EXPIRED_SECONDS,
+    workflow_pending_alarm_seconds: float = 300.0,
+    workflow_max_takeovers: int = 3,
 ) -> dict[str, Any]:
     """Read everything ``status`` shows, in a few queries on one connection.
 
@@ -324,6 +328,9 @@ def collect_status(
             None (no ``-A``, or an adapter without one): no depths.
         lease_expired_seconds: a ``running`` run whose lease ended this long ago is an alarm
             (LEASE EXPIRED, see :func:`expired_leases`).
+        workflow_pending_alarm_seconds: a workflow ``pending`` this long is an alarm
+            (WORKFLOWS NOT STARTED); workflow_max_takeovers: named in the advice of WORKFLOW
+            ADVANCES EXPIRING (see :mod:`reliable_beat.workflows.runaway`).
 
     Returns:
         ``{"store" (URL, password hidden), "store_id" (str | None: the id triggers carry,
@@ -677,7 +684,10 @@ def collect_status(
         )
     from reliable_beat.workflows.engine import workflow_health
 
-    wf_health = workflow_health(store, grace=timedelta(seconds=redispatch_seconds))
+    wf_health = workflow_health(
+        store, grace=timedelta(seconds=redispatch_seconds),
+        pending_after=timedelta(seconds=workflow_pending_alarm_seconds),
+        max_takeovers=workflow_max_takeovers)
     problems.extend(wf_health.pop("problems"))
     return {
         "workflows": wf_health,
@@ -1067,7 +1077,9 @@ def _secs(value: float | None) -> str:
 @click.option("--check", is_flag=True,
               help="Exit 1 when something needs a person (missed slots, dead letters, "
                    "undelivered outbox rows, a group's rows no live relay or beat serves, "
-                   "malformed entries, entry names owned by another group).")
+                   "malformed entries, entry names owned by another group, blocked "
+                   "workflows, workflow advances that keep expiring, workflows pending "
+                   "too long).")
 @click.option("--margin", type=click.FloatRange(min=0), default=DEFAULT_MARGIN_SECONDS,
               show_default=True,
               help="Seconds beyond an entry's misfire_grace before an overdue slot is 'missed'.")
@@ -1107,7 +1119,10 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                               unserved_seconds=unserved_after,
                               framework=framework_name(cli.app),
                               retry_cap_seconds=cli.settings.retry_cap_seconds,
-                              queue_depths=_app_probe(cli.app))
+                              queue_depths=_app_probe(cli.app),
+                              workflow_pending_alarm_seconds=(
+                                  cli.settings.workflow_pending_alarm_seconds),
+                              workflow_max_takeovers=cli.settings.workflow_max_takeovers)
     except StoreUnavailableError as exc:
         fail(str(exc), 1, kind="store_unavailable")
     info["store_from"] = cli.settings.database_url_origin  # e.g. Django DATABASES['default']
@@ -1172,6 +1187,10 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
         click.echo(f"dead letters: {info['dead_letters']}"
                    + (f" (+ {handled} handled by design, no alarm: `reliable-beat "
                       "dead-letters list --handled`)" if handled else ""))
+        wf_counts = info["workflows"]["counts"]
+        if wf_counts:
+            click.echo("workflows: " + ", ".join(f"{n} {k}" for k, n in sorted(
+                wf_counts.items())))
         if info["queue_depths"]:
             click.echo("queues: " + "; ".join(_depth_text(d) for d in info["queue_depths"]))
         for g in info["groups"]:

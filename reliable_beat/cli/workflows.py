@@ -91,8 +91,8 @@ def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool)
     for key in ("workflow_id", "name", "version", "state", "run_no", "args", "kwargs", "result",
                 "error", "entry_name", "slot_fire_at", "schedule_group",
                 "block_reason", "queue", "fence_token", "leased_by", "lease_expires_at",
-                "wake_seq", "claimed_wake_seq", "history_len", "advances", "created_at",
-                "updated_at", "finished_at", "cancel_requested"):
+                "wake_seq", "claimed_wake_seq", "history_len", "advances", "takeovers",
+                "created_at", "updated_at", "finished_at", "cancel_requested"):
         value = row.get(key)
         if key == "error" and value:
             value = f"{value.get('type')}: {value.get('message')}"

@@ -257,6 +257,9 @@ outbox = Table(
     # the schedule group whose relays / beats publish the row (0010): a workflow's messages
     # carry its group; NULL (every other row, and rows from before 0010): any publisher
     Column("schedule_group", String(200), nullable=True),
+    # the W3C traceparent of the span that wrote the row (0018_tracecontext): the relay's
+    # delivery span joins that trace (reliable_beat.tracing); NULL: written untraced
+    Column("traceparent", String(128), nullable=True),
     Index(
         "ix_reliable_beat_outbox_pending",
         "available_at",
@@ -329,6 +332,9 @@ workflows = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
     Column("finished_at", UTCDateTime, nullable=True),
+    # claims that took over an advance whose lease expired, since an advance last finished
+    # (0017_wfrunaway): past reliable_beat_workflow_max_takeovers the workflow is parked
+    Column("takeovers", Integer, nullable=False, server_default="0"),
     # what a person asked for (migration 0008_sagas): NULL, "cancel" (cooperative: the code
     # sees WorkflowCancelled, sagas unwind), "compensate" / "cancel_data" (run the recorded
     # compensations from data, without the code; end failed / cancelled)
@@ -350,6 +356,9 @@ workflows = Table(
     # the schedule group of the app that started it (0010): its messages go only to that
     # group's broker; NULL (started without an app, or before 0010): any publisher
     Column("schedule_group", String(200), nullable=True),
+    # the W3C traceparent of the workflow's start span (0018_tracecontext): every advance is a
+    # span of that trace (reliable_beat.tracing); NULL: started untraced
+    Column("traceparent", String(128), nullable=True),
     Index("ix_reliable_beat_workflows_finished_at", "finished_at"),  # retention (0007)
     Index("ix_reliable_beat_workflows_entry_name_state", "entry_name", "state"),
 )

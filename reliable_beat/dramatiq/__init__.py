@@ -38,7 +38,7 @@ from dramatiq.middleware import Middleware
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, IntegrityError
 
-from reliable_beat import execution, joins, runs
+from reliable_beat import execution, joins, runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.dramatiq.retry_options import (
     drop_message_options,
@@ -416,6 +416,20 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         return str(key)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Claim -> body -> fenced completion -> failure classification (tracing on: in a
+        ``process <actor>`` span of the message's ``traceparent`` option)."""
+        if tracing.tracer() is None:
+            return self._call(*args, **kwargs)
+        message = _message.get()
+        options = message.options if message is not None else {}
+        with tracing.process_span(
+            self.actor_name, traceparent=options.get(tracing.TRACEPARENT), system="dramatiq",
+            message_id=getattr(message, "message_id", None), queue=self.queue_name,
+            expected=(dramatiq.Retry,),
+        ):
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         message = _message.get()
         rb = _middleware(self.broker)
         settings = rb.settings
@@ -442,7 +456,7 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         except ValueError as exc:
             self._refuse(store, key, exc, message, args, kwargs)
         try:
-            claim = runs.claim_run(
+            claim = execution.claim_run(
                 store, key, owner=settings.owner, lease=lease, task=self.actor_name,
                 args=call_args, kwargs=call_kwargs, entry=entry, fire_at=fire_at,
                 task_id=message_id, trigger=opts.get("trigger"),
@@ -596,6 +610,9 @@ def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
         "key": identity["key"], "entry": identity["entry"], "fire_at": identity["fire_at"],
         "trigger": identity["trigger"],
     }}
+    traceparent = (payload.get("reliable_beat") or {}).get(tracing.TRACEPARENT)
+    if isinstance(traceparent, str):  # the slot's trace (reliable_beat.tracing)
+        message_options[tracing.TRACEPARENT] = traceparent
     extra: dict[str, Any] = {}
     fire_at = _parse_instant(identity["fire_at"])
     expires_at = _parse_instant(payload.get("expires_at"))

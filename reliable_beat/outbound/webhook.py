@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from reliable_beat import tracing
 from reliable_beat.destinations import (
     _DEFAULT_WEBHOOK_CONCURRENCY,
     _DEFAULT_WEBHOOK_TIMEOUT,
@@ -381,6 +382,15 @@ class WebhookHandler:
         return results
 
     def _send(self, message: OutboxMessage, req: _WebhookRequest) -> None:
+        # an HTTP client span under the relay's delivery span; the far end gets its traceparent
+        with tracing.span(req.method, parent=message.traceparent, kind="client",
+                          attributes=tracing.http_attributes(req.method, req.url)) as s:
+            status = self._request(message, req, tracing.traceparent_of(s))
+            if s is not None:
+                s.set_attribute("http.response.status_code", status)
+
+    def _request(self, message: OutboxMessage, req: _WebhookRequest,
+                 traceparent: str | None) -> int:
         httpcore = self._httpcore
         try:
             content = json.dumps(to_plain_json(req.body), allow_nan=False).encode()
@@ -394,6 +404,8 @@ class WebhookHandler:
         headers = [(k, v) for k, v in req.headers.items()]
         headers += [("Content-Type", "application/json"),
                     ("Idempotency-Key", message.message_id)]
+        if traceparent is not None:
+            headers.append(("traceparent", traceparent))
         pool = self._pool(req.group, req.concurrency, req.block_private)
         t = req.timeout_seconds
         deadline = time.monotonic() + t
@@ -426,7 +438,7 @@ class WebhookHandler:
         finally:
             _deadline.at = None
         if 200 <= status < 300:
-            return
+            return status
         phrase = reason.decode("ascii", "replace") if isinstance(reason, bytes) else str(reason)
         phrase = "".join(c for c in phrase if c.isprintable())[:60]
         detail = f"{req.label} answered HTTP {status} {phrase}".rstrip()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import joins, outbox
+from reliable_beat import joins, outbox, tracing
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
@@ -43,11 +43,13 @@ from reliable_beat.workflows import (
     continuation,
     engine,
     limits,
+    runaway,
     tripwire,
     versioning,
 )
 from reliable_beat.workflows.errors import (
     ActivityError,
+    CodeTimeout,
     EndWorkflow,
     FencedOut,
     NonDeterminismError,
@@ -138,10 +140,12 @@ _TRANSACTION_FIX = (
 
 
 def _durable(method: _F) -> _F:
-    """Engine code (and steps, transactions) run with the tripwire off."""
+    """Engine code (and steps, transactions) run with the tripwire off and the code clock
+    paused (a deadline that passed raises here: :mod:`reliable_beat.workflows.runaway`)."""
 
     @functools.wraps(method)
     def wrapper(self: WorkflowContext, *args: Any, **kwargs: Any) -> Any:
+        timed = self._clock.pause()
         token = tripwire.in_workflow_code.set(False)
         try:
             return method(self, *args, **kwargs)
@@ -151,6 +155,7 @@ def _durable(method: _F) -> _F:
             raise self._raise(_StoreTrouble(str(exc))) from exc
         finally:
             tripwire.in_workflow_code.reset(token)
+            self._clock.resume(timed)
 
     return cast(_F, wrapper)
 
@@ -165,8 +170,12 @@ class WorkflowContext:
     def __init__(
         self, store: Store, claimed: engine.Claimed, history: dict[int, Any],
         definition: engine.WorkflowDefinition, *, dry_run: bool = False,
+        code_timeout: float | None = None,
     ) -> None:
         self._dry_run = dry_run  # offline replay: stop at the frontier, write nothing
+        #: times the code between durable calls (None: no deadline); see runaway.py
+        self._clock = runaway.CodeClock(code_timeout, claimed.workflow_id,
+                                        on_stuck=self._park_stuck)
         self._store = store
         self._claimed = claimed
         self._history = history
@@ -236,6 +245,8 @@ class WorkflowContext:
             tripwire.install()
             try:
                 result = self._call_code(fn)
+            except CodeTimeout:
+                return self._block_runaway()
             except Suspend:
                 return "suspended"
             except _StoreTrouble as exc:
@@ -258,6 +269,8 @@ class WorkflowContext:
                     engine.log.error("workflow %s blocked: %s", self._claimed.workflow_id, exc)
                 return engine._finish(self._store, self._claimed, **exc.values)
             except Exception as exc:
+                if self._clock.fired:  # the code caught the deadline and raised its own
+                    return self._block_runaway()
                 swallowed = self._swallowed()
                 if swallowed:
                     return swallowed
@@ -268,6 +281,8 @@ class WorkflowContext:
                 ended = "cancelled" if isinstance(exc, WorkflowCancelled) else "failed"
                 return engine._finish(self._store, self._claimed, state=ended,
                                       error=engine.error_json(exc))
+            if self._clock.fired:  # the code caught the deadline and returned
+                return self._block_runaway()
             swallowed = self._swallowed()
             if swallowed:
                 return swallowed
@@ -284,20 +299,48 @@ class WorkflowContext:
             engine.crash_point("advance.before_finish")
             return engine._finish(self._store, self._claimed, state="completed", result=value)
         finally:
+            self._clock.disarm()
             logger.removeFilter(self._filter)
             _current.reset(token)
 
     def _call_code(self, fn: Callable[..., Any]) -> Any:
-        """Run the workflow function with the tripwire armed (off again inside durable
-        calls, and once the function has returned or raised)."""
+        """Run the workflow function with the tripwire armed and its code clock running
+        (both off again inside durable calls, and once the function has returned or
+        raised)."""
         token = tripwire.in_workflow_code.set(True)
         try:
+            self._clock.start()
             # fresh copies on every pass: a wake during the advance runs the code again in
             # this advance, and the code may have mutated what it was given
             return fn(self, *from_json_value(self._claimed.args),
                       **from_json_value(self._claimed.kwargs))
         finally:
+            self._clock.disarm()
             tripwire.in_workflow_code.reset(token)
+
+    def _park_stuck(self, ran: float) -> None:
+        """The watchdog's thread: the code stayed past its deadline through every
+        interruption (swallowed, or stuck in a call): park the workflow now, fenced, so the
+        sweep hands it to no other worker (:func:`~reliable_beat.workflows.runaway.park_stuck`).
+        """
+        assert self._clock.timeout is not None
+        reason = runaway.stuck_reason(self._claimed.workflow_id, self._seq, ran,
+                                      self._clock.timeout)
+        try:
+            with self._store.engine.begin() as conn:
+                runaway.park_stuck(conn, self._claimed.pk, self._claimed.workflow_id,
+                                   self._claimed.fence_token, reason, db_now(conn))
+        except Exception:  # the store is away: the takeover count still parks it
+            get_logger("reliable_beat.workflows").exception(
+                "workflow %s: parking its stuck code failed", self._claimed.workflow_id)
+
+    def _block_runaway(self) -> str:
+        """The code ran past ``reliable_beat_workflow_code_timeout_seconds`` between
+        durable calls: park the workflow, naming the position and the fix."""
+        self._clock.disarm()
+        assert self._clock.timeout is not None
+        return engine.block(self._store, self._claimed, runaway.code_timeout_reason(
+            self._claimed.workflow_id, self._seq, self._clock.ran, self._clock.timeout))
 
     def replay_code(self, fn: Callable[..., Any]) -> str | None:
         """Offline replay (``workflows replay``): run the code against the history, answer
@@ -689,6 +732,9 @@ class WorkflowContext:
         key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no, seq)
         if ev is None:
             payload = self._activity_message(task_name, call, queue, seq)
+            # the activity joins the workflow's trace (not part of the size check: the
+            # check must not depend on whether tracing is on)
+            payload["headers"].update(tracing.carrier())
 
             def dispatch(conn: Connection) -> None:
                 outbox.add(conn, engine.WAKE_DESTINATION, payload, key=f"act:{key}",

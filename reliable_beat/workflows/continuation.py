@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 
+from reliable_beat import tracing
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflows
 from reliable_beat.outbox import db_now
@@ -93,6 +94,10 @@ def switch_run(ctx: WorkflowContext, request: ContinueAsNew) -> str:
                 version=ctx._definition.version, wake_seq=workflows.c.wake_seq + 1,
                 leased_by=None, lease_expires_at=None, updated_at=now,
                 advances=0,  # the crash-loop budget is per run: a long loop is not a crash loop
+                # the new run's trace, linked to this one's (a trace never grows unbounded)
+                traceparent=tracing.linked_root(
+                    f"continue workflow {claimed.name}", workflow_id=claimed.workflow_id,
+                    workflow_run=claimed.run_no + 1),
             ),
             workflows, [workflows.c.wake_seq],
         )

@@ -26,6 +26,7 @@ The protocol (docs/workflows.md):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -42,13 +43,13 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Text, and_, cast, func, or_, select, update
 from sqlalchemy.engine import Connection
 
-from reliable_beat import outbox
+from reliable_beat import outbox, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals, workflows
 from reliable_beat.outbox import db_now, insert_ignore
 from reliable_beat.redaction import get_logger, redact_value
-from reliable_beat.workflows import limits, signal_keys
+from reliable_beat.workflows import limits, runaway, signal_keys
 from reliable_beat.workflows.errors import (
     WorkflowBlockedError,
     WorkflowConflict,
@@ -475,6 +476,47 @@ class WorkflowHandle:
             time.sleep(interval)
 
 
+def _traced_start(fn: Callable[..., WorkflowHandle]) -> Callable[..., WorkflowHandle]:
+    """``start`` in a ``start workflow <name>`` span, the root of the workflow's trace (linked
+    to the caller's span): the row stores its traceparent, every advance joins it."""
+    @functools.wraps(fn)
+    def traced(target: Any, name: str, workflow_id: str, *args: Any, **kwargs: Any
+               ) -> WorkflowHandle:
+        if tracing.tracer() is None:
+            return fn(target, name, workflow_id, *args, **kwargs)
+        with tracing.span(f"start workflow {name}", root=True,
+                          links=[tracing.current_traceparent()],
+                          attributes=tracing.attributes(workflow_id=workflow_id)) as s:
+            handle = fn(target, name, workflow_id, *args, **kwargs)
+            s.set_attribute(tracing.OUTCOME, "started" if handle.created else "existed")
+            return handle
+    return traced
+
+
+def _traced_advance(fn: Callable[..., str]) -> Callable[..., str]:
+    """``advance`` in an ``advance workflow <name>`` span of the workflow's trace (the
+    traceparent stored at start / continue-as-new), its outcome as ``reliable_beat.outcome``:
+    activities, timers, signals and compensations it schedules are delivered under it."""
+    @functools.wraps(fn)
+    def traced(store: Store, workflow_id: str, **kwargs: Any) -> str:
+        if tracing.tracer() is None:
+            return fn(store, workflow_id, **kwargs)
+        with store.connect() as conn:
+            row = conn.execute(select(workflows.c.name, workflows.c.run_no,
+                                      workflows.c.traceparent)
+                               .where(workflows.c.workflow_id == workflow_id)).first()
+        name = row.name if row is not None else "?"
+        with tracing.span(f"advance workflow {name}", parent=row and row.traceparent,
+                          root=True, attributes=tracing.attributes(
+                              workflow_id=workflow_id,
+                              workflow_run=row.run_no if row is not None else None)) as s:
+            outcome = fn(store, workflow_id, **kwargs)
+            s.set_attribute(tracing.OUTCOME, outcome)
+            return outcome
+    return traced
+
+
+@_traced_start
 def start(
     target: Store | Connection,
     name: str,
@@ -533,7 +575,7 @@ def start(
             args=call_args, kwargs=call_kwargs, queue=queue, schedule_group=schedule_group,
             random_seed=secrets.randbits(62), fence_token=0, wake_seq=1,
             claimed_wake_seq=0, history_len=0, history_bytes=0, advances=0,
-            created_at=now, updated_at=now,
+            created_at=now, updated_at=now, traceparent=tracing.current_traceparent(),
         ), workflows)
         if inserted:
             add_wake(conn, workflow_id, queue, "start")
@@ -899,18 +941,22 @@ class Claimed:
     history: dict[int, Any] | None = None
 
 
-def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
+def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta,
+           max_takeovers: int = runaway.DEFAULT_MAX_TAKEOVERS) -> Claimed | str:
     """The claim transaction; on success it also loads the run's history (same connection,
     same transaction: one checkout instead of two per advance).
 
     A row or history that is malformed (changed by SQL: a JSON column that does not decode,
     a value of the wrong shape, an unknown event kind or state) parks the workflow
     ``blocked`` with a reason naming the column (:mod:`reliable_beat.workflows.malformed`)
-    and returns ``"blocked"``: its code never replays garbage."""
+    and returns ``"blocked"``: its code never replays garbage.
+
+    A ``running`` workflow whose advance's lease expired after ``max_takeovers`` takeovers
+    is parked ``blocked`` instead (:func:`reliable_beat.workflows.runaway.park_expired`)."""
     from reliable_beat.workflows import malformed
 
     try:
-        return _claim_tx(store, workflow_id, owner, lease)
+        return _claim_tx(store, workflow_id, owner, lease, max_takeovers)
     except ValueError:  # json.JSONDecodeError of a JSON column, raised while reading it
         with store.begin() as conn:
             found = malformed.block_undecodable(conn, workflow_id, ACTIVE_STATES)
@@ -919,7 +965,8 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Clai
         return found[0]
 
 
-def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta) -> Claimed | str:
+def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
+              max_takeovers: int) -> Claimed | str:
     from reliable_beat.workflows import malformed
 
     with store.begin() as conn:
@@ -930,12 +977,15 @@ def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta) -> C
                 workflows.c.workflow_id == workflow_id,
                 workflows.c.state.in_(ACTIVE_STATES),
                 or_(workflows.c.lease_expires_at.is_(None), workflows.c.lease_expires_at < now),
+                runaway.may_take_over(max_takeovers),
             )
-            .values(
-                fence_token=workflows.c.fence_token + 1, leased_by=owner,
-                lease_expires_at=now + lease, state="running",
-                claimed_wake_seq=workflows.c.wake_seq, advances=workflows.c.advances + 1,
-                updated_at=now,
+            .ordered_values(  # takeovers first: MySQL sets left to right (its CASE reads state)
+                (workflows.c.takeovers, runaway.takeovers_after_claim()),
+                (workflows.c.fence_token, workflows.c.fence_token + 1),
+                (workflows.c.leased_by, owner), (workflows.c.lease_expires_at, now + lease),
+                (workflows.c.state, "running"),
+                (workflows.c.claimed_wake_seq, workflows.c.wake_seq),
+                (workflows.c.advances, workflows.c.advances + 1), (workflows.c.updated_at, now),
             )
         )
         if conn.dialect.update_returning:  # PostgreSQL, SQLite: the row in the same statement
@@ -951,6 +1001,8 @@ def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta) -> C
         if row is None:
             return "missing"
         if not done:
+            if row.state == "running" and runaway.park_expired(conn, row, now, max_takeovers):
+                return "blocked"
             return "busy" if row.state in ACTIVE_STATES else row.state  # type: ignore[no-any-return]
         history = load_history(conn, row.id, row.run_no)
         args = [] if row.args is None else row.args
@@ -1089,6 +1141,7 @@ def block(store: Store, claimed: Claimed, reason: str) -> str:
     return _finish(store, claimed, state="blocked", block_reason=reason[:4000])
 
 
+@_traced_advance
 def advance(
     store: Store,
     workflow_id: str,
@@ -1096,6 +1149,8 @@ def advance(
     owner: str,
     lease: timedelta = timedelta(seconds=60),
     max_loops: int = MAX_LOOPS,
+    code_timeout: timedelta | None = timedelta(seconds=runaway.DEFAULT_CODE_TIMEOUT_SECONDS),
+    max_takeovers: int = runaway.DEFAULT_MAX_TAKEOVERS,
 ) -> str:
     """Advance one workflow as far as it can go now; the body of the advance task.
 
@@ -1111,6 +1166,12 @@ def advance(
         owner: this process's name, written to ``leased_by``.
         lease: how long the claim lasts without a write (each record renews it).
         max_loops: re-runs within this advance when wakes arrive while it runs.
+        code_timeout: the longest the workflow function may run between two durable calls
+            (``reliable_beat_workflow_code_timeout_seconds``); past it the advance is
+            interrupted and the workflow parked ``blocked``. None: never interrupted.
+        max_takeovers: a ``running`` workflow whose advance's lease expired this many
+            takeovers in a row is parked ``blocked`` instead of claimed
+            (``reliable_beat_workflow_max_takeovers``; :mod:`reliable_beat.workflows.runaway`).
 
     Returns:
         ``waiting``, ``completed``, ``failed``, ``blocked``, ``busy`` (another advance holds
@@ -1120,11 +1181,11 @@ def advance(
     from reliable_beat.workflows.context import WorkflowContext
 
     crash_point("advance.before_claim")
-    claimed = _claim(store, workflow_id, owner, lease)
+    claimed = _claim(store, workflow_id, owner, lease, max_takeovers)
     for _ in range(3):
         if claimed != "busy" or _nudge_holder(store, workflow_id) is not None:
             break
-        claimed = _claim(store, workflow_id, owner, lease)  # the holder let go meanwhile
+        claimed = _claim(store, workflow_id, owner, lease, max_takeovers)  # holder let go
     if isinstance(claimed, str):
         return claimed
     crash_point("advance.after_claim")
@@ -1159,7 +1220,8 @@ def advance(
                 claimed.extra["cancel_requested"] = conn.execute(
                     select(workflows.c.cancel_requested).where(workflows.c.id == claimed.pk)
                 ).scalar()
-        ctx = WorkflowContext(store, claimed, history, definition)
+        ctx = WorkflowContext(store, claimed, history, definition, code_timeout=None
+                              if code_timeout is None else code_timeout.total_seconds())
         outcome = ctx.run_code(definition.fn)
         if outcome != "suspended":
             return outcome
@@ -1257,7 +1319,8 @@ def replay_check(store: Store, workflow_id: str) -> str | None:
 
 def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 500,
                          retrying_after: timedelta | None = None,
-                         queue_depths: QueueDepthFn | None = None) -> int:
+                         queue_depths: QueueDepthFn | None = None,
+                         max_takeovers: int = runaway.DEFAULT_MAX_TAKEOVERS) -> int:
     """Send a wake to workflows whose advance died or whose wake was lost, and send again
     the activity and compensation messages the broker lost.
 
@@ -1265,7 +1328,9 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
     ``running`` with a lease expired more than ``older_than`` ago (the holder died), and
     ``pending`` / ``waiting`` with ``wake_seq > claimed_wake_seq`` untouched for
     ``older_than`` (a wake the broker lost). The wake's message id carries the fence token
-    and wake_seq, so each stuck state is re-sent once.
+    and wake_seq, so each stuck state is re-sent once. A ``running`` one whose advance was
+    already taken over ``max_takeovers`` times is parked ``blocked`` instead
+    (:func:`reliable_beat.workflows.runaway.park_expired`): no wake, no worker.
 
     Timers and signal timeouts due for ``older_than`` on a workflow that has not advanced
     since: see :func:`_resend_lost_timer_wakes` (their delayed wake was lost by the broker).
@@ -1294,6 +1359,7 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
             would be re-sent there, all younger than the backoff cap, are not re-sent (a
             backlog, not a loss; :func:`reliable_beat.redispatch.hold_backlog`). None, or a
             probe that fails: re-sent as without it.
+        max_takeovers: ``reliable_beat_workflow_max_takeovers`` (see above).
 
     Returns:
         How many wakes and activity messages were added.
@@ -1302,8 +1368,9 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
         now = db_now(conn)
         cutoff = now - older_than
         rows = conn.execute(
-            select(workflows.c.workflow_id, workflows.c.queue, workflows.c.fence_token,
-                   workflows.c.wake_seq)
+            select(workflows.c.id, workflows.c.workflow_id, workflows.c.queue,
+                   workflows.c.fence_token, workflows.c.wake_seq, workflows.c.state,
+                   workflows.c.takeovers, workflows.c.leased_by)
             .where(
                 workflows.c.state.in_(ACTIVE_STATES),
                 workflows.c.updated_at < cutoff,
@@ -1316,9 +1383,12 @@ def redispatch_workflows(store: Store, *, older_than: timedelta, limit: int = 50
             .order_by(workflows.c.updated_at)
             .limit(limit)
         ).all()
+        parked = [r for r in rows
+                  if r.state == "running" and runaway.park_expired(conn, r, now, max_takeovers)]
+        rows = [r for r in rows if r not in parked]
         for r in rows:
             add_wake(conn, r.workflow_id, r.queue, f"sweep{r.fence_token}.{r.wake_seq}")
-        swept = {r.workflow_id for r in rows}
+        swept = {r.workflow_id for r in rows + parked}
         timers = _resend_lost_timer_wakes(conn, now, cutoff, older_than, limit, swept)
         timers += _resend_lost_signal_wakes(conn, now, cutoff, older_than, limit, swept)
         retry_after = older_than if retrying_after is None else retrying_after
@@ -1579,7 +1649,8 @@ def _row_dict(row: Any) -> dict[str, Any]:
         "slot_fire_at": m.get("fire_at"), "schedule_group": m.get("schedule_group"),
         "lease_expires_at": m["lease_expires_at"], "wake_seq": m["wake_seq"],
         "claimed_wake_seq": m["claimed_wake_seq"], "history_len": m["history_len"],
-        "advances": m["advances"], "created_at": m["created_at"],
+        "advances": m["advances"], "takeovers": m.get("takeovers", 0),
+        "created_at": m["created_at"],
         "updated_at": m["updated_at"], "finished_at": m["finished_at"],
         "cancel_requested": m.get("cancel_requested"),
     }
@@ -1670,15 +1741,24 @@ def overdue_timers(conn: Connection, *, grace: timedelta) -> int:
 CRASH_LOOP_ADVANCES = 50
 
 
-def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
+def workflow_health(
+    store: Store, *, grace: timedelta,
+    pending_after: timedelta = timedelta(seconds=runaway.DEFAULT_PENDING_ALARM_SECONDS),
+    max_takeovers: int = runaway.DEFAULT_MAX_TAKEOVERS,
+) -> dict[str, Any]:
     """For ``reliable-beat status``: ``{"counts": {state: n}, "blocked": [ids],
     "overdue_timers": n, "crash_looping": [ids], "malformed_states": [ids of workflows
-    whose state is none the engine writes], "problems": [str]}``.
+    whose state is none the engine writes], "advances_expiring": {"count", "workflows":
+    [{"workflow_id", "takeovers", "leased_by", "lease_expires_at"}]}, "pending_late":
+    {"count", "queues": {queue: n}, "workflow_ids"}, "problems": [str]}``.
 
     ``overdue_timers``: timers / signal timeouts of waiting workflows still scheduled more
     than ``grace`` after their fire_at (no relay publishes wakes?). ``crash_looping``: active
     workflows claimed more than :data:`CRASH_LOOP_ADVANCES` times (an advance that dies every
-    time, e.g. a step that kills the worker).
+    time, e.g. a step that kills the worker). ``advances_expiring``: ``running`` workflows
+    whose advance's lease expired twice in a row without finishing; ``pending_late``:
+    ``pending`` longer than ``pending_after``
+    (:mod:`reliable_beat.workflows.runaway`; ``max_takeovers`` is named in the advice).
     """
     with store.connect() as conn:
         counts = workflow_counts(conn)
@@ -1707,6 +1787,12 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
             select(workflows.c.workflow_id)
             .where(workflows.c.state.in_(ACTIVE_STATES),
                    workflows.c.advances > CRASH_LOOP_ADVANCES).limit(20)).scalars())
+        now = db_now(conn)
+        expiring = runaway.expiring_advances(conn, now)
+        pending = runaway.late_pending(conn, now, after=pending_after)
+    # parked by a runaway guard: the reason starts with the guard's tag
+    runaways = [r.workflow_id for r in blocked_rows
+                if str(r.block_reason or "").startswith(("code_timeout:", "advance_expired:"))]
     problems = []
     if blocked:
         problems.append(
@@ -1715,7 +1801,13 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
             "fix the code, then `reliable-beat workflows resume ID`"
             + (f"; for a failed compensation ({', '.join(by_compensation[:10])}): fix it, then "
                "`reliable-beat workflows compensate ID`" if by_compensation else "")
+            + (f"; runaway code parked ({', '.join(runaways[:10])}): it ran past "
+               f"{runaway.CODE_TIMEOUT_SETTING} between durable calls, or its advance's lease "
+               f"kept expiring ({runaway.MAX_TAKEOVERS_SETTING}): fix the loop or the hung "
+               "call, restart workers still stuck in it, then resume" if runaways else "")
         )
+    problems.extend(runaway.problems(expiring, pending, pending_after=pending_after,
+                                     max_takeovers=max_takeovers))
     if overdue:
         problems.append(
             f"OVERDUE TIMERS: {overdue} workflow timers are more than {grace.total_seconds():g}"
@@ -1739,4 +1831,8 @@ def workflow_health(store: Store, *, grace: timedelta) -> dict[str, Any]:
             "--no-compensate`"
         )
     return {"counts": counts, "blocked": blocked, "overdue_timers": overdue,
-            "crash_looping": looping, "malformed_states": unknown, "problems": problems}
+            "crash_looping": looping, "malformed_states": unknown,
+            "advances_expiring": {"count": expiring[0], "workflows": expiring[1]},
+            "pending_late": {"count": pending[0], "queues": pending[1],
+                             "workflow_ids": pending[2]},
+            "problems": problems}

@@ -20,7 +20,9 @@
         ├── Suspend                               the answer is not there yet
         ├── NonDeterminismError                   code and history disagree
         ├── FencedOut                             a newer advance owns the workflow
-        └── EndWorkflow                           end (or park) the workflow as given
+        ├── EndWorkflow                           end (or park) the workflow as given
+        └── CodeTimeout                           the code ran past its deadline between
+                                                  durable calls (raised by a watchdog)
 
 Engine control flow derives from ``BaseException`` so ``except Exception:`` in workflow code
 lets it through (Inngest's ``ResponseInterrupt``, Restate's ``SdkInternalBaseException``). A
@@ -35,6 +37,7 @@ from reliable_beat.errors import ReliableBeatError
 
 __all__ = [
     "ActivityError",
+    "CodeTimeout",
     "EndWorkflow",
     "FencedOut",
     "NonDeterminismError",
@@ -152,3 +155,10 @@ class EndWorkflow(WorkflowControl):
     def __init__(self, message: str, **values: Any) -> None:
         super().__init__(message)
         self.values = values
+
+
+class CodeTimeout(WorkflowControl):
+    """The workflow code ran longer than ``reliable_beat_workflow_code_timeout_seconds``
+    without a durable call: raised into the advance's thread by the watchdog
+    (:mod:`reliable_beat.workflows.runaway`), and again at the code's next durable call if
+    the code swallowed it. The advance parks the workflow ``blocked``."""

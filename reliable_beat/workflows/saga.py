@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import select, update
 
-from reliable_beat import outbox, runs
+from reliable_beat import outbox, runs, tracing
 from reliable_beat.db.tables import dead_letters, workflow_events, workflows
 from reliable_beat.db.tables import runs as runs_table
 from reliable_beat.outbox import db_now
@@ -374,7 +374,7 @@ def _dispatch(ctx: WorkflowContext, seq: int, name: str, key: str) -> None:
             return  # already sent (another advance before us; we are fenced anyway)
         call = list(row.args or [[], {}, None])
         payload: dict[str, Any] = {"task": name, "args": call[0], "kwargs": call[1],
-                                   "headers": {"reliable_beat_key": key}}
+                                   "headers": {"reliable_beat_key": key, **tracing.carrier()}}
         if len(call) > 2 and call[2]:
             payload["options"] = {"queue": call[2]}
         conn.execute(update(workflow_events)

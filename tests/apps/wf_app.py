@@ -1,7 +1,8 @@
 """Celery app of the workflow acceptance tests (real workers, relay, PostgreSQL, Redis).
 
 Environment: ``RB_BROKER_URL``, ``RB_DATABASE_URL``, ``RB_LEASE_SECONDS`` (default 2),
-``RB_WF_QUEUE`` (the per-test queue of advances and activities), and for crash tests
+``RB_WF_QUEUE`` (the per-test queue of advances and activities), ``RB_WF_CODE_TIMEOUT`` /
+``RB_WF_MAX_TAKEOVERS`` / ``RB_WF_PENDING_ALARM`` (the runaway guards), and for crash tests
 ``RB_WF_KILL_AT`` / ``RB_WF_KILL_FILE`` (see :func:`reliable_beat.workflows.engine.crash_point`).
 
 Four workflow shapes, each touching every kind of durable call it can:
@@ -18,6 +19,7 @@ fencing and the activities' keys keep transaction and activity effects single.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -56,6 +58,14 @@ app.conf.update(
     reliable_beat_retry_max_attempts=6,
     reliable_beat_retry_base_seconds=0.5,
     reliable_beat_retry_cap_seconds=2.0,
+    # the runaway guards (tests/acceptance/test_workflow_runaway.py sets them short)
+    reliable_beat_workflow_code_timeout_seconds=float(
+        os.environ.get("RB_WF_CODE_TIMEOUT", "30")),
+    # a crash grid that kills one advance RB_WF_KILLS times in a row is not a runaway
+    reliable_beat_workflow_max_takeovers=int(os.environ.get(
+        "RB_WF_MAX_TAKEOVERS", max(3, int(os.environ.get("RB_WF_KILLS", "3"))))),
+    reliable_beat_workflow_pending_alarm_seconds=float(
+        os.environ.get("RB_WF_PENDING_ALARM", "300")),
 )
 
 
@@ -252,3 +262,23 @@ def saga_hold(ctx: WorkflowContext, order: str) -> Any:
         saga.compensate(undo, order, "b", queue=QUEUE)
         ctx.activity(forward, order, "b", queue=QUEUE)
     return "held"
+
+
+# ------------------------------------------------------------------ runaway code ----
+
+
+@workflow(app, name="wfa.forever", queue=QUEUE)
+def forever(ctx: WorkflowContext, order: str) -> Any:
+    """A loop that never reaches a durable call (pure Python: the code deadline stops it)."""
+    ctx.transaction(_tx_effect, f"{order}:before", name="before")
+    while True:
+        pass
+
+
+@workflow(app, name="wfa.hung", queue=QUEUE)
+def hung(ctx: WorkflowContext, order: str) -> Any:
+    """Code blocked inside one C call (a lock wait): the code deadline cannot interrupt it;
+    the takeover count parks it."""
+    ctx.transaction(_tx_effect, f"{order}:before", name="before")
+    threading.Event().wait(3600)
+    return "unreachable"

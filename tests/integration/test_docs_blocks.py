@@ -87,7 +87,8 @@ for page in pages:
         try:
             exec(compile(code, where, "exec"), ns)
         except BaseException:
-            print(json.dumps({"where": where, "error": traceback.format_exc(limit=-3)}))
+            print("RB-DOCS-FAILURE " + json.dumps(
+                {"where": where, "error": traceback.format_exc(limit=-3)}))
 '''
 
 
@@ -143,7 +144,10 @@ def test_python_blocks_run(tmp_path: Path) -> None:
             env.pop(name)
     proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(pages), env=env,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    failures = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # a marked line each: a block may print JSON of its own (a console span exporter)
+    marker = "RB-DOCS-FAILURE "
+    failures = [json.loads(line[len(marker):]) for line in proc.stdout.splitlines()
+                if line.startswith(marker)]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not failures, "\n\n".join(f"{f['where']}:\n{f['error']}" for f in failures)
     # the exceptions stay few: each is a file of a project run by its page's test, or named

@@ -27,6 +27,12 @@ NOT_CORE = ("reliable_beat.celery", "reliable_beat.dramatiq", "reliable_beat.con
 FRAMEWORKS = ("celery", "kombu", "dramatiq", "django", "amqp")
 
 
+def not_core(name: str) -> bool:
+    """``name`` is one of :data:`NOT_CORE` or inside one (``reliable_beat.web`` but not
+    ``reliable_beat.webhook_guard``)."""
+    return any(name == p or name.startswith(p + ".") for p in NOT_CORE)
+
+
 def main() -> int:
     for top in ("celery", "kombu"):  # the premise: they are not installed here
         if importlib.util.find_spec(top) is not None:
@@ -42,7 +48,7 @@ def main() -> int:
         # pkgutil.walk_packages would import the skipped packages to look inside them
         for info in pkgutil.iter_modules(package.__path__, prefix):  # type: ignore[attr-defined]
             name = info.name
-            if name.startswith(NOT_CORE) or name.endswith((".__main__", ".migrations")):
+            if not_core(name) or name.endswith((".__main__", ".migrations")):
                 skipped.append(name)
                 continue
             module = importlib.import_module(name)
@@ -99,7 +105,7 @@ def main() -> int:
         store.engine.dispose()
 
     loaded = sorted(m for m in sys.modules if m.partition(".")[0] in FRAMEWORKS
-                    or m.startswith(NOT_CORE))
+                    or not_core(m))
     print(json.dumps({
         "imported": imported, "skipped": skipped, "tick": len(tick.triggers),
         "delivered": sorted(d for d, _ in delivered), "run_state": run_state,

@@ -43,7 +43,7 @@ from reliable_beat.workflows import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
-from wf_driver import Crash, CrashPlan, Driver, events
+from wf_driver import NO_TAKEOVER_LIMIT, Crash, CrashPlan, Driver, events
 
 effects = sa.Table(
     "wf_effects", sa.MetaData(),
@@ -504,7 +504,8 @@ def _run_program(store: Store, app: Celery, wid: str, program: list[list[Any]],
         if engine.get_workflow(store, wid)["state"] == "completed":
             break
         driver.expire_leases()
-        engine.redispatch_workflows(store, older_than=timedelta(0))
+        engine.redispatch_workflows(store, older_than=timedelta(0),
+                                    max_takeovers=NO_TAKEOVER_LIMIT)
         driver.run()
     row = engine.get_workflow(store, wid)
     return row["state"], row["result"], _normal(events(store, wid))

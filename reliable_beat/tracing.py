@@ -1,0 +1,530 @@
+"""OpenTelemetry traces of slots and workflows, through ``opentelemetry-api`` only.
+
+One trace per **slot**: the beat's firing of the slot is its root span (``fire <entry>``,
+linked to the tick that claimed it); the trigger message carries the W3C ``traceparent`` of
+that span (a Celery message header; a Dramatiq message option), so the worker's spans
+(``process <task>`` with ``reliable_beat.claim``, ``reliable_beat.body``,
+``reliable_beat.complete``, ``reliable_beat.retry`` / ``reliable_beat.dead_letter``) join it;
+an outbox row keeps the ``traceparent`` of the span that wrote it, so the relay's delivery
+span (``deliver <destination>``) joins too, and a webhook request sends the ``traceparent``
+of its HTTP client span to the far end.
+
+One trace per **workflow**: its start span's ``traceparent`` is stored with the workflow; every
+advance, activity, timer wake, signal and compensation is a span of that trace. Continue-as-new
+starts a new trace linked to the previous run's.
+
+Attributes share one namespace (``reliable_beat.entry``, ``.slot``, ``.key``,
+``.fence_token``, ``.attempt``, ``.outcome``, ``.workflow.id``, ``.workflow.run``, ``.seq``)
+beside the messaging and HTTP semantic conventions. Errors are recorded with the redaction of
+the logs (:func:`reliable_beat.redaction.redact_text`): no secret of an error message, a URL or
+a key reaches a span; arguments and payloads are never recorded.
+
+Without ``opentelemetry-api`` installed, or while no tracer provider is set (the API's proxy),
+every function here is a no-op that costs a function call: :func:`tracer` returns None and the
+callers skip their spans. The provider is looked up until one is set (a Celery worker sets it
+in ``worker_process_init``, after this module is imported), then kept.
+
+This module imports no framework; the adapters pass what their framework holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import time
+import traceback
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from reliable_beat._version import __version__
+from reliable_beat.errors import StaleFenceToken
+from reliable_beat.redaction import redact_text, redact_url
+
+try:  # the optional API (the ``reliable-beat[otel]`` extra)
+    from opentelemetry import context as _context
+    from opentelemetry import trace as _trace
+    from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+except ImportError:  # pragma: no cover - exercised by the no-op test in a venv without it
+    _trace = None  # type: ignore[assignment]
+
+__all__ = [
+    "ATTEMPT",
+    "ENTRY",
+    "FENCE_TOKEN",
+    "KEY",
+    "OUTCOME",
+    "SEQ",
+    "SLOT",
+    "TRACEPARENT",
+    "WORKFLOW_ID",
+    "WORKFLOW_RUN",
+    "BeatTrace",
+    "DeliverySpans",
+    "PublishSpans",
+    "annotate",
+    "carrier",
+    "completion_span",
+    "current_traceparent",
+    "inject",
+    "linked_root",
+    "process_span",
+    "record_error",
+    "span",
+    "tracer",
+]
+
+ENTRY = "reliable_beat.entry"
+SLOT = "reliable_beat.slot"
+KEY = "reliable_beat.key"
+FENCE_TOKEN = "reliable_beat.fence_token"
+ATTEMPT = "reliable_beat.attempt"
+OUTCOME = "reliable_beat.outcome"
+WORKFLOW_ID = "reliable_beat.workflow.id"
+WORKFLOW_RUN = "reliable_beat.workflow.run"
+SEQ = "reliable_beat.seq"
+#: The W3C header / message option / column that carries a span context.
+TRACEPARENT = "traceparent"
+
+_tracer: Any = None
+#: No provider set and none named by ``OTEL_PYTHON_TRACER_PROVIDER``: off. Read from the API's
+#: global directly (``get_tracer_provider()`` reads the environment on every call: 30 times
+#: slower, per hook); the public lookup is used when the variable is set or a future API
+#: moves the global.
+_UNSET_IS_OFF = (_trace is not None and hasattr(_trace, "_TRACER_PROVIDER")
+                 and "OTEL_PYTHON_TRACER_PROVIDER" not in os.environ)
+_W3C: Any = TraceContextTextMapPropagator() if _trace is not None else None
+
+
+def tracer() -> Any:
+    """The package's tracer, or None when tracing is off (no API, or no provider set)."""
+    global _tracer
+    if _tracer is not None:
+        return _tracer
+    if _trace is None or (_UNSET_IS_OFF and _trace._TRACER_PROVIDER is None):
+        return None
+    provider = _trace.get_tracer_provider()
+    if isinstance(provider, (_trace.ProxyTracerProvider, _trace.NoOpTracerProvider)):
+        return None
+    _tracer = provider.get_tracer("reliable_beat", __version__)
+    return _tracer
+
+
+def _reset() -> None:
+    """Forget the cached tracer (tests that swap providers)."""
+    global _tracer
+    _tracer = None
+
+
+def _text(value: Any) -> str:
+    """:func:`redact_text`, remembering the last string (an execution's spans repeat its key)."""
+    global _last_text
+    last = _last_text  # one read: another thread may replace it meanwhile
+    if last[0] == value:
+        return last[1]
+    out = redact_text(value)
+    _last_text = (value, out)
+    return out
+
+
+_last_text: tuple[Any, str] = (None, "")
+
+
+def attributes(**values: Any) -> dict[str, Any]:
+    """Span attributes from keyword names (``entry`` -> ``reliable_beat.entry``; ``workflow_id``
+    -> ``reliable_beat.workflow.id``), None dropped, strings redacted like logs."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        attr = "reliable_beat." + name.replace("workflow_", "workflow.")
+        out[attr] = _text(value) if isinstance(value, str) else value
+    return out
+
+
+def record_error(span: Any, exc: BaseException, *, status: bool = True) -> None:
+    """Record ``exc`` on ``span`` as an ``exception`` event, redacted like the logs (message and
+    stack trace through :func:`~reliable_beat.redaction.redact_text`); ``status``: also set
+    the span's status to ERROR."""
+    if span is None:
+        return
+    name = type(exc).__qualname__
+    module = type(exc).__module__
+    qualified = name if module in ("builtins", None) else f"{module}.{name}"
+    message = _text(str(exc))
+    stack = _text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    span.add_event("exception", {"exception.type": qualified, "exception.message": message,
+                                 "exception.stacktrace": stack})
+    if status:
+        span.set_status(Status(StatusCode.ERROR, f"{name}: {message}"[:1000]))
+
+
+def _parent(parent: Any) -> Any:
+    """A parent context from a traceparent string / carrier mapping; None: the current one."""
+    if parent is None or _trace is None:
+        return None
+    if isinstance(parent, str):
+        parent = {TRACEPARENT: parent}
+    if isinstance(parent, Mapping):
+        tp = parent.get(TRACEPARENT)
+        if not isinstance(tp, str):
+            return None
+        return _W3C.extract({TRACEPARENT: tp})
+    return parent
+
+
+@contextlib.contextmanager
+def span(name: str, *, parent: Any = None, root: bool = False, kind: str = "internal",
+         attributes: Mapping[str, Any] | None = None, links: Sequence[str | None] = (),
+         expected: tuple[type[BaseException], ...] = ()) -> Iterator[Any]:
+    """A span made current for the block, or None when tracing is off.
+
+    Args:
+        parent: a ``traceparent`` string, a carrier mapping holding one, or an OpenTelemetry
+            ``Context``; None (or a missing / invalid traceparent): the current context
+            (``root``: a new trace instead).
+        kind: ``internal``, ``producer``, ``consumer``, ``client`` or ``server``.
+        links: traceparents of spans to link to (None and invalid ones skipped).
+        expected: exceptions that end the block without being errors of the span (a
+            framework's retry signal); recorded as an event only.
+
+    An exception leaving the block is recorded redacted (:func:`record_error`) and re-raised.
+    """
+    t = tracer()
+    if t is None:
+        yield None
+        return
+    ctx = _parent(parent)
+    if ctx is None and root:
+        ctx = _context.Context()
+    with t.start_as_current_span(
+        name, context=ctx, kind=_KINDS[kind], attributes=attributes,
+        links=_links(links), record_exception=False, set_status_on_exception=False,
+    ) as s:
+        try:
+            yield s
+        except expected as exc:
+            record_error(s, exc, status=False)
+            raise
+        except BaseException as exc:
+            record_error(s, exc)
+            raise
+
+
+def _links(traceparents: Sequence[str | None]) -> list[Any]:
+    out = []
+    for tp in traceparents:
+        ctx = _parent(tp)
+        if ctx is None:
+            continue
+        sc = _trace.get_current_span(ctx).get_span_context()
+        if sc.is_valid:
+            out.append(Link(sc))
+    return out
+
+
+def current_traceparent() -> str | None:
+    """The ``traceparent`` of the current span, or None (tracing off, no span)."""
+    if tracer() is None:
+        return None
+    return traceparent_of(_trace.get_current_span())
+
+
+def traceparent_of(s: Any) -> str | None:
+    """The W3C ``traceparent`` of span ``s`` (None: no span, or an invalid context)."""
+    if s is None:
+        return None
+    sc = s.get_span_context()
+    if not sc.is_valid:
+        return None
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+
+
+def inject(carrier: MutableMapping[str, Any]) -> None:
+    """Put the current span's ``traceparent`` into ``carrier`` (headers); no-op when off."""
+    tp = current_traceparent()
+    if tp is not None:
+        carrier[TRACEPARENT] = tp
+
+
+def carrier() -> dict[str, str]:
+    """``{"traceparent": ...}`` of the current span for a message's headers; ``{}`` when off
+    (a workflow's activity and compensation messages: the activity joins the workflow's
+    trace)."""
+    tp = current_traceparent()
+    return {} if tp is None else {TRACEPARENT: tp}
+
+
+def in_span() -> bool:
+    """Whether a valid span is current (another instrumentation's, e.g. Celery's task span)."""
+    if tracer() is None:
+        return False
+    return bool(_trace.get_current_span().get_span_context().is_valid)
+
+
+_KINDS: dict[str, Any] = (
+    {"internal": SpanKind.INTERNAL, "producer": SpanKind.PRODUCER,
+     "consumer": SpanKind.CONSUMER, "client": SpanKind.CLIENT, "server": SpanKind.SERVER}
+    if _trace is not None else {}
+)
+
+
+class BeatTrace:
+    """The spans of one beat tick: a ``reliable_beat.tick`` span (started when the first slot
+    fires, at the tick's start) and one root span per fired slot, ``fire <entry>``, each in
+    its own trace and linked to the tick (a batch claim fires many slots)."""
+
+    def __init__(self, t: Any, start_ns: int, destination: str) -> None:
+        self._t = t
+        self._start_ns = start_ns
+        self._destination = destination
+        self._tick: Any = None
+        self._spans: list[Any] = []
+
+    @classmethod
+    def start(cls, destination: str) -> BeatTrace | None:
+        t = tracer()
+        if t is None:
+            return None
+        return cls(t, _time_ns(), destination)
+
+    def fire(self, *, entry: str | None, slot: str, key: str, task: str, trigger: str,
+             task_id: str | None = None) -> str | None:
+        """Start the span of one slot's firing; returns its ``traceparent`` for the trigger."""
+        if self._tick is None:
+            self._tick = self._t.start_span("reliable_beat.tick", context=_context.Context(),
+                                            start_time=self._start_ns)
+        attrs = attributes(entry=entry, slot=slot, key=key)
+        attrs.update({"messaging.system": self._destination,
+                      "messaging.operation.type": "create", "messaging.operation.name": "fire",
+                      "messaging.destination.name": task, "reliable_beat.trigger": trigger})
+        if task_id is not None:
+            attrs["messaging.message.id"] = task_id
+        s = self._t.start_span(f"fire {entry or task}", context=_context.Context(),
+                               kind=SpanKind.PRODUCER, attributes=attrs,
+                               links=[Link(self._tick.get_span_context())])
+        self._spans.append(s)
+        return traceparent_of(s)
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """End the spans (after the commit; ``exc``: the tick failed, nothing was fired)."""
+        for s in (*self._spans, *(() if self._tick is None else (self._tick,))):
+            if exc is not None:
+                record_error(s, exc)
+            s.end()
+        self._spans.clear()
+        self._tick = None
+
+
+def _time_ns() -> int:
+    return time.time_ns()
+
+
+class PublishSpans:
+    """One ``send <task>`` producer span per trigger a beat publishes, child of its slot's
+    ``fire`` span (the payload's ``traceparent``). Started right before the batch can reach the
+    broker (after a held batch's wait), ended with each message's outcome."""
+
+    def __init__(self, t: Any, messages: Sequence[Any], system: str) -> None:
+        self._t = t
+        self._messages = messages
+        self._system = system
+        self._spans: dict[int, Any] = {}
+
+    @classmethod
+    def of(cls, messages: Sequence[Any], system: str) -> PublishSpans | None:
+        t = tracer()
+        return None if t is None or not messages else cls(t, messages, system)
+
+    def start(self) -> None:
+        for m in self._messages:
+            payload = m.payload if isinstance(m.payload, Mapping) else {}
+            tp = getattr(m, "traceparent", None) or _payload_traceparent(payload)
+            ctx = _parent(tp)
+            if ctx is None:
+                continue
+            attrs = {"messaging.system": self._system, "messaging.operation.type": "send",
+                     "messaging.operation.name": "send",
+                     "messaging.destination.name": str(payload.get("task") or ""),
+                     "messaging.message.id": str(payload.get("task_id")
+                                                 or payload.get("message_id") or "")}
+            self._spans[m.id] = self._t.start_span(
+                f"send {payload.get('task') or m.destination}", context=ctx,
+                kind=SpanKind.PRODUCER, attributes=attrs)
+
+    def after(self, wait: Any) -> Any:
+        def waited() -> None:
+            wait()
+            self.start()
+        return waited
+
+    def end(self, outcomes: Sequence[tuple[int, BaseException | None]]) -> None:
+        for oid, err in outcomes:
+            s = self._spans.pop(oid, None)
+            if s is None:
+                continue
+            if err is not None:
+                record_error(s, err)
+            s.end()
+        for s in self._spans.values():
+            s.end()
+        self._spans.clear()
+
+
+def _payload_traceparent(payload: Mapping[str, Any]) -> str | None:
+    """The ``traceparent`` a trigger payload carries (either shape), or None."""
+    block = payload.get("reliable_beat")
+    if isinstance(block, Mapping) and isinstance(block.get(TRACEPARENT), str):
+        return str(block[TRACEPARENT])
+    headers = payload.get("headers")
+    if isinstance(headers, Mapping) and isinstance(headers.get(TRACEPARENT), str):
+        return str(headers[TRACEPARENT])
+    return None
+
+
+def message_traceparent(message: Any) -> str | None:
+    """The ``traceparent`` an outbox row was written under: its column, else its payload's."""
+    tp = getattr(message, "traceparent", None)
+    if tp:
+        return str(tp)
+    payload = getattr(message, "payload", None)
+    return _payload_traceparent(payload) if isinstance(payload, Mapping) else None
+
+
+def http_attributes(method: str, url: str) -> dict[str, Any]:
+    """HTTP client span attributes of a request (``url.full`` redacted like logs)."""
+    attrs: dict[str, Any] = {"http.request.method": method, "url.full": redact_url(url)}
+    try:
+        parts = urlsplit(url)
+        if parts.hostname:
+            attrs["server.address"] = parts.hostname
+        if parts.port:
+            attrs["server.port"] = parts.port
+    except ValueError:
+        pass
+    return attrs
+
+
+
+class DeliverySpans:
+    """The relay's ``deliver <destination>`` span of each outbox row of a batch, in the trace of
+    the span that wrote the row (:func:`message_traceparent`; a row written untraced starts a
+    trace). :attr:`messages` are the rows with ``traceparent`` set to their delivery span, for
+    the handler: the webhook's request span nests under it and sends it on."""
+
+    def __init__(self, t: Any, group: Sequence[Any]) -> None:
+        self._spans: list[Any] = []
+        self.messages: list[Any] = []
+        for m in group:
+            ctx = _parent(message_traceparent(m)) or _context.Context()
+            attrs = attributes(key=m.message_id, attempt=m.attempts)
+            attrs["reliable_beat.outbox.destination"] = m.destination
+            s = t.start_span(f"deliver {m.destination}", context=ctx, kind=SpanKind.PRODUCER,
+                             attributes=attrs)
+            self._spans.append(s)
+            self.messages.append(dataclasses.replace(m, traceparent=traceparent_of(s)))
+
+    @classmethod
+    def of(cls, group: Sequence[Any]) -> DeliverySpans | None:
+        t = tracer()
+        return None if t is None or not group else cls(t, group)
+
+    def end(self, results: Sequence[Any]) -> None:
+        """End each span with its row's result (None: sent; an exception: failed)."""
+        for s, err in zip(self._spans, results, strict=False):
+            if isinstance(err, BaseException):
+                s.set_attribute(OUTCOME, "failed")
+                record_error(s, err)
+            else:
+                s.set_attribute(OUTCOME, "sent")
+            s.end()
+        self._spans.clear()
+
+
+def annotate(attrs: Mapping[str, Any]) -> None:
+    """Set ``attrs`` on the current span (the execution's ``process`` span, or the framework
+    instrumentation's task span); no-op when off."""
+    if tracer() is not None and attrs:
+        _execution_span().set_attributes(attrs)
+
+
+@contextlib.contextmanager
+def process_span(task: str, *, traceparent: Any, system: str, message_id: str | None = None,
+                 queue: str | None = None,
+                 expected: tuple[type[BaseException], ...] = ()) -> Iterator[Any]:
+    """The consumer span of one execution, ``process <task>``, child of the message's
+    ``traceparent``, around the worker protocol's spans. When a span is already current (the
+    framework's own instrumentation, e.g. ``opentelemetry-instrumentation-celery``, started one
+    from the same ``traceparent``), no second one is made: the protocol's spans nest under it.
+    ``expected``: the framework's retry signals (ended without an error status)."""
+    if tracer() is None:
+        yield None
+        return
+    if in_span():
+        token = _EXECUTION.set(_trace.get_current_span())
+        try:
+            yield None
+        finally:
+            _EXECUTION.reset(token)
+        return
+    attrs: dict[str, Any] = {"messaging.system": system, "messaging.operation.type": "process",
+                             "messaging.operation.name": "process"}
+    if queue:
+        attrs["messaging.destination.name"] = queue
+    if message_id:
+        attrs["messaging.message.id"] = message_id
+    with span(f"process {task}", parent=traceparent, root=True, kind="consumer",
+              attributes=attrs, expected=expected) as s:
+        token = _EXECUTION.set(s)
+        try:
+            yield s
+        finally:
+            _EXECUTION.reset(token)
+
+
+@contextlib.contextmanager
+def completion_span(key: str, fence_token: int, attempt: int) -> Iterator[Any]:
+    """The fenced completion's ``reliable_beat.complete`` span: outcome ``succeeded``, or
+    ``fenced_out`` (a newer runner owns the run: this attempt's writes were refused)."""
+    if tracer() is None:
+        yield None
+        return
+    execution = _execution_span()
+    with span("reliable_beat.complete", attributes=attributes(
+            key=key, fence_token=fence_token, attempt=attempt)) as s:
+        try:
+            yield s
+        except StaleFenceToken:
+            s.set_attribute(OUTCOME, "fenced_out")
+            execution.set_attribute(OUTCOME, "fenced_out")
+            raise
+        s.set_attribute(OUTCOME, "succeeded")
+        execution.set_attribute(OUTCOME, "succeeded")
+
+
+def _execution_span() -> Any:
+    """The span of the execution in progress (:func:`process_span`'s, or the framework's task
+    span it found current), else the current span."""
+    found = _EXECUTION.get()
+    return found if found is not None else _trace.get_current_span()
+
+
+#: the execution's span while :func:`process_span` runs (outcome set from the protocol spans)
+_EXECUTION: contextvars.ContextVar[Any] = contextvars.ContextVar("reliable_beat_execution",
+                                                                 default=None)
+
+
+def linked_root(name: str, **attrs: Any) -> str | None:
+    """Start and end a span ``name`` in a new trace, linked to the current span; its
+    ``traceparent`` (None when off). Continue-as-new: the next run's trace."""
+    t = tracer()
+    if t is None:
+        return None
+    links = _links([current_traceparent()])
+    s = t.start_span(name, context=_context.Context(), links=links,
+                     attributes=attributes(**attrs))
+    s.end()
+    return traceparent_of(s)

@@ -1,0 +1,128 @@
+"""reliable_beat.tracing: a no-op without a tracer provider (or without the API), and spans
+that never show a secret of an error, a URL or a key (the logs' redaction)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime, timezone
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from reliable_beat import tracing
+from reliable_beat.errors import StaleFenceToken
+from reliable_beat.triggers import build_trigger_payload
+
+SECRET = "UtSecret7c41d9e2"
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    """An SDK provider with the in-memory exporter, as the package's tracer (the global
+    provider can be set once per process: the package's cached tracer is swapped instead)."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing._tracer = provider.get_tracer("reliable_beat")
+    try:
+        yield memory
+    finally:
+        tracing._reset()
+
+
+def test_off_without_a_provider() -> None:
+    tracing._reset()
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    assert tracing.tracer() is None
+    with tracing.span("x") as s:
+        assert s is None
+    assert tracing.current_traceparent() is None
+    assert tracing.BeatTrace.start("celery") is None
+    carrier: dict[str, str] = {}
+    tracing.inject(carrier)
+    assert carrier == {}
+
+
+def test_off_without_the_api() -> None:
+    """With ``opentelemetry`` not importable, the module loads and every call is a no-op."""
+    code = (
+        "import sys; sys.modules['opentelemetry'] = None\n"
+        "from reliable_beat import tracing\n"
+        "assert tracing.tracer() is None\n"
+        "with tracing.span('x') as s: assert s is None\n"
+        "with tracing.completion_span('k', 1, 1) as s: assert s is None\n"
+        "assert tracing.current_traceparent() is None\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_error_and_url_redacted(exporter: InMemorySpanExporter) -> None:
+    with pytest.raises(ConnectionError), tracing.span("body"):
+        raise ConnectionError(f"refused https://u:{SECRET}@db.example/x?token={SECRET} "
+                              f"password={SECRET}")
+    with tracing.span("POST", kind="client", attributes=tracing.http_attributes(
+            "POST", f"https://hooks.example/hook/{SECRET}?sig={SECRET}")):
+        pass
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["body", "POST"]
+    body, post = spans
+    assert body.status.status_code == trace.StatusCode.ERROR
+    assert body.events[0].name == "exception"
+    assert "ConnectionError" in str(body.events[0].attributes)
+    assert post.attributes is not None
+    assert post.attributes["url.full"].startswith("https://hooks.example/")
+    for s in spans:
+        text = repr((s.attributes, [e.attributes for e in s.events], s.status.description))
+        assert SECRET not in text
+
+
+def test_attributes_redacted_like_logs(exporter: InMemorySpanExporter) -> None:
+    attrs = tracing.attributes(key=f"sync?token={SECRET}", entry="e", workflow_id="w:1",
+                               workflow_run=2, fence_token=None)
+    assert SECRET not in repr(attrs)
+    assert attrs["reliable_beat.workflow.id"] == "w:1"
+    assert attrs["reliable_beat.workflow.run"] == 2
+    assert "reliable_beat.fence_token" not in attrs
+
+
+def test_fenced_out_completion(exporter: InMemorySpanExporter) -> None:
+    with tracing.process_span("t", traceparent=None, system="celery") as process, \
+            pytest.raises(StaleFenceToken), tracing.completion_span("k", 3, 1):
+        raise StaleFenceToken("k", 3)
+    assert process is not None
+    complete, proc = exporter.get_finished_spans()
+    assert complete.attributes is not None and proc.attributes is not None
+    assert complete.attributes[tracing.OUTCOME] == "fenced_out"
+    assert complete.status.status_code == trace.StatusCode.ERROR
+    assert proc.attributes[tracing.OUTCOME] == "fenced_out"
+    assert complete.parent is not None
+    assert complete.parent.span_id == proc.context.span_id
+
+
+def test_trigger_carries_the_fire_span(exporter: InMemorySpanExporter) -> None:
+    beat = tracing.BeatTrace.start("celery")
+    assert beat is not None
+    at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    tp = beat.fire(entry="e", slot="2026-01-01T00:00:00Z", key="e@2026-01-01T00:00:00Z",
+                   task="t", trigger="schedule")
+    assert tp is not None
+    celery = build_trigger_payload(task="t", args=[], kwargs={}, options={}, key="k",
+                                   entry="e", fire_at=at, trigger="schedule", traceparent=tp)
+    neutral = build_trigger_payload(task="t", args=[], kwargs={}, options={}, key="k",
+                                    entry="e", fire_at=at, trigger="schedule", traceparent=tp,
+                                    destination="dramatiq")
+    assert celery["headers"]["traceparent"] == tp
+    assert neutral["reliable_beat"]["traceparent"] == tp
+    beat.end()
+    fire, tick = exporter.get_finished_spans()
+    assert fire.name == "fire e" and tick.name == "reliable_beat.tick"
+    assert fire.parent is None and fire.links[0].context.span_id == tick.context.span_id
+    assert tp.split("-")[2] == f"{fire.context.span_id:016x}"

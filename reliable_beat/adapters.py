@@ -28,11 +28,11 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from reliable_beat.errors import ConfigurationError
+from reliable_beat.settings import Settings
 
 if TYPE_CHECKING:
     from reliable_beat.db.dialects import Store
     from reliable_beat.messages import OutboxMessage
-    from reliable_beat.settings import Settings
     from reliable_beat.triggers import Trigger
 
 __all__ = [
@@ -214,8 +214,6 @@ def app_settings(app: Any, database_url: tuple[str, str] | None = None) -> Setti
     if callable(read):
         settings: Settings = read(app, database_url=database_url)
         return settings
-    from reliable_beat.settings import Settings
-
     return Settings.from_celery(app, database_url=database_url)
 
 

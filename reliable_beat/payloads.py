@@ -34,14 +34,9 @@ from datetime import datetime
 from importlib.metadata import entry_points
 from typing import Any
 
+from reliable_beat.destinations import SmtpConfig, WebhookDestination
 from reliable_beat.errors import ConfigurationError, OutboxPayloadError, PermanentDeliveryError
-from reliable_beat.handlers import (
-    ENTRY_POINT_GROUP,
-    SmtpConfig,
-    SmtpHandler,
-    WebhookDestination,
-)
-from reliable_beat.handlers import _resolve as resolve_handler
+from reliable_beat.handlers import ENTRY_POINT_GROUP, SmtpHandler, resolve_handler
 from reliable_beat.messages import OutboxMessage
 from reliable_beat.redaction import get_logger
 

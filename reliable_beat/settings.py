@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from reliable_beat.destinations import SmtpConfig, parse_webhook_destinations
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.policies import (
     MAX_CATCH_UP_LIMIT,
@@ -170,7 +171,7 @@ class Settings:
         owner_id: name of this process in leases and logs (default: host:pid).
         webhook_destinations: ``{name: {"base_url", "headers"?, "timeout_seconds"?,
             "max_concurrency"?, "methods"?, "block_private_networks"?}}``: where ``webhook``
-            rows may go (see :func:`reliable_beat.handlers.parse_webhook_destinations`);
+            rows may go (see :func:`reliable_beat.destinations.parse_webhook_destinations`);
             header values may be ``{"env": "NAME"}``.
         webhook_allowed_hosts: host names webhook ``base_url`` s (when not empty) and
             opted-in row URLs must use.
@@ -185,7 +186,7 @@ class Settings:
             relay's claim lease, 60 s by default).
         smtp: the SMTP server of the ``smtp`` destination: ``{"host", "port", "starttls"
             (default True), "ssl", "username", "password", "timeout_seconds", "from",
-            "allowed_from", "ca_file"}`` (see :class:`reliable_beat.handlers.SmtpConfig`).
+            "allowed_from", "ca_file"}`` (see :class:`reliable_beat.destinations.SmtpConfig`).
         max_payload_bytes: the largest JSON size of an entry's args + kwargs + options and
             of an outbox row's payload + headers (bytes, checked where they enter). The
             default is :data:`reliable_beat.outbox.DEFAULT_MAX_PAYLOAD_BYTES`, the fixed limit
@@ -351,8 +352,6 @@ class Settings:
 
     def _outbound_problems(self) -> list[str]:
         """Shape checks of the webhook / SMTP / size settings (secrets are read by the relay)."""
-        from reliable_beat.handlers import SmtpConfig, parse_webhook_destinations
-
         problems = []
         hosts = self.webhook_allowed_hosts
         if isinstance(hosts, (list, str)):  # a list from a config file; a str is one host

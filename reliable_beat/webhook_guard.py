@@ -1,7 +1,7 @@
 """What a webhook request may carry and where it may go: pure checks, no I/O.
 
 * :func:`normalise_path`: the path a row gives, made safe to append to a destination's base
-  URL, or refused. :meth:`reliable_beat.handlers.WebhookDestination.url_for` calls it, so a
+  URL, or refused. :meth:`reliable_beat.destinations.WebhookDestination.url_for` calls it, so a
   row is judged the same where it is written (the write-time check of webhook rows runs the
   handler's own guard) and where the relay sends it.
 * :func:`header_value_problem` / :func:`header_name_problem`: a header the HTTP client would

@@ -35,8 +35,8 @@ from reliable_beat.handlers import (
     CELERY_PROTOCOL_HEADERS,
     DestinationUnavailableError,
     MessageExpiredError,
-    Result,
 )
+from reliable_beat.outbound.base import Result
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
 

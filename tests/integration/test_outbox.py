@@ -200,7 +200,9 @@ def test_mark_sent_moves_each_run_once_in_one_batch(store: Store) -> None:
                                      dispatched_at=dispatched_at)
                 .returning(runs.c.id)
             ).scalar_one()
-            outbox.add(conn, destination, {"task": "t"}, key=f"m:{key}", run_id=run_id)
+            payload = ({"task": "t"} if destination == "celery"  # rows outbox.add accepts
+                       else {"destination": "d", "path": "/x", "body": {}})
+            outbox.add(conn, destination, payload, key=f"m:{key}", run_id=run_id)
             ids[key] = conn.execute(sa.select(outbox_t.c.id).where(
                 outbox_t.c.message_id == f"m:{key}")).scalar_one()
     batch = [ids[k] for k, c in cases.items() if c[3]]

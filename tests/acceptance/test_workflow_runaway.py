@@ -6,8 +6,8 @@ Three solo ``celery worker`` processes, a ``reliable-beat relay``, PostgreSQL an
 
 * ``wfa.forever`` (a transaction, then ``while True: pass``) is interrupted by the code
   deadline and parked ``blocked``, its reason naming the setting and the fix;
-* ``wfa.hung`` (a transaction, then a wait inside one C call, which no deadline can
-  interrupt) lets its lease expire; one more worker takes it over (max_takeovers 1), and
+* ``wfa.hung`` (a transaction, then a step that never returns: step bodies are not timed by
+  the code deadline) lets its lease expire; one more worker takes it over (max_takeovers 1), and
   the second expiry parks it ``blocked`` naming ``reliable_beat_workflow_max_takeovers``,
   not re-sent to the third worker;
 * a workflow started after both were parked completes on the worker left;
@@ -89,7 +89,7 @@ def test_runaway_workflows_are_parked_and_leave_workers_to_the_others(
     assert "`reliable-beat workflows resume hung`" in reason
     assert row["takeovers"] == 1 and row["leased_by"] is None
 
-    # two workers still sit in hung's C call; the third takes a workflow started now
+    # two workers still sit in hung's step; the third takes a workflow started now
     engine.start(store, "wfa.linear", "later", ["later"], queue=rig.queue)
     wait("a workflow started after the runaways completes",
          lambda: state("later") == "completed", rig, timeout=60)

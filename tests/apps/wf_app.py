@@ -275,10 +275,14 @@ def forever(ctx: WorkflowContext, order: str) -> Any:
         pass
 
 
+def _hang() -> str:
+    threading.Event().wait(3600)  # a call without a timeout that never returns
+    return "unreachable"
+
+
 @workflow(app, name="wfa.hung", queue=QUEUE)
 def hung(ctx: WorkflowContext, order: str) -> Any:
-    """Code blocked inside one C call (a lock wait): the code deadline cannot interrupt it;
-    the takeover count parks it."""
+    """A step that never returns: step bodies run inside a durable call, which the code
+    deadline does not time, so the takeover count parks it."""
     ctx.transaction(_tx_effect, f"{order}:before", name="before")
-    threading.Event().wait(3600)
-    return "unreachable"
+    return ctx.step(_hang, name="hang")

@@ -31,14 +31,13 @@ from typing import Any
 from celery import signals
 from sqlalchemy import update
 
+from reliable_beat.celery.headers import KEY_HEADER
 from reliable_beat.db.tables import runs
 from reliable_beat.redaction import get_logger
 
 __all__ = ["UNRECORDED_MAX", "record_start", "record_unrecorded_starts"]
 
 log = get_logger("reliable_beat.acks")
-
-KEY_HEADER = "reliable_beat_key"
 
 #: Most starts kept per worker process while the database is unreachable (newer ones are
 #: dropped, with a WARNING naming them).

@@ -22,11 +22,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any, ClassVar
 
 from celery import Task
@@ -43,6 +42,17 @@ from sqlalchemy.exc import (
 
 from reliable_beat import joins, runs, tracing
 from reliable_beat import values as rb_values
+from reliable_beat.celery.headers import (
+    _HEADERS,
+    _SLOT_KEY,
+    ENTRY_HEADER,
+    FIRE_AT_HEADER,
+    KEY_HEADER,
+    TRIGGER_HEADER,
+    WAITS_HEADER,
+    _header,
+    _parse_fire_at,
+)
 from reliable_beat.celery.reprs import shown_reprs
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import (
@@ -66,17 +76,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-
-KEY_HEADER = "reliable_beat_key"
-#: The form of a scheduled slot's key (:func:`reliable_beat.slots.idempotency_key`).
-_SLOT_KEY = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
-ENTRY_HEADER = "reliable_beat_entry"
-FIRE_AT_HEADER = "reliable_beat_fire_at"
-TRIGGER_HEADER = "reliable_beat_trigger"
-#: Internal retries (busy lease, store unreachable) that led to a message; not a try.
-WAITS_HEADER = "reliable_beat_waits"
-# (traceparent: a retry's message stays in its slot's trace)
-_HEADERS = (KEY_HEADER, ENTRY_HEADER, FIRE_AT_HEADER, TRIGGER_HEADER, tracing.TRACEPARENT)
 
 
 def _transient_defaults() -> tuple[type[BaseException], ...]:
@@ -191,31 +190,6 @@ class _Outbox:
             max_bytes=self._task.reliable_beat_settings.max_payload_bytes,
             handlers=self._task.reliable_beat_settings.outbox_handlers,
         )
-
-
-def _header(request: Any, name: str) -> Any:
-    """A custom message header, wherever this Celery version put it.
-
-    Celery 5.3+ copies custom headers both onto ``request.headers`` (a dict of the
-    non-Celery keys) and, through the request dict, as attributes (``request.<name>``);
-    eager ``apply(headers=...)`` sets ``request.headers`` only. Both are read.
-    """
-    headers = getattr(request, "headers", None)
-    if isinstance(headers, Mapping) and headers.get(name) is not None:
-        return headers[name]
-    return getattr(request, name, None)
-
-
-def _parse_fire_at(value: Any) -> datetime | None:
-    if value in (None, ""):
-        return None
-    if isinstance(value, datetime):
-        parsed = value
-    else:
-        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    if parsed.tzinfo is None:
-        raise ValueError(f"{FIRE_AT_HEADER}={value!r} has no time zone")
-    return parsed.astimezone(timezone.utc)
 
 
 # The note stored instead of a result that cannot be stored as JSON, and the conversion: one

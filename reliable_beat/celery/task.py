@@ -36,8 +36,11 @@ from sqlalchemy.exc import (
     StatementError,
 )
 
-from reliable_beat import runs, tracing
+from reliable_beat import execution, runs, tracing
 from reliable_beat import values as rb_values
+from reliable_beat.celery import acks as _acks
+from reliable_beat.celery import brokers as _brokers
+from reliable_beat.celery import prompt_acks
 from reliable_beat.celery.headers import (
     _HEADERS,
     _SLOT_KEY,
@@ -65,6 +68,17 @@ from reliable_beat.errors import (
     IdempotencyKeyError,
     LeaseHeldError,
     StaleFenceToken,
+)
+
+# The framework-neutral worker protocol (schema check, per-process stores, run state, the
+# lease renewer; the note stored instead of a result that cannot be stored as JSON) lives
+# in reliable_beat.execution, shared with the Dramatiq adapter.
+from reliable_beat.execution import (
+    RESULT_NOTE_KEY,  # noqa: F401 (re-exported)
+    _current,
+    _raise_if_schema_missing,
+    _RunState,
+    _store_for,
 )
 from reliable_beat.identity import STORE_HEADER, ForeignStoreError, store_id
 from reliable_beat.redaction import get_logger
@@ -104,25 +118,12 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
         tracked = any(isinstance(t, IdempotentTask) for t in list(app.tasks.values()))
         if tracked:
             # acks written at once, not at the hub's next wake-up (see prompt_acks)
-            from reliable_beat.celery import prompt_acks
-
             prompt_acks.install(instance)
             settings = Settings.from_celery(app)
             log.info("reliable_beat: store %s", settings.database_url_text)
             _warn_default_store_once(settings)
     except ConfigurationError as exc:
         log.critical("reliable_beat: configuration refused: %s", exc)
-
-
-# The framework-neutral worker protocol (schema check, per-process stores, run state, the
-# lease renewer) lives in reliable_beat.execution, shared with the Dramatiq adapter.
-from reliable_beat import execution  # noqa: E402
-from reliable_beat.execution import (  # noqa: E402
-    _current,
-    _raise_if_schema_missing,
-    _RunState,
-    _store_for,
-)
 
 
 class _Outbox:
@@ -169,11 +170,6 @@ class _Outbox:
             max_bytes=self._task.reliable_beat_settings.max_payload_bytes,
             handlers=self._task.reliable_beat_settings.outbox_handlers,
         )
-
-
-# The note stored instead of a result that cannot be stored as JSON, and the conversion: one
-# definition, shared with the Dramatiq adapter (reliable_beat.execution).
-from reliable_beat.execution import RESULT_NOTE_KEY  # noqa: E402, F401 (re-exported)
 
 
 def _loaded_result(stored: Any) -> Any:
@@ -677,12 +673,11 @@ class IdempotentTask(_Retries, _BodyTransaction):
         }
 
 
-# A worker that runs IdempotentTasks also records the starts of plain tasks' triggers.
-from reliable_beat.celery import acks as _acks  # noqa: E402, F401
+# A worker that runs IdempotentTasks also records the starts of plain tasks' triggers
+# (importing acks connects it); an IdempotentTask's claim records its own.
+_acks._records_own_start(IdempotentTask)
 
 # ... and warns at start when the broker's timeouts are shorter than its retries.
-from reliable_beat.celery import brokers as _brokers  # noqa: E402
-
 _brokers.connect_worker_check()
 
 

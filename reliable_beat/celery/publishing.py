@@ -58,7 +58,7 @@ from reliable_beat.handlers import (
 )
 from reliable_beat.outbound.base import Result
 from reliable_beat.outbox import OutboxMessage
-from reliable_beat.redaction import get_logger
+from reliable_beat.redaction import get_logger, redact_url
 
 __all__ = [
     "CeleryHandler",
@@ -283,8 +283,6 @@ def _unavailable(app: Any, exc: BaseException) -> DestinationUnavailableError:
 
 def _broker_name(app: Any) -> tuple[str, str]:
     """The broker URL (password masked) and `` within N s`` (its socket timeout) or ``""``."""
-    from reliable_beat.redaction import redact_url
-
     try:  # the password masked (and no mask when there is none)
         broker = redact_url(app.connection_for_write().as_uri(include_password=True))
     except Exception:  # pragma: no cover - the URL was usable a moment ago

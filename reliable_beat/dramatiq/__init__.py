@@ -31,6 +31,8 @@ the beat loop). Every public name is imported from here.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from reliable_beat.dramatiq.base import OPTION, TRIGGER_DESTINATION, DeadLettered
 from reliable_beat.dramatiq.base import _broker_errors as _broker_errors
 from reliable_beat.dramatiq.base import _parse_instant as _parse_instant
@@ -38,9 +40,6 @@ from reliable_beat.dramatiq.context import RunContext, current
 from reliable_beat.dramatiq.context import _message as _message
 from reliable_beat.dramatiq.context import _Outbox as _Outbox
 from reliable_beat.dramatiq.context import _run as _run
-from reliable_beat.dramatiq.periodic import CELERY_ONLY_OPTIONS as CELERY_ONLY_OPTIONS
-from reliable_beat.dramatiq.periodic import beat_loop, definitions
-from reliable_beat.dramatiq.periodic import sync_entries as sync_entries
 from reliable_beat.dramatiq.publisher import (
     DramatiqHandler,
     DramatiqPublisher,
@@ -55,6 +54,11 @@ from reliable_beat.dramatiq.worker import IdempotentActor, ReliableBeat, record_
 from reliable_beat.dramatiq.worker import _interrupts as _interrupts
 from reliable_beat.dramatiq.worker import _middleware as _middleware
 from reliable_beat.dramatiq.worker import log as log
+
+if TYPE_CHECKING:
+    from reliable_beat.dramatiq.periodic import CELERY_ONLY_OPTIONS as CELERY_ONLY_OPTIONS
+    from reliable_beat.dramatiq.periodic import beat_loop, definitions
+    from reliable_beat.dramatiq.periodic import sync_entries as sync_entries
 
 __all__ = [
     "OPTION",
@@ -72,3 +76,15 @@ __all__ = [
     "record_skipped_message",
     "requeue_dead_letter",
 ]
+
+#: The beat's names, imported on first use: periodic.py imports the core beat loop and the
+#: entries sync (and through them Alembic), which a worker process never needs.
+_PERIODIC = frozenset({"CELERY_ONLY_OPTIONS", "beat_loop", "definitions", "sync_entries"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PERIODIC:
+        from reliable_beat.dramatiq import periodic
+
+        return getattr(periodic, name)
+    raise AttributeError(f"module 'reliable_beat.dramatiq' has no attribute {name!r}")

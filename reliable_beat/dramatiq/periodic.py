@@ -10,9 +10,14 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from reliable_beat.db.dialects import Store
 from reliable_beat.dramatiq.publisher import DramatiqPublisher
 from reliable_beat.dramatiq.worker import IdempotentActor, _middleware
+from reliable_beat.entries import definition_from_celery, sync_config_entries
 from reliable_beat.errors import ConfigurationError
+from reliable_beat.groups import DEFAULT_GROUP
+from reliable_beat.loop import BeatLoop
+from reliable_beat.outbox import db_now
 from reliable_beat.settings import Settings
 
 __all__ = ["beat_loop", "definitions", "sync_entries"]
@@ -31,8 +36,6 @@ def definitions(broker: Any, schedule: Mapping[str, Any] | None = None, *,
     Raises:
         ConfigurationError: every bad entry, each named, in one error.
     """
-    from reliable_beat.entries import definition_from_celery
-
     def is_idempotent(name: str) -> bool | None:
         actor = broker.actors.get(name)
         return None if actor is None else isinstance(actor, IdempotentActor)
@@ -77,12 +80,8 @@ def definitions(broker: Any, schedule: Mapping[str, Any] | None = None, *,
 def sync_entries(broker: Any, store: Any, settings: Settings,
                  schedule: Mapping[str, Any] | None = None) -> dict[str, int]:
     """Validate and sync the broker's periodic entries into the store (config entries)."""
-    from reliable_beat.entries import sync_config_entries
-    from reliable_beat.outbox import db_now
-
     with store.begin() as conn:
         now = db_now(conn)
-    from reliable_beat.groups import DEFAULT_GROUP
 
     # the group its BeatLoop fires (reliable_beat.loop.BeatLoop.schedule_group)
     return sync_config_entries(store, definitions(broker, schedule, now=now, settings=settings),
@@ -98,9 +97,6 @@ def beat_loop(broker: Any, store: Any = None) -> Any:
     Raises:
         ConfigurationError: the broker has no :class:`ReliableBeat` middleware.
     """
-    from reliable_beat.db.dialects import Store
-    from reliable_beat.loop import BeatLoop
-
     rb = _middleware(broker)
     settings = rb.settings
     if store is None:

@@ -11,14 +11,18 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import dramatiq
 
 from reliable_beat import runs, tracing
+from reliable_beat.dramatiq import backlog
 from reliable_beat.dramatiq.base import OPTION, TRIGGER_DESTINATION, _broker_errors, _parse_instant
 from reliable_beat.dramatiq.worker import IdempotentActor
+from reliable_beat.handlers import DestinationUnavailableError, MessageExpiredError
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redaction import get_logger
+from reliable_beat.triggers import trigger_identity
 
 __all__ = ["DramatiqHandler", "DramatiqPublisher", "message_for_trigger", "rabbitmq_url",
            "requeue_dead_letter"]
@@ -37,8 +41,6 @@ def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
     Raises:
         KeyError: the actor is not registered on ``broker`` and no queue is given.
     """
-    from reliable_beat.triggers import trigger_identity
-
     identity = trigger_identity(payload)
     options = dict(payload.get("options") or {})
     actor_name = str(payload["task"])
@@ -69,8 +71,6 @@ def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
 
 
 def _publish_errors(exc: Exception) -> Exception:
-    from reliable_beat.handlers import DestinationUnavailableError
-
     transient: tuple[type[BaseException], ...] = (*_broker_errors(), ConnectionError, OSError)
     try:
         import redis.exceptions
@@ -103,8 +103,6 @@ class DramatiqPublisher:
         """Build every message first, call ``wait()`` (the core loop sleeps there until the
         slot of triggers it claimed ahead), then enqueue them back to back. A ``wait`` that
         raises abandons the batch before anything was enqueued."""
-        from reliable_beat.handlers import MessageExpiredError
-
         built: list[tuple[int, Any]] = []
         out: dict[int, BaseException | None] = {}
         for m in messages:
@@ -131,9 +129,7 @@ class DramatiqPublisher:
     def queue_depths(self, messages: Sequence[OutboxMessage]) -> list[tuple[str, int | None]]:
         """Ready messages in each trigger's queue, for the re-dispatch sweep's backlog check
         (:func:`reliable_beat.dramatiq.backlog.queue_depths`)."""
-        from reliable_beat.dramatiq.backlog import queue_depths
-
-        return queue_depths(self.broker, messages)
+        return backlog.queue_depths(self.broker, messages)
 
 
 class DramatiqHandler:
@@ -174,8 +170,6 @@ def rabbitmq_url(url: str) -> str:
     refuses the connection (``NOT_ALLOWED - vhost  not found``). This returns the same URL
     with the vhost spelled ``%2F``; any other URL is returned unchanged.
     """
-    from urllib.parse import urlsplit, urlunsplit
-
     parts = urlsplit(url)
     if parts.scheme.startswith("amqp") and parts.path == "//":
         return urlunsplit(parts._replace(path="/%2F"))

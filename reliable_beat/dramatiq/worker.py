@@ -17,10 +17,12 @@ from typing import Any, NoReturn
 
 import dramatiq
 from dramatiq.middleware import Middleware
+from sqlalchemy import update
 from sqlalchemy.exc import DataError, IntegrityError
 
 from reliable_beat import execution, runs, tracing
 from reliable_beat import values as rb_values
+from reliable_beat.db.tables import runs as runs_table
 from reliable_beat.dramatiq.base import OPTION, DeadLettered, _broker_errors, _parse_instant
 from reliable_beat.dramatiq.context import RunContext, _message, _run
 from reliable_beat.dramatiq.retry_options import (
@@ -126,10 +128,6 @@ def record_skipped_message(settings: Settings, message: Any) -> str | None:
         The new state (``skipped``) when a run was updated, else None (no key in the
         message options, no such run, or it already started / finished).
     """
-    from sqlalchemy import update
-
-    from reliable_beat.db.tables import runs as runs_table
-
     opts = (getattr(message, "options", None) or {}).get(OPTION) or {}
     key = opts.get("key")
     name = getattr(message, "actor_name", "?")

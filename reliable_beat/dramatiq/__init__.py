@@ -26,7 +26,8 @@ The package: :mod:`~reliable_beat.dramatiq.base` (shared names) <
 :mod:`~reliable_beat.dramatiq.context` (``current()``) < :mod:`~reliable_beat.dramatiq.worker`
 (the middleware and the actor class) < :mod:`~reliable_beat.dramatiq.publisher` (messages,
 publisher, outbox handler, requeue) < :mod:`~reliable_beat.dramatiq.periodic` (entries and
-the beat loop). Every public name is imported from here.
+the beat loop). Every public name is imported from here; periodic's on first use (it
+imports the core beat loop, which a worker process never needs).
 """
 
 from __future__ import annotations

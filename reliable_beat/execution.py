@@ -29,6 +29,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from reliable_beat import runs, tracing
 from reliable_beat import values as rb_values
+from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import PermanentError, SchemaError, StaleFenceToken
 from reliable_beat.policies import backoff_delay
@@ -39,13 +40,17 @@ __all__ = [
     "PERMANENT_DEFAULTS",
     "RESULT_NOTE_KEY",
     "Decision",
+    "LeaseRenewer",
+    "RunState",
     "claim_decision",
     "classify",
     "complete_after_body",
     "failure_decision",
+    "raise_if_schema_missing",
     "run_and_complete",
     "run_body",
     "storable_result",
+    "store_for",
     "transient_defaults",
 ]
 
@@ -341,7 +346,7 @@ def storable_result(task_name: str, key: str, result: Any) -> Any:
 
 # ------------------------------------------------- moved from reliable_beat/celery/task.py ----
 
-def _raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: str) -> None:
+def raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: str) -> None:
     """A store whose reliable_beat schema is missing or behind is a permanent error.
     A database error that is not a lost connection (e.g. ``no such table:
     reliable_beat_runs``) is checked against the schema's revision; retrying cannot create
@@ -353,8 +358,6 @@ def _raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: s
     """
     if not isinstance(exc, DBAPIError) or exc.connection_invalidated:
         return
-    from reliable_beat.db import migrate
-
     try:
         revision = migrate.current(store)
         if revision == migrate.head():
@@ -392,7 +395,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_stores_after_fork)
 
 
-def _store_for(url: str) -> Store:
+def store_for(url: str) -> Store:
     """The process's :class:`Store` for ``url`` (role ``worker``), created on first use.
 
     Survives prefork: the fork hook, and a pid check as a second line, give each child
@@ -409,12 +412,12 @@ def _store_for(url: str) -> Store:
 
 # ------------------------------------------------------------ per-execution state ----
 
-#: ``_current.states``: id(task) -> the _RunState of the execution running in this thread.
+#: ``_current.states``: id(task) -> the RunState of the execution running in this thread.
 _current = threading.local()
 
 
 @dataclass(eq=False)  # hashed by identity: a member of the renewer's set
-class _RunState:
+class RunState:
     claim: runs.Claim
     store: Store
     lease: timedelta
@@ -428,16 +431,16 @@ class _RunState:
     #: Stores the result of a run completed in the body's transaction (None: at once, on
     #: the store); set by a transaction joined to an outer one (Django's ``atomic()``).
     write_result: Callable[[Any], None] | None = None
-    #: time.monotonic() of the next lease renewal (set by _LeaseRenewer.add).
+    #: time.monotonic() of the next lease renewal (set by LeaseRenewer.add).
     renew_at: float = 0.0
 
 
-def _renew_interval(state: _RunState) -> float:
+def _renew_interval(state: RunState) -> float:
     """Seconds between renewals of ``state``'s lease: a third of the lease (>= 0.05 s)."""
     return max(state.lease.total_seconds() / 3.0, 0.05)
 
 
-class _LeaseRenewer:
+class LeaseRenewer:
     """One daemon thread per process renewing the lease of every execution in flight.
 
     An execution is added when its body starts and discarded when its completion begins or
@@ -455,12 +458,12 @@ class _LeaseRenewer:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._states: set[_RunState] = set()
+        self._states: set[RunState] = set()
         #: When the thread will next look (monotonic); None while it waits for work.
         self._wake_at: float | None = None
         self._thread: threading.Thread | None = None
 
-    def add(self, state: _RunState) -> None:
+    def add(self, state: RunState) -> None:
         """Start renewing ``state``'s lease, first after one interval."""
         state.renew_at = time.monotonic() + _renew_interval(state)
         with self._cond:
@@ -473,7 +476,7 @@ class _LeaseRenewer:
             if self._wake_at is None or state.renew_at < self._wake_at:
                 self._cond.notify()
 
-    def discard(self, state: _RunState) -> None:
+    def discard(self, state: RunState) -> None:
         """Stop renewing ``state``'s lease (no-op when it is not renewed)."""
         with self._cond:
             self._states.discard(state)
@@ -495,7 +498,7 @@ class _LeaseRenewer:
             for state in due:
                 self._renew(state)
 
-    def _renew(self, state: _RunState) -> None:
+    def _renew(self, state: RunState) -> None:
         try:
             ok = runs.renew_lease(state.store, state.claim, state.lease)
         except Exception:  # store briefly unreachable: the lease is not lost yet
@@ -516,7 +519,7 @@ class _LeaseRenewer:
             )
 
 
-_renewer = _LeaseRenewer()
+_renewer = LeaseRenewer()
 
 
 def _new_renewer_after_fork() -> None:
@@ -530,13 +533,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_renewer_after_fork)
 
 
-#: Public names of the moved helpers, for adapters.
-store_for = _store_for
-RunState = _RunState
-LeaseRenewer = _LeaseRenewer
-raise_if_schema_missing = _raise_if_schema_missing
+#: The names these helpers had when they lived in ``reliable_beat.celery.task``, still
+#: imported by the Celery adapter (and ``_store_for`` patched by its tests).
+_store_for = store_for
+_RunState = RunState
+_LeaseRenewer = LeaseRenewer
+_raise_if_schema_missing = raise_if_schema_missing
 
 
-def renewer() -> _LeaseRenewer:
+def renewer() -> LeaseRenewer:
     """This process's lease renewer (one thread serving every execution in flight)."""
     return _renewer

@@ -16,24 +16,27 @@ imported here.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import runs, tracing
+from reliable_beat import outbox, runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import PermanentError, SchemaError, StaleFenceToken
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger
+from reliable_beat.settings import Settings
 from reliable_beat.slots import format_fire_at
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "RESULT_NOTE_KEY",
     "Decision",
     "LeaseRenewer",
+    "RunOutbox",
     "RunState",
     "claim_decision",
     "classify",
@@ -433,6 +437,66 @@ class RunState:
     write_result: Callable[[Any], None] | None = None
     #: time.monotonic() of the next lease renewal (set by LeaseRenewer.add).
     renew_at: float = 0.0
+
+
+class RunOutbox:
+    """The outbox of a running body: ``self.outbox`` of an ``IdempotentTask``,
+    ``current().outbox`` of an ``IdempotentActor``.
+
+    Each :meth:`add` writes a row in the body's transaction, stamped with the run
+    (``run_id``), checked against the settings' ``max_payload_bytes`` and
+    ``outbox_handlers``, and keyed by the run's idempotency key.
+
+    Args:
+        state: returns the run state of the execution the body runs in, read at each
+            :meth:`add` (the Celery task looks it up per thread and raises ``RuntimeError``
+            outside an execution; a Dramatiq run context holds its own).
+        settings: returns the settings of the task or actor, read at each :meth:`add`.
+    """
+
+    def __init__(self, state: Callable[[], RunState], settings: Callable[[], Settings]) -> None:
+        self._state = state
+        self._settings = settings
+
+    def add(
+        self,
+        tx: Connection,
+        destination: str,
+        payload: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        delay: timedelta | float | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        """Add an outbox row in ``tx`` (the body's transaction): :func:`reliable_beat.outbox.add`.
+
+        ``key`` defaults to ``f"{idempotency_key}#{n}"``, ``n`` = 1, 2, ... counting the adds
+        of this attempt, so a retried attempt that adds "the same" messages in the same
+        order produces the same message ids, and the far end can deduplicate. ``delay`` in
+        seconds (a number) or a ``timedelta``.
+
+        Returns:
+            The outbox message id.
+        """
+        state = self._state()
+        state.outbox_count += 1
+        settings = self._settings()
+        # The writer is looked up at each add, as sys.modules holds it then (a test may stand
+        # a stub module in for reliable_beat.outbox, as the Celery task always allowed).
+        add: Callable[..., str] = importlib.import_module(outbox.__name__).add
+        return add(
+            tx,
+            destination,
+            payload,
+            key=key or f"{state.claim.key}#{state.outbox_count}",
+            headers=headers,
+            delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
+            ordering_key=ordering_key,
+            run_id=state.claim.run_id,
+            max_bytes=settings.max_payload_bytes,
+            handlers=settings.outbox_handlers,
+        )
 
 
 def _renew_interval(state: RunState) -> float:

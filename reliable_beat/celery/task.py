@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from celery import Task
@@ -40,7 +40,7 @@ from sqlalchemy.exc import (
     StatementError,
 )
 
-from reliable_beat import joins, runs, tracing
+from reliable_beat import joins, runs, slots, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.celery.reprs import shown_reprs
 from reliable_beat.db.dialects import Store
@@ -160,15 +160,8 @@ def _header(request: Any, name: str) -> Any:
 
 
 def _parse_fire_at(value: Any) -> datetime | None:
-    if value in (None, ""):
-        return None
-    if isinstance(value, datetime):
-        parsed = value
-    else:
-        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    if parsed.tzinfo is None:
-        raise ValueError(f"{FIRE_AT_HEADER}={value!r} has no time zone")
-    return parsed.astimezone(timezone.utc)
+    """The fire-time header: :func:`reliable_beat.slots.parse_fire_at` (no zone: UTC)."""
+    return slots.parse_fire_at(value, FIRE_AT_HEADER)
 
 
 # The note stored instead of a result that cannot be stored as JSON, and the conversion: one

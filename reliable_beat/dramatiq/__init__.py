@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
 import dramatiq
@@ -38,7 +38,7 @@ from dramatiq.middleware import Middleware
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, IntegrityError
 
-from reliable_beat import execution, joins, runs, tracing
+from reliable_beat import execution, joins, runs, slots, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.dramatiq.retry_options import (
     drop_message_options,
@@ -328,10 +328,9 @@ def current() -> RunContext:
     return ctx
 
 
-def _parse_instant(value: Any) -> datetime | None:
-    if not value:
-        return None
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).astimezone(timezone.utc)
+def _parse_instant(value: Any, what: str = "fire_at") -> datetime | None:
+    """A trigger's instant: :func:`reliable_beat.slots.parse_fire_at` (no zone: UTC)."""
+    return slots.parse_fire_at(value, what)
 
 
 class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
@@ -588,7 +587,7 @@ def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
         message_options[tracing.TRACEPARENT] = traceparent
     extra: dict[str, Any] = {}
     fire_at = _parse_instant(identity["fire_at"])
-    expires_at = _parse_instant(payload.get("expires_at"))
+    expires_at = _parse_instant(payload.get("expires_at"), "expires_at")
     if fire_at is not None and expires_at is not None:
         # ``expires`` counts from the slot, as for Celery entries: AgeLimit measures from
         # message_timestamp, so a delivery later than slot + expires is skipped (its run is
@@ -644,7 +643,7 @@ class DramatiqPublisher:
         for m in messages:
             try:
                 payload = m.payload if isinstance(m.payload, Mapping) else {}
-                expires_at = _parse_instant(payload.get("expires_at"))
+                expires_at = _parse_instant(payload.get("expires_at"), "expires_at")
                 if expires_at is not None and now >= expires_at:
                     raise MessageExpiredError(f"{m.message_id}: expired at {expires_at}")
                 built.append((m.id, message_for_trigger(self.broker, payload)))

@@ -39,7 +39,6 @@ from reliable_beat.dramatiq.base import _broker_errors as _broker_errors
 from reliable_beat.dramatiq.base import _parse_instant as _parse_instant
 from reliable_beat.dramatiq.context import RunContext, current
 from reliable_beat.dramatiq.context import _message as _message
-from reliable_beat.dramatiq.context import _Outbox as _Outbox
 from reliable_beat.dramatiq.context import _run as _run
 from reliable_beat.dramatiq.publisher import (
     DramatiqHandler,

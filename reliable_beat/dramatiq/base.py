@@ -5,8 +5,10 @@ the reading of an instant a message option carries.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
+
+from reliable_beat import slots
 
 __all__ = ["OPTION", "TRIGGER_DESTINATION", "DeadLettered"]
 
@@ -25,10 +27,9 @@ class DeadLettered(Exception):
 DeadLettered.__module__ = "reliable_beat.dramatiq"
 
 
-def _parse_instant(value: Any) -> datetime | None:
-    if not value:
-        return None
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).astimezone(timezone.utc)
+def _parse_instant(value: Any, what: str = "fire_at") -> datetime | None:
+    """A trigger's instant: :func:`reliable_beat.slots.parse_fire_at` (no zone: UTC)."""
+    return slots.parse_fire_at(value, what)
 
 
 def _broker_errors() -> tuple[type[BaseException], ...]:

@@ -6,11 +6,10 @@ bind for each message.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -25,35 +24,6 @@ _message: ContextVar[Any] = ContextVar("reliable_beat_dramatiq_message", default
 _run: ContextVar[RunContext | None] = ContextVar("reliable_beat_dramatiq_run", default=None)
 
 
-class _Outbox:
-    """``current().outbox``: outbox rows stamped with the run, keyed ``<key>#<n>``."""
-
-    def __init__(self, ctx: RunContext) -> None:
-        self._ctx = ctx
-
-    def add(self, tx: Connection, destination: str, payload: Any, *, key: str | None = None,
-            headers: Mapping[str, Any] | None = None, delay: timedelta | float | None = None,
-            ordering_key: str | None = None) -> str:
-        """Add an outbox row in ``tx`` (the body's transaction); see
-        :func:`reliable_beat.outbox.add`. ``key`` defaults to ``f"{run key}#{n}"`` (n = 1,
-        2, ... per attempt), so a retried attempt produces the same message ids.
-
-        Returns:
-            The outbox message id.
-        """
-        from reliable_beat import outbox
-
-        state = self._ctx.state
-        state.outbox_count += 1
-        return outbox.add(
-            tx, destination, payload, key=key or f"{state.claim.key}#{state.outbox_count}",
-            headers=headers, ordering_key=ordering_key, run_id=state.claim.run_id,
-            delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
-            max_bytes=self._ctx.settings.max_payload_bytes,
-            handlers=self._ctx.settings.outbox_handlers,
-        )
-
-
 @dataclass
 class RunContext:
     """The run an :class:`IdempotentActor` body executes (``current()``).
@@ -65,7 +35,7 @@ class RunContext:
 
     state: execution.RunState
     settings: Settings
-    _outbox: _Outbox | None = field(default=None, repr=False)
+    _outbox: execution.RunOutbox | None = field(default=None, repr=False)
 
     @property
     def idempotency_key(self) -> str:
@@ -92,9 +62,11 @@ class RunContext:
         return self.state.lease_lost
 
     @property
-    def outbox(self) -> _Outbox:
+    def outbox(self) -> execution.RunOutbox:
+        """``current().outbox.add(tx, destination, payload, ...)``: see
+        :class:`~reliable_beat.execution.RunOutbox`."""
         if self._outbox is None:
-            self._outbox = _Outbox(self)
+            self._outbox = execution.RunOutbox(lambda: self.state, lambda: self.settings)
         return self._outbox
 
     @contextmanager

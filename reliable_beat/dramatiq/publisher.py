@@ -56,7 +56,7 @@ def message_for_trigger(broker: Any, payload: Mapping[str, Any]) -> Any:
         message_options[tracing.TRACEPARENT] = traceparent
     extra: dict[str, Any] = {}
     fire_at = _parse_instant(identity["fire_at"])
-    expires_at = _parse_instant(payload.get("expires_at"))
+    expires_at = _parse_instant(payload.get("expires_at"), "expires_at")
     if fire_at is not None and expires_at is not None:
         # ``expires`` counts from the slot, as for Celery entries: AgeLimit measures from
         # message_timestamp, so a delivery later than slot + expires is skipped (its run is
@@ -108,7 +108,7 @@ class DramatiqPublisher:
         for m in messages:
             try:
                 payload = m.payload if isinstance(m.payload, Mapping) else {}
-                expires_at = _parse_instant(payload.get("expires_at"))
+                expires_at = _parse_instant(payload.get("expires_at"), "expires_at")
                 if expires_at is not None and now >= expires_at:
                     raise MessageExpiredError(f"{m.message_id}: expired at {expires_at}")
                 built.append((m.id, message_for_trigger(self.broker, payload)))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
-from reliable_beat import tracing
+from reliable_beat import slots, tracing
 
 __all__ = ["ENTRY_HEADER", "FIRE_AT_HEADER", "KEY_HEADER", "TRIGGER_HEADER", "WAITS_HEADER"]
 
@@ -43,12 +43,5 @@ def _header(request: Any, name: str) -> Any:
 
 
 def _parse_fire_at(value: Any) -> datetime | None:
-    if value in (None, ""):
-        return None
-    if isinstance(value, datetime):
-        parsed = value
-    else:
-        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    if parsed.tzinfo is None:
-        raise ValueError(f"{FIRE_AT_HEADER}={value!r} has no time zone")
-    return parsed.astimezone(timezone.utc)
+    """The fire-time header: :func:`reliable_beat.slots.parse_fire_at` (no zone: UTC)."""
+    return slots.parse_fire_at(value, FIRE_AT_HEADER)

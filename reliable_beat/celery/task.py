@@ -19,16 +19,13 @@ dead letter). See ``docs/task.md``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, ClassVar
 
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils import json as kombu_json
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import (
     DataError,
     DBAPIError,
@@ -124,52 +121,6 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
             _warn_default_store_once(settings)
     except ConfigurationError as exc:
         log.critical("reliable_beat: configuration refused: %s", exc)
-
-
-class _Outbox:
-    """``self.outbox``: adds outbox rows stamped with the run, keyed by the run's key."""
-
-    def __init__(self, task: IdempotentTask) -> None:
-        self._task = task
-
-    def add(
-        self,
-        tx: Connection,
-        destination: str,
-        payload: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, Any] | None = None,
-        delay: timedelta | float | None = None,
-        ordering_key: str | None = None,
-    ) -> str:
-        """Add an outbox row in ``tx`` (the body's transaction): :func:`reliable_beat.outbox.add`.
-
-        ``key`` defaults to ``f"{idempotency_key}#{n}"``, ``n`` = 1, 2, ... counting the adds
-        of this attempt, so a retried attempt that adds "the same" messages in the same
-        order produces the same message ids, and the far end can deduplicate.
-
-        Returns:
-            The outbox message id.
-        """
-        # reliable_beat.outbox is imported when used (it is optional for tasks without it).
-        outbox = importlib.import_module("reliable_beat.outbox")
-        state = self._task._state()
-        state.outbox_count += 1
-        message_key = key or f"{state.claim.key}#{state.outbox_count}"
-        add: Callable[..., str] = outbox.add
-        return add(
-            tx,
-            destination,
-            payload,
-            key=message_key,
-            headers=headers,
-            delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
-            ordering_key=ordering_key,
-            run_id=state.claim.run_id,
-            max_bytes=self._task.reliable_beat_settings.max_payload_bytes,
-            handlers=self._task.reliable_beat_settings.outbox_handlers,
-        )
 
 
 def _loaded_result(stored: Any) -> Any:
@@ -405,9 +356,10 @@ class IdempotentTask(_Retries, _BodyTransaction):
         return self._state().lease_lost
 
     @property
-    def outbox(self) -> _Outbox:
-        """``self.outbox.add(tx, destination, payload, ...)``: see :class:`_Outbox`."""
-        return _Outbox(self)
+    def outbox(self) -> execution.RunOutbox:
+        """``self.outbox.add(tx, destination, payload, ...)``: see
+        :class:`~reliable_beat.execution.RunOutbox`."""
+        return execution.RunOutbox(self._state, lambda: self.reliable_beat_settings)
 
     # -------------------------------------------------------------- execution ----
 

@@ -15,6 +15,11 @@ execution in flight) renews the lease every ``lease/3`` -> commit the
 completion fenced in the body's transaction (or, when the body never opened one, in a
 transaction of our own right after it) -> classify failures (retry with full jitter, or
 dead letter). See ``docs/task.md``.
+
+Two base classes hold parts of the class: :class:`~reliable_beat.celery.retry_options._Retries`
+(Celery's retry options, ``classify``, the backoff, internal retries) and
+:class:`~reliable_beat.celery.transaction._BodyTransaction` (``self.transaction()``,
+``self.returns()``); the trigger's headers are read with :mod:`reliable_beat.celery.headers`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import click
 
-from reliable_beat import runtime
 from reliable_beat import schedules as sch
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.cli.status import jsonable
@@ -40,6 +39,8 @@ from reliable_beat.errors import (
     StoreUnavailableError,
 )
 from reliable_beat.groups import schedule_group_of
+from reliable_beat.ops import actions as ops_actions
+from reliable_beat.ops import describe as ops_describe
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 from reliable_beat.redaction import redact_value
 
@@ -154,7 +155,7 @@ def _task_checker(app: Any) -> Callable[[str], bool | None] | None:
         return None
 
     def is_idempotent(task: str) -> bool | None:
-        kind = runtime.task_kind(app, task)
+        kind = ops_describe.task_kind(app, task)
         return None if kind == "unknown" else kind == "idempotent"
 
     return is_idempotent
@@ -269,7 +270,7 @@ def build_definition(
     if (
         app is not None
         and isinstance(raw.get("task"), str)
-        and runtime.task_kind(app, raw["task"]) == "unknown"
+        and ops_describe.task_kind(app, raw["task"]) == "unknown"
     ):
         problems.append(
             f"entry {name!r}: task {raw['task']!r} is not registered in app "
@@ -525,9 +526,9 @@ def quarantine_problems(store: Any, name: str) -> list[str]:
 @_entry_command("trigger")
 def trigger_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Fire NAME once now, under its own key (recorded as a manual run)."""
-    key = runtime.trigger(cli.store, name, app=cli.app)
+    key = ops_actions.trigger(cli.store, name, app=cli.app)
     group = get_entry(cli.store, name).get("schedule_group")
-    published = runtime.app_publishes(cli.app, group)
+    published = ops_actions.app_publishes(cli.app, group)
     if as_json:
         cli.echo_json({"outcome": "triggered", "entry": name, "key": key,
                        "published": published})
@@ -556,7 +557,7 @@ def backfill_cmd(
     e = _parse_instant(end, "END", problems, name)
     if problems or s is None or e is None:
         raise EntryValidationError(problems)
-    result = runtime.backfill(
+    result = ops_actions.backfill(
         cli.store, name, s, e, limit=cli.settings.backfill_limit, force=force, app=cli.app
     )
     if as_json:
@@ -573,7 +574,7 @@ def backfill_cmd(
 @_entry_command("describe")
 def describe_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Answer the five questions for NAME: run twice? overlap? machine dies? retry? idempotent?"""
-    info = runtime.describe(cli.store, cli.app, name)
+    info = ops_describe.describe(cli.store, cli.app, name)
     if as_json:
         cli.echo_json(jsonable(info))
         return
@@ -641,7 +642,7 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     outcomes = importers.import_entries(
         cli.store, found, settings=cli.settings, default_timezone=zone,
         is_idempotent=_task_checker(app),
-        is_registered=(lambda t: runtime.task_kind(app, t) != "unknown") if app else None,
+        is_registered=(lambda t: ops_describe.task_kind(app, t) != "unknown") if app else None,
         skip_invalid=skip_invalid, dry_run=dry_run,
         schedule_group=schedule_group if schedule_group is not None or app is None
         else schedule_group_of(app, cli.settings.schedule_group),

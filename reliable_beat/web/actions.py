@@ -2,7 +2,7 @@
 
 The actions are the operator verbs the command line has, through the same core operations:
 :func:`reliable_beat.entries.pause` / :func:`~reliable_beat.entries.resume`,
-:func:`reliable_beat.runtime.trigger` / :func:`~reliable_beat.runtime.backfill`,
+:func:`reliable_beat.ops.actions.trigger` / :func:`~reliable_beat.ops.actions.backfill`,
 :func:`reliable_beat.runs.requeue_dead_letter` (then the task is sent again under the same
 key) and :func:`reliable_beat.runs.release_lease`. Every attempt is recorded, whether it was
 done, refused (a viewer, a CSRF failure, a missing confirmation) or failed, with who, what,
@@ -19,10 +19,10 @@ from typing import Any
 
 from reliable_beat import entries as rb_entries
 from reliable_beat import runs as rb_runs
-from reliable_beat import runtime
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import operator_actions
 from reliable_beat.errors import ReliableBeatError
+from reliable_beat.ops import actions as ops_actions
 from reliable_beat.redaction import get_logger, redact_text, redact_value
 from reliable_beat.web.auth import Principal
 
@@ -81,14 +81,14 @@ def _resume(store: Store, app: Any, form: dict[str, str], backfill_limit: int) -
 
 
 def _trigger(store: Store, app: Any, form: dict[str, str], backfill_limit: int) -> str:
-    key = runtime.trigger(store, form["target"], app=app)
+    key = ops_actions.trigger(store, form["target"], app=app)
     return f"entry {form['target']!r} triggered: run {key}"
 
 
 def _backfill(store: Store, app: Any, form: dict[str, str], backfill_limit: int) -> str:
     start = _parse_instant(form.get("start", ""), "start")
     end = _parse_instant(form.get("end", ""), "end")
-    done = runtime.backfill(store, form["target"], start, end, limit=backfill_limit, app=app)
+    done = ops_actions.backfill(store, form["target"], start, end, limit=backfill_limit, app=app)
     return (f"entry {form['target']!r} backfilled: {done.created} runs created, "
             f"{done.existing} slots already had one, {done.buffered} buffered")
 

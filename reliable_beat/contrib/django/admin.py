@@ -9,8 +9,8 @@ misfire rules and fencing are the CLI's:
 action                 API                                     permission
 =====================  ======================================  ============================
 pause / resume         ``entries.pause`` / ``entries.resume``  ``reliable_beat.pause_entry``
-trigger now            ``runtime.trigger``                     ``reliable_beat.trigger_entry``
-backfill a window      ``runtime.backfill``                    ``reliable_beat.backfill_entry``
+trigger now            ``ops.actions.trigger``                 ``reliable_beat.trigger_entry``
+backfill a window      ``ops.actions.backfill``                ``reliable_beat.backfill_entry``
 requeue a dead letter  ``runs.requeue_dead_letter`` + send     ``reliable_beat.requeue_deadletter``
 =====================  ======================================  ============================
 
@@ -35,7 +35,6 @@ from django.template.response import TemplateResponse
 
 from reliable_beat import entries as rb_entries
 from reliable_beat import runs as rb_runs
-from reliable_beat import runtime
 from reliable_beat.contrib.django import conf
 from reliable_beat.contrib.django.models import (
     Attempt,
@@ -49,6 +48,8 @@ from reliable_beat.contrib.django.models import (
 )
 from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
 from reliable_beat.groups import schedule_group_of
+from reliable_beat.ops import actions as ops_actions
+from reliable_beat.ops import describe as ops_describe
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT, MISSED_MARGIN_SECONDS, is_missed
 from reliable_beat.redaction import MASK, is_sensitive_name, redact_text, redact_value
 
@@ -479,7 +480,7 @@ class EntryAdmin(_ReadOnlyAdmin):
                     if isinstance(obj.quarantined_at, datetime) else
                     f"Quarantined, it does not fire until fixed: {obj.quarantine_reason}")
             try:
-                extra["describe"] = runtime.describe(conf.store(), conf.celery_app(), obj.name)
+                extra["describe"] = ops_describe.describe(conf.store(), conf.celery_app(), obj.name)
             except ReliableBeatError as exc:
                 extra["describe_error"] = str(exc)
             except Exception as exc:  # a malformed stored value the description cannot read
@@ -561,7 +562,7 @@ class EntryAdmin(_ReadOnlyAdmin):
                          "(a manual run with its own key; the relay delivers the trigger)",
                 items=[f"{e.name} -> {e.task}" for e in queryset])
         self._each(request, queryset, "triggered",
-                   lambda name: f" ({runtime.trigger(conf.store(), name)})")
+                   lambda name: f" ({ops_actions.trigger(conf.store(), name)})")
         return None
 
     @admin.action(description="Backfill a window of the selected entries",
@@ -577,7 +578,7 @@ class EntryAdmin(_ReadOnlyAdmin):
         limit = conf.store_settings().backfill_limit
 
         def one(name: str) -> str:
-            result = runtime.backfill(
+            result = ops_actions.backfill(
                 conf.store(), name, form.cleaned_data["start"], form.cleaned_data["end"],
                 limit=limit, force=form.cleaned_data["force"])
             return f" ({result.created} created, {result.existing} existing)"

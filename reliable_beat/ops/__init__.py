@@ -1,0 +1,11 @@
+"""The operations layer: what an operator does and reads, for every front end.
+
+The command line (:mod:`reliable_beat.cli`), the Django admin
+(:mod:`reliable_beat.contrib.django.admin`) and the web dashboard (:mod:`reliable_beat.web`)
+call these functions and only render their results; none of them calls another front end.
+Framework-neutral, like the core below it: an app is optional and reached through
+:mod:`reliable_beat.adapters`.
+
+* :mod:`~reliable_beat.ops.actions`: trigger an entry now, backfill a window.
+* :mod:`~reliable_beat.ops.describe`: the five questions an operator asks of a job.
+"""

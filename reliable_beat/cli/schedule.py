@@ -21,12 +21,12 @@ from sqlalchemy import select, update
 
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.cli.entries import handle_errors
-from reliable_beat.cli.status import BEAT_ALIVE_SECONDS
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import entries, schedule_configs
 from reliable_beat.entries import definitions_from_beat_schedule, notify_entries_changed
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.groups import group_health, log_sync_result, schedule_group_of
+from reliable_beat.ops.status import BEAT_ALIVE_SECONDS
 from reliable_beat.redaction import get_logger
 from reliable_beat.rows import display_rows
 

@@ -8,4 +8,7 @@ Framework-neutral, like the core below it: an app is optional and reached throug
 
 * :mod:`~reliable_beat.ops.actions`: trigger an entry now, backfill a window.
 * :mod:`~reliable_beat.ops.describe`: the five questions an operator asks of a job.
+* :mod:`~reliable_beat.ops.status`: the status of a store (``reliable-beat status``, the
+  dashboard's alarms), from the reads of :mod:`~reliable_beat.ops.reads` and the verdicts of
+  :mod:`~reliable_beat.ops.checks` (the problems ``status --check`` exits 1 on).
 """

@@ -8,6 +8,9 @@ Framework-neutral, like the core below it: an app is optional and reached throug
 
 * :mod:`~reliable_beat.ops.actions`: trigger an entry now, backfill a window.
 * :mod:`~reliable_beat.ops.describe`: the five questions an operator asks of a job.
+* :mod:`~reliable_beat.ops.entries`: runtime entries validated as a beat validates
+  beat_schedule entries, the quarantine check behind resume, a schedule in words.
+* :mod:`~reliable_beat.ops.context`: the app's settings and zone, resolved once for all.
 * :mod:`~reliable_beat.ops.status`: the status of a store (``reliable-beat status``, the
   dashboard's alarms), from the reads of :mod:`~reliable_beat.ops.reads` and the verdicts of
   :mod:`~reliable_beat.ops.checks` (the problems ``status --check`` exits 1 on).

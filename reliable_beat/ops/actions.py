@@ -1,8 +1,9 @@
-"""Operator actions on one entry: fire it now, backfill a window.
+"""Operator actions: fire an entry now, backfill a window, requeue a dead run.
 
-These are the verbs behind ``reliable-beat entries trigger|backfill``, the Django admin's and
-the dashboard's trigger and backfill actions; they are framework-neutral (an app is optional
-and only used to publish at once).
+These are the verbs behind ``reliable-beat entries trigger|backfill`` and ``dead-letters
+requeue``, and the Django admin's and the dashboard's actions of those names; they are
+framework-neutral (an app is optional for a trigger or a backfill and only used to publish at
+once; a requeue sends the task through it).
 
 * :func:`trigger` fires an entry once, now, under its own key
   (``"<entry>@manual:<db now, ISO 8601 UTC with microseconds>"``). The run has
@@ -11,6 +12,8 @@ and only used to publish at once).
 * :func:`backfill` creates the runs of every slot in ``[start, end)`` that has none
   (``trigger='backfill'``, the slot's own key, so a later backfill or the beat itself is a
   no-op for it).
+* :func:`requeue_dead_run` runs a dead run again under the **same** idempotency key: a
+  person's decision, recorded with who made it; nothing is ever requeued automatically.
 
 Triggers are written to the outbox in the same transaction as their runs, with
 ``available_at = now``: the relay (or a beat's sweep) publishes them; when an app is given
@@ -22,6 +25,8 @@ answers the five questions an operator asks of a job.
 from __future__ import annotations
 
 import itertools
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -29,12 +34,13 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from reliable_beat import runs as rb_runs
 from reliable_beat import schedules as sch
 from reliable_beat.adapters import adapter_for, app_settings
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
 from reliable_beat.entries import notify_entries_changed
-from reliable_beat.errors import ConfigurationError, EntryNotFoundError
+from reliable_beat.errors import ConfigurationError, EntryNotFoundError, ReliableBeatError
 from reliable_beat.groups import schedule_group_of
 from reliable_beat.identity import store_id as _store_id
 from reliable_beat.redaction import get_logger
@@ -50,11 +56,14 @@ from reliable_beat.triggers import (
 )
 
 __all__ = [
+    "KEY_HEADER",
     "BackfillLimitError",
     "BackfillResult",
+    "RequeueSendError",
     "app_publishes",
     "backfill",
     "manual_key",
+    "requeue_dead_run",
     "require_entry",
     "trigger",
 ]
@@ -441,3 +450,54 @@ def backfill(
     if app is not None and triggers:
         result.published = _publish(store, app, triggers, now)
     return result
+
+
+# -- requeue -------------------------------------------------------------------------------
+
+#: The header a requeued task carries its idempotency key in.
+KEY_HEADER = "reliable_beat_key"
+
+
+class RequeueSendError(ReliableBeatError, RuntimeError):
+    """The requeued task could not be sent; the requeue was undone and the run stays dead.
+    The message says why (the broker's error)."""
+
+
+def requeue_dead_run(store: Store, app: Any, dead_letter_id: int, payload: Mapping[str, Any],
+                     *, by: str, force: bool = False, queue: str | None = None) -> None:
+    """Run the dead run of dead letter ``dead_letter_id`` again under the **same**
+    idempotency key, through ``app``'s ``send_task`` (a Celery app).
+
+    Resets the run (:func:`reliable_beat.runs.requeue_dead_letter`, recording ``by``), sends
+    ``payload``'s task with its args, kwargs and headers plus the key header
+    (:data:`KEY_HEADER`) under a fresh task id, to ``queue`` or else the queue it died on,
+    then marks the run dispatched. If sending fails, the requeue is undone
+    (:func:`reliable_beat.runs.undo_requeue`).
+
+    Args:
+        store: the store.
+        app: the app whose ``send_task`` sends the task.
+        dead_letter_id: the run dead letter.
+        payload: its stored payload (``{"task", "key", "args"?, "kwargs"?, "headers"?,
+            "queue"?}``), already checked by the caller.
+        by: who decided (recorded on the dead letter).
+        force: requeue even if it was requeued before.
+        queue: the queue to send to (None: the payload's).
+
+    Raises:
+        ValueError: refused (the run's effect committed, requeued before without ``force``,
+            ...), as :func:`reliable_beat.runs.requeue_dead_letter` says; nothing changed.
+        DeadLetterNotFound: no such run dead letter (a ``LookupError``).
+        RequeueSendError: the task could not be sent; the run stays dead.
+    """
+    rb_runs.requeue_dead_letter(store, dead_letter_id, by=by, force=force)
+    headers = dict(payload.get("headers") or {})
+    headers[KEY_HEADER] = payload["key"]
+    try:
+        app.send_task(payload["task"], args=payload.get("args") or [],
+                      kwargs=payload.get("kwargs") or {}, headers=headers,
+                      task_id=str(uuid.uuid4()), queue=queue or payload.get("queue"))
+    except Exception as exc:
+        rb_runs.undo_requeue(store, dead_letter_id)
+        raise RequeueSendError(f"could not send the task ({exc}); the run stays dead") from exc
+    rb_runs.mark_dispatched(store, payload["key"])

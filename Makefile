@@ -40,7 +40,7 @@ test: $(VENV)/.installed
 # Everything: every variant on every store (MariaDB's crash matrix and fault smoke included),
 # then the acceptance and fault suites on RabbitMQ. About two hours on 2 cores.
 test-full: $(VENV)/.installed
-	$(PY) -m pytest -q
+	RELIABLE_BEAT_DEPLOY_SECONDS=60 $(PY) -m pytest -q
 	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_beats.py \
 		tests/acceptance/test_idempotent_task.py tests/acceptance/test_outbox_kill_points.py \
 		tests/acceptance/test_relay_kill.py tests/acceptance/test_dramatiq_adapter.py \

@@ -51,6 +51,9 @@ _check("celery", *CELERY_RANGE)
 _check("kombu", *KOMBU_RANGE)
 
 
+# Resolved on first use, not imported here: Celery imports reliable_beat.celery.commands (and
+# so this package) in every `celery` process as a command plugin; importing the task module
+# would connect its worker signals in apps that do not use reliable_beat.
 def __getattr__(name: str) -> Any:
     if name == "ReliableScheduler":
         from reliable_beat.celery.scheduler import ReliableScheduler

@@ -31,14 +31,15 @@ from typing import Any
 from celery import signals
 from sqlalchemy import update
 
+from reliable_beat import execution
+from reliable_beat.celery.headers import KEY_HEADER
 from reliable_beat.db.tables import runs
 from reliable_beat.redaction import get_logger
+from reliable_beat.settings import Settings
 
 __all__ = ["UNRECORDED_MAX", "record_start", "record_unrecorded_starts"]
 
 log = get_logger("reliable_beat.acks")
-
-KEY_HEADER = "reliable_beat_key"
 
 #: Most starts kept per worker process while the database is unreachable (newer ones are
 #: dropped, with a WARNING naming them).
@@ -47,6 +48,18 @@ UNRECORDED_MAX = 1000
 #: Starts not written yet: idempotency key -> (the worker's clock at the start, store URL).
 _unrecorded: dict[str, tuple[datetime, str]] = {}
 _unrecorded_lock = threading.Lock()
+
+#: Task classes whose tasks record their own start (an ``IdempotentTask``'s claim sets
+#: ``started_at``): :func:`record_start` leaves them alone. :mod:`reliable_beat.celery.task`
+#: adds ``IdempotentTask`` when it is imported (it imports this module, not the reverse).
+_self_recording: tuple[type, ...] = ()
+
+
+def _records_own_start(cls: type) -> None:
+    """Let :func:`record_start` leave the tasks of ``cls`` and its subclasses alone."""
+    global _self_recording
+    if cls not in _self_recording:
+        _self_recording = (*_self_recording, cls)
 
 
 def _key(task: Any) -> str | None:
@@ -65,12 +78,7 @@ def record_start(sender: Any = None, task: Any = None, **_: Any) -> None:
     task = task or sender
     if task is None or getattr(task, "request", None) is None:
         return
-    try:
-        from reliable_beat.celery.task import IdempotentTask
-        from reliable_beat.execution import _store_for
-    except ImportError:  # pragma: no cover - ships together
-        return
-    if isinstance(task, IdempotentTask):
+    if isinstance(task, _self_recording):
         return  # its claim records the start
     key = _key(task)
     if key is None or getattr(task.request, "is_eager", False):
@@ -78,10 +86,8 @@ def record_start(sender: Any = None, task: Any = None, **_: Any) -> None:
     started = datetime.now(timezone.utc)
     url = ""
     try:
-        from reliable_beat.settings import Settings
-
         url = Settings.from_celery(task.app).database_url
-        store = _store_for(url)
+        store = execution._store_for(url)
         with store.begin() as conn:
             now = store.now(conn)
             conn.execute(
@@ -113,13 +119,11 @@ def record_unrecorded_starts(**_: Any) -> int:
         todo = dict(_unrecorded)
     if not todo:
         return 0
-    from reliable_beat.execution import _store_for
-
     written = 0
     for url in sorted({u for _, u in todo.values()}):
         keys = {k: at for k, (at, u) in todo.items() if u == url}
         try:
-            store = _store_for(url)
+            store = execution._store_for(url)
             with store.begin() as conn:
                 for k, at in keys.items():
                     conn.execute(

@@ -29,8 +29,10 @@ from typing import Any, ClassVar
 from celery.beat import Scheduler
 
 from reliable_beat import loop as core
+from reliable_beat.celery import backlog
 from reliable_beat.celery.brokers import warn_broker_timeouts
 from reliable_beat.celery.publishing import bound_broker_wait, publish_celery_batch
+from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.entries import EntryDefinition, definitions_from_beat_schedule
@@ -81,9 +83,7 @@ class CeleryPublisher:
     def queue_depths(self, messages: Sequence[OutboxMessage]) -> list[tuple[str, int | None]]:
         """Ready messages in each trigger's queue, for the re-dispatch sweep's backlog check
         (:func:`reliable_beat.celery.backlog.queue_depths`)."""
-        from reliable_beat.celery.backlog import queue_depths
-
-        return queue_depths(self.app, messages)
+        return backlog.queue_depths(self.app, messages)
 
 
 def publish_triggers(
@@ -182,10 +182,6 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
 
     # -- start -----------------------------------------------------------------------------
     def _is_tracked(self, task: str) -> bool:
-        try:
-            from reliable_beat.celery.task import IdempotentTask
-        except ImportError:  # pragma: no cover - task module always ships
-            return False
         return isinstance(self.app.tasks.get(task), IdempotentTask)
 
     def _task_kind(self, task: str) -> bool | None:

@@ -15,44 +15,74 @@ execution in flight) renews the lease every ``lease/3`` -> commit the
 completion fenced in the body's transaction (or, when the body never opened one, in a
 transaction of our own right after it) -> classify failures (retry with full jitter, or
 dead letter). See ``docs/task.md``.
+
+Two base classes hold parts of the class: :class:`~reliable_beat.celery.retry_options._Retries`
+(Celery's retry options, ``classify``, the backoff, internal retries) and
+:class:`~reliable_beat.celery.transaction._BodyTransaction` (``self.transaction()``,
+``self.returns()``); the trigger's headers are read with :mod:`reliable_beat.celery.headers`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, ClassVar
 
-from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils import json as kombu_json
-from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import (
     DataError,
     DBAPIError,
     IntegrityError,
-    OperationalError,
     StatementError,
 )
 
-from reliable_beat import joins, runs, slots, tracing
+from reliable_beat import execution, runs, tracing
 from reliable_beat import values as rb_values
+from reliable_beat.celery import acks as _acks
+from reliable_beat.celery import brokers as _brokers
+from reliable_beat.celery import prompt_acks
+from reliable_beat.celery.headers import (
+    _HEADERS,
+    _SLOT_KEY,
+    ENTRY_HEADER,
+    FIRE_AT_HEADER,
+    KEY_HEADER,
+    TRIGGER_HEADER,
+    WAITS_HEADER,  # noqa: F401 (re-exported)
+    _header,
+    _parse_fire_at,
+)
 from reliable_beat.celery.reprs import shown_reprs
+from reliable_beat.celery.retry_options import (  # noqa: F401 (re-exported)
+    _CELERY_RETRY_OPTIONS,
+    _explicit,
+    _Retries,
+    _retry_plan,
+    _RetryPlan,
+    _transient_defaults,
+)
+from reliable_beat.celery.transaction import _BodyTransaction
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import (
     ConfigurationError,
     IdempotencyKeyError,
     LeaseHeldError,
-    PermanentError,
     StaleFenceToken,
 )
+
+# The framework-neutral worker protocol (schema check, per-process stores, run state, the
+# lease renewer; the note stored instead of a result that cannot be stored as JSON) lives
+# in reliable_beat.execution, shared with the Dramatiq adapter.
+from reliable_beat.execution import (
+    RESULT_NOTE_KEY,  # noqa: F401 (re-exported)
+    _current,
+    _raise_if_schema_missing,
+    _RunState,
+    _store_for,
+)
 from reliable_beat.identity import STORE_HEADER, ForeignStoreError, store_id
-from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
@@ -65,40 +95,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-
-KEY_HEADER = "reliable_beat_key"
-#: The form of a scheduled slot's key (:func:`reliable_beat.slots.idempotency_key`).
-_SLOT_KEY = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
-ENTRY_HEADER = "reliable_beat_entry"
-FIRE_AT_HEADER = "reliable_beat_fire_at"
-TRIGGER_HEADER = "reliable_beat_trigger"
-#: Internal retries (busy lease, store unreachable) that led to a message; not a try.
-WAITS_HEADER = "reliable_beat_waits"
-# (traceparent: a retry's message stays in its slot's trace)
-_HEADERS = (KEY_HEADER, ENTRY_HEADER, FIRE_AT_HEADER, TRIGGER_HEADER, tracing.TRACEPARENT)
-
-
-def _transient_defaults() -> tuple[type[BaseException], ...]:
-    found: list[type[BaseException]] = [
-        ConnectionError,  # includes StoreUnavailableError
-        TimeoutError,
-        OSError,
-        OperationalError,
-        DBAPIError,
-    ]
-    try:
-        from kombu.exceptions import OperationalError as KombuOperationalError
-
-        found.append(KombuOperationalError)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        import redis.exceptions
-
-        found += [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError]
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(found)
 
 
 # ------------------------------------------------- default store, missing schema ----
@@ -124,50 +120,12 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
         tracked = any(isinstance(t, IdempotentTask) for t in list(app.tasks.values()))
         if tracked:
             # acks written at once, not at the hub's next wake-up (see prompt_acks)
-            from reliable_beat.celery import prompt_acks
-
             prompt_acks.install(instance)
             settings = Settings.from_celery(app)
             log.info("reliable_beat: store %s", settings.database_url_text)
             _warn_default_store_once(settings)
     except ConfigurationError as exc:
         log.critical("reliable_beat: configuration refused: %s", exc)
-
-
-# The framework-neutral worker protocol (schema check, per-process stores, run state, the
-# lease renewer) lives in reliable_beat.execution, shared with the Dramatiq adapter.
-from reliable_beat import execution  # noqa: E402
-from reliable_beat.execution import (  # noqa: E402
-    _current,
-    _raise_if_schema_missing,
-    _renewer,
-    _RunState,
-    _store_for,
-)
-
-
-def _header(request: Any, name: str) -> Any:
-    """A custom message header, wherever this Celery version put it.
-
-    Celery 5.3+ copies custom headers both onto ``request.headers`` (a dict of the
-    non-Celery keys) and, through the request dict, as attributes (``request.<name>``);
-    eager ``apply(headers=...)`` sets ``request.headers`` only. Both are read.
-    """
-    headers = getattr(request, "headers", None)
-    if isinstance(headers, Mapping) and headers.get(name) is not None:
-        return headers[name]
-    return getattr(request, name, None)
-
-
-def _parse_fire_at(value: Any) -> datetime | None:
-    """The fire-time header: :func:`reliable_beat.slots.parse_fire_at` (no zone: UTC)."""
-    return slots.parse_fire_at(value, FIRE_AT_HEADER)
-
-
-# The note stored instead of a result that cannot be stored as JSON, and the conversion: one
-# definition, shared with the Dramatiq adapter (reliable_beat.execution).
-from reliable_beat.execution import RESULT_NOTE_KEY  # noqa: E402, F401 (re-exported)
-from reliable_beat.execution import storable_result as _storable_result  # noqa: E402
 
 
 def _loaded_result(stored: Any) -> Any:
@@ -180,148 +138,7 @@ def _loaded_result(stored: Any) -> Any:
         return stored
 
 
-#: Celery's retry options and what an IdempotentTask makes of them (docs/task.md).
-_CELERY_RETRY_OPTIONS = (
-    "max_retries", "autoretry_for", "dont_autoretry_for", "retry_kwargs", "retry_backoff",
-    "retry_backoff_max", "retry_jitter", "default_retry_delay",
-)
-
-
-@dataclass(frozen=True)
-class _RetryPlan:
-    """The attempt budget and backoff of one IdempotentTask class (None: the setting)."""
-
-    max_attempts: int | None = None
-    base_seconds: float | None = None
-    cap_seconds: float | None = None
-    jitter: bool = True
-    fixed_delay: float | None = None
-    autoretry_for: tuple[type[BaseException], ...] = ()
-    dont_autoretry_for: tuple[type[BaseException], ...] = ()
-
-
-def _explicit(cls: type, name: str) -> tuple[bool, Any]:
-    """``(True, value)`` when ``name`` is set on ``cls`` or a class between it and
-    IdempotentTask (the user's own definition, e.g. ``@app.task(max_retries=3)``)."""
-    for klass in cls.__mro__:
-        if klass is IdempotentTask:
-            break
-        if name in klass.__dict__:
-            return True, klass.__dict__[name]
-    return False, None
-
-
-def _retry_plan(cls: type) -> _RetryPlan:
-    """Map Celery's retry options of ``cls`` onto the attempt budget and backoff.
-
-    Raises:
-        ConfigurationError: an option that cannot mean what it means in Celery, or that
-            contradicts the reliable_beat attribute given with it; the message names both.
-    """
-    name = getattr(cls, "name", None) or cls.__name__
-    problems: list[str] = []
-    got = {opt: _explicit(cls, opt) for opt in _CELERY_RETRY_OPTIONS}
-    ours = {opt: _explicit(cls, opt) for opt in (
-        "max_attempts", "retry_base_seconds", "retry_cap_seconds")}
-    max_attempts: int | None = None
-    fixed: float | None = None
-    retry_kwargs: dict[str, Any] = {}
-    if got["retry_kwargs"][0]:
-        retry_kwargs = dict(got["retry_kwargs"][1] or {})
-        for k in sorted(set(retry_kwargs) - {"max_retries", "countdown"}):
-            problems.append(
-                f"retry_kwargs[{k!r}] is not supported on an IdempotentTask (only max_retries "
-                "and countdown)")
-    for source, given, value in (
-        ("max_retries", got["max_retries"][0], got["max_retries"][1]),
-        ("retry_kwargs['max_retries']", "max_retries" in retry_kwargs,
-         retry_kwargs.get("max_retries")),
-    ):
-        if not given:
-            continue
-        if value is None:
-            problems.append(
-                f"{source}=None (retry for ever) is not supported: an IdempotentTask's "
-                "tries end in a dead letter; set max_attempts (or the "
-                "reliable_beat_retry_max_attempts setting) to a bound instead")
-        elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            problems.append(f"{source}={value!r}: expected a whole number >= 0")
-        elif max_attempts is not None and max_attempts != value + 1:
-            problems.append(f"{source}={value!r} contradicts max_retries={max_attempts - 1}")
-        else:
-            max_attempts = value + 1
-    if max_attempts is not None and ours["max_attempts"][0] and \
-            ours["max_attempts"][1] not in (None, max_attempts):
-        problems.append(
-            f"max_retries={max_attempts - 1} (= {max_attempts} tries) contradicts "
-            f"max_attempts={ours['max_attempts'][1]}; set one of them")
-    base: float | None = None
-    cap: float | None = None
-    jitter = True
-    backoff_given, backoff = got["retry_backoff"]
-    if backoff_given and backoff:
-        if isinstance(backoff, bool):
-            base = 1.0
-        elif isinstance(backoff, (int, float)) and backoff > 0:
-            base = float(int(max(1.0, backoff)))  # Celery's factor: int(max(1.0, value))
-        else:
-            problems.append(f"retry_backoff={backoff!r}: expected True or seconds > 0")
-        if ours["retry_base_seconds"][0] and ours["retry_base_seconds"][1] is not None:
-            problems.append(
-                f"retry_backoff={backoff!r} and retry_base_seconds="
-                f"{ours['retry_base_seconds'][1]!r} both set the backoff base; set one")
-    if got["retry_backoff_max"][0]:
-        value = got["retry_backoff_max"][1]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            problems.append(f"retry_backoff_max={value!r}: expected seconds >= 0")
-        else:
-            cap = float(value)
-        if ours["retry_cap_seconds"][0] and ours["retry_cap_seconds"][1] is not None:
-            problems.append(
-                f"retry_backoff_max={value!r} and retry_cap_seconds="
-                f"{ours['retry_cap_seconds'][1]!r} both cap the backoff; set one")
-    elif base is not None:
-        cap = 600.0  # Celery's default retry_backoff_max
-    if got["retry_jitter"][0]:
-        jitter = bool(got["retry_jitter"][1])
-    if "countdown" in retry_kwargs:
-        value = retry_kwargs["countdown"]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            problems.append(f"retry_kwargs['countdown']={value!r}: expected seconds >= 0")
-        else:
-            fixed = float(value)
-    if fixed is None and base is None and got["default_retry_delay"][0]:
-        value = got["default_retry_delay"][1]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            problems.append(f"default_retry_delay={value!r}: expected seconds >= 0")
-        else:
-            fixed = float(value)
-    if fixed is not None and base is not None:
-        problems.append("retry_kwargs['countdown'] and retry_backoff both set the delay; "
-                        "set one")
-    autoretry: tuple[type[BaseException], ...] = ()
-    dont: tuple[type[BaseException], ...] = ()
-    for opt in ("autoretry_for", "dont_autoretry_for"):
-        given, value = got[opt]
-        if not given or not value:
-            continue
-        classes = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-        if not all(isinstance(c, type) and issubclass(c, BaseException) for c in classes):
-            problems.append(f"{opt}={value!r}: expected exception classes")
-        elif opt == "autoretry_for":
-            autoretry = classes
-        else:
-            dont = classes
-    if problems:
-        raise ConfigurationError(
-            f"IdempotentTask {name}: " + "; ".join(problems)
-            + " (see docs/task.md, 'Celery's retry options')")
-    return _RetryPlan(max_attempts=max_attempts, base_seconds=base, cap_seconds=cap,
-                      jitter=jitter, fixed_delay=fixed, autoretry_for=autoretry,
-                      dont_autoretry_for=dont)
-
-
-class IdempotentTask(Task):  # type: ignore[misc]
+class IdempotentTask(_Retries, _BodyTransaction):
     """Base class for tasks whose effect must happen once per key.
 
     Use ``@app.task(base=IdempotentTask, bind=True)``. See the module docstring and
@@ -391,7 +208,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ConfigurationError: see :func:`_retry_plan`.
         """
         super().__init_subclass__(**kwargs)
-        cls._rb_retry = _retry_plan(cls)
+        cls._rb_retry = _retry_plan(cls, IdempotentTask)
         # A fenced-out holder's StaleFenceToken is the expected end of a run another worker
         # took over (docs/task.md), and an eager call's LeaseHeldError the expected answer
         # when another runner holds the lease (rbt.run_concurrently): Celery logs a task's
@@ -549,145 +366,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         :class:`~reliable_beat.execution.RunOutbox`."""
         return execution.RunOutbox(self._state, lambda: self.reliable_beat_settings)
 
-    # ------------------------------------------------------------ transaction ----
-
-    @contextmanager
-    def transaction(
-        self, *, bind: Engine | Connection | None = None, session: Any = None,
-        using: str | None = None,
-    ) -> Iterator[Connection]:
-        """One transaction for the body's effect; leaving the block completes the run.
-
-        Yields a SQLAlchemy ``Connection`` inside a transaction. On normal exit, the run is
-        marked ``succeeded`` (fenced: ``WHERE fence_token = mine``) in this same
-        transaction, which then commits: effect, outbox rows, key and state commit
-        together or not at all. On an exception, everything rolls back. Use it once per
-        execution.
-
-        Args:
-            bind: your own ``Engine`` (a connection + transaction is opened on it) or
-                ``Connection`` (joined if already in a transaction, which you then commit
-                before the body returns; else a transaction is begun and committed here).
-                Must point at the store's database.
-            session: your own SQLAlchemy ``Session`` on the store's database: its
-                connection is yielded, the ORM can be used alongside, and the session is
-                flushed and committed at the end of the block (rolled back on error).
-            using: a Django database alias (``"default"``): the block is
-                ``transaction.atomic(using=using)`` on Django's own connection and yields a
-                ``Connection`` on it, so ORM writes in the block commit with the key (see
-                :mod:`reliable_beat.contrib.django.db` and ``docs/django.md``). Without
-                ``using``/``bind``/``session``, in a Django project with the app installed,
-                it is the alias whose database is the store's (when one is).
-
-        In a Django project with the app installed, a write on a Django connection other
-        than the block's (another alias, or any when the block is not on Django's) raises
-        ``ConfigurationError`` naming ``using=`` (:mod:`reliable_beat.contrib.django.join`).
-
-        Raises:
-            StaleFenceToken: the fence moved (another runner claimed the run after this
-                one): everything written in the block was rolled back; the attempt is
-                recorded ``fenced_out``.
-            ConfigurationError: ``bind``/``session``/``using`` point at another database,
-                ``using`` is given with ``bind``/``session``, Django is not installed, or
-                (Django) an ORM write on another connection inside the block.
-            RuntimeError: called outside an execution, or twice in one execution.
-        """
-        state = self._state()
-        if state.transaction_used:
-            raise RuntimeError(f"{self.name}: self.transaction() may be used once per run")
-        state.transaction_used = True
-        join = joins.registered()  # Django's, when the app is installed
-        if using is None and bind is None and session is None and join is not None:
-            using = join.default_alias(state.store)  # the store is this Django database
-        if using is not None:
-            if bind is not None or session is not None:
-                raise ConfigurationError(
-                    f"{self.name}: self.transaction(using={using!r}) runs on Django's "
-                    "connection; pass bind=/session= or using=, not both"
-                )
-            join = joins.for_using(using, f"{self.name}: self.transaction")
-            try:
-                with join.atomic(using) as tx:
-                    joins.check_same_database(tx.engine, state.store)
-                    with self._guard(join, using, state):
-                        yield tx
-                    _renewer.discard(state)  # see below
-                    runs.complete(tx, state.claim, state.returned)
-            except BaseException as exc:
-                self._after_rollback(state, exc)
-                raise
-            state.write_result = join.result_writer(using, state.store, state.claim)
-            state.completed = True
-            return
-        if session is not None:
-            conn = session.connection()
-            self._check_same_database(conn.engine, state.store)
-            try:
-                with self._guard(join, None, state):
-                    yield conn
-                session.flush()
-                _renewer.discard(state)  # see below
-                runs.complete(conn, state.claim, state.returned)
-                session.commit()
-            except BaseException as exc:
-                session.rollback()
-                self._after_rollback(state, exc)
-                raise
-            state.completed = True
-            return
-        if isinstance(bind, Connection):
-            self._check_same_database(bind.engine, state.store)
-            if bind.in_transaction():
-                lent = join.alias_of(bind) if join is not None else None  # atomic_connection()'s
-                with self._guard(join, lent, state):
-                    yield bind
-                _renewer.discard(state)  # see below
-                runs.complete(bind, state.claim, state.returned)  # joins the caller's transaction
-                state.completed = True
-                return
-            cm: Any = bind.begin()
-            conn = bind
-        else:
-            engine = bind if bind is not None else state.store.engine
-            if bind is not None:
-                self._check_same_database(engine, state.store)
-            cm = state.store.begin() if bind is None else engine.begin()
-            conn = None
-        try:
-            with cm as entered:
-                tx = conn if conn is not None else entered
-                with self._guard(join, None, state):
-                    yield tx
-                # The completion locks the run row until the commit: a renewal now would
-                # wait on our own lock (and hold up the leases of other executions the
-                # renewer serves). The fence is checked inside this transaction, so no
-                # takeover can slip in before the commit; the lease is no longer needed.
-                _renewer.discard(state)
-                with tracing.completion_span(state.claim.key, state.claim.fence_token,
-                                             state.claim.attempt):
-                    runs.complete(tx, state.claim, state.returned)
-        except BaseException as exc:
-            self._after_rollback(state, exc)
-            raise
-        state.completed = True
-
-    def _guard(self, join: joins.Join | None, alias: str | None,
-               state: _RunState) -> AbstractContextManager[None]:
-        """Writes on the framework's other connections refused inside the block."""
-        return joins.guard(join, alias, where="self.transaction", task_name=self.name,
-                           store=state.store)
-
-    def returns(self, value: Any) -> None:
-        """Declare the run's result inside ``self.transaction()``: it is stored by the
-        completing transaction, with the effect (a workflow activity's result must be;
-        the body's return value is otherwise stored after the commit, best effort).
-
-        Raises:
-            TypeError: ``value`` is not JSON-serialisable.
-            RuntimeError: called outside an execution.
-        """
-        state = self._state()
-        state.returned = _storable_result(self.name, state.claim.key, value)
+    # -------------------------------------------------------------- execution ----
 
     def _check_store_identity(self, store: Store, key: str) -> None:
         """Refuse a trigger written to another store (its ``reliable_beat_store`` header).
@@ -712,22 +391,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         log.critical("%s", message)
         raise ForeignStoreError(message)
-
-    @staticmethod
-    def _check_same_database(engine: Engine, store: Store) -> None:
-        joins.check_same_database(engine, store)
-
-    def _after_rollback(self, state: _RunState, exc: BaseException) -> None:
-        if isinstance(exc, StaleFenceToken):
-            log.warning("%s: %s", self.name, exc)
-            tracing.annotate({tracing.OUTCOME: "fenced_out"})
-            runs.record_fenced_out(state.store, state.claim)
-            state.completed = True  # nothing more to record for this attempt
-        else:
-            # Rolled back without completing: the body may go on, so keep the lease alive.
-            _renewer.add(state)
-
-    # -------------------------------------------------------------- execution ----
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Claim -> body -> fenced completion -> failure classification (tracing on: in a
@@ -827,63 +490,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
                                 payload=self._payload(claim), ran_body=False)
             return None
         return self._execute(claim, store, lease, args, kwargs)
-
-    def _unwrap_autoretry(self) -> None:
-        """Undo Celery's ``autoretry_for`` wrapper of ``run`` (see :func:`_retry_plan`).
-
-        ``@app.task(autoretry_for=...)`` wraps ``run`` in a second retry loop with its own
-        counter; an IdempotentTask retries those exceptions itself, within one budget. The
-        ``_orig_run`` attribute stays, so Celery does not wrap again.
-        """
-        orig = self.__dict__.get("_orig_run")
-        if orig is not None and self.__dict__.get("run") is not orig:
-            self.run = orig
-
-    def _internal_retry(
-        self, key: str, countdown: float, exc: BaseException | None = None
-    ) -> Retry:
-        """Send this message again in ``countdown`` s without spending the attempt budget.
-
-        Unlike ``self.retry``, Celery's ``request.retries`` is not increased and
-        ``max_retries`` is not checked: waiting for another runner's lease, or for the store
-        to come back, is not a try of the body. If the message cannot be sent again (the
-        broker is down too), it is handed back to the broker (``Reject(requeue=True)``:
-        with ``acks_late`` the original message is redelivered), never dropped.
-
-        Returns:
-            The ``Retry`` to raise (it tells the worker the task was re-sent).
-        """
-        request = self.request
-        if request.is_eager and exc is not None:
-            raise exc  # eager apply(): no broker to wait on; the caller sees the error
-        headers = self._key_headers(key)
-        headers[WAITS_HEADER] = self._waits() + 1
-        sig = self.signature_from_request(
-            request, None, None, countdown=countdown, retries=request.retries or 0,
-            headers=headers,
-        )
-        try:
-            sig.apply_async()
-        except Exception as publish_exc:
-            log.error("%s: could not re-send %s (%r); handing the message back to the broker",
-                      self.name, key, publish_exc)
-            raise Reject(publish_exc, requeue=True) from publish_exc
-        return Retry(exc=exc, when=countdown, sig=sig)
-
-    def _waits(self) -> int:
-        """How many internal retries led to this message (0 for a first delivery)."""
-        try:
-            return max(int(_header(self.request, WAITS_HEADER) or 0), 0)
-        except (TypeError, ValueError):
-            return 0
-
-    def _store_backoff(self) -> float:
-        """Full-jitter delay before trying an unreachable store again: the settings' base
-        and cap, growing with the internal retries of this message (not the task's retry
-        options: waiting for the store is not a try)."""
-        s = self.reliable_beat_settings
-        return backoff_delay(min(self._waits(), 30), base=s.retry_base_seconds,
-                             cap=s.retry_cap_seconds)
 
     def _refuse(
         self, key: str, exc: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -1007,42 +613,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         log.error("%s: %s dead-lettered (%s): %s", self.name, claim.key, decision.reason, exc)
         raise exc
 
-    def classify(self, exc: BaseException) -> str:
-        """``permanent`` or ``transient`` for an exception raised by the body (overridable)."""
-        if isinstance(exc, PermanentError):
-            return "permanent"
-        plan = self._rb_retry
-        if plan.dont_autoretry_for and isinstance(exc, plan.dont_autoretry_for):
-            return "permanent"  # Celery: not retried
-        if plan.autoretry_for and isinstance(exc, plan.autoretry_for):
-            return "transient"  # Celery: retried (within the budget)
-        if isinstance(exc, self.permanent_exceptions):
-            return "permanent"
-        if isinstance(exc, self.transient_exceptions):
-            return "transient"
-        if plan.autoretry_for:
-            return "permanent"  # Celery retries only what autoretry_for lists
-        return "transient" if self.retry_unknown_exceptions else "permanent"
-
-    def _backoff(self, retry_number: int) -> float:
-        """Delay in seconds before retry ``retry_number`` (0 = first retry).
-
-        Full jitter by default: ``uniform(0, min(cap, base * 2**k))``; without jitter
-        (Celery's ``retry_jitter=False``) ``min(cap, base * 2**k)``; a fixed delay when
-        Celery's ``default_retry_delay`` or ``retry_kwargs["countdown"]`` sets one.
-        """
-        plan = self._rb_retry
-        if plan.fixed_delay is not None:
-            return plan.fixed_delay
-        s = self.reliable_beat_settings
-        base = plan.base_seconds or self.retry_base_seconds or s.retry_base_seconds
-        cap = (plan.cap_seconds if plan.cap_seconds is not None
-               else self.retry_cap_seconds if self.retry_cap_seconds is not None
-               else s.retry_cap_seconds)
-        if not plan.jitter:
-            return cap if retry_number >= 1023 else min(cap, base * 2.0**retry_number)
-        return backoff_delay(retry_number, base=base, cap=cap)
-
     def _key_headers(self, key: str) -> dict[str, Any]:
         headers = {name: _header(self.request, name) for name in _HEADERS}
         headers[KEY_HEADER] = key
@@ -1060,12 +630,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         }
 
 
-# A worker that runs IdempotentTasks also records the starts of plain tasks' triggers.
-from reliable_beat.celery import acks as _acks  # noqa: E402, F401
+# A worker that runs IdempotentTasks also records the starts of plain tasks' triggers
+# (importing acks connects it); an IdempotentTask's claim records its own.
+_acks._records_own_start(IdempotentTask)
 
 # ... and warns at start when the broker's timeouts are shorter than its retries.
-from reliable_beat.celery import brokers as _brokers  # noqa: E402
-
 _brokers.connect_worker_check()
 
 

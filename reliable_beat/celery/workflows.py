@@ -16,6 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
 from reliable_beat.execution import _store_for
 from reliable_beat.redaction import get_logger
@@ -63,8 +64,6 @@ def install(app: Any) -> Callable[[], Store]:
             return outcome
 
     if START_TASK not in app.tasks:
-        from reliable_beat.celery.task import IdempotentTask
-
         @app.task(  # type: ignore[untyped-decorator]
             name=START_TASK, shared=False, base=IdempotentTask, bind=True)
         def start_workflow(self: IdempotentTask, name: str, *args: Any,

@@ -187,8 +187,8 @@ def celery_app() -> Any:
     else:
         app = _project_app() or _current_app()
     if app is not None:
-        # the Celery adapter (it imports Celery and the CLI): only once an app was found
-        from reliable_beat.celery.commands import prepare_app
+        # the Celery adapter (it imports Celery): only once an app was found
+        from reliable_beat.celery.app_loader import prepare_app
 
         app = prepare_app(app)
         with _lock:

@@ -26,7 +26,9 @@ runs) therefore:
 Nothing here imports a task framework.
 
 The package: :mod:`~reliable_beat.rows.decode` (step 1), :mod:`~reliable_beat.rows.checks`
-(step 2), :mod:`~reliable_beat.rows.quarantine` (step 3). Every name is imported from here.
+(step 2), :mod:`~reliable_beat.rows.quarantine` (step 3); :mod:`~reliable_beat.rows.claimed`
+reads a beat's claimed entries through them, each distinct config once. Every name is
+imported from here.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from reliable_beat.rows.decode import (
     raw_repr,
     unreadable_instant,
 )
+from reliable_beat.rows.claimed import ClaimedEntries
 from reliable_beat.rows.quarantine import (
     MALFORMED,
     dead_letter_run,
@@ -77,6 +80,7 @@ from reliable_beat.rows.quarantine import unknown_state_runs as unknown_state_ru
 
 __all__ = [
     "KNOWN_RUN_STATES",
+    "ClaimedEntries",
     "MALFORMED",
     "OPTIONAL_COLUMNS",
     "LabelledReader",

@@ -45,6 +45,7 @@ from reliable_beat.rows.checks import (
     stored_config_hashes,
 )
 from reliable_beat.rows.checks import MAX_SECONDS as MAX_SECONDS
+from reliable_beat.rows.claimed import ClaimedEntries
 from reliable_beat.rows.decode import (
     OPTIONAL_COLUMNS,
     LabelledReader,
@@ -60,7 +61,6 @@ from reliable_beat.rows.decode import (
     raw_repr,
     unreadable_instant,
 )
-from reliable_beat.rows.claimed import ClaimedEntries
 from reliable_beat.rows.quarantine import (
     MALFORMED,
     dead_letter_run,
@@ -80,9 +80,9 @@ from reliable_beat.rows.quarantine import unknown_state_runs as unknown_state_ru
 
 __all__ = [
     "KNOWN_RUN_STATES",
-    "ClaimedEntries",
     "MALFORMED",
     "OPTIONAL_COLUMNS",
+    "ClaimedEntries",
     "LabelledReader",
     "check_entry",
     "check_options",

@@ -286,17 +286,22 @@ def _rows_param(rows: Sequence[dict[str, Any]]) -> str:
     shares ``now`` and often its slots), which is about twice as fast as letting
     ``json.dumps`` call back for each of them. Naive datetimes raise :class:`ValueError`.
     """
+    if not rows:
+        return "[]"
+    # the keys that can hold an instant, from the first row (a batch's rows share their keys
+    # and types); an instant elsewhere is still formatted, by json.dumps' default, the same
+    instant_keys = [k for k, v in rows[0].items() if v is None or v.__class__ is datetime]
     memo: dict[datetime, str] = {}
     out = []
     for row in rows:
-        converted = {}
-        for key, value in row.items():
+        converted = row.copy()
+        for key in instant_keys:
+            value = converted.get(key)
             if value.__class__ is datetime:
                 text = memo.get(value)
                 if text is None:
                     text = memo[value] = _json_default(value)
-                value = text
-            converted[key] = value
+                converted[key] = text
         out.append(converted)
     return json.dumps(out, default=_json_default, separators=(",", ":"))
 

@@ -4,7 +4,9 @@ Not part of ``python -m benchmarks`` (it prints no target); the tool behind the 
 ``docs/performance.md`` (*CPU per slot of the dispatch path*). One beat process loops exactly
 what part 1 (``benchmarks/dispatch.py``) loops: :meth:`Beat.tick` then ``publish_triggers``
 (publish + mark sent), over N entries due at once (interval 1 h, slot 2 s ago), on a private
-PostgreSQL and Redis (or ``--postgres-url`` / ``--redis-url``). ``row_writes``: rows
+PostgreSQL and Redis (or ``--postgres-url`` / ``--redis-url``). After the first tick the
+heap is frozen as :class:`~reliable_beat.loop.BeatLoop` freezes it (a source tree without
+:func:`reliable_beat.process.freeze_heap`: not). ``row_writes``: rows
 inserted, updated or deleted in the ``reliable_beat_*`` tables per slot (PostgreSQL's
 table statistics).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -119,6 +122,11 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
                 profiler.disable()
             if first:  # warm-up tick: not counted
                 first = False
+                # what BeatLoop does after its first claim (a tree without it: nothing)
+                freeze = getattr(importlib.import_module("reliable_beat.process"),
+                                 "freeze_heap", None)
+                if freeze is not None:
+                    freeze()
                 pg0 = _pg_children_cpu(postmaster)
                 wall0 = time.perf_counter()
             else:

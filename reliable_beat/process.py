@@ -8,7 +8,7 @@
   are marked or held;
 * :func:`skip_exit_gc`: a beat process's exit skips the interpreter's final collection;
 * :func:`freeze_heap`: once its first claim is done, the cyclic collector stops walking the
-  objects a beat keeps for its whole life.
+  objects a beat keeps for its whole life (until :func:`thaw_heap`, at the loop's close).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ __all__ = [
     "deferred_stop_signals",
     "freeze_heap",
     "skip_exit_gc",
+    "thaw_heap",
 ]
 
 #: The signals a graceful stop arrives by; :func:`deferred_stop_signals` holds them back.
@@ -147,6 +148,17 @@ def freeze_heap() -> None:
         _heap_frozen = True
         gc.collect()
         gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo :func:`freeze_heap` (the loop's ``close()``): a process that goes on after its
+    beat's loop (a test run, an app that embeds one) gets a collector that sees every object
+    again (``gc.get_referrers`` does not look in the permanent generation). A process that
+    exits next is frozen again by :func:`skip_exit_gc`'s exit handler."""
+    global _heap_frozen
+    if _heap_frozen:
+        _heap_frozen = False
+        gc.unfreeze()
 
 
 class BeatProcess:

@@ -3,7 +3,9 @@
 Ours: k worker processes (k = 1, 2, 4), each looping exactly what
 :meth:`ReliableScheduler.tick` does minus the sleep: :meth:`Beat.tick` (claim up to
 ``batch`` entries FOR UPDATE SKIP LOCKED, insert runs + trigger outbox rows, advance, commit),
-:func:`publish_triggers` (one producer connection, then marks the rows sent).
+:func:`publish_triggers` (one producer connection, then marks the rows sent), its heap
+frozen before the clock starts as :class:`~reliable_beat.loop.BeatLoop` freezes it after its
+first claim (:func:`reliable_beat.process.freeze_heap`).
 
 Ceilings, same servers, same k, same batch:
 
@@ -57,6 +59,7 @@ def _worker(kind: str, db_url: str, redis_url: str, batch: int, ready: Any, go: 
         from reliable_beat.beat import Beat
         from reliable_beat.celery.scheduler import publish_triggers
         from reliable_beat.db.dialects import Store
+        from reliable_beat.process import freeze_heap
 
         store = Store.from_url(db_url, role="beat")
         app = _celery_app(redis_url)
@@ -65,6 +68,7 @@ def _worker(kind: str, db_url: str, redis_url: str, batch: int, ready: Any, go: 
             pass
         with app.producer_or_acquire() as p:
             p.connection.ensure_connection()
+        freeze_heap()  # as the beat's loop does after its first claim (before the clock here)
         ready.release()
         go.wait()
         while not stop.is_set():

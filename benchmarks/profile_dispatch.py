@@ -4,7 +4,11 @@ Not part of ``python -m benchmarks`` (it prints no target); the tool behind the 
 ``docs/performance.md`` (*CPU per slot of the dispatch path*). One beat process loops exactly
 what part 1 (``benchmarks/dispatch.py``) loops: :meth:`Beat.tick` then ``publish_triggers``
 (publish + mark sent), over N entries due at once (interval 1 h, slot 2 s ago), on a private
-PostgreSQL and Redis (or ``--postgres-url`` / ``--redis-url``).
+PostgreSQL and Redis (or ``--postgres-url`` / ``--redis-url``). After the first tick the
+heap is frozen as :class:`~reliable_beat.loop.BeatLoop` freezes it (a source tree without
+:func:`reliable_beat.process.freeze_heap`: not). ``row_writes``: rows
+inserted, updated or deleted in the ``reliable_beat_*`` tables per slot (PostgreSQL's
+table statistics).
 
 CPU time is load-independent where wall time is not (the machine is shared): the beat's own
 CPU (``time.process_time``) per stage and the PostgreSQL server's CPU (the postmaster's
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -47,6 +52,23 @@ def _pg_children_cpu(postmaster: int) -> float:
         if int(fields[1]) == postmaster:
             total += (int(fields[11]) + int(fields[12])) / tick
     return total
+
+
+_WRITES_SQL = """
+    SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)
+      FROM pg_stat_user_tables WHERE relname LIKE 'reliable_beat_%'
+"""
+
+
+def _row_writes(dsn: str) -> int:
+    """Rows inserted, updated and deleted in the ``reliable_beat_*`` tables so far
+    (``pg_stat_user_tables``). A backend reports its counters when idle for a second or on
+    exit: the caller pauses (or closes its connections) before reading."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        return int(conn.execute(_WRITES_SQL).fetchone()[0])  # type: ignore[index]
 
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,8 +102,11 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         tick_cpu = publish_cpu = 0.0
         slots = 0
         first = True
+        time.sleep(0.5)  # the seeding connection reports its counters as it exits
+        writes0 = _row_writes(psycopg_dsn(db_url))
         pg0 = _pg_children_cpu(postmaster)
         wall0 = time.perf_counter()
+        published = 0  # the warm-up tick's too: the row writes are counted from the start
         while True:
             if profiler is not None and not first:
                 profiler.enable()
@@ -97,20 +122,28 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
                 profiler.disable()
             if first:  # warm-up tick: not counted
                 first = False
+                # what BeatLoop does after its first claim (a tree without it: nothing)
+                freeze = getattr(importlib.import_module("reliable_beat.process"),
+                                 "freeze_heap", None)
+                if freeze is not None:
+                    freeze()
                 pg0 = _pg_children_cpu(postmaster)
                 wall0 = time.perf_counter()
             else:
                 tick_cpu += c1 - c0
                 publish_cpu += c2 - c1
                 slots += sent
+            published += sent
             if not res.claimed and not res.triggers:
                 break
         wall = time.perf_counter() - wall0
         pg = _pg_children_cpu(postmaster) - pg0
+        store.dispose()  # its backends report their last counters as they exit
+        time.sleep(0.5)
+        writes = _row_writes(psycopg_dsn(db_url)) - writes0
         r = redis.Redis.from_url(args.redis_url)
         in_redis = int(r.llen("celery"))
         r.close()
-        store.dispose()
         import reliable_beat
 
         out = {
@@ -121,6 +154,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             "beat_us": 1e6 * (tick_cpu + publish_cpu) / max(slots, 1),
             "pg_us": 1e6 * pg / max(slots, 1),
             "wall_us": 1e6 * wall / max(slots, 1),
+            "row_writes": writes / max(published, 1),
         }
         if profiler is not None:
             import io
@@ -153,14 +187,15 @@ def _compare(args: argparse.Namespace) -> None:
                 print(json.dumps(got), flush=True)
         print(f"\n{args.n:,} due entries, batch {args.batch}, {args.rounds} rounds alternated; "
               "per slot, median (min-max):")
-        cols = ("tick_us", "publish_mark_us", "beat_us", "pg_us", "wall_us")
+        cols = ("tick_us", "publish_mark_us", "beat_us", "pg_us", "wall_us", "row_writes")
         print("| tree | " + " | ".join(cols) + " |")
         print("|---|" + "---|" * len(cols))
         for tree, runs in results.items():
             cells = []
             for c in cols:
                 v = [r[c] for r in runs]
-                cells.append(f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})")
+                f = ".2f" if c == "row_writes" else ".0f"
+                cells.append(f"{statistics.median(v):{f}} ({min(v):{f}}-{max(v):{f}})")
             print(f"| {tree} | " + " | ".join(cells) + " |")
 
 

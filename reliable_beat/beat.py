@@ -286,17 +286,22 @@ def _rows_param(rows: Sequence[dict[str, Any]]) -> str:
     shares ``now`` and often its slots), which is about twice as fast as letting
     ``json.dumps`` call back for each of them. Naive datetimes raise :class:`ValueError`.
     """
+    if not rows:
+        return "[]"
+    # the keys that can hold an instant, from the first row (a batch's rows share their keys
+    # and types); an instant elsewhere is still formatted, by json.dumps' default, the same
+    instant_keys = [k for k, v in rows[0].items() if v is None or v.__class__ is datetime]
     memo: dict[datetime, str] = {}
     out = []
     for row in rows:
-        converted = {}
-        for key, value in row.items():
+        converted = row.copy()
+        for key in instant_keys:
+            value = converted.get(key)
             if value.__class__ is datetime:
                 text = memo.get(value)
                 if text is None:
                     text = memo[value] = _json_default(value)
-                value = text
-            converted[key] = value
+                converted[key] = text
         out.append(converted)
     return json.dumps(out, default=_json_default, separators=(",", ":"))
 
@@ -390,6 +395,9 @@ class Beat:
     trigger_destination: str = TRIGGER_DESTINATION
     _schedules: dict[str, tuple[Any, sch.Schedule]] = field(default_factory=dict, repr=False)
     _schedules_by_spec: dict[Any, sch.Schedule] = field(default_factory=dict, repr=False)
+    #: the claim's columns and each distinct entry config decoded and checked once
+    _claimed: rows_mod.ClaimedEntries = field(default_factory=rows_mod.ClaimedEntries,
+                                              repr=False)
     _sid: str | None = field(default=None, repr=False)  # the store's id, for trigger headers
     _last_scan: float = field(default=float("-inf"), repr=False)
     #: the spans of the tick in progress (reliable_beat.tracing; None: tracing off)
@@ -481,7 +489,7 @@ class Beat:
                 # takes such rows, to quarantine them (an index range scan of the far end)
                 claimable = or_(claimable, rows_mod.infinite_instant(entries.c.next_fire_at))
             stmt = (
-                select(*rows_mod.raw_columns(entries, conn.dialect))
+                select(*self._claimed.columns(conn.dialect))
                 .where(self._due(), claimable)
                 .order_by(entries.c.next_fire_at)
                 .limit(self.batch_size)
@@ -517,14 +525,15 @@ class Beat:
         with its reason, logged at ERROR, counted in :attr:`TickResult.quarantined`) in this
         transaction, so one bad row never stops the tick (:mod:`reliable_beat.rows`)."""
         usable: list[Any] = []
+        read = self._claimed.read
         for raw in claimed:
-            values, problems, unreadable = rows_mod.read_entry(
-                raw._mapping, conn.dialect, self._schedule
-            )
+            values, problems, unreadable, schedule = read(raw._mapping, conn.dialect,
+                                                          self._schedule)
             if problems:
                 rows_mod.quarantine_entry(conn, values, problems, now, unreadable=unreadable)
                 result.quarantined += 1
                 continue
+            values["schedule_obj"] = schedule
             usable.append(SimpleNamespace(**values))
         return usable
 
@@ -601,7 +610,7 @@ class Beat:
                          len(rows))
                 break
             try:
-                schedule = self._schedule(row.name, row.schedule)
+                schedule = row.schedule_obj
                 memo = planners.get(id(schedule))
                 if memo is None or memo[0] is not schedule:
                     memo = planners[id(schedule)] = (schedule, _PlanCalls(schedule))

@@ -79,7 +79,13 @@ from reliable_beat.groups import (
 from reliable_beat.handlers import MessageExpiredError
 from reliable_beat.logs import RepeatedLog, event
 from reliable_beat.outbox import OutboxMessage
-from reliable_beat.process import STOP_SIGNALS, BeatProcess, deferred_stop_signals
+from reliable_beat.process import (
+    STOP_SIGNALS,
+    BeatProcess,
+    deferred_stop_signals,
+    freeze_heap,
+    thaw_heap,
+)
 from reliable_beat.process import skip_exit_gc as skip_exit_gc
 from reliable_beat.publish import SPIN_SECONDS as SPIN_SECONDS
 from reliable_beat.publish import HoldingPublisher, Outcomes, Publisher, record_unmarked
@@ -453,6 +459,8 @@ class BeatLoop(BeatProcess):
             result = replace(result, triggers=due)
         if result.triggers or result.skipped or result.duplicates:
             self._publish(result)
+        if result.claimed:
+            freeze_heap()  # once per process: its long-lived objects exist now
         self._claim_at = self._next_claim(result)
         return result
 
@@ -738,6 +746,7 @@ class BeatLoop(BeatProcess):
             step("retention thread joined")
         self.store.dispose()
         step("pool disposed")
+        thaw_heap()
         for fd in (self._wake_r, self._wake_w):
             if fd is not None:
                 with contextlib.suppress(OSError):

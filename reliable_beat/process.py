@@ -6,7 +6,9 @@
   request that ends that wait at once;
 * :func:`deferred_stop_signals`: SIGTERM / SIGINT held back from a claim until its triggers
   are marked or held;
-* :func:`skip_exit_gc`: a beat process's exit skips the interpreter's final collection.
+* :func:`skip_exit_gc`: a beat process's exit skips the interpreter's final collection;
+* :func:`freeze_heap`: once its first claim is done, the cyclic collector stops walking the
+  objects a beat keeps for its whole life (until :func:`thaw_heap`, at the loop's close).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ __all__ = [
     "STOP_SIGNALS",
     "BeatProcess",
     "deferred_stop_signals",
+    "freeze_heap",
     "skip_exit_gc",
+    "thaw_heap",
 ]
 
 #: The signals a graceful stop arrives by; :func:`deferred_stop_signals` holds them back.
@@ -121,6 +125,41 @@ def skip_exit_gc() -> None:
     if not _exit_gc_skipped:
         atexit.register(gc.freeze)
         _exit_gc_skipped = True
+
+
+_heap_frozen = False
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive to the permanent generation (once per
+    process; idempotent): the loop calls it after its first claim that claimed entries.
+
+    By then the process holds what it keeps for its whole life (the imported modules, the
+    app, the engine and its compiled statements, the broker producer, the message
+    templates): hundreds of thousands of objects that each full collection walked again
+    and again, for nothing. Measured on one beat firing 5,000 slots (batch 500): the
+    collector cost 13-20 us of the beat's CPU per slot; frozen, the beat's CPU per slot was
+    as with the collector off. Objects made later are collected as before; an object
+    frozen here that later becomes unreachable is still freed by its reference count (only
+    a reference cycle made before the freeze would stay, and the collection before it
+    clears those). No effect on what the beat does.
+    """
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()
+        gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo :func:`freeze_heap` (the loop's ``close()``): a process that goes on after its
+    beat's loop (a test run, an app that embeds one) gets a collector that sees every object
+    again (``gc.get_referrers`` does not look in the permanent generation). A process that
+    exits next is frozen again by :func:`skip_exit_gc`'s exit handler."""
+    global _heap_frozen
+    if _heap_frozen:
+        _heap_frozen = False
+        gc.unfreeze()
 
 
 class BeatProcess:

@@ -26,7 +26,9 @@ runs) therefore:
 Nothing here imports a task framework.
 
 The package: :mod:`~reliable_beat.rows.decode` (step 1), :mod:`~reliable_beat.rows.checks`
-(step 2), :mod:`~reliable_beat.rows.quarantine` (step 3). Every name is imported from here.
+(step 2), :mod:`~reliable_beat.rows.quarantine` (step 3); :mod:`~reliable_beat.rows.claimed`
+reads a beat's claimed entries through them, each distinct config once. Every name is
+imported from here.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from reliable_beat.rows.checks import (
     stored_config_hashes,
 )
 from reliable_beat.rows.checks import MAX_SECONDS as MAX_SECONDS
+from reliable_beat.rows.claimed import ClaimedEntries
 from reliable_beat.rows.decode import (
     OPTIONAL_COLUMNS,
     LabelledReader,
@@ -79,6 +82,7 @@ __all__ = [
     "KNOWN_RUN_STATES",
     "MALFORMED",
     "OPTIONAL_COLUMNS",
+    "ClaimedEntries",
     "LabelledReader",
     "check_entry",
     "check_options",

@@ -19,23 +19,17 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
-from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflow_events, workflows
-from reliable_beat.outbox import db_now
 from reliable_beat.values import from_json_value
-from reliable_beat.workflows import engine
+from reliable_beat.workflows import history, registry
 from reliable_beat.workflows.errors import ActivityError, WorkflowUsageError
+from reliable_beat.workflows.lifecycle import CHILD_KIND, ENDED, child_outcome, notify_parent
 
 if TYPE_CHECKING:
     from reliable_beat.workflows.context import WorkflowContext
 
 __all__ = ["CHILD_KIND", "ChildHandle", "child_id_for", "notify_parent", "resolve",
            "start_child", "wait_child"]
-
-CHILD_KIND = "child"
-#: Child states that end the parent's wait.
-ENDED = ("completed", "failed", "cancelled")
-
 
 @dataclass(frozen=True)
 class ChildHandle:
@@ -60,20 +54,20 @@ def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: di
             f"ctx.start_child needs a @workflow definition or a registered workflow name, "
             f"got {wf!r}"
         )
-    call = engine.to_json([list(args), kwargs, workflow_id], f"child {name!r} arguments")
+    call = history.to_json([list(args), kwargs, workflow_id], f"child {name!r} arguments")
     ctx._check_size(CHILD_KIND, name, call, f"child {name!r} arguments")
     seq, digest, ev = ctx._next(CHILD_KIND, name, call)
     claimed = ctx._claimed
     child_id = workflow_id or child_id_for(claimed.workflow_id, claimed.run_no, seq)
     if ev is None:
-        definition = engine.get_definition(name)
+        definition = registry.get_definition(name)
         queue = definition.queue if definition is not None else claimed.queue
 
         def launch(conn: Connection) -> None:
             # the child runs where its parent runs: its parent's schedule group
             group = conn.execute(select(workflows.c.schedule_group)
                                  .where(workflows.c.id == claimed.pk)).scalar()
-            engine.start(conn, name, child_id, call[0], call[1], queue=queue,
+            registry.start(conn, name, child_id, call[0], call[1], queue=queue,
                          schedule_group=group)
             linked = conn.execute(
                 update(workflows)
@@ -117,7 +111,7 @@ def resolve(ctx: WorkflowContext, handle: ChildHandle) -> tuple[bool, Any]:
         done = _Ev(handle.seq, CHILD_KIND, handle.name, ev.args_digest, event.state,
                    event.result, event.error, None, handle.workflow_id)
     elif child is not None and child.state in ENDED:
-        state, result, error = _outcome_of(child.state, child.result, child.error)
+        state, result, error = child_outcome(child.state, child.result, child.error)
         ctx._complete(handle.seq, state, result, error)
         done = _Ev(handle.seq, CHILD_KIND, handle.name, ev.args_digest, state, result, error,
                    None, handle.workflow_id)
@@ -139,55 +133,3 @@ def wait_child(ctx: WorkflowContext, handle: ChildHandle) -> Any:
         raise ActivityError(str(err.get("type")), str(err.get("message")), kind=CHILD_KIND,
                             name=handle.name)
     return from_json_value(ev.result)
-
-
-def _outcome_of(state: str, result: Any, error: Any) -> tuple[str, Any, Any]:
-    if state == "completed":
-        return "completed", result, None
-    if state == "cancelled":
-        return "failed", None, {"type": "cancelled", "message": "the child was cancelled"}
-    err = error or {}
-    return "failed", None, {"type": err.get("type"), "message": err.get("message")}
-
-
-def notify_parent(conn: Connection, child_pk: int, state: str, result: Any = None,
-                  error: Any = None) -> bool:
-    """In the child's terminal transaction: complete the parent's ``child`` event and wake it.
-
-    A no-op for a workflow without a parent, a parent that has moved to another run, or an
-    event no longer ``scheduled``. Returns True if the parent was told.
-    """
-    if state not in ENDED:
-        return False
-    link = conn.execute(
-        select(workflows.c.parent_pk, workflows.c.parent_run_no, workflows.c.parent_seq)
-        .where(workflows.c.id == child_pk)
-    ).first()
-    if link is None or link.parent_pk is None:
-        return False
-    told = update_returning(
-        conn,
-        update(workflows)
-        .where(workflows.c.id == link.parent_pk, workflows.c.run_no == link.parent_run_no)
-        .values(wake_seq=workflows.c.wake_seq + 1),
-        workflows, [workflows.c.workflow_id, workflows.c.queue],
-    )
-    if not told:
-        return False
-    parent = told[0]
-    ev_state, ev_result, ev_error = _outcome_of(state, result, error)
-    done = conn.execute(
-        update(workflow_events)
-        .where(workflow_events.c.workflow_pk == link.parent_pk,
-               workflow_events.c.run_no == link.parent_run_no,
-               workflow_events.c.seq == link.parent_seq,
-               workflow_events.c.kind == CHILD_KIND,
-               workflow_events.c.state == "scheduled")
-        .values(state=ev_state, result=ev_result, error=ev_error, completed_at=db_now(conn))
-    ).rowcount
-    if done != 1:
-        return False
-    engine.add_wake(conn, parent.workflow_id, parent.queue,
-                    f"{link.parent_run_no}c{link.parent_seq}")
-    engine.crash_point("child.notify.in")
-    return True

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import joins, outbox, tracing
+from reliable_beat import joins, outbox, tracing, workflow_store
 from reliable_beat.db.tables import runs, workflow_events, workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
@@ -41,8 +41,11 @@ from reliable_beat.values import from_json_value
 from reliable_beat.workflows import (
     children,
     continuation,
-    engine,
+    crashes,
+    history,
+    lifecycle,
     limits,
+    registry,
     runaway,
     tripwire,
     versioning,
@@ -168,8 +171,8 @@ class WorkflowContext:
     """
 
     def __init__(
-        self, store: Store, claimed: engine.Claimed, history: dict[int, Any],
-        definition: engine.WorkflowDefinition, *, dry_run: bool = False,
+        self, store: Store, claimed: history.Claimed, history: dict[int, Any],
+        definition: registry.WorkflowDefinition, *, dry_run: bool = False,
         code_timeout: float | None = None,
     ) -> None:
         self._dry_run = dry_run  # offline replay: stop at the frontier, write nothing
@@ -252,22 +255,22 @@ class WorkflowContext:
             except _StoreTrouble as exc:
                 raise exc.__cause__ or exc from None  # the advance fails; the sweep retries
             except tripwire.NondeterministicCallError as exc:
-                return engine.block(self._store, self._claimed,
+                return lifecycle.block(self._store, self._claimed,
                                     f"tripwire at seq {self._seq}: {exc}")
             except NonDeterminismError as exc:
-                return engine.block(self._store, self._claimed, f"non-determinism: {exc}")
+                return lifecycle.block(self._store, self._claimed, f"non-determinism: {exc}")
             except FencedOut:
                 return "fenced"
             except _HistoryLimit as exc:
-                return engine.block(self._store, self._claimed, str(exc))
+                return lifecycle.block(self._store, self._claimed, str(exc))
             except continuation.ContinueAsNewRefused as exc:
-                return engine.block(self._store, self._claimed, str(exc))
+                return lifecycle.block(self._store, self._claimed, str(exc))
             except continuation.ContinueAsNew as request:
                 return continuation.switch_run(self, request)
             except EndWorkflow as exc:  # a saga: compensation dead-lettered; data-only unwind
                 if exc.values.get("state") == "blocked":
-                    engine.log.error("workflow %s blocked: %s", self._claimed.workflow_id, exc)
-                return engine._finish(self._store, self._claimed, **exc.values)
+                    lifecycle.log.error("workflow %s blocked: %s", self._claimed.workflow_id, exc)
+                return lifecycle.finish(self._store, self._claimed, **exc.values)
             except Exception as exc:
                 if self._clock.fired:  # the code caught the deadline and raised its own
                     return self._block_runaway()
@@ -277,10 +280,10 @@ class WorkflowContext:
                 tail = self._tail_check()
                 if tail:
                     return tail
-                engine.crash_point("advance.before_finish")
+                crashes.crash_point("advance.before_finish")
                 ended = "cancelled" if isinstance(exc, WorkflowCancelled) else "failed"
-                return engine._finish(self._store, self._claimed, state=ended,
-                                      error=engine.error_json(exc))
+                return lifecycle.finish(self._store, self._claimed, state=ended,
+                                      error=history.error_json(exc))
             if self._clock.fired:  # the code caught the deadline and returned
                 return self._block_runaway()
             swallowed = self._swallowed()
@@ -291,13 +294,13 @@ class WorkflowContext:
                 return tail
             try:
                 what = f"workflow {self._claimed.name!r} result"
-                value = engine.to_json(result, what)
+                value = history.to_json(result, what)
                 limits.check_size(what, value)
             except (TypeError, WorkflowValueError) as exc:
-                return engine._finish(self._store, self._claimed, state="failed",
-                                      error=engine.error_json(exc))
-            engine.crash_point("advance.before_finish")
-            return engine._finish(self._store, self._claimed, state="completed", result=value)
+                return lifecycle.finish(self._store, self._claimed, state="failed",
+                                      error=history.error_json(exc))
+            crashes.crash_point("advance.before_finish")
+            return lifecycle.finish(self._store, self._claimed, state="completed", result=value)
         finally:
             self._clock.disarm()
             logger.removeFilter(self._filter)
@@ -339,7 +342,7 @@ class WorkflowContext:
         durable calls: park the workflow, naming the position and the fix."""
         self._clock.disarm()
         assert self._clock.timeout is not None
-        return engine.block(self._store, self._claimed, runaway.code_timeout_reason(
+        return lifecycle.block(self._store, self._claimed, runaway.code_timeout_reason(
             self._claimed.workflow_id, self._seq, self._clock.ran, self._clock.timeout))
 
     def replay_code(self, fn: Callable[..., Any]) -> str | None:
@@ -370,7 +373,7 @@ class WorkflowContext:
             return None
         if isinstance(pending, FencedOut):
             return "fenced"
-        return engine.block(
+        return lifecycle.block(
             self._store, self._claimed,
             f"suspension swallowed: the workflow code caught the engine's "
             f"{type(pending).__name__} at seq {self._seq} (a bare `except:` or "
@@ -381,7 +384,7 @@ class WorkflowContext:
     def _tail_check(self) -> str | None:
         if self._last_recorded > self._seq:
             ev = self._history[self._seq + 1]
-            return engine.block(
+            return lifecycle.block(
                 self._store, self._claimed,
                 f"non-determinism: the code ended at seq {self._seq}, the history goes on "
                 f"to seq {self._last_recorded} (seq {self._seq + 1}: {ev.kind} {ev.name}); "
@@ -410,7 +413,7 @@ class WorkflowContext:
             )
         self._seq += 1
         seq = self._seq
-        digest = engine.args_digest(kind, name, args)
+        digest = history.args_digest(kind, name, args)
         ev = self._history.get(seq)
         if ev is not None and ev.kind == "cancel":
             raise WorkflowCancelled(f"workflow {self._claimed.workflow_id!r} was cancelled "
@@ -446,7 +449,7 @@ class WorkflowContext:
                          seq: int | None = None) -> dict[str, Any]:
         """The outbox payload of the activity (or compensation) ``task_name`` called with
         ``call`` (``[args, kwargs]``) at position ``seq`` (None: the next one)."""
-        key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no,
+        key = workflow_store.activity_key(self._claimed.workflow_id, self._claimed.run_no,
                                   self._seq + 1 if seq is None else seq)
         payload: dict[str, Any] = {"task": task_name, "args": call[0], "kwargs": call[1],
                                    "headers": {"reliable_beat_key": key}}
@@ -471,7 +474,7 @@ class WorkflowContext:
             return
         ev = self._history.get(self._seq + 1)
         if ev is not None and (ev.kind, ev.name, ev.args_digest) == (
-                kind, name, engine.args_digest(kind, name, args)):
+                kind, name, history.args_digest(kind, name, args)):
             return
         raise limits.size_error(what, size)
 
@@ -493,11 +496,11 @@ class WorkflowContext:
                 "continue as new before it (ctx.continue_as_new when "
                 "ctx.info.continue_as_new_suggested) or raise the limit, then resume"
             )
-        engine.crash_point(f"record.{kind}.before")
+        crashes.crash_point(f"record.{kind}.before")
         try:
             with self._store.begin() as conn:
-                size = len(engine.canonical_json([args, result]))
-                now = engine.fence_check(conn, self._claimed, events=1, size=size)
+                size = len(history.canonical_json([args, result]))
+                now = history.fence_check(conn, self._claimed, events=1, size=size)
                 if effect is not None:
                     result = effect(conn)
                 if holder:
@@ -511,10 +514,10 @@ class WorkflowContext:
                     fence_token=self._claimed.fence_token, created_at=now,
                     completed_at=now if state != "scheduled" else None,
                 ))
-                engine.crash_point(f"record.{kind}.in")
+                crashes.crash_point(f"record.{kind}.in")
         except FencedOut as exc:
             raise self._raise(exc) from None
-        engine.crash_point(f"record.{kind}.after")
+        crashes.crash_point(f"record.{kind}.after")
         return result
 
     def _complete(self, seq: int, state: str, result: Any = None, error: Any = None,
@@ -522,10 +525,10 @@ class WorkflowContext:
         """Complete the scheduled event at ``seq`` (fenced)."""
         if self._dry_run:
             raise self._suspend(f"replay stops before completing seq {seq}")
-        engine.crash_point("complete.before")
+        crashes.crash_point("complete.before")
         try:
             with self._store.begin() as conn:
-                engine.fence_check(conn, self._claimed)
+                history.fence_check(conn, self._claimed)
                 if effect is not None:
                     result = effect(conn)
                 conn.execute(
@@ -539,7 +542,7 @@ class WorkflowContext:
                 )
         except FencedOut as exc:
             raise self._raise(exc) from None
-        engine.crash_point("complete.after")
+        crashes.crash_point("complete.after")
         return result
 
     def _suspend(self, why: str) -> Suspend:
@@ -567,7 +570,7 @@ class WorkflowContext:
 
     def _record_cancel(self, seq: int) -> None:
         """Record a ``cancel`` event at ``seq`` and raise :class:`WorkflowCancelled`."""
-        digest = engine.args_digest("cancel", None, None)
+        digest = history.args_digest("cancel", None, None)
         self._record(seq, "cancel", None, digest, None, state="completed")
         self._history[seq] = _Ev(seq, "cancel", None, digest, "completed", None, None, None,
                                  None)
@@ -629,7 +632,7 @@ class WorkflowContext:
                 raised the same way on every replay).
         """
         step_name = _callable_name(fn, name)
-        call = engine.to_json([list(args), kwargs], f"transaction {step_name!r} arguments")
+        call = history.to_json([list(args), kwargs], f"transaction {step_name!r} arguments")
         self._check_size("transaction", step_name, call,
                          f"transaction {step_name!r} arguments")
         seq, digest, ev = self._next("transaction", step_name, call)
@@ -643,7 +646,7 @@ class WorkflowContext:
                                  task_name=f"workflow {self._definition.name}",
                                  store=self._store, fix=_TRANSACTION_FIX):
                     value = fn(conn, *args, **kwargs)
-                value = engine.to_json(value, f"transaction {step_name!r} result")
+                value = history.to_json(value, f"transaction {step_name!r} result")
                 limits.check_size(f"transaction {step_name!r} result", value)
                 return value
             except OperationalError:
@@ -658,7 +661,7 @@ class WorkflowContext:
                                                 state="completed", effect=effect))
         except _StepFailed as failed:  # fn failed: its writes rolled back; record the failure
             exc = failed.exc
-            err = engine.error_json(exc)
+            err = history.error_json(exc)
             self._record(seq, "transaction", step_name, digest, call, state="failed",
                          error=err)
             raise ActivityError(err["type"], err["message"], kind="transaction",
@@ -678,28 +681,28 @@ class WorkflowContext:
             ActivityError: ``fn`` raised (recorded; raised the same way on replay).
         """
         step_name = _callable_name(fn, name)
-        call = engine.to_json([list(args), kwargs], f"step {step_name!r} arguments")
+        call = history.to_json([list(args), kwargs], f"step {step_name!r} arguments")
         self._check_size("step", step_name, call, f"step {step_name!r} arguments")
         seq, digest, ev = self._next("step", step_name, call)
         if ev is not None:
             return self._outcome(ev.state, ev.result, ev.error, "step", step_name)
         self._in_step = True
-        self._step_key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no,
-                                             seq)
+        self._step_key = workflow_store.activity_key(self._claimed.workflow_id,
+                                                     self._claimed.run_no, seq)
         try:
             value = fn(*args, **kwargs)
-            value = engine.to_json(value, f"step {step_name!r} result")
+            value = history.to_json(value, f"step {step_name!r} result")
             limits.check_size(f"step {step_name!r} result", value)
         except Exception as exc:
             self._in_step = False
-            err = engine.error_json(exc)
+            err = history.error_json(exc)
             self._record(seq, "step", step_name, digest, call, state="failed", error=err)
             raise ActivityError(err["type"], err["message"], kind="step",
                                 name=step_name) from exc
         finally:
             self._in_step = False
             self._step_key = None
-        engine.crash_point("step.after_body")
+        crashes.crash_point("step.after_body")
         return from_json_value(self._record(seq, "step", step_name, digest, call,
                                             state="completed", result=value))
 
@@ -724,12 +727,12 @@ class WorkflowContext:
                 "use @app.task(base=IdempotentTask, bind=True) (a task given by name must be one)"
             )
         task_name = task if isinstance(task, str) else str(task.name)
-        call = engine.to_json([list(args), kwargs], f"activity {task_name!r} arguments")
+        call = history.to_json([list(args), kwargs], f"activity {task_name!r} arguments")
         self._check_size("activity", task_name, call,
                          f"activity {task_name!r} arguments (in their message)",
                          message=self._activity_message(task_name, call, queue))
         seq, digest, ev = self._next("activity", task_name, call)
-        key = engine.activity_key(self._claimed.workflow_id, self._claimed.run_no, seq)
+        key = workflow_store.activity_key(self._claimed.workflow_id, self._claimed.run_no, seq)
         if ev is None:
             payload = self._activity_message(task_name, call, queue, seq)
             # the activity joins the workflow's trace (not part of the size check: the
@@ -737,8 +740,8 @@ class WorkflowContext:
             payload["headers"].update(tracing.carrier())
 
             def dispatch(conn: Connection) -> None:
-                outbox.add(conn, engine.WAKE_DESTINATION, payload, key=f"act:{key}",
-                           schedule_group=engine.group_of(self._claimed.workflow_id))
+                outbox.add(conn, workflow_store.WAKE_DESTINATION, payload, key=f"act:{key}",
+                           schedule_group=workflow_store.group_of(self._claimed.workflow_id))
 
             # stored with its queue (not part of the digest), for the re-dispatch sweep
             self._record(seq, "activity", task_name, digest, [*call, queue],
@@ -884,7 +887,7 @@ class WorkflowContext:
             def schedule(conn: Connection) -> None:
                 now = db_now(conn)
                 holder["fire_at"] = fire_at = fire(now)
-                engine.add_wake(conn, self._claimed.workflow_id, self._claimed.queue,
+                workflow_store.add_wake(conn, self._claimed.workflow_id, self._claimed.queue,
                                 f"{self._claimed.run_no}t{seq}", delay=fire_at - now)
 
             self._record(seq, "timer", None, digest, args, state="scheduled", effect=schedule,
@@ -935,7 +938,7 @@ class WorkflowContext:
                 if timeout is not None:
                     now = db_now(conn)
                     holder["fire_at"] = now + timeout
-                    engine.add_wake(conn, self._claimed.workflow_id, self._claimed.queue,
+                    workflow_store.add_wake(conn, self._claimed.workflow_id, self._claimed.queue,
                                     f"{self._claimed.run_no}t{seq}", delay=timeout)
                 return None
 
@@ -1115,8 +1118,8 @@ class WorkflowContext:
                 run would read them on every advance); raised into the code, nothing is
                 written.
         """
-        call_args = engine.to_json(list(args), "continue_as_new args")
-        call_kwargs = engine.to_json(dict(kwargs), "continue_as_new kwargs")
+        call_args = history.to_json(list(args), "continue_as_new args")
+        call_kwargs = history.to_json(dict(kwargs), "continue_as_new kwargs")
         if self._pending is not None:
             raise self._pending
         if self._in_step:

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 
-from reliable_beat import tracing
+from reliable_beat import tracing, workflow_store
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflows
 from reliable_beat.outbox import db_now
-from reliable_beat.workflows import children, engine
+from reliable_beat.workflows import children, crashes, lifecycle
 from reliable_beat.workflows.errors import WorkflowControl
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def switch_run(ctx: WorkflowContext, request: ContinueAsNew) -> str:
     tail = ctx._tail_check()
     if tail:
         return tail
-    engine.crash_point("continue.before")
+    crashes.crash_point("continue.before")
     with ctx._store.begin() as conn:
         now = db_now(conn)
         switched = update_returning(
@@ -111,8 +111,9 @@ def switch_run(ctx: WorkflowContext, request: ContinueAsNew) -> str:
         row = switched[0] if switched else None
         if row is None:
             return "fenced"
-        engine.add_wake(conn, claimed.workflow_id, claimed.queue, f"run{claimed.run_no + 1}")
-    engine.crash_point("continue.after")
-    engine.log.info("workflow %s continued as new: run %d -> %d", claimed.workflow_id,
+        workflow_store.add_wake(conn, claimed.workflow_id, claimed.queue,
+                                f"run{claimed.run_no + 1}")
+    crashes.crash_point("continue.after")
+    lifecycle.log.info("workflow %s continued as new: run %d -> %d", claimed.workflow_id,
                     claimed.run_no, claimed.run_no + 1)
     return "continued"

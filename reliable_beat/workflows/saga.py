@@ -49,12 +49,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import select, update
 
-from reliable_beat import outbox, runs, tracing
+from reliable_beat import outbox, runs, tracing, workflow_store
 from reliable_beat.db.tables import dead_letters, workflow_events, workflows
 from reliable_beat.db.tables import runs as runs_table
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
-from reliable_beat.workflows import engine, tripwire
+from reliable_beat.workflows import crashes, history, lifecycle, tripwire
 from reliable_beat.workflows.errors import (
     EndWorkflow,
     FencedOut,
@@ -148,14 +148,14 @@ class Saga:
         from reliable_beat.workflows.context import _Ev
 
         ctx = self._ctx
-        call = engine.to_json([list(args), kwargs], f"compensation {name!r} arguments")
+        call = history.to_json([list(args), kwargs], f"compensation {name!r} arguments")
         # refused at registration: an unwind could not send it
         ctx._check_size("compensation", name, call,
                         f"compensation {name!r} arguments (in their message)",
                         message=ctx._activity_message(name, call, queue))
         seq, digest, ev = ctx._next("compensation", name, call)
         if ev is None:
-            key = engine.activity_key(ctx._claimed.workflow_id, ctx._claimed.run_no, seq)
+            key = workflow_store.activity_key(ctx._claimed.workflow_id, ctx._claimed.run_no, seq)
             ctx._record(seq, "compensation", name, digest, [*call, queue], state="registered",
                         run_key=key)
             ctx._history[seq] = _Ev(seq, "compensation", name, digest, "registered", None,
@@ -176,7 +176,7 @@ class Saga:
                      self._ctx._claimed.workflow_id, type(exc).__name__, exc,
                      len(self._compensations))
             _unwind(self._ctx, self._start_seq, self._compensations,
-                    original=engine.error_json(exc), parallel=self._parallel,
+                    original=history.error_json(exc), parallel=self._parallel,
                     continue_on_error=self._continue_on_error)
         return False  # the original exception goes on
 
@@ -187,7 +187,7 @@ class Saga:
 def _fenced(ctx: WorkflowContext, write: Callable[[Any], None]) -> None:
     try:
         with ctx._store.begin() as conn:
-            engine.fence_check(conn, ctx._claimed)
+            history.fence_check(conn, ctx._claimed)
             write(conn)
     except FencedOut as exc:
         raise ctx._raise(exc) from None
@@ -318,7 +318,7 @@ def _run_compensation(ctx: WorkflowContext, seq: int, *, between: bool) -> str:
         return "completed"
     if ev.state in ("registered", "released"):
         if between:
-            engine.crash_point("saga.between")
+            crashes.crash_point("saga.between")
         _dispatch(ctx, seq, str(ev.name), str(ev.run_key))
     state = _settle(ctx, seq)
     if state == "scheduled":
@@ -382,14 +382,14 @@ def _dispatch(ctx: WorkflowContext, seq: int, name: str, key: str) -> None:
                             workflow_events.c.run_no == ctx._claimed.run_no,
                             workflow_events.c.seq == seq)
                      .values(state="scheduled", completed_at=None))
-        outbox.add(conn, engine.WAKE_DESTINATION, payload,
+        outbox.add(conn, workflow_store.WAKE_DESTINATION, payload,
                    key=f"act:{key}:f{ctx._claimed.fence_token}",
-                   schedule_group=engine.group_of(ctx._claimed.workflow_id))
-        engine.crash_point("saga.dispatch.in")
+                   schedule_group=workflow_store.group_of(ctx._claimed.workflow_id))
+        crashes.crash_point("saga.dispatch.in")
 
-    engine.crash_point("saga.dispatch.before")
+    crashes.crash_point("saga.dispatch.before")
     _fenced(ctx, write)
-    engine.crash_point("saga.dispatch.after")
+    crashes.crash_point("saga.dispatch.after")
     ev = ctx._history[seq]
     ctx._history[seq] = _Ev(seq, ev.kind, ev.name, ev.args_digest, "scheduled", None, None,
                             None, ev.run_key)
@@ -440,7 +440,7 @@ def cancel_requested(ctx: WorkflowContext) -> bool:
     return bool(asked == "cancel")
 
 
-def data_unwind_fn(claimed: engine.Claimed) -> Callable[..., Any] | None:
+def data_unwind_fn(claimed: history.Claimed) -> Callable[..., Any] | None:
     """For the advance: the function to run instead of the workflow's code when a person
     asked for its compensations to run from data (``workflows compensate`` / ``cancel`` of a
     blocked workflow), else None."""
@@ -499,14 +499,14 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
                            .where(workflows.c.workflow_id == workflow_id)).first()
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
-        live = workflows.c.state.not_in(engine.TERMINAL_STATES)
+        live = workflows.c.state.not_in(history.TERMINAL_STATES)
         where = [workflows.c.id == row.id, live]
-        if row.state in engine.TERMINAL_STATES:
+        if row.state in history.TERMINAL_STATES:
             return {"workflow_id": workflow_id, "state": row.state, "changed": False,
                     "message": f"workflow {workflow_id!r} already ended {row.state}: "
                                "nothing to cancel, nothing changed"}
         if not compensate:
-            engine.lock_for_end(conn, row.id)  # decides the race with a signal()
+            lifecycle.lock_for_end(conn, row.id)  # decides the race with a signal()
             done = conn.execute(update(workflows).where(*where).values(
                 state="cancelled", cancel_requested="terminate",
                 fence_token=workflows.c.fence_token + 1, leased_by=None,
@@ -516,18 +516,16 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
                                   ": no code and no compensation ran"})).rowcount
             state, message = "cancelled", "terminated: cancelled, no compensation ran"
             if done:
-                engine.drop_wakes(conn, workflow_id)
+                lifecycle.drop_wakes(conn, workflow_id)
             if done:  # a child's end wakes its parent in the same transaction, like _finish
-                from reliable_beat.workflows.children import notify_parent
-
-                notify_parent(conn, row.id, "cancelled", None,
+                lifecycle.notify_parent(conn, row.id, "cancelled", None,
                               {"type": "WorkflowTerminated", "message": message})
         elif row.state == "blocked" or row.cancel_requested in DATA_MODES:
             # its code cannot (or must not) run: the compensations run from data
             done = conn.execute(update(workflows).where(*where).values(
                 state="waiting", cancel_requested="cancel_data", block_reason=None,
                 wake_seq=workflows.c.wake_seq + 1, advances=0, updated_at=now)).rowcount
-            engine.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
+            workflow_store.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
             state = "waiting" if row.state == "blocked" else row.state
             message = ("cancel requested: its code cannot run (blocked, or compensating "
                        "from data), so its recorded compensations run from data, then it "
@@ -536,7 +534,7 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
             done = conn.execute(update(workflows).where(*where).values(
                 cancel_requested="cancel", wake_seq=workflows.c.wake_seq + 1,
                 updated_at=now)).rowcount
-            engine.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
+            workflow_store.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
             state = row.state
             message = ("cancel requested: the workflow sees WorkflowCancelled at its next "
                        "durable call, its sagas unwind, then it ends cancelled")
@@ -571,7 +569,7 @@ def compensate(store: Store, workflow_id: str, *, by: str = "workflows compensat
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
         if row.state != "blocked":
             hint = ("it already ended: nothing to compensate" if row.state in
-                    engine.TERMINAL_STATES else "to stop a live workflow and unwind its "
+                    history.TERMINAL_STATES else "to stop a live workflow and unwind its "
                     "sagas use `workflows cancel ID`")
             raise WorkflowConflict(f"workflow {workflow_id!r} is {row.state}, not blocked: "
                                    f"`workflows compensate` runs a blocked workflow's "
@@ -632,7 +630,7 @@ def compensate(store: Store, workflow_id: str, *, by: str = "workflows compensat
                                    "again (`workflows show ID --events`)")
         done = conn.execute(select(workflows.c.queue, workflows.c.wake_seq)
                             .where(workflows.c.id == row.id)).one()
-        engine.add_wake(conn, workflow_id, done.queue, f"compensate{done.wake_seq}")
+        workflow_store.add_wake(conn, workflow_id, done.queue, f"compensate{done.wake_seq}")
     return {"workflow_id": workflow_id, "state": "waiting",
             "pending": [{"seq": c.seq, "name": c.name, "state": c.state} for c in comps],
             "requeued": requeued}

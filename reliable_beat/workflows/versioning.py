@@ -20,81 +20,18 @@ parks the run ``blocked`` with the reason, writing nothing.
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import TYPE_CHECKING
 
 from reliable_beat.workflows.errors import WorkflowUsageError
+from reliable_beat.workflows.registry import parse_version, version_block_reason
 
 if TYPE_CHECKING:
-    from reliable_beat.db.dialects import Store
     from reliable_beat.workflows.context import WorkflowContext
-    from reliable_beat.workflows.engine import Claimed, WorkflowDefinition
 
 __all__ = ["deprecate_patch", "parse_version", "patched", "version_block_reason"]
 
 PATCH_KIND = "patch"
-_VERSION = re.compile(r"^\d+(\.\d+)*$")
-
-
-def parse_version(value: str, what: str = "version") -> tuple[int, ...]:
-    """``"2"`` -> ``(2,)``, ``"1.10"`` -> ``(1, 10)`` (compared numerically).
-
-    Raises:
-        ValueError: not dot-separated non-negative integers (names ``what`` and the value).
-    """
-    if not isinstance(value, str) or not _VERSION.match(value) or len(value) > 64:
-        raise ValueError(
-            f"{what} must be a string of dot-separated integers of at most 64 characters "
-            f"(e.g. \"3\" or \"2.1\"), got {value!r}"
-        )
-    return tuple(int(p) for p in value.split("."))
-
-
-def version_block_reason(definition: WorkflowDefinition, recorded: str | None) -> str | None:
-    """Why this process's code refuses a run started under version ``recorded``, or None.
-
-    A run without a recorded version (started by code that declared none) counts as below
-    any minimum.
-    """
-    minimum = definition.min_supported_version
-    if minimum is None:
-        return None
-    if recorded is not None:
-        try:
-            if parse_version(recorded) >= parse_version(minimum):
-                return None
-        except ValueError:
-            pass  # an unreadable recorded version cannot be shown to be supported
-    return (
-        f"version: the run started under version {recorded or '(none)'} of workflow "
-        f"{definition.name!r}; this code (version {definition.version}) supports "
-        f"min_supported_version {minimum}: deploy code that still replays it (use "
-        "ctx.patched for the change, keep the old branch), then `workflows resume`; or "
-        "cancel it"
-    )
-
-
-def record_first_version(store: Store, claimed: Claimed, version: str) -> None:
-    """Record ``version`` on a run that has none and no history yet (fenced; a run that has
-    recorded events keeps its missing version: it was started by unversioned code)."""
-    from sqlalchemy import update
-
-    from reliable_beat.db.tables import workflows
-
-    with store.begin() as conn:
-        done = conn.execute(
-            update(workflows)
-            .where(workflows.c.id == claimed.pk,
-                   workflows.c.fence_token == claimed.fence_token,
-                   workflows.c.version.is_(None), workflows.c.history_len == 0,
-                   workflows.c.run_no == 1)
-            .values(version=version)
-        ).rowcount
-    if done == 1:
-        claimed.version = version
-
-
 def _check_caller(ctx: WorkflowContext, what: str) -> None:
     if ctx._pending is not None:
         raise ctx._pending

@@ -14,7 +14,7 @@ child's row, fenced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
@@ -22,11 +22,9 @@ from sqlalchemy.engine import Connection
 from reliable_beat.db.tables import workflow_events, workflows
 from reliable_beat.values import from_json_value
 from reliable_beat.workflows import history, registry
+from reliable_beat.workflows._runtime import Event, Runtime
 from reliable_beat.workflows.errors import ActivityError, WorkflowUsageError
 from reliable_beat.workflows.lifecycle import CHILD_KIND, ENDED, child_outcome, notify_parent
-
-if TYPE_CHECKING:
-    from reliable_beat.workflows.context import WorkflowContext
 
 __all__ = ["CHILD_KIND", "ChildHandle", "child_id_for", "notify_parent", "resolve",
            "start_child", "wait_child"]
@@ -45,7 +43,7 @@ def child_id_for(parent_id: str, run_no: int, seq: int) -> str:
     return f"{parent_id}/child{run_no}.{seq}"
 
 
-def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+def start_child(rt: Runtime, wf: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 workflow_id: str | None) -> ChildHandle:
     """See :meth:`WorkflowContext.start_child`."""
     name = wf if isinstance(wf, str) else getattr(wf, "name", None)
@@ -55,9 +53,9 @@ def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: di
             f"got {wf!r}"
         )
     call = history.to_json([list(args), kwargs, workflow_id], f"child {name!r} arguments")
-    ctx._check_size(CHILD_KIND, name, call, f"child {name!r} arguments")
-    seq, digest, ev = ctx._next(CHILD_KIND, name, call)
-    claimed = ctx._claimed
+    rt.check_size(CHILD_KIND, name, call, f"child {name!r} arguments")
+    seq, digest, ev = rt.next(CHILD_KIND, name, call)
+    claimed = rt.claimed
     child_id = workflow_id or child_id_for(claimed.workflow_id, claimed.run_no, seq)
     if ev is None:
         definition = registry.get_definition(name)
@@ -80,27 +78,23 @@ def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: di
                     "ctx.start_child a workflow_id of its own"
                 )
 
-        ctx._record(seq, CHILD_KIND, name, digest, call, state="scheduled", effect=launch,
+        rt.record(seq, CHILD_KIND, name, digest, call, state="scheduled", effect=launch,
                     run_key=child_id)
-        from reliable_beat.workflows.context import _Ev
-
-        ctx._history[seq] = _Ev(seq, CHILD_KIND, name, digest, "scheduled", None, None, None,
+        rt.history[seq] = Event(seq, CHILD_KIND, name, digest, "scheduled", None, None, None,
                                 child_id)
     return ChildHandle(seq=seq, name=name, workflow_id=child_id)
 
 
-def resolve(ctx: WorkflowContext, handle: ChildHandle) -> tuple[bool, Any]:
+def resolve(rt: Runtime, handle: ChildHandle) -> tuple[bool, Any]:
     """(done, event) for a started child; repairs a missing completion from the child's row."""
-    from reliable_beat.workflows.context import _Ev
-
-    ev = ctx._history[handle.seq]
+    ev = rt.history[handle.seq]
     if ev.state != "scheduled":
         return True, ev
-    with ctx._store.connect() as conn:
+    with rt.store.connect() as conn:
         event = conn.execute(
             select(workflow_events.c.state, workflow_events.c.result, workflow_events.c.error)
-            .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
-                   workflow_events.c.run_no == ctx._claimed.run_no,
+            .where(workflow_events.c.workflow_pk == rt.claimed.pk,
+                   workflow_events.c.run_no == rt.claimed.run_no,
                    workflow_events.c.seq == handle.seq)
         ).first()
         child = conn.execute(
@@ -108,26 +102,25 @@ def resolve(ctx: WorkflowContext, handle: ChildHandle) -> tuple[bool, Any]:
             .where(workflows.c.workflow_id == handle.workflow_id)
         ).first()
     if event is not None and event.state != "scheduled":
-        done = _Ev(handle.seq, CHILD_KIND, handle.name, ev.args_digest, event.state,
+        done = Event(handle.seq, CHILD_KIND, handle.name, ev.args_digest, event.state,
                    event.result, event.error, None, handle.workflow_id)
     elif child is not None and child.state in ENDED:
         state, result, error = child_outcome(child.state, child.result, child.error)
-        ctx._complete(handle.seq, state, result, error)
-        done = _Ev(handle.seq, CHILD_KIND, handle.name, ev.args_digest, state, result, error,
+        rt.complete(handle.seq, state, result, error)
+        done = Event(handle.seq, CHILD_KIND, handle.name, ev.args_digest, state, result, error,
                    None, handle.workflow_id)
     else:
         return False, ev
-    ctx._history[handle.seq] = done
+    rt.history[handle.seq] = done
     return True, done
 
 
-def wait_child(ctx: WorkflowContext, handle: ChildHandle) -> Any:
+def wait_child(rt: Runtime, handle: ChildHandle) -> Any:
     """See :meth:`WorkflowContext.wait_child`."""
-    if ctx._pending is not None:
-        raise ctx._pending
-    done, ev = resolve(ctx, handle)
+    rt.check_pending()
+    done, ev = resolve(rt, handle)
     if not done:
-        raise ctx._suspend(f"waiting for child workflow {handle.workflow_id!r}")
+        raise rt.suspend(f"waiting for child workflow {handle.workflow_id!r}")
     if ev.state == "failed":
         err = ev.error or {}
         raise ActivityError(str(err.get("type")), str(err.get("message")), kind=CHILD_KIND,

@@ -25,7 +25,7 @@ from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import workflow_events, workflows
 from reliable_beat.outbox import db_now
-from reliable_beat.workflows.errors import FencedOut
+from reliable_beat.workflows.errors import ActivityError, FencedOut
 
 __all__ = [
     "ACTIVE_STATES",
@@ -40,6 +40,7 @@ __all__ = [
     "first",
     "insert_one_ignored",
     "load_history",
+    "outcome",
     "to_json",
     "transaction",
 ]
@@ -187,3 +188,13 @@ def fence_check(
         raise FencedOut(f"workflow {claimed.workflow_id!r}: fence {claimed.fence_token} is stale")
     return now
 
+
+
+def outcome(ev_state: str, result: Any, error: Any, kind: str, name: str) -> Any:
+    """The answer of a recorded position: its result, or :class:`ActivityError` (``kind``,
+    ``name``, the recorded error's ``type`` and ``message``) when it ``failed``."""
+    if ev_state == "failed":
+        err = error or {}
+        raise ActivityError(str(err.get("type")), str(err.get("message")), kind=kind,
+                            name=name)
+    return rb_values.from_json_value(result)

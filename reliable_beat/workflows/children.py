@@ -66,7 +66,7 @@ def start_child(rt: Runtime, wf: Any, args: tuple[Any, ...], kwargs: dict[str, A
             group = conn.execute(select(workflows.c.schedule_group)
                                  .where(workflows.c.id == claimed.pk)).scalar()
             registry.start(conn, name, child_id, call[0], call[1], queue=queue,
-                         schedule_group=group)
+                           schedule_group=group)
             linked = conn.execute(
                 update(workflows)
                 .where(workflows.c.workflow_id == child_id, workflows.c.parent_pk.is_(None))
@@ -79,7 +79,7 @@ def start_child(rt: Runtime, wf: Any, args: tuple[Any, ...], kwargs: dict[str, A
                 )
 
         rt.record(seq, CHILD_KIND, name, digest, call, state="scheduled", effect=launch,
-                    run_key=child_id)
+                  run_key=child_id)
         rt.history[seq] = Event(seq, CHILD_KIND, name, digest, "scheduled", None, None, None,
                                 child_id)
     return ChildHandle(seq=seq, name=name, workflow_id=child_id)
@@ -103,12 +103,12 @@ def resolve(rt: Runtime, handle: ChildHandle) -> tuple[bool, Any]:
         ).first()
     if event is not None and event.state != "scheduled":
         done = Event(handle.seq, CHILD_KIND, handle.name, ev.args_digest, event.state,
-                   event.result, event.error, None, handle.workflow_id)
+                     event.result, event.error, None, handle.workflow_id)
     elif child is not None and child.state in ENDED:
         state, result, error = child_outcome(child.state, child.result, child.error)
         rt.complete(handle.seq, state, result, error)
         done = Event(handle.seq, CHILD_KIND, handle.name, ev.args_digest, state, result, error,
-                   None, handle.workflow_id)
+                     None, handle.workflow_id)
     else:
         return False, ev
     rt.history[handle.seq] = done

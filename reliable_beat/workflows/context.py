@@ -201,7 +201,7 @@ class WorkflowContext:
 
     def run_code(self, fn: Callable[..., Any]) -> str:
         """Run the workflow function; return ``suspended``, ``completed``, ``failed``,
-        ``blocked`` or ``fenced`` (used by :func:`engine.advance`)."""
+        ``blocked`` or ``fenced`` (used by :func:`~reliable_beat.workflows.advance.advance`)."""
         token = _current.set(self)
         logger = self.logger.logger
         logger.addFilter(self._filter)

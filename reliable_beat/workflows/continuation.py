@@ -64,7 +64,7 @@ def open_work(rt: Runtime) -> list[str]:
         ev = rt.history[seq]
         if ev.kind == "activity" and ev.state == "scheduled":
             done, _ = activities.resolve(rt, ActivityHandle(seq=seq, name=str(ev.name),
-                                                  key=str(ev.run_key)))
+                                                            key=str(ev.run_key)))
             if not done:
                 found.append(f"activity {ev.name} at seq {seq}")
         elif ev.kind == children.CHILD_KIND and ev.state == "scheduled":
@@ -135,5 +135,5 @@ def switch_run(rt: Runtime, request: ContinueAsNew) -> str:
                                 f"run{claimed.run_no + 1}")
     crashes.crash_point("continue.after")
     lifecycle.log.info("workflow %s continued as new: run %d -> %d", claimed.workflow_id,
-                    claimed.run_no, claimed.run_no + 1)
+                       claimed.run_no, claimed.run_no + 1)
     return "continued"

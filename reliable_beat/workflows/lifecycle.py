@@ -415,6 +415,6 @@ def notify_parent(conn: Connection, child_pk: int, state: str, result: Any = Non
     if done != 1:
         return False
     add_wake(conn, parent.workflow_id, parent.queue,
-                    f"{link.parent_run_no}c{link.parent_seq}")
+             f"{link.parent_run_no}c{link.parent_seq}")
     crashes.crash_point("child.notify.in")
     return True

@@ -150,13 +150,13 @@ class Saga:
         call = history.to_json([list(args), kwargs], f"compensation {name!r} arguments")
         # refused at registration: an unwind could not send it
         rt.check_size("compensation", name, call,
-                        f"compensation {name!r} arguments (in their message)",
-                        message=activities.activity_message(rt, name, call, queue))
+                      f"compensation {name!r} arguments (in their message)",
+                      message=activities.activity_message(rt, name, call, queue))
         seq, digest, ev = rt.next("compensation", name, call)
         if ev is None:
             key = workflow_store.activity_key(rt.claimed.workflow_id, rt.claimed.run_no, seq)
             rt.record(seq, "compensation", name, digest, [*call, queue], state="registered",
-                        run_key=key)
+                      run_key=key)
             rt.history[seq] = Event(seq, "compensation", name, digest, "registered", None,
                                     None, None, key)
         self._compensations.append(seq)
@@ -232,10 +232,10 @@ def _unwind(rt: Runtime, start_seq: int, seqs: list[int],
             ev = rt.history.get(s)
             if ev is not None and ev.kind == "activity" and ev.state == "scheduled":
                 done, _ = activities.resolve(rt, ActivityHandle(seq=s, name=str(ev.name),
-                                                      key=str(ev.run_key)))
+                                                                key=str(ev.run_key)))
                 if not done:
                     raise rt.suspend(f"saga: activity {ev.name} (seq {s}) must settle "
-                                       "before its compensation runs")
+                                     "before its compensation runs")
         order = list(reversed(seqs))
         failed: list[int] = []
         if parallel:
@@ -247,7 +247,7 @@ def _unwind(rt: Runtime, start_seq: int, seqs: list[int],
             if running:
                 names = ", ".join(f"{rt.history[c].name} (seq {c})" for c in running[:5])
                 raise rt.suspend(f"saga: waiting for {len(running)} compensations running "
-                                   f"in parallel: {names}")
+                                 f"in parallel: {names}")
             failed = [c for c in order if rt.history[c].state == "failed"]
         else:
             for i, c in enumerate(order):
@@ -259,8 +259,8 @@ def _unwind(rt: Runtime, start_seq: int, seqs: list[int],
             _block_failed(rt, failed, original, stopped=not (parallel or continue_on_error))
         _mark_handled(rt, [s for s in range(start_seq + 1,
                                              (rt.seq if upto is None else upto) + 1)
-                            if (ev := rt.history.get(s)) is not None
-                            and ev.kind == "activity" and ev.state == "failed"])
+                           if (ev := rt.history.get(s)) is not None
+                           and ev.kind == "activity" and ev.state == "failed"])
     finally:
         rt.unwinding = False
 
@@ -509,7 +509,7 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
             state, message = "cancelled", "terminated: cancelled, no compensation ran"
             if done:
                 lifecycle.drop_wakes(conn, workflow_id)
-            if done:  # a child's end wakes its parent in the same transaction, like _finish
+            if done:  # a child's end wakes its parent in the same transaction, like finish
                 lifecycle.notify_parent(conn, row.id, "cancelled", None,
                               {"type": "WorkflowTerminated", "message": message})
         elif row.state == "blocked" or row.cancel_requested in DATA_MODES:

@@ -65,7 +65,7 @@ def start_for_slot(conn: Connection, name: str, key: str, args: Sequence[Any],
         select(entries.c.schedule_group).where(entries.c.name == slot.entry_name)
     ).scalar()
     registry.start(conn, name, key, args, kwargs, queue=definition.queue,
-                 version=definition.version, schedule_group=group)
+                   version=definition.version, schedule_group=group)
     if slot is not None and slot.entry_name is not None:
         conn.execute(
             update(workflows)

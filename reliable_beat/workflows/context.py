@@ -184,8 +184,13 @@ class WorkflowContext:
         Raises:
             WorkflowUsageError: outside a step.
         """
-        if self._rt.step_key is None:
+        if self._step_key is None:
             raise WorkflowUsageError("ctx.step_key is only defined inside ctx.step(...)")
+        return self._step_key
+
+    @property
+    def _step_key(self) -> str | None:
+        """The key of the step running now (the runtime's), None outside a step."""
         return self._rt.step_key
 
     @property

@@ -25,17 +25,26 @@ demo: $(VENV)/.installed
 # real workers). Tests marked `full` are the further variants of a kind CI already runs once
 # (another framework's break-it demo, the Dramatiq fault smoke, ...); `make test-full` runs
 # them, every MariaDB variant and the RabbitMQ broker axis.
-MARIADB_CI_SUBSET := tests/integration tests/unit/test_workflows.py tests/unit/test_workflow_versions.py tests/unit/test_workflow_sagas.py tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction \
+# (the real-process tests first: the two xdist workers take files in this order)
+MARIADB_CI_SUBSET := tests/acceptance/test_beats.py::test_sigstop_inside_claim_transaction \
 	tests/acceptance/test_idempotent_task.py::test_sigkill_mid_body_redelivers_and_makes_one_effect \
-	tests/acceptance/test_idempotent_task.py::test_sigstop_past_lease_is_fenced_out_on_wake tests/acceptance/test_relay_kill.py
+	tests/acceptance/test_idempotent_task.py::test_sigstop_past_lease_is_fenced_out_on_wake tests/acceptance/test_relay_kill.py \
+	tests/integration tests/unit/test_workflows.py tests/unit/test_workflow_versions.py tests/unit/test_workflow_sagas.py
+# The main pass hands out files in collection order (--no-loadscope-reorder): the long
+# real-process files (tests/acceptance, tests/faults) first, the many short unit files last,
+# so neither worker idles at the end while the other runs a 1-2 minute test; xdist's default
+# order (most tests per file first) put the single-test files, the longest, last.
+# The MariaDB subset too: each worker starts its own private MariaDB.
 test: $(VENV)/.installed
-	RB_WF_KILLS=1 $(PY) -m pytest -q -m "not mariadb and not full" -n 2 --dist loadfile --durations=40
-	$(PY) -m pytest -q -m "mariadb and not full" $(MARIADB_CI_SUBSET)
+	RB_WF_KILLS=1 $(PY) -m pytest -q -m "not mariadb and not full" -n 2 --dist loadfile \
+		--no-loadscope-reorder --durations=40
+	$(PY) -m pytest -q -m "mariadb and not full" -n 2 --dist loadfile --no-loadscope-reorder \
+		$(MARIADB_CI_SUBSET)
 
 # Everything: every variant on every store (MariaDB's crash matrix and fault smoke included),
 # then the acceptance and fault suites on RabbitMQ. About two hours on 2 cores.
 test-full: $(VENV)/.installed
-	$(PY) -m pytest -q
+	RELIABLE_BEAT_DEPLOY_SECONDS=60 $(PY) -m pytest -q
 	$(PY) -m pytest -q --broker rabbitmq tests/acceptance/test_beats.py \
 		tests/acceptance/test_idempotent_task.py tests/acceptance/test_outbox_kill_points.py \
 		tests/acceptance/test_relay_kill.py tests/acceptance/test_dramatiq_adapter.py \

@@ -1,7 +1,7 @@
 """Fault-injection harness: real beats, workers and relays killed, paused and restarted, with a
 ledger that proves every slot's effect happened exactly once.
 
-    python -m harness.faults --minutes 2.5 --seed 7          # the CI run
+    python -m harness.faults --minutes 1.6 --seed 7          # the CI run
     python -m harness.faults --minutes 30 --seed 20260101    # the long run
     python -m harness.faults --minutes 3 --compare stock,redbeat
     python -m harness.faults --minutes 2.5 --seed 7 --broker rabbitmq   # on RabbitMQ

@@ -16,36 +16,45 @@ imported here.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import runs, tracing
+from reliable_beat import outbox, runs, tracing
 from reliable_beat import values as rb_values
+from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import PermanentError, SchemaError, StaleFenceToken
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger
+from reliable_beat.settings import Settings
 from reliable_beat.slots import format_fire_at
 
 __all__ = [
     "PERMANENT_DEFAULTS",
     "RESULT_NOTE_KEY",
     "Decision",
+    "LeaseRenewer",
+    "RunOutbox",
+    "RunState",
     "claim_decision",
     "classify",
     "complete_after_body",
     "failure_decision",
+    "raise_if_schema_missing",
     "run_and_complete",
     "run_body",
     "storable_result",
+    "store_for",
     "transient_defaults",
 ]
 
@@ -341,7 +350,7 @@ def storable_result(task_name: str, key: str, result: Any) -> Any:
 
 # ------------------------------------------------- moved from reliable_beat/celery/task.py ----
 
-def _raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: str) -> None:
+def raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: str) -> None:
     """A store whose reliable_beat schema is missing or behind is a permanent error.
     A database error that is not a lost connection (e.g. ``no such table:
     reliable_beat_runs``) is checked against the schema's revision; retrying cannot create
@@ -353,8 +362,6 @@ def _raise_if_schema_missing(store: Store, exc: BaseException, task: str, key: s
     """
     if not isinstance(exc, DBAPIError) or exc.connection_invalidated:
         return
-    from reliable_beat.db import migrate
-
     try:
         revision = migrate.current(store)
         if revision == migrate.head():
@@ -392,7 +399,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_stores_after_fork)
 
 
-def _store_for(url: str) -> Store:
+def store_for(url: str) -> Store:
     """The process's :class:`Store` for ``url`` (role ``worker``), created on first use.
 
     Survives prefork: the fork hook, and a pid check as a second line, give each child
@@ -409,12 +416,12 @@ def _store_for(url: str) -> Store:
 
 # ------------------------------------------------------------ per-execution state ----
 
-#: ``_current.states``: id(task) -> the _RunState of the execution running in this thread.
+#: ``_current.states``: id(task) -> the RunState of the execution running in this thread.
 _current = threading.local()
 
 
 @dataclass(eq=False)  # hashed by identity: a member of the renewer's set
-class _RunState:
+class RunState:
     claim: runs.Claim
     store: Store
     lease: timedelta
@@ -428,16 +435,76 @@ class _RunState:
     #: Stores the result of a run completed in the body's transaction (None: at once, on
     #: the store); set by a transaction joined to an outer one (Django's ``atomic()``).
     write_result: Callable[[Any], None] | None = None
-    #: time.monotonic() of the next lease renewal (set by _LeaseRenewer.add).
+    #: time.monotonic() of the next lease renewal (set by LeaseRenewer.add).
     renew_at: float = 0.0
 
 
-def _renew_interval(state: _RunState) -> float:
+class RunOutbox:
+    """The outbox of a running body: ``self.outbox`` of an ``IdempotentTask``,
+    ``current().outbox`` of an ``IdempotentActor``.
+
+    Each :meth:`add` writes a row in the body's transaction, stamped with the run
+    (``run_id``), checked against the settings' ``max_payload_bytes`` and
+    ``outbox_handlers``, and keyed by the run's idempotency key.
+
+    Args:
+        state: returns the run state of the execution the body runs in, read at each
+            :meth:`add` (the Celery task looks it up per thread and raises ``RuntimeError``
+            outside an execution; a Dramatiq run context holds its own).
+        settings: returns the settings of the task or actor, read at each :meth:`add`.
+    """
+
+    def __init__(self, state: Callable[[], RunState], settings: Callable[[], Settings]) -> None:
+        self._state = state
+        self._settings = settings
+
+    def add(
+        self,
+        tx: Connection,
+        destination: str,
+        payload: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        delay: timedelta | float | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        """Add an outbox row in ``tx`` (the body's transaction): :func:`reliable_beat.outbox.add`.
+
+        ``key`` defaults to ``f"{idempotency_key}#{n}"``, ``n`` = 1, 2, ... counting the adds
+        of this attempt, so a retried attempt that adds "the same" messages in the same
+        order produces the same message ids, and the far end can deduplicate. ``delay`` in
+        seconds (a number) or a ``timedelta``.
+
+        Returns:
+            The outbox message id.
+        """
+        state = self._state()
+        state.outbox_count += 1
+        settings = self._settings()
+        # The writer is looked up at each add, as sys.modules holds it then (a test may stand
+        # a stub module in for reliable_beat.outbox, as the Celery task always allowed).
+        add: Callable[..., str] = importlib.import_module(outbox.__name__).add
+        return add(
+            tx,
+            destination,
+            payload,
+            key=key or f"{state.claim.key}#{state.outbox_count}",
+            headers=headers,
+            delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
+            ordering_key=ordering_key,
+            run_id=state.claim.run_id,
+            max_bytes=settings.max_payload_bytes,
+            handlers=settings.outbox_handlers,
+        )
+
+
+def _renew_interval(state: RunState) -> float:
     """Seconds between renewals of ``state``'s lease: a third of the lease (>= 0.05 s)."""
     return max(state.lease.total_seconds() / 3.0, 0.05)
 
 
-class _LeaseRenewer:
+class LeaseRenewer:
     """One daemon thread per process renewing the lease of every execution in flight.
 
     An execution is added when its body starts and discarded when its completion begins or
@@ -455,12 +522,12 @@ class _LeaseRenewer:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._states: set[_RunState] = set()
+        self._states: set[RunState] = set()
         #: When the thread will next look (monotonic); None while it waits for work.
         self._wake_at: float | None = None
         self._thread: threading.Thread | None = None
 
-    def add(self, state: _RunState) -> None:
+    def add(self, state: RunState) -> None:
         """Start renewing ``state``'s lease, first after one interval."""
         state.renew_at = time.monotonic() + _renew_interval(state)
         with self._cond:
@@ -473,7 +540,7 @@ class _LeaseRenewer:
             if self._wake_at is None or state.renew_at < self._wake_at:
                 self._cond.notify()
 
-    def discard(self, state: _RunState) -> None:
+    def discard(self, state: RunState) -> None:
         """Stop renewing ``state``'s lease (no-op when it is not renewed)."""
         with self._cond:
             self._states.discard(state)
@@ -495,7 +562,7 @@ class _LeaseRenewer:
             for state in due:
                 self._renew(state)
 
-    def _renew(self, state: _RunState) -> None:
+    def _renew(self, state: RunState) -> None:
         try:
             ok = runs.renew_lease(state.store, state.claim, state.lease)
         except Exception:  # store briefly unreachable: the lease is not lost yet
@@ -516,7 +583,7 @@ class _LeaseRenewer:
             )
 
 
-_renewer = _LeaseRenewer()
+_renewer = LeaseRenewer()
 
 
 def _new_renewer_after_fork() -> None:
@@ -530,13 +597,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_renewer_after_fork)
 
 
-#: Public names of the moved helpers, for adapters.
-store_for = _store_for
-RunState = _RunState
-LeaseRenewer = _LeaseRenewer
-raise_if_schema_missing = _raise_if_schema_missing
+#: The names these helpers had when they lived in ``reliable_beat.celery.task``, still
+#: imported by the Celery adapter (and ``_store_for`` patched by its tests).
+_store_for = store_for
+_RunState = RunState
+_LeaseRenewer = LeaseRenewer
+_raise_if_schema_missing = raise_if_schema_missing
 
 
-def renewer() -> _LeaseRenewer:
+def renewer() -> LeaseRenewer:
     """This process's lease renewer (one thread serving every execution in flight)."""
     return _renewer

@@ -76,6 +76,7 @@ from reliable_beat.groups import (
     log_sync_result,
     record_beat,
 )
+from reliable_beat.handlers import MessageExpiredError
 from reliable_beat.logs import RepeatedLog, event
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.process import STOP_SIGNALS, BeatProcess, deferred_stop_signals
@@ -160,8 +161,6 @@ def publish_and_mark(
     Returns:
         How many were published.
     """
-    from reliable_beat.handlers import MessageExpiredError
-
     logger = logger or log
     if not messages:
         return 0

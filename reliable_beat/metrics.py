@@ -84,7 +84,9 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, entries, runs, workflows
 from reliable_beat.policies import is_missed
 from reliable_beat.redaction import get_logger
+from reliable_beat.relay import outbox_status
 from reliable_beat.retry_watch import overdue_retries
+from reliable_beat.rows import decode_value, infinity_text, quarantine_counts
 from reliable_beat.settings import Settings
 from reliable_beat.workflows import runaway
 
@@ -296,9 +298,6 @@ class StoreCollector:
         )
 
     def _read(self) -> dict[str, Any]:
-        from reliable_beat.relay import outbox_status
-        from reliable_beat.rows import quarantine_counts
-
         with self.store.engine.connect() as conn:
             now = self.store.now(conn)
             counts: dict[str, int] = {}
@@ -404,8 +403,6 @@ def _instant_pairs(conn: Any, first: Any, second: Any, where: Any) -> list[tuple
     """``(first, second)`` instants of the rows ``where(select(...))`` finds, read value by
     value: a row whose values are not instants (malformed, see :mod:`reliable_beat.rows`)
     is left out instead of failing the scrape."""
-    from reliable_beat.rows import decode_value, infinity_text
-
     out: list[tuple[Any, Any]] = []
     stmt = where(select(type_coerce(first, NullType()), type_coerce(second, NullType())))
     for a, b in conn.execute(stmt):
@@ -422,8 +419,6 @@ def _late(raw_next: Any, raw_grace: Any, now: Any, margin: timedelta, dialect: A
     """Whether an entry is overdue by more than its grace + margin (the MISSED check of
     ``status``: :func:`reliable_beat.policies.is_missed`); a value that cannot be read (a
     malformed row, see :mod:`reliable_beat.rows`) counts as not late."""
-    from reliable_beat.rows import decode_value
-
     try:
         nfa = decode_value(entries.c.next_fire_at, raw_next, dialect)
     except Exception:

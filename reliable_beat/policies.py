@@ -13,8 +13,9 @@ import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-__all__ = ["MAX_CATCH_UP_LIMIT", "MISSED_MARGIN_SECONDS", "MisfirePolicy", "OverlapPolicy",
-           "RetryPolicy", "backoff_delay", "catch_up_limit_problem", "is_missed"]
+__all__ = ["BACKOFF_CAP", "MAX_CATCH_UP_LIMIT", "MISSED_MARGIN_SECONDS", "MisfirePolicy",
+           "OverlapPolicy", "RetryPolicy", "backoff_delay", "backoff_wait",
+           "catch_up_limit_problem", "is_missed"]
 
 #: Slack (seconds) on top of an entry's ``misfire_grace`` before a due entry counts as
 #: missed: a beat sleeps at most ``beat_max_loop_interval`` (default 300 s on stock Celery,
@@ -129,6 +130,21 @@ def backoff_delay(
     # 2**attempt overflows a float at 1024; once base*2**attempt passes cap, cap binds anyway.
     ceiling = cap if attempt >= 1023 else min(cap, base * 2.0**attempt)
     return (rng or random).uniform(0.0, ceiling)
+
+
+#: The re-send backoff's cap: a run or message already re-sent k times waits
+#: ``after * 2**min(k, cap)`` (cap 4: 16 periods; 32 min at the 120 s default) before the
+#: next re-send.
+BACKOFF_CAP = 4
+
+
+def backoff_wait(after: timedelta, resends: int) -> timedelta:
+    """How long a message re-sent ``resends`` times before waits before its next re-send:
+    ``after * 2**min(resends, BACKOFF_CAP)``. The one backoff rule of both sweeps (the run
+    sweep, :func:`~reliable_beat.redispatch.redispatch_stuck_runs`, and the workflow sweep,
+    :func:`~reliable_beat.workflows.engine.redispatch_workflows`)."""
+    factor: int = 2 ** min(max(resends, 0), BACKOFF_CAP)
+    return after * factor
 
 
 @dataclass(frozen=True)

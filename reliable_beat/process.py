@@ -32,6 +32,7 @@ from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store, is_lock_wait
 from reliable_beat.entries import NOTIFY_CHANNEL, EntryDefinition, is_task_elsewhere
 from reliable_beat.errors import ConfigurationError, SchemaError, StoreUnavailableError
+from reliable_beat.metrics import serve
 from reliable_beat.redaction import redact_text
 from reliable_beat.retention import RetentionThread, start_retention
 from reliable_beat.settings import Settings
@@ -231,8 +232,6 @@ class BeatProcess:
                 self._sleep(delay)
                 delay = min(delay * 2, 30.0)
         if self.settings.metrics_port is not None and self._metrics is None:
-            from reliable_beat.metrics import serve
-
             self._metrics = serve(
                 self.settings.metrics_port, self.store, addr=self.settings.metrics_host,
                 pending_alarm_seconds=self.settings.workflow_pending_alarm_seconds)

@@ -51,11 +51,14 @@ from sqlalchemy import and_, case, literal, or_, select, true, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from reliable_beat.adapters import adapter_for
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import entry_outside_group, schedule_group_of
+from reliable_beat.handlers import MessageExpiredError
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.policies import BACKOFF_CAP, backoff_wait
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 from reliable_beat.triggers import (
@@ -71,23 +74,10 @@ __all__ = ["BACKOFF_CAP", "Backlog", "QueueDepthFn", "backlogged", "backoff_wait
 
 log = get_logger("reliable_beat.redispatch")
 
-#: The re-send backoff's cap: a run already re-sent k times waits ``after * 2**min(k, cap)``
-#: (cap 4: 16 periods; 32 min at the 120 s default) before the next re-send.
-BACKOFF_CAP = 4
-
 #: What a run's trigger message id starts with (``trigger:<idempotency key>``).
 _TRIGGER_PREFIX = trigger_message_id("")
 #: What a workflow activity's run key starts with (its runs are the workflow sweep's).
 WORKFLOW_KEY_PREFIX = "wf:"
-
-
-def backoff_wait(after: timedelta, resends: int) -> timedelta:
-    """How long a message re-sent ``resends`` times before waits before its next re-send:
-    ``after * 2**min(resends, BACKOFF_CAP)``. The one backoff rule of both sweeps (this
-    module's run sweep and the workflow sweep,
-    :func:`~reliable_beat.workflows.engine.redispatch_workflows`)."""
-    factor: int = 2 ** min(max(resends, 0), BACKOFF_CAP)
-    return after * factor
 
 
 def waited_with_backoff(col: Any, resends: Any, now: datetime, after: timedelta) -> Any:
@@ -292,8 +282,6 @@ def _still_claimed(store: Store, stuck: list[OutboxMessage],
 def tracked_tasks(app: Any) -> list[str]:
     """Names of the tasks registered in framework ``app`` that keep run state (Celery: the
     ``IdempotentTask`` ones), asked of the app's adapter (:mod:`reliable_beat.adapters`)."""
-    from reliable_beat.adapters import adapter_for
-
     return adapter_for(app).tracked_tasks(app)
 
 
@@ -306,8 +294,6 @@ def redispatch_stuck_runs(store: Store, app: Any, settings: Settings) -> int:
     Returns:
         How many triggers were published again.
     """
-    from reliable_beat.adapters import adapter_for
-
     adapter = adapter_for(app)
 
     def publish(messages: list[OutboxMessage], now: datetime
@@ -495,8 +481,6 @@ def redispatch_with(
     Returns:
         How many triggers were published again.
     """
-    from reliable_beat.handlers import MessageExpiredError
-
     if not tasks:
         return 0
     after = timedelta(seconds=settings.redispatch_seconds)

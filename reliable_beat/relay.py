@@ -86,8 +86,11 @@ from reliable_beat.outbox_queue import (
 )
 from reliable_beat.policies import backoff_delay
 from reliable_beat.redaction import get_logger, redact_text
+from reliable_beat.redispatch import redispatch_stuck_runs
+from reliable_beat.retention import start_retention
 from reliable_beat.settings import Settings
 from reliable_beat.triggers import TRIGGER_DESTINATIONS
+from reliable_beat.workflows.engine import redispatch_workflows
 
 __all__ = [
     "EXPIRED_ERROR",
@@ -374,12 +377,8 @@ class Relay:
         if self._redispatch is not None:
             self._redispatch()
             return
-        from reliable_beat.redispatch import redispatch_stuck_runs
-
         redispatch_stuck_runs(self.store, self.app, self.settings)
         # durable workflows: dead advances, lost wakes, lost activity messages
-        from reliable_beat.workflows.engine import redispatch_workflows
-
         app, probe = self.app, getattr(adapter_for(self.app), "queue_depths", None)
         redispatch_workflows(self.store, older_than=timedelta(
             seconds=self.settings.redispatch_seconds), retrying_after=timedelta(
@@ -643,8 +642,6 @@ class Relay:
         """
         stop = stop_event or threading.Event()
         poll = self.settings.relay_poll_seconds
-        from reliable_beat.retention import start_retention
-
         self._retention = start_retention(self.store, self.settings, role="relay")
         beating = threading.Event()  # set: the heartbeat thread stops
         heart = threading.Thread(target=self._heartbeat_loop, args=(beating,),

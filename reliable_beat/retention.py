@@ -52,6 +52,7 @@ from reliable_beat.db.tables import attempts, dead_letters, outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
+from reliable_beat.workflows.retention import purge_workflows
 
 __all__ = [
     "PURGED_RUN_STATES",
@@ -221,8 +222,6 @@ def purge(
             if deleted < limit:
                 break
     if settings.workflow_retention_seconds is not None:
-        from reliable_beat.workflows.retention import purge_workflows
-
         cutoff = now - timedelta(seconds=settings.workflow_retention_seconds)
         result.cutoffs["workflows"] = _iso(cutoff)
         remaining = None if max_seconds is None else max(

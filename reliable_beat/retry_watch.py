@@ -20,7 +20,7 @@ Workflow activities (keys ``wf:...``) are the workflow sweep's and left out.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -28,18 +28,15 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat.db.tables import attempts, runs
 from reliable_beat.redispatch import WORKFLOW_KEY_PREFIX, backoff_wait
+from reliable_beat.slots import parse_fire_at
 
 __all__ = ["overdue_retries"]
 
 
 def _utc(value: Any) -> datetime | None:
-    if value is None:
-        return None
-    if isinstance(value, str):  # SQLite aggregates come back as text
-        value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc)  # type: ignore[no-any-return]
+    """A store instant as an aware UTC datetime (SQLite aggregates come back as text; the
+    store keeps UTC, so no zone is UTC: :func:`reliable_beat.slots.parse_fire_at`)."""
+    return parse_fire_at(value, "instant")
 
 
 def overdue_retries(conn: Connection, now: datetime, *, redispatch_seconds: float,

@@ -24,6 +24,7 @@ from reliable_beat.policies import (
     RetryPolicy,
     catch_up_limit_problem,
 )
+from reliable_beat.redaction import MASK, is_sensitive_name, redact_url, redact_value
 from reliable_beat.schedules import validate_timezone
 from reliable_beat.values import DEFAULT_MAX_PAYLOAD_BYTES
 
@@ -334,8 +335,6 @@ class Settings:
     def __repr__(self) -> str:
         """Every field, with the database URL and any secret-named value redacted (error
         reporters capture locals; a repr must never carry a password)."""
-        from reliable_beat.redaction import MASK, is_sensitive_name, redact_url, redact_value
-
         shown = []
         for f in fields(self):
             if not f.repr:  # e.g. webhook destinations, SMTP: may hold inline secrets
@@ -615,8 +614,6 @@ class Settings:
     def database_url_text(self) -> str:
         """The store URL, password hidden, and where it came from, e.g.
         ``"postgresql+psycopg://shop:***@db/shop (from Django DATABASES['default'])"``."""
-        from reliable_beat.redaction import redact_url
-
         return f"{redact_url(self.database_url)} (from {self.database_url_origin})"
 
     @property

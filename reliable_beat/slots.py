@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-__all__ = ["SlotText", "format_fire_at", "idempotency_key", "truncate"]
+__all__ = ["SlotText", "format_fire_at", "idempotency_key", "parse_fire_at", "truncate"]
 
 
 def truncate(at: datetime) -> datetime:
@@ -43,6 +43,49 @@ def format_fire_at(fire_at: datetime) -> str:
         ValueError: ``fire_at`` is naive.
     """
     return f"{truncate(fire_at):%Y-%m-%dT%H:%M:%SZ}"
+
+
+def parse_fire_at(value: object, what: str = "fire_at") -> datetime | None:
+    """Read a trigger's instant (its fire time, its ``expires_at``) as a worker or publisher
+    receives it: the one parser of the instants reliable_beat writes on the wire.
+
+    The rule: ISO 8601 text, ``Z`` or a UTC offset (``+02:00``) giving the zone; **an
+    instant without a zone is UTC** (never the host's local time). Every writer of a trigger
+    writes :func:`format_fire_at`'s ``"2026-01-10T10:05:00Z"``, and the store keeps UTC, so
+    a zone-less value can only be UTC that lost its ``Z`` on the way. A ``datetime`` is read
+    the same way (a naive one is UTC). Not truncated: the instant is kept as given.
+
+    Args:
+        value: the text (or ``datetime``); None or ``""``: no instant.
+        what: the value's name in the error (a header or option name).
+
+    Returns:
+        The instant as a tz-aware UTC datetime, or None.
+
+    Raises:
+        ValueError: ``value`` is not an ISO 8601 instant; the message names ``what`` and the
+            value.
+    """
+    if value is None or value == "":
+        return None
+    if isinstance(value, datetime):
+        parsed = value
+    elif isinstance(value, str):
+        text = value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value
+        try:
+            parsed = datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(f"{what}={value!r}: not an ISO 8601 instant; expected e.g. "
+                             "'2026-01-10T10:05:00Z' (without a zone: UTC)") from None
+    else:
+        raise ValueError(f"{what}={value!r}: expected ISO 8601 text such as "
+                         f"'2026-01-10T10:05:00Z', got {type(value).__name__}")
+    if parsed.tzinfo is None or parsed.utcoffset() is None:
+        return parsed.replace(tzinfo=timezone.utc)
+    try:
+        return parsed.astimezone(timezone.utc)
+    except OverflowError:  # e.g. 0001-01-01T00:00:00+05:00: before the first UTC instant
+        raise ValueError(f"{what}={value!r}: out of the range of a UTC instant") from None
 
 
 def idempotency_key(entry: str, fire_at: datetime) -> str:

@@ -19,14 +19,13 @@ dead letter). See ``docs/task.md``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from celery import Task
@@ -41,7 +40,7 @@ from sqlalchemy.exc import (
     StatementError,
 )
 
-from reliable_beat import joins, runs, tracing
+from reliable_beat import joins, runs, slots, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.celery.reprs import shown_reprs
 from reliable_beat.db.dialects import Store
@@ -147,52 +146,6 @@ from reliable_beat.execution import (  # noqa: E402
 )
 
 
-class _Outbox:
-    """``self.outbox``: adds outbox rows stamped with the run, keyed by the run's key."""
-
-    def __init__(self, task: IdempotentTask) -> None:
-        self._task = task
-
-    def add(
-        self,
-        tx: Connection,
-        destination: str,
-        payload: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, Any] | None = None,
-        delay: timedelta | float | None = None,
-        ordering_key: str | None = None,
-    ) -> str:
-        """Add an outbox row in ``tx`` (the body's transaction): :func:`reliable_beat.outbox.add`.
-
-        ``key`` defaults to ``f"{idempotency_key}#{n}"``, ``n`` = 1, 2, ... counting the adds
-        of this attempt, so a retried attempt that adds "the same" messages in the same
-        order produces the same message ids, and the far end can deduplicate.
-
-        Returns:
-            The outbox message id.
-        """
-        # reliable_beat.outbox is imported when used (it is optional for tasks without it).
-        outbox = importlib.import_module("reliable_beat.outbox")
-        state = self._task._state()
-        state.outbox_count += 1
-        message_key = key or f"{state.claim.key}#{state.outbox_count}"
-        add: Callable[..., str] = outbox.add
-        return add(
-            tx,
-            destination,
-            payload,
-            key=message_key,
-            headers=headers,
-            delay=timedelta(seconds=delay) if isinstance(delay, (int, float)) else delay,
-            ordering_key=ordering_key,
-            run_id=state.claim.run_id,
-            max_bytes=self._task.reliable_beat_settings.max_payload_bytes,
-            handlers=self._task.reliable_beat_settings.outbox_handlers,
-        )
-
-
 def _header(request: Any, name: str) -> Any:
     """A custom message header, wherever this Celery version put it.
 
@@ -207,15 +160,8 @@ def _header(request: Any, name: str) -> Any:
 
 
 def _parse_fire_at(value: Any) -> datetime | None:
-    if value in (None, ""):
-        return None
-    if isinstance(value, datetime):
-        parsed = value
-    else:
-        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    if parsed.tzinfo is None:
-        raise ValueError(f"{FIRE_AT_HEADER}={value!r} has no time zone")
-    return parsed.astimezone(timezone.utc)
+    """The fire-time header: :func:`reliable_beat.slots.parse_fire_at` (no zone: UTC)."""
+    return slots.parse_fire_at(value, FIRE_AT_HEADER)
 
 
 # The note stored instead of a result that cannot be stored as JSON, and the conversion: one
@@ -598,9 +544,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return self._state().lease_lost
 
     @property
-    def outbox(self) -> _Outbox:
-        """``self.outbox.add(tx, destination, payload, ...)``: see :class:`_Outbox`."""
-        return _Outbox(self)
+    def outbox(self) -> execution.RunOutbox:
+        """``self.outbox.add(tx, destination, payload, ...)``: see
+        :class:`~reliable_beat.execution.RunOutbox`."""
+        return execution.RunOutbox(self._state, lambda: self.reliable_beat_settings)
 
     # ------------------------------------------------------------ transaction ----
 

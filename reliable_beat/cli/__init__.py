@@ -39,7 +39,13 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from reliable_beat._version import __version__
-from reliable_beat.db.dialects import Store, is_unavailable
+from reliable_beat.adapters import (
+    CLI_ENTRY_POINT_GROUP,
+    DEFAULT_ADAPTER,
+    adapter_for_spec,
+    load_adapter,
+)
+from reliable_beat.db.dialects import Store, connect_refusal, is_unavailable
 from reliable_beat.db.types import infinity_text
 from reliable_beat.errors import (
     ConfigurationError,
@@ -47,6 +53,7 @@ from reliable_beat.errors import (
     ReliableBeatError,
     StoreUnavailableError,
 )
+from reliable_beat.ops import context as ops_context
 from reliable_beat.redaction import get_logger, redact_text, redact_value
 from reliable_beat.settings import Settings
 
@@ -151,16 +158,8 @@ class CliContext:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            given = ((self.database_url, self.database_url_origin) if self.database_url
-                     else None)
-            if self.app is not None:
-                from reliable_beat.adapters import app_settings
-
-                self._settings = app_settings(self.app, database_url=given)
-            elif given is not None:
-                self._settings = Settings.with_database_url(*given)
-            else:
-                self._settings = Settings()
+            self._settings = ops_context.settings_for(self.app, self.database_url,
+                                                      self.database_url_origin)
         return self._settings
 
     @property
@@ -181,11 +180,7 @@ class CliContext:
         """The IANA zone the app evaluates schedules in (its adapter's
         :meth:`~reliable_beat.adapters.AppAdapter.app_timezone`: Celery's ``app.timezone``),
         the zone of entries that set none; UTC without an app."""
-        if self.app is None:
-            return "UTC"
-        from reliable_beat.adapters import adapter_for
-
-        return adapter_for(self.app).app_timezone(self.app)
+        return ops_context.app_timezone(self.app)
 
     def echo_json(self, value: Any) -> None:
         """Print ``value`` as JSON (instants as ISO 8601 ``Z``, see :func:`jsonable`; secrets
@@ -262,8 +257,6 @@ _shadowed_warned: set[str] = set()
 
 def _plugin_entry_points() -> dict[str, EntryPoint]:
     """The entry points of group :data:`~reliable_beat.adapters.CLI_ENTRY_POINT_GROUP`."""
-    from reliable_beat.adapters import CLI_ENTRY_POINT_GROUP
-
     return {ep.name: ep for ep in entry_points(group=CLI_ENTRY_POINT_GROUP)}
 
 
@@ -303,8 +296,6 @@ def plugin_command(name: str) -> click.Command | None:
 
 def _broken_plugin(ep: EntryPoint, exc: Exception) -> click.Command:
     """A stand-in for the plugin ``ep`` that failed to load with ``exc``."""
-    from reliable_beat.adapters import CLI_ENTRY_POINT_GROUP
-
     reason = f"{type(exc).__name__}: {exc}"
     message = (f"the {ep.name!r} commands are unavailable: entry point {ep.name} = "
                f"{ep.value!r} (group {CLI_ENTRY_POINT_GROUP!r}) failed to load ({reason})")
@@ -335,8 +326,6 @@ def _unavailable_message(group: click.Group, ctx: click.Context, exc: DBAPIError
     store = cli._store if cli is not None else None
     if store is not None:
         return store.unavailable_message(exc)
-    from reliable_beat.db.dialects import connect_refusal
-
     orig = exc.orig if exc.orig is not None else exc
     refused = connect_refusal(orig)
     return (f"database unavailable: {refused} ({orig})" if refused is not None
@@ -381,8 +370,6 @@ def load_app(spec: str | None, parent_app: Any = None) -> Any:
     """
     if not spec and parent_app is None:
         return None
-    from reliable_beat.adapters import DEFAULT_ADAPTER, adapter_for_spec, load_adapter
-
     if spec:
         # another framework's app (a Dramatiq broker module): its own adapter loads it
         try:

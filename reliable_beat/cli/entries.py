@@ -18,14 +18,10 @@ from typing import Any, TypeVar
 
 import click
 
-from reliable_beat import runtime
-from reliable_beat import schedules as sch
-from reliable_beat.cli import CliContext, fail, pass_cli
-from reliable_beat.cli.status import jsonable
+from reliable_beat.adapters import DEFAULT_ADAPTER, load_adapter
+from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.db.types import infinity_text
 from reliable_beat.entries import (
-    EntryDefinition,
-    definition_from_celery,
     get_entry,
     list_entries,
     pause,
@@ -40,18 +36,22 @@ from reliable_beat.errors import (
     StoreUnavailableError,
 )
 from reliable_beat.groups import schedule_group_of
+from reliable_beat.ops import actions as ops_actions
+from reliable_beat.ops import describe as ops_describe
+from reliable_beat.ops.entries import (
+    build_definition,
+    parse_instant,
+    quarantine_problems,
+    schedule_text,
+    task_checker,
+)
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT
 from reliable_beat.redaction import redact_value
+from reliable_beat.rows import entry_checker
 
 __all__ = ["build_definition", "entries", "register"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: Options of ``add`` / ``update`` that land in ``options["reliable_beat"]``.
-_POLICY_OPTIONS = (
-    "misfire_policy", "misfire_grace", "catch_up_limit", "overlap_policy", "dst_nonexistent",
-    "dst_repeated",
-)
 
 
 def handle_errors(fn: F) -> F:
@@ -87,21 +87,6 @@ def _done(cli: CliContext, as_json: bool, outcome: str, name: str, text: str) ->
         click.echo(text)
 
 
-def schedule_text(spec: dict[str, Any]) -> str:
-    """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``."""
-    if not isinstance(spec, dict):  # a malformed (quarantined) row: show what is stored
-        return f"malformed: {spec!r:.60}"
-    kind = spec.get("kind")
-    tz = spec.get("timezone", "UTC")
-    if kind == "cron":
-        return f"cron '{spec.get('expr')}' {tz}"
-    if kind == "interval":
-        return f"every {spec.get('every_seconds')}s"
-    if kind == "once":
-        return f"once at {spec.get('at')}"
-    return json.dumps(spec)
-
-
 def _status(row: dict[str, Any]) -> str:
     if row.get("quarantine_reason"):
         return "quarantined"
@@ -116,179 +101,6 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in row.items() if k not in ("id", "config_hash")}
     out["status"] = _status(row)
     return out
-
-
-def _parse_json(value: str | None, what: str, kind: type, problems: list[str], name: str) -> Any:
-    if value is None:
-        return None
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        example = '[1, "a"]' if kind is list else '{"day": "mon"}'
-        problems.append(f"entry {name!r}: --{what} is not JSON ({exc.msg} at column "
-                        f"{exc.colno}); e.g. --{what} '{example}'")
-        return None
-    if not isinstance(parsed, kind):
-        problems.append(f"entry {name!r}: --{what} must be a JSON "
-                        f"{'array' if kind is list else 'object'}, got {type(parsed).__name__}")
-        return None
-    return parsed
-
-
-def _parse_instant(value: str, what: str, problems: list[str], name: str) -> datetime | None:
-    try:
-        at = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        problems.append(f"entry {name!r}: {what}={value!r} is not an ISO 8601 instant; "
-                        "e.g. 2026-05-01T02:00:00+02:00")
-        return None
-    if at.tzinfo is None or at.utcoffset() is None:
-        problems.append(f"entry {name!r}: {what}={value!r} has no UTC offset; naive times are "
-                        "never guessed: add Z or +HH:MM")
-        return None
-    return at
-
-
-def _task_checker(app: Any) -> Callable[[str], bool | None] | None:
-    if app is None:
-        return None
-
-    def is_idempotent(task: str) -> bool | None:
-        kind = runtime.task_kind(app, task)
-        return None if kind == "unknown" else kind == "idempotent"
-
-    return is_idempotent
-
-
-def build_definition(
-    cli: CliContext,
-    name: str,
-    params: dict[str, Any],
-    *,
-    existing: dict[str, Any] | None = None,
-) -> EntryDefinition:
-    """Validate command-line options into an :class:`EntryDefinition`, like the beat does.
-
-    Args:
-        cli: the command context (settings, store, optional app).
-        name: the entry name.
-        params: the click parameters of ``add`` / ``update`` (None = not given).
-        existing: for ``update``, the stored entry: values not given are kept.
-
-    Raises:
-        EntryValidationError: every problem found (parsing and the beat's own validation),
-            each naming the entry and the fix.
-    """
-    problems: list[str] = []
-    raw: dict[str, Any] = {}
-    rb: dict[str, Any] = {}
-    options: dict[str, Any] = {}
-    if existing is not None:
-        raw["task"] = existing["task"]
-        raw["args"] = existing["args"]
-        raw["kwargs"] = existing["kwargs"]
-        # A malformed stored value (a quarantined row, see reliable_beat.rows) is not
-        # carried over: args / kwargs must then be given again; options start empty.
-        for what, kind in (("args", list), ("kwargs", dict)):
-            if not isinstance(existing[what], kind) and params.get(what) is None:
-                problems.append(f"entry {name!r}: the stored {what} {existing[what]!r:.80} "
-                                f"are malformed: give --{what}")
-        options = dict(existing["options"]) if isinstance(existing["options"], dict) else {}
-        rb = {
-            "misfire_policy": existing["misfire_policy"],
-            "misfire_grace": existing["misfire_grace_seconds"],
-            "catch_up_limit": existing["catch_up_limit"],
-            "overlap_policy": existing["overlap_policy"],
-            "timezone": existing["timezone"],
-        }
-        if existing["catch_up_window_seconds"] is not None:
-            rb["catch_up_window"] = existing["catch_up_window_seconds"]
-        for key in ("start_at", "end_at"):
-            if existing[key] is not None:
-                rb[key] = existing[key]
-    if params.get("task") is not None:
-        raw["task"] = params["task"]
-    args = _parse_json(params.get("args"), "args", list, problems, name)
-    if args is not None:
-        raw["args"] = args
-    kwargs = _parse_json(params.get("kwargs"), "kwargs", dict, problems, name)
-    if kwargs is not None:
-        raw["kwargs"] = kwargs
-    if params.get("queue") is not None:
-        options["queue"] = params["queue"]
-    for key in _POLICY_OPTIONS:
-        if params.get(key) is not None:
-            rb[key] = params[key]
-    if params.get("timezone") is not None:
-        rb["timezone"] = params["timezone"]
-    # An entry without a zone of its own runs in the app's zone, as a beat_schedule entry
-    # does (Celery's app.timezone); without -A there is no app zone: UTC.
-    app_zone = cli.app_timezone
-    tz = rb.get("timezone") or app_zone
-
-    given = [k for k in ("cron", "every", "at") if params.get(k) is not None]
-    if len(given) > 1:
-        problems.append(f"entry {name!r}: give one of --cron, --every, --at (got "
-                        f"{', '.join('--' + g for g in given)})")
-    elif given == ["cron"]:
-        raw["schedule"] = params["cron"]
-    elif given == ["every"]:
-        raw["schedule"] = params["every"]
-    elif given == ["at"]:
-        at = _parse_instant(params["at"], "--at", problems, name)
-        if at is not None:
-            try:
-                raw["schedule"] = sch.OneOffSchedule(at, sch.validate_timezone(tz))
-            except ConfigurationError:
-                raw["schedule"] = sch.OneOffSchedule(at)  # the zone problem is reported below
-    elif existing is not None:
-        stored = existing["schedule"]
-        try:
-            spec = dict(stored, timezone=tz)
-            try:
-                raw["schedule"] = sch.schedule_from_spec(spec)
-            except ConfigurationError:
-                raw["schedule"] = sch.schedule_from_spec(stored)
-        except (ConfigurationError, TypeError, ValueError) as exc:
-            # a malformed stored schedule (a quarantined row): keeping it is impossible, so
-            # the update must give a new one; say so, as the quarantine message does
-            problems.append(
-                f"entry {name!r}: its stored schedule is unusable ({exc}); give a new one "
-                f"with --cron EXPR, --every SECONDS or --at ISO-INSTANT, e.g. "
-                f"`reliable-beat entries update {name} --every 60 ...`"
-            )
-    else:
-        problems.append(f"entry {name!r}: no schedule: give --cron EXPR, --every SECONDS or "
-                        "--at ISO-INSTANT")
-    if options:
-        raw["options"] = dict(options, reliable_beat=rb)
-    else:
-        raw["options"] = {"reliable_beat": rb}
-
-    app = cli.app
-    if (
-        app is not None
-        and isinstance(raw.get("task"), str)
-        and runtime.task_kind(app, raw["task"]) == "unknown"
-    ):
-        problems.append(
-            f"entry {name!r}: task {raw['task']!r} is not registered in app "
-            f"{getattr(app, 'main', app)!r}; check the name (see `celery -A APP inspect "
-            "registered`) or import the module that defines it"
-        )
-    with cli.store.engine.connect() as conn:
-        now = cli.store.now(conn)
-    definition: EntryDefinition | None = None
-    try:
-        definition = definition_from_celery(
-            name, raw, default_timezone=app_zone, settings=cli.settings, now=now,
-            origin="runtime", is_idempotent=_task_checker(app),
-        )
-    except EntryValidationError as exc:
-        problems.extend(p for p in exc.problems if p not in problems)
-    if problems or definition is None:
-        raise EntryValidationError(problems)
-    return definition
 
 
 def _schedule_options(fn: F) -> F:
@@ -365,8 +177,6 @@ def list_cmd(cli: CliContext, as_json: bool, show_all: bool) -> None:
     hidden = len(every) - len(rows)
     # the check a beat's claim makes (reliable_beat.rows.check_entry): a row changed by SQL
     # is marked MALFORMED now, not quarantined (its slot lost) when it comes due
-    from reliable_beat.cli.status import entry_checker
-
     check = entry_checker()
     malformed = {r["name"]: problems for r in rows
                  if r.get("enabled") is True and not r.get("quarantine_reason")
@@ -502,32 +312,12 @@ def resume_cmd(cli: CliContext, name: str, as_json: bool) -> None:
         f"next {_fmt(row['next_fire_at'])})"))
 
 
-def quarantine_problems(store: Any, name: str) -> list[str]:
-    """The problems the beat would find now in the quarantined entry ``name`` (a
-    :class:`~reliable_beat.db.dialects.Store`), one string each; empty when the entry is not
-    quarantined or its row has been repaired (an unknown name: empty too, left to
-    :func:`~reliable_beat.entries.resume` to report). ``entries resume`` and the Django
-    admin's resume refuse a row that is still malformed."""
-    from sqlalchemy import select
-
-    from reliable_beat.db.tables import entries as entries_table
-    from reliable_beat.rows import raw_columns, read_entry
-
-    with store.engine.connect() as conn:
-        raw = conn.execute(select(*raw_columns(entries_table, conn.dialect))
-                           .where(entries_table.c.name == name)).first()
-        if raw is None:
-            return []
-        values, problems, _ = read_entry(dict(raw._mapping), conn.dialect)
-    return problems if values.get("quarantine_reason") else []
-
-
 @_entry_command("trigger")
 def trigger_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Fire NAME once now, under its own key (recorded as a manual run)."""
-    key = runtime.trigger(cli.store, name, app=cli.app)
+    key = ops_actions.trigger(cli.store, name, app=cli.app)
     group = get_entry(cli.store, name).get("schedule_group")
-    published = runtime.app_publishes(cli.app, group)
+    published = ops_actions.app_publishes(cli.app, group)
     if as_json:
         cli.echo_json({"outcome": "triggered", "entry": name, "key": key,
                        "published": published})
@@ -552,11 +342,11 @@ def backfill_cmd(
     """Create runs for every slot of NAME in [START, END) that has none (ISO 8601 instants
     with offsets; slots after now are left to the beat)."""
     problems: list[str] = []
-    s = _parse_instant(start, "START", problems, name)
-    e = _parse_instant(end, "END", problems, name)
+    s = parse_instant(start, "START", problems, name)
+    e = parse_instant(end, "END", problems, name)
     if problems or s is None or e is None:
         raise EntryValidationError(problems)
-    result = runtime.backfill(
+    result = ops_actions.backfill(
         cli.store, name, s, e, limit=cli.settings.backfill_limit, force=force, app=cli.app
     )
     if as_json:
@@ -573,7 +363,7 @@ def backfill_cmd(
 @_entry_command("describe")
 def describe_cmd(cli: CliContext, name: str, as_json: bool) -> None:
     """Answer the five questions for NAME: run twice? overlap? machine dies? retry? idempotent?"""
-    info = runtime.describe(cli.store, cli.app, name)
+    info = ops_describe.describe(cli.store, cli.app, name)
     if as_json:
         cli.echo_json(jsonable(info))
         return
@@ -623,8 +413,6 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
     last run: that slot is not sent twice, and one missed at the cutover meets the entry's
     misfire policy. Disabled entries come in paused; a name that already exists is left alone.
     """
-    from reliable_beat.adapters import DEFAULT_ADAPTER, load_adapter
-
     try:  # RedBeat and django-celery-beat are Celery's: their importers are the adapter's
         importers = load_adapter(DEFAULT_ADAPTER).importers()
     except ImportError as exc:
@@ -640,8 +428,8 @@ def import_cmd(cli: CliContext, source: str, from_url: str, key_prefix: str,
                                                   naive_timezone=naive_timezone or zone)
     outcomes = importers.import_entries(
         cli.store, found, settings=cli.settings, default_timezone=zone,
-        is_idempotent=_task_checker(app),
-        is_registered=(lambda t: runtime.task_kind(app, t) != "unknown") if app else None,
+        is_idempotent=task_checker(app),
+        is_registered=(lambda t: ops_describe.task_kind(app, t) != "unknown") if app else None,
         skip_invalid=skip_invalid, dry_run=dry_run,
         schedule_group=schedule_group if schedule_group is not None or app is None
         else schedule_group_of(app, cli.settings.schedule_group),

@@ -16,6 +16,7 @@ import click
 
 from reliable_beat.cli import CliContext, pass_cli
 from reliable_beat.errors import ConfigurationError
+from reliable_beat.metrics import serve
 from reliable_beat.redaction import get_logger
 from reliable_beat.relay import Relay, outbox_status
 
@@ -56,8 +57,6 @@ def relay(cli: CliContext, once: bool, batch_size: int | None, claim_lease_secon
     if warning:
         get_logger("reliable_beat.relay").warning("%s", warning)
     if cli.settings.metrics_port is not None and not once:
-        from reliable_beat.metrics import serve
-
         serve(cli.settings.metrics_port, cli.store, addr=cli.settings.metrics_host,
               pending_alarm_seconds=cli.settings.workflow_pending_alarm_seconds)
     if once:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import getpass
 import json
 import sys
-import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -22,6 +21,7 @@ import click
 from reliable_beat import runs
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.db.types import infinity_text
+from reliable_beat.ops.actions import RequeueSendError, requeue_dead_run
 from reliable_beat.redaction import (
     IDENTIFIER_FIELDS,
     USER_DATA_FIELDS,
@@ -30,8 +30,6 @@ from reliable_beat.redaction import (
 )
 
 __all__ = ["register"]
-
-_KEY_HEADER = "reliable_beat_key"
 
 
 def _parse_since(value: str) -> datetime:
@@ -195,19 +193,10 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
             f"(died: {dl['reason']}, {dl['attempts']} attempts)?", abort=True)
     who = by or getpass.getuser()
     try:
-        runs.requeue_dead_letter(cli.store, dead_letter_id, by=who, force=force)
-    except ValueError as exc:
+        requeue_dead_run(cli.store, cli.app, dead_letter_id, payload, by=who, force=force,
+                         queue=queue)
+    except (ValueError, RequeueSendError) as exc:
         raise click.ClickException(str(exc)) from exc
-    headers = dict(payload.get("headers") or {})
-    headers[_KEY_HEADER] = payload["key"]
-    try:
-        cli.app.send_task(payload["task"], args=payload.get("args") or [],
-                          kwargs=payload.get("kwargs") or {}, headers=headers,
-                          task_id=str(uuid.uuid4()), queue=queue or payload.get("queue"))
-    except Exception as exc:
-        runs.undo_requeue(cli.store, dead_letter_id)
-        raise click.ClickException(f"could not send the task ({exc}); the run stays dead") from exc
-    runs.mark_dispatched(cli.store, payload["key"])
     if as_json:
         cli.echo_json({"outcome": "requeued", "dead_letter": dead_letter_id,
                        "task": payload["task"], "key": payload["key"], "by": who})

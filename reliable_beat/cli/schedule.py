@@ -21,12 +21,16 @@ from sqlalchemy import select, update
 
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.cli.entries import handle_errors
-from reliable_beat.cli.status import BEAT_ALIVE_SECONDS
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import entries, schedule_configs
-from reliable_beat.entries import definitions_from_beat_schedule, notify_entries_changed
+from reliable_beat.entries import (
+    definitions_from_beat_schedule,
+    notify_entries_changed,
+    sync_schedule_group,
+)
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.groups import group_health, log_sync_result, schedule_group_of
+from reliable_beat.ops.status import BEAT_ALIVE_SECONDS
 from reliable_beat.redaction import get_logger
 from reliable_beat.rows import display_rows
 
@@ -86,7 +90,6 @@ def list_cmd(cli: CliContext, as_json: bool) -> None:
 @handle_errors
 def sync_cmd(cli: CliContext, force: bool, group: str | None, as_json: bool) -> None:
     """Sync the app's beat_schedule into its schedule group, as a beat does at start."""
-    from reliable_beat.entries import sync_schedule_group
     app = cli.app
     if app is None:
         raise ConfigurationError("schedule sync needs the app: pass -A proj (or run "

@@ -15,15 +15,18 @@ from datetime import timedelta
 from typing import Any
 
 import click
+from sqlalchemy import func, select
 
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.cli.runs import _fmt, _table
+from reliable_beat.db.tables import workflows as workflows_table
 from reliable_beat.workflows import engine, saga
 from reliable_beat.workflows.errors import (
     WorkflowConflict,
     WorkflowNotFound,
     WorkflowValueError,
 )
+from reliable_beat.workflows.retention import purge_workflows
 
 __all__ = ["register"]
 
@@ -57,13 +60,9 @@ def wf_list(cli: CliContext, state: str | None, name: str | None, limit: int,
 def _more_line(cli: CliContext, state: str | None, name: str | None, shown: int) -> str:
     """The footer of a listing cut at ``--limit``: how many match in all, and the workflows
     that need a person (blocked) when they may be among those not shown."""
-    from sqlalchemy import func, select
-
-    from reliable_beat.db.tables import workflows
-
-    stmt = select(workflows.c.state, func.count()).group_by(workflows.c.state)
+    stmt = select(workflows_table.c.state, func.count()).group_by(workflows_table.c.state)
     if name is not None:
-        stmt = stmt.where(workflows.c.name == name)
+        stmt = stmt.where(workflows_table.c.name == name)
     with cli.store.engine.connect() as conn:
         counts = {str(k): int(n) for k, n in conn.execute(stmt).all()}
     total = counts.get(state, 0) if state is not None else sum(counts.values())
@@ -243,8 +242,6 @@ def wf_purge(cli: CliContext, older_than: str, dry_run: bool, batch_size: int,
     workflows, a current run's history, or an unconsumed signal. Relays and beats also do
     this on their own (reliable_beat_workflow_retention_seconds, default 30 days).
     """
-    from reliable_beat.workflows.retention import purge_workflows
-
     age = parse_age(older_than)
     with cli.store.connect() as conn:
         cutoff = cli.store.now(conn) - age

@@ -12,12 +12,18 @@ middleware's) and how its triggers are published (through the broker).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from reliable_beat.adapters import import_from_cwd
+from reliable_beat.dramatiq import backlog
+from reliable_beat.dramatiq.base import TRIGGER_DESTINATION
+from reliable_beat.dramatiq.publisher import DramatiqHandler, DramatiqPublisher
+from reliable_beat.dramatiq.worker import IdempotentActor, _middleware
 from reliable_beat.errors import ConfigurationError
+from reliable_beat.loop import publish_and_mark, trigger_messages
 
 if TYPE_CHECKING:
     from reliable_beat.db.dialects import Store
@@ -69,24 +75,17 @@ class DramatiqAdapter:
 
     def handlers(self, app: Any) -> dict[str, Callable[[OutboxMessage], None]]:
         """``dramatiq`` (triggers and application messages) through ``app``, the broker."""
-        from reliable_beat.dramatiq import TRIGGER_DESTINATION, DramatiqHandler
-
         return {TRIGGER_DESTINATION: DramatiqHandler(app)}
 
     def publish(self, app: Any, messages: list[OutboxMessage], now: datetime
                 ) -> list[tuple[int, BaseException | None]]:
         """:meth:`~reliable_beat.dramatiq.DramatiqPublisher.publish` on the broker."""
-        from reliable_beat.dramatiq import DramatiqPublisher
-
         return DramatiqPublisher(app).publish(messages, now)
 
     def publish_triggers(self, store: Store, app: Any, triggers: list[Trigger],
                          now: datetime) -> int:
         """Publish just-committed triggers through the broker and mark them
         (:func:`reliable_beat.loop.publish_and_mark`); rows the broker refused stay pending."""
-        from reliable_beat.dramatiq import DramatiqPublisher
-        from reliable_beat.loop import publish_and_mark, trigger_messages
-
         publisher = DramatiqPublisher(app)
         return publish_and_mark(store, publisher,
                                 trigger_messages(triggers, publisher.destination), now)
@@ -96,22 +95,16 @@ class DramatiqAdapter:
         """The re-dispatch sweep's backlog check (optional hook,
         :data:`reliable_beat.redispatch.QueueDepthFn`): ready messages in each message's
         queue on broker ``app`` (:func:`reliable_beat.dramatiq.backlog.queue_depths`)."""
-        from reliable_beat.dramatiq.backlog import queue_depths
-
-        return queue_depths(app, messages)
+        return backlog.queue_depths(app, messages)
 
     def tracked_tasks(self, app: Any) -> list[str]:
         """Names of the broker's :class:`~reliable_beat.dramatiq.IdempotentActor` actors."""
-        from reliable_beat.dramatiq import DramatiqPublisher
-
         return list(DramatiqPublisher(app).tracked_tasks())
 
     def task_kind(self, app: Any, task: str) -> str:
         """``idempotent`` (an :class:`~reliable_beat.dramatiq.IdempotentActor`), ``plain``
         (any other actor declared on the broker), or ``unknown`` (the broker declares no
         actor ``task``: its module was not imported, or the name is wrong)."""
-        from reliable_beat.dramatiq import IdempotentActor
-
         actor = (getattr(app, "actors", None) or {}).get(task)
         if actor is None:
             return "unknown"
@@ -130,10 +123,6 @@ class DramatiqAdapter:
         Raises:
             ConfigurationError: the broker has no ReliableBeat middleware.
         """
-        import dataclasses
-
-        from reliable_beat.dramatiq import _middleware
-
         settings = _middleware(app).settings
         if database_url is None:
             return settings

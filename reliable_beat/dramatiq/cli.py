@@ -13,17 +13,37 @@ import fails and the root group says so, naming the ``reliable-beat[dramatiq]`` 
 
 from __future__ import annotations
 
+import getpass
 import logging
 import signal
 import threading
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import click
+from sqlalchemy import select
 
+from reliable_beat import runs, runtime
 from reliable_beat.adapters import import_from_cwd
 from reliable_beat.cli import CliContext, fail, pass_cli
-from reliable_beat.errors import ConfigurationError
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import outbox
+from reliable_beat.dramatiq.base import TRIGGER_DESTINATION
+from reliable_beat.dramatiq.periodic import beat_loop
+from reliable_beat.dramatiq.publisher import (
+    DramatiqHandler,
+    DramatiqPublisher,
+    requeue_dead_letter,
+)
+from reliable_beat.dramatiq.worker import _middleware
+from reliable_beat.errors import ConfigurationError, EntryNotFoundError
+from reliable_beat.handlers import load_handlers
+from reliable_beat.loop import publish_and_mark
+from reliable_beat.outbox import OutboxMessage, db_now
+from reliable_beat.redispatch import redispatch_with
+from reliable_beat.relay import Relay
+from reliable_beat.triggers import trigger_message_id
 
 __all__ = ["group", "relay_redispatch"]
 
@@ -46,8 +66,6 @@ def _load_broker(spec: str) -> tuple[Any, Any]:
     if broker is None:
         fail(f"--broker {spec}: {module_name!r} has no attribute {attr or 'broker'!r}", 2,
              kind="usage")
-    from reliable_beat.dramatiq import _middleware
-
     try:
         return _middleware(broker), broker
     except ConfigurationError as exc:
@@ -84,8 +102,6 @@ def beat(cli: CliContext, broker_spec: str, loglevel: str) -> None:
     """Fire the broker's periodic entries until SIGTERM / SIGINT."""
     logging.basicConfig(level=loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from reliable_beat.dramatiq import beat_loop
-
     rb, broker = _load_broker(broker_spec)
     if not rb.schedule and not any(a.options.get("periodic") is not None
                                    for a in list(broker.actors.values())):
@@ -112,11 +128,6 @@ def relay(cli: CliContext, broker_spec: str, loglevel: str) -> None:
     and re-dispatch stuck runs of idempotent actors, until SIGTERM / SIGINT."""
     logging.basicConfig(level=loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from reliable_beat.db.dialects import Store
-    from reliable_beat.dramatiq import TRIGGER_DESTINATION, DramatiqHandler
-    from reliable_beat.handlers import load_handlers
-    from reliable_beat.relay import Relay
-
     rb, broker = _load_broker(broker_spec)
     settings = rb.settings
     store = Store.from_url(settings.database_url, role="relay")
@@ -137,9 +148,6 @@ def relay_redispatch(store: Any, settings: Any, broker: Any) -> Callable[[], int
     :class:`~reliable_beat.dramatiq.DramatiqPublisher`, with the publisher's backlog check
     (:func:`reliable_beat.dramatiq.backlog.queue_depths`: a queue deep enough is a backlog,
     not a loss, and is not re-sent to)."""
-    from reliable_beat.dramatiq import DramatiqPublisher
-    from reliable_beat.redispatch import redispatch_with
-
     publisher = DramatiqPublisher(broker)
 
     def redispatch() -> int:
@@ -152,8 +160,6 @@ def relay_redispatch(store: Any, settings: Any, broker: Any) -> Callable[[], int
 
 
 def _instant(value: str, what: str) -> Any:
-    from datetime import datetime
-
     try:
         at = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
@@ -178,11 +184,6 @@ def entries_trigger(cli: CliContext, name: str, broker_spec: str) -> None:
     """Fire entry NAME once, now (a ``manual`` run, its own key), published through the
     Dramatiq broker at once; if the broker is down the trigger stays in the outbox
     (destination ``dramatiq``) for a Dramatiq beat's sweep or relay."""
-    from reliable_beat import runtime
-    from reliable_beat.db.dialects import Store
-    from reliable_beat.dramatiq import TRIGGER_DESTINATION, DramatiqPublisher
-    from reliable_beat.errors import EntryNotFoundError
-
     rb, broker = _load_broker(broker_spec)
     store = Store.from_url(rb.settings.database_url, role="cli")
     try:
@@ -208,11 +209,6 @@ def entries_backfill(cli: CliContext, name: str, start: str, end: str, broker_sp
                      force: bool) -> None:
     """Create runs for every slot of NAME in [START, END) that has none (ISO 8601 instants
     with offsets) and publish their triggers through the Dramatiq broker."""
-    from reliable_beat import runtime
-    from reliable_beat.db.dialects import Store
-    from reliable_beat.dramatiq import TRIGGER_DESTINATION, DramatiqPublisher
-    from reliable_beat.errors import EntryNotFoundError
-
     s, e = _instant(start, "START"), _instant(end, "END")
     rb, broker = _load_broker(broker_spec)
     store = Store.from_url(rb.settings.database_url, role="cli")
@@ -234,13 +230,6 @@ def entries_backfill(cli: CliContext, name: str, start: str, end: str, broker_sp
 def _publish_pending(store: Any, publisher: Any, keys: list[str]) -> int:
     """Publish the pending ``dramatiq`` trigger rows of ``keys`` now and mark them (the
     beat's fast path); rows the broker refused stay pending for a sweep or a relay."""
-    from sqlalchemy import select
-
-    from reliable_beat.db.tables import outbox
-    from reliable_beat.loop import publish_and_mark
-    from reliable_beat.outbox import OutboxMessage, db_now
-    from reliable_beat.triggers import trigger_message_id
-
     if not keys:
         return 0
     with store.begin() as conn:
@@ -271,12 +260,6 @@ def dead_letters_group() -> None:
 def dl_requeue(cli: CliContext, dead_letter_id: int, broker_spec: str, yes: bool, force: bool,
                by: str | None, queue: str | None) -> None:
     """Run a dead Dramatiq run again under the SAME idempotency key, through the broker."""
-    import getpass
-
-    from reliable_beat import runs
-    from reliable_beat.db.dialects import Store
-    from reliable_beat.dramatiq import requeue_dead_letter
-
     rb, broker = _load_broker(broker_spec)
     store = Store.from_url(rb.settings.database_url, role="cli")
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -20,6 +20,7 @@ from reliable_beat.db.tables import attempts, dead_letters, outbox, runs
 from reliable_beat.errors import DeadLetterNotFound, RunNotFound
 from reliable_beat.outbox import _notify_once
 from reliable_beat.runs.claim import _FREE_STATES
+from reliable_beat.slots import parse_fire_at
 from reliable_beat.triggers import TRIGGER_DESTINATIONS, trigger_message_id
 
 __all__ = [
@@ -226,15 +227,15 @@ def release_lease(store: Store, key: str, *, resend: bool = True) -> LeaseCleare
 
 
 def _trigger_expires_at(payload: Any) -> datetime | None:
-    """A trigger payload's ``expires_at`` (ISO 8601 UTC text) as a datetime, or None."""
+    """A trigger payload's ``expires_at`` (ISO 8601 UTC text) as a datetime, or None (also
+    when malformed). Read by :func:`reliable_beat.slots.parse_fire_at`: no zone is UTC."""
     text_value = payload.get("expires_at") if isinstance(payload, Mapping) else None
     if not isinstance(text_value, str):
         return None
     try:
-        parsed = datetime.fromisoformat(text_value.replace("Z", "+00:00"))
+        return parse_fire_at(text_value, "expires_at")
     except ValueError:
         return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
 
 
 def requeue_dead_letter(

@@ -2,8 +2,8 @@
 
 The actions are the operator verbs the command line has, through the same core operations:
 :func:`reliable_beat.entries.pause` / :func:`~reliable_beat.entries.resume`,
-:func:`reliable_beat.runtime.trigger` / :func:`~reliable_beat.runtime.backfill`,
-:func:`reliable_beat.runs.requeue_dead_letter` (then the task is sent again under the same
+:func:`reliable_beat.ops.actions.trigger` / :func:`~reliable_beat.ops.actions.backfill`,
+:func:`~reliable_beat.ops.actions.requeue_dead_run` (the task is sent again under the same
 key) and :func:`reliable_beat.runs.release_lease`. Every attempt is recorded, whether it was
 done, refused (a viewer, a CSRF failure, a missing confirmation) or failed, with who, what,
 when and from where (:func:`record`).
@@ -11,7 +11,6 @@ when and from where (:func:`record`).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -19,10 +18,10 @@ from typing import Any
 
 from reliable_beat import entries as rb_entries
 from reliable_beat import runs as rb_runs
-from reliable_beat import runtime
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import operator_actions
 from reliable_beat.errors import ReliableBeatError
+from reliable_beat.ops import actions as ops_actions
 from reliable_beat.redaction import get_logger, redact_text, redact_value
 from reliable_beat.web.auth import Principal
 
@@ -31,7 +30,7 @@ __all__ = ["ACTIONS", "ActionError", "Outcome", "perform", "record"]
 log = get_logger(__name__)
 
 #: The header a requeued task carries its idempotency key in (as ``dead-letters requeue``).
-KEY_HEADER = "reliable_beat_key"
+KEY_HEADER = ops_actions.KEY_HEADER
 
 
 class ActionError(Exception):
@@ -81,14 +80,14 @@ def _resume(store: Store, app: Any, form: dict[str, str], backfill_limit: int) -
 
 
 def _trigger(store: Store, app: Any, form: dict[str, str], backfill_limit: int) -> str:
-    key = runtime.trigger(store, form["target"], app=app)
+    key = ops_actions.trigger(store, form["target"], app=app)
     return f"entry {form['target']!r} triggered: run {key}"
 
 
 def _backfill(store: Store, app: Any, form: dict[str, str], backfill_limit: int) -> str:
     start = _parse_instant(form.get("start", ""), "start")
     end = _parse_instant(form.get("end", ""), "end")
-    done = runtime.backfill(store, form["target"], start, end, limit=backfill_limit, app=app)
+    done = ops_actions.backfill(store, form["target"], start, end, limit=backfill_limit, app=app)
     return (f"entry {form['target']!r} backfilled: {done.created} runs created, "
             f"{done.existing} slots already had one, {done.buffered} buffered")
 
@@ -111,20 +110,10 @@ def _requeue(store: Store, app: Any, form: dict[str, str], backfill_limit: int) 
         raise ActionError("requeue sends the task through the Celery app: start the "
                           "dashboard with -A APP (`reliable-beat -A APP dashboard`)")
     try:
-        rb_runs.requeue_dead_letter(store, dl_id, by=form["_who"],
-                                    force=form.get("force") == "yes")
-    except ValueError as exc:
+        ops_actions.requeue_dead_run(store, app, dl_id, payload, by=form["_who"],
+                                     force=form.get("force") == "yes")
+    except (ValueError, ops_actions.RequeueSendError) as exc:
         raise ActionError(str(exc)) from exc
-    headers = dict(payload.get("headers") or {})
-    headers[KEY_HEADER] = payload["key"]
-    try:
-        app.send_task(payload["task"], args=payload.get("args") or [],
-                      kwargs=payload.get("kwargs") or {}, headers=headers,
-                      task_id=str(uuid.uuid4()), queue=payload.get("queue"))
-    except Exception as exc:
-        rb_runs.undo_requeue(store, dl_id)
-        raise ActionError(f"could not send the task ({exc}); the run stays dead") from exc
-    rb_runs.mark_dispatched(store, payload["key"])
     return f"dead letter {dl_id} requeued: {payload['task']} under key {payload['key']!r}"
 
 

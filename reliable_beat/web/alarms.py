@@ -1,15 +1,12 @@
 """The overview's alarms: the same collection as ``reliable-beat status``, kept fresh.
 
-:func:`reliable_beat.cli.status.collect_status` reads every entry and checks each row (the
+:func:`reliable_beat.ops.status.collect_status` reads every entry and checks each row (the
 MALFORMED ENTRY check), which takes a second or more at tens of thousands of entries
 (1.3-2.6 s at 20,000 entries and a million runs on PostgreSQL on a busy 2-core machine,
 benchmarks/dashboard.py): too long for a page that refreshes every few seconds.
 :class:`AlarmCache` keeps the last collection;
 a page older than ``ttl`` seconds triggers one refresh in a background thread and is served
 the previous one meanwhile (its age is shown). Only the first page ever waits for it.
-
-This is the dashboard's one import from the command line's package: ``collect_status`` is the
-status collection's home for now; it belongs in an operations layer both use.
 """
 
 from __future__ import annotations
@@ -18,8 +15,8 @@ import threading
 import time
 from typing import Any
 
-from reliable_beat.cli.status import collect_status
 from reliable_beat.db.dialects import Store
+from reliable_beat.ops.status import collect_status
 from reliable_beat.redaction import get_logger
 
 __all__ = ["AlarmCache"]

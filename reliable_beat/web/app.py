@@ -32,11 +32,11 @@ from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, R
 from starlette.responses import Response as StarletteResponse
 from starlette.routing import Route
 
-from reliable_beat import runtime
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.types import infinity_text
 from reliable_beat.entries import get_entry
 from reliable_beat.errors import ReliableBeatError
+from reliable_beat.ops import describe as ops_describe
 from reliable_beat.redaction import redact_text, redact_value
 from reliable_beat.relay import outbox_status
 from reliable_beat.runs import DeadLetterNotFound, get_dead_letter
@@ -255,7 +255,7 @@ class _Pages:
         except (ReliableBeatError, TypeError, ValueError, KeyError) as exc:
             fires, fires_error = [], str(exc)
         try:
-            described = runtime.describe(self.cfg.store, self.cfg.app, name)
+            described = ops_describe.describe(self.cfg.store, self.cfg.app, name)
         except (ReliableBeatError, TypeError, ValueError):
             described = None
         audit = q.audit_rows(self.cfg.store, limit=20, target=name)

@@ -8,7 +8,8 @@
 Triggers are counted in the broker (each test its own queue; nothing consumes it), so a
 doubled or missing slot is seen as a doubled or missing message. Each test prints its
 figures for the closing note. ``RELIABLE_BEAT_DEPLOY_SECONDS`` sets how long the pods
-alternate (default 60).
+alternate: CI size 30 (at least three pod changes: old, new, old again, new again), the full
+size 60 (``make test-full``); the ``worker -B`` instances are killed for half of it.
 """
 
 from __future__ import annotations
@@ -29,17 +30,18 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from reliable_beat.db.dialects import Store
-from reliable_beat.db.tables import entries, runs
+from reliable_beat.db.tables import entries, outbox, runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
 import procs as procs_mod  # tests/apps
 
 SECOND = timedelta(seconds=1)
-DEPLOY_SECONDS = float(os.environ.get("RELIABLE_BEAT_DEPLOY_SECONDS", "60"))
-#: A killed beat's claimed triggers are swept by another beat after slot + sweep delay (10 s).
+DEPLOY_SECONDS = float(os.environ.get("RELIABLE_BEAT_DEPLOY_SECONDS", "30"))
+#: A killed beat's claimed triggers are swept by another beat after slot + sweep delay (10 s,
+#: then the loop's 5 s sweep period): :func:`wait_swept` waits until none is left unsent.
 SWEEP_WAIT = 16.0
 START_TIMEOUT = 90.0  # a celery process starting on a loaded 2-core machine
 
@@ -100,6 +102,31 @@ def h(pg_store: Store, redis_url: str, tmp_path: Path) -> Iterator[Harness]:
         manager.cleanup()
         harness.redis.delete(harness.queue)
         harness.redis.close()
+
+
+def wait_swept(h: Harness, t0: datetime, t1: datetime, every_second: str) -> float:
+    """Wait (while the last pod runs) until the window's slots are all settled: a run row for
+    every slot of the every-second entry ``every_second`` in [t0, t1] and no trigger of a slot
+    up to ``t1`` left unsent, i.e. every trigger a killed pod claimed and never marked sent
+    has been published by the last pod's sweep (after slot + sweep delay). A sent row is never
+    published again, so nothing of the window can reach the broker after this. Returns the
+    seconds waited; gives up (the checks then name what is missing) after 4x SWEEP_WAIT."""
+    started = time.monotonic()
+    want = len(seconds(t0, t1))
+
+    def settled() -> bool:
+        with h.store.engine.connect() as conn:
+            planned = conn.execute(select(func.count()).select_from(runs).where(
+                runs.c.entry_name == every_second, runs.c.fire_at >= t0,
+                runs.c.fire_at <= t1)).scalar_one()
+            unsent = conn.execute(select(func.count()).select_from(
+                outbox.join(runs, outbox.c.run_id == runs.c.id)).where(
+                runs.c.fire_at <= t1, outbox.c.state == "pending")).scalar_one()
+        return planned >= want and unsent == 0
+
+    while not settled() and time.monotonic() - started < 4 * SWEEP_WAIT:
+        time.sleep(0.5)
+    return time.monotonic() - started
 
 
 def seconds(t0: datetime, t1: datetime, step: int = 1) -> list[datetime]:
@@ -163,7 +190,11 @@ def test_rolling_deploy_old_and_new_beats_alternate(h: Harness) -> None:
     t0 = h.now() + SECOND
     started = time.monotonic()
     which = "new"
-    while time.monotonic() - started < DEPLOY_SECONDS or which == "new":
+    changes = 0
+    # ends on a new pod, after at least three changes: an old pod starts after the new
+    # config was synced (it must not sync its older one) and a new pod finds it current
+    while time.monotonic() - started < DEPLOY_SECONDS or which == "new" or changes < 3:
+        changes += 1
         nxt = start(which)  # the next pod is up before the previous one goes
         time.sleep(rng.uniform(1.0, 4.0))
         how = stop(h, current, rng)
@@ -172,7 +203,7 @@ def test_rolling_deploy_old_and_new_beats_alternate(h: Harness) -> None:
         events.append(f"{current.name} pid {current.pid} {how}")
         current, which = nxt, ("old" if which == "new" else "new")
     t1 = h.now() - SECOND
-    time.sleep(SWEEP_WAIT)  # a killed pod's claimed triggers are swept by the last pod
+    swept_in = wait_swept(h, t0, t1, "keep")  # a killed pod's triggers, by the last pod
     h.procs.terminate(current, timeout=30)
 
     try:
@@ -231,6 +262,7 @@ def test_rolling_deploy_old_and_new_beats_alternate(h: Harness) -> None:
         "pods_started": len(h.procs.beats), "window_s": round((t1 - t0).total_seconds()),
         "triggers": sum(sum(c.values()) for c in fired.values()), "doubles": len(doubles),
         "slots_sent_twice_after_a_sigkill": len(sigkill_window),
+        "swept_in_s": round(swept_in, 1),
         "problems": len(problems), "change_logged": synced_new, "disabled_logged": disabled,
         "older_pods_not_syncing": older, "new_pods_current": current_lines,
     }
@@ -286,7 +318,7 @@ def test_worker_dash_b_on_every_instance(h: Harness) -> None:
     t1 = h.now() - SECOND
     procs_mod.wait_for(lambda: any(synced(p) and p.alive() for p in pods), START_TIMEOUT,
                        "a worker -B to be up")
-    time.sleep(SWEEP_WAIT)
+    swept_in = wait_swept(h, t0, t1, "e0")
     for p in pods:
         h.procs.terminate(p, timeout=30)
     fired = h.fired()
@@ -303,6 +335,7 @@ def test_worker_dash_b_on_every_instance(h: Harness) -> None:
                "slots_checked": len(schedule) * len(seconds(t0, t1)),
                "triggers": sum(sum(c.values()) for c in fired.values()),
                "slots_sent_twice_after_a_sigkill": len(sigkill_window),
+               "swept_in_s": round(swept_in, 1),
                "problems": len(problems), "syncs": syncs, "quiet_starts": quiet,
                "synced_at_all": sum("reliable_beat: schedule group" in x for x in logs)}
     print(f"\n[worker -B] {figures}\n" + "\n".join(events))
@@ -311,8 +344,8 @@ def test_worker_dash_b_on_every_instance(h: Harness) -> None:
     assert syncs == 1, h.logs()
     # every instance that got as far as its sync found the config current (some were killed
     # while still starting): one quiet INFO line each
-    started = [x for x in logs if "reliable_beat: schedule group" in x]
-    assert quiet == len(started) - 1, h.logs()
+    up = [x for x in logs if "reliable_beat: schedule group" in x]
+    assert quiet == len(up) - 1, h.logs()
     for x in logs:
         assert "config entries gone from its beat_schedule" not in x, x[-4000:]
         assert "Traceback" not in x, x[-4000:]

@@ -51,6 +51,19 @@ AT_SLOT_TOLERANCE = 1.0
 SWEEP_WAIT = 13 * SECOND
 
 
+def _wait_held_sent(h: Harness, held: dict[str, datetime]) -> None:
+    """Wait until no held trigger row is pending: the holder marked it sent before exiting,
+    or (what the checks then fail) the other beat's sweep published it after its slot + 10 s
+    sweep delay. A sent row is never published again, so no further message of a held slot
+    can come; the holder has exited. At most the last held slot + 3 x SWEEP_WAIT."""
+    keys = {"trigger:" + k for k in held}
+    last = max(held.values())
+    procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.message_id in keys
+                                    and o.state == "pending"]
+                       or h.now() > last + 3 * SWEEP_WAIT, 60 + 3 * SWEEP_WAIT.total_seconds(),
+                       "the held triggers to be sent")
+
+
 def _held_by(h: Harness, owner: str, after: datetime, before: datetime) -> list[tuple[str,
                                                                                       datetime]]:
     """(key, slot) of trigger rows pending under ``owner`` whose slot is in (after, before]."""
@@ -118,8 +131,9 @@ def test_sigterm_while_holding_a_trigger_publishes_it_at_its_slot_once(
     held = dict(_claimed_by(h, owner, asked))
     assert held, f"the holder held nothing at the SIGTERM\n{h.logs()}"
     last = max(held.values())
-    # the other beat runs on past the sweep delay: a held row left pending would be swept
-    procs_mod.wait_for(lambda: h.now() > last + SWEEP_WAIT, 60, "the sweep delay to pass")
+    # a held row left pending is swept by the other beat (slot + 10 s): wait until every
+    # held row is sent, by the holder (at once) or by that sweep (the checks below fail it)
+    _wait_held_sent(h, held)
     t1 = h.now() - 2 * SECOND
     procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
                                     and o.created_at <= t1], 20, "publishes")
@@ -225,7 +239,7 @@ def test_worker_dash_b_sigterm_while_holding_publishes_at_its_slot_once(
         held = dict(_claimed_by(h, owner, asked))
         assert held, f"the embedded beat held nothing at the SIGTERM\n{h.logs()}"
         last = max(held.values())
-        procs_mod.wait_for(lambda: h.now() > last + SWEEP_WAIT, 60, "the sweep delay to pass")
+        _wait_held_sent(h, held)
         t1 = h.now() - 2 * SECOND
         procs_mod.wait_for(lambda: not [o for o in h.outbox() if o.state == "pending"
                                         and o.created_at <= t1], 20, "publishes")

@@ -36,14 +36,14 @@ def default_database_url() -> str | None:
 
     if not settings.configured or APP not in getattr(settings, "INSTALLED_APPS", ()):
         return None
-    from reliable_beat.contrib.django import conf
+    from reliable_beat.contrib.django import conf  # imports Django: only once configured
 
     return conf.django_store_url()
 
 
 def __getattr__(name: str) -> Any:
     if name in ("atomic_connection", "database_url"):
-        from reliable_beat.contrib.django import db
+        from reliable_beat.contrib.django import db  # imports Django: on first use
 
         return getattr(db, name)
     raise AttributeError(name)

@@ -9,9 +9,9 @@ misfire rules and fencing are the CLI's:
 action                 API                                     permission
 =====================  ======================================  ============================
 pause / resume         ``entries.pause`` / ``entries.resume``  ``reliable_beat.pause_entry``
-trigger now            ``runtime.trigger``                     ``reliable_beat.trigger_entry``
-backfill a window      ``runtime.backfill``                    ``reliable_beat.backfill_entry``
-requeue a dead letter  ``runs.requeue_dead_letter`` + send     ``reliable_beat.requeue_deadletter``
+trigger now            ``ops.actions.trigger``                 ``reliable_beat.trigger_entry``
+backfill a window      ``ops.actions.backfill``                ``reliable_beat.backfill_entry``
+requeue a dead letter  ``ops.actions.requeue_dead_run``         ``reliable_beat.requeue_deadletter``
 =====================  ======================================  ============================
 
 Nothing is ever requeued automatically; a requeue is a person's decision and records who.
@@ -20,7 +20,6 @@ Nothing is ever requeued automatically; a requeue is a person's decision and rec
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import datetime, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -34,8 +33,6 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from reliable_beat import entries as rb_entries
-from reliable_beat import runs as rb_runs
-from reliable_beat import runtime
 from reliable_beat.contrib.django import conf
 from reliable_beat.contrib.django.models import (
     Attempt,
@@ -49,11 +46,15 @@ from reliable_beat.contrib.django.models import (
 )
 from reliable_beat.errors import ConfigurationError, EntryValidationError, ReliableBeatError
 from reliable_beat.groups import schedule_group_of
+from reliable_beat.ops import actions as ops_actions
+from reliable_beat.ops import describe as ops_describe
+from reliable_beat.ops.context import Operator
+from reliable_beat.ops.entries import build_definition, quarantine_problems, schedule_text
+from reliable_beat.ops.reads import outbox_backlog
 from reliable_beat.policies import MAX_CATCH_UP_LIMIT, MISSED_MARGIN_SECONDS, is_missed
 from reliable_beat.redaction import MASK, is_sensitive_name, redact_text, redact_value
 
 CONFIRM_TEMPLATE = "admin/reliable_beat/confirm_action.html"
-_KEY_HEADER = "reliable_beat_key"
 
 
 def _who(request: HttpRequest) -> str:
@@ -236,7 +237,8 @@ class BackfillForm(forms.Form):
 
 class RuntimeEntryForm(forms.Form):
     """A runtime entry, as ``reliable-beat entries add|update`` takes it (blank = not given;
-    on edit, not given = kept). Validated by the CLI's own ``build_definition``.
+    on edit, not given = kept). Validated by the CLI's own ``build_definition``
+    (:func:`reliable_beat.ops.entries.build_definition`).
 
     ``group`` is the schedule group (``--group``): blank on add = the Celery app's group (no
     app: none, any beat fires it); blank on edit = kept. A ``"***"`` at a sensitive key of
@@ -322,9 +324,6 @@ class EntryAdmin(_ReadOnlyAdmin):
         from django.core.exceptions import PermissionDenied
         from django.shortcuts import redirect
 
-        from reliable_beat.cli import CliContext
-        from reliable_beat.cli.entries import build_definition
-
         if not self.has_edit_permission(request):
             raise PermissionDenied
         store = conf.store()
@@ -340,9 +339,9 @@ class EntryAdmin(_ReadOnlyAdmin):
                 return redirect("admin:reliable_beat_entry_change", obj.pk)
         initial = {"name": existing["name"]} if existing else {}
         form = RuntimeEntryForm(request.POST or None, initial=initial)
-        cli = CliContext(app=conf.celery_app(), database_url=conf.store_url(), _store=store)
-        app_zone = cli.app_timezone
-        where = "the Celery app's zone" if cli.app is not None else "no Celery app found"
+        ctx = Operator(app=conf.celery_app(), store=store, database_url=conf.store_url())
+        app_zone = ctx.app_timezone
+        where = "the Celery app's zone" if ctx.app is not None else "no Celery app found"
         if existing is not None:
             form.fields["name"].disabled = True  # the name is the entry's identity
             form.fields["timezone"].help_text = (
@@ -365,10 +364,10 @@ class EntryAdmin(_ReadOnlyAdmin):
             try:
                 if existing is None and params.get("task") is None:
                     raise EntryValidationError([f"entry {name!r}: task is required"])
-                definition = build_definition(cli, name, params, existing=existing)
+                definition = build_definition(ctx, name, params, existing=existing)
                 group = form.cleaned_data.get("group") or None
-                if group is None and existing is None and cli.app is not None:
-                    group = schedule_group_of(cli.app, cli.settings.schedule_group)
+                if group is None and existing is None and ctx.app is not None:
+                    group = schedule_group_of(ctx.app, ctx.settings.schedule_group)
                 rb_entries.save_runtime_entry(store, definition, create=existing is None,
                                               schedule_group=group)
             except EntryValidationError as exc:
@@ -392,9 +391,6 @@ class EntryAdmin(_ReadOnlyAdmin):
 
     @admin.display(description="schedule")
     def schedule_in_words(self, obj: Entry) -> str:
-        from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
-        from reliable_beat.cli.entries import schedule_text
-
         # a malformed stored schedule (a quarantined row) is shown as stored, not decoded
         return schedule_text(obj.schedule if obj.schedule is not None else {})
 
@@ -402,9 +398,6 @@ class EntryAdmin(_ReadOnlyAdmin):
     def schedule_in_words_of(row: dict[str, Any]) -> str:
         """A stored entry row's schedule as ``entries list`` shows it (``cron '0 2 * * *'
         Europe/Berlin``), with its zone, misfire and overlap policies."""
-        from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
-        from reliable_beat.cli.entries import schedule_text
-
         spec = row.get("schedule")
         return (f"{schedule_text(spec if spec is not None else {})}; zone "
                 f"{row.get('timezone')}; misfire {row.get('misfire_policy')}; overlap "
@@ -479,7 +472,7 @@ class EntryAdmin(_ReadOnlyAdmin):
                     if isinstance(obj.quarantined_at, datetime) else
                     f"Quarantined, it does not fire until fixed: {obj.quarantine_reason}")
             try:
-                extra["describe"] = runtime.describe(conf.store(), conf.celery_app(), obj.name)
+                extra["describe"] = ops_describe.describe(conf.store(), conf.celery_app(), obj.name)
             except ReliableBeatError as exc:
                 extra["describe_error"] = str(exc)
             except Exception as exc:  # a malformed stored value the description cannot read
@@ -540,9 +533,6 @@ class EntryAdmin(_ReadOnlyAdmin):
     def _resume_one(name: str) -> None:
         """Resume ``name``; a quarantined row that is still malformed stays quarantined
         (checked as the beat checks it) and nothing changes."""
-        from reliable_beat.cli import reliable_beat  # noqa: F401 (CLI first)
-        from reliable_beat.cli.entries import quarantine_problems
-
         store = conf.store()
         problems = quarantine_problems(store, name)
         if problems:
@@ -561,7 +551,7 @@ class EntryAdmin(_ReadOnlyAdmin):
                          "(a manual run with its own key; the relay delivers the trigger)",
                 items=[f"{e.name} -> {e.task}" for e in queryset])
         self._each(request, queryset, "triggered",
-                   lambda name: f" ({runtime.trigger(conf.store(), name)})")
+                   lambda name: f" ({ops_actions.trigger(conf.store(), name)})")
         return None
 
     @admin.action(description="Backfill a window of the selected entries",
@@ -577,7 +567,7 @@ class EntryAdmin(_ReadOnlyAdmin):
         limit = conf.store_settings().backfill_limit
 
         def one(name: str) -> str:
-            result = runtime.backfill(
+            result = ops_actions.backfill(
                 conf.store(), name, form.cleaned_data["start"], form.cleaned_data["end"],
                 limit=limit, force=form.cleaned_data["force"])
             return f" ({result.created} created, {result.existing} existing)"
@@ -693,23 +683,15 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
                         "RELIABLE_BEAT = {'CELERY_APP': 'proj.celery:app'} in settings",
                         messages.ERROR)
                     return None
+            payload = dict(dl.payload or {})
             try:
-                rb_runs.requeue_dead_letter(store, dl.pk, by=_who(request))
+                ops_actions.requeue_dead_run(store, app, dl.pk, payload, by=_who(request))
+            except ops_actions.RequeueSendError as exc:
+                self.message_user(request, f"#{dl.pk}: {exc}", messages.ERROR)
+                continue
             except (ValueError, LookupError) as exc:
                 self.message_user(request, f"#{dl.pk}: not requeued: {exc}", messages.ERROR)
                 continue
-            payload = dict(dl.payload or {})
-            headers = {**dict(payload.get("headers") or {}), _KEY_HEADER: payload["key"]}
-            try:
-                app.send_task(payload["task"], args=payload.get("args") or [],
-                              kwargs=payload.get("kwargs") or {}, headers=headers,
-                              task_id=str(uuid.uuid4()), queue=payload.get("queue"))
-            except Exception as exc:
-                rb_runs.undo_requeue(store, dl.pk)
-                self.message_user(request, f"#{dl.pk}: could not send the task ({exc}); the "
-                                  "run stays dead", messages.ERROR)
-                continue
-            rb_runs.mark_dispatched(store, payload["key"])
             self.message_user(request, f"#{dl.pk}: requeued {payload['task']} under key "
                               f"{payload['key']!r}", messages.SUCCESS)
         return None
@@ -725,8 +707,6 @@ class OutboxAdmin(_ReadOnlyAdmin):
 
     def changelist_view(self, request: HttpRequest,
                         extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        from reliable_beat.cli.status import outbox_backlog
-
         with conf.store().engine.connect() as conn:
             backlog = outbox_backlog(conn, datetime.now(timezone.utc))
         return super().changelist_view(request, {**(extra_context or {}),

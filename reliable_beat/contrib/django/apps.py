@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.db.models.signals import post_migrate
 
 from reliable_beat import joins
+from reliable_beat.contrib.django import conf
 from reliable_beat.contrib.django.join import JOIN
+from reliable_beat.contrib.django.signals import on_post_migrate
+from reliable_beat.settings import register_database_url_source
 
 
 class ReliableBeatConfig(AppConfig):
@@ -18,12 +22,6 @@ class ReliableBeatConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django.db.models.signals import post_migrate
-
-        from reliable_beat.contrib.django import conf
-        from reliable_beat.contrib.django.signals import on_post_migrate
-        from reliable_beat.settings import register_database_url_source
-
         # Without a reliable_beat_database_url setting, beats, workers, relays and the CLI
         # of this project use the Django database (their banners say so).
         register_database_url_source("django", conf.database_url_source)

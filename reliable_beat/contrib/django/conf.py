@@ -187,6 +187,7 @@ def celery_app() -> Any:
     else:
         app = _project_app() or _current_app()
     if app is not None:
+        # the Celery adapter (it imports Celery and the CLI): only once an app was found
         from reliable_beat.celery.commands import prepare_app
 
         app = prepare_app(app)

@@ -18,6 +18,7 @@ def upgrade_for_alias(alias: str) -> bool:
     """
     if alias != conf.database_alias():
         return False
+    # imported here: Alembic takes half a second to import, and only a migrate needs it
     from reliable_beat.db.migrate import upgrade
 
     store = conf.store()

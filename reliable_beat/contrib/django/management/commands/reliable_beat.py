@@ -24,6 +24,7 @@ from typing import Any
 import click
 from django.core.management.base import BaseCommand
 
+from reliable_beat.cli import reliable_beat
 from reliable_beat.contrib.django import conf
 from reliable_beat.contrib.django.db import database_url
 
@@ -47,8 +48,6 @@ class Command(BaseCommand):
     @staticmethod
     def run_cli(args: list[str], prog_name: str) -> int:
         """Run the CLI with ``args``; returns its exit code."""
-        from reliable_beat.cli import reliable_beat
-
         args = list(args)
         if args[:2] == ["import", "django-celery-beat"]:
             args = ["entries", *args]

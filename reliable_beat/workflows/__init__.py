@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from reliable_beat.adapters import adapter_for
 from reliable_beat.workflows.context import ActivityHandle, WorkflowContext, WorkflowInfo
 from reliable_beat.workflows.engine import (
     ADVANCE_TASK,
@@ -136,8 +137,6 @@ def workflow(
                                         min_supported_version=min_supported_version,
                                         continue_as_new_after=continue_as_new_after)
         if app is not None:
-            from reliable_beat.adapters import adapter_for  # the app's adapter, only with one
-
             adapter = adapter_for(app)
             definition.store_factory = adapter.install_workflows(app)
             # the workflows it starts are published only by its app's relays (optional hook)

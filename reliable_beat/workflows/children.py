@@ -14,28 +14,20 @@ child's row, fenced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
-from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflow_events, workflows
-from reliable_beat.outbox import db_now
 from reliable_beat.values import from_json_value
-from reliable_beat.workflows import engine
+from reliable_beat.workflows import history, registry
+from reliable_beat.workflows._runtime import Event, Runtime
 from reliable_beat.workflows.errors import ActivityError, WorkflowUsageError
-
-if TYPE_CHECKING:
-    from reliable_beat.workflows.context import WorkflowContext
+from reliable_beat.workflows.lifecycle import CHILD_KIND, ENDED, child_outcome, notify_parent
 
 __all__ = ["CHILD_KIND", "ChildHandle", "child_id_for", "notify_parent", "resolve",
            "start_child", "wait_child"]
-
-CHILD_KIND = "child"
-#: Child states that end the parent's wait.
-ENDED = ("completed", "failed", "cancelled")
-
 
 @dataclass(frozen=True)
 class ChildHandle:
@@ -51,7 +43,7 @@ def child_id_for(parent_id: str, run_no: int, seq: int) -> str:
     return f"{parent_id}/child{run_no}.{seq}"
 
 
-def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+def start_child(rt: Runtime, wf: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 workflow_id: str | None) -> ChildHandle:
     """See :meth:`WorkflowContext.start_child`."""
     name = wf if isinstance(wf, str) else getattr(wf, "name", None)
@@ -60,21 +52,21 @@ def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: di
             f"ctx.start_child needs a @workflow definition or a registered workflow name, "
             f"got {wf!r}"
         )
-    call = engine.to_json([list(args), kwargs, workflow_id], f"child {name!r} arguments")
-    ctx._check_size(CHILD_KIND, name, call, f"child {name!r} arguments")
-    seq, digest, ev = ctx._next(CHILD_KIND, name, call)
-    claimed = ctx._claimed
+    call = history.to_json([list(args), kwargs, workflow_id], f"child {name!r} arguments")
+    rt.check_size(CHILD_KIND, name, call, f"child {name!r} arguments")
+    seq, digest, ev = rt.next(CHILD_KIND, name, call)
+    claimed = rt.claimed
     child_id = workflow_id or child_id_for(claimed.workflow_id, claimed.run_no, seq)
     if ev is None:
-        definition = engine.get_definition(name)
+        definition = registry.get_definition(name)
         queue = definition.queue if definition is not None else claimed.queue
 
         def launch(conn: Connection) -> None:
             # the child runs where its parent runs: its parent's schedule group
             group = conn.execute(select(workflows.c.schedule_group)
                                  .where(workflows.c.id == claimed.pk)).scalar()
-            engine.start(conn, name, child_id, call[0], call[1], queue=queue,
-                         schedule_group=group)
+            registry.start(conn, name, child_id, call[0], call[1], queue=queue,
+                           schedule_group=group)
             linked = conn.execute(
                 update(workflows)
                 .where(workflows.c.workflow_id == child_id, workflows.c.parent_pk.is_(None))
@@ -86,27 +78,23 @@ def start_child(ctx: WorkflowContext, wf: Any, args: tuple[Any, ...], kwargs: di
                     "ctx.start_child a workflow_id of its own"
                 )
 
-        ctx._record(seq, CHILD_KIND, name, digest, call, state="scheduled", effect=launch,
-                    run_key=child_id)
-        from reliable_beat.workflows.context import _Ev
-
-        ctx._history[seq] = _Ev(seq, CHILD_KIND, name, digest, "scheduled", None, None, None,
+        rt.record(seq, CHILD_KIND, name, digest, call, state="scheduled", effect=launch,
+                  run_key=child_id)
+        rt.history[seq] = Event(seq, CHILD_KIND, name, digest, "scheduled", None, None, None,
                                 child_id)
     return ChildHandle(seq=seq, name=name, workflow_id=child_id)
 
 
-def resolve(ctx: WorkflowContext, handle: ChildHandle) -> tuple[bool, Any]:
+def resolve(rt: Runtime, handle: ChildHandle) -> tuple[bool, Any]:
     """(done, event) for a started child; repairs a missing completion from the child's row."""
-    from reliable_beat.workflows.context import _Ev
-
-    ev = ctx._history[handle.seq]
+    ev = rt.history[handle.seq]
     if ev.state != "scheduled":
         return True, ev
-    with ctx._store.connect() as conn:
+    with rt.store.connect() as conn:
         event = conn.execute(
             select(workflow_events.c.state, workflow_events.c.result, workflow_events.c.error)
-            .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
-                   workflow_events.c.run_no == ctx._claimed.run_no,
+            .where(workflow_events.c.workflow_pk == rt.claimed.pk,
+                   workflow_events.c.run_no == rt.claimed.run_no,
                    workflow_events.c.seq == handle.seq)
         ).first()
         child = conn.execute(
@@ -114,80 +102,27 @@ def resolve(ctx: WorkflowContext, handle: ChildHandle) -> tuple[bool, Any]:
             .where(workflows.c.workflow_id == handle.workflow_id)
         ).first()
     if event is not None and event.state != "scheduled":
-        done = _Ev(handle.seq, CHILD_KIND, handle.name, ev.args_digest, event.state,
-                   event.result, event.error, None, handle.workflow_id)
+        done = Event(handle.seq, CHILD_KIND, handle.name, ev.args_digest, event.state,
+                     event.result, event.error, None, handle.workflow_id)
     elif child is not None and child.state in ENDED:
-        state, result, error = _outcome_of(child.state, child.result, child.error)
-        ctx._complete(handle.seq, state, result, error)
-        done = _Ev(handle.seq, CHILD_KIND, handle.name, ev.args_digest, state, result, error,
-                   None, handle.workflow_id)
+        state, result, error = child_outcome(child.state, child.result, child.error)
+        rt.complete(handle.seq, state, result, error)
+        done = Event(handle.seq, CHILD_KIND, handle.name, ev.args_digest, state, result, error,
+                     None, handle.workflow_id)
     else:
         return False, ev
-    ctx._history[handle.seq] = done
+    rt.history[handle.seq] = done
     return True, done
 
 
-def wait_child(ctx: WorkflowContext, handle: ChildHandle) -> Any:
+def wait_child(rt: Runtime, handle: ChildHandle) -> Any:
     """See :meth:`WorkflowContext.wait_child`."""
-    if ctx._pending is not None:
-        raise ctx._pending
-    done, ev = resolve(ctx, handle)
+    rt.check_pending()
+    done, ev = resolve(rt, handle)
     if not done:
-        raise ctx._suspend(f"waiting for child workflow {handle.workflow_id!r}")
+        raise rt.suspend(f"waiting for child workflow {handle.workflow_id!r}")
     if ev.state == "failed":
         err = ev.error or {}
         raise ActivityError(str(err.get("type")), str(err.get("message")), kind=CHILD_KIND,
                             name=handle.name)
     return from_json_value(ev.result)
-
-
-def _outcome_of(state: str, result: Any, error: Any) -> tuple[str, Any, Any]:
-    if state == "completed":
-        return "completed", result, None
-    if state == "cancelled":
-        return "failed", None, {"type": "cancelled", "message": "the child was cancelled"}
-    err = error or {}
-    return "failed", None, {"type": err.get("type"), "message": err.get("message")}
-
-
-def notify_parent(conn: Connection, child_pk: int, state: str, result: Any = None,
-                  error: Any = None) -> bool:
-    """In the child's terminal transaction: complete the parent's ``child`` event and wake it.
-
-    A no-op for a workflow without a parent, a parent that has moved to another run, or an
-    event no longer ``scheduled``. Returns True if the parent was told.
-    """
-    if state not in ENDED:
-        return False
-    link = conn.execute(
-        select(workflows.c.parent_pk, workflows.c.parent_run_no, workflows.c.parent_seq)
-        .where(workflows.c.id == child_pk)
-    ).first()
-    if link is None or link.parent_pk is None:
-        return False
-    told = update_returning(
-        conn,
-        update(workflows)
-        .where(workflows.c.id == link.parent_pk, workflows.c.run_no == link.parent_run_no)
-        .values(wake_seq=workflows.c.wake_seq + 1),
-        workflows, [workflows.c.workflow_id, workflows.c.queue],
-    )
-    if not told:
-        return False
-    parent = told[0]
-    ev_state, ev_result, ev_error = _outcome_of(state, result, error)
-    done = conn.execute(
-        update(workflow_events)
-        .where(workflow_events.c.workflow_pk == link.parent_pk,
-               workflow_events.c.run_no == link.parent_run_no,
-               workflow_events.c.seq == link.parent_seq,
-               workflow_events.c.kind == CHILD_KIND,
-               workflow_events.c.state == "scheduled")
-        .values(state=ev_state, result=ev_result, error=ev_error, completed_at=db_now(conn))
-    ).rowcount
-    if done != 1:
-        return False
-    engine.add_wake(conn, parent.workflow_id, parent.queue,
-                    f"{link.parent_run_no}c{link.parent_seq}")
-    engine.crash_point("child.notify.in")
-    return True

@@ -49,12 +49,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import select, update
 
-from reliable_beat import outbox, runs, tracing
+from reliable_beat import outbox, runs, tracing, workflow_store
 from reliable_beat.db.tables import dead_letters, workflow_events, workflows
 from reliable_beat.db.tables import runs as runs_table
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
-from reliable_beat.workflows import engine, tripwire
+from reliable_beat.workflows import _runtime, activities, crashes, history, lifecycle, tripwire
+from reliable_beat.workflows._runtime import Event, Runtime
+from reliable_beat.workflows.activities import ActivityHandle
 from reliable_beat.workflows.errors import (
     EndWorkflow,
     FencedOut,
@@ -65,7 +67,6 @@ from reliable_beat.workflows.errors import (
 
 if TYPE_CHECKING:
     from reliable_beat.db.dialects import Store
-    from reliable_beat.workflows.context import WorkflowContext
 
 __all__ = ["Saga", "cancel", "cancel_requested", "compensate", "data_unwind_fn"]
 
@@ -101,9 +102,9 @@ class Saga:
     fencing: ``BaseException``) passes through untouched.
     """
 
-    def __init__(self, ctx: WorkflowContext, *, parallel: bool = False,
+    def __init__(self, rt: Runtime, *, parallel: bool = False,
                  continue_on_error: bool = False) -> None:
-        self._ctx = ctx
+        self._rt = rt
         self._parallel = parallel
         self._continue_on_error = continue_on_error
         self._compensations: list[int] = []  # seqs of this block's compensation events
@@ -111,9 +112,9 @@ class Saga:
         self._open = False
 
     def __enter__(self) -> Saga:
-        self._start_seq = self._ctx._seq
+        self._start_seq = self._rt.seq
         self._open = True
-        self._ctx.open_sagas += 1
+        self._rt.open_sagas += 1
         return self
 
     def compensate(self, task: Any, *args: Any, queue: str | None = None,
@@ -145,38 +146,36 @@ class Saga:
 
     def _register(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                   queue: str | None) -> None:
-        from reliable_beat.workflows.context import _Ev
-
-        ctx = self._ctx
-        call = engine.to_json([list(args), kwargs], f"compensation {name!r} arguments")
+        rt = self._rt
+        call = history.to_json([list(args), kwargs], f"compensation {name!r} arguments")
         # refused at registration: an unwind could not send it
-        ctx._check_size("compensation", name, call,
-                        f"compensation {name!r} arguments (in their message)",
-                        message=ctx._activity_message(name, call, queue))
-        seq, digest, ev = ctx._next("compensation", name, call)
+        rt.check_size("compensation", name, call,
+                      f"compensation {name!r} arguments (in their message)",
+                      message=activities.activity_message(rt, name, call, queue))
+        seq, digest, ev = rt.next("compensation", name, call)
         if ev is None:
-            key = engine.activity_key(ctx._claimed.workflow_id, ctx._claimed.run_no, seq)
-            ctx._record(seq, "compensation", name, digest, [*call, queue], state="registered",
-                        run_key=key)
-            ctx._history[seq] = _Ev(seq, "compensation", name, digest, "registered", None,
+            key = workflow_store.activity_key(rt.claimed.workflow_id, rt.claimed.run_no, seq)
+            rt.record(seq, "compensation", name, digest, [*call, queue], state="registered",
+                      run_key=key)
+            rt.history[seq] = Event(seq, "compensation", name, digest, "registered", None,
                                     None, None, key)
         self._compensations.append(seq)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
         self._open = False
-        self._ctx.open_sagas -= 1
+        self._rt.open_sagas -= 1
         if exc is not None and not isinstance(exc, Exception):
             return False  # engine control flow: not a failure of the block
         with _engine_code():
             if exc is None:
-                _release(self._ctx, self._compensations)
+                _release(self._rt, self._compensations)
                 return False
             log.info("workflow %s: saga block failed (%s: %s); running %d compensations",
-                     self._ctx._claimed.workflow_id, type(exc).__name__, exc,
+                     self._rt.claimed.workflow_id, type(exc).__name__, exc,
                      len(self._compensations))
-            _unwind(self._ctx, self._start_seq, self._compensations,
-                    original=engine.error_json(exc), parallel=self._parallel,
+            _unwind(self._rt, self._start_seq, self._compensations,
+                    original=history.error_json(exc), parallel=self._parallel,
                     continue_on_error=self._continue_on_error)
         return False  # the original exception goes on
 
@@ -184,39 +183,37 @@ class Saga:
 # ------------------------------------------------------------------ the unwind ----
 
 
-def _fenced(ctx: WorkflowContext, write: Callable[[Any], None]) -> None:
+def _fenced(rt: Runtime, write: Callable[[Any], None]) -> None:
     try:
-        with ctx._store.begin() as conn:
-            engine.fence_check(conn, ctx._claimed)
+        with rt.store.begin() as conn:
+            history.fence_check(conn, rt.claimed)
             write(conn)
     except FencedOut as exc:
-        raise ctx._raise(exc) from None
+        raise rt.control(exc) from None
 
 
-def _release(ctx: WorkflowContext, seqs: list[int]) -> None:
+def _release(rt: Runtime, seqs: list[int]) -> None:
     """The block ended without an error: its compensations will never run."""
-    from reliable_beat.workflows.context import _Ev
-
-    open_ = [s for s in seqs if ctx._history[s].state == "registered"]
-    if not open_ or ctx._dry_run:
+    open_ = [s for s in seqs if rt.history[s].state == "registered"]
+    if not open_ or rt.dry_run:
         return
 
     def write(conn: Any) -> None:
         conn.execute(update(workflow_events)
-                     .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
-                            workflow_events.c.run_no == ctx._claimed.run_no,
+                     .where(workflow_events.c.workflow_pk == rt.claimed.pk,
+                            workflow_events.c.run_no == rt.claimed.run_no,
                             workflow_events.c.seq.in_(open_),
                             workflow_events.c.state == "registered")
                      .values(state="released", completed_at=db_now(conn)))
 
-    _fenced(ctx, write)
+    _fenced(rt, write)
     for s in open_:
-        ev = ctx._history[s]
-        ctx._history[s] = _Ev(s, ev.kind, ev.name, ev.args_digest, "released", None, None,
+        ev = rt.history[s]
+        rt.history[s] = Event(s, ev.kind, ev.name, ev.args_digest, "released", None, None,
                               None, ev.run_key)
 
 
-def _unwind(ctx: WorkflowContext, start_seq: int, seqs: list[int],
+def _unwind(rt: Runtime, start_seq: int, seqs: list[int],
             original: dict[str, str] | None, upto: int | None = None, *,
             parallel: bool = False, continue_on_error: bool = False) -> None:
     """Settle the block's in-flight activities, then run its compensations in reverse.
@@ -227,59 +224,57 @@ def _unwind(ctx: WorkflowContext, start_seq: int, seqs: list[int],
     stop the ones after it in the undo order. Either way, once every compensation that was
     to run has settled, any dead one blocks the workflow (``compensation_failed``, naming
     each): it never ends ``failed`` with an undo missing."""
-    from reliable_beat.workflows.context import ActivityHandle
-
-    if ctx._dry_run:
-        raise ctx._suspend("offline replay stops at a saga's compensations")
-    ctx._unwinding = True
+    if rt.dry_run:
+        raise rt.suspend("offline replay stops at a saga's compensations")
+    rt.unwinding = True
     try:
-        for s in range(start_seq + 1, (ctx._seq if upto is None else upto) + 1):
-            ev = ctx._history.get(s)
+        for s in range(start_seq + 1, (rt.seq if upto is None else upto) + 1):
+            ev = rt.history.get(s)
             if ev is not None and ev.kind == "activity" and ev.state == "scheduled":
-                done, _ = ctx._resolve(ActivityHandle(seq=s, name=str(ev.name),
-                                                      key=str(ev.run_key)))
+                done, _ = activities.resolve(rt, ActivityHandle(seq=s, name=str(ev.name),
+                                                                key=str(ev.run_key)))
                 if not done:
-                    raise ctx._suspend(f"saga: activity {ev.name} (seq {s}) must settle "
-                                       "before its compensation runs")
+                    raise rt.suspend(f"saga: activity {ev.name} (seq {s}) must settle "
+                                     "before its compensation runs")
         order = list(reversed(seqs))
         failed: list[int] = []
         if parallel:
             for c in order:
-                ev = ctx._history[c]
+                ev = rt.history[c]
                 if ev.state in ("registered", "released"):
-                    _dispatch(ctx, c, str(ev.name), str(ev.run_key))
-            running = [c for c in order if _settle(ctx, c) == "scheduled"]
+                    _dispatch(rt, c, str(ev.name), str(ev.run_key))
+            running = [c for c in order if _settle(rt, c) == "scheduled"]
             if running:
-                names = ", ".join(f"{ctx._history[c].name} (seq {c})" for c in running[:5])
-                raise ctx._suspend(f"saga: waiting for {len(running)} compensations running "
-                                   f"in parallel: {names}")
-            failed = [c for c in order if ctx._history[c].state == "failed"]
+                names = ", ".join(f"{rt.history[c].name} (seq {c})" for c in running[:5])
+                raise rt.suspend(f"saga: waiting for {len(running)} compensations running "
+                                 f"in parallel: {names}")
+            failed = [c for c in order if rt.history[c].state == "failed"]
         else:
             for i, c in enumerate(order):
-                if _run_compensation(ctx, c, between=i > 0) == "failed":
+                if _run_compensation(rt, c, between=i > 0) == "failed":
                     failed.append(c)
                     if not continue_on_error:
                         break
         if failed:
-            _block_failed(ctx, failed, original, stopped=not (parallel or continue_on_error))
-        _mark_handled(ctx, [s for s in range(start_seq + 1,
-                                             (ctx._seq if upto is None else upto) + 1)
-                            if (ev := ctx._history.get(s)) is not None
-                            and ev.kind == "activity" and ev.state == "failed"])
+            _block_failed(rt, failed, original, stopped=not (parallel or continue_on_error))
+        _mark_handled(rt, [s for s in range(start_seq + 1,
+                                             (rt.seq if upto is None else upto) + 1)
+                           if (ev := rt.history.get(s)) is not None
+                           and ev.kind == "activity" and ev.state == "failed"])
     finally:
-        ctx._unwinding = False
+        rt.unwinding = False
 
 
-def _mark_handled(ctx: WorkflowContext, seqs: list[int]) -> None:
+def _mark_handled(rt: Runtime, seqs: list[int]) -> None:
     """Every compensation of the block completed: the dead letters of its failed activities
     (``seqs``) are failures the application handled by design. They stay dead letters
     (listed, requeueable) marked ``handled_at`` / ``handled_by``, so they page no one
     (``status --check``, the ``reliable_beat_dead_letters`` metric). A compensation that
     dead-lettered blocks the workflow before this: then nothing is marked, both page."""
-    keys = [str(ctx._history[s].run_key) for s in seqs if ctx._history[s].run_key]
+    keys = [str(rt.history[s].run_key) for s in seqs if rt.history[s].run_key]
     if not keys:
         return
-    by = (f"saga of workflow {ctx._claimed.workflow_id} (run {ctx._claimed.run_no}): "
+    by = (f"saga of workflow {rt.claimed.workflow_id} (run {rt.claimed.run_no}): "
           "its compensations completed")[:200]
 
     def write(conn: Any) -> None:
@@ -292,53 +287,51 @@ def _mark_handled(ctx: WorkflowContext, seqs: list[int]) -> None:
                             dead_letters.c.requeued_at.is_(None))
                      .values(handled_at=db_now(conn), handled_by=by))
 
-    _fenced(ctx, write)
+    _fenced(rt, write)
 
 
-def _settle(ctx: WorkflowContext, seq: int) -> str:
+def _settle(rt: Runtime, seq: int) -> str:
     """The state of a sent compensation, its completion read (and repaired) from its run
     when the event is still ``scheduled``; the history entry is updated."""
-    from reliable_beat.workflows.context import _Ev
-
-    ev = ctx._history[seq]
+    ev = rt.history[seq]
     if ev.state == "scheduled":
-        state, result, error = _settled(ctx, seq, str(ev.run_key))
+        state, result, error = _settled(rt, seq, str(ev.run_key))
         if state != "scheduled":
-            ctx._history[seq] = _Ev(seq, ev.kind, ev.name, ev.args_digest, state, result,
+            rt.history[seq] = Event(seq, ev.kind, ev.name, ev.args_digest, state, result,
                                     error, None, ev.run_key)
         return state
     return str(ev.state)
 
 
-def _run_compensation(ctx: WorkflowContext, seq: int, *, between: bool) -> str:
+def _run_compensation(rt: Runtime, seq: int, *, between: bool) -> str:
     """Send the compensation at ``seq`` if not yet sent; its settled state (``completed``
     or ``failed``); raises Suspend while it runs."""
-    ev = ctx._history[seq]
+    ev = rt.history[seq]
     if ev.state == "completed":
         return "completed"
     if ev.state in ("registered", "released"):
         if between:
-            engine.crash_point("saga.between")
-        _dispatch(ctx, seq, str(ev.name), str(ev.run_key))
-    state = _settle(ctx, seq)
+            crashes.crash_point("saga.between")
+        _dispatch(rt, seq, str(ev.name), str(ev.run_key))
+    state = _settle(rt, seq)
     if state == "scheduled":
-        raise ctx._suspend(f"saga: waiting for compensation {ev.name} (seq {seq})")
+        raise rt.suspend(f"saga: waiting for compensation {ev.name} (seq {seq})")
     return state
 
 
-def _block_failed(ctx: WorkflowContext, failed: list[int], original: dict[str, str] | None,
+def _block_failed(rt: Runtime, failed: list[int], original: dict[str, str] | None,
                   *, stopped: bool) -> None:
     """Park the workflow ``blocked`` (``compensation_failed``) naming each dead-lettered
     compensation; ``stopped``: the ones after the (single) failed one have not run."""
 
     def one(seq: int) -> str:
-        ev = ctx._history[seq]
+        ev = rt.history[seq]
         err = ev.error or {}
         lines = [ln for ln in str(err.get("message") or "").strip().splitlines() if ln]
         cause = lines[-1] if lines else "no error text"  # the exception line, not the traceback
         return f"{ev.name} (seq {seq}, key {ev.run_key}) dead-lettered: {cause}"
 
-    wid = ctx._claimed.workflow_id
+    wid = rt.claimed.workflow_id
     if len(failed) == 1:
         head = f"compensation_failed: compensation {one(failed[0])}; "
     else:
@@ -356,18 +349,16 @@ def _block_failed(ctx: WorkflowContext, failed: list[int], original: dict[str, s
     values: dict[str, Any] = {"state": "blocked", "block_reason": reason[:4000]}
     if original is not None:
         values["error"] = original  # what the workflow ends with once compensated
-    raise ctx._raise(EndWorkflow(reason, **values))
+    raise rt.control(EndWorkflow(reason, **values))
 
 
-def _dispatch(ctx: WorkflowContext, seq: int, name: str, key: str) -> None:
+def _dispatch(rt: Runtime, seq: int, name: str, key: str) -> None:
     """``registered -> scheduled`` + the compensation's activity message, one fenced txn."""
-    from reliable_beat.workflows.context import _Ev
-
     def write(conn: Any) -> None:
         row = conn.execute(
             select(workflow_events.c.args, workflow_events.c.state)
-            .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
-                   workflow_events.c.run_no == ctx._claimed.run_no,
+            .where(workflow_events.c.workflow_pk == rt.claimed.pk,
+                   workflow_events.c.run_no == rt.claimed.run_no,
                    workflow_events.c.seq == seq)
         ).one()
         if row.state not in ("registered", "released"):
@@ -378,31 +369,31 @@ def _dispatch(ctx: WorkflowContext, seq: int, name: str, key: str) -> None:
         if len(call) > 2 and call[2]:
             payload["options"] = {"queue": call[2]}
         conn.execute(update(workflow_events)
-                     .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
-                            workflow_events.c.run_no == ctx._claimed.run_no,
+                     .where(workflow_events.c.workflow_pk == rt.claimed.pk,
+                            workflow_events.c.run_no == rt.claimed.run_no,
                             workflow_events.c.seq == seq)
                      .values(state="scheduled", completed_at=None))
-        outbox.add(conn, engine.WAKE_DESTINATION, payload,
-                   key=f"act:{key}:f{ctx._claimed.fence_token}",
-                   schedule_group=engine.group_of(ctx._claimed.workflow_id))
-        engine.crash_point("saga.dispatch.in")
+        outbox.add(conn, workflow_store.WAKE_DESTINATION, payload,
+                   key=f"act:{key}:f{rt.claimed.fence_token}",
+                   schedule_group=workflow_store.group_of(rt.claimed.workflow_id))
+        crashes.crash_point("saga.dispatch.in")
 
-    engine.crash_point("saga.dispatch.before")
-    _fenced(ctx, write)
-    engine.crash_point("saga.dispatch.after")
-    ev = ctx._history[seq]
-    ctx._history[seq] = _Ev(seq, ev.kind, ev.name, ev.args_digest, "scheduled", None, None,
+    crashes.crash_point("saga.dispatch.before")
+    _fenced(rt, write)
+    crashes.crash_point("saga.dispatch.after")
+    ev = rt.history[seq]
+    rt.history[seq] = Event(seq, ev.kind, ev.name, ev.args_digest, "scheduled", None, None,
                             None, ev.run_key)
 
 
-def _settled(ctx: WorkflowContext, seq: int, key: str) -> tuple[str, Any, Any]:
+def _settled(rt: Runtime, seq: int, key: str) -> tuple[str, Any, Any]:
     """(state, result, error) of a dispatched compensation; repairs a missing completion
     from its run row (which committed with its effect), as activities do."""
-    with ctx._store.connect() as conn:
+    with rt.store.connect() as conn:
         event = conn.execute(
             select(workflow_events.c.state, workflow_events.c.result, workflow_events.c.error)
-            .where(workflow_events.c.workflow_pk == ctx._claimed.pk,
-                   workflow_events.c.run_no == ctx._claimed.run_no,
+            .where(workflow_events.c.workflow_pk == rt.claimed.pk,
+                   workflow_events.c.run_no == rt.claimed.run_no,
                    workflow_events.c.seq == seq)
         ).one()
         run = conn.execute(
@@ -415,7 +406,7 @@ def _settled(ctx: WorkflowContext, seq: int, key: str) -> tuple[str, Any, Any]:
         state = "completed" if run.state == "succeeded" else "failed"
         error = None if state == "completed" else {"type": "dead",
                                                     "message": (run.error or "")[-2000:]}
-        ctx._complete(seq, state, run.result, error)
+        rt.complete(seq, state, run.result, error)
         return state, run.result, error
     return "scheduled", None, None
 
@@ -423,24 +414,24 @@ def _settled(ctx: WorkflowContext, seq: int, key: str) -> tuple[str, Any, Any]:
 # ------------------------------------------------------------------ cancel ----
 
 
-def cancel_requested(ctx: WorkflowContext) -> bool:
+def cancel_requested(rt: Runtime) -> bool:
     """A cooperative cancel is pending for this run: asked for, not yet raised."""
-    if any(ev.kind == "cancel" for ev in ctx._history.values()):
+    if any(ev.kind == "cancel" for ev in rt.history.values()):
         return False
-    extra = ctx._claimed.extra
+    extra = rt.claimed.extra
     if "cancel_requested" in extra:
         # read by the claim, or again with the history after a wake during the advance (a
         # cancel bumps wake_seq, so one that arrives mid-advance is always read there)
         asked = extra["cancel_requested"]
     else:
-        with ctx._store.connect() as conn:
+        with rt.store.connect() as conn:
             asked = conn.execute(
-                select(workflows.c.cancel_requested).where(workflows.c.id == ctx._claimed.pk)
+                select(workflows.c.cancel_requested).where(workflows.c.id == rt.claimed.pk)
             ).scalar()
     return bool(asked == "cancel")
 
 
-def data_unwind_fn(claimed: engine.Claimed) -> Callable[..., Any] | None:
+def data_unwind_fn(claimed: history.Claimed) -> Callable[..., Any] | None:
     """For the advance: the function to run instead of the workflow's code when a person
     asked for its compensations to run from data (``workflows compensate`` / ``cancel`` of a
     blocked workflow), else None."""
@@ -448,26 +439,27 @@ def data_unwind_fn(claimed: engine.Claimed) -> Callable[..., Any] | None:
     if mode not in DATA_MODES:
         return None
 
-    def unwind_from_data(ctx: WorkflowContext, *args: Any, **kwargs: Any) -> None:
+    def unwind_from_data(ctx: Any, *args: Any, **kwargs: Any) -> None:
+        rt = _runtime.current()  # run as the workflow's code: its first argument is the ctx
         with _engine_code():
-            comps = [s for s, ev in sorted(ctx._history.items())
+            comps = [s for s, ev in sorted(rt.history.items())
                      if ev.kind == "compensation" and ev.state != "released"]
-            _unwind(ctx, 0, comps, original=None, upto=max(ctx._history, default=0))
+            _unwind(rt, 0, comps, original=None, upto=max(rt.history, default=0))
             if mode == "cancel_data":
-                raise ctx._raise(EndWorkflow(
+                raise rt.control(EndWorkflow(
                     "cancelled", state="cancelled",
                     error={"type": "WorkflowCancelled",
                            "message": "cancelled by a person while blocked; its recorded "
                                       f"compensations ran from data ({len(comps)})"}))
-            with ctx._store.connect() as conn:
+            with rt.store.connect() as conn:
                 had = conn.execute(select(workflows.c.error)
-                                   .where(workflows.c.id == ctx._claimed.pk)).scalar()
+                                   .where(workflows.c.id == rt.claimed.pk)).scalar()
             values: dict[str, Any] = {"state": "failed", "block_reason": None}
             if not had:
                 values["error"] = {"type": "Compensated",
                                    "message": "a person ran its recorded compensations "
                                               f"from data ({len(comps)})"}
-            raise ctx._raise(EndWorkflow("compensated", **values))
+            raise rt.control(EndWorkflow("compensated", **values))
 
     return unwind_from_data
 
@@ -499,14 +491,14 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
                            .where(workflows.c.workflow_id == workflow_id)).first()
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
-        live = workflows.c.state.not_in(engine.TERMINAL_STATES)
+        live = workflows.c.state.not_in(history.TERMINAL_STATES)
         where = [workflows.c.id == row.id, live]
-        if row.state in engine.TERMINAL_STATES:
+        if row.state in history.TERMINAL_STATES:
             return {"workflow_id": workflow_id, "state": row.state, "changed": False,
                     "message": f"workflow {workflow_id!r} already ended {row.state}: "
                                "nothing to cancel, nothing changed"}
         if not compensate:
-            engine.lock_for_end(conn, row.id)  # decides the race with a signal()
+            lifecycle.lock_for_end(conn, row.id)  # decides the race with a signal()
             done = conn.execute(update(workflows).where(*where).values(
                 state="cancelled", cancel_requested="terminate",
                 fence_token=workflows.c.fence_token + 1, leased_by=None,
@@ -516,18 +508,16 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
                                   ": no code and no compensation ran"})).rowcount
             state, message = "cancelled", "terminated: cancelled, no compensation ran"
             if done:
-                engine.drop_wakes(conn, workflow_id)
-            if done:  # a child's end wakes its parent in the same transaction, like _finish
-                from reliable_beat.workflows.children import notify_parent
-
-                notify_parent(conn, row.id, "cancelled", None,
+                lifecycle.drop_wakes(conn, workflow_id)
+            if done:  # a child's end wakes its parent in the same transaction, like finish
+                lifecycle.notify_parent(conn, row.id, "cancelled", None,
                               {"type": "WorkflowTerminated", "message": message})
         elif row.state == "blocked" or row.cancel_requested in DATA_MODES:
             # its code cannot (or must not) run: the compensations run from data
             done = conn.execute(update(workflows).where(*where).values(
                 state="waiting", cancel_requested="cancel_data", block_reason=None,
                 wake_seq=workflows.c.wake_seq + 1, advances=0, updated_at=now)).rowcount
-            engine.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
+            workflow_store.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
             state = "waiting" if row.state == "blocked" else row.state
             message = ("cancel requested: its code cannot run (blocked, or compensating "
                        "from data), so its recorded compensations run from data, then it "
@@ -536,7 +526,7 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
             done = conn.execute(update(workflows).where(*where).values(
                 cancel_requested="cancel", wake_seq=workflows.c.wake_seq + 1,
                 updated_at=now)).rowcount
-            engine.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
+            workflow_store.add_wake(conn, workflow_id, row.queue, f"cancel{now.timestamp():.6f}")
             state = row.state
             message = ("cancel requested: the workflow sees WorkflowCancelled at its next "
                        "durable call, its sagas unwind, then it ends cancelled")
@@ -571,7 +561,7 @@ def compensate(store: Store, workflow_id: str, *, by: str = "workflows compensat
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (see `workflows list`)")
         if row.state != "blocked":
             hint = ("it already ended: nothing to compensate" if row.state in
-                    engine.TERMINAL_STATES else "to stop a live workflow and unwind its "
+                    history.TERMINAL_STATES else "to stop a live workflow and unwind its "
                     "sagas use `workflows cancel ID`")
             raise WorkflowConflict(f"workflow {workflow_id!r} is {row.state}, not blocked: "
                                    f"`workflows compensate` runs a blocked workflow's "
@@ -632,7 +622,7 @@ def compensate(store: Store, workflow_id: str, *, by: str = "workflows compensat
                                    "again (`workflows show ID --events`)")
         done = conn.execute(select(workflows.c.queue, workflows.c.wake_seq)
                             .where(workflows.c.id == row.id)).one()
-        engine.add_wake(conn, workflow_id, done.queue, f"compensate{done.wake_seq}")
+        workflow_store.add_wake(conn, workflow_id, done.queue, f"compensate{done.wake_seq}")
     return {"workflow_id": workflow_id, "state": "waiting",
             "pending": [{"seq": c.seq, "name": c.name, "state": c.state} for c in comps],
             "requeued": requeued}

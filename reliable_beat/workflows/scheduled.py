@@ -30,7 +30,7 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat.db.tables import entries, runs, workflows
 from reliable_beat.workflow_store import OVERLAP_STATES, active_entries
-from reliable_beat.workflows import engine
+from reliable_beat.workflows import registry
 from reliable_beat.workflows.errors import WorkflowNotFound
 
 __all__ = ["OVERLAP_STATES", "START_TASK", "active_entries", "start_for_slot"]
@@ -51,7 +51,7 @@ def start_for_slot(conn: Connection, name: str, key: str, args: Sequence[Any],
         WorkflowNotFound: no workflow ``name`` is registered in this process (the run
             retries, then dead-letters naming it).
     """
-    definition = engine.get_definition(name)
+    definition = registry.get_definition(name)
     if definition is None:
         raise WorkflowNotFound(
             f"{START_TASK}: no workflow {name!r} is registered in this process: the entry's "
@@ -64,8 +64,8 @@ def start_for_slot(conn: Connection, name: str, key: str, args: Sequence[Any],
     group = None if slot is None or slot.entry_name is None else conn.execute(
         select(entries.c.schedule_group).where(entries.c.name == slot.entry_name)
     ).scalar()
-    engine.start(conn, name, key, args, kwargs, queue=definition.queue,
-                 version=definition.version, schedule_group=group)
+    registry.start(conn, name, key, args, kwargs, queue=definition.queue,
+                   version=definition.version, schedule_group=group)
     if slot is not None and slot.entry_name is not None:
         conn.execute(
             update(workflows)

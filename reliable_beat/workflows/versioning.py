@@ -20,136 +20,55 @@ parks the run ``blocked`` with the reason, writing nothing.
 
 from __future__ import annotations
 
-import re
-import threading
-from typing import TYPE_CHECKING
-
-from reliable_beat.workflows.errors import WorkflowUsageError
-
-if TYPE_CHECKING:
-    from reliable_beat.db.dialects import Store
-    from reliable_beat.workflows.context import WorkflowContext
-    from reliable_beat.workflows.engine import Claimed, WorkflowDefinition
+from reliable_beat.workflows._runtime import Event, Runtime
+from reliable_beat.workflows.registry import parse_version, version_block_reason
 
 __all__ = ["deprecate_patch", "parse_version", "patched", "version_block_reason"]
 
 PATCH_KIND = "patch"
-_VERSION = re.compile(r"^\d+(\.\d+)*$")
-
-
-def parse_version(value: str, what: str = "version") -> tuple[int, ...]:
-    """``"2"`` -> ``(2,)``, ``"1.10"`` -> ``(1, 10)`` (compared numerically).
-
-    Raises:
-        ValueError: not dot-separated non-negative integers (names ``what`` and the value).
-    """
-    if not isinstance(value, str) or not _VERSION.match(value) or len(value) > 64:
-        raise ValueError(
-            f"{what} must be a string of dot-separated integers of at most 64 characters "
-            f"(e.g. \"3\" or \"2.1\"), got {value!r}"
-        )
-    return tuple(int(p) for p in value.split("."))
-
-
-def version_block_reason(definition: WorkflowDefinition, recorded: str | None) -> str | None:
-    """Why this process's code refuses a run started under version ``recorded``, or None.
-
-    A run without a recorded version (started by code that declared none) counts as below
-    any minimum.
-    """
-    minimum = definition.min_supported_version
-    if minimum is None:
-        return None
-    if recorded is not None:
-        try:
-            if parse_version(recorded) >= parse_version(minimum):
-                return None
-        except ValueError:
-            pass  # an unreadable recorded version cannot be shown to be supported
-    return (
-        f"version: the run started under version {recorded or '(none)'} of workflow "
-        f"{definition.name!r}; this code (version {definition.version}) supports "
-        f"min_supported_version {minimum}: deploy code that still replays it (use "
-        "ctx.patched for the change, keep the old branch), then `workflows resume`; or "
-        "cancel it"
-    )
-
-
-def record_first_version(store: Store, claimed: Claimed, version: str) -> None:
-    """Record ``version`` on a run that has none and no history yet (fenced; a run that has
-    recorded events keeps its missing version: it was started by unversioned code)."""
-    from sqlalchemy import update
-
-    from reliable_beat.db.tables import workflows
-
-    with store.begin() as conn:
-        done = conn.execute(
-            update(workflows)
-            .where(workflows.c.id == claimed.pk,
-                   workflows.c.fence_token == claimed.fence_token,
-                   workflows.c.version.is_(None), workflows.c.history_len == 0,
-                   workflows.c.run_no == 1)
-            .values(version=version)
-        ).rowcount
-    if done == 1:
-        claimed.version = version
-
-
-def _check_caller(ctx: WorkflowContext, what: str) -> None:
-    if ctx._pending is not None:
-        raise ctx._pending
-    if threading.get_ident() != ctx._thread:
-        raise WorkflowUsageError(f"{what} must be called from the advance's thread")
-    if ctx._in_step:
-        raise WorkflowUsageError(f"{what} called inside ctx.step/ctx.transaction: durable "
-                                 "calls cannot be nested")
-
-
 def _check_id(patch_id: str) -> None:
     if not isinstance(patch_id, str) or not (0 < len(patch_id) <= 255):
         raise ValueError(f"a patch id must be a string of 1..255 characters, got {patch_id!r}")
 
 
-def _marker_next(ctx: WorkflowContext, patch_id: str) -> bool | None:
+def _marker_next(rt: Runtime, patch_id: str) -> bool | None:
     """True: the next recorded event is this patch's marker; False: another event; None:
     the next position is the frontier."""
-    nxt = ctx._history.get(ctx._seq + 1)
+    nxt = rt.history.get(rt.seq + 1)
     if nxt is None:
         return None
     return bool(nxt.kind == PATCH_KIND and nxt.name == patch_id)
 
 
-def patched(ctx: WorkflowContext, patch_id: str) -> bool:
+def patched(rt: Runtime, patch_id: str) -> bool:
     """See :meth:`WorkflowContext.patched` and the module's truth table."""
     _check_id(patch_id)
-    _check_caller(ctx, f"ctx.patched({patch_id!r})")
-    memo = ctx._patches
+    rt.check_caller(f"ctx.patched({patch_id!r})")
+    memo = rt.patches
     if patch_id in memo:
         return memo[patch_id]
-    marker = _marker_next(ctx, patch_id)
+    marker = _marker_next(rt, patch_id)
     if marker is False:
         value = False  # a run that passed this point before the change: the old path
     elif marker is True:
-        ctx._next(PATCH_KIND, patch_id, None)  # consume the recorded marker
+        rt.next(PATCH_KIND, patch_id, None)  # consume the recorded marker
         value = True
     else:  # the frontier (or a dry-run replay stops here)
-        seq, digest, _ = ctx._next(PATCH_KIND, patch_id, None)
-        ctx._record(seq, PATCH_KIND, patch_id, digest, None, state="completed")
-        from reliable_beat.workflows.context import _Ev
-
-        ctx._history[seq] = _Ev(seq, PATCH_KIND, patch_id, digest, "completed", None, None,
+        seq, digest, _ = rt.next(PATCH_KIND, patch_id, None)
+        rt.record(seq, PATCH_KIND, patch_id, digest, None, state="completed")
+        rt.history[seq] = Event(seq, PATCH_KIND, patch_id, digest, "completed", None, None,
                                 None, None)
         value = True
     memo[patch_id] = value
     return value
 
 
-def deprecate_patch(ctx: WorkflowContext, patch_id: str) -> None:
+def deprecate_patch(rt: Runtime, patch_id: str) -> None:
     """See :meth:`WorkflowContext.deprecate_patch`."""
     _check_id(patch_id)
-    _check_caller(ctx, f"ctx.deprecate_patch({patch_id!r})")
-    if patch_id in ctx._patches:
+    rt.check_caller(f"ctx.deprecate_patch({patch_id!r})")
+    if patch_id in rt.patches:
         return
-    if _marker_next(ctx, patch_id):
-        ctx._next(PATCH_KIND, patch_id, None)
-    ctx._patches[patch_id] = True
+    if _marker_next(rt, patch_id):
+        rt.next(PATCH_KIND, patch_id, None)
+    rt.patches[patch_id] = True

@@ -29,6 +29,7 @@ from celery import Celery
 from reliable_beat import outbox, runs
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox as outbox_table
+from reliable_beat.ops.actions import requeue_dead_message
 from reliable_beat.relay import Relay
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
@@ -114,12 +115,12 @@ def test_outbox_row_for_an_unregistered_task_is_a_requeueable_dead_letter(
     assert requeued.returncode == 0, requeued.stdout + requeued.stderr
     procs_mod.wait_for(lambda: effects.lrange(f"{queue}:effects", 0, -1), 30,
                        "the requeued message to run")
-    again = cli(env, "dead-letters", "requeue", str(dl["id"]), "--yes")
-    assert again.returncode != 0 and "was requeued at" in again.stderr, again.stderr
+    with pytest.raises(ValueError, match="was requeued at"):  # twice needs --force
+        requeue_dead_message(pg_store, app, dl["id"], dl["payload"], by="bob")
     relay.run_once()  # the row stays sent: not published a second time
     assert effects.lrange(f"{queue}:effects", 0, -1) == [b"late:a"]
     assert runs.get_dead_letter(pg_store, dl["id"])["requeued_by"] == "alice"
-    assert cli(env, "status", "--check").returncode == 0
+    assert runs.list_dead_letters(pg_store, include_requeued=False) == []  # no alarm left
     assert "Received unregistered task" not in worker2.output()
 
 
@@ -142,8 +143,8 @@ def test_idempotent_task_message_without_a_key_is_a_dead_letter(
     assert "refusing to run lostapp.pay" in worker.output()
     checked = cli(env, "status", "--check")
     assert checked.returncode == 1 and "dead letters wait for a person" in checked.stdout
-    refused = cli(env, "dead-letters", "requeue", str(dl["id"]), "--yes")
-    assert refused.returncode != 0 and "not requeueable" in refused.stderr, refused.stderr
+    with pytest.raises(ValueError, match="not requeueable"):
+        requeue_dead_message(pg_store, app, dl["id"], dl["payload"], by="bob")
     assert redis.Redis.from_url(redis_url).lrange(f"{queue}:effects", 0, -1) == []
 
 

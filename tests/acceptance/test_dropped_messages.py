@@ -8,7 +8,8 @@ dead letter (reason ``unregistered``) naming the task and the fix: ``dead-letter
 shows it, ``status --check`` fails, and once a worker registers the task ``dead-letters
 requeue`` sends the same message again: its effect happens once. An ``IdempotentTask``
 message sent without a key (``send_task`` with no ``reliable_beat_key``) is a dead letter too
-(reason ``no_key``, not requeueable), not only an ERROR line.
+(reason ``no_key``, not requeueable), not only an ERROR line; so is a message Celery cannot read
+as a task (reason ``rejected``).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def test_outbox_row_for_an_unregistered_task_is_a_requeueable_dead_letter(
     assert "Received unregistered task" not in worker2.output()
 
 
-def test_idempotent_task_message_without_a_key_is_a_dead_letter(
+def test_keyless_and_unreadable_messages_are_dead_letters(
     pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs,
     setup: tuple[dict[str, str], str],
 ) -> None:
@@ -145,6 +146,17 @@ def test_idempotent_task_message_without_a_key_is_a_dead_letter(
     assert checked.returncode == 1 and "dead letters wait for a person" in checked.stdout
     with pytest.raises(ValueError, match="not requeueable"):
         requeue_dead_message(pg_store, app, dl["id"], dl["payload"], by="bob")
+
+    # A message Celery cannot read as a task (an ETA that is no instant): rejected, recorded.
+    bad_id = str(uuid.uuid4())
+    with app.producer_or_acquire() as producer:
+        producer.publish([["b"], {}, {}], routing_key=queue, serializer="json",
+                         headers={"lang": "py", "task": "lostapp.pay", "id": bad_id,
+                                  "eta": "not an instant", "reliable_beat_key": "bad-eta"})
+    [bad] = procs_mod.wait_for(lambda: dead_letters(pg_store, "rejected"), 30,
+                               "the unreadable message's dead letter")
+    assert bad["task"] == "lostapp.pay" and bad["payload"]["task_id"] == bad_id, bad
+    assert "invalid ETA value" in bad["error"] and bad["key"] == "bad-eta", bad["error"]
     assert redis.Redis.from_url(redis_url).lrange(f"{queue}:effects", 0, -1) == []
 
 

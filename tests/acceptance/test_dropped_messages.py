@@ -162,6 +162,6 @@ def test_keyless_and_unreadable_messages_are_dead_letters(
 
 def outbox_state(store: Store, message_id: str) -> str | None:
     with store.engine.connect() as conn:
-        return conn.execute(
+        return str(conn.execute(
             outbox_table.select().where(outbox_table.c.message_id == message_id)
-        ).mappings().one()["state"]
+        ).mappings().one()["state"])

@@ -14,8 +14,8 @@ they are read from the database, not counted in one process):
 ``reliable_beat_entries_late``                     enabled entries overdue by more than their
                                                    misfire_grace + margin: **no beat running**
 ``reliable_beat_runs{state}``                      runs by state
-``reliable_beat_dead_letters{kind}``               dead letters not requeued (run / outbox),
-                                                   except those handled by design
+``reliable_beat_dead_letters{kind}``               dead letters not requeued (run / outbox /
+                                                   message), except those handled by design
 ``reliable_beat_dead_letters_handled``             dead letters of failures handled by design
                                                    (a saga's step whose compensations
                                                    completed): no alarm

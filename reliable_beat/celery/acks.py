@@ -14,6 +14,10 @@ with an ``IdempotentTask``). An app of plain tasks only adds it to its imports::
 
     app.conf.imports = [*app.conf.imports, "reliable_beat.celery.acks"]
 
+Importing it also connects :mod:`reliable_beat.celery.lost_messages`: a message the worker
+drops (a task it does not register, an ``IdempotentTask`` message without a key, a message
+it cannot read) becomes a ``message`` dead letter instead of only a log line.
+
 A failure to write is logged at WARNING and never fails the task. The start is kept in the
 worker process (at most :data:`UNRECORDED_MAX` of them) and written when the database answers
 again: at this task's end (``task_postrun``) or at the next trigger's start in the same process,
@@ -32,12 +36,13 @@ from celery import signals
 from sqlalchemy import update
 
 from reliable_beat import execution
+from reliable_beat.celery import lost_messages
 from reliable_beat.celery.headers import KEY_HEADER
 from reliable_beat.db.tables import runs
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 
-__all__ = ["UNRECORDED_MAX", "record_start", "record_unrecorded_starts"]
+__all__ = ["UNRECORDED_MAX", "lost_messages", "record_start", "record_unrecorded_starts"]
 
 log = get_logger("reliable_beat.acks")
 

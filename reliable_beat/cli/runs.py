@@ -21,7 +21,7 @@ import click
 from reliable_beat import runs
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.db.types import infinity_text
-from reliable_beat.ops.actions import RequeueSendError, requeue_dead_run
+from reliable_beat.ops.actions import RequeueSendError, requeue_dead_message, requeue_dead_run
 from reliable_beat.redaction import (
     IDENTIFIER_FIELDS,
     USER_DATA_FIELDS,
@@ -178,9 +178,13 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
         dl = runs.get_dead_letter(cli.store, dead_letter_id)
     except runs.DeadLetterNotFound as exc:
         fail(str(exc), 1, kind="not_found")
+    if dl["kind"] == "message":
+        _requeue_message(cli, dl, yes=yes, force=force, by=by, queue=queue, as_json=as_json)
+        return
     if dl["kind"] != "run":
         raise click.ClickException(f"dead letter {dead_letter_id} is a {dl['kind']} dead letter; "
-                                   "only run dead letters can be requeued here")
+                                   "only run and dropped-message dead letters can be requeued "
+                                   "here")
     payload = dl["payload"]
     if "actor" in payload:  # reliable_beat.dramatiq's dead letters name the actor
         raise click.ClickException(
@@ -203,6 +207,32 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
         return
     click.echo(f"requeued dead letter {dead_letter_id}: {payload['task']} "
                f"under key {payload['key']!r}")
+
+
+def _requeue_message(cli: CliContext, dl: dict[str, Any], *, yes: bool, force: bool,
+                     by: str | None, queue: str | None, as_json: bool) -> None:
+    """``dead-letters requeue`` of a ``message`` dead letter: send the dropped message again
+    (same task id, arguments and headers)."""
+    payload, dl_id = dl["payload"], dl["id"]
+    if dl["reason"] not in runs.REQUEUEABLE_MESSAGE_REASONS:
+        raise click.ClickException(
+            f"dead letter {dl_id} ({dl['reason']}) is not requeueable: the message itself was "
+            "refused; fix the caller and send the work again")
+    if not yes:
+        click.confirm(f"Send {payload['task']}[{payload.get('task_id')}] again "
+                      f"(dropped: {dl['reason']})?", abort=True)
+    who = by or getpass.getuser()
+    try:
+        requeue_dead_message(cli.store, cli.app, dl_id, payload, by=who, force=force,
+                             queue=queue)
+    except (ValueError, RequeueSendError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        cli.echo_json({"outcome": "requeued", "dead_letter": dl_id, "task": payload["task"],
+                       "task_id": payload.get("task_id"), "by": who})
+        return
+    click.echo(f"requeued dead letter {dl_id}: {payload['task']} "
+               f"[{payload.get('task_id')}] sent again")
 
 
 @click.group("lease")

@@ -63,6 +63,7 @@ __all__ = [
     "app_publishes",
     "backfill",
     "manual_key",
+    "requeue_dead_message",
     "requeue_dead_run",
     "require_entry",
     "trigger",
@@ -501,3 +502,36 @@ def requeue_dead_run(store: Store, app: Any, dead_letter_id: int, payload: Mappi
         rb_runs.undo_requeue(store, dead_letter_id)
         raise RequeueSendError(f"could not send the task ({exc}); the run stays dead") from exc
     rb_runs.mark_dispatched(store, payload["key"])
+
+
+def requeue_dead_message(store: Store, app: Any, dead_letter_id: int,
+                         payload: Mapping[str, Any], *, by: str, force: bool = False,
+                         queue: str | None = None) -> None:
+    """Send a dropped task message (a ``message`` dead letter, reason ``unregistered``)
+    again through ``app``'s ``send_task``: the same task name, task id, arguments and the
+    caller's headers (its idempotency key among them), to ``queue`` or else the queue it
+    came from. The dead letter is marked requeued first
+    (:func:`reliable_beat.runs.requeue_dead_message`, recording ``by``); if sending fails,
+    that is undone.
+
+    Raises:
+        ValueError: not requeueable, or requeued before without ``force``; nothing changed.
+        DeadLetterNotFound: no such ``message`` dead letter.
+        RequeueSendError: the message could not be sent; the dead letter stays pending.
+    """
+    rb_runs.requeue_dead_message(store, dead_letter_id, by=by, force=force)
+    args, kwargs = payload.get("args") or [], payload.get("kwargs") or {}
+    if (not isinstance(args, list) or not isinstance(kwargs, Mapping)
+            or rb_runs.UNSTORABLE in kwargs):
+        rb_runs.undo_requeue(store, dead_letter_id)
+        raise ValueError(f"dead letter {dead_letter_id}: its arguments could not be stored "
+                         "(only their repr was kept); send the work again from its caller")
+    try:
+        app.send_task(str(payload["task"]), args=args, kwargs=dict(kwargs),
+                      headers=dict(payload.get("headers") or {}),
+                      task_id=payload.get("task_id") or str(uuid.uuid4()),
+                      queue=queue or payload.get("queue"))
+    except Exception as exc:
+        rb_runs.undo_requeue(store, dead_letter_id)
+        raise RequeueSendError(
+            f"could not send the message ({exc}); the dead letter stays pending") from exc

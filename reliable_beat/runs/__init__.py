@@ -51,14 +51,17 @@ from reliable_beat.runs.complete import (
     set_result,
 )
 from reliable_beat.runs.operator import NOT_RESENT as NOT_RESENT
+from reliable_beat.runs.operator import REQUEUEABLE_MESSAGE_REASONS as REQUEUEABLE_MESSAGE_REASONS
 from reliable_beat.runs.operator import RESEND_SKIPPED as RESEND_SKIPPED
 from reliable_beat.runs.operator import RESENT as RESENT
+from reliable_beat.runs.operator import UNSTORABLE as UNSTORABLE
 from reliable_beat.runs.operator import (
     LeaseCleared,
     clear_lease,
     mark_dispatched,
     release_lease,
     requeue_dead_letter,
+    requeue_dead_message,
     undo_requeue,
 )
 from reliable_beat.runs.queries import (
@@ -92,6 +95,7 @@ __all__ = [
     "release_lease",
     "renew_lease",
     "requeue_dead_letter",
+    "requeue_dead_message",
     "set_result",
     "undo_requeue",
 ]

@@ -382,7 +382,8 @@ def record_failure(
 
 
 def record_refused_message(
-    store: Store, *, key: str, task: str, payload: Mapping[str, Any], error: str
+    store: Store, *, key: str, task: str, payload: Mapping[str, Any], error: str,
+    reason: str = "invalid",
 ) -> int:
     """Record a message the store can never take as a ``message`` dead letter.
 
@@ -391,6 +392,11 @@ def record_refused_message(
     could never succeed. The dead letter makes it visible (``dead-letters list``) and is
     not requeueable (fix the call and send it again). Long values are cut to the column
     sizes in the row; ``payload`` (JSON) keeps them whole. One short transaction.
+
+    ``reason``: ``invalid`` (above); a worker's hook also records a message it had to drop
+    (:mod:`reliable_beat.celery.lost_messages`): ``unregistered`` (no task of that name in
+    the worker: requeueable once it is registered), ``no_key`` (an ``IdempotentTask``
+    message without an idempotency key), ``rejected`` (not a task message Celery can read).
 
     Returns:
         The dead letter's id.
@@ -411,7 +417,7 @@ def record_refused_message(
                 key=cut(key.replace("\x00", ""), MAX_IDEMPOTENCY_KEY),
                 task=cut(task, MAX_TASK_NAME),
                 payload=body,
-                reason="invalid",
+                reason=reason,
                 error=error.replace("\x00", ""),
                 attempts=0,
                 created_at=now,

@@ -25,13 +25,16 @@ from reliable_beat.triggers import TRIGGER_DESTINATIONS, trigger_message_id
 
 __all__ = [
     "NOT_RESENT",
+    "REQUEUEABLE_MESSAGE_REASONS",
     "RESEND_SKIPPED",
     "RESENT",
+    "UNSTORABLE",
     "LeaseCleared",
     "clear_lease",
     "mark_dispatched",
     "release_lease",
     "requeue_dead_letter",
+    "requeue_dead_message",
     "undo_requeue",
 ]
 
@@ -306,6 +309,52 @@ def requeue_dead_letter(
         return dict(dl)
 
 
+#: The ``message`` dead letters a person can send again (a worker dropped the message
+#: because no task of that name was registered there; see
+#: :mod:`reliable_beat.celery.lost_messages`).
+REQUEUEABLE_MESSAGE_REASONS = frozenset({"unregistered"})
+#: The key of the stand-in a ``message`` dead letter keeps for arguments the store cannot
+#: take (their ``repr``): such a dead letter is not requeueable.
+UNSTORABLE = "reliable_beat_unstorable"
+
+
+def requeue_dead_message(
+    store: Store, dead_letter_id: int, *, by: str, force: bool = False
+) -> dict[str, Any]:
+    """Mark a ``message`` dead letter of a dropped task message requeued (one short
+    transaction); the caller then sends the message again (its ``payload`` says what) and,
+    if sending fails, calls :func:`undo_requeue`.
+
+    Raises:
+        DeadLetterNotFound: no such id, or it is not a ``message`` dead letter.
+        ValueError: not requeueable (its reason is not ``unregistered``: the message itself
+            must be fixed and sent again by its caller), or requeued before (without
+            ``force``).
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        dl = conn.execute(
+            select(dead_letters).where(dead_letters.c.id == dead_letter_id).with_for_update()
+        ).mappings().one_or_none()
+        if dl is None or dl["kind"] != "message":
+            raise DeadLetterNotFound(f"no message dead letter with id {dead_letter_id}")
+        if dl["reason"] not in REQUEUEABLE_MESSAGE_REASONS:
+            raise ValueError(
+                f"dead letter {dead_letter_id} ({dl['reason']}) is not requeueable: the "
+                "message itself was refused; fix the caller and send the work again")
+        if dl["requeued_at"] is not None and not force:
+            raise ValueError(
+                f"dead letter {dead_letter_id} was requeued at {dl['requeued_at']} by "
+                f"{dl['requeued_by']}; pass force to requeue again"
+            )
+        conn.execute(
+            update(dead_letters)
+            .where(dead_letters.c.id == dead_letter_id)
+            .values(requeued_at=now, requeued_by=by)
+        )
+        return dict(dl)
+
+
 def _committed_effect(conn: Connection, run_id: int) -> str | None:
     """Evidence that run ``run_id``'s effect committed, or None.
 
@@ -329,16 +378,18 @@ def _committed_effect(conn: Connection, run_id: int) -> str | None:
 
 
 def undo_requeue(store: Store, dead_letter_id: int) -> None:
-    """Put a requeued run back to ``dead`` after the re-send failed (short transaction)."""
+    """Put a requeued run back to ``dead`` after the re-send failed (short transaction); a
+    ``message`` dead letter (no run) is only marked not requeued again."""
     with store.begin() as conn:
         dl = conn.execute(
             select(dead_letters.c.run_id).where(dead_letters.c.id == dead_letter_id)
         ).one()
-        conn.execute(
-            update(runs)
-            .where(runs.c.id == dl.run_id, runs.c.state == "scheduled")
-            .values(state="dead", reason="requeue_failed")
-        )
+        if dl.run_id is not None:
+            conn.execute(
+                update(runs)
+                .where(runs.c.id == dl.run_id, runs.c.state == "scheduled")
+                .values(state="dead", reason="requeue_failed")
+            )
         conn.execute(
             update(dead_letters)
             .where(dead_letters.c.id == dead_letter_id)

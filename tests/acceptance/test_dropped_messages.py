@@ -1,0 +1,167 @@
+"""Task messages a Celery worker drops end as dead letters, with real worker processes on
+PostgreSQL + Redis.
+
+An outbox row (destination ``celery``) naming a task no worker registers is published by the
+relay and marked sent; the worker that receives it logs "Received unregistered task" and
+Celery rejects the message. With reliable_beat in the worker that message is a ``message``
+dead letter (reason ``unregistered``) naming the task and the fix: ``dead-letters list``
+shows it, ``status --check`` fails, and once a worker registers the task ``dead-letters
+requeue`` sends the same message again: its effect happens once. An ``IdempotentTask``
+message sent without a key (``send_task`` with no ``reliable_beat_key``) is a dead letter too
+(reason ``no_key``, not requeueable), not only an ERROR line; so is a message Celery cannot read
+as a task (reason ``rejected``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from reliable_beat import outbox, runs
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import outbox as outbox_table
+from reliable_beat.ops.actions import requeue_dead_message
+from reliable_beat.relay import Relay
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
+import procs as procs_mod  # tests/apps
+
+APPS = Path(__file__).resolve().parents[1] / "apps"
+ROOT = APPS.parents[1]
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[procs_mod.BeatProcs]:
+    manager = procs_mod.BeatProcs(logdir=tmp_path)
+    try:
+        yield manager
+    finally:
+        manager.cleanup()
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ, **env, PYTHONPATH=os.pathsep.join([str(ROOT), str(APPS)]))
+    return subprocess.run([sys.executable, "-m", "reliable_beat.cli", "-A", "lostapp", *args],
+                          env=full, cwd=str(APPS), capture_output=True, text=True, timeout=120)
+
+
+def start_worker(procs: procs_mod.BeatProcs, queue: str, **env: str) -> procs_mod.Beat:
+    worker = procs.start("worker", app="lostapp", command=[
+        "worker", "-l", "info", "-Q", queue, "-P", "solo", "-c", "1",
+        "-n", f"w-{uuid.uuid4().hex[:6]}@%h", "--without-mingle", "--without-gossip"], **env)
+    procs_mod.wait_for(lambda: " ready." in worker.output(), 60, "the worker to start")
+    return worker
+
+
+def dead_letters(store: Store, reason: str) -> list[dict[str, Any]]:
+    return [d for d in runs.list_dead_letters(store) if d["reason"] == reason]
+
+
+@pytest.fixture
+def setup(pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs
+          ) -> tuple[dict[str, str], str]:
+    queue = f"rbq_{uuid.uuid4().hex[:10]}"
+    env = {"RB_BROKER_URL": redis_url, "RELIABLE_BEAT_DATABASE_URL": pg_store.url,
+           "RB_QUEUE": queue}
+    procs.env.update(env)
+    return env, queue
+
+
+def test_outbox_row_for_an_unregistered_task_is_a_requeueable_dead_letter(
+    pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs,
+    setup: tuple[dict[str, str], str],
+) -> None:
+    env, queue = setup
+    effects = redis.Redis.from_url(redis_url)
+    worker = start_worker(procs, queue)
+    with pg_store.begin() as conn:
+        mid = outbox.add(conn, "celery", {"task": "lostapp.late", "args": ["a"]})
+    app = Celery("lostapp", broker=redis_url)
+    app.conf.task_default_queue = queue
+    relay = Relay(pg_store, app, claim_lease_seconds=10)
+    procs_mod.wait_for(lambda: relay.run_once() or outbox_state(pg_store, mid) == "sent", 30,
+                       "the relay to publish the row")
+
+    dead = procs_mod.wait_for(lambda: dead_letters(pg_store, "unregistered"), 30,
+                              "the dropped message's dead letter")
+    assert "Received unregistered task" in worker.output()
+    [dl] = dead
+    assert dl["kind"] == "message" and dl["task"] == "lostapp.late", dl
+    assert "'lostapp.late' is not registered in the worker" in dl["error"], dl["error"]
+    assert "register the task" in dl["error"] and "dead-letters requeue" in dl["error"]
+    assert dl["payload"]["args"] == ["a"] and dl["payload"]["queue"] == queue, dl["payload"]
+
+    listed = cli(env, "dead-letters", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [d["id"] for d in json.loads(listed.stdout)] == [dl["id"]]
+    checked = cli(env, "status", "--check")
+    assert checked.returncode == 1 and "dead letters wait for a person" in checked.stdout, (
+        checked.stdout + checked.stderr)
+    assert effects.lrange(f"{queue}:effects", 0, -1) == []
+
+    # A worker that registers the task; the person requeues the dead letter.
+    procs.terminate(worker)
+    worker2 = start_worker(procs, queue, RB_REGISTER_LATE="1")
+    requeued = cli(env, "dead-letters", "requeue", str(dl["id"]), "--yes", "--by", "alice")
+    assert requeued.returncode == 0, requeued.stdout + requeued.stderr
+    procs_mod.wait_for(lambda: effects.lrange(f"{queue}:effects", 0, -1), 30,
+                       "the requeued message to run")
+    with pytest.raises(ValueError, match="was requeued at"):  # twice needs --force
+        requeue_dead_message(pg_store, app, dl["id"], dl["payload"], by="bob")
+    relay.run_once()  # the row stays sent: not published a second time
+    assert effects.lrange(f"{queue}:effects", 0, -1) == [b"late:a"]
+    assert runs.get_dead_letter(pg_store, dl["id"])["requeued_by"] == "alice"
+    assert runs.list_dead_letters(pg_store, include_requeued=False) == []  # no alarm left
+    assert "Received unregistered task" not in worker2.output()
+
+
+def test_keyless_and_unreadable_messages_are_dead_letters(
+    pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs,
+    setup: tuple[dict[str, str], str],
+) -> None:
+    env, queue = setup
+    worker = start_worker(procs, queue)
+    app = Celery("lostapp", broker=redis_url)
+    app.conf.task_default_queue = queue
+    task_id = app.send_task("lostapp.pay", args=["k"]).id  # no reliable_beat_key header
+
+    dead = procs_mod.wait_for(lambda: dead_letters(pg_store, "no_key"), 30,
+                              "the keyless message's dead letter")
+    [dl] = dead
+    assert dl["kind"] == "message" and dl["task"] == "lostapp.pay", dl
+    assert dl["payload"]["task_id"] == task_id and dl["payload"]["args"] == ["k"], dl
+    assert "no idempotency key" in dl["error"] and "delay_with_key" in dl["error"], dl["error"]
+    assert "refusing to run lostapp.pay" in worker.output()
+    checked = cli(env, "status", "--check")
+    assert checked.returncode == 1 and "dead letters wait for a person" in checked.stdout
+    with pytest.raises(ValueError, match="not requeueable"):
+        requeue_dead_message(pg_store, app, dl["id"], dl["payload"], by="bob")
+
+    # A message Celery cannot read as a task (an ETA that is no instant): rejected, recorded.
+    bad_id = str(uuid.uuid4())
+    with app.producer_or_acquire() as producer:
+        producer.publish([["b"], {}, {}], routing_key=queue, serializer="json",
+                         headers={"lang": "py", "task": "lostapp.pay", "id": bad_id,
+                                  "eta": "not an instant", "reliable_beat_key": "bad-eta"})
+    [bad] = procs_mod.wait_for(lambda: dead_letters(pg_store, "rejected"), 30,
+                               "the unreadable message's dead letter")
+    assert bad["task"] == "lostapp.pay" and bad["payload"]["task_id"] == bad_id, bad
+    assert "invalid ETA value" in bad["error"] and bad["key"] == "bad-eta", bad["error"]
+    assert redis.Redis.from_url(redis_url).lrange(f"{queue}:effects", 0, -1) == []
+
+
+def outbox_state(store: Store, message_id: str) -> str | None:
+    with store.engine.connect() as conn:
+        return str(conn.execute(
+            outbox_table.select().where(outbox_table.c.message_id == message_id)
+        ).mappings().one()["state"])

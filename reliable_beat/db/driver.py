@@ -108,6 +108,12 @@ class DriverStatement:
                 sql, bound, exc, dialect.loaded_dbapi.Error, hide_parameters=True,
                 connection_invalidated=disconnect, dialect=dialect,
             ) from exc
+        except BaseException as exc:
+            # as SQLAlchemy does: an exit (KeyboardInterrupt, SystemExit, a greenlet's) in
+            # the middle of a statement leaves the connection in an unknown state
+            if not isinstance(exc, Exception) and not conn.invalidated:
+                conn.invalidate()
+            raise
         if row is None:
             return None
         if not results:

@@ -27,12 +27,13 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.types import Interval
 
 from reliable_beat import rows as rows_mod
 from reliable_beat.db.dialects import Store
+from reliable_beat.db.driver import DriverStatement, uses_psycopg
 from reliable_beat.db.tables import MYSQL_DIALECTS, attempts, runs
 from reliable_beat.errors import RunNotFound
 from reliable_beat.redaction import get_logger
@@ -258,6 +259,9 @@ def _pg_claim_statement() -> Select[Any]:
 #: Drivers whose DBAPI connection has a plain ``autocommit`` flag (see below).
 _FLAG_DRIVERS = ("psycopg", "psycopg2")
 
+#: :func:`_pg_claim_statement` run on the psycopg connection (reliable_beat.db.driver).
+_PG_CLAIM = DriverStatement(_pg_claim_statement)
+
 
 def _leave_autocommit(conn: Connection, raw: Any, *, failing: bool) -> None:
     """Clear ``raw.autocommit``; when it cannot be cleared (a broken connection), invalidate
@@ -271,7 +275,7 @@ def _leave_autocommit(conn: Connection, raw: Any, *, failing: bool) -> None:
             raise
 
 
-def _claim_in_one_statement(conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
+def _claim_in_one_statement(conn: Connection, params: dict[str, Any]) -> Any:
     """Run :func:`_pg_claim_statement` in autocommit on ``conn``; its row or None.
 
     A single statement is its own transaction: it holds the run row's lock only while it
@@ -289,7 +293,10 @@ def _claim_in_one_statement(conn: Connection, params: dict[str, Any]) -> Row[Any
     if raw is not None:
         raw.autocommit = True
         try:
-            row = conn.execute(_pg_claim_statement(), params).first()
+            if uses_psycopg(conn):
+                row = _PG_CLAIM.first(conn, params)
+            else:
+                row = conn.execute(_pg_claim_statement(), params).first()
             conn.commit()  # ends SQLAlchemy's logical transaction; no round trip
         except BaseException:
             _leave_autocommit(conn, raw, failing=True)

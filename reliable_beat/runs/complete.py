@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat import rows as rows_mod
 from reliable_beat.db.dialects import Store
+from reliable_beat.db.driver import DriverStatement, uses_psycopg
 from reliable_beat.db.tables import MYSQL_DIALECTS, attempts, dead_letters, runs
 from reliable_beat.errors import StaleFenceToken
 from reliable_beat.redaction import get_logger
@@ -94,6 +95,10 @@ def _pg_complete_statement() -> Select[Any]:
             .select_from(done.outerjoin(prev, true())).add_cte(att))
 
 
+#: :func:`_pg_complete_statement` run on the psycopg connection (reliable_beat.db.driver).
+_PG_COMPLETE = DriverStatement(_pg_complete_statement)
+
+
 def complete(conn: Connection, claim: Claim, result: Any) -> None:
     """Record the run as ``succeeded`` with ``result``, fenced, inside the caller's transaction.
 
@@ -115,10 +120,10 @@ def complete(conn: Connection, claim: Claim, result: Any) -> None:
             :func:`record_fenced_out` in a separate transaction.
     """
     if conn.dialect.name == "postgresql":
-        row = conn.execute(_pg_complete_statement(), {
-            "p_run_id": claim.run_id, "p_fence": claim.fence_token,
-            "p_attempt_id": claim.attempt_id, "p_result": result,
-        }).first()
+        params = {"p_run_id": claim.run_id, "p_fence": claim.fence_token,
+                  "p_attempt_id": claim.attempt_id, "p_result": result}
+        row = (_PG_COMPLETE.first(conn, params) if uses_psycopg(conn)
+               else conn.execute(_pg_complete_statement(), params).first())
         if row is None:
             raise StaleFenceToken(claim.key, claim.fence_token)
         if row.prev_state not in rows_mod.KNOWN_RUN_STATES:

@@ -1,0 +1,218 @@
+"""CPU per call of an ``IdempotentTask`` against a plain task writing the same row, in-process.
+
+Not part of ``python -m benchmarks`` (it prints no target); the tool behind the figures of
+``docs/performance.md`` (*CPU per call of an IdempotentTask*). Both tasks insert one row into
+``bench_effects`` (as in part 4, ``benchmarks/task_overhead.py``), called through Celery's
+tracer in-process (``task.apply``: no broker, so the worker's per-message cost is left out)
+on a private PostgreSQL. Per call: the worker's CPU (``time.process_time``) and the
+PostgreSQL cluster's (the postmaster's children, from ``/proc``; 10 ms clock ticks, so read
+the server figure over blocks of 100 calls or more).
+
+    # A/B of source trees, each tree in its own process, alternated --rounds times
+    PYTHONPATH=. python benchmarks/profile_task.py --n 600 --rounds 5 /path/to/old /path/to/new
+    # + cProfile tables (written to /tmp/profile_task-<tree>-<mode>.txt)
+    PYTHONPATH=. python benchmarks/profile_task.py --n 400 --rounds 1 --profile .
+    # one process, blocks of 100 calls alternated: plain task, the claim and completion
+    # through SQLAlchemy Core (conn.execute), and on the psycopg connection (the default)
+    PYTHONPATH=. python benchmarks/profile_task.py --toggle --n 1600 .
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def pg_children_cpu(postmaster: int) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == postmaster:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def child(tree, url, mode, n, profile, postmaster, tag):
+    sys.path.insert(0, tree)
+    import sqlalchemy as sa
+    from celery import Celery
+
+    from reliable_beat.celery.task import KEY_HEADER, IdempotentTask
+    from reliable_beat.execution import store_for
+
+    app = Celery("perf", set_as_current=False)
+    app.conf.update(broker_url="memory://", reliable_beat_database_url=url,
+                    task_ignore_result=True)
+    effects = sa.Table("bench_effects", sa.MetaData(),
+                       sa.Column("id", sa.Integer, primary_key=True),
+                       sa.Column("key", sa.String(200)), sa.Column("n", sa.Integer))
+    store = store_for(url)
+
+    @app.task(name="p.plain", shared=False)
+    def plain(i):
+        with store.begin() as conn:
+            conn.execute(effects.insert().values(key=f"plain:{i}", n=i))
+
+    @app.task(base=IdempotentTask, bind=True, name="p.idem", shared=False)
+    def idem(self, i):
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(key=self.idempotency_key, n=i))
+
+    def call(i, key):
+        if mode == "plain":
+            plain.apply((i,))
+        else:
+            idem.apply((i,), headers={KEY_HEADER: key})
+
+    if mode == "toggle":
+        import statistics
+
+        from reliable_beat.runs import claim as cl
+        from reliable_beat.runs import complete as co
+        real = cl.uses_psycopg
+        def setpath(driver):
+            f = real if driver else (lambda c: False)
+            cl.uses_psycopg = f
+            co.uses_psycopg = f
+        for i in range(20):
+            idem.apply((i,), headers={KEY_HEADER: f"warm{tag}:{i}"})
+            plain.apply((i,))
+        res = {"plain": [], "sqla": [], "driver": [], "replay_sqla": [], "replay_driver": []}
+        blk = 100
+        for b in range(n // blk):
+            order = [("plain", None), ("sqla", False), ("driver", True)]
+            if b % 2:
+                order.reverse()
+            for name, drv in order:
+                if drv is not None:
+                    setpath(drv)
+                keys = [f"{tag}:{name}:{b}:{i}" for i in range(blk)]
+                for sub, ks in ((name, keys), ("replay_" + name, keys)):
+                    if sub == "replay_plain":
+                        continue
+                    pg0 = pg_children_cpu(postmaster)
+                    c0 = time.process_time()
+                    for i, k in enumerate(ks):
+                        if name == "plain":
+                            plain.apply((i,))
+                        else:
+                            idem.apply((i,), headers={KEY_HEADER: k})
+                    c1 = time.process_time()
+                    pg1 = pg_children_cpu(postmaster)
+                    res[sub].append(((c1 - c0) / blk * 1e6, (pg1 - pg0) / blk * 1e6))
+        out = {}
+        for k, v in res.items():
+            w = [a for a, _ in v]
+            p = [b for _, b in v]
+            out[k] = {"cpu_med": statistics.median(w), "cpu_min": min(w), "cpu_max": max(w),
+                      "pg_med": statistics.median(p), "pg_min": min(p), "pg_max": max(p)}
+        print(json.dumps(out))
+        return
+    keys = [f"{tag}:{i}" for i in range(n)]
+    for i in range(20):  # warm
+        call(i, f"warm{tag}:{i}")
+    if mode == "replay":
+        pass  # keys used by prior 'idem' run with same tag
+    prof = None
+    if profile:
+        import cProfile
+        prof = cProfile.Profile(time.process_time)
+    pg0 = pg_children_cpu(postmaster)
+    c0 = time.process_time()
+    w0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    for i in range(n):
+        call(i, keys[i])
+    if prof:
+        prof.disable()
+    c1 = time.process_time()
+    w1 = time.perf_counter()
+    pg1 = pg_children_cpu(postmaster)
+    if prof:
+        import pstats
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+    print(json.dumps({"cpu_us": (c1 - c0) / n * 1e6, "pg_us": (pg1 - pg0) / n * 1e6,
+                      "wall_us": (w1 - w0) / n * 1e6}))
+
+
+def main():
+    if sys.argv[1] == "--child":
+        tree, url, mode, n, profile, pm, tag = sys.argv[2:9]
+        child(tree, url, mode, int(n), profile == "1", int(pm), tag)
+        return
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--toggle", action="store_true")
+    ap.add_argument("trees", nargs="+")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import sqlalchemy as sa
+
+    from harness.servers import PostgresServer
+    with PostgresServer() as pg:
+        from reliable_beat.db.dialects import Store
+        from reliable_beat.db.migrate import upgrade
+        st = Store.from_url(pg.url)
+        upgrade(st)
+        with st.engine.begin() as c:
+            c.execute(sa.text("CREATE TABLE bench_effects "
+                              "(id serial PRIMARY KEY, key varchar(200), n int)"))
+        st.dispose()
+        pm = int((pg.datadir / "data" / "postmaster.pid").read_text().split()[0])
+        res = {}
+        if args.toggle:
+            out = subprocess.run([sys.executable, __file__, "--child", args.trees[0], pg.url,
+                                  "toggle", str(args.n), "0", str(pm), "tg"],
+                                 capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": args.trees[0]})
+            print(out.stderr[-3000:])
+            d = json.loads(out.stdout.strip().splitlines()[-1])
+            for k, v in d.items():
+                print(k, {a: round(b) for a, b in v.items()})
+            return
+        for r in range(args.rounds):
+            for ti, tree in enumerate(args.trees):
+                for mode in ("plain", "idem", "replay"):
+                    tag = f"r{r}t{ti}"
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--child", tree, pg.url, mode, str(args.n),
+                         "1" if args.profile else "0", str(pm), tag],
+                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
+                    if out.returncode:
+                        print(out.stderr[-3000:])
+                        raise SystemExit(1)
+                    if args.profile:
+                        Path(f"/tmp/profile_task-{ti}-{mode}.txt").write_text(out.stderr)
+                    d = json.loads(out.stdout.strip().splitlines()[-1])
+                    res.setdefault((tree, mode), []).append(d)
+                    print(r, tree, mode, {k: round(v) for k, v in d.items()}, flush=True)
+        import statistics
+        print("\nsummary (median [min-max]) per call")
+        for tree in args.trees:
+            for mode in ("plain", "idem", "replay"):
+                ds = res[(tree, mode)]
+                line = []
+                for k in ("cpu_us", "pg_us", "wall_us"):
+                    v = [d[k] for d in ds]
+                    line.append(f"{k} {statistics.median(v):.0f} [{min(v):.0f}-{max(v):.0f}]")
+                print(tree, mode, "; ".join(line))
+            tot = {m: [d["cpu_us"] + d["pg_us"] for d in res[(tree, m)]]
+                   for m in ("plain", "idem")}
+            ratios = [p / i for p, i in zip(tot["plain"], tot["idem"], strict=True)]
+            print(tree, "plain/idem total-CPU ratio per round:", [round(x, 2) for x in ratios])
+
+
+if __name__ == "__main__":
+    main()

@@ -117,7 +117,8 @@ def test_timer_and_signals_in_the_workflow_trace(
     exporter.clear()
     with tracing.span("web request", root=True) as sender:
         assert signal(store, "n1", "go", {"ok": 1}) is True
-    assert signal(store, "n1", "go", {"ok": 1}, key="k1") is True
+    with store.begin() as conn:  # in the caller's transaction
+        assert signal(conn, "n1", "go", {"ok": 1}, key="k1") is True
     assert signal(store, "n1", "go", {"ok": 1}, key="k1") is False
     drain(driver)
     assert handle.result(timeout=5) == [{"ok": 1}, None]

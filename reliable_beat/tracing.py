@@ -66,6 +66,7 @@ __all__ = [
     "DeliverySpans",
     "PublishSpans",
     "annotate",
+    "attached",
     "carrier",
     "completion_span",
     "current_traceparent",
@@ -212,6 +213,28 @@ def span(name: str, *, parent: Any = None, root: bool = False, kind: str = "inte
         except BaseException as exc:
             record_error(s, exc)
             raise
+
+
+def attached(traceparent: str | None) -> contextlib.AbstractContextManager[Any]:
+    """Make ``traceparent``'s span context current for the block, no span made (a publish
+    that the framework's own instrumentation traces: its producer span, e.g. Celery's
+    ``apply_async/<task>``, and the ``traceparent`` it writes into the message then stay in
+    this trace instead of starting one). A no-op when off or without a traceparent."""
+    if not traceparent or tracer() is None:
+        return contextlib.nullcontext()
+    return _attached(_parent(traceparent))
+
+
+@contextlib.contextmanager
+def _attached(ctx: Any) -> Iterator[None]:
+    if ctx is None:
+        yield
+        return
+    token = _context.attach(ctx)
+    try:
+        yield
+    finally:
+        _context.detach(token)
 
 
 def _links(traceparents: Sequence[str | None]) -> list[Any]:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from reliable_beat import tracing
 from reliable_beat.celery.reprs import shown_reprs
 
 # The wire level (Redis pipeline, RabbitMQ confirms, hand-built messages) lives in
@@ -423,19 +424,21 @@ def _send_one(app: Any, producer: Any, message: OutboxMessage, now: datetime,
             return
         builder.captured = None
     argsrepr, kwargsrepr = shown_reprs(app, args, kwargs)  # what logs and events show
-    app.send_task(
-        payload["task"],
-        args=args,
-        kwargs=kwargs,
-        task_id=task_id,
-        headers=headers,
-        expires=expires_at,
-        producer=_CapturingProducer(producer, builder) if builder is not None else producer,
-        argsrepr=argsrepr,
-        kwargsrepr=kwargsrepr,
-        **options,
-        **send_options,
-    )
+    # in the row's trace: Celery's instrumentation rewrites the traceparent header from it
+    with tracing.attached(headers.get("traceparent")):
+        app.send_task(
+            payload["task"],
+            args=args,
+            kwargs=kwargs,
+            task_id=task_id,
+            headers=headers,
+            expires=expires_at,
+            producer=_CapturingProducer(producer, builder) if builder is not None else producer,
+            argsrepr=argsrepr,
+            kwargsrepr=kwargsrepr,
+            **options,
+            **send_options,
+        )
     if builder is not None:
         builder.learn(payload["task"], args, kwargs, task_id, headers, expires_at, options)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from reliable_beat import execution, joins, runs
+from reliable_beat import execution, joins, runs, tracing
 from reliable_beat.errors import StaleFenceToken
 from reliable_beat.settings import Settings
 
@@ -108,7 +108,9 @@ class RunContext:
                                  task_name=state.task_name, store=state.store):
                     yield conn
                 execution.renewer().discard(state)
-                runs.complete(conn, state.claim, None)
+                with tracing.completion_span(state.claim.key, state.claim.fence_token,
+                                             state.claim.attempt):
+                    runs.complete(conn, state.claim, None)
         except StaleFenceToken:
             runs.record_fenced_out(state.store, state.claim)
             raise

@@ -4,12 +4,15 @@ racing signal, drop the delayed wakes, tell a parent its child ended."""
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.engine import Connection
 
+from reliable_beat import tracing
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import outbox as outbox_table
 from reliable_beat.db.tables import workflow_events, workflow_signals, workflows
@@ -81,6 +84,31 @@ def drop_wakes(conn: Connection, workflow_id: str) -> int:
 
 
 
+def _traced_signal(fn: Callable[..., bool]) -> Callable[..., bool]:
+    """``signal`` in a ``signal <name>`` span of the workflow's trace (the traceparent stored
+    at start), linked to the caller's span; ``reliable_beat.outcome``: ``stored`` or
+    ``duplicate``. Its wake message is written under it: the wake's delivery joins the trace,
+    and the advance that consumes the signal has a ``receive signal <name>`` span."""
+    @functools.wraps(fn)
+    def traced(target: Store | Connection, workflow_id: str, name: str, payload: Any = None,
+               *, key: str | None = None) -> bool:
+        if tracing.tracer() is None:
+            return fn(target, workflow_id, name, payload, key=key)
+        caller = tracing.current_traceparent()
+        read = select(workflows.c.traceparent).where(workflows.c.workflow_id == workflow_id)
+        with (transaction(target) if isinstance(target, Connection)
+              else target.connect()) as conn:
+            tp = conn.execute(read).scalar()
+        with tracing.span(f"signal {name}", parent=tp, root=True, kind="producer",
+                          links=[caller], attributes=tracing.attributes(
+                              workflow_id=workflow_id, key=key)) as s:
+            stored = fn(target, workflow_id, name, payload, key=key)
+            s.set_attribute(tracing.OUTCOME, "stored" if stored else "duplicate")
+            return stored
+    return traced
+
+
+@_traced_signal
 def signal(
     target: Store | Connection,
     workflow_id: str,

@@ -379,7 +379,9 @@ def _dispatch(rt: Runtime, seq: int, name: str, key: str) -> None:
         crashes.crash_point("saga.dispatch.in")
 
     crashes.crash_point("saga.dispatch.before")
-    _fenced(rt, write)
+    with tracing.span(f"compensate {name}", kind="producer", attributes=tracing.attributes(
+            seq=seq, key=key, outcome="scheduled")):  # its message carries this span
+        _fenced(rt, write)
     crashes.crash_point("saga.dispatch.after")
     ev = rt.history[seq]
     rt.history[seq] = Event(seq, ev.kind, ev.name, ev.args_digest, "scheduled", None, None,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
 
+from reliable_beat import tracing
 from reliable_beat.db.tables import workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.values import from_json_value
@@ -67,7 +68,8 @@ def _timer(rt: Runtime, args: Any, fire: Callable[[datetime], datetime]) -> None
         now = db_now(conn)
     if now < fire_at:
         raise rt.suspend(f"timer at seq {seq} fires at {fire_at.isoformat()}")
-    rt.complete(seq, "completed")
+    with tracing.span("timer", attributes=tracing.attributes(seq=seq, outcome="fired")):
+        rt.complete(seq, "completed")
     rt.history[seq] = Event(seq, "timer", None, digest, "completed", None, None, fire_at,
                             None)
 
@@ -95,8 +97,11 @@ def wait_signal(rt: Runtime, name: str, timeout: timedelta | None) -> Any:
                          f"{rt.claimed.run_no}t{seq}", delay=timeout)
             return None
 
-        result = rt.record(seq, "signal", name, digest, args, state="scheduled",
-                           effect=first, holder=holder)
+        with tracing.span(f"receive signal {name}", attributes=tracing.attributes(
+                seq=seq)) as s:
+            result = rt.record(seq, "signal", name, digest, args, state="scheduled",
+                               effect=first, holder=holder)
+            _outcome(s, "consumed" if holder.get("done") else "waiting")
         if holder.get("done"):
             rt.history[seq] = Event(seq, "signal", name, digest, "completed", result,
                                     None, None, None)
@@ -110,10 +115,10 @@ def wait_signal(rt: Runtime, name: str, timeout: timedelta | None) -> Any:
     def consume(conn: Connection) -> Any:
         value = _consume(rt, conn, name, seq)
         if value is not _NOTHING:
-            outcome["done"] = True
+            outcome["done"] = "consumed"
             return value
         if fire_at is not None and db_now(conn) >= fire_at:
-            outcome["done"] = True
+            outcome["done"] = "timed_out"
             return None
         raise _NotYet
 
@@ -129,7 +134,10 @@ def wait_signal(rt: Runtime, name: str, timeout: timedelta | None) -> Any:
     if pending is None and (fire_at is None or now < fire_at):
         raise rt.suspend(f"waiting for signal {name!r} at seq {seq}")
     try:
-        result = rt.complete(seq, "completed", effect=consume)
+        with tracing.span(f"receive signal {name}", attributes=tracing.attributes(seq=seq),
+                          expected=(_NotYet,)) as s:
+            result = rt.complete(seq, "completed", effect=consume)
+            _outcome(s, outcome["done"])
     except _NotYet:
         raise rt.suspend(f"waiting for signal {name!r} at seq {seq}") from None
     rt.history[seq] = Event(seq, "signal", name, digest, "completed", result, None,
@@ -156,6 +164,12 @@ def _consume(rt: Runtime, conn: Connection, name: str, seq: int) -> Any:
     if done != 1:  # pragma: no cover - only the fenced advance consumes
         return _NOTHING
     return row.payload
+
+
+def _outcome(span: Any, outcome: str) -> None:
+    """``reliable_beat.outcome`` of a ``receive signal`` span (None: tracing off)."""
+    if span is not None:
+        span.set_attribute(tracing.OUTCOME, outcome)
 
 
 class _NotYet(Exception):

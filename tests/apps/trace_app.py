@@ -7,7 +7,9 @@ Workers run ``--pool solo`` (the provider set at import is the one the task runs
 
 Environment: ``RB_BROKER_URL``, ``RB_DATABASE_URL``, ``RB_TRACE_DIR``, ``RB_QUEUE``,
 ``RB_HOOK_URL`` (the far end's base URL: the webhook destination ``far``, whose path holds a
-token), ``RB_SCHEDULE`` (``1``: the entries below fire every 2 s; else none).
+token), ``RB_SCHEDULE`` (``1``: the entries below fire every 2 s; else none),
+``RB_CELERY_INSTRUMENT`` (``1``: ``opentelemetry-instrumentation-celery`` instruments the
+process too).
 
 Tasks:
 
@@ -85,6 +87,10 @@ if os.environ.get("RB_TRACE_DIR"):
     _provider = TracerProvider()
     _provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(os.environ["RB_TRACE_DIR"])))
     trace.set_tracer_provider(_provider)
+    if os.environ.get("RB_CELERY_INSTRUMENT") == "1":  # Celery's own task spans as well
+        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+
+        CeleryInstrumentor().instrument()
 
 app = Celery("trace_app", broker=os.environ.get("RB_BROKER_URL", "memory://"))
 app.conf.update(

@@ -56,6 +56,7 @@ def test_off_without_the_api() -> None:
         "assert tracing.tracer() is None\n"
         "with tracing.span('x') as s: assert s is None\n"
         "with tracing.completion_span('k', 1, 1) as s: assert s is None\n"
+        "with tracing.attached('00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'): pass\n"
         "assert tracing.current_traceparent() is None\n"
         "print('ok')\n"
     )
@@ -126,3 +127,19 @@ def test_trigger_carries_the_fire_span(exporter: InMemorySpanExporter) -> None:
     assert fire.name == "fire e" and tick.name == "reliable_beat.tick"
     assert fire.parent is None and fire.links[0].context.span_id == tick.context.span_id
     assert tp.split("-")[2] == f"{fire.context.span_id:016x}"
+
+
+def test_attached_makes_a_traceparent_current(exporter: InMemorySpanExporter) -> None:
+    """A publish traced by another instrumentation (Celery's ``apply_async`` span) runs in the
+    trigger's trace: its context current, no span of ours made."""
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with tracing.attached(tp):
+        assert tracing.current_traceparent() == tp
+        with tracing.span("theirs") as s:
+            assert s is not None
+    assert tracing.current_traceparent() is None
+    with tracing.attached(None), tracing.attached("not a traceparent"):
+        assert tracing.current_traceparent() is None
+    [theirs] = exporter.get_finished_spans()
+    assert theirs.context.trace_id == 0x0af7651916cd43dd8448eb211c80319c
+    assert theirs.parent is not None and theirs.parent.span_id == 0xb7ad6b7169203331

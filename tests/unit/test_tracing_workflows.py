@@ -1,10 +1,12 @@
-"""A workflow's trace: its start span stored with it, every advance and every compensation of
-its saga a span of that one trace (SQLite and MariaDB, the in-process driver)."""
+"""A workflow's trace: its start span stored with it, every advance, timer firing, signal (sent
+and received) and every compensation of its saga a span of that one trace (SQLite and
+MariaDB, the in-process driver)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from reliable_beat import tracing
 from reliable_beat.db.dialects import Store
-from reliable_beat.workflows import WorkflowFailed, engine
+from reliable_beat.workflows import WorkflowContext, WorkflowFailed, engine, signal, workflow
 from tests.unit.test_workflow_sagas import app, drain, store  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
@@ -58,3 +60,86 @@ def test_saga_compensations_in_the_workflow_trace(
     assert len(undo) == 3, sorted({(s.name, s.context.trace_id == trace_id) for s in spans})
     done = [s for s in in_trace if s.name == "process saga.do"]
     assert len(done) >= 3
+    # one `compensate <activity>` span per compensation, each the parent of its activity
+    compensate = [s for s in in_trace if s.name == "compensate saga.undo"]
+    assert len(compensate) == 3
+    assert sorted(s.attributes[tracing.SEQ] for s in compensate  # type: ignore[index]
+                  ) == [1, 3, 5]
+    assert {s.attributes[tracing.OUTCOME] for s in compensate  # type: ignore[index]
+            } == {"scheduled"}
+    assert all(s.parent is not None and s.parent.span_id in {a.context.span_id
+                                                            for a in advances}
+               for s in compensate)
+    keys = {s.attributes[tracing.KEY]: s for s in compensate}  # type: ignore[index]
+    assert all(k.startswith("wf:o1/") for k in keys)
+    by_id = {s.context.span_id: s for s in spans}
+    for u in undo:  # the undo's `process` span is under its compensation's span (via deliver)
+        up = u
+        while up.parent is not None and up.name != "compensate saga.undo":
+            up = by_id[up.parent.span_id]
+        assert up.name == "compensate saga.undo", u
+        assert u.attributes is not None
+        assert up.attributes is not None
+        assert u.attributes[tracing.KEY] == up.attributes[tracing.KEY]
+        assert u.attributes[tracing.OUTCOME] == "succeeded"
+
+
+def nap_then_wait(ctx: WorkflowContext, order: str) -> object:
+    ctx.sleep(timedelta(milliseconds=300))
+    first = ctx.wait_signal("go")
+    late = ctx.wait_signal("late", timeout=timedelta(milliseconds=300))
+    return [first, late]
+
+
+def test_timer_and_signals_in_the_workflow_trace(
+    app: Celery, store: Store, exporter: InMemorySpanExporter  # noqa: F811
+) -> None:
+    """A timer's firing is a `timer` span of the advance it wakes; `signal()` is a `signal
+    <name>` span in the workflow's trace (linked to the sender's span); the advance that
+    consumes it has a `receive signal <name>` span (`consumed`; a wait that timed out:
+    `timed_out`)."""
+    workflow(name="t.nap")(nap_then_wait)
+    handle = engine.start(store, "t.nap", "n1", ["n1"])
+    driver = Driver(store, app)
+    drain(driver)
+    spans = exporter.get_finished_spans()
+    start = next(s for s in spans if s.name == "start workflow t.nap")
+    trace_id = start.context.trace_id
+    advances = {s.context.span_id: s for s in spans if s.name == "advance workflow t.nap"}
+    [timer] = [s for s in spans if s.name == "timer"]
+    assert timer.context.trace_id == trace_id
+    assert timer.parent is not None and timer.parent.span_id in advances
+    assert timer.attributes == {tracing.SEQ: 1, tracing.OUTCOME: "fired"}
+    [waiting] = [s for s in spans if s.name == "receive signal go"]
+    assert waiting.attributes is not None
+    assert waiting.attributes[tracing.OUTCOME] == "waiting"
+
+    exporter.clear()
+    with tracing.span("web request", root=True) as sender:
+        assert signal(store, "n1", "go", {"ok": 1}) is True
+    with store.begin() as conn:  # in the caller's transaction
+        assert signal(conn, "n1", "go", {"ok": 1}, key="k1") is True
+    assert signal(store, "n1", "go", {"ok": 1}, key="k1") is False
+    drain(driver)
+    assert handle.result(timeout=5) == [{"ok": 1}, None]
+    spans = exporter.get_finished_spans()
+    sent = [s for s in spans if s.name == "signal go"]
+    assert [s.attributes[tracing.OUTCOME] for s in sent  # type: ignore[index]
+            ] == ["stored", "stored", "duplicate"]
+    assert {s.context.trace_id for s in sent} == {trace_id}
+    assert all(s.parent is not None and s.parent.span_id == start.context.span_id
+               for s in sent)
+    assert sent[0].attributes is not None
+    assert sent[0].attributes[tracing.WORKFLOW_ID] == "n1"
+    assert [link.context.span_id for link in sent[0].links] == [sender.context.span_id]
+    received = [s for s in spans if s.name == "receive signal go"]
+    assert [s.attributes[tracing.OUTCOME] for s in received  # type: ignore[index]
+            ] == ["consumed"]
+    advances = {s.context.span_id: s for s in spans if s.name == "advance workflow t.nap"}
+    assert received[0].parent is not None and received[0].parent.span_id in advances
+    late = [s.attributes[tracing.OUTCOME] for s in spans  # type: ignore[index]
+            if s.name == "receive signal late"]
+    assert late == ["waiting", "timed_out"]
+    # the wake a signal writes is delivered in the workflow's trace, under the signal's span
+    assert all(s.context.trace_id == trace_id for s in spans
+               if s.name.startswith(("advance ", "receive ", "timer")))

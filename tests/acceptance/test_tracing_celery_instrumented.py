@@ -1,0 +1,133 @@
+"""Under ``opentelemetry-instrumentation-celery``: real ``celery beat`` and ``celery worker``
+processes, both instrumented by Celery's own instrumentation (``CeleryInstrumentor``) beside
+reliable_beat's spans, exporting to JSON lines (tests/apps/trace_app.py), on PostgreSQL and
+Redis.
+
+The worker's spans nest under Celery's ``run/<task>`` span, which joins the slot's trace (the
+``traceparent`` the trigger carries); no ``process <task>`` span of ours duplicates it; the
+execution's attributes (fence token, attempt, outcome) land on Celery's span; a retry shows
+both attempts, a fenced-out completion says so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reliable_beat.db.dialects import Store
+from tests.acceptance.test_tracing import APPS, ROOT, _children, _one, _spans
+
+sys.path.insert(0, str(APPS))
+from procs import wait_for
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(120)]
+pytest.importorskip("opentelemetry.instrumentation.celery",
+                    reason="pip install opentelemetry-instrumentation-celery")
+
+
+def _run_spans(spans: list[dict[str, Any]], task: str) -> list[dict[str, Any]]:
+    return sorted((s for s in spans if s["name"] == f"run/{task}"), key=lambda s: s["start"])
+
+
+def _first(spans: list[dict[str, Any]], name: str, outcome: str) -> dict[str, Any]:
+    """The earliest span ``name`` with that outcome (a slow machine may fire a slot twice)."""
+    return min((s for s in spans if s["name"] == name
+                and s["attributes"].get("reliable_beat.outcome") == outcome),
+               key=lambda s: s["start"])
+
+
+def test_worker_spans_nest_under_celerys_task_span(
+    pg_store: Store, pg_url: str, redis_url: str, tmp_path: Path,
+) -> None:
+    traces = tmp_path / "spans"
+    traces.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(APPS)]),
+           "PYTHONUNBUFFERED": "1", "RB_BROKER_URL": redis_url, "RB_DATABASE_URL": pg_url,
+           "RB_TRACE_DIR": str(traces), "RB_QUEUE": f"otelc-{uuid.uuid4().hex[:8]}",
+           "RB_SCHEDULE": "1", "RB_CELERY_INSTRUMENT": "1"}
+    env.pop("CELERY_CONFIG_MODULE", None)
+    commands = {
+        "worker": [sys.executable, "-m", "celery", "-A", "trace_app", "worker", "--pool",
+                   "solo", "-Q", env["RB_QUEUE"], "--without-gossip", "--without-mingle",
+                   "--without-heartbeat", "-l", "INFO"],
+        "beat": [sys.executable, "-m", "celery", "-A", "trace_app", "beat", "-l", "INFO",
+                 "--pidfile=", "-s", str(tmp_path / "beat-schedule")],
+    }
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for role, cmd in commands.items():
+            with open(tmp_path / f"{role}.log", "wb") as log:
+                procs[role] = subprocess.Popen(
+                    cmd, env={**env, "RB_PROCESS_ROLE": role}, cwd=tmp_path, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+
+        def done() -> bool:
+            spans = _spans(traces)
+            outcomes = {s["attributes"].get("reliable_beat.outcome") for s in spans
+                        if s["name"] == "reliable_beat.complete"}
+            return {"succeeded", "fenced_out"} <= outcomes
+
+        wait_for(done, 35, "a succeeded (second attempt) and a fenced-out completion, traced")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+    logs = "\n".join(f"--- {r}\n" + (tmp_path / f"{r}.log").read_text(errors="replace")
+                     for r in commands)
+    spans = _spans(traces)
+    names = sorted({(s["process"], s["name"]) for s in spans})
+
+    # Celery's instrumentation made its task spans; ours made no second one
+    assert not [s for s in spans if s["name"].startswith("process ")], names
+    complete = _first(spans, "reliable_beat.complete", "succeeded")  # the first slot's
+    slot = [s for s in spans if s["trace_id"] == complete["trace_id"]]
+    by_id = {s["span_id"]: s for s in slot}
+    fire = _one(slot, "fire pay")
+    assert fire["parent_id"] is None and fire["process"] == "beat"
+
+    # both attempts: Celery's run/ span in the slot's trace, our protocol's spans under it
+    runs = _run_spans(slot, "trace_app.pay")
+    assert len(runs) == 2, (names, logs[-4000:])
+    first, second = runs
+    assert {first["process"], second["process"]} == {"worker"}
+    for run in runs:  # joined from the trigger's traceparent
+        up = run
+        while up["parent_id"] is not None:
+            up = by_id[up["parent_id"]]
+        assert up is fire, (run, up)
+    claim1 = _one(_children(slot, first), "reliable_beat.claim")
+    assert claim1["attributes"]["reliable_beat.attempt"] == 1
+    _one(_children(slot, first), "reliable_beat.body")
+    retry = _one(_children(slot, first), "reliable_beat.retry")
+    assert retry["attributes"]["reliable_beat.outcome"] == "retrying"
+    claim2 = _one(_children(slot, second), "reliable_beat.claim")
+    assert claim2["attributes"]["reliable_beat.attempt"] == 2
+    body2 = _one(_children(slot, second), "reliable_beat.body")
+    assert by_id[complete["parent_id"]] is body2
+    # the execution's attributes are set on Celery's span
+    assert first["attributes"]["reliable_beat.outcome"] == "retrying"
+    assert second["attributes"]["reliable_beat.outcome"] == "succeeded"
+    assert second["attributes"]["reliable_beat.fence_token"] \
+        > first["attributes"]["reliable_beat.fence_token"]
+
+    # the zombie: its fenced-out completion under Celery's span, which says so too
+    fenced = _first(spans, "reliable_beat.complete", "fenced_out")
+    zslot = [s for s in spans if s["trace_id"] == fenced["trace_id"]]
+    _one(zslot, "fire zombie")
+    [zrun] = _run_spans(zslot, "trace_app.zombie")
+    assert zrun["attributes"]["reliable_beat.outcome"] == "fenced_out"
+    assert _one(_children(zslot, zrun), "reliable_beat.body")["span_id"] \
+        == fenced["parent_id"] or fenced["parent_id"] == zrun["span_id"]

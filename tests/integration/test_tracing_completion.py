@@ -1,0 +1,140 @@
+"""The fenced completion's ``reliable_beat.complete`` span on every path of the body's
+transaction: the store's own (``self.transaction()``), ``bind=`` an Engine, a Connection (a
+transaction begun here, or the caller's joined), ``session=``, and Dramatiq's
+``current().transaction()``; a fenced-out completion on a joined path shows ``fenced_out``.
+Celery in process (``apply``) and Dramatiq's ``StubBroker`` with a real ``Worker``, on SQLite.
+(Django's ``using=`` path: tests/django/test_tracing_join.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy.orm import Session
+
+from reliable_beat import runs, tracing
+from reliable_beat.celery.task import KEY_HEADER, IdempotentTask
+from reliable_beat.db.dialects import Store
+from reliable_beat.errors import StaleFenceToken
+from tests.integration.test_dramatiq_core import stub  # noqa: F401 (fixture)
+
+effects = sa.Table("traced_effects", sa.MetaData(),
+                   sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+                   sa.Column("key", sa.String(200)))
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing._tracer = provider.get_tracer("reliable_beat")
+    try:
+        yield memory
+    finally:
+        tracing._reset()
+
+
+@pytest.fixture
+def app(sqlite_store: Store) -> Celery:
+    effects.create(sqlite_store.engine)
+    app = Celery("traced", set_as_current=False)
+    app.conf.update(broker_url="memory://", reliable_beat_lease_seconds=5,
+                    reliable_beat_database_url=sqlite_store.engine.url.render_as_string(
+                        hide_password=False))
+    return app
+
+
+def _completions(exporter: InMemorySpanExporter, key: str) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.name == "reliable_beat.complete"
+            and (s.attributes or {}).get(tracing.KEY) == key]
+
+
+MODES = ["store", "engine", "connection", "joined", "session"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_transaction_path_has_the_completion_span(
+    mode: str, app: Celery, sqlite_store: Store, exporter: InMemorySpanExporter,
+) -> None:
+    engine = sqlite_store.engine
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name=f"traced.{mode}")
+    def body(self: IdempotentTask) -> None:
+        if mode == "store":
+            with self.transaction() as tx:
+                tx.execute(effects.insert().values(key=self.idempotency_key))
+        elif mode == "engine":
+            with self.transaction(bind=engine) as tx:
+                tx.execute(effects.insert().values(key=self.idempotency_key))
+        elif mode == "connection":
+            with engine.connect() as conn, self.transaction(bind=conn) as tx:
+                tx.execute(effects.insert().values(key=self.idempotency_key))
+        elif mode == "joined":
+            with engine.connect() as conn, conn.begin(), self.transaction(bind=conn) as tx:
+                tx.execute(effects.insert().values(key=self.idempotency_key))
+        else:
+            with Session(engine) as session, self.transaction(session=session) as tx:
+                tx.execute(effects.insert().values(key=self.idempotency_key))
+
+    key = f"c:{mode}"
+    res = body.apply(headers={KEY_HEADER: key})
+    assert res.successful(), res.traceback
+    assert runs.get_run(sqlite_store, key)["state"] == "succeeded"
+    [complete] = _completions(exporter, key)
+    assert complete.attributes is not None
+    assert complete.attributes[tracing.OUTCOME] == "succeeded"
+    assert complete.attributes[tracing.FENCE_TOKEN] == 1
+    assert complete.attributes[tracing.ATTEMPT] == 1
+    process = next(s for s in exporter.get_finished_spans() if s.name == f"process {body.name}")
+    assert complete.context.trace_id == process.context.trace_id
+    assert process.attributes is not None
+    assert process.attributes[tracing.OUTCOME] == "succeeded"
+
+
+def test_a_fenced_out_session_completion_is_visible(
+    app: Celery, sqlite_store: Store, exporter: InMemorySpanExporter,
+) -> None:
+    """A zombie on the ``session=`` path: its completion span says ``fenced_out``."""
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="traced.zombie")
+    def zombie(self: IdempotentTask) -> None:
+        with sqlite_store.engine.begin() as other:  # a newer runner takes the run over
+            other.execute(sa.text("UPDATE reliable_beat_runs SET fence_token = "
+                                  "fence_token + 1 WHERE idempotency_key = 'c:zombie'"))
+        with Session(sqlite_store.engine) as session, \
+                self.transaction(session=session) as tx:
+            tx.execute(effects.insert().values(key=self.idempotency_key))
+
+    res = zombie.apply(headers={KEY_HEADER: "c:zombie"})
+    assert isinstance(res.result, StaleFenceToken)
+    [complete] = _completions(exporter, "c:zombie")
+    assert complete.attributes is not None
+    assert complete.attributes[tracing.OUTCOME] == "fenced_out"
+
+
+def test_dramatiq_transaction_has_the_completion_span(
+    stub: Any, sqlite_store: Store, exporter: InMemorySpanExporter,  # noqa: F811
+) -> None:
+    import dramatiq
+
+    from reliable_beat.dramatiq import IdempotentActor, current
+
+    effects.create(sqlite_store.engine)
+
+    @dramatiq.actor(actor_class=IdempotentActor, idempotency_key=lambda n: f"dq:{n}")
+    def traced_act(n: int) -> None:
+        with current().transaction() as tx:
+            tx.execute(effects.insert().values(key=f"dq:{n}"))
+
+    traced_act.send(1)
+    stub.join(traced_act.queue_name, fail_fast=True)
+    assert runs.get_run(sqlite_store, "dq:1")["state"] == "succeeded"
+    [complete] = _completions(exporter, "dq:1")
+    assert complete.attributes is not None
+    assert complete.attributes[tracing.OUTCOME] == "succeeded"

@@ -367,7 +367,7 @@ def run(env: Env) -> str:
     configs: list[tuple[str, str, int, dict[str, str], bool]] = []
     ours = "reliable_beat.celery:ReliableScheduler"
     template = _probe_template(env.redis_url).decode()
-    for beats in (1, 3):
+    for beats in size.lateness_beats:
         configs.append((f"floor: raw pipeline at the slot x {beats}", FLOOR, beats,
                         {"LAT_TEMPLATE": template}, False))
         configs.append((f"reliable_beat x {beats}", ours, beats, {}, False))

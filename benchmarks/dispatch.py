@@ -295,7 +295,7 @@ def _seed_outbox(env: Env, db_url: str, n: int) -> None:
 
 
 def run_relay(env: Env) -> str:
-    """5. Relay throughput: outbox rows/s into Redis by 1 and 2 relays vs raw kombu."""
+    """5. Relay throughput: outbox rows/s into Redis by k relays (1 and 2) vs raw kombu."""
     n, batch = env.size.relay_n, env.size.dispatch_batch
     try:
         import reliable_beat.relay  # noqa: F401
@@ -305,7 +305,7 @@ def run_relay(env: Env) -> str:
     got: dict[tuple[int, str], list[float]] = {}
     with env.database("relay") as db_url:
         for _ in range(repeats):
-            for procs in (1, 2):
+            for procs in env.size.relay_procs:
                 for kind in ("relay", "kombu", "kombu_batch"):
                     if kind == "relay":
                         _seed_outbox(env, db_url, n)
@@ -314,7 +314,7 @@ def run_relay(env: Env) -> str:
                     got.setdefault((procs, kind), []).append(
                         _run(kind, procs, env, db_url, n, batch))
     rows = []
-    for procs in (1, 2):
+    for procs in env.size.relay_procs:
         ours, raw, raw_batch = (got[(procs, k)] for k in ("relay", "kombu", "kombu_batch"))
         ratio = [o / r for o, r in zip(ours, raw, strict=True)]
         rows.append([procs, spread(ours), spread(raw), spread([100 * r for r in ratio], "%"),

@@ -3,6 +3,8 @@
 Configured from the environment: ``STK_BROKER`` (broker URL), ``STK_DB`` (store URL),
 ``STK_QUEUE`` (the queue every trigger goes to), ``STK_N`` (entries, every second).
 Publisher confirms are on (RabbitMQ; Redis ignores the option), as in production.
+The app registers ``stk.probe`` (the benchmark's kombu consumer, not a worker, takes the
+triggers): the beat parks an entry whose task its app does not register.
 """
 
 from __future__ import annotations
@@ -26,3 +28,8 @@ app.conf.beat_schedule = {
     f"lat{i:03d}": {"task": "stk.probe", "schedule": timedelta(seconds=1)}
     for i in range(int(os.environ.get("STK_N", "10")))
 }
+
+
+@app.task(name="stk.probe")
+def probe() -> None:
+    """The entries' task; no worker runs it (the consumer only reads the triggers' headers)."""

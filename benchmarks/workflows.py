@@ -28,8 +28,8 @@ from reliable_beat.relay import claim_outbox_batch
 from reliable_beat.workflows import engine
 from reliable_beat.workflows.context import WorkflowContext
 
-REPLAY_SIZES = {"smoke": [100, 500], "full": [100, 500, 1000, 2000]}
-IDLE_SIZES = {"smoke": [10_000], "full": [10_000, 100_000]}
+REPLAY_SIZES = {"smoke": [100], "full": [100, 500, 1000, 2000]}
+IDLE_SIZES = {"smoke": [1_000], "full": [10_000, 100_000]}
 RT_SIZES = {"smoke": int(os.environ.get("WFB_K", "20")), "full": 200}
 
 

@@ -21,7 +21,12 @@ import click
 from reliable_beat import runs
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.db.types import infinity_text
-from reliable_beat.ops.actions import RequeueSendError, requeue_dead_message, requeue_dead_run
+from reliable_beat.ops.actions import (
+    RequeueSendError,
+    requeue_dead_message,
+    requeue_dead_run,
+    requeue_payload,
+)
 from reliable_beat.redaction import (
     IDENTIFIER_FIELDS,
     USER_DATA_FIELDS,
@@ -158,6 +163,11 @@ def dl_show(cli: CliContext, dead_letter_id: int) -> None:
         fail(str(exc), 1, kind="not_found")
 
 
+def _a(kind: str) -> str:
+    """``a run`` / ``an outbox``: the article for a dead letter's kind."""
+    return ("an " if kind[:1] in "aeiou" else "a ") + kind
+
+
 @dead_letters_group.command("requeue")
 @click.argument("dead_letter_id", type=int)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
@@ -182,15 +192,20 @@ def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
         _requeue_message(cli, dl, yes=yes, force=force, by=by, queue=queue, as_json=as_json)
         return
     if dl["kind"] != "run":
-        raise click.ClickException(f"dead letter {dead_letter_id} is a {dl['kind']} dead letter; "
+        raise click.ClickException(f"dead letter {dead_letter_id} is {_a(dl['kind'])} dead letter; "
                                    "only run and dropped-message dead letters can be requeued "
                                    "here")
     payload = dl["payload"]
-    if "actor" in payload:  # reliable_beat.dramatiq's dead letters name the actor
+    # reliable_beat.dramatiq's dead letters name the actor
+    if isinstance(payload, dict) and "actor" in payload:
         raise click.ClickException(
             f"dead letter {dead_letter_id} is a Dramatiq actor's ({payload['actor']}): requeue "
             f"it through its broker: `reliable-beat dramatiq dead-letters requeue "
             f"{dead_letter_id} --broker mod:broker`")
+    try:
+        payload = requeue_payload(cli.store, dl)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
     if not yes:
         click.confirm(
             f"Requeue {payload['task']} under key {payload['key']!r} "

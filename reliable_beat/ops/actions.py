@@ -44,7 +44,7 @@ from reliable_beat.errors import ConfigurationError, EntryNotFoundError, Reliabl
 from reliable_beat.groups import schedule_group_of
 from reliable_beat.identity import store_id as _store_id
 from reliable_beat.redaction import get_logger
-from reliable_beat.rows import check_options, check_run_call
+from reliable_beat.rows import MALFORMED, check_options, check_run_call
 from reliable_beat.slots import idempotency_key
 from reliable_beat.triggers import (
     TRIGGER_DESTINATION,
@@ -65,6 +65,8 @@ __all__ = [
     "manual_key",
     "requeue_dead_message",
     "requeue_dead_run",
+    "requeue_payload",
+    "requeue_payload_problem",
     "require_entry",
     "trigger",
 ]
@@ -462,6 +464,54 @@ KEY_HEADER = "reliable_beat_key"
 class RequeueSendError(ReliableBeatError, RuntimeError):
     """The requeued task could not be sent; the requeue was undone and the run stays dead.
     The message says why (the broker's error)."""
+
+
+def requeue_payload_problem(payload: Any) -> str | None:
+    """Why ``payload`` cannot be sent as a requeued task, or None. Sending needs
+    ``{"task": str, "key": str, "args"?: list, "kwargs"?: dict, "headers"?: dict,
+    "queue"?: str}``."""
+    if not isinstance(payload, Mapping):
+        return f"expected an object, got {type(payload).__name__}"
+    problems = [f"{k} must be a non-empty string" for k in ("task", "key")
+                if not isinstance(payload.get(k), str) or not payload.get(k)]
+    for k, kind in (("args", list), ("kwargs", dict), ("headers", dict)):
+        if payload.get(k) is not None and not isinstance(payload[k], kind):
+            problems.append(f"{k} must be an {'array' if kind is list else 'object'}")
+    if payload.get("queue") is not None and not isinstance(payload["queue"], str):
+        problems.append("queue must be a string")
+    return "; ".join(problems) or None
+
+
+def requeue_payload(store: Store, dead_letter: Mapping[str, Any]) -> dict[str, Any]:
+    """The task a requeue of run dead letter ``dead_letter`` (a
+    :func:`reliable_beat.runs.get_dead_letter` dict) sends: its stored payload; for a
+    ``malformed`` dead letter (its payload is the bad row as it was), the run row as it is
+    now, once a person repaired it.
+
+    Raises:
+        ValueError: nothing sendable (names the problems and the fix); nothing changed.
+    """
+    dl_id = dead_letter["id"]
+    payload: Any = dead_letter.get("payload")
+    if dead_letter.get("reason") == MALFORMED:
+        try:
+            run = rb_runs.get_run(store, str(dead_letter.get("key")))
+        except rb_runs.RunNotFound as exc:
+            raise ValueError(f"dead letter {dl_id}: {exc}; nothing to requeue") from exc
+        payload = {"task": run.get("task"), "key": run.get("idempotency_key"),
+                   "args": run.get("args"), "kwargs": run.get("kwargs")}
+        problem = requeue_payload_problem(payload)
+        if problem:
+            raise ValueError(
+                f"dead letter {dl_id}: its run row is still malformed ({problem}); repair "
+                "the row from the dead letter's payload (`reliable-beat dead-letters show "
+                f"{dl_id}`), then requeue it")
+        return dict(payload)
+    problem = requeue_payload_problem(payload)
+    if problem:
+        raise ValueError(f"dead letter {dl_id}: its stored payload is not a task to send "
+                         f"({problem}); the run stays dead")
+    return dict(payload)
 
 
 def requeue_dead_run(store: Store, app: Any, dead_letter_id: int, payload: Mapping[str, Any],

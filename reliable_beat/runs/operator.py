@@ -360,7 +360,9 @@ def _committed_effect(conn: Connection, run_id: int) -> str | None:
 
     A try that completed (attempt outcome ``succeeded``) committed the effect with the key;
     an outbox row stamped with the run was written in the effect's transaction. Either
-    means the body's work is done: repeating it would do it twice.
+    means the body's work is done: repeating it would do it twice. The run's own trigger
+    row (:func:`~reliable_beat.triggers.trigger_message_id`, written by the beat or a manual
+    trigger before the body ran) is how the run was sent, not an effect.
     """
     done = conn.execute(
         select(attempts.c.attempt).where(
@@ -369,8 +371,12 @@ def _committed_effect(conn: Connection, run_id: int) -> str | None:
     ).first()
     if done is not None:
         return f"try {done.attempt} completed"
+    key = conn.execute(select(runs.c.idempotency_key).where(runs.c.id == run_id)).scalar()
     sent = conn.execute(
-        select(func.count()).select_from(outbox).where(outbox.c.run_id == run_id)
+        select(func.count()).select_from(outbox).where(
+            outbox.c.run_id == run_id,
+            outbox.c.message_id != trigger_message_id(key or ""),
+        )
     ).scalar_one()
     if sent:
         return f"{sent} outbox row(s) were written with it"

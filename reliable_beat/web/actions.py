@@ -102,7 +102,7 @@ def _requeue(store: Store, app: Any, form: dict[str, str], backfill_limit: int) 
     if dl["kind"] != "run":
         raise ActionError(f"dead letter {dl_id} is a {dl['kind']} dead letter; only run "
                           "dead letters can be requeued")
-    if "actor" in payload:
+    if isinstance(payload, dict) and "actor" in payload:
         raise ActionError(f"dead letter {dl_id} is a Dramatiq actor's: requeue it with "
                           f"`reliable-beat dramatiq dead-letters requeue {dl_id} --broker "
                           "mod:broker`")
@@ -110,6 +110,7 @@ def _requeue(store: Store, app: Any, form: dict[str, str], backfill_limit: int) 
         raise ActionError("requeue sends the task through the Celery app: start the "
                           "dashboard with -A APP (`reliable-beat -A APP dashboard`)")
     try:
+        payload = ops_actions.requeue_payload(store, dl)
         ops_actions.requeue_dead_run(store, app, dl_id, payload, by=form["_who"],
                                      force=form.get("force") == "yes")
     except (ValueError, ops_actions.RequeueSendError) as exc:

@@ -62,23 +62,6 @@ def _who(request: HttpRequest) -> str:
     return f"django:{getattr(user, 'get_username', lambda: '?')()}"
 
 
-def _requeue_payload_problem(payload: Any) -> str | None:
-    """Why a run dead letter's stored ``payload`` cannot be sent again, or None. Sending
-    needs ``{"task": str, "key": str, "args"?: list, "kwargs"?: dict, "headers"?: dict,
-    "queue"?: str}``."""
-    if not isinstance(payload, dict):
-        return f"expected an object, got {type(payload).__name__}"
-    problems = [f"{k} must be a non-empty string" for k in ("task", "key")
-                if not isinstance(payload.get(k), str) or not payload.get(k)]
-    for k, kind in (("args", list), ("kwargs", dict), ("headers", dict)):
-        if payload.get(k) is not None and not isinstance(payload[k], kind):
-            problems.append(f"{k} must be a{'n' if kind is dict else ''} "
-                            f"{'array' if kind is list else 'object'}")
-    if payload.get("queue") is not None and not isinstance(payload["queue"], str):
-        problems.append("queue must be a string")
-    return "; ".join(problems) or None
-
-
 def shown_json(value: Any) -> str:
     """A stored JSON value as the CLI shows it: secrets masked (``"api_key": "***"``, see
     :func:`reliable_beat.redaction.redact_value`), keys sorted; ``-`` for NULL. A value of
@@ -670,10 +653,11 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
                 self.message_user(request, f"#{dl.pk} is a {dl.kind} dead letter; only run "
                                   "dead letters can be requeued", messages.ERROR)
                 continue
-            bad = _requeue_payload_problem(dl.payload)
-            if bad:  # checked first: a requeue that cannot be sent must not be recorded
-                self.message_user(request, f"#{dl.pk}: not requeued: its stored payload is "
-                                  f"malformed ({bad}); the run stays dead", messages.ERROR)
+            try:  # checked first: a requeue that cannot be sent must not be recorded
+                payload = ops_actions.requeue_payload(store, {
+                    "id": dl.pk, "payload": dl.payload, "reason": dl.reason, "key": dl.key})
+            except ValueError as exc:
+                self.message_user(request, f"#{dl.pk}: not requeued: {exc}", messages.ERROR)
                 continue
             if app is None:
                 app = conf.celery_app()
@@ -683,7 +667,6 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
                         "RELIABLE_BEAT = {'CELERY_APP': 'proj.celery:app'} in settings",
                         messages.ERROR)
                     return None
-            payload = dict(dl.payload or {})
             try:
                 ops_actions.requeue_dead_run(store, app, dl.pk, payload, by=_who(request))
             except ops_actions.RequeueSendError as exc:

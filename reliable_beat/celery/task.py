@@ -246,8 +246,10 @@ class IdempotentTask(_Retries, _BodyTransaction):
             IdempotencyKeyError: no ``reliable_beat_key`` header and
                 :meth:`idempotency_key_for` returned None; or an ad-hoc key with the form
                 of a scheduled slot's key (``"<entry>@<UTC instant>Z"``), which is reserved.
-            reliable_beat.values.ValueLimitError: the key is over 400 characters or the
-                ``task_id`` over 64 (the store's limits, the same on every database).
+            reliable_beat.values.ValueLimitError: the key is over 400 characters, the
+                ``task_id`` over 64 (the store's limits, the same on every database), or an
+                argument cannot be stored as JSON (NaN, infinity, ``\\x00``, a type
+                Celery's JSON serializer does not carry).
         """
         headers = dict(options.get("headers") or {})
         if not headers.get(KEY_HEADER):
@@ -262,6 +264,12 @@ class IdempotentTask(_Retries, _BodyTransaction):
             options["headers"] = headers
         key = str(headers[KEY_HEADER])
         rb_values.check_length("idempotency key", key, rb_values.MAX_IDEMPOTENCY_KEY)
+        try:  # the run stores its arguments as JSON: refuse here what the worker would
+            rb_values.to_json_value(list(args or ()), f"{self.name}: args")
+            rb_values.to_json_value(dict(kwargs or {}), f"{self.name}: kwargs")
+        except ValueError as exc:
+            raise rb_values.ValueLimitError(
+                f"{exc}; the call is refused (a run's arguments are stored as JSON)") from exc
         if options.get("task_id") is not None:
             rb_values.check_length("task_id", str(options["task_id"]), rb_values.MAX_TASK_ID)
         if _SLOT_KEY.search(key) and not headers.get(ENTRY_HEADER):

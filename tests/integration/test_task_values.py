@@ -177,6 +177,24 @@ def test_limits_are_checked_at_the_call(app: Celery, store: Store) -> None:
         limits.apply_async(headers={KEY_HEADER: "k:1"}, task_id="t" * 65)
 
 
+def test_arguments_that_cannot_be_stored_are_refused_at_the_call(
+        app: Celery, store: Store) -> None:
+    """Celery's JSON sends NaN; the run's arguments are stored as JSON, which has none: the
+    call is refused where the caller can see it, not dead-lettered at the worker."""
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="v.unstorable")
+    def unstorable(self: IdempotentTask, *args: Any, **kwargs: Any) -> str:
+        raise AssertionError("must not run")
+
+    with pytest.raises(ValueLimitError, match=r"v.unstorable: args\[0\]=nan: not a finite"):
+        unstorable.delay_with_key("nan:1", float("nan"))
+    with pytest.raises(ValueLimitError, match=r"kwargs\['x'\]=inf"):
+        unstorable.delay_with_key("nan:2", x=float("inf"))
+    with pytest.raises(ValueLimitError, match=r"args\[0\]: .* is not something Celery's JSON"):
+        unstorable.apply_async((object(),), headers={KEY_HEADER: "obj:1"})
+    unstorable.delay_with_key("ok:1", 1.5, when=datetime(2026, 1, 1, tzinfo=timezone.utc))
+    assert count(store, dead_letters) == 0
+
+
 def test_too_long_key_reaching_a_worker_is_a_permanent_visible_refusal(
     app: Celery, store: Store
 ) -> None:

@@ -179,22 +179,26 @@ def _a(kind: str) -> str:
 @pass_cli
 def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
                by: str | None, queue: str | None, as_json: bool) -> None:
-    """Run a dead run again under the SAME idempotency key (needs -A APP)."""
-    if cli.app is None:
-        raise click.UsageError("requeue sends the task through the Celery app: pass -A APP "
-                               "(a Dramatiq actor's dead letter: `reliable-beat dramatiq "
-                               "dead-letters requeue ID --broker mod:broker`)")
+    """Run a dead run again under the SAME idempotency key (needs -A APP), or deliver a
+    dead outbox row again (same message id)."""
     try:
         dl = runs.get_dead_letter(cli.store, dead_letter_id)
     except runs.DeadLetterNotFound as exc:
         fail(str(exc), 1, kind="not_found")
+    if dl["kind"] == "outbox":
+        _requeue_outbox(cli, dl, yes=yes, force=force, by=by, as_json=as_json)
+        return
+    if cli.app is None:
+        raise click.UsageError("requeue sends the task through the Celery app: pass -A APP "
+                               "(a Dramatiq actor's dead letter: `reliable-beat dramatiq "
+                               "dead-letters requeue ID --broker mod:broker`)")
     if dl["kind"] == "message":
         _requeue_message(cli, dl, yes=yes, force=force, by=by, queue=queue, as_json=as_json)
         return
     if dl["kind"] != "run":
         raise click.ClickException(f"dead letter {dead_letter_id} is {_a(dl['kind'])} dead letter; "
-                                   "only run and dropped-message dead letters can be requeued "
-                                   "here")
+                                   "only run, outbox and dropped-message dead letters can be "
+                                   "requeued")
     payload = dl["payload"]
     # reliable_beat.dramatiq's dead letters name the actor
     if isinstance(payload, dict) and "actor" in payload:
@@ -316,3 +320,52 @@ def register(group: click.Group) -> None:
     group.add_command(runs_group)
     group.add_command(dead_letters_group)
     group.add_command(lease_group)
+
+
+def _requeue_outbox(cli: CliContext, dl: dict[str, Any], *, yes: bool, force: bool,
+                    by: str | None, as_json: bool) -> None:
+    """``dead-letters requeue`` of an ``outbox`` dead letter: its row goes back to pending,
+    delivered again by a relay under the same message id."""
+    dl_id = dl["id"]
+    if not yes:
+        click.confirm(f"Deliver outbox message {dl['key']!r} to {dl['destination']} again "
+                      f"(died: {dl['reason']}, {dl['attempts']} attempts)?", abort=True)
+    who = by or getpass.getuser()
+    try:
+        runs.requeue_outbox_dead_letter(cli.store, dl_id, by=who, force=force)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        cli.echo_json({"outcome": "requeued", "dead_letter": dl_id, "message_id": dl["key"],
+                       "destination": dl["destination"], "by": who})
+        return
+    click.echo(f"requeued dead letter {dl_id}: outbox message {dl['key']!r} to "
+               f"{dl['destination']} is pending again (a relay delivers it)")
+
+
+@dead_letters_group.command("dismiss")
+@click.argument("dead_letter_id", type=int)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--by", default=None, help="Who decided (default: the current user).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_cli
+def dl_dismiss(cli: CliContext, dead_letter_id: int, yes: bool, by: str | None,
+               as_json: bool) -> None:
+    """Decide not to replay a dead letter: it stays listed, marked handled by you, and no
+    longer makes `status --check` fail."""
+    try:
+        dl = runs.get_dead_letter(cli.store, dead_letter_id)
+    except runs.DeadLetterNotFound as exc:
+        fail(str(exc), 1, kind="not_found")
+    if not yes:
+        click.confirm(f"Dismiss {_a(dl['kind'])} dead letter {dead_letter_id} ({dl['key']!r}, "
+                      f"died: {dl['reason']}) without replaying it?", abort=True)
+    who = by or getpass.getuser()
+    try:
+        runs.dismiss_dead_letter(cli.store, dead_letter_id, by=who)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        cli.echo_json({"outcome": "dismissed", "dead_letter": dead_letter_id, "by": who})
+        return
+    click.echo(f"dismissed dead letter {dead_letter_id} (by {who})")

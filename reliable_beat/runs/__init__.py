@@ -58,10 +58,12 @@ from reliable_beat.runs.operator import UNSTORABLE as UNSTORABLE
 from reliable_beat.runs.operator import (
     LeaseCleared,
     clear_lease,
+    dismiss_dead_letter,
     mark_dispatched,
     release_lease,
     requeue_dead_letter,
     requeue_dead_message,
+    requeue_outbox_dead_letter,
     undo_requeue,
 )
 from reliable_beat.runs.queries import (
@@ -82,6 +84,7 @@ __all__ = [
     "clear_lease",
     "complete",
     "db_now",
+    "dismiss_dead_letter",
     "format_error",
     "get_dead_letter",
     "get_run",
@@ -96,6 +99,7 @@ __all__ = [
     "renew_lease",
     "requeue_dead_letter",
     "requeue_dead_message",
+    "requeue_outbox_dead_letter",
     "set_result",
     "undo_requeue",
 ]

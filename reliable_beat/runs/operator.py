@@ -31,10 +31,12 @@ __all__ = [
     "UNSTORABLE",
     "LeaseCleared",
     "clear_lease",
+    "dismiss_dead_letter",
     "mark_dispatched",
     "release_lease",
     "requeue_dead_letter",
     "requeue_dead_message",
+    "requeue_outbox_dead_letter",
     "undo_requeue",
 ]
 
@@ -417,3 +419,76 @@ def mark_dispatched(store: Store, key: str) -> bool:
             .values(state="dispatched", dispatched_at=now, updated_at=now)
         )
         return done.rowcount == 1
+
+
+def requeue_outbox_dead_letter(
+    store: Store, dead_letter_id: int, *, by: str, force: bool = False
+) -> dict[str, Any]:
+    """Deliver the outbox row of an ``outbox`` dead letter again (one short transaction): the
+    row goes back to ``pending`` with a fresh attempt budget, due now, and keeps its
+    ``message_id`` (the far end still deduplicates on it); the dead letter records
+    ``requeued_at`` / ``requeued_by``. A relay delivers it on its next claim.
+
+    A ``malformed`` row must be repaired first (`dead-letters show` holds it as it was): one
+    still malformed is dead-lettered again by the relay, visibly.
+
+    Raises:
+        DeadLetterNotFound: no such id, or it is not an ``outbox`` dead letter.
+        ValueError: requeued before (without ``force``), or its outbox row is gone (purged)
+            or not ``dead``; nothing changed.
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        dl = conn.execute(
+            select(dead_letters).where(dead_letters.c.id == dead_letter_id).with_for_update()
+        ).mappings().one_or_none()
+        if dl is None or dl["kind"] != "outbox":
+            raise DeadLetterNotFound(f"no outbox dead letter with id {dead_letter_id}")
+        if dl["requeued_at"] is not None and not force:
+            raise ValueError(
+                f"dead letter {dead_letter_id} was requeued at {dl['requeued_at']} by "
+                f"{dl['requeued_by']}; pass force to requeue again")
+        moved = conn.execute(
+            update(outbox).where(outbox.c.id == dl["outbox_id"], outbox.c.state == "dead")
+            .values(state="pending", attempts=0, available_at=now, last_error=None,
+                    claimed_by=None)
+        ).rowcount
+        if moved != 1:
+            raise ValueError(
+                f"dead letter {dead_letter_id}: its outbox row {dl['outbox_id']} is gone "
+                "(purged) or not dead; not requeued (add the message again with "
+                "outbox.add, same key, from the dead letter's payload)")
+        conn.execute(update(dead_letters).where(dead_letters.c.id == dead_letter_id)
+                     .values(requeued_at=now, requeued_by=by))
+        destination = conn.execute(
+            select(outbox.c.destination).where(outbox.c.id == dl["outbox_id"])).scalar()
+        if isinstance(destination, str) and store.dialect == "postgresql":
+            _notify_once(conn, destination)
+        return dict(dl)
+
+
+def dismiss_dead_letter(store: Store, dead_letter_id: int, *, by: str) -> dict[str, Any]:
+    """Mark a dead letter handled by a person who decided not to replay it: it stays listed
+    (``dead-letters list`` shows who and when) but no longer counts as waiting for a person
+    in ``status --check`` or the metrics (``handled_at`` / ``handled_by = "<by>
+    (dismissed)"``).
+
+    Raises:
+        DeadLetterNotFound: no such id.
+        ValueError: already requeued or handled; nothing changed.
+    """
+    with store.begin() as conn:
+        now = store.now(conn)
+        dl = conn.execute(
+            select(dead_letters).where(dead_letters.c.id == dead_letter_id).with_for_update()
+        ).mappings().one_or_none()
+        if dl is None:
+            raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+        if dl["requeued_at"] is not None or dl["handled_at"] is not None:
+            done = (f"requeued at {dl['requeued_at']} by {dl['requeued_by']}"
+                    if dl["requeued_at"] is not None
+                    else f"handled at {dl['handled_at']} by {dl['handled_by']}")
+            raise ValueError(f"dead letter {dead_letter_id} was already {done}")
+        conn.execute(update(dead_letters).where(dead_letters.c.id == dead_letter_id)
+                     .values(handled_at=now, handled_by=f"{by} (dismissed)"[:200]))
+        return dict(dl)

@@ -58,7 +58,9 @@ def _entry_problems(info: Mapping[str, Any], *, margin_seconds: float) -> list[s
         )
     if quarantined:
         problems.append(
-            f"QUARANTINED: {len(quarantined)} malformed entries are disabled and do not fire "
+            f"QUARANTINED: {len(quarantined)} malformed "
+            f"{'entry is' if len(quarantined) == 1 else 'entries are'} disabled and "
+            f"do{'es' if len(quarantined) == 1 else ''} not fire "
             f"({', '.join(q['name'] for q in quarantined[:10])}"
             f"{', ...' if len(quarantined) > 10 else ''}): see the reason with `reliable-beat "
             "entries show NAME`, then fix the row (`entries update`, the beat_schedule, or SQL "

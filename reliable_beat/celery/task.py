@@ -38,7 +38,7 @@ from sqlalchemy.exc import (
     StatementError,
 )
 
-from reliable_beat import execution, runs, tracing
+from reliable_beat import execution, handoff, runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.celery import acks as _acks
 from reliable_beat.celery import brokers as _brokers
@@ -555,7 +555,9 @@ class IdempotentTask(_Retries, _BodyTransaction):
         states[id(self)] = state
         body = super().__call__
         try:
-            return execution.run_and_complete(state, lambda: body(*args, **kwargs), logger=log)
+            with handoff.publishing_for(self.app):  # a workflow's app: see celery.workflows
+                return execution.run_and_complete(state, lambda: body(*args, **kwargs),
+                                                  logger=log)
         except StaleFenceToken:
             raise
         except (Retry, Ignore, Reject) as exc:

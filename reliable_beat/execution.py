@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from reliable_beat import outbox, runs, tracing
+from reliable_beat import handoff, outbox, runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
@@ -325,7 +325,8 @@ def complete_after_body(state: RunState, result: Any, *,
         return
     with tracing.completion_span(claim.key, claim.fence_token, claim.attempt):
         try:
-            with store.begin() as conn:
+            # a workflow activity's wake is published right after the commit (handoff)
+            with handoff.after_commit(store), store.begin() as conn:
                 runs.complete(conn, claim, stored)
         except StaleFenceToken:
             runs.record_fenced_out(store, claim)

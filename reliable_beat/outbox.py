@@ -135,6 +135,7 @@ def add(
     max_bytes: int | None = None,
     schedule_group: str | ColumnElement[Any] | None = None,
     handlers: Mapping[str, Any] | None = None,
+    notify: bool = True,
 ) -> str:
     """Add one message to the outbox inside the caller's transaction.
 
@@ -237,6 +238,6 @@ def add(
             **_traceparent_column(),
         )
     )
-    if pg:
+    if pg and notify:
         _notify_once(conn, destination)
     return message_id

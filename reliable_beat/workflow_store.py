@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
 
-from reliable_beat import outbox
+from reliable_beat import handoff, outbox
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflow_events, workflows
 from reliable_beat.outbox import db_now
@@ -138,7 +138,8 @@ def on_run_finished(
         update(workflows)
         .where(workflows.c.workflow_id == workflow_id, workflows.c.run_no == run_no)
         .values(wake_seq=workflows.c.wake_seq + 1),
-        workflows, [workflows.c.id, workflows.c.queue, workflows.c.wake_seq],
+        workflows, [workflows.c.id, workflows.c.queue, workflows.c.wake_seq,
+                    workflows.c.schedule_group],
     ))
     if wf is None:
         return False
@@ -161,5 +162,11 @@ def on_run_finished(
     if done != 1:
         return False
     # wake_seq in the id: a requeued compensation completes the same seq a second time
-    add_wake(conn, workflow_id, wf.queue, f"{run_no}#{seq}.{wf.wake_seq}")
+    what = f"{run_no}#{seq}.{wf.wake_seq}"
+    if state == "succeeded":  # published by this process after the commit (reliable_beat.handoff)
+        handoff.add(conn, WAKE_DESTINATION, _wake_payload(workflow_id, wf.queue),
+                    key=f"wake:{workflow_id}:{what}", group=wf.schedule_group,
+                    schedule_group=wf.schedule_group)
+    else:
+        add_wake(conn, workflow_id, wf.queue, what)
     return True

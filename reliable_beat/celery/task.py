@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -38,7 +39,7 @@ from sqlalchemy.exc import (
     StatementError,
 )
 
-from reliable_beat import execution, runs, tracing
+from reliable_beat import execution, handoff, runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.celery import acks as _acks
 from reliable_beat.celery import brokers as _brokers
@@ -563,7 +564,12 @@ class IdempotentTask(_Retries, _BodyTransaction):
         states[id(self)] = state
         body = super().__call__
         try:
-            return execution.run_and_complete(state, lambda: body(*args, **kwargs), logger=log)
+            # a worker of a workflow's app publishes the wake of a completed activity itself
+            # (celery.workflows); an eager call (apply) leaves it to the relay
+            with (nullcontext() if self.request.is_eager
+                  else handoff.publishing_for(self.app)):
+                return execution.run_and_complete(state, lambda: body(*args, **kwargs),
+                                                  logger=log)
         except StaleFenceToken:
             raise
         except (Retry, Ignore, Reject) as exc:

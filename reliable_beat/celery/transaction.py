@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 from sqlalchemy.engine import Connection, Engine
 
-from reliable_beat import joins, runs, tracing
+from reliable_beat import handoff, joins, runs, tracing
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import ConfigurationError, StaleFenceToken
 from reliable_beat.execution import _renewer, _RunState
@@ -144,7 +144,8 @@ class _BodyTransaction(Task):  # type: ignore[misc]
             cm = state.store.begin() if bind is None else engine.begin()
             conn = None
         try:
-            with cm as entered:
+            # a workflow activity's wake is published right after the commit (handoff)
+            with handoff.after_commit(state.store), cm as entered:
                 tx = conn if conn is not None else entered
                 with self._guard(join, None, state):
                     yield tx

@@ -16,9 +16,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from reliable_beat import handoff
+from reliable_beat.celery.publishing import publish_celery_batch
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
 from reliable_beat.execution import _store_for
+from reliable_beat.groups import schedule_group_of
 from reliable_beat.redaction import get_logger
 from reliable_beat.settings import Settings
 from reliable_beat.workflows import engine
@@ -38,6 +41,7 @@ def install(app: Any) -> Callable[[], Store]:
     ``reliable_beat_workflow_max_takeovers`` (:mod:`reliable_beat.workflows.runaway`).
     """
     settings_box: dict[str, Settings] = {}
+    group_box: dict[str, str | None] = {}
 
     def settings() -> Settings:
         if "s" not in settings_box:
@@ -47,6 +51,15 @@ def install(app: Any) -> Callable[[], Store]:
     def store_factory() -> Store:
         return _store_for(settings().database_url)
 
+    def publisher() -> tuple[handoff.Publish, str | None]:
+        if "g" not in group_box:  # the group the workflows of this app record (adapter)
+            group_box["g"] = schedule_group_of(app, settings().schedule_group)
+        return (lambda messages: publish_celery_batch(app, messages)), group_box["g"]
+
+    # the next message of a workflow (an activity's, a wake) is published by the process
+    # that committed it, right after the commit; the relay stays the safety net
+    handoff.register(app, publisher)
+
     if engine.ADVANCE_TASK not in app.tasks:
 
         @app.task(  # type: ignore[untyped-decorator]
@@ -54,12 +67,13 @@ def install(app: Any) -> Callable[[], Store]:
                   reject_on_worker_lost=True, ignore_result=True)
         def advance_workflow(workflow_id: str) -> str:
             s = settings()
-            outcome = engine.advance(
-                store_factory(), workflow_id, owner=s.owner,
-                lease=timedelta(seconds=s.lease_seconds),
-                code_timeout=timedelta(seconds=s.workflow_code_timeout_seconds),
-                max_takeovers=s.workflow_max_takeovers,
-            )
+            with handoff.publishing_for(app):
+                outcome = engine.advance(
+                    store_factory(), workflow_id, owner=s.owner,
+                    lease=timedelta(seconds=s.lease_seconds),
+                    code_timeout=timedelta(seconds=s.workflow_code_timeout_seconds),
+                    max_takeovers=s.workflow_max_takeovers,
+                )
             log.info("workflow %s advanced: %s", workflow_id, outcome)
             return outcome
 

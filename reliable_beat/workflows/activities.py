@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
-from reliable_beat import outbox, tracing
+from reliable_beat import handoff, tracing
 from reliable_beat.db.tables import runs, workflow_events
 from reliable_beat.workflow_store import WAKE_DESTINATION, activity_key, group_of
 from reliable_beat.workflows._runtime import Event, Runtime
@@ -75,8 +75,10 @@ def start_activity(rt: Runtime, task: Any, args: tuple[Any, ...], kwargs: dict[s
         payload["headers"].update(tracing.carrier())
 
         def dispatch(conn: Connection) -> None:
-            outbox.add(conn, WAKE_DESTINATION, payload, key=f"act:{key}",
-                       schedule_group=group_of(rt.claimed.workflow_id))
+            # published by this advance right after the commit (reliable_beat.handoff)
+            handoff.add(conn, WAKE_DESTINATION, payload, key=f"act:{key}",
+                        group=rt.claimed.extra.get("schedule_group", handoff.UNKNOWN),
+                        schedule_group=group_of(rt.claimed.workflow_id))
 
         # stored with its queue (not part of the digest), for the re-dispatch sweep
         rt.record(seq, "activity", task_name, digest, [*call, queue],

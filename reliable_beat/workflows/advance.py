@@ -152,7 +152,8 @@ def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
             seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
             history_bytes=int(row.history_bytes), owner=owner, lease=lease,
             version=row.version,
-            extra={"cancel_requested": row.cancel_requested},
+            extra={"cancel_requested": row.cancel_requested,
+                   "schedule_group": row.schedule_group},
             history=history,
         )
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import select, update
 
+from reliable_beat import handoff
 from reliable_beat.db.tables import workflow_events
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
@@ -371,7 +372,8 @@ class Replay:
             )
         crashes.crash_point(f"record.{kind}.before")
         try:
-            with self.store.begin() as conn:
+            # an activity's message is published right after this commit (handoff)
+            with handoff.after_commit(self.store), self.store.begin() as conn:
                 size = len(canonical_json([args, result]))
                 now = fence_check(conn, self.claimed, events=1, size=size)
                 if effect is not None:

@@ -598,3 +598,68 @@ def test_reordered_v2_blocks_parked_workflows_and_replay_names_them(rig: Rig) ->
         assert rig.cli("workflows", "resume", w, "--json").returncode == 0
     wait("all completed on v1", lambda: all(
         engine.get_workflow(rig.store, w)["state"] == "completed" for w in wids), rig)
+
+
+def test_killed_between_the_handoff_publish_and_its_mark(rig: Rig) -> None:
+    """A worker publishes a workflow's next message (an activity's, a wake) itself right
+    after its commit, then marks it sent (reliable_beat.handoff). SIGKILLed between the
+    publish and the mark, the row stays pending: the relay sends it again under the same
+    message id and task id, and every shape ends as a clean run, each transaction and
+    activity effect once."""
+    rig.relay()
+    point = "handoff.before_mark"
+    lanes = run_shapes(rig, point)
+    check(rig, lanes, point)
+    for lane in lanes:
+        assert list(rig.tmp.glob(f"kill-{lane.shape}-{point}-*")), (lane.shape, rig.logs())
+
+
+def test_a_handed_off_message_also_relayed_makes_one_effect(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every message a worker hands off is also sent by the relay: the workers skip the
+    mark as if they died between the publish and the mark (RB_WF_HANDOFF_UNMARKED), so
+    each activity message and each activity's wake reaches the broker twice. The second
+    copies are received (each activity's is deduplicated by its key, an advance's finds
+    nothing new in the history) and every shape ends as a clean run, effects once. (A wake
+    still pending when its workflow ends is dropped with it, as a timer's is.)"""
+    monkeypatch.setenv("RB_WF_HANDOFF_UNMARKED", "1")
+    rig.relay()
+    lanes = run_shapes(rig, None)
+    for lane in lanes:  # the relayed copies arrive after HANDOFF_DELAY: drain them
+        rig.worker(queue=lane.queue)
+    outbox = sa.table("reliable_beat_outbox", sa.column("message_id"), sa.column("state"),
+                      sa.column("attempts"))
+    attempts = sa.table("reliable_beat_attempts", sa.column("run_id"), sa.column("outcome"))
+    run_rows = sa.table("reliable_beat_runs", sa.column("id"), sa.column("idempotency_key"))
+    wids = [lane.wid for lane in lanes]
+    seen: dict[str, Any] = {}
+
+    def relayed_and_deduplicated() -> bool:
+        with rig.store.engine.connect() as conn:
+            rows = conn.execute(sa.select(outbox.c.message_id, outbox.c.state,
+                                          outbox.c.attempts)).all()
+            acts = [r for r in rows if r.message_id.startswith("act:wf:")
+                    and any(r.message_id.startswith(f"act:wf:{w}/") for w in wids)]
+            wakes = [r for r in rows if r.message_id.startswith("wake:")
+                     and any(r.message_id.startswith(f"wake:{w}:1#") for w in wids)]
+            keys = [r.message_id[4:] for r in acts]
+            seen["acts"], seen["wakes"] = acts, wakes
+            deduplicated = set(conn.execute(
+                sa.select(run_rows.c.idempotency_key)
+                .join(attempts, attempts.c.run_id == run_rows.c.id)
+                .where(run_rows.c.idempotency_key.in_(keys),
+                       attempts.c.outcome == "deduplicated")).scalars())
+            seen["deduplicated"] = deduplicated
+        # every handed-off row was published by its worker and sent again by the relay (a
+        # wake still pending when its workflow ended is dropped with it: drop_wakes)
+        return (len(acts) == 8
+                and all(r.state == "sent" and r.attempts >= 1 for r in acts + wakes)
+                and deduplicated == set(keys))
+
+    try:
+        wait("every handed-off message relayed too, each activity's copy deduplicated",
+             relayed_and_deduplicated, rig, timeout=60)
+    except AssertionError:
+        raise AssertionError(f"{seen}") from None
+    check(rig, lanes, None)

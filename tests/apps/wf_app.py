@@ -27,6 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery
 
+from reliable_beat import handoff
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.workflows import WorkflowContext, engine, workflow
 
@@ -286,3 +287,21 @@ def hung(ctx: WorkflowContext, order: str) -> Any:
     deadline does not time, so the takeover count parks it."""
     ctx.transaction(_tx_effect, f"{order}:before", name="before")
     return ctx.step(_hang, name="hang")
+
+
+# ------------------------------------------------------------------ handoff seam ----
+# A worker publishes a workflow's next message itself right after its commit, then marks
+# it sent (reliable_beat.handoff). The crash point ``handoff.before_mark`` sits between the
+# publish and the mark; RB_WF_HANDOFF_UNMARKED=1 skips every mark, as if the process died
+# there each time: the relay then sends every such message a second time.
+_handoff_mark = handoff.mark
+
+
+def _mark_after_crash_point(store: Any, sent: list[int], failed: list[int]) -> None:
+    engine.crash_point("handoff.before_mark")
+    if os.environ.get("RB_WF_HANDOFF_UNMARKED"):
+        return
+    _handoff_mark(store, sent, failed)
+
+
+handoff.mark = _mark_after_crash_point

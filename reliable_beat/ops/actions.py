@@ -509,7 +509,7 @@ def requeue_payload(store: Store, dead_letter: Mapping[str, Any]) -> dict[str, A
         return dict(payload)
     problem = requeue_payload_problem(payload)
     if problem:
-        raise ValueError(f"dead letter {dl_id}: its stored payload is not a task to send "
+        raise ValueError(f"dead letter {dl_id}: its stored payload is malformed "
                          f"({problem}); the run stays dead")
     return dict(payload)
 

@@ -1,26 +1,10 @@
 """``reliable-beat status``: what an operator needs at 02:00, in one screen (or ``--json``).
 
-Per entry: next fire time, last slot and its run state, lag (how late the last slot was
-dispatched: ``dispatched_at - fire_at``), failing (``retrying``) and dead counts. Then the
-outbox backlog per destination, dead letters, and the **missed slots** check: an enabled,
-unpaused entry whose ``next_fire_at`` is older than ``now - misfire_grace - margin`` means no
-beat is claiming entries (none running, or all stuck). The **unserved outbox** check: pending
-rows of a schedule group (a workflow's messages, an entry's triggers) due for a while with no
-live relay or beat of that group (relays and beats record heartbeats in
-``reliable_beat_beats``), which only that group's processes publish. ``--check`` exits 1 when
-something needs a person (missed slots, dead letters, unserved rows), so the command doubles
-as a probe. **MALFORMED ENTRY**: an enabled entry whose stored row fails the claim's check
-(:func:`reliable_beat.rows.check_entry`), reported before it comes due (a beat would
-quarantine it then, losing that slot). **NAME CONFLICT**: an entry of a group's current
-beat_schedule that is an enabled config entry of another group (its sync left it alone: it
-never fires for this group). **WORKFLOW ADVANCES EXPIRING** / **WORKFLOWS NOT STARTED**:
-workflows whose advance's lease keeps expiring, and workflows ``pending`` past
-``reliable_beat_workflow_pending_alarm_seconds`` (:mod:`reliable_beat.workflows.runaway`).
-
-All instants are UTC and measured on the store's clock; the store URL is shown with its
-password hidden. The collection and the checks are the operations layer's
-(:func:`reliable_beat.ops.status.collect_status`, :mod:`reliable_beat.ops.checks`); this
-module renders them and keeps their names importable from here.
+What is collected and which alarms exist is the operations layer's
+(:mod:`reliable_beat.ops.status`, whose docstring lists them, and
+:mod:`reliable_beat.ops.checks`); this module renders them, gives ``--check`` its exit code
+(1 when something needs a person) and keeps their names importable from here. All instants
+are UTC on the store's clock; the store URL is shown with its password hidden.
 """
 
 from __future__ import annotations

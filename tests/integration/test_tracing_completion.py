@@ -7,14 +7,12 @@ Celery in process (``apply``) and Dramatiq's ``StubBroker`` with a real ``Worker
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from celery import Celery
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy.orm import Session
 
@@ -23,22 +21,11 @@ from reliable_beat.celery.task import KEY_HEADER, IdempotentTask
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import StaleFenceToken
 from tests.integration.test_dramatiq_core import stub  # noqa: F401 (fixture)
+from tests.memory_spans import exporter  # noqa: F401 (fixture)
 
 effects = sa.Table("traced_effects", sa.MetaData(),
                    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
                    sa.Column("key", sa.String(200)))
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing._tracer = provider.get_tracer("reliable_beat")
-    try:
-        yield memory
-    finally:
-        tracing._reset()
 
 
 @pytest.fixture
@@ -51,8 +38,8 @@ def app(sqlite_store: Store) -> Celery:
     return app
 
 
-def _completions(exporter: InMemorySpanExporter, key: str) -> list[ReadableSpan]:
-    return [s for s in exporter.get_finished_spans() if s.name == "reliable_beat.complete"
+def _completions(spans: InMemorySpanExporter, key: str) -> list[ReadableSpan]:
+    return [s for s in spans.get_finished_spans() if s.name == "reliable_beat.complete"
             and (s.attributes or {}).get(tracing.KEY) == key]
 
 
@@ -61,7 +48,7 @@ MODES = ["store", "engine", "connection", "joined", "session"]
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_transaction_path_has_the_completion_span(
-    mode: str, app: Celery, sqlite_store: Store, exporter: InMemorySpanExporter,
+    mode: str, app: Celery, sqlite_store: Store, exporter: InMemorySpanExporter,  # noqa: F811
 ) -> None:
     engine = sqlite_store.engine
 
@@ -99,7 +86,7 @@ def test_every_transaction_path_has_the_completion_span(
 
 
 def test_a_fenced_out_session_completion_is_visible(
-    app: Celery, sqlite_store: Store, exporter: InMemorySpanExporter,
+    app: Celery, sqlite_store: Store, exporter: InMemorySpanExporter,  # noqa: F811
 ) -> None:
     """A zombie on the ``session=`` path: its completion span says ``fenced_out``."""
     @app.task(shared=False, base=IdempotentTask, bind=True, name="traced.zombie")

@@ -5,35 +5,21 @@ MariaDB, the in-process driver)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from celery import Celery
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from reliable_beat import tracing
 from reliable_beat.db.dialects import Store
 from reliable_beat.workflows import WorkflowContext, WorkflowFailed, engine, signal, workflow
+from tests.memory_spans import exporter  # noqa: F401 (fixture)
 from tests.unit.test_workflow_sagas import app, drain, store  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
 from wf_driver import Driver
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing._tracer = provider.get_tracer("reliable_beat")
-    try:
-        yield memory
-    finally:
-        tracing._reset()
 
 
 def test_saga_compensations_in_the_workflow_trace(

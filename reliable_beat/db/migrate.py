@@ -83,28 +83,45 @@ def upgrade(store: Store, revision: str = "head") -> None:
 
     Raises:
         StoreUnavailableError: the database cannot be reached or refused the connection.
+        SchemaError: on MySQL/MariaDB, another upgrade held the migration lock for
+            300 s.
     """
+    if store.dialect in ("mysql", "mariadb"):
+        _upgrade_mysql(store, revision)
+        return
     with store.begin() as conn:
         if store.dialect == "postgresql":
+            # Released by the commit, so the next upgrader reads the committed revision.
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADVISORY_KEY})
-        mysql = store.dialect in ("mysql", "mariadb")
-        if mysql:
-            # A session-level named lock: MySQL DDL commits implicitly, so no transaction
-            # lock would outlive the first CREATE TABLE.
-            got = conn.execute(text("SELECT GET_LOCK(:n, :t)"),
-                               {"n": _MYSQL_LOCK, "t": _MYSQL_LOCK_WAIT_SECONDS}).scalar()
-            if got != 1:
-                raise SchemaError(
-                    f"database {store.safe_url}: another `reliable-beat db upgrade` held the "
-                    f"migration lock {_MYSQL_LOCK!r} for {_MYSQL_LOCK_WAIT_SECONDS} s; "
-                    "run it again when that one has finished")
+        _apply(conn, store.url, revision)
+
+
+def _upgrade_mysql(store: Store, revision: str) -> None:
+    # A session-level named lock: MySQL DDL commits implicitly, so no transaction lock would
+    # outlive the first CREATE TABLE. The lock is released only after the commit: the last
+    # revision's version-table UPDATE is not committed by any later DDL, and an upgrader
+    # taking the lock before it is would read the previous revision and apply it again.
+    with store.connect() as conn:
+        got = conn.execute(text("SELECT GET_LOCK(:n, :t)"),
+                           {"n": _MYSQL_LOCK, "t": _MYSQL_LOCK_WAIT_SECONDS}).scalar()
+        conn.commit()
+        if got != 1:
+            raise SchemaError(
+                f"database {store.safe_url}: another `reliable-beat db upgrade` held the "
+                f"migration lock {_MYSQL_LOCK!r} for {_MYSQL_LOCK_WAIT_SECONDS} s; "
+                "run it again when that one has finished")
         try:
-            cfg = _config(store.url)
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
+            with conn.begin():
+                _apply(conn, store.url, revision)
         finally:
-            if mysql:
-                conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": _MYSQL_LOCK})
+            conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": _MYSQL_LOCK})
+            conn.commit()
+
+
+def _apply(conn: Connection, url: str, revision: str) -> None:
+    cfg = _config(url)
+    cfg.attributes["connection"] = conn
+    command.upgrade(cfg, revision)
 
 
 def upgrade_sql(url: str, revision: str = "head") -> str:

@@ -92,6 +92,50 @@ def test_concurrent_upgrades_do_not_conflict(url_fixture: str,
     s.dispose()
 
 
+def test_mariadb_upgrader_after_the_lock_reads_the_committed_revision(mariadb_url: str) -> None:
+    """The named lock is released only after the commit: the last revision's version UPDATE
+    is not committed by any later DDL, so a second upgrader taking the lock in between would
+    read the previous revision and apply the last one again (``Duplicate column name``).
+    The first upgrader pauses right after its RELEASE_LOCK to hold that window open."""
+    import threading
+    import time
+
+    first, second = Store.from_url(mariadb_url), Store.from_url(mariadb_url)
+    locked = threading.Event()
+
+    def after(conn, cursor, statement, *args) -> None:  # type: ignore[no-untyped-def]
+        if "GET_LOCK" in statement and "RELEASE" not in statement:
+            locked.set()
+        if "RELEASE_LOCK" in statement:
+            time.sleep(1.5)
+
+    sa.event.listen(first.engine, "after_cursor_execute", after)
+    errors: list[BaseException] = []
+
+    def run_first() -> None:
+        try:
+            migrate.upgrade(first, "0017_wfrunaway")
+            migrate.upgrade(first)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    try:
+        migrate.upgrade(second, "0017_wfrunaway")
+        locked.clear()
+        t = threading.Thread(target=run_first)
+        t.start()
+        assert locked.wait(30)
+        locked.clear()
+        assert locked.wait(30)  # the second call (to head) holds the lock now
+        migrate.upgrade(second)
+        t.join()
+        assert errors == []
+        assert migrate.check(second)
+    finally:
+        first.dispose()
+        second.dispose()
+
+
 def test_offline_sql_mentions_every_table() -> None:
     sql = migrate.upgrade_sql("postgresql+psycopg://u@localhost/db")
     for table in metadata.sorted_tables:

@@ -50,6 +50,7 @@ from reliable_beat.web.auth import (
     AuthConfig,
     authenticate,
     csrf_problem,
+    is_loopback_host_header,
     new_csrf_token,
 )
 from reliable_beat.web.timeline import (
@@ -165,6 +166,14 @@ class _Guard(BaseHTTPMiddleware):
                 "refused: this dashboard has no authentication configured, so it serves "
                 "loopback clients only. Set RELIABLE_BEAT_DASHBOARD_OPERATOR_TOKEN / "
                 "RELIABLE_BEAT_DASHBOARD_VIEWER_TOKEN to serve others.", 403)
+        if not self.auth.configured and not is_loopback_host_header(request.headers.get("host")):
+            # DNS rebinding: another site's page, resolved to 127.0.0.1, in the operator's
+            # browser. Its requests come from loopback but carry the site's own name.
+            return PlainTextResponse(
+                "refused: this dashboard has no authentication configured, so it answers "
+                "only requests addressed to a loopback name (localhost, 127.0.0.1, [::1]); "
+                "open it at one of those, or set RELIABLE_BEAT_DASHBOARD_OPERATOR_TOKEN / "
+                "RELIABLE_BEAT_DASHBOARD_VIEWER_TOKEN to serve other names.", 403)
         request.state.who = who
         cookie = request.cookies.get(CSRF_COOKIE)
         request.state.csrf = cookie or new_csrf_token()

@@ -43,6 +43,7 @@ __all__ = [
     "check_bind",
     "csrf_problem",
     "is_loopback",
+    "is_loopback_host_header",
     "new_csrf_token",
 ]
 
@@ -117,6 +118,24 @@ def is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def is_loopback_host_header(host_header: str | None) -> bool:
+    """True when an HTTP ``Host`` header names a loopback host: ``localhost``,
+    ``127.0.0.1:8000``, ``[::1]:8000`` (with or without a port).
+
+    A page of another site reaching a loopback-only dashboard through DNS rebinding sends its
+    own name (``Host: evil.example``) from the victim's browser, to 127.0.0.1: the peer
+    address alone cannot tell it from the operator.
+    """
+    if not host_header:
+        return False
+    name = host_header.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    return is_loopback(name.rstrip("."))
 
 
 def check_bind(host: str, auth: AuthConfig) -> None:

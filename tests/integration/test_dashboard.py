@@ -37,7 +37,7 @@ def _client(store: Store, *, auth: AuthConfig | None = None,
             client: tuple[str, int] = LOOPBACK, headers: dict[str, str] | None = None,
             **kw: Any) -> TestClient:
     return TestClient(create_app(store, auth=auth or AuthConfig(), **kw), client=client,
-                      headers=headers)
+                      headers=headers, base_url="http://127.0.0.1:8000")
 
 
 @pytest.fixture
@@ -184,6 +184,27 @@ def test_off_loopback_without_a_token_is_refused(store: Store) -> None:
     with _client(store, client=("203.0.113.9", 40000)) as far:
         r = far.get("/")
         assert r.status_code == 403 and "loopback clients only" in r.text
+
+
+def test_without_a_token_a_foreign_host_name_is_refused(store: Store, seeded: Seeded) -> None:
+    """DNS rebinding: another site's page, its name resolved to 127.0.0.1, in the operator's
+    browser. The request comes from loopback, with that site's name as ``Host``: no page is
+    read and no action runs (the CSRF token it could read from a page would pass)."""
+    with _client(store) as local:
+        for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "LOCALHOST."):
+            assert local.get("/", headers={"host": host}).status_code == 200, host
+        evil = {"host": "evil.example:8000", "origin": "http://evil.example:8000"}
+        r = local.get(f"/entries/{seeded.entry}", headers=evil)
+        assert r.status_code == 403 and "loopback name" in r.text
+        assert seeded.entry not in r.text
+        token = _csrf(local.get(f"/entries/{seeded.entry}").text)
+        r = local.post("/actions/pause", headers=evil, follow_redirects=False,
+                       data={"csrf": token, "target": seeded.entry})
+        assert r.status_code == 403
+    with _client(store, auth=AuthConfig(operator_token=OPERATOR_TOKEN),
+                 headers={"authorization": f"Bearer {OPERATOR_TOKEN}"}) as tokened:
+        # with a token, the name the dashboard is reached by is the operator's business
+        assert tokened.get("/", headers={"host": "dashboard.internal"}).status_code == 200
 
 
 def test_xss_payloads_stay_escaped(store: Store, seeded: Seeded, local: TestClient) -> None:

@@ -143,9 +143,10 @@ def far_end(endpoint: str) -> tuple[str, list[str], Callable[[], None]]:
     return f"http://127.0.0.1:{server.server_address[1]}", seen, server.shutdown
 
 
-def screenshot(base: str, trace_id: str, first_span: str, select: str, nth: str,
+def screenshot(base: str, trace_id: str, select: str, nth: str, height: int,
                path: Path) -> None:
-    """The trace's page, span ``select`` (its ``nth`` in the tree: XPath) selected."""
+    """The trace's page, ``height`` pixels tall, span ``select`` (its ``nth`` in the tree,
+    an XPath position) selected."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
@@ -160,19 +161,26 @@ def screenshot(base: str, trace_id: str, first_span: str, select: str, nth: str,
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1600,1250"):
+                f"--window-size=1600,{height}"):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(driver_bin), options=opts)
     try:
         url = f"{base}/projects/{project}/traces/{trace_id}"
 
-        def shown() -> bool:
-            driver.get(url)  # reload: the viewer may still be ingesting
-            time.sleep(3)
-            return bool(driver.find_elements(By.XPATH, f"//*[text()='{first_span}']"))
+        span = f"(//*[text()='{select}'])[{nth}]"
 
-        wait_for(f"{first_span!r} shown at {url}", shown, 90)
-        driver.find_element(By.XPATH, f"(//*[text()='{select}'])[{nth}]").click()
+        def shown() -> bool:
+            driver.get(url)  # reloaded every 15 s: the viewer may still be ingesting
+            end = time.monotonic() + 15
+            while time.monotonic() < end:
+                if driver.find_elements(By.XPATH, span):
+                    return True
+                time.sleep(0.5)
+            return False
+
+        wait_for(f"{select!r} shown at {url}", shown, 120)
+        time.sleep(2)  # the rest of the tree
+        driver.find_element(By.XPATH, span).click()
         time.sleep(2)
         driver.save_screenshot(str(path))
     finally:
@@ -251,10 +259,10 @@ def main() -> None:
                 workflows.c.workflow_id == WORKFLOW_ID)).scalar_one().split("-")[1]
         args.out.mkdir(parents=True, exist_ok=True)
         # the first attempt's failed body; the receive span that consumed the signal
-        screenshot(base, slot_trace, "fire pay", "reliable_beat.body", "1",
+        screenshot(base, slot_trace, "reliable_beat.body", "1", 1000,
                    args.out / "trace-slot.png")
-        screenshot(base, wf_trace, "start workflow shop.order", "receive signal approved",
-                   "last()", args.out / "trace-workflow.png")
+        screenshot(base, wf_trace, "receive signal approved", "last()", 2300,
+                   args.out / "trace-workflow.png")
         store.engine.dispose()
     print(f"wrote {args.out / 'trace-slot.png'} and {args.out / 'trace-workflow.png'} "
           f"(logs in {work})")

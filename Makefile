@@ -60,7 +60,7 @@ test-rabbitmq: $(VENV)/.installed
 		"tests/acceptance/test_idempotent_task.py::test_countdown_retries_do_not_stall_the_worker[postgresql]"
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks
+	$(VENV)/bin/ruff check reliable_beat harness tests examples benchmarks scripts
 	$(VENV)/bin/lint-imports --no-cache
 
 type: $(VENV)/.installed

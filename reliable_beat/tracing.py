@@ -65,6 +65,7 @@ __all__ = [
     "BeatTrace",
     "DeliverySpans",
     "PublishSpans",
+    "add_link",
     "annotate",
     "attached",
     "carrier",
@@ -247,6 +248,19 @@ def _links(traceparents: Sequence[str | None]) -> list[Any]:
         if sc.is_valid:
             out.append(Link(sc))
     return out
+
+
+def add_link(s: Any, traceparent: str | None) -> None:
+    """Link span ``s`` (still open) to the span of ``traceparent``: a context learnt after the
+    span started (the signal a ``receive signal`` span consumed). A no-op when off, without a
+    traceparent (or an invalid one, e.g. a column edited by SQL), or on an API before 1.23
+    (no ``Span.add_link``)."""
+    if s is None or not isinstance(traceparent, str) or not traceparent:
+        return
+    found = _links([traceparent])
+    add = getattr(s, "add_link", None)
+    if found and add is not None:
+        add(found[0].context)
 
 
 def current_traceparent() -> str | None:

@@ -414,6 +414,9 @@ workflow_signals = Table(
     Column("consumed_run_no", Integer, nullable=True),
     Column("consumed_seq", Integer, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
+    # the W3C traceparent of the `signal <name>` span that stored it (0019_signaltrace): the
+    # advance's `receive signal <name>` span links to it. NULL: stored without tracing
+    Column("traceparent", String(128), nullable=True),
     Index("ix_reliable_beat_workflow_signals_workflow_pk_name_id", "workflow_pk", "name", "id"),
     # a dedup key is the workflow's own: two workflows may use the same key (0016_signalkey;
     # before it, one key per store)

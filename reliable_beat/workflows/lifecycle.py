@@ -88,7 +88,8 @@ def _traced_signal(fn: Callable[..., bool]) -> Callable[..., bool]:
     """``signal`` in a ``signal <name>`` span of the workflow's trace (the traceparent stored
     at start), linked to the caller's span; ``reliable_beat.outcome``: ``stored`` or
     ``duplicate``. Its wake message is written under it: the wake's delivery joins the trace,
-    and the advance that consumes the signal has a ``receive signal <name>`` span."""
+    and the advance that consumes the signal has a ``receive signal <name>`` span linked to
+    it (the signal row keeps this span's ``traceparent``)."""
     @functools.wraps(fn)
     def traced(target: Store | Connection, workflow_id: str, name: str, payload: Any = None,
                *, key: str | None = None) -> bool:
@@ -186,6 +187,7 @@ def signal(
         ).first())
         sid = conn.execute(insert_ignore(conn, workflow_signals).values(
             workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
+            **_traceparent_column(),
         ).returning(workflow_signals.c.id)).scalar()
         if sid is None:  # only a key makes a duplicate
             return signal_keys.stored_key(conn, row.id, workflow_id, name, data, str(key))
@@ -202,6 +204,14 @@ def signal(
         ).scalar_one()
         add_wake(conn, workflow_id, row.queue, f"s{seq}")
     return True
+
+
+def _traceparent_column() -> dict[str, str]:
+    """``{"traceparent": ...}`` of the ``signal <name>`` span storing the row (the advance's
+    ``receive signal`` span links to it), else nothing: a store not yet upgraded to the column
+    (new code during a rolling deploy) stores signals as before while tracing is off."""
+    tp = tracing.current_traceparent()
+    return {"traceparent": tp} if tp else {}
 
 
 def _refuse_unsignallable(workflow_id: str, name: str, row: Any) -> Any:
@@ -252,6 +262,7 @@ def _signal_locking(conn: Connection, workflow_id: str, name: str, data: Any,
     )))
     inserted = insert_one_ignored(conn, insert_ignore(conn, workflow_signals).values(
         workflow_pk=row.id, name=name, payload=data, dedup_key=key, created_at=now,
+        **_traceparent_column(),
     ), workflow_signals)
     if not inserted:  # a racing sender of the key committed first (or an older schema)
         return signal_keys.stored_key(conn, row.id, workflow_id, name, data, str(key))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
 
-from reliable_beat import tracing
+from reliable_beat import rows, tracing
 from reliable_beat.db.tables import workflow_signals
 from reliable_beat.outbox import db_now
 from reliable_beat.values import from_json_value
@@ -86,7 +86,7 @@ def wait_signal(rt: Runtime, name: str, timeout: timedelta | None) -> Any:
         holder: dict[str, Any] = {}
 
         def first(conn: Connection) -> Any:
-            consumed = _consume(rt, conn, name, seq)
+            consumed = _consume(rt, conn, name, seq, holder)
             if consumed is not _NOTHING:
                 holder["done"] = True
                 return consumed
@@ -102,6 +102,7 @@ def wait_signal(rt: Runtime, name: str, timeout: timedelta | None) -> Any:
             result = rt.record(seq, "signal", name, digest, args, state="scheduled",
                                effect=first, holder=holder)
             _outcome(s, "consumed" if holder.get("done") else "waiting")
+            tracing.add_link(s, holder.get("traceparent"))
         if holder.get("done"):
             rt.history[seq] = Event(seq, "signal", name, digest, "completed", result,
                                     None, None, None)
@@ -113,7 +114,7 @@ def wait_signal(rt: Runtime, name: str, timeout: timedelta | None) -> Any:
     outcome: dict[str, Any] = {}
 
     def consume(conn: Connection) -> Any:
-        value = _consume(rt, conn, name, seq)
+        value = _consume(rt, conn, name, seq, outcome)
         if value is not _NOTHING:
             outcome["done"] = "consumed"
             return value
@@ -138,6 +139,7 @@ def wait_signal(rt: Runtime, name: str, timeout: timedelta | None) -> Any:
                           expected=(_NotYet,)) as s:
             result = rt.complete(seq, "completed", effect=consume)
             _outcome(s, outcome["done"])
+            tracing.add_link(s, outcome.get("traceparent"))
     except _NotYet:
         raise rt.suspend(f"waiting for signal {name!r} at seq {seq}") from None
     rt.history[seq] = Event(seq, "signal", name, digest, "completed", result, None,
@@ -145,9 +147,18 @@ def wait_signal(rt: Runtime, name: str, timeout: timedelta | None) -> Any:
     return from_json_value(result)
 
 
-def _consume(rt: Runtime, conn: Connection, name: str, seq: int) -> Any:
+def _consume(rt: Runtime, conn: Connection, name: str, seq: int,
+             found: dict[str, Any]) -> Any:
+    """Consume the oldest unconsumed signal ``name``: its payload (``_NOTHING``: none).
+    ``found["traceparent"]``: the span that stored it, while tracing (the receive span's
+    link; 0019_signaltrace, NULL for a signal stored untraced)."""
+    sg = workflow_signals.c
+    columns = [sg.id, sg.payload]
+    if (tracing.tracer() is not None
+            and not rows.missing_optional_columns(conn, workflow_signals)):
+        columns.append(sg.traceparent)
     row = conn.execute(
-        select(workflow_signals.c.id, workflow_signals.c.payload)
+        select(*columns)
         .where(workflow_signals.c.workflow_pk == rt.claimed.pk,
                workflow_signals.c.name == name,
                workflow_signals.c.consumed_seq.is_(None))
@@ -163,6 +174,7 @@ def _consume(rt: Runtime, conn: Connection, name: str, seq: int) -> Any:
     ).rowcount
     if done != 1:  # pragma: no cover - only the fenced advance consumes
         return _NOTHING
+    found["traceparent"] = row._mapping.get("traceparent")
     return row.payload
 
 

@@ -143,3 +143,19 @@ def test_attached_makes_a_traceparent_current(exporter: InMemorySpanExporter) ->
     [theirs] = exporter.get_finished_spans()
     assert theirs.context.trace_id == 0x0af7651916cd43dd8448eb211c80319c
     assert theirs.parent is not None and theirs.parent.span_id == 0xb7ad6b7169203331
+
+
+def test_add_link_to_a_context_learnt_later(exporter: InMemorySpanExporter) -> None:
+    """A span links to a traceparent it learns while open (a consumed signal's sender);
+    nothing, an invalid one or a value that is not a string (a column edited by SQL) adds
+    no link and raises nothing."""
+    with tracing.span("sender", root=True) as sender:
+        tp = tracing.current_traceparent()
+    with tracing.span("receiver", root=True) as s:
+        for bad in (None, "", "00-garbage", 12345):
+            tracing.add_link(s, bad)  # type: ignore[arg-type]
+        tracing.add_link(s, tp)
+    tracing.add_link(None, tp)  # tracing off: no span
+    [receiver] = [x for x in exporter.get_finished_spans() if x.name == "receiver"]
+    assert [(link.context.trace_id, link.context.span_id) for link in receiver.links] == [
+        (sender.get_span_context().trace_id, sender.get_span_context().span_id)]

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from celery import Celery
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import select
 
 from reliable_beat import tracing
 from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import workflow_signals
 from reliable_beat.workflows import WorkflowContext, WorkflowFailed, engine, signal, workflow
 from tests.memory_spans import exporter  # noqa: F401 (fixture)
 from tests.unit.test_workflow_sagas import app, drain, store  # noqa: F401 (fixtures)
@@ -129,3 +131,51 @@ def test_timer_and_signals_in_the_workflow_trace(
     # the wake a signal writes is delivered in the workflow's trace, under the signal's span
     assert all(s.context.trace_id == trace_id for s in spans
                if s.name.startswith(("advance ", "receive ", "timer")))
+
+
+def wait_thrice(ctx: WorkflowContext, order: str) -> object:
+    return [ctx.wait_signal("go"), ctx.wait_signal("go"), ctx.wait_signal("go")]
+
+
+@pytest.mark.parametrize("wf_dialect_store", [
+    "sqlite",
+    pytest.param("pg", marks=pytest.mark.postgres),  # the INSERT ... RETURNING path
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
+], indirect=True)
+def test_receive_signal_links_to_the_span_that_sent_it(
+    app: Celery, store: Store, exporter: InMemorySpanExporter  # noqa: F811
+) -> None:
+    """The signal row keeps the traceparent of its `signal <name>` span (itself linked to the
+    sender's span), so the advance's `receive signal <name>` span links to it (a wait parked
+    before the signal came, and one that finds it in the inbox); a signal stored untraced
+    (NULL, as every row before 0019_signaltrace) is consumed with no link."""
+    workflow(name="t.thrice")(wait_thrice)
+    handle = engine.start(store, "t.thrice", "w1", ["w1"])
+    driver = Driver(store, app)
+    drain(driver)
+    with tracing.span("web request", root=True) as sender:
+        assert signal(store, "w1", "go", 1) is True
+        assert signal(store, "w1", "go", 2) is True
+    on = tracing._tracer
+    tracing._tracer = None  # tracing off: the row's traceparent stays NULL
+    try:
+        assert signal(store, "w1", "go", 3) is True
+    finally:
+        tracing._tracer = on
+    with store.connect() as conn:
+        stored = [r.traceparent for r in conn.execute(
+            select(workflow_signals.c.traceparent).order_by(workflow_signals.c.id))]
+    sent = [s for s in exporter.get_finished_spans() if s.name == "signal go"]
+    assert stored == [*(tracing.traceparent_of(s) for s in sent), None]
+    drain(driver)
+    assert handle.result(timeout=5) == [1, 2, 3]
+    spans = exporter.get_finished_spans()
+    consumed = [s for s in spans if s.name == "receive signal go"
+                and s.attributes is not None and s.attributes[tracing.OUTCOME] == "consumed"]
+    assert len(consumed) == 3, [(s.name, s.attributes) for s in spans]
+    for receive, signalled in zip(consumed, sent, strict=False):
+        assert [(link.context.trace_id, link.context.span_id) for link in receive.links] == [
+            (signalled.context.trace_id, signalled.context.span_id)]
+        # ... and that span's own link is the sender's: receive -> signal -> web request
+        assert [link.context.span_id for link in signalled.links] == [sender.context.span_id]
+    assert list(consumed[2].links) == []

@@ -156,8 +156,8 @@ def real_run(postgres_server: str, redis_server: tuple[str, int],
               and _stopped(worker_a.pid), rig)
         log = (tmp / "worker-a.log").read_text()
         fenced_key = log.split("dash: FROZEN ", 1)[1].split()[0]
-        worker_b = rig.start("worker-b", [sys.executable, "-m", "celery", "-A", "dash_app", "worker",
-                               "-n", "worker-b@%h", *common])
+        worker_b = rig.start("worker-b", [sys.executable, "-m", "celery", "-A", "dash_app",
+                                          "worker", "-n", "worker-b@%h", *common])
         _wait("worker B committed the run A holds",
               lambda: (2, "succeeded") in _attempts(store, fenced_key), rig, 90)
         os.kill(worker_a.pid, signal.SIGCONT)

@@ -1,9 +1,10 @@
 """``reliable-beat runs``, ``runs show KEY``, ``dead-letters list|show|requeue``, ``lease clear``.
 
 Read commands print a table, or JSON with ``--json``. ``dead-letters requeue`` is a
-person's decision: it asks for confirmation unless ``--yes``, records who requeued
-(``--by``, default ``$USER``), resets the run and sends the task again under the **same**
-idempotency key through the Celery app (``-A`` is required for it). ``lease clear`` fences a
+person's decision (:mod:`reliable_beat.ops.requeue`): it asks for confirmation unless
+``--yes``, records who requeued (``--by``, default ``$USER``), resets the run and sends the
+task again under the **same** idempotency key through the app (``-A`` is required for it), or
+sends a dropped message again, or puts a dead outbox row back to pending. ``lease clear`` fences a
 stuck holder out and re-sends the run's trigger through the outbox
 (:func:`reliable_beat.runs.release_lease`); exit 2 when it needs a confirmation no TTY can give.
 """
@@ -21,12 +22,8 @@ import click
 from reliable_beat import runs
 from reliable_beat.cli import CliContext, fail, pass_cli
 from reliable_beat.db.types import infinity_text
-from reliable_beat.ops.actions import (
-    RequeueSendError,
-    requeue_dead_message,
-    requeue_dead_run,
-    requeue_payload,
-)
+from reliable_beat.ops import requeue as ops_requeue
+from reliable_beat.ops.actions import RequeueSendError
 from reliable_beat.redaction import (
     IDENTIFIER_FIELDS,
     USER_DATA_FIELDS,
@@ -179,79 +176,39 @@ def _a(kind: str) -> str:
 @pass_cli
 def dl_requeue(cli: CliContext, dead_letter_id: int, yes: bool, force: bool,
                by: str | None, queue: str | None, as_json: bool) -> None:
-    """Run a dead run again under the SAME idempotency key (needs -A APP), or deliver a
-    dead outbox row again (same message id)."""
+    """Run a dead run again under the SAME idempotency key (needs -A APP), send a dropped
+    message again (needs -A APP), or deliver a dead outbox row again (same message id)."""
     try:
-        dl = runs.get_dead_letter(cli.store, dead_letter_id)
+        plan = ops_requeue.plan_requeue(cli.store, dead_letter_id)
     except runs.DeadLetterNotFound as exc:
         fail(str(exc), 1, kind="not_found")
-    if dl["kind"] == "outbox":
-        _requeue_outbox(cli, dl, yes=yes, force=force, by=by, as_json=as_json)
-        return
-    if cli.app is None:
-        raise click.UsageError("requeue sends the task through the Celery app: pass -A APP "
-                               "(a Dramatiq actor's dead letter: `reliable-beat dramatiq "
-                               "dead-letters requeue ID --broker mod:broker`)")
-    if dl["kind"] == "message":
-        _requeue_message(cli, dl, yes=yes, force=force, by=by, queue=queue, as_json=as_json)
-        return
-    if dl["kind"] != "run":
-        raise click.ClickException(f"dead letter {dead_letter_id} is {_a(dl['kind'])} dead letter; "
-                                   "only run, outbox and dropped-message dead letters can be "
-                                   "requeued")
-    payload = dl["payload"]
-    # reliable_beat.dramatiq's dead letters name the actor
-    if isinstance(payload, dict) and "actor" in payload:
-        raise click.ClickException(
-            f"dead letter {dead_letter_id} is a Dramatiq actor's ({payload['actor']}): requeue "
-            f"it through its broker: `reliable-beat dramatiq dead-letters requeue "
-            f"{dead_letter_id} --broker mod:broker`")
-    try:
-        payload = requeue_payload(cli.store, dl)
-    except ValueError as exc:
+    except ops_requeue.RequeueRefused as exc:
         raise click.ClickException(str(exc)) from exc
+    problem = ops_requeue.app_problem(plan, cli.app)
+    if problem is not None:
+        if cli.app is None and plan.needs == ops_requeue.CELERY:
+            raise click.UsageError(f"{problem}: pass -A APP")
+        raise click.ClickException(problem)
     if not yes:
-        click.confirm(
-            f"Requeue {payload['task']} under key {payload['key']!r} "
-            f"(died: {dl['reason']}, {dl['attempts']} attempts)?", abort=True)
+        click.confirm(plan.question, abort=True)
     who = by or getpass.getuser()
     try:
-        requeue_dead_run(cli.store, cli.app, dead_letter_id, payload, by=who, force=force,
-                         queue=queue)
-    except (ValueError, RequeueSendError) as exc:
+        done = ops_requeue.requeue(cli.store, plan, app=cli.app, by=who, force=force,
+                                   queue=queue)
+    except (ValueError, LookupError, RequeueSendError) as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
-        cli.echo_json({"outcome": "requeued", "dead_letter": dead_letter_id,
-                       "task": payload["task"], "key": payload["key"], "by": who})
+        dl, payload = plan.dead_letter, plan.payload
+        out: dict[str, Any] = {"outcome": "requeued", "dead_letter": dead_letter_id, "by": who}
+        if plan.what == "outbox":
+            out.update(message_id=dl["key"], destination=dl["destination"])
+        elif plan.what == "message":
+            out.update(task=payload.get("task"), task_id=payload.get("task_id"))
+        else:
+            out.update(task=payload.get("task") or payload.get("actor"), key=payload.get("key"))
+        cli.echo_json(out)
         return
-    click.echo(f"requeued dead letter {dead_letter_id}: {payload['task']} "
-               f"under key {payload['key']!r}")
-
-
-def _requeue_message(cli: CliContext, dl: dict[str, Any], *, yes: bool, force: bool,
-                     by: str | None, queue: str | None, as_json: bool) -> None:
-    """``dead-letters requeue`` of a ``message`` dead letter: send the dropped message again
-    (same task id, arguments and headers)."""
-    payload, dl_id = dl["payload"], dl["id"]
-    if dl["reason"] not in runs.REQUEUEABLE_MESSAGE_REASONS:
-        raise click.ClickException(
-            f"dead letter {dl_id} ({dl['reason']}) is not requeueable: the message itself was "
-            "refused; fix the caller and send the work again")
-    if not yes:
-        click.confirm(f"Send {payload['task']}[{payload.get('task_id')}] again "
-                      f"(dropped: {dl['reason']})?", abort=True)
-    who = by or getpass.getuser()
-    try:
-        requeue_dead_message(cli.store, cli.app, dl_id, payload, by=who, force=force,
-                             queue=queue)
-    except (ValueError, RequeueSendError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    if as_json:
-        cli.echo_json({"outcome": "requeued", "dead_letter": dl_id, "task": payload["task"],
-                       "task_id": payload.get("task_id"), "by": who})
-        return
-    click.echo(f"requeued dead letter {dl_id}: {payload['task']} "
-               f"[{payload.get('task_id')}] sent again")
+    click.echo(done)
 
 
 @click.group("lease")
@@ -320,27 +277,6 @@ def register(group: click.Group) -> None:
     group.add_command(runs_group)
     group.add_command(dead_letters_group)
     group.add_command(lease_group)
-
-
-def _requeue_outbox(cli: CliContext, dl: dict[str, Any], *, yes: bool, force: bool,
-                    by: str | None, as_json: bool) -> None:
-    """``dead-letters requeue`` of an ``outbox`` dead letter: its row goes back to pending,
-    delivered again by a relay under the same message id."""
-    dl_id = dl["id"]
-    if not yes:
-        click.confirm(f"Deliver outbox message {dl['key']!r} to {dl['destination']} again "
-                      f"(died: {dl['reason']}, {dl['attempts']} attempts)?", abort=True)
-    who = by or getpass.getuser()
-    try:
-        runs.requeue_outbox_dead_letter(cli.store, dl_id, by=who, force=force)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if as_json:
-        cli.echo_json({"outcome": "requeued", "dead_letter": dl_id, "message_id": dl["key"],
-                       "destination": dl["destination"], "by": who})
-        return
-    click.echo(f"requeued dead letter {dl_id}: outbox message {dl['key']!r} to "
-               f"{dl['destination']} is pending again (a relay delivers it)")
 
 
 @dead_letters_group.command("dismiss")

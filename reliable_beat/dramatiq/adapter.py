@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, Any
 from reliable_beat.adapters import import_from_cwd
 from reliable_beat.dramatiq import backlog
 from reliable_beat.dramatiq.base import TRIGGER_DESTINATION
-from reliable_beat.dramatiq.publisher import DramatiqHandler, DramatiqPublisher
+from reliable_beat.dramatiq.publisher import (
+    DramatiqHandler,
+    DramatiqPublisher,
+    requeue_dead_letter,
+)
 from reliable_beat.dramatiq.worker import IdempotentActor, _middleware
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.loop import publish_and_mark, trigger_messages
@@ -96,6 +100,14 @@ class DramatiqAdapter:
         :data:`reliable_beat.redispatch.QueueDepthFn`): ready messages in each message's
         queue on broker ``app`` (:func:`reliable_beat.dramatiq.backlog.queue_depths`)."""
         return backlog.queue_depths(app, messages)
+
+    def requeue_dead_run(self, app: Any, store: Store, dead_letter_id: int, *, by: str,
+                         force: bool = False, queue: str | None = None) -> dict[str, Any]:
+        """Run an actor's dead run again under the same key through broker ``app`` (optional
+        hook, used by :func:`reliable_beat.ops.requeue.requeue`):
+        :func:`reliable_beat.dramatiq.publisher.requeue_dead_letter`."""
+        return requeue_dead_letter(app, store, dead_letter_id, by=by, force=force,
+                                   queue=queue)
 
     def tracked_tasks(self, app: Any) -> list[str]:
         """Names of the broker's :class:`~reliable_beat.dramatiq.IdempotentActor` actors."""

@@ -31,15 +31,13 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
 from reliable_beat.dramatiq.base import TRIGGER_DESTINATION
 from reliable_beat.dramatiq.periodic import beat_loop
-from reliable_beat.dramatiq.publisher import (
-    DramatiqHandler,
-    DramatiqPublisher,
-    requeue_dead_letter,
-)
+from reliable_beat.dramatiq.publisher import DramatiqHandler, DramatiqPublisher
 from reliable_beat.dramatiq.worker import _middleware
 from reliable_beat.errors import ConfigurationError, EntryNotFoundError
 from reliable_beat.handlers import load_handlers
 from reliable_beat.loop import publish_and_mark
+from reliable_beat.ops import requeue as ops_requeue
+from reliable_beat.ops.actions import RequeueSendError
 from reliable_beat.outbox import OutboxMessage, db_now
 from reliable_beat.redispatch import redispatch_with
 from reliable_beat.relay import Relay
@@ -259,28 +257,29 @@ def dead_letters_group() -> None:
 @pass_cli
 def dl_requeue(cli: CliContext, dead_letter_id: int, broker_spec: str, yes: bool, force: bool,
                by: str | None, queue: str | None) -> None:
-    """Run a dead Dramatiq run again under the SAME idempotency key, through the broker."""
+    """Run a dead Dramatiq run again under the SAME idempotency key, through the broker (or
+    deliver a dead outbox row again)."""
     rb, broker = _load_broker(broker_spec)
     store = Store.from_url(rb.settings.database_url, role="cli")
     try:
-        dl = runs.get_dead_letter(store, dead_letter_id)
+        plan = ops_requeue.plan_requeue(store, dead_letter_id)
     except runs.DeadLetterNotFound as exc:
         fail(str(exc), 1, kind="not_found")
-    payload = dl.get("payload") or {}
-    if not yes:
-        click.confirm(f"Requeue {payload.get('actor', payload.get('task'))} under key "
-                      f"{payload.get('key')!r} (died: {dl['reason']}, {dl['attempts']} "
-                      "attempts)?", abort=True)
-    try:
-        out = requeue_dead_letter(broker, store, dead_letter_id, by=by or getpass.getuser(),
-                                  force=force, queue=queue)
-    except ValueError as exc:
+    except ops_requeue.RequeueRefused as exc:
         fail(str(exc), 1, kind="invalid")
-    except Exception as exc:
-        fail(f"could not send the message ({exc!r}); the run stays dead", 1,
-             kind="store_unavailable")
-    click.echo(f"requeued dead letter {dead_letter_id}: {out['actor']} under key "
-               f"{out['key']!r} (message {out['message_id']} on {out['queue']})")
+    problem = ops_requeue.app_problem(plan, broker)
+    if problem is not None:
+        fail(problem, 1, kind="invalid")
+    if not yes:
+        click.confirm(plan.question, abort=True)
+    try:
+        done = ops_requeue.requeue(store, plan, app=broker, by=by or getpass.getuser(),
+                                   force=force, queue=queue)
+    except (ValueError, LookupError) as exc:
+        fail(str(exc), 1, kind="invalid")
+    except RequeueSendError as exc:
+        fail(str(exc), 1, kind="store_unavailable")
+    click.echo(done)
 
 
 #: The ``reliable-beat dramatiq`` group (the entry point's target).

@@ -7,6 +7,8 @@ Framework-neutral, like the core below it: an app is optional and reached throug
 :mod:`reliable_beat.adapters`.
 
 * :mod:`~reliable_beat.ops.actions`: trigger an entry now, backfill a window.
+* :mod:`~reliable_beat.ops.requeue`: requeue a dead letter (run, actor run, dropped
+  message, outbox row), with the question to confirm first.
 * :mod:`~reliable_beat.ops.describe`: the five questions an operator asks of a job.
 * :mod:`~reliable_beat.ops.entries`: runtime entries validated as a beat validates
   beat_schedule entries, the quarantine check behind resume, a schedule in words.

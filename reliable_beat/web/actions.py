@@ -3,10 +3,11 @@
 The actions are the operator verbs the command line has, through the same core operations:
 :func:`reliable_beat.entries.pause` / :func:`~reliable_beat.entries.resume`,
 :func:`reliable_beat.ops.actions.trigger` / :func:`~reliable_beat.ops.actions.backfill`,
-:func:`~reliable_beat.ops.actions.requeue_dead_run` (the task is sent again under the same
-key) and :func:`reliable_beat.runs.release_lease`. Every attempt is recorded, whether it was
-done, refused (a viewer, a CSRF failure, a missing confirmation) or failed, with who, what,
-when and from where (:func:`record`).
+:func:`reliable_beat.ops.requeue.requeue` (a dead run sent again under the same key, a
+dropped message sent again, a dead outbox row delivered again, as ``dead-letters requeue``)
+and :func:`reliable_beat.runs.release_lease`. Every attempt is recorded, whether it was done,
+refused (a viewer, a CSRF failure, a missing confirmation) or failed, with who, what, when
+and from where (:func:`record`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import operator_actions
 from reliable_beat.errors import ReliableBeatError
 from reliable_beat.ops import actions as ops_actions
+from reliable_beat.ops import requeue as ops_requeue
 from reliable_beat.redaction import get_logger, redact_text, redact_value
 from reliable_beat.web.auth import Principal
 
@@ -97,25 +99,16 @@ def _requeue(store: Store, app: Any, form: dict[str, str], backfill_limit: int) 
         dl_id = int(form["target"])
     except ValueError as exc:
         raise ActionError(f"dead letter id {form['target']!r} is not a number") from exc
-    dl = rb_runs.get_dead_letter(store, dl_id)
-    payload = dl["payload"]
-    if dl["kind"] != "run":
-        raise ActionError(f"dead letter {dl_id} is a {dl['kind']} dead letter; only run "
-                          "dead letters can be requeued")
-    if isinstance(payload, dict) and "actor" in payload:
-        raise ActionError(f"dead letter {dl_id} is a Dramatiq actor's: requeue it with "
-                          f"`reliable-beat dramatiq dead-letters requeue {dl_id} --broker "
-                          "mod:broker`")
-    if app is None or not hasattr(app, "send_task"):
-        raise ActionError("requeue sends the task through the Celery app: start the "
-                          "dashboard with -A APP (`reliable-beat -A APP dashboard`)")
+    plan = ops_requeue.plan_requeue(store, dl_id)  # RequeueRefused: a ValueError
+    problem = ops_requeue.app_problem(plan, app)
+    if problem is not None:
+        raise ActionError(f"{problem}; or start the dashboard with the app: "
+                          "`reliable-beat -A APP dashboard`" if app is None else problem)
     try:
-        payload = ops_actions.requeue_payload(store, dl)
-        ops_actions.requeue_dead_run(store, app, dl_id, payload, by=form["_who"],
-                                     force=form.get("force") == "yes")
-    except (ValueError, ops_actions.RequeueSendError) as exc:
+        return ops_requeue.requeue(store, plan, app=app, by=form["_who"],
+                                   force=form.get("force") == "yes")
+    except ops_actions.RequeueSendError as exc:
         raise ActionError(str(exc)) from exc
-    return f"dead letter {dl_id} requeued: {payload['task']} under key {payload['key']!r}"
 
 
 def _lease_clear(store: Store, app: Any, form: dict[str, str], backfill_limit: int) -> str:

@@ -37,6 +37,7 @@ from reliable_beat.db.types import infinity_text
 from reliable_beat.entries import get_entry
 from reliable_beat.errors import ReliableBeatError
 from reliable_beat.ops import describe as ops_describe
+from reliable_beat.ops import requeue as ops_requeue
 from reliable_beat.redaction import redact_text, redact_value
 from reliable_beat.relay import outbox_status
 from reliable_beat.runs import DeadLetterNotFound, get_dead_letter
@@ -316,7 +317,16 @@ class _Pages:
             dl = get_dead_letter(self.cfg.store, int(request.path_params["id"]))
         except (DeadLetterNotFound, ValueError):
             return self.not_found(request, f"no dead letter {request.path_params['id']!r}")
-        return self.render(request, "dead_letter.html", dl=dl,
+        try:
+            plan = ops_requeue.plan_requeue(self.cfg.store, dl)
+            refused = ops_requeue.app_problem(plan, self.cfg.app)
+            if refused is not None and self.cfg.app is None:
+                refused += "; or start the dashboard with the app: `reliable-beat -A APP dashboard`"
+            question = plan.question
+        except ops_requeue.RequeueRefused as exc:
+            refused, question = str(exc), None
+        return self.render(request, "dead_letter.html", dl=dl, question=question,
+                           refused=refused,
                            audit=q.audit_rows(self.cfg.store, limit=20, target=str(dl["id"])))
 
     def workflows(self, request: Request) -> HTMLResponse:

@@ -435,6 +435,32 @@ def test_dead_letter_requeue_confirm_then_sent_under_the_same_key(
     assert rb_runs.get_dead_letter(conf.store(), dl)["requeued_by"] == "django:admin"
 
 
+def test_a_dropped_message_is_requeued_from_the_admin(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    """The admin's requeue goes through the same operation as `dead-letters requeue`: a
+    message a worker dropped (unregistered task) is sent again through the Celery app; a
+    message refused for having no key is not requeued, and the page says why."""
+    store = conf.store()
+    tag = seeded["tag"]
+    dropped = rb_runs.record_refused_message(
+        store, key=f"late:{tag}", task="dj.late", reason="unregistered", error="unregistered",
+        payload={"task": "dj.late", "task_id": f"tid-{tag}", "args": [1], "kwargs": {},
+                 "headers": {}, "queue": None})
+    keyless = rb_runs.record_refused_message(
+        store, key=f"nokey:{tag}", task="dj.pay", reason="no_key", error="no key",
+        payload={"task": "dj.pay", "args": []})
+    url = "/admin/reliable_beat/deadletter/"
+    c = client(users["admin"])
+    with override_settings(RELIABLE_BEAT={"CELERY_APP": "djtask_app:app"}):
+        res = c.post(url, {"action": "requeue", "confirm": "yes",
+                           CHECKBOX: [dropped, keyless]}, follow=True)
+    page = res.content.decode()
+    assert f"tid-{tag}] sent again" in page, page[-3000:]
+    assert "(no_key) is not requeueable" in page
+    assert rb_runs.get_dead_letter(store, dropped)["requeued_by"] == "django:admin"
+    assert rb_runs.get_dead_letter(store, keyless)["requeued_at"] is None
+
+
 def test_runs_filter_by_state_and_show_attempts(
         users: dict[str, User], seeded: dict[str, Any]) -> None:
     c = client(users["viewer"])

@@ -2,8 +2,10 @@
 served by uvicorn on a free loopback port: every page renders, the timeline strip shows the
 missed slot, the gap and the fenced-out attempt where they happened, a click on a cell opens
 its run, an operator's pause works through the page's own form (with its CSRF field), and the
-live refresh swaps the main part in place. One screenshot per page goes to
-``$RB_SCREENSHOTS`` (CI keeps that folder; docs/dashboard.md shows them).
+live refresh swaps the main part in place, over a seeded store (tests/apps/dashboard_seed.py:
+every outcome, and XSS payloads). One screenshot per page goes to ``$RB_SCREENSHOTS``
+(``dashboard-seed-*.png``; CI keeps that folder). The images docs/dashboard.md shows come
+from a real run: tests/acceptance/test_dashboard_real_run.py.
 
 Skipped when Chromium or Selenium is missing, except in CI (``CI=true``), where it fails.
 """
@@ -114,7 +116,7 @@ def test_dashboard_pages_in_chromium(browser: Any, served: tuple[str, Seeded],
         body = browser.find_element(By.TAG_NAME, "body").text
         assert must_see in body, (shot, body[:400])
         assert "<script>" not in body or "&lt;" not in body
-        browser.save_screenshot(str(shots / f"dashboard-{shot}.png"))
+        browser.save_screenshot(str(shots / f"dashboard-seed-{shot}.png"))
     # the strip: each outcome where it happened (a browser sees the SVG the server drew)
     browser.get(base + f"/entries?q={seeded.entry}")
     row = browser.find_element(By.CSS_SELECTOR, f'tr[data-entry="{seeded.entry}"]')
@@ -140,4 +142,4 @@ def test_dashboard_pages_in_chromium(browser: Any, served: tuple[str, Seeded],
     browser.find_element(By.CSS_SELECTOR, 'button[data-action="pause"]').click()
     WebDriverWait(browser, 5).until(lambda d: d.find_elements(By.ID, "flash"))
     assert "paused" in browser.find_element(By.ID, "flash").text
-    browser.save_screenshot(str(shots / "dashboard-entry-paused.png"))
+    browser.save_screenshot(str(shots / "dashboard-seed-entry-paused.png"))

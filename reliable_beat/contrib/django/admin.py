@@ -11,7 +11,7 @@ action                 API                                     permission
 pause / resume         ``entries.pause`` / ``entries.resume``  ``reliable_beat.pause_entry``
 trigger now            ``ops.actions.trigger``                 ``reliable_beat.trigger_entry``
 backfill a window      ``ops.actions.backfill``                ``reliable_beat.backfill_entry``
-requeue a dead letter  ``ops.actions.requeue_dead_run``         ``reliable_beat.requeue_deadletter``
+requeue a dead letter  ``ops.requeue.requeue``                  ``reliable_beat.requeue_deadletter``
 =====================  ======================================  ============================
 
 Nothing is ever requeued automatically; a requeue is a person's decision and records who.
@@ -48,6 +48,7 @@ from reliable_beat.errors import ConfigurationError, EntryValidationError, Relia
 from reliable_beat.groups import schedule_group_of
 from reliable_beat.ops import actions as ops_actions
 from reliable_beat.ops import describe as ops_describe
+from reliable_beat.ops import requeue as ops_requeue
 from reliable_beat.ops.context import Operator
 from reliable_beat.ops.entries import build_definition, quarantine_problems, schedule_text
 from reliable_beat.ops.reads import outbox_backlog
@@ -642,24 +643,22 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
         if request.POST.get("confirm") != "yes":
             return self._confirm(
                 request, queryset, action="requeue", title="Requeue dead letters",
-                question="Run these again under the SAME idempotency key? A run whose "
-                         "effect committed is refused.",
-                items=[f"#{d.pk} {d.task} {d.key!r} (died: {d.reason}, {d.attempts} "
-                       "attempts)" for d in queryset])
+                question="Run these again under the SAME idempotency key (a dropped message: "
+                         "send it again; an outbox row: deliver it again)? A run whose effect "
+                         "committed is refused.",
+                items=[f"#{d.pk} {d.task or d.destination} {d.key!r} (died: {d.reason}, "
+                       f"{d.attempts} attempts)" for d in queryset])
         app: Any = None
         store = conf.store()
         for dl in queryset:
-            if dl.kind != "run":
-                self.message_user(request, f"#{dl.pk} is a {dl.kind} dead letter; only run "
-                                  "dead letters can be requeued", messages.ERROR)
-                continue
             try:  # checked first: a requeue that cannot be sent must not be recorded
-                payload = ops_actions.requeue_payload(store, {
-                    "id": dl.pk, "payload": dl.payload, "reason": dl.reason, "key": dl.key})
+                plan = ops_requeue.plan_requeue(store, {
+                    "id": dl.pk, "kind": dl.kind, "payload": dl.payload, "reason": dl.reason,
+                    "key": dl.key, "attempts": dl.attempts, "destination": dl.destination})
             except ValueError as exc:
                 self.message_user(request, f"#{dl.pk}: not requeued: {exc}", messages.ERROR)
                 continue
-            if app is None:
+            if plan.needs == ops_requeue.CELERY and app is None:
                 app = conf.celery_app()
                 if app is None:
                     self.message_user(
@@ -668,15 +667,16 @@ class DeadLetterAdmin(_ReadOnlyAdmin):
                         messages.ERROR)
                     return None
             try:
-                ops_actions.requeue_dead_run(store, app, dl.pk, payload, by=_who(request))
+                done = ops_requeue.requeue(store, plan, app=app, by=_who(request))
             except ops_actions.RequeueSendError as exc:
                 self.message_user(request, f"#{dl.pk}: {exc}", messages.ERROR)
                 continue
             except (ValueError, LookupError) as exc:
                 self.message_user(request, f"#{dl.pk}: not requeued: {exc}", messages.ERROR)
                 continue
-            self.message_user(request, f"#{dl.pk}: requeued {payload['task']} under key "
-                              f"{payload['key']!r}", messages.SUCCESS)
+            self.message_user(request, f"#{dl.pk}: requeued {plan.payload['task']} under key "
+                              f"{plan.payload['key']!r}" if plan.what == "run"
+                              else f"#{dl.pk}: {done}", messages.SUCCESS)
         return None
 
 

@@ -33,6 +33,7 @@ with warnings.catch_warnings():  # Starlette 1.x: "install httpx2" (httpx still 
     from starlette.testclient import TestClient
 
 LOOPBACK = ("127.0.0.1", 50000)
+LOCAL_URL = "http://127.0.0.1:8000"  # a loopback Host: the tokenless dashboard refuses others
 
 
 def _csrf(page: str) -> str:
@@ -74,7 +75,8 @@ def test_a_dramatiq_actors_dead_run_is_requeued_through_the_broker(
                                  "options": {OPTION: {"key": key}}})
     [dl] = runs.list_dead_letters(sqlite_store)
     with TestClient(create_app(sqlite_store, app=stub, auth=AuthConfig()),
-                    client=LOOPBACK) as local:
+                    client=LOOPBACK,
+                    base_url=LOCAL_URL) as local:
         page = local.get(f"/dead-letters/{dl['id']}").text
         assert f"Requeue pay under key {key!r}" in page.replace("&#39;", "'"), page
         shown = _requeue(local, dl["id"])
@@ -92,7 +94,8 @@ def test_an_outbox_dead_letter_is_delivered_again_without_an_app(sqlite_store: S
     relay = _dead_outbox_row(sqlite_store, delivered, broken)
     [dl] = runs.list_dead_letters(sqlite_store)
     broken["now"] = False  # the far end is fixed
-    with TestClient(create_app(sqlite_store, auth=AuthConfig()), client=LOOPBACK) as local:
+    with TestClient(create_app(sqlite_store, auth=AuthConfig()), client=LOOPBACK,
+                    base_url=LOCAL_URL) as local:
         page = local.get(f"/dead-letters/{dl['id']}").text
         assert "Deliver outbox message" in page and "to sink again" in page, page
         shown = _requeue(local, dl["id"])
@@ -108,7 +111,8 @@ def test_a_refused_message_is_not_requeueable_and_the_page_says_why(
     dl_id = runs.record_refused_message(
         sqlite_store, key="k" * 5, task="shop.pay", payload={"task": "shop.pay", "args": []},
         error="ValueError: no key", reason="no_key")
-    with TestClient(create_app(sqlite_store, auth=AuthConfig()), client=LOOPBACK) as local:
+    with TestClient(create_app(sqlite_store, auth=AuthConfig()), client=LOOPBACK,
+                    base_url=LOCAL_URL) as local:
         page = local.get(f"/dead-letters/{dl_id}").text
         assert "(no_key) is not requeueable" in page and 'data-action="requeue"' not in page
         r = local.post("/actions/requeue", data={"csrf": local.cookies["rb_csrf"],
@@ -132,6 +136,7 @@ def test_the_page_names_what_is_missing_without_an_app(sqlite_store: Store, kind
             sqlite_store, key="k2", task="t.late",
             payload={"task": "t.late", "task_id": "tid-1", "args": []},
             error="unregistered", reason="unregistered")
-    with TestClient(create_app(sqlite_store, auth=AuthConfig()), client=LOOPBACK) as local:
+    with TestClient(create_app(sqlite_store, auth=AuthConfig()), client=LOOPBACK,
+                    base_url=LOCAL_URL) as local:
         page = local.get(f"/dead-letters/{dl_id}").text
         assert "reliable-beat -A APP dashboard" in page and "Yes, requeue it" in page, page

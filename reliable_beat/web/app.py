@@ -61,8 +61,9 @@ from reliable_beat.web.timeline import (
     strip,
     strip_svg,
 )
-from reliable_beat.workflows.engine import get_workflow, workflow_counts
+from reliable_beat.workflows.engine import get_workflow, replay_check, workflow_counts
 from reliable_beat.workflows.errors import WorkflowNotFound
+from reliable_beat.workflows.registry import get_definition
 
 __all__ = ["DashboardConfig", "create_app", "display"]
 
@@ -347,7 +348,23 @@ class _Pages:
             wf = get_workflow(self.cfg.store, wid, events=True)
         except WorkflowNotFound:
             return self.not_found(request, f"no workflow {wid!r}")
-        return self.render(request, "workflow.html", wf=wf)
+        return self.render(request, "workflow.html", wf=wf,
+                           replay=self.replay_verdict(wid, wf["name"]))
+
+    def replay_verdict(self, wid: str, name: str) -> tuple[str, str]:
+        """(``ok`` | ``mismatch`` | ``unchecked``, what to say): the workflow's stored history
+        replayed against the code this process registers, as `workflows replay` does."""
+        if get_definition(name) is None:
+            return ("unchecked", f"not checked: workflow {name!r} is not registered in this "
+                    "process; start the dashboard with the app that registers it "
+                    "(`reliable-beat -A APP dashboard`)")
+        try:
+            problem = replay_check(self.cfg.store, wid)
+        except WorkflowNotFound:
+            return ("unchecked", "not checked: the workflow is gone")
+        if problem is None:
+            return ("ok", "this process's code replays the stored history without a mismatch")
+        return ("mismatch", problem)
 
     def outbox(self, request: Request) -> HTMLResponse:
         p = request.query_params

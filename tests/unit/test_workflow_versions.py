@@ -503,3 +503,42 @@ def test_a_terminated_child_wakes_its_parent(app: Celery, wf_store: Store) -> No
     driver.run()
     # the parent's first wait_child raises ActivityError(kind="child"): it ends failed
     assert handle.status()["state"] == "failed"
+
+
+def test_the_dashboard_shows_the_replay_check_verdict(
+        app: Celery, wf_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workflow page says what `reliable-beat workflows replay` would: the history
+    replays on this process's code, or the first mismatch, or that the code is not loaded."""
+    import warnings
+
+    from reliable_beat.web import app as web_app
+    from reliable_beat.web.auth import AuthConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    driver = Driver(wf_store, app)
+    workflow(name="t.replay")(v1)
+    engine.start(wf_store, "t.replay", "shown")
+    driver.run()
+    client = TestClient(web_app.create_app(wf_store, auth=AuthConfig()),
+                        client=("127.0.0.1", 50000), base_url="http://127.0.0.1:8000")
+
+    def verdict() -> str:
+        page = client.get("/workflows/shown")
+        assert page.status_code == 200
+        return page.text.split('id="replay"', 1)[1].split("</p>", 1)[0]
+
+    assert "without a mismatch" in verdict()
+
+    def reordered(ctx: WorkflowContext) -> str:
+        ctx.wait_signal("go")
+        ctx.activity("wfv.act", "a")
+        return "x"
+
+    workflow(name="t.replay")(reordered)
+    shown = verdict()
+    assert "MISMATCH" in shown and "seq 1" in shown, shown
+    monkeypatch.setattr(web_app, "get_definition", lambda name: None)
+    assert "not registered in this process" in verdict()

@@ -11,6 +11,10 @@ to confirm (what the CLI asks before it acts), or refuses it with the reason and
 * ``message`` dead letter (a worker dropped the message): reason ``unregistered`` is sent
   again through the Celery app (same task id, arguments and headers); ``no_key`` and
   ``rejected`` are refused: the message itself was wrong, its caller must send the work again.
+* ``run`` dead letter of a workflow activity (key ``wf:<id>/<run>#<seq>``): refused once the
+  workflow's history has recorded the activity's failure (the workflow moved on: a re-run's
+  effect would land outside its history, e.g. after its saga compensated); allowed while
+  the history still waits for that activity.
 * ``run`` dead letter of a Celery task: the run again under the same idempotency key, through
   the Celery app (:func:`reliable_beat.ops.actions.requeue_dead_run`).
 * ``run`` dead letter of a Dramatiq actor (its payload names the ``actor``): the same, through
@@ -30,6 +34,10 @@ from reliable_beat.adapters import adapter_for
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import ReliableBeatError
 from reliable_beat.ops import actions as ops_actions
+from reliable_beat.workflow_store import parse_activity_key
+from reliable_beat.workflows.errors import WorkflowNotFound
+from reliable_beat.workflows.history import TERMINAL_STATES
+from reliable_beat.workflows.queries import get_workflow
 
 __all__ = ["RequeuePlan", "RequeueRefused", "app_problem", "plan_requeue", "requeue"]
 
@@ -98,6 +106,7 @@ def plan_requeue(store: Store, dead_letter: int | Mapping[str, Any]) -> RequeueP
     if kind != "run":
         raise RequeueRefused(f"dead letter {dl_id} is {_article(str(kind))} dead letter; only "
                              "run, outbox and dropped-message dead letters can be requeued")
+    _refuse_a_settled_activity(store, dl_id, str(dl.get("key") or ""))
     if isinstance(payload, Mapping) and "actor" in payload:
         return RequeuePlan(dl, "actor_run", DRAMATIQ,
                            f"Requeue {payload['actor']} under key {payload.get('key')!r} "
@@ -109,6 +118,41 @@ def plan_requeue(store: Store, dead_letter: int | Mapping[str, Any]) -> RequeueP
     return RequeuePlan(dl, "run", CELERY,
                        f"Requeue {sendable['task']} under key {sendable['key']!r} ({died})?",
                        sendable)
+
+
+def _refuse_a_settled_activity(store: Store, dl_id: int, key: str) -> None:
+    """Refuse a workflow activity's dead letter whose failure the workflow has recorded."""
+    parsed = parse_activity_key(key)
+    if parsed is None:
+        return
+    workflow_id, run_no, seq = parsed
+    try:
+        wf = get_workflow(store, workflow_id, events=True)
+    except WorkflowNotFound:
+        raise RequeueRefused(
+            f"dead letter {dl_id} is the activity #{seq} of workflow {workflow_id!r}, which no "
+            "longer exists: a re-run's effect would belong to no workflow; dismiss it "
+            f"(`reliable-beat dead-letters dismiss {dl_id}`)") from None
+    event = next((e for e in wf.get("events", ()) if e["seq"] == seq), None)
+    waiting = (wf["run_no"] == run_no and event is not None and event["state"] == "scheduled"
+               and wf["state"] not in TERMINAL_STATES)
+    if waiting:
+        return
+    if event is not None and event["kind"] == "compensation" and wf["state"] == "blocked":
+        raise RequeueRefused(
+            f"dead letter {dl_id} is a compensation of workflow {workflow_id!r}, which is "
+            "blocked on it: once its cause is fixed, run `reliable-beat workflows compensate "
+            f"{workflow_id}` (it requeues this compensation and runs the remaining ones in "
+            "order)")
+    recorded = (f"its history recorded the activity as {event['state']}"
+                if wf["run_no"] == run_no and event is not None
+                else f"the workflow is at run {wf['run_no']}")
+    raise RequeueRefused(
+        f"dead letter {dl_id} is the activity #{seq} of workflow {workflow_id!r} (run "
+        f"{run_no}), now {wf['state']}; {recorded}, and the workflow went on from there (a "
+        "saga may have compensated): a re-run's effect would land outside its history. Run "
+        "the work again as a new workflow, or dismiss the dead letter "
+        f"(`reliable-beat dead-letters dismiss {dl_id}`)")
 
 
 def _framework(app: Any) -> str | None:

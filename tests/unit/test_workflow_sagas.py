@@ -730,3 +730,37 @@ def test_a_compensated_step_is_a_handled_dead_letter_that_does_not_page(
     assert count == 2 and problems, problems  # the step c and the compensation of b
     assert sorted(d["key"] for d in runs.list_dead_letters(store, handled=False)) == [
         "wf:broken/1#3", "wf:broken/1#6"]
+
+
+def test_requeue_of_a_settled_activity_dead_letter_is_refused(app: Celery, store: Store) -> None:
+    """`dead-letters requeue` (and the dashboard's and the admin's, through
+    ``ops.requeue.plan_requeue``) refuses a workflow activity's dead letter once the history
+    recorded its failure: the saga compensated, so a re-run's effect (a card captured) would
+    land outside the history. A dead compensation of a blocked workflow is sent to
+    `workflows compensate`. Nothing is changed by a refusal."""
+    from click.testing import CliRunner
+
+    from reliable_beat import runs
+    from reliable_beat.cli import reliable_beat as rb_cli
+    from reliable_beat.ops.requeue import RequeueRefused, plan_requeue
+
+    engine.start(store, "t.three", "declined", ["declined"])
+    drain(Driver(store, app))
+    assert engine.get_workflow(store, "declined")["state"] == "failed"
+    [dl] = runs.list_dead_letters(store)
+    with pytest.raises(RequeueRefused, match="outside its history"):
+        plan_requeue(store, int(dl["id"]))
+    out = CliRunner().invoke(rb_cli, ["--database-url", store.url, "dead-letters", "requeue",
+                                      str(dl["id"]), "--yes"])
+    assert out.exit_code != 0 and "outside its history" in out.output, out.output
+    assert runs.get_dead_letter(store, int(dl["id"])).get("requeued_at") is None
+
+    BROKEN.add("o4:b")
+    engine.start(store, "t.three", "o4", ["o4"])
+    drain(Driver(store, app))
+    assert engine.get_workflow(store, "o4")["state"] == "blocked"
+    dead = {d["key"]: int(d["id"]) for d in runs.list_dead_letters(store)}
+    with pytest.raises(RequeueRefused, match="workflows compensate o4"):
+        plan_requeue(store, dead["wf:o4/1#3"])  # the dead compensation
+    with pytest.raises(RequeueRefused, match="outside its history"):
+        plan_requeue(store, dead["wf:o4/1#6"])  # the refused step

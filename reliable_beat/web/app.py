@@ -14,6 +14,7 @@ Authentication, roles and CSRF: :mod:`reliable_beat.web.auth`; actions:
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 from datetime import datetime, timedelta, timezone
@@ -23,6 +24,7 @@ from urllib.parse import quote, urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
+from sqlalchemy.exc import OperationalError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -35,10 +37,10 @@ from starlette.routing import Route
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.types import infinity_text
 from reliable_beat.entries import get_entry
-from reliable_beat.errors import ReliableBeatError
+from reliable_beat.errors import ReliableBeatError, StoreUnavailableError
 from reliable_beat.ops import describe as ops_describe
 from reliable_beat.ops import requeue as ops_requeue
-from reliable_beat.redaction import redact_text, redact_value
+from reliable_beat.redaction import get_logger, redact_text, redact_value
 from reliable_beat.relay import outbox_status
 from reliable_beat.runs import DeadLetterNotFound, get_dead_letter
 from reliable_beat.settings import Settings
@@ -51,6 +53,7 @@ from reliable_beat.web.auth import (
     AuthConfig,
     authenticate,
     csrf_problem,
+    flash_signature,
     is_loopback_host_header,
     new_csrf_token,
 )
@@ -66,6 +69,8 @@ from reliable_beat.workflows.errors import WorkflowNotFound
 from reliable_beat.workflows.registry import get_definition
 
 __all__ = ["DashboardConfig", "create_app", "display"]
+
+log = get_logger("reliable_beat.web")
 
 HERE = Path(__file__).parent
 PER_PAGE = 50
@@ -193,6 +198,17 @@ class _Guard(BaseHTTPMiddleware):
         return response
 
 
+def _verified_flash(request: Request) -> str | None:
+    """The action's message from the query string, only when this dashboard signed it for
+    this browser (a crafted link's ``?msg=`` is not shown)."""
+    query = request.query_params
+    message, outcome, sig = query.get("msg"), query.get("outcome") or "", query.get("sig")
+    if not message or not sig:
+        return None
+    wanted = flash_signature(request.state.csrf, outcome, message)
+    return message if hmac.compare_digest(sig, wanted) else None
+
+
 class _Pages:
     """The route handlers (sync: Starlette runs them in its thread pool)."""
 
@@ -208,7 +224,7 @@ class _Pages:
             request=request, root=root, who=request.state.who, csrf=request.state.csrf,
             live_only=request.headers.get(LIVE_HEADER) == "1",
             refresh_ms=int(self.cfg.refresh_seconds * 1000),
-            flash=query.get("msg"), flash_outcome=query.get("outcome"),
+            flash=_verified_flash(request), flash_outcome=query.get("outcome"),
             here=request.url.path[len(root):] + (f"?{request.url.query}"
                                                  if request.url.query else ""))
         body = self.env.get_template(template).render(**context)
@@ -216,6 +232,19 @@ class _Pages:
 
     def not_found(self, request: Request, what: str) -> HTMLResponse:
         return self.render(request, "error.html", 404, message=what)
+
+    async def store_unavailable(self, request: Request, exc: Exception) -> StarletteResponse:
+        """503 while the database cannot be reached (not a 500 with a traceback); the page's
+        live refresh keeps asking, so it comes back by itself."""
+        log.warning("dashboard: the store %s cannot be reached (%s); answering 503",
+                    self.cfg.store.safe_url, type(exc).__name__)
+        message = (f"The store {self.cfg.store.safe_url} cannot be reached right now "
+                   f"({type(exc).__name__}). Beats, workers and relays wait for it and go "
+                   "on where they stopped; this page answers again once it is back.")
+        if not hasattr(request.state, "who"):
+            return PlainTextResponse(message, 503)
+        return self.render(request, "error.html", 503, heading="Store unavailable",
+                           message=message)
 
     # ------------------------------------------------------------------ pages ----
     def overview(self, request: Request) -> HTMLResponse:
@@ -398,8 +427,9 @@ class _Pages:
             return PlainTextResponse(f"refused: {done.message}", 403)
         back = _local_back(request, form.get("back"), "/")
         sep = "&" if "?" in back else "?"
-        return RedirectResponse(
-            f"{back}{sep}{urlencode({'msg': done.message, 'outcome': done.outcome})}", 303)
+        sig = flash_signature(request.state.csrf, done.outcome, done.message)
+        return RedirectResponse(f"{back}{sep}" + urlencode(
+            {"msg": done.message, "outcome": done.outcome, "sig": sig}), 303)
 
     def static(self, request: Request) -> StarletteResponse:
         name = request.path_params["name"]
@@ -457,6 +487,8 @@ def create_app(store: Store | None = None, *, database_url: str | None = None,
         Route("/actions/{action}", pages.act, methods=["POST"]),
         Route("/static/{name}", pages.static),
     ]
-    web = Starlette(routes=routes, middleware=[Middleware(_Guard, auth=cfg.auth)])
+    web = Starlette(routes=routes, middleware=[Middleware(_Guard, auth=cfg.auth)],
+                    exception_handlers={StoreUnavailableError: pages.store_unavailable,
+                                        OperationalError: pages.store_unavailable})
     web.state.dashboard = cfg
     return web

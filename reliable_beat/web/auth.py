@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -42,6 +43,7 @@ __all__ = [
     "authenticate",
     "check_bind",
     "csrf_problem",
+    "flash_signature",
     "is_loopback",
     "is_loopback_host_header",
     "new_csrf_token",
@@ -196,6 +198,13 @@ def authenticate(authorization: str | None, client_host: str | None,
 
 def new_csrf_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+def flash_signature(csrf_token: str, outcome: str, message: str) -> str:
+    """The signature an action's redirect gives its message (``sig``), keyed by the
+    browser's CSRF token: a link from elsewhere cannot make the dashboard show its text."""
+    mac = hmac.new(csrf_token.encode(), f"{outcome}\0{message}".encode(), hashlib.sha256)
+    return mac.hexdigest()[:32]
 
 
 def csrf_problem(cookie: str | None, field_value: Any, origin: str | None,

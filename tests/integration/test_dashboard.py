@@ -207,6 +207,37 @@ def test_without_a_token_a_foreign_host_name_is_refused(store: Store, seeded: Se
         assert tokened.get("/", headers={"host": "dashboard.internal"}).status_code == 200
 
 
+def test_a_crafted_link_cannot_show_its_own_message(store: Store, seeded: Seeded,
+                                                     local: TestClient) -> None:
+    """An action's message comes back signed for this browser; a link's own ``?msg=`` (e.g.
+    "re-enter your token at https://evil.example") is not shown as the dashboard's."""
+    bait = "Session expired: re-enter your token at https://evil.example"
+    page = local.get(f"/entries/{seeded.entry}", params={"msg": bait, "outcome": "ok"}).text
+    assert bait not in page and 'id="flash"' not in page
+    r = local.post("/actions/pause", follow_redirects=False,
+                   data={"csrf": _csrf(page), "target": seeded.entry,
+                         "back": f"/entries/{seeded.entry}"})
+    shown = local.get(r.headers["location"]).text
+    assert 'id="flash"' in shown and f"entry {seeded.entry!r} paused" in shown.replace(
+        "&#39;", "'")
+    # the same signed link in another browser (another CSRF cookie) shows nothing
+    with _client(store) as other:
+        assert 'id="flash"' not in other.get(r.headers["location"]).text
+
+
+def test_an_unreachable_store_is_a_503_page_not_a_traceback() -> None:
+    dead = Store.from_url("postgresql+psycopg://rb:s3cret-pw@127.0.0.1:9/nowhere")
+    try:
+        with TestClient(create_app(dead, auth=AuthConfig()), client=LOOPBACK,
+                        base_url="http://127.0.0.1:8000", raise_server_exceptions=False) as local:
+            for path in ("/", "/entries", "/runs", "/workflows"):
+                r = local.get(path)
+                assert r.status_code == 503, (path, r.status_code, r.text[:300])
+                assert "cannot be reached" in r.text and "s3cret-pw" not in r.text
+    finally:
+        dead.dispose()
+
+
 def test_xss_payloads_stay_escaped(store: Store, seeded: Seeded, local: TestClient) -> None:
     for path in ("/", "/entries", f"/entries/{seeded.xss_entry}", "/runs",
                  f"/runs/{seeded.dead_key}", "/dead-letters",

@@ -15,6 +15,10 @@ the server figure over blocks of 100 calls or more).
     # one process, blocks of 100 calls alternated: plain task, the claim and completion
     # through SQLAlchemy Core (conn.execute), and on the psycopg connection (the default)
     PYTHONPATH=. python benchmarks/profile_task.py --toggle --n 1600 .
+    # one process, blocks of AB_BLOCK (200) calls alternating plain / old / new of one change
+    # (held: the claim's connection kept for the execution's transaction; indexes: partial
+    # state / entry indexes on the runs table, an experiment), + row writes per call
+    PYTHONPATH=. python benchmarks/profile_task.py --ab held --n 3200 .
 """
 import json
 import os
@@ -71,6 +75,9 @@ def child(tree, url, mode, n, profile, postmaster, tag):
         else:
             idem.apply((i,), headers={KEY_HEADER: key})
 
+    if mode.startswith("ab:"):
+        ab(mode[3:], n, url, postmaster, tag, plain, idem, KEY_HEADER)
+        return
     if mode == "toggle":
         import statistics
 
@@ -144,6 +151,121 @@ def child(tree, url, mode, n, profile, postmaster, tag):
                       "wall_us": (w1 - w0) / n * 1e6}))
 
 
+#: ``--ab``: what "old" and "new" mean for each change measured (set before each block).
+#: held: the claim's connection held for the execution's transaction (reliable_beat.db.held)
+#: or one pool check-out each. indexes: the runs table's state and entry indexes full, or
+#: partial (an experiment: DDL between blocks, nothing shipped).
+_PARTIAL_INDEXES = [
+    "CREATE INDEX ix_ab_state ON reliable_beat_runs (state) WHERE state <> 'succeeded'",
+    "CREATE INDEX ix_ab_entry_created ON reliable_beat_runs (entry_name, created_at)"
+    " WHERE entry_name IS NOT NULL",
+    "CREATE UNIQUE INDEX ix_ab_entry_fire ON reliable_beat_runs (entry_name, fire_at)"
+    " WHERE entry_name IS NOT NULL",
+]
+_FULL_INDEXES = [
+    "CREATE INDEX ix_reliable_beat_runs_state ON reliable_beat_runs (state)",
+    "CREATE INDEX ix_reliable_beat_runs_entry_name_created_at ON reliable_beat_runs"
+    " (entry_name, created_at)",
+    "ALTER TABLE reliable_beat_runs ADD CONSTRAINT uq_reliable_beat_runs_entry_name_fire_at"
+    " UNIQUE (entry_name, fire_at)",
+]
+
+
+def ab(variant, n, url, postmaster, tag, plain, idem, key_header):
+    """Blocks of ``--block`` calls alternating plain / old / new (order flipped every other
+    block); per block the worker's CPU, the server's CPU, and (at the end, in a separate
+    phase of 300 calls each) the row writes per call from pg_stat_user_tables."""
+    import statistics
+
+    import sqlalchemy as sa
+
+    from reliable_beat.db import held
+
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    real_take = held.Held.take
+    state = {"indexes": "old"}
+
+    def ddl(stmts):
+        with admin.connect() as c:
+            for q in stmts:
+                c.execute(sa.text(q))
+
+    def setup(which):
+        if variant == "held":
+            held.Held.take = real_take if which == "new" else (lambda self, store: None)
+        elif variant == "indexes" and state["indexes"] != which:
+            if which == "new":
+                ddl(["DROP INDEX ix_reliable_beat_runs_state",
+                     "DROP INDEX ix_reliable_beat_runs_entry_name_created_at",
+                     "ALTER TABLE reliable_beat_runs DROP CONSTRAINT"
+                     " uq_reliable_beat_runs_entry_name_fire_at", *_PARTIAL_INDEXES])
+            else:
+                ddl(["DROP INDEX ix_ab_state", "DROP INDEX ix_ab_entry_created",
+                     "DROP INDEX ix_ab_entry_fire", *_FULL_INDEXES])
+            state["indexes"] = which
+
+    def run(name, keys):
+        for i, k in enumerate(keys):
+            if name == "plain":
+                plain.apply((i,))
+            else:
+                idem.apply((i,), headers={key_header: k})
+
+    for which in ("old", "new"):  # warm both paths
+        setup(which)
+        run(which, [f"warm{tag}:{which}:{i}" for i in range(20)])
+    run("plain", range(20))
+    blk = int(os.environ.get("AB_BLOCK", "200"))
+    res = {"plain": [], "old": [], "new": [], "replay_old": [], "replay_new": []}
+    for b in range(n // blk):
+        order = ["plain", "old", "new"]
+        if b % 2:
+            order.reverse()
+        for name in order:
+            setup(name if name != "plain" else "old")
+            keys = [f"{tag}:{name}:{b}:{i}" for i in range(blk)]
+            for sub in ((name,) if name == "plain" else (name, "replay_" + name)):
+                pg0 = pg_children_cpu(postmaster)
+                c0 = time.process_time()
+                run(name, keys)
+                c1 = time.process_time()
+                pg1 = pg_children_cpu(postmaster)
+                res[sub].append(((c1 - c0) / blk * 1e6, (pg1 - pg0) / blk * 1e6))
+    stats_q = sa.text(
+        "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+        " WHERE relname IN ('reliable_beat_runs', 'reliable_beat_attempts', 'bench_effects')")
+
+    def stats():
+        time.sleep(11)  # backends flush their table counters within PGSTAT_IDLE_INTERVAL
+        with admin.connect() as c:
+            c.execute(sa.text("SET stats_fetch_consistency = none"))
+            return {r[0]: r[1:] for r in c.execute(stats_q)}
+
+    rows = {}
+    calls = 300
+    for name in ("old", "new"):
+        setup(name)
+        before = stats()
+        run(name, [f"{tag}:rows:{name}:{i}" for i in range(calls)])
+        after = stats()
+        rows[name] = {t: {k: (after[t][j] - before[t][j]) / calls
+                          for j, k in enumerate(("ins", "upd", "hot_upd"))} for t in after}
+    setup("old")
+    out = {}
+    for k, v in res.items():
+        w = [a for a, _ in v]
+        p = [b for _, b in v]
+        out[k] = {"cpu_med": statistics.median(w), "cpu_min": min(w), "cpu_max": max(w),
+                  "pg_med": statistics.median(p), "pg_min": min(p), "pg_max": max(p)}
+    for name in ("old", "new"):
+        out["ratio_" + name] = {
+            "total": (out["plain"]["cpu_med"] + out["plain"]["pg_med"])
+            / (out[name]["cpu_med"] + out[name]["pg_med"]),
+            "worker": out["plain"]["cpu_med"] / out[name]["cpu_med"]}
+        out["rows_" + name] = rows[name]
+    print(json.dumps(out))
+
+
 def main():
     if sys.argv[1] == "--child":
         tree, url, mode, n, profile, pm, tag = sys.argv[2:9]
@@ -155,6 +277,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--toggle", action="store_true")
+    ap.add_argument("--ab", choices=("held", "indexes"),
+                    help="one process, blocks alternating plain / old / new of a change")
     ap.add_argument("trees", nargs="+")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -172,15 +296,21 @@ def main():
         st.dispose()
         pm = int((pg.datadir / "data" / "postmaster.pid").read_text().split()[0])
         res = {}
-        if args.toggle:
+        if args.toggle or args.ab:
+            mode = f"ab:{args.ab}" if args.ab else "toggle"
             out = subprocess.run([sys.executable, __file__, "--child", args.trees[0], pg.url,
-                                  "toggle", str(args.n), "0", str(pm), "tg"],
+                                  mode, str(args.n), "0", str(pm), "tg"],
                                  capture_output=True, text=True,
                                  env={**os.environ, "PYTHONPATH": args.trees[0]})
             print(out.stderr[-3000:])
             d = json.loads(out.stdout.strip().splitlines()[-1])
             for k, v in d.items():
-                print(k, {a: round(b) for a, b in v.items()})
+                if k.startswith("rows_"):
+                    print(k, {t: {a: round(b, 2) for a, b in c.items()} for t, c in v.items()})
+                elif k.startswith("ratio_"):
+                    print(k, {a: round(b, 2) for a, b in v.items()})
+                else:
+                    print(k, {a: round(b) for a, b in v.items()})
             return
         for r in range(args.rounds):
             for ti, tree in enumerate(args.trees):

@@ -154,7 +154,8 @@ def child(tree, url, mode, n, profile, postmaster, tag):
 #: ``--ab``: what "old" and "new" mean for each change measured (set before each block).
 #: held: the claim's connection held for the execution's transaction (reliable_beat.db.held)
 #: or one pool check-out each. indexes: the runs table's state and entry indexes full, or
-#: partial (an experiment: DDL between blocks, nothing shipped).
+#: partial (an experiment: DDL between blocks, nothing shipped). noattempt: the claim and
+#: completion with or without their attempt-row CTEs (an experiment, nothing shipped).
 _PARTIAL_INDEXES = [
     "CREATE INDEX ix_ab_state ON reliable_beat_runs (state) WHERE state <> 'succeeded'",
     "CREATE INDEX ix_ab_entry_created ON reliable_beat_runs (entry_name, created_at)"
@@ -190,7 +191,24 @@ def ab(variant, n, url, postmaster, tag, plain, idem, key_header):
             for q in stmts:
                 c.execute(sa.text(q))
 
+    import importlib
+    cl = importlib.import_module("reliable_beat.runs.claim")
+    co = importlib.import_module("reliable_beat.runs.complete")  # runs.complete: a function
+    real_stmts = (cl._PG_CLAIM, co._PG_COMPLETE)
+    if variant == "noattempt":
+        # the same claim and completion minus their attempt-row CTEs (the happy path of a
+        # first try recorded on the run row alone): what not writing that row saves
+        claim_join = cl._pg_claim_statement().get_final_froms()[0]
+        got = claim_join.left
+        done_join = co._pg_complete_statement().get_final_froms()[0]
+        bare = (cl.DriverStatement(lambda: sa.select(
+                    got, sa.literal_column("0").label("attempt_id"))),
+                co.DriverStatement(lambda: sa.select(
+                    done_join.left.c.id, done_join.right.c.prev_state).select_from(done_join)))
+
     def setup(which):
+        if variant == "noattempt":
+            cl._PG_CLAIM, co._PG_COMPLETE = real_stmts if which == "old" else bare
         if variant == "held":
             held.Held.take = real_take if which == "new" else (lambda self, store: None)
         elif variant == "indexes" and state["indexes"] != which:
@@ -277,7 +295,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--toggle", action="store_true")
-    ap.add_argument("--ab", choices=("held", "indexes"),
+    ap.add_argument("--ab", choices=("held", "indexes", "noattempt"),
                     help="one process, blocks alternating plain / old / new of a change")
     ap.add_argument("trees", nargs="+")
     args = ap.parse_args()

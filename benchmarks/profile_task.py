@@ -15,10 +15,10 @@ the server figure over blocks of 100 calls or more).
     # one process, blocks of 100 calls alternated: plain task, the claim and completion
     # through SQLAlchemy Core (conn.execute), and on the psycopg connection (the default)
     PYTHONPATH=. python benchmarks/profile_task.py --toggle --n 1600 .
-    # one process, blocks of AB_BLOCK (200) calls alternating plain / old / new of one change
-    # (held: the claim's connection kept for the execution's transaction; indexes: partial
-    # state / entry indexes on the runs table, an experiment), + row writes per call
-    PYTHONPATH=. python benchmarks/profile_task.py --ab held --n 3200 .
+    # one process, blocks of AB_BLOCK (200) calls alternating plain / old / new of an
+    # experiment (noattempt: no attempt row for a first try; indexes: partial state / entry
+    # indexes on the runs table), + row writes per call from pg_stat_user_tables
+    PYTHONPATH=. python benchmarks/profile_task.py --ab noattempt --n 3200 .
 """
 import json
 import os
@@ -151,11 +151,10 @@ def child(tree, url, mode, n, profile, postmaster, tag):
                       "wall_us": (w1 - w0) / n * 1e6}))
 
 
-#: ``--ab``: what "old" and "new" mean for each change measured (set before each block).
-#: held: the claim's connection held for the execution's transaction (reliable_beat.db.held)
-#: or one pool check-out each. indexes: the runs table's state and entry indexes full, or
-#: partial (an experiment: DDL between blocks, nothing shipped). noattempt: the claim and
-#: completion with or without their attempt-row CTEs (an experiment, nothing shipped).
+#: ``--ab``: what "old" and "new" mean for each experiment (set before each block; nothing
+#: of it ships). indexes: the runs table's state and entry indexes full, or partial (DDL
+#: between blocks). noattempt: the claim and completion with or without their attempt-row
+#: CTEs (the happy path of a first try recorded on the run row alone).
 _PARTIAL_INDEXES = [
     "CREATE INDEX ix_ab_state ON reliable_beat_runs (state) WHERE state <> 'succeeded'",
     "CREATE INDEX ix_ab_entry_created ON reliable_beat_runs (entry_name, created_at)"
@@ -180,10 +179,7 @@ def ab(variant, n, url, postmaster, tag, plain, idem, key_header):
 
     import sqlalchemy as sa
 
-    from reliable_beat.db import held
-
     admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    real_take = held.Held.take
     state = {"indexes": "old"}
 
     def ddl(stmts):
@@ -209,9 +205,7 @@ def ab(variant, n, url, postmaster, tag, plain, idem, key_header):
     def setup(which):
         if variant == "noattempt":
             cl._PG_CLAIM, co._PG_COMPLETE = real_stmts if which == "old" else bare
-        if variant == "held":
-            held.Held.take = real_take if which == "new" else (lambda self, store: None)
-        elif variant == "indexes" and state["indexes"] != which:
+        if variant == "indexes" and state["indexes"] != which:
             if which == "new":
                 ddl(["DROP INDEX ix_reliable_beat_runs_state",
                      "DROP INDEX ix_reliable_beat_runs_entry_name_created_at",
@@ -295,8 +289,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--toggle", action="store_true")
-    ap.add_argument("--ab", choices=("held", "indexes", "noattempt"),
-                    help="one process, blocks alternating plain / old / new of a change")
+    ap.add_argument("--ab", choices=("indexes", "noattempt"),
+                    help="one process, blocks alternating plain / old / new of an experiment")
     ap.add_argument("trees", nargs="+")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

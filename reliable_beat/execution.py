@@ -22,7 +22,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,7 +31,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from reliable_beat import handoff, outbox, runs, tracing
 from reliable_beat import values as rb_values
-from reliable_beat.db import held, migrate
+from reliable_beat.db import migrate
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import PermanentError, SchemaError, StaleFenceToken
 from reliable_beat.policies import backoff_delay
@@ -134,38 +133,20 @@ class Decision:
 
 def claim_run(store: Store, key: str, **kwargs: Any) -> runs.Claim:
     """:func:`reliable_beat.runs.claim_run` in a ``reliable_beat.claim`` span (tracing on): its
-    outcome, fence token and attempt on the span and on the execution's span.
-
-    Inside :func:`reliable_beat.db.held.holding` the claim's connection stays checked out for
-    the execution's own transaction (:meth:`RunState.begin`)."""
+    outcome, fence token and attempt on the span and on the execution's span."""
     if tracing.tracer() is None:
-        return _claim_held(store, key, **kwargs)
+        return runs.claim_run(store, key, **kwargs)
     fire_at = kwargs.get("fire_at")
     attrs = tracing.attributes(key=key, entry=kwargs.get("entry"),
                                slot=None if fire_at is None else format_fire_at(fire_at))
     tracing.annotate(attrs)
     with tracing.span("reliable_beat.claim", attributes=attrs) as s:
-        claim = _claim_held(store, key, **kwargs)
+        claim = runs.claim_run(store, key, **kwargs)
         found = tracing.attributes(outcome=claim.outcome, fence_token=claim.fence_token,
                                    attempt=claim.attempt)
         s.set_attributes(found)
         tracing.annotate({k: v for k, v in found.items() if k != tracing.OUTCOME})
         return claim
-
-
-def _claim_held(store: Store, key: str, **kwargs: Any) -> runs.Claim:
-    """The claim, on a connection held for the execution when one may be held."""
-    slot = held.current()
-    conn = slot.take(store) if slot is not None else None
-    if conn is None or slot is None:
-        return runs.claim_run(store, key, **kwargs)
-    try:
-        claim = runs.claim_run(store, key, conn=conn, **kwargs)
-    except BaseException as exc:
-        slot.failed(exc)
-        raise
-    slot.served(claim)
-    return claim
 
 
 def claim_decision(claim: runs.Claim, lease: timedelta, max_attempts: int) -> Decision:
@@ -345,7 +326,7 @@ def complete_after_body(state: RunState, result: Any, *,
     with tracing.completion_span(claim.key, claim.fence_token, claim.attempt):
         try:
             # a workflow activity's wake is published right after the commit (handoff)
-            with handoff.after_commit(store), state.begin() as conn:
+            with handoff.after_commit(store), store.begin() as conn:
                 runs.complete(conn, claim, stored)
         except StaleFenceToken:
             runs.record_fenced_out(store, claim)
@@ -457,12 +438,6 @@ class RunState:
     write_result: Callable[[Any], None] | None = None
     #: time.monotonic() of the next lease renewal (set by LeaseRenewer.add).
     renew_at: float = 0.0
-
-    def begin(self) -> AbstractContextManager[Connection]:
-        """``store.begin()`` for this execution's own transaction (the body's effect and the
-        completion): on the claim's held connection when there is one
-        (:mod:`reliable_beat.db.held`)."""
-        return held.lent(self.store, self.claim)
 
 
 class RunOutbox:

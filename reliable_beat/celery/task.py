@@ -65,7 +65,6 @@ from reliable_beat.celery.retry_options import (  # noqa: F401 (re-exported)
     _transient_defaults,
 )
 from reliable_beat.celery.transaction import _BodyTransaction
-from reliable_beat.db import held
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import (
     ConfigurationError,
@@ -407,10 +406,9 @@ class IdempotentTask(_Retries, _BodyTransaction):
         ``process <task>`` span of the message's trace, unless Celery's instrumentation
         already made one: :func:`reliable_beat.tracing.process_span`)."""
         if tracing.tracer() is None:
-            with held.holding():  # the claim's connection serves the execution's transaction
-                return self._call(*args, **kwargs)
+            return self._call(*args, **kwargs)
         request = self.request
-        with held.holding(), tracing.process_span(
+        with tracing.process_span(
             self.name, traceparent=_header(request, tracing.TRACEPARENT), system="celery",
             message_id=request.id, queue=(request.delivery_info or {}).get("routing_key"),
             expected=(Retry, Ignore, Reject),

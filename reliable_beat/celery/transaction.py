@@ -141,7 +141,7 @@ class _BodyTransaction(Task):  # type: ignore[misc]
             engine = bind if bind is not None else state.store.engine
             if bind is not None:
                 self._check_same_database(engine, state.store)
-            cm = state.begin() if bind is None else engine.begin()
+            cm = state.store.begin() if bind is None else engine.begin()
             conn = None
         try:
             # a workflow activity's wake is published right after the commit (handoff)

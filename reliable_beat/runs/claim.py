@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from functools import cache
@@ -328,7 +327,6 @@ def claim_run(
     fire_at: datetime | None = None,
     task_id: str | None = None,
     trigger: str | None = None,
-    conn: Connection | None = None,
 ) -> Claim:
     """Find or create the run for ``key`` and try to take its lease, in one short transaction.
 
@@ -371,8 +369,6 @@ def claim_run(
         task_id: the broker message's task id, recorded on the attempt row.
         trigger: stored on a new run; default ``schedule`` when ``entry`` is given, else
             ``adhoc``.
-        conn: a connection of ``store`` outside any transaction to claim on (the caller
-            keeps it: :mod:`reliable_beat.db.held`); default: one from the pool.
 
     Returns:
         The :class:`Claim`. Committed before returning.
@@ -385,7 +381,7 @@ def claim_run(
     kwargs = dict(kwargs or {})
     trigger = trigger or ("schedule" if entry else "adhoc")
     pg = store.dialect == "postgresql"
-    with nullcontext(conn) if conn is not None else store.connect() as conn:
+    with store.connect() as conn:
         if pg:
             got = _claim_in_one_statement(conn, {
                 "p_key": key, "p_entry": entry, "p_fire_at": fire_at, "p_trigger": trigger,

@@ -64,6 +64,19 @@ def child(tree, url, mode, n, profile, postmaster, tag):
         with store.begin() as conn:
             conn.execute(effects.insert().values(key=f"plain:{i}", n=i))
 
+    runs_t = sa.Table("reliable_beat_runs", sa.MetaData(), autoload_with=store.engine)
+
+    @app.task(name="p.keyed", shared=False)
+    def keyed(i, key):
+        # --ab floor: the plain task plus a succeeded run row in the effect's transaction:
+        # what any design recording a key with the effect writes, without claim or lease
+        with store.begin() as conn:
+            conn.execute(effects.insert().values(key=key, n=i))
+            conn.execute(runs_t.insert().values(
+                idempotency_key=key, task="p.keyed", args=[i], kwargs={}, state="succeeded",
+                fence_token=1, attempts=1, created_at=sa.func.now(),
+                updated_at=sa.func.now(), started_at=sa.func.now(), finished_at=sa.func.now()))
+
     @app.task(base=IdempotentTask, bind=True, name="p.idem", shared=False)
     def idem(self, i):
         with self.transaction() as tx:
@@ -76,7 +89,7 @@ def child(tree, url, mode, n, profile, postmaster, tag):
             idem.apply((i,), headers={KEY_HEADER: key})
 
     if mode.startswith("ab:"):
-        ab(mode[3:], n, url, postmaster, tag, plain, idem, KEY_HEADER)
+        ab(mode[3:], n, url, postmaster, tag, plain, idem, keyed, KEY_HEADER)
         return
     if mode == "toggle":
         import statistics
@@ -154,7 +167,9 @@ def child(tree, url, mode, n, profile, postmaster, tag):
 #: ``--ab``: what "old" and "new" mean for each experiment (set before each block; nothing
 #: of it ships). indexes: the runs table's state and entry indexes full, or partial (DDL
 #: between blocks). noattempt: the claim and completion with or without their attempt-row
-#: CTEs (the happy path of a first try recorded on the run row alone).
+#: CTEs (the happy path of a first try recorded on the run row alone). floor: the
+#: IdempotentTask against the plain task that also inserts a succeeded run row with its
+#: effect (no claim, no lease, no fence: the least any keyed design writes).
 _PARTIAL_INDEXES = [
     "CREATE INDEX ix_ab_state ON reliable_beat_runs (state) WHERE state <> 'succeeded'",
     "CREATE INDEX ix_ab_entry_created ON reliable_beat_runs (entry_name, created_at)"
@@ -171,7 +186,7 @@ _FULL_INDEXES = [
 ]
 
 
-def ab(variant, n, url, postmaster, tag, plain, idem, key_header):
+def ab(variant, n, url, postmaster, tag, plain, idem, keyed, key_header):
     """Blocks of ``--block`` calls alternating plain / old / new (order flipped every other
     block); per block the worker's CPU, the server's CPU, and (at the end, in a separate
     phase of 300 calls each) the row writes per call from pg_stat_user_tables."""
@@ -220,6 +235,8 @@ def ab(variant, n, url, postmaster, tag, plain, idem, key_header):
         for i, k in enumerate(keys):
             if name == "plain":
                 plain.apply((i,))
+            elif variant == "floor" and name == "new":
+                keyed.apply((i, k))
             else:
                 idem.apply((i,), headers={key_header: k})
 
@@ -236,7 +253,8 @@ def ab(variant, n, url, postmaster, tag, plain, idem, key_header):
         for name in order:
             setup(name if name != "plain" else "old")
             keys = [f"{tag}:{name}:{b}:{i}" for i in range(blk)]
-            for sub in ((name,) if name == "plain" else (name, "replay_" + name)):
+            replays = name != "plain" and not (variant == "floor" and name == "new")
+            for sub in ((name, "replay_" + name) if replays else (name,)):
                 pg0 = pg_children_cpu(postmaster)
                 c0 = time.process_time()
                 run(name, keys)
@@ -265,6 +283,8 @@ def ab(variant, n, url, postmaster, tag, plain, idem, key_header):
     setup("old")
     out = {}
     for k, v in res.items():
+        if not v:
+            continue
         w = [a for a, _ in v]
         p = [b for _, b in v]
         out[k] = {"cpu_med": statistics.median(w), "cpu_min": min(w), "cpu_max": max(w),
@@ -289,7 +309,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--toggle", action="store_true")
-    ap.add_argument("--ab", choices=("indexes", "noattempt"),
+    ap.add_argument("--ab", choices=("indexes", "noattempt", "floor"),
                     help="one process, blocks alternating plain / old / new of an experiment")
     ap.add_argument("trees", nargs="+")
     args = ap.parse_args()

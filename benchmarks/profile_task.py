@@ -77,6 +77,20 @@ def child(tree, url, mode, n, profile, postmaster, tag):
                 fence_token=1, attempts=1, created_at=sa.func.now(),
                 updated_at=sa.func.now(), started_at=sa.func.now(), finished_at=sa.func.now()))
 
+    key_sql = ("INSERT INTO reliable_beat_runs (idempotency_key, task, args, kwargs, state,"
+               " fence_token, attempts, created_at, updated_at, started_at, finished_at)"
+               " VALUES (%s, 'p.keyed', %s, '{}', 'succeeded', 1, 1, now(), now(), now(),"
+               " now())")
+
+    @app.task(name="p.keyed_driver", shared=False)
+    def keyed_driver(i, key):
+        # --ab floor_driver: the same key row, on the psycopg cursor (prepared), no Core
+        from psycopg.types.json import Jsonb
+        with store.begin() as conn:
+            conn.execute(effects.insert().values(key=key, n=i))
+            cur = conn.connection.dbapi_connection.cursor()
+            cur.execute(key_sql, (key, Jsonb([i])), prepare=True)
+
     @app.task(base=IdempotentTask, bind=True, name="p.idem", shared=False)
     def idem(self, i):
         with self.transaction() as tx:
@@ -89,7 +103,8 @@ def child(tree, url, mode, n, profile, postmaster, tag):
             idem.apply((i,), headers={KEY_HEADER: key})
 
     if mode.startswith("ab:"):
-        ab(mode[3:], n, url, postmaster, tag, plain, idem, keyed, KEY_HEADER)
+        ab(mode[3:], n, url, postmaster, tag, plain, idem,
+           keyed_driver if mode == "ab:floor_driver" else keyed, KEY_HEADER)
         return
     if mode == "toggle":
         import statistics
@@ -169,7 +184,8 @@ def child(tree, url, mode, n, profile, postmaster, tag):
 #: between blocks). noattempt: the claim and completion with or without their attempt-row
 #: CTEs (the happy path of a first try recorded on the run row alone). floor: the
 #: IdempotentTask against the plain task that also inserts a succeeded run row with its
-#: effect (no claim, no lease, no fence: the least any keyed design writes).
+#: effect (no claim, no lease, no fence: the least any keyed design writes); floor_driver:
+#: the same row inserted on the psycopg cursor (prepared) instead of through Core.
 _PARTIAL_INDEXES = [
     "CREATE INDEX ix_ab_state ON reliable_beat_runs (state) WHERE state <> 'succeeded'",
     "CREATE INDEX ix_ab_entry_created ON reliable_beat_runs (entry_name, created_at)"
@@ -235,7 +251,7 @@ def ab(variant, n, url, postmaster, tag, plain, idem, keyed, key_header):
         for i, k in enumerate(keys):
             if name == "plain":
                 plain.apply((i,))
-            elif variant == "floor" and name == "new":
+            elif variant.startswith("floor") and name == "new":
                 keyed.apply((i, k))
             else:
                 idem.apply((i,), headers={key_header: k})
@@ -253,7 +269,7 @@ def ab(variant, n, url, postmaster, tag, plain, idem, keyed, key_header):
         for name in order:
             setup(name if name != "plain" else "old")
             keys = [f"{tag}:{name}:{b}:{i}" for i in range(blk)]
-            replays = name != "plain" and not (variant == "floor" and name == "new")
+            replays = name != "plain" and not (variant.startswith("floor") and name == "new")
             for sub in ((name, "replay_" + name) if replays else (name,)):
                 pg0 = pg_children_cpu(postmaster)
                 c0 = time.process_time()
@@ -309,7 +325,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--toggle", action="store_true")
-    ap.add_argument("--ab", choices=("indexes", "noattempt", "floor"),
+    ap.add_argument("--ab", choices=("indexes", "noattempt", "floor", "floor_driver"),
                     help="one process, blocks alternating plain / old / new of an experiment")
     ap.add_argument("trees", nargs="+")
     args = ap.parse_args()

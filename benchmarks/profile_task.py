@@ -15,6 +15,10 @@ the server figure over blocks of 100 calls or more).
     # one process, blocks of 100 calls alternated: plain task, the claim and completion
     # through SQLAlchemy Core (conn.execute), and on the psycopg connection (the default)
     PYTHONPATH=. python benchmarks/profile_task.py --toggle --n 1600 .
+    # one process, blocks of AB_BLOCK (200) calls alternating plain / old / new of an
+    # experiment (noattempt: no attempt row for a first try; indexes: partial state / entry
+    # indexes on the runs table), + row writes per call from pg_stat_user_tables
+    PYTHONPATH=. python benchmarks/profile_task.py --ab noattempt --n 3200 .
 """
 import json
 import os
@@ -60,6 +64,33 @@ def child(tree, url, mode, n, profile, postmaster, tag):
         with store.begin() as conn:
             conn.execute(effects.insert().values(key=f"plain:{i}", n=i))
 
+    runs_t = sa.Table("reliable_beat_runs", sa.MetaData(), autoload_with=store.engine)
+
+    @app.task(name="p.keyed", shared=False)
+    def keyed(i, key):
+        # --ab floor: the plain task plus a succeeded run row in the effect's transaction:
+        # what any design recording a key with the effect writes, without claim or lease
+        with store.begin() as conn:
+            conn.execute(effects.insert().values(key=key, n=i))
+            conn.execute(runs_t.insert().values(
+                idempotency_key=key, task="p.keyed", args=[i], kwargs={}, state="succeeded",
+                fence_token=1, attempts=1, created_at=sa.func.now(),
+                updated_at=sa.func.now(), started_at=sa.func.now(), finished_at=sa.func.now()))
+
+    key_sql = ("INSERT INTO reliable_beat_runs (idempotency_key, task, args, kwargs, state,"
+               " fence_token, attempts, created_at, updated_at, started_at, finished_at)"
+               " VALUES (%s, 'p.keyed', %s, '{}', 'succeeded', 1, 1, now(), now(), now(),"
+               " now())")
+
+    @app.task(name="p.keyed_driver", shared=False)
+    def keyed_driver(i, key):
+        # --ab floor_driver: the same key row, on the psycopg cursor (prepared), no Core
+        from psycopg.types.json import Jsonb
+        with store.begin() as conn:
+            conn.execute(effects.insert().values(key=key, n=i))
+            cur = conn.connection.dbapi_connection.cursor()
+            cur.execute(key_sql, (key, Jsonb([i])), prepare=True)
+
     @app.task(base=IdempotentTask, bind=True, name="p.idem", shared=False)
     def idem(self, i):
         with self.transaction() as tx:
@@ -71,6 +102,10 @@ def child(tree, url, mode, n, profile, postmaster, tag):
         else:
             idem.apply((i,), headers={KEY_HEADER: key})
 
+    if mode.startswith("ab:"):
+        ab(mode[3:], n, url, postmaster, tag, plain, idem,
+           keyed_driver if mode == "ab:floor_driver" else keyed, KEY_HEADER)
+        return
     if mode == "toggle":
         import statistics
 
@@ -144,6 +179,141 @@ def child(tree, url, mode, n, profile, postmaster, tag):
                       "wall_us": (w1 - w0) / n * 1e6}))
 
 
+#: ``--ab``: what "old" and "new" mean for each experiment (set before each block; nothing
+#: of it ships). indexes: the runs table's state and entry indexes full, or partial (DDL
+#: between blocks). noattempt: the claim and completion with or without their attempt-row
+#: CTEs (the happy path of a first try recorded on the run row alone). floor: the
+#: IdempotentTask against the plain task that also inserts a succeeded run row with its
+#: effect (no claim, no lease, no fence: the least any keyed design writes); floor_driver:
+#: the same row inserted on the psycopg cursor (prepared) instead of through Core.
+_PARTIAL_INDEXES = [
+    "CREATE INDEX ix_ab_state ON reliable_beat_runs (state) WHERE state <> 'succeeded'",
+    "CREATE INDEX ix_ab_entry_created ON reliable_beat_runs (entry_name, created_at)"
+    " WHERE entry_name IS NOT NULL",
+    "CREATE UNIQUE INDEX ix_ab_entry_fire ON reliable_beat_runs (entry_name, fire_at)"
+    " WHERE entry_name IS NOT NULL",
+]
+_FULL_INDEXES = [
+    "CREATE INDEX ix_reliable_beat_runs_state ON reliable_beat_runs (state)",
+    "CREATE INDEX ix_reliable_beat_runs_entry_name_created_at ON reliable_beat_runs"
+    " (entry_name, created_at)",
+    "ALTER TABLE reliable_beat_runs ADD CONSTRAINT uq_reliable_beat_runs_entry_name_fire_at"
+    " UNIQUE (entry_name, fire_at)",
+]
+
+
+def ab(variant, n, url, postmaster, tag, plain, idem, keyed, key_header):
+    """Blocks of ``--block`` calls alternating plain / old / new (order flipped every other
+    block); per block the worker's CPU, the server's CPU, and (at the end, in a separate
+    phase of 300 calls each) the row writes per call from pg_stat_user_tables."""
+    import statistics
+
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    state = {"indexes": "old"}
+
+    def ddl(stmts):
+        with admin.connect() as c:
+            for q in stmts:
+                c.execute(sa.text(q))
+
+    import importlib
+    cl = importlib.import_module("reliable_beat.runs.claim")
+    co = importlib.import_module("reliable_beat.runs.complete")  # runs.complete: a function
+    real_stmts = (cl._PG_CLAIM, co._PG_COMPLETE)
+    if variant == "noattempt":
+        # the same claim and completion minus their attempt-row CTEs (the happy path of a
+        # first try recorded on the run row alone): what not writing that row saves
+        claim_join = cl._pg_claim_statement().get_final_froms()[0]
+        got = claim_join.left
+        done_join = co._pg_complete_statement().get_final_froms()[0]
+        bare = (cl.DriverStatement(lambda: sa.select(
+                    got, sa.literal_column("0").label("attempt_id"))),
+                co.DriverStatement(lambda: sa.select(
+                    done_join.left.c.id, done_join.right.c.prev_state).select_from(done_join)))
+
+    def setup(which):
+        if variant == "noattempt":
+            cl._PG_CLAIM, co._PG_COMPLETE = real_stmts if which == "old" else bare
+        if variant == "indexes" and state["indexes"] != which:
+            if which == "new":
+                ddl(["DROP INDEX ix_reliable_beat_runs_state",
+                     "DROP INDEX ix_reliable_beat_runs_entry_name_created_at",
+                     "ALTER TABLE reliable_beat_runs DROP CONSTRAINT"
+                     " uq_reliable_beat_runs_entry_name_fire_at", *_PARTIAL_INDEXES])
+            else:
+                ddl(["DROP INDEX ix_ab_state", "DROP INDEX ix_ab_entry_created",
+                     "DROP INDEX ix_ab_entry_fire", *_FULL_INDEXES])
+            state["indexes"] = which
+
+    def run(name, keys):
+        for i, k in enumerate(keys):
+            if name == "plain":
+                plain.apply((i,))
+            elif variant.startswith("floor") and name == "new":
+                keyed.apply((i, k))
+            else:
+                idem.apply((i,), headers={key_header: k})
+
+    for which in ("old", "new"):  # warm both paths
+        setup(which)
+        run(which, [f"warm{tag}:{which}:{i}" for i in range(20)])
+    run("plain", range(20))
+    blk = int(os.environ.get("AB_BLOCK", "200"))
+    res = {"plain": [], "old": [], "new": [], "replay_old": [], "replay_new": []}
+    for b in range(n // blk):
+        order = ["plain", "old", "new"]
+        if b % 2:
+            order.reverse()
+        for name in order:
+            setup(name if name != "plain" else "old")
+            keys = [f"{tag}:{name}:{b}:{i}" for i in range(blk)]
+            replays = name != "plain" and not (variant.startswith("floor") and name == "new")
+            for sub in ((name, "replay_" + name) if replays else (name,)):
+                pg0 = pg_children_cpu(postmaster)
+                c0 = time.process_time()
+                run(name, keys)
+                c1 = time.process_time()
+                pg1 = pg_children_cpu(postmaster)
+                res[sub].append(((c1 - c0) / blk * 1e6, (pg1 - pg0) / blk * 1e6))
+    stats_q = sa.text(
+        "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+        " WHERE relname IN ('reliable_beat_runs', 'reliable_beat_attempts', 'bench_effects')")
+
+    def stats():
+        time.sleep(11)  # backends flush their table counters within PGSTAT_IDLE_INTERVAL
+        with admin.connect() as c:
+            c.execute(sa.text("SET stats_fetch_consistency = none"))
+            return {r[0]: r[1:] for r in c.execute(stats_q)}
+
+    rows = {}
+    calls = 300
+    for name in ("old", "new"):
+        setup(name)
+        before = stats()
+        run(name, [f"{tag}:rows:{name}:{i}" for i in range(calls)])
+        after = stats()
+        rows[name] = {t: {k: (after[t][j] - before[t][j]) / calls
+                          for j, k in enumerate(("ins", "upd", "hot_upd"))} for t in after}
+    setup("old")
+    out = {}
+    for k, v in res.items():
+        if not v:
+            continue
+        w = [a for a, _ in v]
+        p = [b for _, b in v]
+        out[k] = {"cpu_med": statistics.median(w), "cpu_min": min(w), "cpu_max": max(w),
+                  "pg_med": statistics.median(p), "pg_min": min(p), "pg_max": max(p)}
+    for name in ("old", "new"):
+        out["ratio_" + name] = {
+            "total": (out["plain"]["cpu_med"] + out["plain"]["pg_med"])
+            / (out[name]["cpu_med"] + out[name]["pg_med"]),
+            "worker": out["plain"]["cpu_med"] / out[name]["cpu_med"]}
+        out["rows_" + name] = rows[name]
+    print(json.dumps(out))
+
+
 def main():
     if sys.argv[1] == "--child":
         tree, url, mode, n, profile, pm, tag = sys.argv[2:9]
@@ -155,6 +325,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--toggle", action="store_true")
+    ap.add_argument("--ab", choices=("indexes", "noattempt", "floor", "floor_driver"),
+                    help="one process, blocks alternating plain / old / new of an experiment")
     ap.add_argument("trees", nargs="+")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -172,15 +344,21 @@ def main():
         st.dispose()
         pm = int((pg.datadir / "data" / "postmaster.pid").read_text().split()[0])
         res = {}
-        if args.toggle:
+        if args.toggle or args.ab:
+            mode = f"ab:{args.ab}" if args.ab else "toggle"
             out = subprocess.run([sys.executable, __file__, "--child", args.trees[0], pg.url,
-                                  "toggle", str(args.n), "0", str(pm), "tg"],
+                                  mode, str(args.n), "0", str(pm), "tg"],
                                  capture_output=True, text=True,
                                  env={**os.environ, "PYTHONPATH": args.trees[0]})
             print(out.stderr[-3000:])
             d = json.loads(out.stdout.strip().splitlines()[-1])
             for k, v in d.items():
-                print(k, {a: round(b) for a, b in v.items()})
+                if k.startswith("rows_"):
+                    print(k, {t: {a: round(b, 2) for a, b in c.items()} for t, c in v.items()})
+                elif k.startswith("ratio_"):
+                    print(k, {a: round(b, 2) for a, b in v.items()})
+                else:
+                    print(k, {a: round(b) for a, b in v.items()})
             return
         for r in range(args.rounds):
             for ti, tree in enumerate(args.trees):

@@ -61,7 +61,8 @@ def done(tag: str) -> None:
 # WFB_COUNT=<path prefix>: count this process's statements and commits and its CPU; written to
 # <prefix>.<pid> at exit. WFB_TRACE=<path prefix>: a timeline of one process's round trips
 # (task received / started / ended, transactions begun / committed, messages published).
-if os.environ.get("WFB_COUNT") or os.environ.get("WFB_TRACE"):
+# WFB_PROFILE=<path prefix>: cProfile of the worker's task executions, <prefix>.<pid>.prof.
+if os.environ.get("WFB_COUNT") or os.environ.get("WFB_TRACE") or os.environ.get("WFB_PROFILE"):
     import atexit
     import json
     import time
@@ -115,10 +116,27 @@ if os.environ.get("WFB_COUNT") or os.environ.get("WFB_TRACE"):
 
     _handoff.send = _traced_send
 
+    _profile = None
+    if os.environ.get("WFB_PROFILE"):  # cProfile of the task executions (process CPU clock)
+        import cProfile
+
+        _profile = cProfile.Profile(time.process_time)
+
+        @signals.task_prerun.connect
+        def _prof_on(**kw: Any) -> None:
+            _profile.enable()  # type: ignore[union-attr]
+
+        @signals.task_postrun.connect
+        def _prof_off(**kw: Any) -> None:
+            _profile.disable()  # type: ignore[union-attr]
+
     def _dump() -> None:
+        if _profile is not None:
+            _profile.dump_stats(f"{os.environ['WFB_PROFILE']}.{os.getpid()}.prof")
         t = os.times()
         _counts["cpu_s"] = t.user + t.system  # type: ignore[assignment]
-        prefix = os.environ.get("WFB_COUNT") or os.environ["WFB_TRACE"]
+        prefix = (os.environ.get("WFB_COUNT") or os.environ.get("WFB_TRACE")
+                  or os.environ["WFB_PROFILE"])
         with open(f"{prefix}.{os.getpid()}", "w") as f:
             json.dump({"counts": _counts, "trace": _trace}, f)
 

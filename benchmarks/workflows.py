@@ -215,12 +215,14 @@ def _round_trips(env: Env, url: str, k: int) -> list[Any]:
                 raise RuntimeError(f"chain did not finish (logs in {tmp})")
             time.sleep(0.002)
         chain_s = time.perf_counter() - t0
-        cpu0 = _cpu(procs, eng, env.redis_url)
+        measure = bool(os.environ.get("WFB_CPU"))  # needs psutil (not a dependency)
+        cpu0 = _cpu(procs, eng, env.redis_url) if measure else {}
         t0 = time.perf_counter()
         handle = wa.wf_chain.start("rt", args=(k,), store=store)
         assert handle.result(timeout=600, interval=0.005) == k * (k - 1) // 2
         wf_s = time.perf_counter() - t0
-        cpu = {n: (v - cpu0[n]) / k for n, v in _cpu(procs, eng, env.redis_url).items()}
+        cpu = ({n: (v - cpu0[n]) / k for n, v in _cpu(procs, eng, env.redis_url).items()}
+               if measure else {})
     finally:
         for p in procs:
             p.terminate()
@@ -232,7 +234,7 @@ def _round_trips(env: Env, url: str, k: int) -> list[Any]:
         store.dispose()
         eng.dispose()
     row = [k, f"{k / chain_s:.0f}", f"{k / wf_s:.1f}", f"{wf_s / k * 1e3:.1f}"]
-    if os.environ.get("WFB_CPU"):  # per workflow step: CPU ms of each process, messages
+    if cpu:  # WFB_CPU: per workflow step, CPU ms of each process, messages
         row += [f"{cpu['worker'] * 1e3:.2f}", f"{cpu['relay'] * 1e3:.2f}",
                 f"{cpu['postgres'] * 1e3:.2f}", f"{cpu['redis'] * 1e3:.2f}",
                 f"{cpu['lpush']:.2f}", f"{cpu['brpop']:.2f}"]

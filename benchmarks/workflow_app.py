@@ -55,3 +55,89 @@ def done(tag: str) -> None:
     eng = _engines.setdefault(os.getpid(), sa.create_engine(os.environ["WB_DB"]))
     with eng.begin() as conn:
         conn.execute(done_table.insert().values(tag=tag))
+
+
+# ---- optional instruments (never set by the default run) ------------------------------
+# WFB_COUNT=<path prefix>: count this process's statements and commits and its CPU; written to
+# <prefix>.<pid> at exit. WFB_TRACE=<path prefix>: a timeline of one process's round trips
+# (task received / started / ended, transactions begun / committed, messages published).
+# WFB_PROFILE=<path prefix>: cProfile of the worker's task executions, <prefix>.<pid>.prof.
+if os.environ.get("WFB_COUNT") or os.environ.get("WFB_TRACE") or os.environ.get("WFB_PROFILE"):
+    import atexit
+    import json
+    import time
+
+    from celery import signals
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    _counts = {"statements": 0, "commits": 0, "rollbacks": 0}
+    _trace: list[tuple[float, str]] = []
+    _tracing = bool(os.environ.get("WFB_TRACE"))
+
+    def _mark(what: str) -> None:
+        if _tracing:
+            _trace.append((time.perf_counter(), what))
+
+    @event.listens_for(Engine, "before_cursor_execute")
+    def _stmt(conn: Any, cursor: Any, statement: str, *a: Any) -> None:
+        _counts["statements"] += 1
+        _mark("sql " + " ".join(statement.split()[:3])[:40])
+
+    @event.listens_for(Engine, "commit")
+    def _commit(conn: Any) -> None:
+        _counts["commits"] += 1
+        _mark("commit")
+
+    @event.listens_for(Engine, "rollback")
+    def _rollback(conn: Any) -> None:
+        _counts["rollbacks"] += 1
+
+    @signals.task_prerun.connect
+    def _pre(task: Any = None, **kw: Any) -> None:
+        _mark(f"task start {task.name}")
+
+    @signals.task_postrun.connect
+    def _post(task: Any = None, **kw: Any) -> None:
+        _mark(f"task end {task.name}")
+
+    @signals.task_received.connect
+    def _recv(request: Any = None, **kw: Any) -> None:
+        _mark(f"received {request.name}")
+
+    from reliable_beat import handoff as _handoff
+
+    _send = _handoff.send
+
+    def _traced_send(store: Any, messages: Any) -> None:
+        _mark(f"handoff publish {len(messages)}")
+        _send(store, messages)
+        _mark("handoff published+marked")
+
+    _handoff.send = _traced_send
+
+    _profile = None
+    if os.environ.get("WFB_PROFILE"):  # cProfile of the task executions (process CPU clock)
+        import cProfile
+
+        _profile = cProfile.Profile(time.process_time)
+
+        @signals.task_prerun.connect
+        def _prof_on(**kw: Any) -> None:
+            _profile.enable()  # type: ignore[union-attr]
+
+        @signals.task_postrun.connect
+        def _prof_off(**kw: Any) -> None:
+            _profile.disable()  # type: ignore[union-attr]
+
+    def _dump() -> None:
+        if _profile is not None:
+            _profile.dump_stats(f"{os.environ['WFB_PROFILE']}.{os.getpid()}.prof")
+        t = os.times()
+        _counts["cpu_s"] = t.user + t.system  # type: ignore[assignment]
+        prefix = (os.environ.get("WFB_COUNT") or os.environ.get("WFB_TRACE")
+                  or os.environ["WFB_PROFILE"])
+        with open(f"{prefix}.{os.getpid()}", "w") as f:
+            json.dump({"counts": _counts, "trace": _trace}, f)
+
+    atexit.register(_dump)

@@ -153,14 +153,22 @@ def run_round_trips(env: Env) -> str:
     chain = [float(r[1]) for r in rows]
     wf = [float(r[2]) for r in rows]
     ratio = [w / c for w, c in zip(wf, chain, strict=True)]
+    ms = sorted(float(r[3]) for r in rows)
     rows.append(["range", f"{min(chain):.0f}-{max(chain):.0f}", f"{min(wf):.1f}-{max(wf):.1f}",
-                 f"workflow/chain {min(ratio):.2f}-{max(ratio):.2f}"])
+                 f"workflow/chain {min(ratio):.2f}-{max(ratio):.2f}; ms median "
+                 f"{ms[len(ms) // 2]:.1f} ({ms[0]:.1f}-{ms[-1]:.1f})",
+                 *[""] * (len(rows[0]) - 4)])
     return "\n\n".join([
         f"### Workflows: activity round trips vs a plain Celery chain ({len(rows) - 1} runs, "
         "1 solo worker, 1 relay)",
         table(["steps k", "chain links/s", "workflow activities/s",
-               "ms per activity round trip"], rows),
+               "ms per activity round trip", *_CPU_COLUMNS][:len(rows[0])], rows),
     ])
+
+
+#: With WFB_CPU set, the round trips' extra columns (per workflow step).
+_CPU_COLUMNS = ["worker CPU ms", "relay CPU ms", "PostgreSQL CPU ms", "Redis CPU ms",
+                "LPUSH (messages)", "BRPOP"]
 
 
 def _round_trips(env: Env, url: str, k: int) -> list[Any]:
@@ -183,7 +191,8 @@ def _round_trips(env: Env, url: str, k: int) -> list[Any]:
     procs = []
     for name, args in (
         ("worker", ["-m", "celery", "-A", "benchmarks.workflow_app:app", "worker", "-Q",
-                    wa.QUEUE, "--pool", "solo", "--loglevel=WARNING", "--without-gossip",
+                    wa.QUEUE, "--pool", "solo",
+                    f"--loglevel={os.environ.get('WFB_WORKER_LOG', 'WARNING')}", "--without-gossip",
                     "--without-mingle", "--without-heartbeat", "-n", "wfb@%h"]),
         ("relay", ["-m", "reliable_beat.cli", "-A", "benchmarks.workflow_app:app", "relay",
                    "--loglevel", os.environ.get("WFB_LOG", "WARNING")]),
@@ -206,10 +215,14 @@ def _round_trips(env: Env, url: str, k: int) -> list[Any]:
                 raise RuntimeError(f"chain did not finish (logs in {tmp})")
             time.sleep(0.002)
         chain_s = time.perf_counter() - t0
+        measure = bool(os.environ.get("WFB_CPU"))  # needs psutil (not a dependency)
+        cpu0 = _cpu(procs, eng, env.redis_url) if measure else {}
         t0 = time.perf_counter()
         handle = wa.wf_chain.start("rt", args=(k,), store=store)
         assert handle.result(timeout=600, interval=0.005) == k * (k - 1) // 2
         wf_s = time.perf_counter() - t0
+        cpu = ({n: (v - cpu0[n]) / k for n, v in _cpu(procs, eng, env.redis_url).items()}
+               if measure else {})
     finally:
         for p in procs:
             p.terminate()
@@ -220,4 +233,38 @@ def _round_trips(env: Env, url: str, k: int) -> list[Any]:
                 p.wait()
         store.dispose()
         eng.dispose()
-    return [k, f"{k / chain_s:.0f}", f"{k / wf_s:.1f}", f"{wf_s / k * 1e3:.1f}"]
+    row = [k, f"{k / chain_s:.0f}", f"{k / wf_s:.1f}", f"{wf_s / k * 1e3:.1f}"]
+    if cpu:  # WFB_CPU: per workflow step, CPU ms of each process, messages
+        row += [f"{cpu['worker'] * 1e3:.2f}", f"{cpu['relay'] * 1e3:.2f}",
+                f"{cpu['postgres'] * 1e3:.2f}", f"{cpu['redis'] * 1e3:.2f}",
+                f"{cpu['lpush']:.2f}", f"{cpu['brpop']:.2f}"]
+    return row
+
+
+def _cpu(procs: list[Any], eng: Any, redis_url: str) -> dict[str, float]:
+    """CPU seconds so far of the worker, the relay, every PostgreSQL process and Redis, and
+    Redis's LPUSH / BRPOP call counts (a Celery message published / a fetch)."""
+    import psutil
+    import redis
+
+    def seconds(p: Any) -> float:
+        try:
+            t = p.cpu_times()
+            return float(t.user + t.system)
+        except psutil.Error:
+            return 0.0
+
+    with eng.connect() as conn:
+        backend = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar()
+    postmaster = psutil.Process(backend).parent()
+    r = redis.Redis.from_url(redis_url)
+    info, stats = r.info("cpu"), r.info("commandstats")
+    r.close()
+    return {
+        "worker": seconds(psutil.Process(procs[0].pid)),
+        "relay": seconds(psutil.Process(procs[1].pid)),
+        "postgres": seconds(postmaster) + sum(seconds(c) for c in postmaster.children()),
+        "redis": float(info["used_cpu_sys"] + info["used_cpu_user"]),
+        "lpush": float(stats.get("cmdstat_lpush", {}).get("calls", 0)),
+        "brpop": float(stats.get("cmdstat_brpop", {}).get("calls", 0)),
+    }

@@ -20,6 +20,27 @@ crash between the publish and the mark sends it twice, under the same message id
 id, and the receivers deduplicate (an activity by its idempotency key, an advance by the
 workflow's fence and history). A publish that fails hands the row to the relay at once.
 
+Inside an advance (:func:`deferred_marks`) the rows it publishes are marked sent by its
+release transaction (:func:`mark_in`) rather than by a transaction of their own.
+
+The wake of an activity's completion need not travel at all: when the publisher has an
+``advance`` (the adapter's in-process advance, which says whether this process may run the
+workflow here: its code is registered and it consumes the workflow's queue), the process
+that completed the activity advances the workflow itself right after the activity's
+execution, and the wake row, still pending and due to the relays after
+:data:`HANDOFF_DELAY`, is marked sent by that advance's release transaction. A crash
+anywhere before that commit leaves the wake pending: the relay sends it and an advance
+replays (finding nothing new if the in-process one got further). An advance that raises,
+or a workflow this process may not run, has its wake published at once, as before::
+
+    completing process
+    ------------------
+    BEGIN; effect; run succeeded; history event completed; wake_seq + 1;
+      INSERT wake row (available_at = now + HANDOFF_DELAY)
+    COMMIT
+    advance (claim, replay, record the next activity, publish it)
+    release: UPDATE workflows ... ; UPDATE outbox SET state = 'sent' (activity row, wake row)
+
 Who takes part: a framework adapter names the publisher of the running task or advance with
 :func:`publishing`; the code that commits the transaction wraps it in :func:`after_commit`;
 the code that writes the row calls :func:`add`. Without both (another adapter, a user's own
@@ -37,7 +58,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -48,8 +69,9 @@ from reliable_beat.messages import OutboxMessage
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
 
-__all__ = ["HANDOFF_DELAY", "UNKNOWN", "Publish", "add", "after_commit", "mark", "publishing",
-           "publishing_for", "register", "send"]
+__all__ = ["HANDOFF_DELAY", "UNKNOWN", "Advance", "Publish", "Wake", "add", "after_commit",
+           "deferred_marks", "mark", "mark_in", "publishing", "publishing_for", "register",
+           "send"]
 
 log = get_logger("reliable_beat.workflows")
 
@@ -63,32 +85,54 @@ UNKNOWN = "\x00unknown"
 Publish = Callable[[Sequence[OutboxMessage]], Sequence[tuple[int, "BaseException | None"]]]
 
 
+@dataclass(frozen=True)
+class Wake:
+    """The workflow a wake row wakes: its id, its registered name, its queue."""
+
+    workflow_id: str
+    name: str
+    queue: str | None
+
+
+#: ``advance(store, wake) -> outcome``, or None when this process may not advance that
+#: workflow here (the adapter's in-process advance; see the module docstring).
+Advance = Callable[[Store, Wake], "str | None"]
+
+
 @dataclass
 class _Publisher:
     publish: Publish
     group: str | None
+    advance: Advance | None = None
+    #: wakes committed inside this block that this process advances when the block ends
+    woken: list[tuple[Store, OutboxMessage, Wake]] = field(default_factory=list)
 
 
 @dataclass
 class _Pending:
     store: Store
     messages: list[OutboxMessage] = field(default_factory=list)
+    wakes: dict[int, Wake] = field(default_factory=dict)
 
 
 _publisher: contextvars.ContextVar[_Publisher | None] = contextvars.ContextVar(
     "reliable_beat_handoff_publisher", default=None)
 _pending: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar(
     "reliable_beat_handoff_pending", default=None)
+#: ids of rows published inside an advance, marked sent by its release transaction
+_deferred: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "reliable_beat_handoff_deferred", default=None)
+
+_Factory = Callable[[], "tuple[Publish, str | None] | tuple[Publish, str | None, Advance]"]
+
+#: owner (a framework app) -> () -> (its publish, its schedule group[, its advance])
+_registered: weakref.WeakKeyDictionary[Any, _Factory] = weakref.WeakKeyDictionary()
 
 
-#: owner (a framework app) -> () -> (its publish, its schedule group)
-_registered: weakref.WeakKeyDictionary[Any, Callable[[], tuple[Publish, str | None]]] = (
-    weakref.WeakKeyDictionary())
-
-
-def register(owner: Any, factory: Callable[[], tuple[Publish, str | None]]) -> None:
+def register(owner: Any, factory: _Factory) -> None:
     """Name the publisher of ``owner`` (an adapter's app that runs workflows):
-    ``factory()`` returns its batch publish and its schedule group."""
+    ``factory()`` returns its batch publish, its schedule group and, optionally, its
+    in-process advance (:data:`Advance`)."""
     _registered[owner] = factory
 
 
@@ -100,20 +144,95 @@ def publishing_for(owner: Any) -> Iterator[None]:
     if factory is None:
         yield
         return
-    publish, group = factory()
-    with publishing(publish, group):
+    publish, group, *advance = factory()
+    with publishing(publish, group, advance[0] if advance else None):
         yield
 
 
 @contextmanager
-def publishing(publish: Publish, group: str | None) -> Iterator[None]:
+def publishing(publish: Publish, group: str | None,
+               advance: Advance | None = None) -> Iterator[None]:
     """While the block runs, rows written by :func:`add` inside an :func:`after_commit`
-    block of schedule group ``group`` are published with ``publish`` after their commit."""
-    token = _publisher.set(_Publisher(publish, group))
+    block of schedule group ``group`` are published with ``publish`` after their commit.
+
+    With ``advance``, the wakes of activities completed inside the block are not published:
+    when the block ends normally this process advances their workflows itself (see the
+    module docstring); when it raises, or ``advance`` declines or raises, they are
+    published then."""
+    publisher = _Publisher(publish, group, advance)
+    token = _publisher.set(publisher)
+    ok = False
     try:
         yield
+        ok = True
     finally:
-        _publisher.reset(token)
+        try:
+            _advance_woken(publisher, ok)
+        finally:
+            _publisher.reset(token)
+
+
+def _advance_woken(publisher: _Publisher, ok: bool) -> None:
+    """Advance (or, failing that, publish the wake of) each workflow woken in the block."""
+    woken, publisher.woken = publisher.woken, []
+    for store, message, wake in woken:
+        outcome = None
+        if ok and publisher.advance is not None:
+            try:
+                with deferred_marks(store) as marks:
+                    marks.append(message.id)  # the wake: marked sent by the advance's release
+                    outcome = publisher.advance(store, wake)
+                    if outcome is None and message.id in marks:
+                        marks.remove(message.id)  # not advanced here: the wake goes out
+            except Exception as exc:
+                log.warning("could not advance workflow %s after its activity completed "
+                            "(%r); its wake is published", wake.workflow_id, exc)
+                outcome = None
+        if outcome is None:
+            send(store, [message])
+
+
+@contextmanager
+def deferred_marks(store: Store) -> Iterator[list[int]]:
+    """Wrap an advance: the rows it publishes are marked sent by its release transaction
+    (:func:`mark_in`); those still unmarked when the block ends normally are marked then,
+    in a transaction of their own (when it raises, they stay pending: the relay sends them
+    again after :data:`HANDOFF_DELAY`, the receivers deduplicate). Nested: the outer
+    block's list. Yields the list of row ids to mark."""
+    outer = _deferred.get()
+    if outer is not None:
+        yield outer
+        return
+    ids: list[int] = []
+    token = _deferred.set(ids)
+    try:
+        yield ids
+    finally:
+        _deferred.reset(token)
+    if ids:
+        mark(store, ids, [])
+
+
+def mark_in(conn: Connection) -> None:
+    """Inside :func:`deferred_marks`: mark the rows published so far ``sent`` in the
+    caller's transaction (an advance's release), and forget them."""
+    ids = _deferred.get()
+    if not ids:
+        return
+    conn.execute(update(outbox).where(outbox.c.id.in_(list(ids)), outbox.c.state == "pending")
+                 .values(state="sent", sent_at=_now_sql(conn), last_error=None))
+    ids.clear()
+
+
+def _now_sql(conn: Connection) -> Any:
+    """The store's clock inside the statement (no round trip of its own where the dialect
+    has a server clock)."""
+    name = conn.dialect.name
+    if name == "postgresql":
+        return func.clock_timestamp()
+    if name in ("mysql", "mariadb"):
+        return func.utc_timestamp(6)
+    return db_now(conn)
 
 
 @contextmanager
@@ -131,32 +250,52 @@ def after_commit(store: Store) -> Iterator[None]:
         yield
     finally:
         _pending.reset(token)
+    if not pending.messages:
+        return
+    publisher = _publisher.get()
+    if pending.wakes and publisher is not None and publisher.advance is not None:
+        # advanced by this process when its publishing block ends (see the docstring)
+        publisher.woken.extend((pending.store, m, pending.wakes[m.id])
+                               for m in pending.messages if m.id in pending.wakes)
+        pending.messages = [m for m in pending.messages if m.id not in pending.wakes]
     if pending.messages:
         send(pending.store, pending.messages)
 
 
 def add(conn: Connection, destination: str, payload: Any, *, key: str,
-        group: str | None, schedule_group: str | ColumnElement[Any] | None) -> str:
+        group: str | None, schedule_group: str | ColumnElement[Any] | None,
+        wakes: Wake | None = None) -> str:
     """:func:`reliable_beat.outbox.add` of a workflow message of schedule group ``group``
     (:data:`UNKNOWN`: not known to the writer; ``schedule_group``: the group as the row
     stores it, a value or SQL); handed off to this process
-    when it publishes for that group inside an :func:`after_commit` block."""
+    when it publishes for that group inside an :func:`after_commit` block. ``wakes``: the
+    row is the wake of that workflow, which the publisher may advance in-process instead
+    (:func:`publishing`)."""
     pending, publisher = _pending.get(), _publisher.get()
     if pending is None or publisher is None or publisher.group != group:
         return outbox_mod.add(conn, destination, payload, key=key,
                               schedule_group=schedule_group)
+    returned: list[Any] = []
     message_id = outbox_mod.add(conn, destination, payload, key=key, delay=HANDOFF_DELAY,
-                                schedule_group=schedule_group, notify=False)
-    row = conn.execute(select(outbox).where(outbox.c.message_id == message_id,
-                                            outbox.c.state == "pending")).first()
-    if row is not None:  # an existing row already sent is not sent again
-        pending.messages.append(OutboxMessage.from_row(row))
+                                schedule_group=schedule_group, notify=False,
+                                returned=returned)
+    if returned:  # inserted (INSERT ... RETURNING): no read back
+        row = returned[0]
+    else:  # an existing row already sent is not sent again (or no RETURNING here)
+        row = conn.execute(select(outbox).where(outbox.c.message_id == message_id,
+                                                outbox.c.state == "pending")).first()
+    if row is not None:
+        message = OutboxMessage.from_row(row)
+        pending.messages.append(message)
+        if wakes is not None:
+            pending.wakes[message.id] = wakes
     return message_id
 
 
 def send(store: Store, messages: list[OutboxMessage]) -> None:
-    """Publish committed rows, then mark the published ones ``sent`` and hand the others to
-    the relay at once. Never raises: the rows are committed, the relay is the safety net."""
+    """Publish committed rows, then mark the published ones ``sent`` (inside
+    :func:`deferred_marks`: later, by :func:`mark_in`) and hand the others to the relay at
+    once. Never raises: the rows are committed, the relay is the safety net."""
     publisher = _publisher.get()
     if publisher is None:
         return
@@ -168,7 +307,12 @@ def send(store: Store, messages: list[OutboxMessage]) -> None:
         outcomes = [(m.id, exc) for m in messages]
     sent = [i for i, err in outcomes if err is None]
     failed = [i for i, err in outcomes if err is not None]
-    mark(store, sent, failed)
+    deferred = _deferred.get()
+    if deferred is not None:
+        deferred.extend(sent)
+        sent = []
+    if sent or failed:
+        mark(store, sent, failed)
 
 
 def mark(store: Store, sent: list[int], failed: list[int]) -> None:
@@ -176,7 +320,7 @@ def mark(store: Store, sent: list[int], failed: list[int]) -> None:
     row left pending is sent again by the relay after :data:`HANDOFF_DELAY`)."""
     try:
         with store.begin() as conn:
-            now = db_now(conn)
+            now = _now_sql(conn)
             if sent:
                 conn.execute(update(outbox).where(outbox.c.id.in_(sent),
                                                   outbox.c.state == "pending")

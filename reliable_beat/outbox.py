@@ -136,6 +136,7 @@ def add(
     schedule_group: str | ColumnElement[Any] | None = None,
     handlers: Mapping[str, Any] | None = None,
     notify: bool = True,
+    returned: list[Any] | None = None,
 ) -> str:
     """Add one message to the outbox inside the caller's transaction.
 
@@ -181,6 +182,10 @@ def add(
             and ``current().outbox`` pass their settings'). Built-in destinations and entry
             point handlers are found without it. See :mod:`reliable_beat.payloads`.
 
+        returned: a list to receive the inserted row (all columns, ``INSERT ... RETURNING``
+            where the dialect has it; nothing appended when the id already existed). Left
+            empty where the dialect cannot return the row: read it back then.
+
     Returns:
         The message id (``key`` or the generated one), whether or not a row was inserted.
 
@@ -222,7 +227,7 @@ def add(
     else:
         created_at = db_now(conn)
         available_at = created_at + (delay or timedelta(0))
-    conn.execute(
+    stmt = (
         insert_ignore(conn, outbox).values(
             message_id=message_id,
             destination=destination,
@@ -238,6 +243,10 @@ def add(
             **_traceparent_column(),
         )
     )
+    if returned is not None and conn.dialect.name in ("postgresql", "sqlite"):
+        returned.extend(conn.execute(stmt.returning(*outbox.c)).all())
+    else:
+        conn.execute(stmt)
     if pg and notify:
         _notify_once(conn, destination)
     return message_id

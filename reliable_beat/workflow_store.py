@@ -139,7 +139,7 @@ def on_run_finished(
         .where(workflows.c.workflow_id == workflow_id, workflows.c.run_no == run_no)
         .values(wake_seq=workflows.c.wake_seq + 1),
         workflows, [workflows.c.id, workflows.c.queue, workflows.c.wake_seq,
-                    workflows.c.schedule_group],
+                    workflows.c.schedule_group, workflows.c.name],
     ))
     if wf is None:
         return False
@@ -163,10 +163,13 @@ def on_run_finished(
         return False
     # wake_seq in the id: a requeued compensation completes the same seq a second time
     what = f"{run_no}#{seq}.{wf.wake_seq}"
-    if state == "succeeded":  # published by this process after the commit (reliable_beat.handoff)
+    if state == "succeeded":
+        # advanced by this process right after the activity, or published by it after the
+        # commit (reliable_beat.handoff); the relay sends it if neither happens
         handoff.add(conn, WAKE_DESTINATION, _wake_payload(workflow_id, wf.queue),
                     key=f"wake:{workflow_id}:{what}", group=wf.schedule_group,
-                    schedule_group=wf.schedule_group)
+                    schedule_group=wf.schedule_group,
+                    wakes=handoff.Wake(workflow_id, wf.name, wf.queue))
     else:
         add_wake(conn, workflow_id, wf.queue, what)
     return True

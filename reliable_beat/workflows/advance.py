@@ -27,9 +27,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 
-from reliable_beat import tracing
+from reliable_beat import handoff, tracing
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import workflow_signals, workflows
 from reliable_beat.outbox import db_now
@@ -100,7 +100,9 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta,
 def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
               max_takeovers: int) -> Claimed | str:
     with store.begin() as conn:
-        now = db_now(conn)
+        pg = conn.dialect.name == "postgresql"
+        # PostgreSQL: the clock inside the claim statement (no round trip of its own)
+        now: Any = func.clock_timestamp() if pg else db_now(conn)
         stmt = (
             update(workflows)
             .where(
@@ -130,6 +132,8 @@ def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
             ).first()
         if row is None:
             return "missing"
+        if pg:  # the clock the claim read (or, not claimed, read it now)
+            now = row.updated_at if done else db_now(conn)
         if not done:
             if row.state == "running" and runaway.park_expired(conn, row, now, max_takeovers):
                 return "blocked"
@@ -304,6 +308,9 @@ def advance(
                 .values(state="waiting", leased_by=None, lease_expires_at=None,
                         updated_at=now_sql(conn))
             ).rowcount
+            # the messages this advance published (and the wake it answers) are marked
+            # sent here, not in transactions of their own (reliable_beat.handoff)
+            handoff.mark_in(conn)
             if released == 1:
                 return "waiting"
             now = db_now(conn)
@@ -329,6 +336,7 @@ def advance(
         ).rowcount
         if done != 1:
             return "fenced"
+        handoff.mark_in(conn)
         add_wake(conn, workflow_id, claimed.queue, f"loop{claimed.fence_token}")
     return "waiting"
 

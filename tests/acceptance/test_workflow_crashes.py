@@ -614,6 +614,21 @@ def test_killed_between_the_handoff_publish_and_its_mark(rig: Rig) -> None:
         assert list(rig.tmp.glob(f"kill-{lane.shape}-{point}-*")), (lane.shape, rig.logs())
 
 
+def test_killed_between_an_activity_and_its_in_process_advance(rig: Rig) -> None:
+    """The worker that completes a workflow's activity advances the workflow itself right
+    after the activity's commit (no wake through the broker); the wake row stays pending,
+    due to the relay after HANDOFF_DELAY, until that advance's release marks it sent.
+    SIGKILLed in that window (``handoff.before_advance``: the activity's effect, result and
+    history event committed, nothing of the advance yet), the relay sends the wake and
+    every shape (each calls an activity) ends as a clean run, each effect once."""
+    rig.relay()
+    point = "handoff.before_advance"
+    lanes = run_shapes(rig, point)
+    check(rig, lanes, point)
+    for lane in lanes:
+        assert list(rig.tmp.glob(f"kill-{lane.shape}-{point}-*")), (lane.shape, rig.logs())
+
+
 def test_a_handed_off_message_also_relayed_makes_one_effect(
     rig: Rig, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

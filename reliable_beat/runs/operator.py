@@ -457,7 +457,7 @@ def requeue_outbox_dead_letter(
         return dict(dl)
 
 
-def _refuse_repeat(dl: Mapping[str, Any], force: bool) -> None:
+def _refuse_repeat(dl: Any, force: bool) -> None:
     """Refuse (ValueError) to requeue a dead letter a person already decided on, unless
     ``force``: one requeued before, or one handled (dismissed by a person, or handled by
     design such as a saga's compensated step). Both need the same ``--force``."""

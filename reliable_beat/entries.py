@@ -51,7 +51,9 @@ from reliable_beat.rows import (
     decode_row,
     decode_value,
     entry_checker,
+    next_fire_problem,
     raw_columns,
+    repaired_next_fire,
 )
 
 __all__ = [
@@ -157,6 +159,34 @@ def _stored_malformed(row: Any) -> bool:
     return bool(problems)
 
 
+def _next_fire_repair(row: Any, now: datetime) -> tuple[bool, datetime | None]:
+    """``(True, the value its schedule gives)`` when an active stored row (enabled,
+    unpaused, unquarantined) has a ``next_fire_at`` its schedule cannot have put there
+    (:func:`reliable_beat.rows.next_fire_problem`: NULL while the schedule has a next slot,
+    or far beyond it); else ``(False, None)``. The value is the schedule's first slot after
+    the last one (:func:`reliable_beat.rows.repaired_next_fire`): slots missed meanwhile go
+    through the misfire policy at the next tick."""
+    if not row.enabled or row.paused or row.quarantine_reason is not None:
+        return False, None
+    instants = (row.next_fire_at, row.last_fire_at, row.start_at, row.end_at)
+    if not all(v is None or isinstance(v, datetime) for v in instants):
+        return False, None
+    try:
+        schedule = sch.schedule_from_spec(row.schedule)
+        problem = next_fire_problem(schedule, next_fire_at=row.next_fire_at,
+                                    last_fire_at=row.last_fire_at, start_at=row.start_at,
+                                    end_at=row.end_at, now=now)
+    except Exception:  # a malformed row: the row check's business
+        return False, None
+    if problem is None:
+        return False, None
+    repaired = repaired_next_fire(schedule, last_fire_at=row.last_fire_at,
+                                  start_at=row.start_at, end_at=row.end_at, now=now)
+    log.warning("entry %r: %s; recomputed from its schedule: next_fire_at=%s", row.name,
+                problem, repaired.isoformat() if repaired else None)
+    return True, repaired
+
+
 def _read_for_upsert(conn: Connection, name: str) -> Any:
     """The stored columns :func:`_upsert` compares, or None (the row locked: this sync
     rewrites it)."""
@@ -224,8 +254,9 @@ def _upsert(
         adopted = True
     regrouped = definition.origin != "config" and group is not None and (
         row.schedule_group != group)
+    bad_next, repaired = _next_fire_repair(row, now)
     if (row.config_hash == values["config_hash"] and row.enabled and park is None
-            and not (adopted or regrouped) and not _stored_malformed(row)):
+            and not (adopted or regrouped) and not _stored_malformed(row) and not bad_next):
         return "unchanged"
     if (park is not None and row.config_hash == values["config_hash"] and not row.enabled
             and row.quarantine_reason == park and not (adopted or regrouped)):
@@ -239,7 +270,9 @@ def _upsert(
             values["schedule"] = dict(new, anchor=old["anchor"])  # keep the grid
             definition = replace(definition, schedule=sch.schedule_from_spec(values["schedule"]))
     same_schedule = row.schedule == values["schedule"]
-    if same_schedule and row.enabled and row.next_fire_at is not None:
+    if same_schedule and bad_next:
+        next_fire_at = repaired  # the stored one could never fire (a row changed by SQL)
+    elif same_schedule and row.enabled and row.next_fire_at is not None:
         next_fire_at = row.next_fire_at
     else:
         base = max(now, row.last_fire_at) if row.last_fire_at else now
@@ -594,6 +627,11 @@ def resume(store: Store, name: str) -> None:
     on the next tick, exactly like downtime (``skip`` records them, ``fire_once`` fires the
     latest, ``catch_up`` fires them): re-enabling never fires a surprise extra run.
 
+    A ``next_fire_at`` its schedule cannot have put there (NULL while the schedule has a next
+    slot, or far beyond it: a row changed by SQL, see :mod:`reliable_beat.rows.next_fire`)
+    is recomputed from the schedule: its first slot after the last one, so the slots missed
+    meanwhile go through the misfire policy too.
+
     Raises:
         EntryNotFoundError: no such entry.
     """
@@ -613,6 +651,12 @@ def resume(store: Store, name: str) -> None:
             .where(entries.c.name == name, entries.c.quarantine_reason.is_not(None))
             .values(enabled=True, quarantine_reason=None, quarantined_at=None)
         )
+        row = _read_for_upsert(conn, name)
+        if row is not None:
+            bad_next, repaired = _next_fire_repair(row, now)
+            if bad_next:
+                conn.execute(update(entries).where(entries.c.id == row.id)
+                             .values(next_fire_at=repaired, updated_at=now))
         notify_entries_changed(conn, store)
 
 

@@ -95,6 +95,7 @@ from reliable_beat.redaction import get_logger
 from reliable_beat.redispatch import redispatch_with
 from reliable_beat.relay import claim_outbox_batch, mark_expired, mark_sent
 from reliable_beat.retention import RetentionThread
+from reliable_beat.rows import inconsistent_next_fire, quarantine_inconsistent_next_fire
 from reliable_beat.settings import Settings
 from reliable_beat.slots import format_fire_at
 from reliable_beat.triggers import Trigger, trigger_identity
@@ -114,6 +115,10 @@ log = get_logger("reliable_beat.loop")
 
 #: How often a loop sweeps unsent trigger rows and re-dispatches stuck runs (seconds).
 SWEEP_SECONDS = 5.0
+#: How often a loop's sweep checks its entries' ``next_fire_at`` against their schedules and
+#: quarantines one no beat would ever claim (:func:`reliable_beat.rows.
+#: quarantine_inconsistent_next_fire`; seconds).
+NEXT_FIRE_CHECK_SECONDS = 300.0
 #: How long a sweep's claim of a trigger row lasts before another sweep may take it.
 SWEEP_LEASE = timedelta(seconds=60)
 #: While published triggers wait for their "sent" mark (database gone), retry this often.
@@ -276,6 +281,7 @@ class BeatLoop(BeatProcess):
         self._metrics: Any = None
         self._failures = 0
         self._last_sweep = 0.0
+        self._last_next_fire_check = 0.0
         self._tick_started = time.monotonic()
         self._claim_at = 0.0  # monotonic instant of the next claim
         self._held: dict[datetime, _Held] = {}
@@ -650,6 +656,7 @@ class BeatLoop(BeatProcess):
     def sweep(self) -> None:
         """Sweep now (see :meth:`_sweep`), whenever the last one was."""
         self._last_sweep = 0.0
+        self._last_next_fire_check = 0.0
         self._sweep_not_before = 0.0
         self._sweep()
 
@@ -678,7 +685,33 @@ class BeatLoop(BeatProcess):
             publish_and_mark(self.store, self.publisher, messages, now,
                              unmarked=self._unmarked, logger=self.log)
         self.redispatch()
+        self._check_next_fire(now_mono)
         beat_heartbeat(self.store, self.owner, self.group)
+
+    def _check_next_fire(self, now_mono: float) -> None:
+        """Every :data:`NEXT_FIRE_CHECK_SECONDS`: quarantine this group's active entries
+        whose ``next_fire_at`` no beat would ever claim as it is (NULL while the schedule
+        has a next slot, or far beyond it: a row changed by SQL), as a malformed column is
+        quarantined; each is logged at ERROR once, naming the entry and the fix
+        (``reliable-beat entries resume NAME`` recomputes it). A failure is logged, never
+        stops the sweep."""
+        if now_mono - self._last_next_fire_check < NEXT_FIRE_CHECK_SECONDS:
+            return
+        self._last_next_fire_check = now_mono
+        groups = [self.group, None]
+        try:
+            # read first, write only when there is something to quarantine: the check reads
+            # every active entry not due within minutes (about 0.3 s at 20,000 crons on
+            # SQLite), which must not hold SQLite's write lock
+            with self.store.engine.connect() as conn:
+                found = inconsistent_next_fire(conn, self.store.now(conn), groups=groups)
+            if found:
+                with self.store.begin() as conn:  # checked again in the transaction
+                    quarantine_inconsistent_next_fire(conn, self.store.now(conn),
+                                                      groups=groups)
+        except Exception as exc:
+            self.log.error("next_fire_at check failed (%s); retrying in %.0f s", exc,
+                           NEXT_FIRE_CHECK_SECONDS)
 
     def redispatch(self) -> int:
         """Re-send the triggers of this group's stuck runs of the tracked tasks

@@ -109,18 +109,28 @@ def wf_show(cli: CliContext, workflow_id: str, with_events: bool, as_json: bool)
 @workflows_group.command("signal")
 @click.argument("workflow_id")
 @click.argument("name")
-@click.argument("payload", default="null")
+@click.argument("payload", required=False)
 @click.option("--key", default=None,
               help="Dedup key: a second signal with it to this workflow is a no-op.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_cli
-def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str, key: str | None,
-              as_json: bool) -> None:
-    """Send signal NAME with a JSON PAYLOAD (default null) to WORKFLOW_ID."""
+def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str | None,
+              key: str | None, as_json: bool) -> None:
+    """Send signal NAME with a JSON PAYLOAD (required, e.g. true or '{"ok": 1}') to
+    WORKFLOW_ID."""
+    if payload is None:
+        # no default: a null payload reads as a timeout in wait_signal(..., timeout=...)
+        fail(f"PAYLOAD is required: pass a JSON value, e.g. `reliable-beat workflows signal "
+             f"{workflow_id} {name} true` (a null payload is indistinguishable from a "
+             "timeout in the workflow's wait_signal)", 2, kind="usage")
     try:
         data = json.loads(payload)
     except ValueError as exc:
         fail(f"PAYLOAD is not JSON: {exc}", 2, kind="usage")
+    if data is None:
+        click.echo(f"warning: signal {name!r} with a null payload: a workflow waiting with a "
+                   "timeout cannot tell it from the timeout; send a value such as true",
+                   err=True)
     try:
         stored = engine.signal(cli.store, workflow_id, name, data, key=key)
     except WorkflowNotFound as exc:

@@ -3,7 +3,8 @@ on any problem), in words that name the cause and the fix.
 
 Pure functions of the data :func:`reliable_beat.ops.status.collect_status` read (the dict
 it returns, before ``workflows``, ``problems``, ``warnings`` and ``ok`` are added): no I/O.
-The problems, in this order: MISSED SLOTS, QUARANTINED, MALFORMED ENTRY, NAME CONFLICT,
+The problems, in this order: MISSED SLOTS, QUARANTINED, MALFORMED ENTRY, NEXT FIRE
+INCONSISTENT, NAME CONFLICT,
 UNDELIVERED OUTBOX, UNSERVED OUTBOX, BROKER NOT TAKING TRIGGERS, dead letters, RECENTLY
 DISABLED, NO BEAT, MALFORMED RUN ROWS, NEVER STARTED, STALLED, RETRY OVERDUE, LEASE EXPIRED,
 UNSTARTED BETWEEN STARTED (the workflow alarms follow, from
@@ -45,7 +46,7 @@ def problems_of(
 
 
 def _entry_problems(info: Mapping[str, Any], *, margin_seconds: float) -> list[str]:
-    """MISSED SLOTS, QUARANTINED, MALFORMED ENTRY, NAME CONFLICT."""
+    """MISSED SLOTS, QUARANTINED, MALFORMED ENTRY, NEXT FIRE INCONSISTENT, NAME CONFLICT."""
     missed, quarantined = info["missed"], info["quarantined"]
     malformed, conflicts = info["malformed_entries"], info["name_conflicts"]
     problems: list[str] = []
@@ -68,6 +69,15 @@ def _entry_problems(info: Mapping[str, Any], *, margin_seconds: float) -> list[s
         )
     if malformed:
         problems.append(_malformed_problem(malformed))
+    inconsistent = info.get("inconsistent_next_fire") or []
+    for e in inconsistent[:MAX_SHOWN]:
+        problems.append(
+            f"NEXT FIRE INCONSISTENT: entry {e['name']!r} will not fire: {e['problem']}. "
+            f"Fix: {e['fix']} (a beat quarantines it at its next check)")
+    if len(inconsistent) > MAX_SHOWN:
+        problems.append(f"NEXT FIRE INCONSISTENT: ... and {len(inconsistent) - MAX_SHOWN} more "
+                        "(`reliable-beat status --json` lists every one under "
+                        "inconsistent_next_fire)")
     for c in conflicts[:MAX_SHOWN]:
         problems.append(
             f"NAME CONFLICT: entry {c['entry']!r} of group {c['group']!r} (beat "

@@ -21,7 +21,7 @@ from reliable_beat.entries import EntryDefinition, definition_from_celery
 from reliable_beat.errors import ConfigurationError, EntryValidationError
 from reliable_beat.ops.context import OperatorContext
 from reliable_beat.ops.describe import task_kind
-from reliable_beat.rows import raw_columns, read_entry
+from reliable_beat.rows import column_of, raw_columns, read_entry
 
 __all__ = [
     "POLICY_OPTIONS",
@@ -241,4 +241,8 @@ def quarantine_problems(store: Store, name: str) -> list[str]:
         if raw is None:
             return []
         values, problems, _ = read_entry(dict(raw._mapping), conn.dialect)
+    if values.get("next_fire_at") is None:
+        # resume recomputes a NULL next_fire_at from the schedule (reliable_beat.rows.
+        # next_fire): not a problem left for a person
+        problems = [p for p in problems if column_of(p) != "next_fire_at"]
     return problems if values.get("quarantine_reason") else []

@@ -12,7 +12,10 @@ live relay or beat of that group (relays and beats record heartbeats in
 something needs a person (missed slots, dead letters, unserved rows), so the command doubles
 as a probe. **MALFORMED ENTRY**: an enabled entry whose stored row fails the claim's check
 (:func:`reliable_beat.rows.check_entry`), reported before it comes due (a beat would
-quarantine it then, losing that slot). **NAME CONFLICT**: an entry of a group's current
+quarantine it then, losing that slot). **NEXT FIRE INCONSISTENT**: an active entry whose
+``next_fire_at`` its schedule cannot have put there (NULL while it has a next slot, or far
+beyond its next slot: :mod:`reliable_beat.rows.next_fire`); no beat would claim it.
+**NAME CONFLICT**: an entry of a group's current
 beat_schedule that is an enabled config entry of another group (its sync left it alone: it
 never fires for this group). **WORKFLOW ADVANCES EXPIRING** / **WORKFLOWS NOT STARTED**:
 workflows whose advance's lease keeps expiring, and workflows ``pending`` past
@@ -38,7 +41,7 @@ from reliable_beat.ops.reads import as_utc
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.policies import MISSED_MARGIN_SECONDS
 from reliable_beat.policies import is_missed as missed_slot
-from reliable_beat.rows import quarantine_counts, unknown_state_runs
+from reliable_beat.rows import inconsistent_next_fire, quarantine_counts, unknown_state_runs
 from reliable_beat.workflows.engine import workflow_health
 
 if TYPE_CHECKING:
@@ -146,6 +149,11 @@ def collect_status(
         "malformed_entries": [{"name", "origin", "schedule_group", "problems"}] (enabled
         entries a beat's claim would quarantine when due, see
         :func:`~reliable_beat.ops.reads.malformed_entries`: MALFORMED ENTRY),
+        "inconsistent_next_fire": [{"name", "id", "origin", "schedule_group",
+        "next_fire_at", "problem", "fix"}] (active entries whose ``next_fire_at`` their
+        schedule cannot have put there: NULL while it has a next slot, or far beyond it,
+        see :func:`reliable_beat.rows.inconsistent_next_fire`: NEXT FIRE INCONSISTENT; their
+        status is ``malformed``),
         "name_conflicts": [{"entry", "group", "owner_group", "synced_by", "owner_enabled"}]
         (see :func:`~reliable_beat.ops.reads.name_conflicts`: NAME CONFLICT),
         "quarantined_rows": {"entries", "outbox", "runs"} (see
@@ -189,7 +197,8 @@ def collect_status(
     depths = stalled_queue_depths(queue_depths, found.waiting_triggers)
     now = found.now
     out_entries, missed, quarantined = _entry_statuses(
-        found.rows, found.malformed, now, margin_seconds, found.failing, found.dead)
+        found.rows, found.malformed + found.next_fire, now, margin_seconds, found.failing,
+        found.dead)
     unstarted, between, last_started = found.unstarted, found.between, found.last_started
     info: dict[str, Any] = {
         "store": store.safe_url,
@@ -211,6 +220,7 @@ def collect_status(
         "unregistered": _unregistered(found.groups),
         "quarantined": quarantined,
         "malformed_entries": found.malformed,
+        "inconsistent_next_fire": found.next_fire,
         "name_conflicts": found.conflicts,
         "quarantined_rows": found.quarantined_rows,
         "malformed_run_states": {"count": found.n_bad_runs, "keys": found.bad_runs},
@@ -243,6 +253,7 @@ class _Found:
     now: datetime
     rows: list[Any]
     malformed: list[dict[str, Any]]
+    next_fire: list[dict[str, Any]]
     conflicts: list[dict[str, Any]]
     failing: dict[str, int]
     dead: dict[str, int]
@@ -277,6 +288,7 @@ def _read(store: Store, *, beat_alive_seconds: float, redispatch_seconds: float,
         now = store.now(conn)
         rows = reads.read_entries(conn)
         malformed = reads.malformed_entries(conn)
+        next_fire = inconsistent_next_fire(conn, now)
         conflicts = reads.name_conflicts(conn, {r.name: (r.schedule_group, r.origin, r.enabled)
                                                 for r in rows})
         failing = reads.failing_by_entry(conn)
@@ -302,8 +314,9 @@ def _read(store: Store, *, beat_alive_seconds: float, redispatch_seconds: float,
             conn, now, grace_seconds=lease_expired_seconds,
             redispatch_seconds=redispatch_seconds)
     return _Found(
-        now=now, rows=rows, malformed=malformed, conflicts=conflicts, failing=failing,
-        dead=dead, dead_total=dead_total, handled_total=handled_total, backlog=backlog,
+        now=now, rows=rows, malformed=malformed, next_fire=next_fire, conflicts=conflicts,
+        failing=failing, dead=dead, dead_total=dead_total, handled_total=handled_total,
+        backlog=backlog,
         groups=groups, unstarted=unstarted, starts_recorded=starts_recorded, between=between,
         last_started=last_started, quarantined_rows=quarantined_rows, n_bad_runs=n_bad_runs,
         bad_runs=bad_runs, undelivered=undelivered, unserved=unserved,

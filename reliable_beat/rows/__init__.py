@@ -26,7 +26,8 @@ runs) therefore:
 Nothing here imports a task framework.
 
 The package: :mod:`~reliable_beat.rows.decode` (step 1), :mod:`~reliable_beat.rows.checks`
-(step 2), :mod:`~reliable_beat.rows.quarantine` (step 3); :mod:`~reliable_beat.rows.claimed`
+(step 2), :mod:`~reliable_beat.rows.quarantine` (step 3); :mod:`~reliable_beat.rows.next_fire`
+checks an entry's ``next_fire_at`` against its schedule; :mod:`~reliable_beat.rows.claimed`
 reads a beat's claimed entries through them, each distinct config once. Every name is
 imported from here.
 """
@@ -60,6 +61,13 @@ from reliable_beat.rows.decode import (
     raw_labelled,
     raw_repr,
     unreadable_instant,
+)
+from reliable_beat.rows.next_fire import (
+    inconsistent_next_fire,
+    next_fire_fix,
+    next_fire_problem,
+    quarantine_inconsistent_next_fire,
+    repaired_next_fire,
 )
 from reliable_beat.rows.quarantine import (
     MALFORMED,
@@ -97,18 +105,23 @@ __all__ = [
     "describe_problems",
     "display_rows",
     "entry_checker",
+    "inconsistent_next_fire",
     "infinite_instant",
     "infinity_text",
     "jsonable_raw",
     "missing_optional_columns",
+    "next_fire_fix",
+    "next_fire_problem",
     "quarantine_counts",
     "quarantine_entry",
+    "quarantine_inconsistent_next_fire",
     "raw_columns",
     "raw_labelled",
     "raw_repr",
     "read_buffered_runs",
     "read_entry",
     "read_entry_options",
+    "repaired_next_fire",
     "settle_unknown_states",
     "stored_config_hashes",
     "unreadable_instant",

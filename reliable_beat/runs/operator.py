@@ -265,7 +265,8 @@ def requeue_dead_letter(
 
     Raises:
         DeadLetterNotFound: no such id, or it is not a run dead letter.
-        ValueError: already requeued (without ``force``), the run is not ``dead``, or
+        ValueError: already requeued or handled (dismissed; without ``force``), the run is
+            not ``dead``, or
             its effect committed (a try completed, or outbox rows were written with it):
             running it again would repeat the effect, ``force`` or not.
     """
@@ -282,11 +283,7 @@ def requeue_dead_letter(
                 f"dead letter {dead_letter_id}: the run's effect committed ({committed}); "
                 "running it again would repeat the effect, so it is not requeued"
             )
-        if dl["requeued_at"] is not None and not force:
-            raise ValueError(
-                f"dead letter {dead_letter_id} was requeued at {dl['requeued_at']} by "
-                f"{dl['requeued_by']}; pass force to requeue again"
-            )
+        _refuse_repeat(dl, force)
         done = conn.execute(
             update(runs)
             .where(runs.c.id == dl["run_id"], runs.c.state == "dead")
@@ -344,11 +341,7 @@ def requeue_dead_message(
             raise ValueError(
                 f"dead letter {dead_letter_id} ({dl['reason']}) is not requeueable: the "
                 "message itself was refused; fix the caller and send the work again")
-        if dl["requeued_at"] is not None and not force:
-            raise ValueError(
-                f"dead letter {dead_letter_id} was requeued at {dl['requeued_at']} by "
-                f"{dl['requeued_by']}; pass force to requeue again"
-            )
+        _refuse_repeat(dl, force)
         conn.execute(
             update(dead_letters)
             .where(dead_letters.c.id == dead_letter_id)
@@ -444,10 +437,7 @@ def requeue_outbox_dead_letter(
         ).mappings().one_or_none()
         if dl is None or dl["kind"] != "outbox":
             raise DeadLetterNotFound(f"no outbox dead letter with id {dead_letter_id}")
-        if dl["requeued_at"] is not None and not force:
-            raise ValueError(
-                f"dead letter {dead_letter_id} was requeued at {dl['requeued_at']} by "
-                f"{dl['requeued_by']}; pass force to requeue again")
+        _refuse_repeat(dl, force)
         moved = conn.execute(
             update(outbox).where(outbox.c.id == dl["outbox_id"], outbox.c.state == "dead")
             .values(state="pending", attempts=0, available_at=now, last_error=None,
@@ -465,6 +455,26 @@ def requeue_outbox_dead_letter(
         if isinstance(destination, str) and store.dialect == "postgresql":
             _notify_once(conn, destination)
         return dict(dl)
+
+
+def _refuse_repeat(dl: Any, force: bool) -> None:
+    """Refuse (ValueError) to requeue a dead letter a person already decided on, unless
+    ``force``: one requeued before, or one handled (dismissed by a person, or handled by
+    design such as a saga's compensated step). Both need the same ``--force``."""
+    if force:
+        return
+    if dl["requeued_at"] is not None:
+        done = f"was requeued at {dl['requeued_at']} by {dl['requeued_by']}"
+    elif dl["handled_at"] is not None:
+        by = str(dl["handled_by"] or "")
+        done = (f"was dismissed at {dl['handled_at']} by {by.removesuffix(' (dismissed)')}"
+                if by.endswith(" (dismissed)")
+                else f"was handled at {dl['handled_at']} by {by}")
+    else:
+        return
+    raise ValueError(
+        f"dead letter {dl['id']} {done}; to requeue it anyway pass --force "
+        f"(`reliable-beat dead-letters requeue {dl['id']} --force`)")
 
 
 def dismiss_dead_letter(store: Store, dead_letter_id: int, *, by: str) -> dict[str, Any]:

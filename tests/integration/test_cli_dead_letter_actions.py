@@ -71,3 +71,38 @@ def test_a_dismissed_dead_letter_stays_listed_and_stops_counting(store: Store) -
 
     twice = cli(store, "dead-letters", "dismiss", str(dl["id"]), "--yes")
     assert twice.exit_code == 1 and "already handled" in twice.output
+
+
+def test_requeueing_twice_names_the_force_option(store: Store) -> None:
+    relay = _dead_outbox_row(store, [], {"now": True})
+    [dl] = runs.list_dead_letters(store)
+    assert cli(store, "dead-letters", "requeue", str(dl["id"]), "--yes").exit_code == 0
+    relay.run_once()  # dead again: the far end still refuses
+
+    again = cli(store, "dead-letters", "requeue", str(dl["id"]), "--yes")
+    assert again.exit_code == 1, again.output
+    assert "pass --force" in again.output and "pass force" not in again.output
+    forced = cli(store, "dead-letters", "requeue", str(dl["id"]), "--yes", "--force")
+    assert forced.exit_code == 0, forced.output
+
+
+def test_a_dismissed_dead_letter_needs_force_to_be_requeued(store: Store) -> None:
+    delivered: list[Any] = []
+    broken = {"now": True}
+    relay = _dead_outbox_row(store, delivered, broken)
+    [dl] = runs.list_dead_letters(store)
+    assert cli(store, "dead-letters", "dismiss", str(dl["id"]), "--yes",
+               "--by", "bob").exit_code == 0
+    broken["now"] = False
+
+    r = cli(store, "dead-letters", "requeue", str(dl["id"]), "--yes")
+    assert r.exit_code == 1, r.output
+    assert "was dismissed at" in r.output and "by bob;" in r.output
+    assert "pass --force" in r.output
+    relay.run_once()
+    assert delivered == []  # nothing was requeued
+
+    forced = cli(store, "dead-letters", "requeue", str(dl["id"]), "--yes", "--force")
+    assert forced.exit_code == 0, forced.output
+    relay.run_once()
+    assert delivered == [("pay:1#1", {"n": 1})]

@@ -7,7 +7,7 @@
   ``<!-- skip-exec: reason -->``, and a block whose first line is ``# file: NAME`` or
   ``# proj/NAME.py`` (a file of an example project: the page's own test writes and runs
   those, tests/integration/test_docs_testing.py and
-  tests/acceptance/test_docs_dramatiq_quickstart.py).
+  tests/acceptance/test_docs_dramatiq_quickstart.py, tests/acceptance/test_docs_quickstart.py).
 * Every ``outbox.add(conn, "<built-in destination>", {...})`` a block shows (in code or in a
   comment) is checked against that handler's payload check (reliable_beat.payloads): a
   retired ``{"url": ...}`` row fails here.

@@ -47,9 +47,9 @@ def test_malformed_entry_reported_before_it_is_due(any_store: Store) -> None:
     record_beat(store, owner="beat-a", group="proj", config_hash=synced.config_hash,
                 unregistered={})  # a live beat of the group: no NO BEAT problem
     assert _cli(store, "status", "--check").exit_code == 0
-    with store.begin() as conn:  # an ended entry (no next slot) is not malformed
-        conn.execute(text("UPDATE reliable_beat_entries SET next_fire_at = NULL "
-                          "WHERE name = 'fine'"))
+    with store.begin() as conn:  # an ended entry (no next slot: past end_at) is not malformed
+        conn.execute(text("UPDATE reliable_beat_entries SET next_fire_at = NULL, "
+                          "end_at = '2001-01-01 00:00:00' WHERE name = 'fine'"))
     with store.begin() as conn:
         conn.execute(text("UPDATE reliable_beat_entries SET args = '\"notalist\"', "
                           "schedule = '{\"every\": \"soon\"}' WHERE name = 'weekday9'"))

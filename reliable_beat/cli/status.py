@@ -179,7 +179,9 @@ def status(cli: CliContext, as_json: bool, check: bool, margin: float, show_all:
                  else " (NEVER STARTED)") if e["name"] in info["unstarted"] else ""),
              e["schedule_group"] or "-",
              e["status"] + (f" {fmt_instant(e['disabled_at'])}" if e["disabled_at"] else ""),
-             fmt_instant(e["next_fire_at"]), fmt_instant(e["last_fire_at"]), e["last_state"] or "-",
+             # a disabled entry never fires: no NEXT (its stored value is its last plan)
+             "-" if e["status"] == "disabled" else fmt_instant(e["next_fire_at"]),
+             fmt_instant(e["last_fire_at"]), e["last_state"] or "-",
              _secs(e["lag_seconds"]), str(e["failing"]), str(e["dead"]))
             for e in shown
         ]

@@ -182,6 +182,9 @@ def test_status_shows_disabled_and_alarms(server_store: Store, start: Any) -> No
     assert any("RECENTLY DISABLED" in p and "b" in p for p in info["problems"])
     assert status("--check").exit_code == 1
     assert status("--check", "--disabled-within", "0").exit_code == 0
+    # the text view shows no NEXT for it (a disabled entry never fires)
+    [row] = [ln.split() for ln in status("--all").output.splitlines() if ln.startswith("b ")]
+    assert row[2] == "disabled" and row[4] == "-", row
     # All beats of the group gone (no heartbeat for longer than the alive window): alarm.
     from reliable_beat.db.tables import beats
 

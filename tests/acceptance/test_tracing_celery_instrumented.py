@@ -6,11 +6,13 @@ Redis.
 Celery's ``run/<task>`` span joins the slot's trace (the ``traceparent`` the trigger carries);
 no ``process <task>`` span of ours duplicates it: the execution's events (claim, completion)
 and attributes (fence token, attempt, outcome) land on Celery's span; a retry shows both
-attempts (its ``reliable_beat.retry`` span under the first), a fenced-out completion says so.
+attempts (its ``reliable_beat.retry`` span under the first), a fenced-out completion says so;
+Celery's ``celery.retry.reason`` holds the error's text redacted.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +28,7 @@ from tests.acceptance.test_tracing import APPS, ROOT, _children, _events, _one, 
 
 sys.path.insert(0, str(APPS))
 from procs import wait_for
+from trace_app import ERROR_SECRET
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(120)]
 pytest.importorskip("opentelemetry.instrumentation.celery",
@@ -130,3 +133,9 @@ def test_worker_spans_nest_under_celerys_task_span(
     assert zrun is fenced
     assert zrun["attributes"]["reliable_beat.outcome"] == "fenced_out"
     assert zrun["status"] == "ERROR"
+
+    # Celery's retry reason is handed over redacted: no secret of the error in any span
+    reasons = [s["attributes"]["celery.retry.reason"] for s in spans
+               if "celery.retry.reason" in s["attributes"]]
+    assert reasons and all("password=***" in r for r in reasons), reasons
+    assert ERROR_SECRET not in json.dumps(spans)

@@ -95,9 +95,39 @@ app = _make_app() if os.environ.get("TO_BROKER") else None
 _publishers: dict[tuple[str, str], Any] = {}
 
 
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and its living descendants (a prefork
+    worker's pool), from ``/proc``; 0.0 where ``/proc`` is missing."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return 0.0
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, total = {pid}, 0.0
+    for _ in range(4):  # worker -> pool children (-> their threads' processes, none)
+        tree |= {p for p, parent in parents.items() if parent in tree}
+    for p in tree:
+        total += cpu.get(p, 0.0)
+    return total
+
+
 def _drain(env: Env, db_url: str, task: str, n: int, pool: list[str], run_tag: str,
-           expect_effects: int, tmp: str) -> float:
-    """Queue ``n`` calls of ``task``, start a worker, return calls/s of the drain."""
+           expect_effects: int, tmp: str, cpu: list[float] | None = None) -> float:
+    """Queue ``n`` calls of ``task``, start a worker, return calls/s of the drain.
+
+    ``cpu``: append the worker's CPU per call (µs: the worker process and its pool's
+    children, from the first message taken to the queue drained; sound on a loaded machine,
+    where the rate is not)."""
     import redis
     import sqlalchemy as sa
 
@@ -127,6 +157,7 @@ def _drain(env: Env, db_url: str, task: str, n: int, pool: list[str], run_tag: s
                 raise RuntimeError(f"worker took nothing from {QUEUE} (log {log.name})")
             time.sleep(0.002)
         t0 = time.perf_counter()
+        cpu0 = _tree_cpu(proc.pid)
         while True:
             if time.time() > deadline + 600:
                 raise RuntimeError(f"{task}: queue not drained (log {log.name})")
@@ -137,6 +168,8 @@ def _drain(env: Env, db_url: str, task: str, n: int, pool: list[str], run_tag: s
                     break
             time.sleep(0.005)
         elapsed = time.perf_counter() - t0
+        if cpu is not None:
+            cpu.append((_tree_cpu(proc.pid) - cpu0) / n * 1e6)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -155,23 +188,29 @@ def _tracing_rows(env: Env, eng: Any, db_url: str, n: int, tmp: str,
     import sqlalchemy as sa
 
     measured: dict[str, list[tuple[float, float]]] = {}
+    cpus: dict[str, list[tuple[float, float]]] = {}
     for rep in range(env.size.repeats):
         for label, pool in pools[:1] if env.size.name == "smoke" else pools:
-            got = []
+            got: list[float] = []
+            cpu: list[float] = []
             for tracing in ("0", "1"):
                 os.environ["TO_TRACING"] = tracing
                 env.flush_redis()
                 with eng.begin() as conn:
                     conn.execute(sa.text("TRUNCATE bench_effects"))
                 got.append(_drain(env, db_url, "to.idem", n, pool,
-                                  f"{label[:4]}{rep}t{tracing}", n, tmp))
+                                  f"{label[:4]}{rep}t{tracing}", n, tmp, cpu))
             measured.setdefault(label, []).append((got[0], got[1]))
+            cpus.setdefault(label, []).append((cpu[0], cpu[1]))
     os.environ.pop("TO_TRACING", None)
     rows = []
     for label, pairs in measured.items():
         ratios = [on / off for off, on in pairs]
+        cpu_pairs = cpus[label]
         rows.append([label, spread([off for off, _ in pairs]), spread([on for _, on in pairs]),
                      spread(ratios, "x", 3), ", ".join(f"{x:.3f}x" for x in ratios),
+                     spread([off for off, _ in cpu_pairs]), spread([on for _, on in cpu_pairs]),
+                     spread([off / on for off, on in cpu_pairs], "x", 3),
                      f"≥ {TRACING_TARGET}x (median)",
                      check(sorted(ratios)[len(ratios) // 2] >= TRACING_TARGET)])
     return rows
@@ -205,7 +244,8 @@ def run(env: Env) -> str:
                     "on = OpenTelemetry SDK, BatchSpanProcessor, an exporter that drops)",
                     "",
                     table(["worker pool", "tracing off /s", "tracing on /s", "on / off",
-                           "each run", "target", ""], rows),
+                           "each run", "worker CPU µs/call off", "on",
+                           "off / on (CPU)", "target", ""], rows),
                 ])
             measured: dict[str, list[tuple[float, float, float]]] = {}
             for rep in range(env.size.repeats):

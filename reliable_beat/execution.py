@@ -132,21 +132,20 @@ class Decision:
 
 
 def claim_run(store: Store, key: str, **kwargs: Any) -> runs.Claim:
-    """:func:`reliable_beat.runs.claim_run` in a ``reliable_beat.claim`` span (tracing on): its
-    outcome, fence token and attempt on the span and on the execution's span."""
+    """:func:`reliable_beat.runs.claim_run`, recorded on the execution's span (tracing on): a
+    ``reliable_beat.claim`` event with its outcome; the key, entry, slot, fence token and
+    attempt as the span's attributes (:func:`reliable_beat.tracing.claimed`)."""
     if tracing.tracer() is None:
         return runs.claim_run(store, key, **kwargs)
     fire_at = kwargs.get("fire_at")
-    attrs = tracing.attributes(key=key, entry=kwargs.get("entry"),
-                               slot=None if fire_at is None else format_fire_at(fire_at))
-    tracing.annotate(attrs)
-    with tracing.span("reliable_beat.claim", attributes=attrs) as s:
+    slot = None if fire_at is None else format_fire_at(fire_at)
+    try:
         claim = runs.claim_run(store, key, **kwargs)
-        found = tracing.attributes(outcome=claim.outcome, fence_token=claim.fence_token,
-                                   attempt=claim.attempt)
-        s.set_attributes(found)
-        tracing.annotate({k: v for k, v in found.items() if k != tracing.OUTCOME})
-        return claim
+    except BaseException:
+        tracing.claimed(None, key=key, entry=kwargs.get("entry"), slot=slot)
+        raise
+    tracing.claimed(claim, key=key, entry=kwargs.get("entry"), slot=slot)
+    return claim
 
 
 def claim_decision(claim: runs.Claim, lease: timedelta, max_attempts: int) -> Decision:
@@ -261,12 +260,7 @@ def run_body(state: RunState, body: Callable[[], Any]) -> Any:
     r = renewer()
     r.add(state)
     try:
-        if tracing.tracer() is None:
-            return body()
-        with tracing.span("reliable_beat.body", attributes=tracing.attributes(
-                key=state.claim.key, attempt=state.claim.attempt,
-                fence_token=state.claim.fence_token)):
-            return body()
+        return body()
     finally:
         r.discard(state)
 
@@ -323,7 +317,7 @@ def complete_after_body(state: RunState, result: Any, *,
                 (logger or log).exception("%s: %s succeeded; its result could not be stored",
                                           state.task_name, claim.key)
         return
-    with tracing.completion_span(claim.key, claim.fence_token, claim.attempt):
+    with tracing.completion():
         try:
             # a workflow activity's wake is published right after the commit (handoff)
             with handoff.after_commit(store), store.begin() as conn:

@@ -306,7 +306,7 @@ def redact_text(text: object) -> str:
     if "://" in s:
         s = _URL_IN_TEXT.sub(_redact_url_in_text, s)
     low = s.lower()
-    if any(w in low for w in _CREDENTIAL_SCHEMES):
+    if _CREDENTIAL_SCHEME_IN.search(low):
         s = _SCHEME_CREDENTIAL.sub(_redact_scheme_credential, s)
         if "digest" in low and "response" in low:  # HTTP Digest: the response is the proof
             s = _DIGEST_RESPONSE.sub(rf"\g<1>\g<2>{MASK}", s)
@@ -371,6 +371,8 @@ def _secret_pair(name: str, text: str, start: int) -> bool:
 
 
 _CREDENTIAL_SCHEMES = ("bearer", "basic", "token", "digest", "negotiate")
+#: any of them in a text (one scan instead of one per word: most texts hold none)
+_CREDENTIAL_SCHEME_IN = re.compile("|".join(_CREDENTIAL_SCHEMES))
 # the ``response`` parameter of an HTTP ``Digest`` credential (a hash that proves the
 # password, replayable within its nonce): masked wherever a Digest credential is quoted
 _DIGEST_RESPONSE = re.compile(r"""(\bresponse\s*=\s*)(["']?)(?!\*\*\*)[^"',\s]+""", re.I)
@@ -404,9 +406,12 @@ def _redact_scheme_credential(m: re.Match[str]) -> str:
 _TEXT_WORDS = (*SENSITIVE_WORDS, *_EXACT_SENSITIVE, "key")
 
 
+_TEXT_WORD_IN = re.compile("|".join(re.escape(w) for w in _TEXT_WORDS))
+
+
 def _mentions_sensitive_word(low: str) -> bool:
     squeezed = low.replace("-", "").replace("_", "")
-    return any(w in squeezed for w in _TEXT_WORDS)
+    return _TEXT_WORD_IN.search(squeezed) is not None
 
 
 def redact_value(value: Any, *, user_data: bool = False) -> Any:

@@ -2,9 +2,11 @@
 
 One trace per **slot**: the beat's firing of the slot is its root span (``fire <entry>``,
 linked to the tick that claimed it); the trigger message carries the W3C ``traceparent`` of
-that span (a Celery message header; a Dramatiq message option), so the worker's spans
-(``process <task>`` with ``reliable_beat.claim``, ``reliable_beat.body``,
-``reliable_beat.complete``, ``reliable_beat.retry`` / ``reliable_beat.dead_letter``) join it;
+that span (a Celery message header; a Dramatiq message option), so the worker's spans join it:
+one ``process <task>`` span per execution, its claim and fenced completion recorded as events
+of that span (``reliable_beat.claim``, ``reliable_beat.complete``: an event costs the SDK a
+tenth of a span), a failure as a child span (``reliable_beat.retry`` /
+``reliable_beat.dead_letter``);
 an outbox row keeps the ``traceparent`` of the span that wrote it, so the relay's delivery
 span (``deliver <destination>``) joins too, and a webhook request sends the ``traceparent``
 of its HTTP client span to the far end.
@@ -33,6 +35,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import re
 import time
 import traceback
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
@@ -69,6 +72,8 @@ __all__ = [
     "annotate",
     "attached",
     "carrier",
+    "claimed",
+    "completion",
     "completion_span",
     "current_traceparent",
     "inject",
@@ -122,17 +127,19 @@ def _reset() -> None:
 
 
 def _text(value: Any) -> str:
-    """:func:`redact_text`, remembering the last string (an execution's spans repeat its key)."""
-    global _last_text
-    last = _last_text  # one read: another thread may replace it meanwhile
-    if last[0] == value:
-        return last[1]
-    out = redact_text(value)
-    _last_text = (value, out)
+    """:func:`redact_text`, remembered for the strings seen lately (entry and task names, the
+    key an execution's spans repeat): the redaction runs once per new string."""
+    out = _redacted.get(value)
+    if out is None:
+        out = redact_text(value)
+        if len(_redacted) >= _REDACTED_MAX:
+            _redacted.clear()
+        _redacted[value] = out
     return out
 
 
-_last_text: tuple[Any, str] = (None, "")
+_redacted: dict[Any, str] = {}
+_REDACTED_MAX = 1024
 
 
 def attributes(**values: Any) -> dict[str, Any]:
@@ -168,14 +175,26 @@ def _parent(parent: Any) -> Any:
     """A parent context from a traceparent string / carrier mapping; None: the current one."""
     if parent is None or _trace is None:
         return None
-    if isinstance(parent, str):
-        parent = {TRACEPARENT: parent}
+    if isinstance(parent, _context.Context):
+        return parent
     if isinstance(parent, Mapping):
-        tp = parent.get(TRACEPARENT)
-        if not isinstance(tp, str):
-            return None
-        return _W3C.extract({TRACEPARENT: tp})
-    return parent
+        parent = parent.get(TRACEPARENT)
+    if not isinstance(parent, str):
+        return None
+    m = _TRACEPARENT_00.fullmatch(parent)
+    if m is None:  # another version, or invalid: the W3C propagator's rules
+        return _W3C.extract({TRACEPARENT: parent})
+    trace_id, span_id, flags = m.groups()
+    return _trace.set_span_in_context(_trace.NonRecordingSpan(_trace.SpanContext(
+        int(trace_id, 16), int(span_id, 16), is_remote=True,
+        trace_flags=_trace.TraceFlags(int(flags, 16)))), _ROOT)
+
+
+#: a version-00 traceparent (W3C Trace Context), read without the propagator (a third of its
+#: cost, on every execution)
+_TRACEPARENT_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+#: the empty context: the parent of a new trace
+_ROOT: Any = _context.Context() if _trace is not None else None
 
 
 @contextlib.contextmanager
@@ -482,76 +501,164 @@ class DeliverySpans:
 
 
 def annotate(attrs: Mapping[str, Any]) -> None:
-    """Set ``attrs`` on the current span (the execution's ``process`` span, or the framework
-    instrumentation's task span); no-op when off."""
+    """Set ``attrs`` on the execution's span (:func:`process_span`'s, or the framework
+    instrumentation's task span; else the current span); no-op when off."""
     if tracer() is not None and attrs:
         _execution_span().set_attributes(attrs)
 
 
-@contextlib.contextmanager
-def process_span(task: str, *, traceparent: Any, system: str, message_id: str | None = None,
-                 queue: str | None = None,
-                 expected: tuple[type[BaseException], ...] = ()) -> Iterator[Any]:
+#: the names of the events of an execution's steps on its span
+CLAIM_EVENT = "reliable_beat.claim"
+COMPLETE_EVENT = "reliable_beat.complete"
+
+
+class _Execution:
+    """The span of the execution in progress and the exception already recorded on it."""
+
+    __slots__ = ("recorded", "span")
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+        self.recorded: BaseException | None = None
+
+
+class process_span:  # lower case: used as a function, ``with tracing.process_span(...)``
     """The consumer span of one execution, ``process <task>``, child of the message's
-    ``traceparent``, around the worker protocol's spans. When a span is already current (the
-    framework's own instrumentation, e.g. ``opentelemetry-instrumentation-celery``, started one
-    from the same ``traceparent``), no second one is made: the protocol's spans nest under it.
-    ``expected``: the framework's retry signals (ended without an error status)."""
-    if tracer() is None:
-        yield None
-        return
-    if in_span():
-        token = _EXECUTION.set(_trace.get_current_span())
+    ``traceparent`` (none or invalid: a new trace), made current for the block; None when off.
+
+    The execution's steps are recorded on this one span, not as spans of their own (a span
+    costs the SDK ten times an event): the claim as a ``reliable_beat.claim`` event
+    (:func:`claimed`), the fenced completion as a ``reliable_beat.complete`` event
+    (:class:`completion`); what happens elsewhere (a retry, a dead letter, the relay's delivery
+    of an outbox row) keeps its own span. When a span is already current (the framework's own
+    instrumentation, e.g. ``opentelemetry-instrumentation-celery``, started one from the same
+    ``traceparent``), no second one is made: the events and attributes go to that span.
+    ``expected``: the framework's retry signals (recorded as an event, not an error).
+    """
+
+    __slots__ = ("_attrs", "_ctx_token", "_execution", "_expected", "_name", "_span", "_token",
+                 "_traceparent")
+
+    def __init__(self, task: str, *, traceparent: Any, system: str,
+                 message_id: str | None = None, queue: str | None = None,
+                 expected: tuple[type[BaseException], ...] = ()) -> None:
+        self._name = task
+        self._traceparent = traceparent
+        attrs: dict[str, Any] = {"messaging.system": system,
+                                 "messaging.operation.type": "process",
+                                 "messaging.operation.name": "process"}
+        if queue:
+            attrs["messaging.destination.name"] = queue
+        if message_id:
+            attrs["messaging.message.id"] = message_id
+        self._attrs = attrs
+        self._expected = expected
+        self._span: Any = None
+        self._token: Any = None
+
+    def __enter__(self) -> Any:
+        t = tracer()
+        if t is None:
+            return None
+        current = _trace.get_current_span()
+        if current.get_span_context().is_valid:  # the framework's task span
+            self._execution = _Execution(current)
+            self._token = _EXECUTION.set(self._execution)
+            return None
+        s = self._span = t.start_span(
+            f"process {self._name}", context=_parent(self._traceparent) or _ROOT,
+            kind=SpanKind.CONSUMER, attributes=self._attrs)
+        self._ctx_token = _context.attach(_trace.set_span_in_context(s))
+        self._execution = _Execution(s)
+        self._token = _EXECUTION.set(self._execution)
+        return s
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._token is None:
+            return
+        _EXECUTION.reset(self._token)
+        s = self._span
+        if s is None:
+            return
         try:
-            yield None
+            if exc is not None and exc is not self._execution.recorded:
+                record_error(s, exc, status=not isinstance(exc, self._expected))
         finally:
-            _EXECUTION.reset(token)
-        return
-    attrs: dict[str, Any] = {"messaging.system": system, "messaging.operation.type": "process",
-                             "messaging.operation.name": "process"}
-    if queue:
-        attrs["messaging.destination.name"] = queue
-    if message_id:
-        attrs["messaging.message.id"] = message_id
-    with span(f"process {task}", parent=traceparent, root=True, kind="consumer",
-              attributes=attrs, expected=expected) as s:
-        token = _EXECUTION.set(s)
-        try:
-            yield s
-        finally:
-            _EXECUTION.reset(token)
+            _context.detach(self._ctx_token)
+            s.end()
 
 
-@contextlib.contextmanager
-def completion_span(key: str, fence_token: int, attempt: int) -> Iterator[Any]:
-    """The fenced completion's ``reliable_beat.complete`` span: outcome ``succeeded``, or
-    ``fenced_out`` (a newer runner owns the run: this attempt's writes were refused)."""
-    if tracer() is None:
-        yield None
+def claimed(claim: Any, *, key: str, entry: str | None, slot: str | None) -> None:
+    """Record a claim on the execution's span: its key, entry, slot, fence token and attempt
+    as attributes (and its outcome, unless the run was acquired: the execution's outcome comes
+    later), a ``reliable_beat.claim`` event with the claim's outcome. ``claim`` None: the
+    claim failed (the error is recorded where it is handled)."""
+    s = _execution_span()
+    attrs: dict[str, Any] = {KEY: _text(key)}
+    if entry is not None:
+        attrs[ENTRY] = _text(entry)
+    if slot is not None:
+        attrs[SLOT] = slot  # ISO 8601 of the package's making: nothing to redact
+    if claim is None:
+        s.set_attributes(attrs)
         return
-    execution = _execution_span()
-    with span("reliable_beat.complete", attributes=attributes(
-            key=key, fence_token=fence_token, attempt=attempt)) as s:
-        try:
-            yield s
-        except StaleFenceToken:
+    outcome = claim.outcome
+    attrs[FENCE_TOKEN] = claim.fence_token
+    attrs[ATTEMPT] = claim.attempt
+    if outcome != "acquired":
+        attrs[OUTCOME] = outcome
+    s.set_attributes(attrs)
+    s.add_event(CLAIM_EVENT, {OUTCOME: outcome})
+
+
+class completion:  # lower case: used as a function, ``with tracing.completion():``
+    """Around the fenced completion: a ``reliable_beat.complete`` event on the execution's span
+    with outcome ``succeeded``, or ``fenced_out`` (a newer runner owns the run: this attempt's
+    writes were refused; the span's status is then ERROR, the error recorded redacted), and the
+    same ``reliable_beat.outcome`` on the span. A no-op when off."""
+
+    __slots__ = ("_execution",)
+
+    def __enter__(self) -> None:
+        self._execution = _EXECUTION.get() if tracer() is not None else _OFF
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        execution = self._execution
+        if execution is _OFF:
+            return
+        s = _trace.get_current_span() if execution is None else execution.span
+        if exc is None:
+            s.add_event(COMPLETE_EVENT, _SUCCEEDED)
+            s.set_attribute(OUTCOME, "succeeded")
+        elif isinstance(exc, StaleFenceToken):
+            s.add_event(COMPLETE_EVENT, _FENCED_OUT)
             s.set_attribute(OUTCOME, "fenced_out")
-            execution.set_attribute(OUTCOME, "fenced_out")
-            raise
-        s.set_attribute(OUTCOME, "succeeded")
-        execution.set_attribute(OUTCOME, "succeeded")
+            record_error(s, exc)
+            if execution is not None:
+                execution.recorded = exc
+
+
+def completion_span(key: str, fence_token: int, attempt: int) -> completion:
+    """The former name of :class:`completion` (the key, fence token and attempt are attributes
+    of the execution's span, set at its claim)."""
+    return completion()
+
+
+_SUCCEEDED = {OUTCOME: "succeeded"}
+_FENCED_OUT = {OUTCOME: "fenced_out"}
+_OFF = _Execution(None)
 
 
 def _execution_span() -> Any:
     """The span of the execution in progress (:func:`process_span`'s, or the framework's task
     span it found current), else the current span."""
     found = _EXECUTION.get()
-    return found if found is not None else _trace.get_current_span()
+    return found.span if found is not None else _trace.get_current_span()
 
 
-#: the execution's span while :func:`process_span` runs (outcome set from the protocol spans)
-_EXECUTION: contextvars.ContextVar[Any] = contextvars.ContextVar("reliable_beat_execution",
-                                                                 default=None)
+#: the execution in progress while :func:`process_span` runs
+_EXECUTION: contextvars.ContextVar[_Execution | None] = contextvars.ContextVar(
+    "reliable_beat_execution", default=None)
 
 
 def linked_root(name: str, **attrs: Any) -> str | None:

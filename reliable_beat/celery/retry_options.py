@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from reliable_beat.celery.headers import WAITS_HEADER, _header
 from reliable_beat.errors import ConfigurationError, PermanentError
 from reliable_beat.policies import backoff_delay
-from reliable_beat.redaction import get_logger
+from reliable_beat.redaction import get_logger, redact_text
 
 if TYPE_CHECKING:
     from reliable_beat.settings import Settings
@@ -198,6 +198,18 @@ def _retry_plan(cls: type, task_base: type) -> _RetryPlan:
     return _RetryPlan(max_attempts=max_attempts, base_seconds=base, cap_seconds=cap,
                       jitter=jitter, fixed_delay=fixed, autoretry_for=autoretry,
                       dont_autoretry_for=dont)
+
+
+def _redacted_retry(signal: Retry) -> Retry:
+    """Celery's retry signal with its text redacted like the logs, returned.
+
+    Celery hands ``str()`` of the signal, ``Retry in 2s: ConnectionError('...')`` with the
+    exception's raw message, to its ``task_retry`` signal: its own log line and
+    ``opentelemetry-instrumentation-celery``'s ``celery.retry.reason`` span attribute show it.
+    The signal's ``message`` (which ``str()`` prefers) is set to the redacted text; the
+    exception itself (``signal.exc``) is kept for the result backend."""
+    signal.message = redact_text(str(signal))
+    return signal
 
 
 class _Retries(Task):  # type: ignore[misc]

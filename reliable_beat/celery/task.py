@@ -59,6 +59,7 @@ from reliable_beat.celery.reprs import shown_reprs
 from reliable_beat.celery.retry_options import (  # noqa: F401 (re-exported)
     _CELERY_RETRY_OPTIONS,
     _explicit,
+    _redacted_retry,
     _Retries,
     _retry_plan,
     _RetryPlan,
@@ -404,16 +405,21 @@ class IdempotentTask(_Retries, _BodyTransaction):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Claim -> body -> fenced completion -> failure classification (tracing on: in a
         ``process <task>`` span of the message's trace, unless Celery's instrumentation
-        already made one: :func:`reliable_beat.tracing.process_span`)."""
-        if tracing.tracer() is None:
-            return self._call(*args, **kwargs)
-        request = self.request
-        with tracing.process_span(
-            self.name, traceparent=_header(request, tracing.TRACEPARENT), system="celery",
-            message_id=request.id, queue=(request.delivery_info or {}).get("routing_key"),
-            expected=(Retry, Ignore, Reject),
-        ):
-            return self._call(*args, **kwargs)
+        already made one: :func:`reliable_beat.tracing.process_span`). A retry leaves with its
+        text redacted (:func:`~reliable_beat.celery.retry_options._redacted_retry`)."""
+        try:
+            if tracing.tracer() is None:
+                return self._call(*args, **kwargs)
+            request = self.request
+            with tracing.process_span(
+                self.name, traceparent=_header(request, tracing.TRACEPARENT), system="celery",
+                message_id=request.id, queue=(request.delivery_info or {}).get("routing_key"),
+                expected=(Retry, Ignore, Reject),
+            ):
+                return self._call(*args, **kwargs)
+        except Retry as signal:
+            _redacted_retry(signal)
+            raise
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         self._unwrap_autoretry()

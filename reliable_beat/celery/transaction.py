@@ -99,7 +99,7 @@ class _BodyTransaction(Task):  # type: ignore[misc]
                     with self._guard(join, using, state):
                         yield tx
                     _renewer.discard(state)  # see below
-                    with tracing.completion_span(*_span_of(state)):
+                    with tracing.completion():
                         runs.complete(tx, state.claim, state.returned)
             except BaseException as exc:
                 self._after_rollback(state, exc)
@@ -115,7 +115,7 @@ class _BodyTransaction(Task):  # type: ignore[misc]
                     yield conn
                 session.flush()
                 _renewer.discard(state)  # see below
-                with tracing.completion_span(*_span_of(state)):
+                with tracing.completion():
                     runs.complete(conn, state.claim, state.returned)
                 session.commit()
             except BaseException as exc:
@@ -131,7 +131,7 @@ class _BodyTransaction(Task):  # type: ignore[misc]
                 with self._guard(join, lent, state):
                     yield bind
                 _renewer.discard(state)  # see below
-                with tracing.completion_span(*_span_of(state)):  # joins the caller's transaction
+                with tracing.completion():  # joins the caller's transaction
                     runs.complete(bind, state.claim, state.returned)
                 state.completed = True
                 return
@@ -154,7 +154,7 @@ class _BodyTransaction(Task):  # type: ignore[misc]
                 # renewer serves). The fence is checked inside this transaction, so no
                 # takeover can slip in before the commit; the lease is no longer needed.
                 _renewer.discard(state)
-                with tracing.completion_span(*_span_of(state)):
+                with tracing.completion():
                     runs.complete(tx, state.claim, state.returned)
         except BaseException as exc:
             self._after_rollback(state, exc)
@@ -193,7 +193,3 @@ class _BodyTransaction(Task):  # type: ignore[misc]
             # Rolled back without completing: the body may go on, so keep the lease alive.
             _renewer.add(state)
 
-
-def _span_of(state: _RunState) -> tuple[str, int, int]:
-    """The completion span's key, fence token and attempt (every path of the block)."""
-    return state.claim.key, state.claim.fence_token, state.claim.attempt

@@ -108,8 +108,7 @@ class RunContext:
                                  task_name=state.task_name, store=state.store):
                     yield conn
                 execution.renewer().discard(state)
-                with tracing.completion_span(state.claim.key, state.claim.fence_token,
-                                             state.claim.attempt):
+                with tracing.completion():
                     runs.complete(conn, state.claim, None)
         except StaleFenceToken:
             runs.record_fenced_out(state.store, state.claim)

@@ -4,9 +4,10 @@ file (tests/apps/trace_app.py), and a far end that records the ``traceparent`` i
 
 One slot of ``pay`` (attempt 1 fails, attempt 2 writes a webhook row): every span from the
 beat's firing to the webhook request shares one trace id and nests as the protocol runs, both
-attempts are in it, and the far end's ``traceparent`` names the webhook request span. One slot
-of ``zombie``: its attempt's completion is fenced out and says so. No span shows a secret put
-in kwargs, the webhook URL or an error.
+attempts are in it (each one ``process`` span, its claim and completion as events), and the far
+end's ``traceparent`` names the webhook request span. One slot of ``zombie``: its attempt's
+completion is fenced out and says so (event, outcome, the span's error status). No span shows a
+secret put in kwargs, the webhook URL or an error.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def _children(spans: list[dict[str, Any]], parent: dict[str, Any]) -> list[dict[
             and s["trace_id"] == parent["trace_id"]]
 
 
+def _events(span: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The span's events: (name, ``reliable_beat.outcome``)."""
+    return [(e["name"], e["attributes"].get("reliable_beat.outcome")) for e in span["events"]]
+
+
 def _one(spans: list[dict[str, Any]], name: str, **attrs: Any) -> dict[str, Any]:
     found = [s for s in spans if s["name"] == name
              and all(s["attributes"].get(k) == v for k, v in attrs.items())]
@@ -111,9 +117,7 @@ def test_one_trace_per_slot_from_claim_to_webhook(
 
         def done() -> bool:
             spans = _spans(traces)
-            fenced = any(s["name"] == "reliable_beat.complete"
-                         and s["attributes"].get("reliable_beat.outcome") == "fenced_out"
-                         for s in spans)
+            fenced = any(("reliable_beat.complete", "fenced_out") in _events(s) for s in spans)
             hooked = any(s["name"] == "deliver webhook" for s in spans)
             return bool(seen) and fenced and hooked
 
@@ -157,29 +161,29 @@ def test_one_trace_per_slot_from_claim_to_webhook(
     assert {first["process"], second["process"]} == {"worker"}
     assert first["kind"] == "CONSUMER"
 
-    claim1 = _one(_children(slot, first), "reliable_beat.claim")
-    assert claim1["attributes"]["reliable_beat.attempt"] == 1
-    assert claim1["attributes"]["reliable_beat.outcome"] == "acquired"
-    assert claim1["attributes"]["reliable_beat.key"] == key
-    fence1 = claim1["attributes"]["reliable_beat.fence_token"]
-    body1 = _one(_children(slot, first), "reliable_beat.body")
-    assert body1["status"] == "ERROR" and "ConnectionError" in body1["status_description"]
+    # the claim and the completion are events of the execution's span, with its attributes
+    assert _events(first)[0] == ("reliable_beat.claim", "acquired")
+    assert first["attributes"]["reliable_beat.attempt"] == 1
+    assert first["attributes"]["reliable_beat.key"] == key
+    assert first["attributes"]["reliable_beat.outcome"] == "retrying"
+    fence1 = first["attributes"]["reliable_beat.fence_token"]
     retry = _one(_children(slot, first), "reliable_beat.retry")
     assert retry["attributes"]["reliable_beat.outcome"] == "retrying"
     assert retry["events"] and retry["events"][0]["name"] == "exception"
     assert "password=***" in retry["events"][0]["attributes"]["exception.message"]
     assert first["status"] != "ERROR"  # a retry is not the execution's error
 
-    claim2 = _one(_children(slot, second), "reliable_beat.claim")
-    assert claim2["attributes"]["reliable_beat.attempt"] == 2
-    assert claim2["attributes"]["reliable_beat.fence_token"] > fence1
-    body2 = _one(_children(slot, second), "reliable_beat.body")
-    complete = _one(_children(slot, body2), "reliable_beat.complete")
-    assert complete["attributes"]["reliable_beat.outcome"] == "succeeded"
+    assert _events(second) == [("reliable_beat.claim", "acquired"),
+                               ("reliable_beat.complete", "succeeded")]
+    assert second["attributes"]["reliable_beat.attempt"] == 2
+    assert second["attributes"]["reliable_beat.fence_token"] > fence1
+    assert second["attributes"]["reliable_beat.outcome"] == "succeeded"
+    assert not [s for s in slot if s["name"].startswith("reliable_beat.")
+                and s["name"] != "reliable_beat.retry"], "steps are events, not spans"
 
     # the outbox row written by the body: the relay's delivery joins the body's trace
     deliver = _one(slot, "deliver webhook")
-    assert deliver["process"] == "relay" and by_id[deliver["parent_id"]] is body2
+    assert deliver["process"] == "relay" and by_id[deliver["parent_id"]] is second
     assert deliver["attributes"]["reliable_beat.outcome"] == "sent"
     request = _one(_children(slot, deliver), "POST")
     assert request["span_id"] == request_id and request["kind"] == "CLIENT"
@@ -199,10 +203,12 @@ def test_one_trace_per_slot_from_claim_to_webhook(
     # --- the zombie slot: the fenced-out attempt is visible as such
     zombie_fire = next(s for s in spans if s["name"] == "fire zombie")
     ztrace = [s for s in spans if s["trace_id"] == zombie_fire["trace_id"]]
-    fenced = _one(ztrace, "reliable_beat.complete", **{"reliable_beat.outcome": "fenced_out"})
-    assert fenced["status"] == "ERROR" and "StaleFenceToken" in fenced["status_description"]
     zprocess = _one(ztrace, "process trace_app.zombie")
+    assert _events(zprocess)[-2:] == [("reliable_beat.complete", "fenced_out"),
+                                      ("exception", None)]
     assert zprocess["attributes"]["reliable_beat.outcome"] == "fenced_out"
+    assert zprocess["status"] == "ERROR"
+    assert "StaleFenceToken" in zprocess["status_description"]
 
     # --- no secret anywhere in any span
     dump = json.dumps(spans)

@@ -70,8 +70,8 @@ class JsonLinesExporter(SpanExporter):
                     "status": s.status.status_code.name,
                     "status_description": s.status.description,
                     "attributes": dict(s.attributes or {}),
-                    "events": [{"name": e.name, "attributes": dict(e.attributes or {})}
-                               for e in s.events],
+                    "events": [{"name": e.name, "attributes": dict(e.attributes or {}),
+                                "time": e.timestamp} for e in s.events],
                     "links": [{"trace_id": f"{link.context.trace_id:032x}",
                                "span_id": f"{link.context.span_id:016x}"} for link in s.links],
                     "start": s.start_time, "end": s.end_time,

@@ -1,4 +1,4 @@
-"""The fenced completion's ``reliable_beat.complete`` span on Django's paths of
+"""The fenced completion's ``reliable_beat.complete`` event on Django's paths of
 ``self.transaction()``: ``using=`` an alias, and no argument (the alias whose database is the
 store's), on the child's real PostgreSQL (run by tests/integration/test_django.py)."""
 
@@ -36,7 +36,7 @@ def exporter() -> Iterator[InMemorySpanExporter]:
 
 
 @pytest.mark.parametrize("how", ["using", "default"])
-def test_django_join_has_the_completion_span(how: str, exporter: InMemorySpanExporter) -> None:
+def test_django_join_has_the_completion_event(how: str, exporter: InMemorySpanExporter) -> None:
     from djtask_app import pay_on, pay_plain
 
     if how == "using":
@@ -47,9 +47,10 @@ def test_django_join_has_the_completion_span(how: str, exporter: InMemorySpanExp
         key = "pay:trace-default"
     assert res.successful(), res.traceback
     assert runs.get_run(conf.store(), key)["state"] == "succeeded"
-    spans = exporter.get_finished_spans()
-    [complete] = [s for s in spans if s.name == "reliable_beat.complete"
-                  and (s.attributes or {}).get(tracing.KEY) == key]
-    assert complete.attributes is not None
-    assert complete.attributes[tracing.OUTCOME] == "succeeded"
-    assert complete.attributes[tracing.FENCE_TOKEN] == 1
+    [process] = [s for s in exporter.get_finished_spans() if s.name.startswith("process ")
+                 and (s.attributes or {}).get(tracing.KEY) == key]
+    assert [(e.name, (e.attributes or {}).get(tracing.OUTCOME)) for e in process.events] == [
+        ("reliable_beat.claim", "acquired"), ("reliable_beat.complete", "succeeded")]
+    assert process.attributes is not None
+    assert process.attributes[tracing.OUTCOME] == "succeeded"
+    assert process.attributes[tracing.FENCE_TOKEN] == 1

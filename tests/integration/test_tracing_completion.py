@@ -1,7 +1,8 @@
-"""The fenced completion's ``reliable_beat.complete`` span on every path of the body's
-transaction: the store's own (``self.transaction()``), ``bind=`` an Engine, a Connection (a
-transaction begun here, or the caller's joined), ``session=``, and Dramatiq's
-``current().transaction()``; a fenced-out completion on a joined path shows ``fenced_out``.
+"""The fenced completion's ``reliable_beat.complete`` event on the execution's ``process`` span
+on every path of the body's transaction: the store's own (``self.transaction()``), ``bind=`` an
+Engine, a Connection (a transaction begun here, or the caller's joined), ``session=``, and
+Dramatiq's ``current().transaction()``; a fenced-out completion on a joined path shows
+``fenced_out``. One execution is one span: the claim and the completion are its events.
 Celery in process (``apply``) and Dramatiq's ``StubBroker`` with a real ``Worker``, on SQLite.
 (Django's ``using=`` path: tests/django/test_tracing_join.py.)"""
 
@@ -14,6 +15,7 @@ import sqlalchemy as sa
 from celery import Celery
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from sqlalchemy.orm import Session
 
 from reliable_beat import runs, tracing
@@ -38,16 +40,24 @@ def app(sqlite_store: Store) -> Celery:
     return app
 
 
-def _completions(spans: InMemorySpanExporter, key: str) -> list[ReadableSpan]:
-    return [s for s in spans.get_finished_spans() if s.name == "reliable_beat.complete"
-            and (s.attributes or {}).get(tracing.KEY) == key]
+def _process(spans: InMemorySpanExporter, key: str) -> ReadableSpan:
+    """The one ``process`` span of the execution of ``key``."""
+    [found] = [s for s in spans.get_finished_spans() if s.name.startswith("process ")
+               and (s.attributes or {}).get(tracing.KEY) == key]
+    return found
+
+
+def _completions(span: ReadableSpan) -> list[str]:
+    """The outcomes of the span's ``reliable_beat.complete`` events."""
+    return [str((e.attributes or {}).get(tracing.OUTCOME)) for e in span.events
+            if e.name == "reliable_beat.complete"]
 
 
 MODES = ["store", "engine", "connection", "joined", "session"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_every_transaction_path_has_the_completion_span(
+def test_every_transaction_path_has_the_completion_event(
     mode: str, app: Celery, sqlite_store: Store, exporter: InMemorySpanExporter,  # noqa: F811
 ) -> None:
     engine = sqlite_store.engine
@@ -74,21 +84,22 @@ def test_every_transaction_path_has_the_completion_span(
     res = body.apply(headers={KEY_HEADER: key})
     assert res.successful(), res.traceback
     assert runs.get_run(sqlite_store, key)["state"] == "succeeded"
-    [complete] = _completions(exporter, key)
-    assert complete.attributes is not None
-    assert complete.attributes[tracing.OUTCOME] == "succeeded"
-    assert complete.attributes[tracing.FENCE_TOKEN] == 1
-    assert complete.attributes[tracing.ATTEMPT] == 1
-    process = next(s for s in exporter.get_finished_spans() if s.name == f"process {body.name}")
-    assert complete.context.trace_id == process.context.trace_id
+    process = _process(exporter, key)
+    assert _completions(process) == ["succeeded"]
+    assert [e.name for e in process.events] == ["reliable_beat.claim", "reliable_beat.complete"]
     assert process.attributes is not None
     assert process.attributes[tracing.OUTCOME] == "succeeded"
+    assert process.attributes[tracing.FENCE_TOKEN] == 1
+    assert process.attributes[tracing.ATTEMPT] == 1
+    # the execution is this one span: no span of its own for the claim, body or completion
+    assert [s.name for s in exporter.get_finished_spans()] == [f"process {body.name}"]
 
 
 def test_a_fenced_out_session_completion_is_visible(
     app: Celery, sqlite_store: Store, exporter: InMemorySpanExporter,  # noqa: F811
 ) -> None:
-    """A zombie on the ``session=`` path: its completion span says ``fenced_out``."""
+    """A zombie on the ``session=`` path: its completion says ``fenced_out``, and its span is
+    an error."""
     @app.task(shared=False, base=IdempotentTask, bind=True, name="traced.zombie")
     def zombie(self: IdempotentTask) -> None:
         with sqlite_store.engine.begin() as other:  # a newer runner takes the run over
@@ -100,12 +111,14 @@ def test_a_fenced_out_session_completion_is_visible(
 
     res = zombie.apply(headers={KEY_HEADER: "c:zombie"})
     assert isinstance(res.result, StaleFenceToken)
-    [complete] = _completions(exporter, "c:zombie")
-    assert complete.attributes is not None
-    assert complete.attributes[tracing.OUTCOME] == "fenced_out"
+    process = _process(exporter, "c:zombie")
+    assert _completions(process) == ["fenced_out"]
+    assert process.attributes is not None
+    assert process.attributes[tracing.OUTCOME] == "fenced_out"
+    assert process.status.status_code == StatusCode.ERROR
 
 
-def test_dramatiq_transaction_has_the_completion_span(
+def test_dramatiq_transaction_has_the_completion_event(
     stub: Any, sqlite_store: Store, exporter: InMemorySpanExporter,  # noqa: F811
 ) -> None:
     import dramatiq
@@ -122,6 +135,8 @@ def test_dramatiq_transaction_has_the_completion_span(
     traced_act.send(1)
     stub.join(traced_act.queue_name, fail_fast=True)
     assert runs.get_run(sqlite_store, "dq:1")["state"] == "succeeded"
-    [complete] = _completions(exporter, "dq:1")
-    assert complete.attributes is not None
-    assert complete.attributes[tracing.OUTCOME] == "succeeded"
+    process = _process(exporter, "dq:1")
+    assert process.name == "process traced_act"
+    assert _completions(process) == ["succeeded"]
+    assert process.attributes is not None
+    assert process.attributes[tracing.OUTCOME] == "succeeded"

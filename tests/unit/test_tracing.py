@@ -13,8 +13,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from reliable_beat import tracing
+from reliable_beat import runs, tracing
 from reliable_beat.errors import StaleFenceToken
 from reliable_beat.triggers import build_trigger_payload
 
@@ -55,7 +56,8 @@ def test_off_without_the_api() -> None:
         "from reliable_beat import tracing\n"
         "assert tracing.tracer() is None\n"
         "with tracing.span('x') as s: assert s is None\n"
-        "with tracing.completion_span('k', 1, 1) as s: assert s is None\n"
+        "with tracing.process_span('t', traceparent=None, system='celery') as s: assert s is None\n"
+        "with tracing.completion() as s: assert s is None\n"
         "with tracing.attached('00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'): pass\n"
         "assert tracing.current_traceparent() is None\n"
         "print('ok')\n"
@@ -94,18 +96,98 @@ def test_attributes_redacted_like_logs(exporter: InMemorySpanExporter) -> None:
     assert "reliable_beat.fence_token" not in attrs
 
 
+def test_an_execution_is_one_span_with_events(exporter: InMemorySpanExporter) -> None:
+    """The claim and the fenced completion are events of the ``process`` span, with the
+    claim's attributes set on it: one span per execution (a span costs the SDK ten times an
+    event: four of them were a fifth of a task's CPU)."""
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    claim = runs.Claim(outcome=runs.ACQUIRED, key="k", run_id=1, fence_token=3, attempt=2,
+                      attempt_id=1)
+    with tracing.process_span("t", traceparent=tp, system="celery", message_id="m1",
+                              queue="q") as process:
+        assert process is not None
+        assert tracing.current_traceparent() == tracing.traceparent_of(process)
+        tracing.claimed(claim, key=f"k?token={SECRET}", entry="e", slot="2026-01-01T00:00:00Z")
+        with tracing.completion():
+            pass
+    [span] = exporter.get_finished_spans()
+    assert span.name == "process t" and span.kind == trace.SpanKind.CONSUMER
+    assert span.context.trace_id == 0x0af7651916cd43dd8448eb211c80319c
+    assert span.parent is not None and span.parent.span_id == 0xb7ad6b7169203331
+    assert span.parent.is_remote
+    assert [(e.name, dict(e.attributes or {})) for e in span.events] == [
+        ("reliable_beat.claim", {tracing.OUTCOME: "acquired"}),
+        ("reliable_beat.complete", {tracing.OUTCOME: "succeeded"}),
+    ]
+    attrs = dict(span.attributes or {})
+    assert attrs[tracing.FENCE_TOKEN] == 3 and attrs[tracing.ATTEMPT] == 2
+    assert attrs[tracing.ENTRY] == "e" and attrs[tracing.SLOT] == "2026-01-01T00:00:00Z"
+    assert attrs[tracing.OUTCOME] == "succeeded"
+    assert attrs["messaging.message.id"] == "m1"
+    assert attrs["messaging.destination.name"] == "q"
+    assert SECRET not in attrs[tracing.KEY]
+    assert span.status.status_code == trace.StatusCode.UNSET
+
+
+def test_a_claim_not_acquired_is_the_executions_outcome(exporter: InMemorySpanExporter) -> None:
+    claim = runs.Claim(outcome=runs.ALREADY_SUCCEEDED, key="k", run_id=1, fence_token=1,
+                      attempt=1, attempt_id=1)
+    with tracing.process_span("t", traceparent=None, system="celery"):
+        tracing.claimed(claim, key="k", entry=None, slot=None)
+    [span] = exporter.get_finished_spans()
+    assert span.parent is None  # no traceparent: a trace of its own
+    assert dict(span.attributes or {})[tracing.OUTCOME] == "already_succeeded"
+    assert [e.name for e in span.events] == ["reliable_beat.claim"]
+
+
 def test_fenced_out_completion(exporter: InMemorySpanExporter) -> None:
+    """A zombie's completion: the ``reliable_beat.complete`` event says ``fenced_out`` and the
+    execution's span is an error, the StaleFenceToken recorded once (not again as it leaves
+    the span)."""
     with tracing.process_span("t", traceparent=None, system="celery") as process, \
-            pytest.raises(StaleFenceToken), tracing.completion_span("k", 3, 1):
+            pytest.raises(StaleFenceToken), tracing.completion():
         raise StaleFenceToken("k", 3)
     assert process is not None
-    complete, proc = exporter.get_finished_spans()
-    assert complete.attributes is not None and proc.attributes is not None
-    assert complete.attributes[tracing.OUTCOME] == "fenced_out"
-    assert complete.status.status_code == trace.StatusCode.ERROR
+    [proc] = exporter.get_finished_spans()
+    assert proc.attributes is not None
     assert proc.attributes[tracing.OUTCOME] == "fenced_out"
-    assert complete.parent is not None
-    assert complete.parent.span_id == proc.context.span_id
+    assert proc.status.status_code == trace.StatusCode.ERROR
+    assert "StaleFenceToken" in (proc.status.description or "")
+    assert [(e.name, dict(e.attributes or {}).get(tracing.OUTCOME)) for e in proc.events] == [
+        ("reliable_beat.complete", "fenced_out"), ("exception", None)]
+
+
+def test_expected_signal_is_not_an_error(exporter: InMemorySpanExporter) -> None:
+    """A framework's retry signal leaving the span is an event, not the span's error."""
+    class Signal(Exception):
+        pass
+
+    with pytest.raises(Signal), tracing.process_span("t", traceparent=None, system="celery",
+                                                     expected=(Signal,)):
+        raise Signal("again")
+    [proc] = exporter.get_finished_spans()
+    assert proc.status.status_code == trace.StatusCode.UNSET
+    assert [e.name for e in proc.events] == ["exception"]
+
+
+@pytest.mark.parametrize("tp", [
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+    "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-later",
+    "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+    "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-",
+    "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "not a traceparent",
+])
+def test_a_traceparent_reads_as_the_w3c_propagator_reads_it(tp: str) -> None:
+    ours = trace.get_current_span(tracing._parent(tp)).get_span_context()
+    theirs = trace.get_current_span(TraceContextTextMapPropagator().extract(
+        {"traceparent": tp})).get_span_context()
+    assert ours.is_valid == theirs.is_valid
+    if theirs.is_valid:
+        assert (ours.trace_id, ours.span_id, ours.trace_flags, ours.is_remote) == (
+            theirs.trace_id, theirs.span_id, theirs.trace_flags, theirs.is_remote)
 
 
 def test_trigger_carries_the_fire_span(exporter: InMemorySpanExporter) -> None:

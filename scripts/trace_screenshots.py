@@ -144,9 +144,9 @@ def far_end(endpoint: str) -> tuple[str, list[str], Callable[[], None]]:
 
 
 def screenshot(base: str, trace_id: str, select: str, nth: str, height: int,
-               path: Path) -> None:
+               path: Path, tab: str | None = None) -> None:
     """The trace's page, ``height`` pixels tall, span ``select`` (its ``nth`` in the tree,
-    an XPath position) selected."""
+    an XPath position) selected, and its detail tab ``tab`` (e.g. ``Events``) open."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
@@ -182,6 +182,11 @@ def screenshot(base: str, trace_id: str, select: str, nth: str, height: int,
         time.sleep(2)  # the rest of the tree
         driver.find_element(By.XPATH, span).click()
         time.sleep(2)
+        if tab is not None:  # e.g. the span's events: claim, completion, the exception
+            tabs = driver.find_elements(By.XPATH, f"//*[starts-with(text(), '{tab}')]")
+            if tabs:
+                tabs[-1].click()
+                time.sleep(1)
         driver.save_screenshot(str(path))
     finally:
         driver.quit()
@@ -258,9 +263,9 @@ def main() -> None:
             wf_trace = conn.execute(select(workflows.c.traceparent).where(
                 workflows.c.workflow_id == WORKFLOW_ID)).scalar_one().split("-")[1]
         args.out.mkdir(parents=True, exist_ok=True)
-        # the first attempt's failed body; the receive span that consumed the signal
-        screenshot(base, slot_trace, "reliable_beat.body", "1", 1000,
-                   args.out / "trace-slot.png")
+        # the first attempt (failed: its events); the receive span that consumed the signal
+        screenshot(base, slot_trace, "process demo.pay", "1", 1000,
+                   args.out / "trace-slot.png", tab="Events")
         screenshot(base, wf_trace, "receive signal approved", "last()", 2300,
                    args.out / "trace-workflow.png")
         store.engine.dispose()

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -66,7 +66,7 @@ from reliable_beat import outbox as outbox_mod
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
 from reliable_beat.messages import OutboxMessage
-from reliable_beat.outbox import db_now
+from reliable_beat.outbox import now_sql
 from reliable_beat.redaction import get_logger
 
 __all__ = ["HANDOFF_DELAY", "UNKNOWN", "Advance", "Publish", "Wake", "add", "after_commit",
@@ -220,19 +220,10 @@ def mark_in(conn: Connection) -> None:
     if not ids:
         return
     conn.execute(update(outbox).where(outbox.c.id.in_(list(ids)), outbox.c.state == "pending")
-                 .values(state="sent", sent_at=_now_sql(conn), last_error=None))
+                 .values(state="sent", sent_at=now_sql(conn), last_error=None))
     ids.clear()
 
 
-def _now_sql(conn: Connection) -> Any:
-    """The store's clock inside the statement (no round trip of its own where the dialect
-    has a server clock)."""
-    name = conn.dialect.name
-    if name == "postgresql":
-        return func.clock_timestamp()
-    if name in ("mysql", "mariadb"):
-        return func.utc_timestamp(6)
-    return db_now(conn)
 
 
 @contextmanager
@@ -320,7 +311,7 @@ def mark(store: Store, sent: list[int], failed: list[int]) -> None:
     row left pending is sent again by the relay after :data:`HANDOFF_DELAY`)."""
     try:
         with store.begin() as conn:
-            now = _now_sql(conn)
+            now = now_sql(conn)
             if sent:
                 conn.execute(update(outbox).where(outbox.c.id.in_(sent),
                                                   outbox.c.state == "pending")

@@ -55,6 +55,7 @@ __all__ = [
     "db_now",
     "json_size",
     "new_message_id",
+    "now_sql",
 ]
 
 #: PostgreSQL channel the inserting transaction notifies; relays ``LISTEN`` on it.
@@ -86,6 +87,19 @@ def db_now(conn: Connection) -> datetime:
         value = conn.execute(select(func.utc_timestamp(6))).scalar_one()
         return value.replace(tzinfo=timezone.utc)  # type: ignore[no-any-return]
     return datetime.now(timezone.utc)
+
+
+def now_sql(conn: Connection) -> Any:
+    """The store's clock as a SQL expression evaluated inside the statement that uses it
+    (saves the round trip of :func:`db_now` when the value is only
+    written): ``clock_timestamp()`` on PostgreSQL, ``UTC_TIMESTAMP(6)`` on MySQL/MariaDB;
+    on SQLite (no server) this host's clock, read now, as :func:`db_now` does."""
+    name = conn.dialect.name
+    if name == "postgresql":
+        return func.clock_timestamp()
+    if name in ("mysql", "mariadb"):
+        return func.utc_timestamp(6)
+    return db_now(conn)
 
 
 def new_message_id() -> str:

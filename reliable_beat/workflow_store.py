@@ -13,13 +13,13 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import handoff, outbox
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.tables import workflow_events, workflows
-from reliable_beat.outbox import db_now
+from reliable_beat.outbox import now_sql
 
 __all__ = [
     "ADVANCE_TASK",
@@ -68,19 +68,6 @@ def parse_activity_key(key: str) -> tuple[str, int, int] | None:
     if not (wf and run.isdigit() and seq.isdigit()):
         return None
     return wf, int(run), int(seq)
-
-
-def now_sql(conn: Connection) -> Any:
-    """The store's clock as a SQL expression evaluated inside the statement that uses it
-    (saves the round trip of :func:`~reliable_beat.outbox.db_now` when the value is only
-    written): ``clock_timestamp()`` on PostgreSQL, ``UTC_TIMESTAMP(6)`` on MySQL/MariaDB;
-    on SQLite (no server) this host's clock, read now, as :func:`db_now` does."""
-    name = conn.dialect.name
-    if name == "postgresql":
-        return func.clock_timestamp()
-    if name in ("mysql", "mariadb"):
-        return func.utc_timestamp(6)
-    return db_now(conn)
 
 
 def _first(rows: list[Any]) -> Any:

@@ -19,27 +19,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Sequence
-from datetime import datetime
 from pathlib import Path
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.loop import BeatLoop
-from reliable_beat.outbox import OutboxMessage
 from reliable_beat.settings import Settings
+from tests.apps.quiet_handler import QuietHandler as _Quiet
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class _Quiet:
-    destination = "celery"
-
-    def publish(self, messages: Sequence[OutboxMessage], now: datetime
-                ) -> list[tuple[int, BaseException | None]]:
-        return [(m.id, None) for m in messages]
-
-    def tracked_tasks(self) -> Collection[str]:
-        return []
 
 
 def test_request_stop_ends_a_listen_wait_at_once(pg_store: Store) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -19,20 +18,9 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.entries import EntryDefinition
 from reliable_beat.errors import ConfigurationError, StoreUnavailableError
 from reliable_beat.loop import BeatLoop
-from reliable_beat.outbox import OutboxMessage
 from reliable_beat.schedules import IntervalSchedule
 from reliable_beat.settings import Settings
-
-
-class _Quiet:
-    destination = "celery"
-
-    def publish(self, messages: Sequence[OutboxMessage], now: datetime
-                ) -> list[tuple[int, BaseException | None]]:
-        return [(m.id, None) for m in messages]
-
-    def tracked_tasks(self) -> Collection[str]:
-        return []
+from tests.apps.quiet_handler import QuietHandler as _Quiet
 
 
 def _definitions(now: datetime) -> list[EntryDefinition]:

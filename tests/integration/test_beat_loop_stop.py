@@ -14,7 +14,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from types import FrameType
 from typing import Any
@@ -26,20 +26,9 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.entries import EntryDefinition
 from reliable_beat.loop import BeatLoop
-from reliable_beat.outbox import OutboxMessage
 from reliable_beat.schedules import IntervalSchedule
 from reliable_beat.settings import Settings
-
-
-class _Quiet:
-    destination = "celery"
-
-    def publish(self, messages: Sequence[OutboxMessage], now: datetime
-                ) -> list[tuple[int, BaseException | None]]:
-        return [(m.id, None) for m in messages]
-
-    def tracked_tasks(self) -> Collection[str]:
-        return []
+from tests.apps.quiet_handler import QuietHandler as _Quiet
 
 
 def _three(now: datetime) -> list[EntryDefinition]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -25,8 +24,8 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries
 from reliable_beat.entries import EntryDefinition, save_runtime_entry, sync_schedule_group
 from reliable_beat.loop import BeatLoop
-from reliable_beat.outbox import OutboxMessage
 from reliable_beat.settings import Settings
+from tests.apps.quiet_handler import QuietHandler as _Quiet
 
 UTC = timezone.utc
 
@@ -122,17 +121,6 @@ def test_a_sync_recomputes_a_config_entry(sqlite_store: Store) -> None:
     assert again.updated == ["daily"], again  # main: unchanged, never fired again
     # after its last slot: the slots since go through the misfire policy at the next tick
     assert _aware(_row(store, "daily")["next_fire_at"]) == datetime(2026, 1, 2, 9, tzinfo=UTC)
-
-
-class _Quiet:
-    destination = "celery"
-
-    def publish(self, messages: Sequence[OutboxMessage], now: datetime
-                ) -> list[tuple[int, BaseException | None]]:
-        return [(m.id, None) for m in messages]
-
-    def tracked_tasks(self) -> Collection[str]:
-        return []
 
 
 def test_the_beat_sweep_quarantines_it_naming_the_fix(

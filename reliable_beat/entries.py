@@ -159,14 +159,18 @@ def _stored_malformed(row: Any) -> bool:
     return bool(problems)
 
 
-def _next_fire_repair(row: Any, now: datetime) -> tuple[bool, datetime | None]:
+def _next_fire_repair(row: Any, now: datetime, *, lifting_quarantine: bool = False
+                      ) -> tuple[bool, datetime | None]:
     """``(True, the value its schedule gives)`` when an active stored row (enabled,
-    unpaused, unquarantined) has a ``next_fire_at`` its schedule cannot have put there
+    unpaused, unquarantined; or quarantined, when the caller lifts the quarantine) has a
+    ``next_fire_at`` its schedule cannot have put there
     (:func:`reliable_beat.rows.next_fire_problem`: NULL while the schedule has a next slot,
     or far beyond it); else ``(False, None)``. The value is the schedule's first slot after
     the last one (:func:`reliable_beat.rows.repaired_next_fire`): slots missed meanwhile go
     through the misfire policy at the next tick."""
-    if not row.enabled or row.paused or row.quarantine_reason is not None:
+    quarantined = row.quarantine_reason is not None
+    if row.paused or (quarantined and not lifting_quarantine) or (
+            not row.enabled and not quarantined):
         return False, None
     instants = (row.next_fire_at, row.last_fire_at, row.start_at, row.end_at)
     if not all(v is None or isinstance(v, datetime) for v in instants):
@@ -254,7 +258,9 @@ def _upsert(
         adopted = True
     regrouped = definition.origin != "config" and group is not None and (
         row.schedule_group != group)
-    bad_next, repaired = _next_fire_repair(row, now)
+    # the rewrite below lifts a quarantine: one the beat's sweep put on an inconsistent
+    # next_fire_at is repaired from the last slot, as `entries resume` does
+    bad_next, repaired = _next_fire_repair(row, now, lifting_quarantine=park is None)
     if (row.config_hash == values["config_hash"] and row.enabled and park is None
             and not (adopted or regrouped) and not _stored_malformed(row) and not bad_next):
         return "unchanged"

@@ -175,8 +175,16 @@ def load_handlers(
     handlers: dict[str, Callable[[OutboxMessage], None]] = {}
     if app is not None:
         handlers.update(adapter_for(app).handlers(app))
-    if importlib.util.find_spec("httpcore") is None:  # pragma: no cover - httpx missing
-        log.info("webhook outbox handler disabled: httpx is not installed")
+    if importlib.util.find_spec("httpcore") is None:  # httpx missing
+        configured_webhooks = sorted(getattr(settings, "webhook_destinations", None) or {})
+        if configured_webhooks:
+            # rows to them would wait `pending` with nothing said: say it where it is fixed
+            log.error("webhook destinations %s are configured but httpx is not installed: "
+                      "this process delivers no `webhook` outbox row (they stay pending); "
+                      "install the extra: pip install 'reliable-beat[http]'",
+                      ", ".join(map(repr, configured_webhooks)))
+        else:
+            log.info("webhook outbox handler disabled: httpx is not installed")
     else:
         handlers["webhook"] = WebhookHandler(settings=settings)
     handlers["smtp"] = SmtpHandler(getattr(settings, "smtp", None))

@@ -151,4 +151,10 @@ def test_the_beat_sweep_quarantines_it_naming_the_fix(
     assert cli(store, "entries", "resume", "null5").exit_code == 0
     row = _row(store, "null5")
     assert row["enabled"] and _aware(row["next_fire_at"]) == last + timedelta(seconds=5)
+    # quarantined by the sweep, then rewritten with the same schedule (`entries update`, or
+    # a sync of the same beat_schedule): the slots missed meanwhile still go through the
+    # misfire policy (the rewrite used to restart it from now: catch_up slots lost silently)
+    save_runtime_entry(store, _every("far5"), create=False)
+    row = _row(store, "far5")
+    assert row["enabled"] and _aware(row["next_fire_at"]) == last + timedelta(seconds=5), row
     loop.close()

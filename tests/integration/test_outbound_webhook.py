@@ -405,3 +405,25 @@ def test_destinations_the_client_could_not_use_are_refused_at_start(spec: Any,
     with pytest.raises(ConfigurationError, match=re.escape(reason)) as info:
         WebhookHandler(settings=settings(webhook_destinations={"d": spec}))
     assert "abc" not in str(info.value)
+
+
+def test_configured_webhook_destinations_without_httpx_are_an_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A relay without httpx (the `http` extra) delivers no webhook row: with destinations
+    configured that is said at ERROR, naming them and the extra, not at INFO."""
+    import importlib.util
+    import logging
+
+    from reliable_beat import handlers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(handlers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "httpcore" else real(name, *a))
+    settings = Settings(webhook_destinations={"merchant": {"base_url": "https://example.com"}})
+    with caplog.at_level(logging.INFO, logger="reliable_beat"):
+        found = load_handlers(settings=settings)
+        load_handlers(settings=Settings())
+    assert "webhook" not in found
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "'merchant'" in errors[0], errors
+    assert "reliable-beat[http]" in errors[0] and "pending" in errors[0]

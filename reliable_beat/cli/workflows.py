@@ -124,7 +124,7 @@ def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str | None,
              f"{workflow_id} {name} true` (a null payload is indistinguishable from a "
              "timeout in the workflow's wait_signal)", 2, kind="usage")
     try:
-        data = json.loads(payload)
+        data = json.loads(payload, parse_constant=_refuse_constant)
     except ValueError as exc:
         fail(f"PAYLOAD is not JSON: {exc}", 2, kind="usage")
     if data is None:
@@ -144,6 +144,10 @@ def wf_signal(cli: CliContext, workflow_id: str, name: str, payload: str | None,
     else:
         click.echo("signal stored" if stored
                    else f"signal with key {key!r} already stored for {workflow_id!r}")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value (JSON has no NaN or infinity)")
 
 
 @workflows_group.command("resume")

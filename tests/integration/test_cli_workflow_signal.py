@@ -40,3 +40,13 @@ def test_an_explicit_null_payload_is_stored_with_a_warning(sqlite_store: Store) 
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["stored"] is True
     assert "null payload" in r.stderr and "timeout" in r.stderr
+
+
+def test_a_nan_or_infinite_payload_is_a_usage_error(sqlite_store: Store) -> None:
+    engine.start(sqlite_store, "t.approval", "appr-3", [])
+    for bad in ("NaN", "Infinity", '{"x": -Infinity}'):
+        r = CliRunner().invoke(reliable_beat, ["--database-url", sqlite_store.url, "workflows",
+                                               "signal", "appr-3", "approve", bad])
+        assert r.exit_code == 2 and "not a JSON value" in r.output, (bad, r.output)
+        assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    assert engine.get_workflow(sqlite_store, "appr-3", events=True)["signals"] == []

@@ -11,10 +11,10 @@ to confirm (what the CLI asks before it acts), or refuses it with the reason and
 * ``message`` dead letter (a worker dropped the message): reason ``unregistered`` is sent
   again through the Celery app (same task id, arguments and headers); ``no_key`` and
   ``rejected`` are refused: the message itself was wrong, its caller must send the work again.
-* ``run`` dead letter of a workflow activity (key ``wf:<id>/<run>#<seq>``): refused once the
-  workflow's history has recorded the activity's failure (the workflow moved on: a re-run's
-  effect would land outside its history, e.g. after its saga compensated); allowed while
-  the history still waits for that activity.
+* ``run`` or ``message`` dead letter of a workflow activity (key ``wf:<id>/<run>#<seq>``):
+  refused once the workflow's history has recorded the activity's outcome or the workflow
+  ended (a re-run's effect would land outside its history, e.g. after its saga compensated
+  or it was cancelled); allowed while the history still waits for that activity.
 * ``run`` dead letter of a Celery task: the run again under the same idempotency key, through
   the Celery app (:func:`reliable_beat.ops.actions.requeue_dead_run`).
 * ``run`` dead letter of a Dramatiq actor (its payload names the ``actor``): the same, through
@@ -94,6 +94,9 @@ def plan_requeue(store: Store, dead_letter: int | Mapping[str, Any]) -> RequeueP
         return RequeuePlan(dl, "outbox", None,
                            f"Deliver outbox message {dl.get('key')!r} to "
                            f"{dl.get('destination')} again ({died})?")
+    if kind in ("message", "run"):
+        # a workflow activity's message or run: only while its history still waits for it
+        _refuse_a_settled_activity(store, dl_id, str(dl.get("key") or ""))
     if kind == "message":
         if dl.get("reason") not in rb_runs.REQUEUEABLE_MESSAGE_REASONS:
             raise RequeueRefused(
@@ -106,7 +109,6 @@ def plan_requeue(store: Store, dead_letter: int | Mapping[str, Any]) -> RequeueP
     if kind != "run":
         raise RequeueRefused(f"dead letter {dl_id} is {_article(str(kind))} dead letter; only "
                              "run, outbox and dropped-message dead letters can be requeued")
-    _refuse_a_settled_activity(store, dl_id, str(dl.get("key") or ""))
     if isinstance(payload, Mapping) and "actor" in payload:
         return RequeuePlan(dl, "actor_run", DRAMATIQ,
                            f"Requeue {payload['actor']} under key {payload.get('key')!r} "

@@ -754,6 +754,14 @@ def test_requeue_of_a_settled_activity_dead_letter_is_refused(app: Celery, store
                                       str(dl["id"]), "--yes"])
     assert out.exit_code != 0 and "outside its history" in out.output, out.output
     assert runs.get_dead_letter(store, int(dl["id"])).get("requeued_at") is None
+    # the same activity's message dropped by a worker (e.g. the task not yet registered
+    # there): a `message` dead letter with the activity's key is refused alike
+    dropped = runs.record_refused_message(
+        store, key="wf:declined/1#6", task="saga.do",
+        payload={"task": "saga.do", "task_id": "tid-6", "args": ["declined:c"]},
+        error="unregistered", reason="unregistered")
+    with pytest.raises(RequeueRefused, match="outside its history"):
+        plan_requeue(store, dropped)
 
     BROKEN.add("o4:b")
     engine.start(store, "t.three", "o4", ["o4"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,8 @@ class DashboardConfig:
         self.store = store
         self.settings = settings or Settings(database_url=store.url)
         self.app = app
+        #: one replay check at a time (it runs workflow code, which may block)
+        self.replay_slot = threading.Lock()
         self.auth = auth if auth is not None else AuthConfig.from_sources(self.settings)
         self.slots = slots
         self.late_after = timedelta(seconds=late_after_seconds)
@@ -377,12 +380,25 @@ class _Pages:
             wf = get_workflow(self.cfg.store, wid, events=True)
         except WorkflowNotFound:
             return self.not_found(request, f"no workflow {wid!r}")
-        return self.render(request, "workflow.html", wf=wf,
-                           replay=self.replay_verdict(wid, wf["name"]))
+        asked = (request.query_params.get("replay") == "1"
+                 and request.headers.get(LIVE_HEADER) != "1")
+        return self.render(request, "workflow.html", wf=wf, replay_asked=asked,
+                           replay=self.replay_verdict(wid, wf["name"]) if asked else None)
 
     def replay_verdict(self, wid: str, name: str) -> tuple[str, str]:
-        """(``ok`` | ``mismatch`` | ``unchecked``, what to say): the workflow's stored history
-        replayed against the code this process registers, as `workflows replay` does."""
+        """(``ok`` | ``mismatch`` | ``unchecked`` | ``busy``, what to say): the workflow's
+        stored history replayed against the code this process registers, as `workflows
+        replay` does. It runs the workflow's own code, which may block: only when asked
+        (never on the live refresh), and one at a time per dashboard process."""
+        if not self.cfg.replay_slot.acquire(blocking=False):
+            return ("busy", "not checked: another replay check is still running in this "
+                    "dashboard (a workflow's code that blocks holds it); try again later")
+        try:
+            return self._replay_verdict(wid, name)
+        finally:
+            self.cfg.replay_slot.release()
+
+    def _replay_verdict(self, wid: str, name: str) -> tuple[str, str]:
         if get_definition(name) is None:
             return ("unchecked", f"not checked: workflow {name!r} is not registered in this "
                     "process; start the dashboard with the app that registers it "

@@ -525,11 +525,18 @@ def test_the_dashboard_shows_the_replay_check_verdict(
     client = TestClient(web_app.create_app(wf_store, auth=AuthConfig()),
                         client=("127.0.0.1", 50000), base_url="http://127.0.0.1:8000")
 
-    def verdict() -> str:
-        page = client.get("/workflows/shown")
+    def verdict(live: bool = False) -> str:
+        page = client.get("/workflows/shown", params={"replay": "1"},
+                          headers={"x-rb-live": "1"} if live else {})
         assert page.status_code == 200
         return page.text.split('id="replay"', 1)[1].split("</p>", 1)[0]
 
+    # it runs the workflow's code: only when asked, never on the page's live refresh
+    plain = client.get("/workflows/shown").text
+    assert "?replay=1" in plain and "without a mismatch" not in plain
+    assert 'data-live="off"' not in plain  # the page refreshes itself, without the check
+    assert 'data-live="off"' in client.get("/workflows/shown", params={"replay": "1"}).text
+    assert "without a mismatch" not in verdict(live=True)
     assert "without a mismatch" in verdict()
 
     def reordered(ctx: WorkflowContext) -> str:
@@ -542,3 +549,8 @@ def test_the_dashboard_shows_the_replay_check_verdict(
     assert "MISMATCH" in shown and "seq 1" in shown, shown
     monkeypatch.setattr(web_app, "get_definition", lambda name: None)
     assert "not registered in this process" in verdict()
+    # one at a time: a check still running (a workflow's code that blocks) is said, not joined
+    slot = next(r.endpoint.__self__.cfg.replay_slot for r in client.app.routes
+                if getattr(r, "path", "") == "/workflows/{wid:path}")
+    with slot:
+        assert "another replay check is still running" in verdict()

@@ -113,7 +113,7 @@ _UPSERT_COLUMNS = (entries.c.id, entries.c.config_hash, entries.c.schedule, entr
                    entries.c.timezone, entries.c.misfire_policy, entries.c.overlap_policy,
                    entries.c.misfire_grace_seconds, entries.c.catch_up_limit,
                    entries.c.catch_up_window_seconds, entries.c.start_at, entries.c.end_at,
-                   entries.c.quarantine_reason)
+                   entries.c.quarantine_reason, entries.c.created_at)
 #: Names per statement when a sync reads its entries (bounded IN lists: MariaDB turns long
 #: ones into a join, every server has a parameter limit).
 _SYNC_CHUNK = 500
@@ -177,15 +177,17 @@ def _next_fire_repair(row: Any, now: datetime, *, lifting_quarantine: bool = Fal
         return False, None
     try:
         schedule = sch.schedule_from_spec(row.schedule)
+        created = row.created_at if isinstance(row.created_at, datetime) else None
         problem = next_fire_problem(schedule, next_fire_at=row.next_fire_at,
                                     last_fire_at=row.last_fire_at, start_at=row.start_at,
-                                    end_at=row.end_at, now=now)
+                                    end_at=row.end_at, now=now, created_at=created)
     except Exception:  # a malformed row: the row check's business
         return False, None
     if problem is None:
         return False, None
     repaired = repaired_next_fire(schedule, last_fire_at=row.last_fire_at,
-                                  start_at=row.start_at, end_at=row.end_at, now=now)
+                                  start_at=row.start_at, end_at=row.end_at, now=now,
+                                  created_at=created)
     log.warning("entry %r: %s; recomputed from its schedule: next_fire_at=%s", row.name,
                 problem, repaired.isoformat() if repaired else None)
     return True, repaired

@@ -67,14 +67,30 @@ def _after(base: datetime, start_at: datetime | None) -> datetime:
     return base
 
 
+def _since(schedule: sch.Schedule, last_fire_at: datetime | None,
+           created_at: datetime | None, now: datetime) -> datetime:
+    """The instant after which an entry's next slot lies: its last slot; never fired: a
+    one-off's own instant (its only slot is still owed), else when the entry was created
+    (the slots since go through the misfire policy), else ``now``."""
+    if last_fire_at is not None:
+        return last_fire_at
+    if isinstance(schedule, sch.OneOffSchedule):
+        return schedule.at - _SECOND
+    if created_at is not None:
+        return min(created_at, now)
+    return now
+
+
 def repaired_next_fire(schedule: sch.Schedule, *, last_fire_at: datetime | None,
                        start_at: datetime | None, end_at: datetime | None,
-                       now: datetime) -> datetime | None:
+                       now: datetime, created_at: datetime | None = None) -> datetime | None:
     """The ``next_fire_at`` the schedule gives: its first slot after the entry's last slot
-    (never fired: after ``now``), at or after ``start_at``; None when that is past
-    ``end_at`` or the schedule has none (the entry has ended). It may be in the past: the
-    beat then claims the entry at once and its misfire policy decides the missed slots."""
-    nxt = schedule.next_after(_after(last_fire_at if last_fire_at is not None else now,
+    (never fired: a one-off's instant; a recurring schedule's first slot after
+    ``created_at``, or after ``now`` without it), at or after ``start_at``; None when that
+    is past ``end_at`` or the schedule has none (the entry has ended). It may be in the
+    past: the beat then claims the entry at once and its misfire policy decides the missed
+    slots."""
+    nxt = schedule.next_after(_after(_since(schedule, last_fire_at, created_at, now),
                                      start_at))
     if nxt is not None and end_at is not None and nxt > end_at:
         return None
@@ -84,7 +100,8 @@ def repaired_next_fire(schedule: sch.Schedule, *, last_fire_at: datetime | None,
 def next_fire_problem(schedule: sch.Schedule, *, next_fire_at: datetime | None,
                       last_fire_at: datetime | None, start_at: datetime | None,
                       end_at: datetime | None, now: datetime,
-                      next_after: Any = None) -> str | None:
+                      next_after: Any = None, created_at: datetime | None = None
+                      ) -> str | None:
     """What is wrong with an active entry's ``next_fire_at`` (the module's two rules), as a
     problem string naming the column (:func:`reliable_beat.rows.column_of`), or None.
 
@@ -95,7 +112,7 @@ def next_fire_problem(schedule: sch.Schedule, *, next_fire_at: datetime | None,
     step = next_after or (lambda s, at: s.next_after(at))
     if next_fire_at is None:
         due = repaired_next_fire(schedule, last_fire_at=last_fire_at, start_at=start_at,
-                                 end_at=end_at, now=now)
+                                 end_at=end_at, now=now, created_at=created_at)
         if due is None:
             return None  # ended: nothing left on its schedule
         return (f"next_fire_at=NULL: its schedule has a slot at {_iso(due)} (after its last "
@@ -126,7 +143,7 @@ def _iso(at: datetime | None) -> str:
 
 
 _COLUMNS = ("name", "origin", "schedule_group", "schedule", "next_fire_at", "last_fire_at",
-            "start_at", "end_at")
+            "start_at", "end_at", "created_at")
 
 
 def inconsistent_next_fire(conn: Connection, now: datetime, *,
@@ -189,7 +206,8 @@ def inconsistent_next_fire(conn: Connection, now: datetime, *,
             schedule = built[key]
             problem = next_fire_problem(
                 schedule, next_fire_at=r.next_fire_at, last_fire_at=r.last_fire_at,
-                start_at=r.start_at, end_at=r.end_at, now=now, next_after=next_after)
+                start_at=r.start_at, end_at=r.end_at, now=now, next_after=next_after,
+                created_at=r.created_at if isinstance(r.created_at, datetime) else None)
         except Exception:  # a spec that does not build: MALFORMED ENTRY says so
             built.setdefault(key, None)
             continue

@@ -217,7 +217,9 @@ def test_every_page_renders_the_real_run_in_chromium(
         "runs": (f"/runs?entry={ENTRY}", r.fenced_key),
         "run": (f"/runs/{quote(r.fenced_key, safe='')}", "fenced_out"),
         "dead_letters": ("/dead-letters", "permanent"),
-        "dead_letter": (f"/dead-letters/{r.dead_letter_id}", "Yes, requeue it"),
+        # the saga's refused step: its history recorded the failure, so no requeue (a
+        # re-run's effect would land after the compensations)
+        "dead_letter": (f"/dead-letters/{r.dead_letter_id}", "outside its history"),
         "workflows": ("/workflows", r.workflow),
         "workflow": (f"/workflows/{r.workflow}", "compensation wfa.undo"),
         "outbox": ("/outbox?state=sent", "Outbox"),
@@ -227,9 +229,10 @@ def test_every_page_renders_the_real_run_in_chromium(
         browser.get(r.base + path)
         body = browser.find_element(By.TAG_NAME, "body").text
         assert must_see in body, (shot, body[-1500:])
-        if shot == "dead_letter":  # the picture is of the requeue question
+        if shot == "dead_letter":  # the picture is of the refusal, with why
+            assert "Yes, requeue it" not in body
             browser.execute_script(
-                "document.getElementById('requeue-question').scrollIntoView()")
+                "document.getElementById('requeue-refused').scrollIntoView()")
         browser.save_screenshot(str(shots / f"dashboard-{shot}.png"))
     browser.get(r.base + "/")
     beats = browser.find_element(By.ID, "heartbeats").text

@@ -70,3 +70,21 @@ def test_a_cron_across_a_dst_change_is_no_problem() -> None:
     assert problem(cron, nxt, now=now) is None
     assert problem(cron, cron.next_after(nxt), now=now) is None  # one period ahead
     assert problem(cron, nxt + timedelta(days=3), now=now) is not None
+
+
+def test_a_never_fired_entry_is_repaired_from_its_creation_not_from_now() -> None:
+    """NULL set on an entry that never fired: a one-off still owes its one slot, even once
+    its instant has passed (it was lost silently: `entries resume` answered "next -"); a
+    recurring entry resumes at its first slot after it was created, so the slots missed
+    meanwhile go through its misfire policy (it restarted from now)."""
+    once = sch.OneOffSchedule(NOW - timedelta(minutes=3))
+    created = NOW - timedelta(minutes=10)
+    found = next_fire_problem(once, next_fire_at=None, last_fire_at=None, start_at=None,
+                              end_at=None, now=NOW, created_at=created)
+    assert found is not None and found.startswith("next_fire_at=NULL"), found
+    assert repaired_next_fire(once, last_fire_at=None, start_at=None, end_at=None, now=NOW,
+                              created_at=created) == once.at
+    # a one-off that fired is ended, as before
+    assert problem(once, None, once.at) is None
+    assert repaired_next_fire(EVERY5, last_fire_at=None, start_at=None, end_at=None, now=NOW,
+                              created_at=created) == datetime(2026, 12, 6, 22, 30, 5, tzinfo=UTC)

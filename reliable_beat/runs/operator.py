@@ -317,6 +317,23 @@ REQUEUEABLE_MESSAGE_REASONS = frozenset({"unregistered"})
 UNSTORABLE = "reliable_beat_unstorable"
 
 
+def _locked_dead_letter(conn: Connection, dead_letter_id: int, *, kind: str | None
+                        ) -> Any:
+    """The dead letter ``dead_letter_id`` (of ``kind``, None: any), locked for this
+    transaction.
+
+    Raises:
+        DeadLetterNotFound: no such dead letter (of that kind).
+    """
+    dl = conn.execute(
+        select(dead_letters).where(dead_letters.c.id == dead_letter_id).with_for_update()
+    ).mappings().one_or_none()
+    if dl is None or (kind is not None and dl["kind"] != kind):
+        what = f"{kind} dead letter" if kind else "dead letter"
+        raise DeadLetterNotFound(f"no {what} with id {dead_letter_id}")
+    return dl
+
+
 def requeue_dead_message(
     store: Store, dead_letter_id: int, *, by: str, force: bool = False
 ) -> dict[str, Any]:
@@ -332,11 +349,7 @@ def requeue_dead_message(
     """
     with store.begin() as conn:
         now = store.now(conn)
-        dl = conn.execute(
-            select(dead_letters).where(dead_letters.c.id == dead_letter_id).with_for_update()
-        ).mappings().one_or_none()
-        if dl is None or dl["kind"] != "message":
-            raise DeadLetterNotFound(f"no message dead letter with id {dead_letter_id}")
+        dl = _locked_dead_letter(conn, dead_letter_id, kind="message")
         if dl["reason"] not in REQUEUEABLE_MESSAGE_REASONS:
             raise ValueError(
                 f"dead letter {dead_letter_id} ({dl['reason']}) is not requeueable: the "
@@ -432,11 +445,7 @@ def requeue_outbox_dead_letter(
     """
     with store.begin() as conn:
         now = store.now(conn)
-        dl = conn.execute(
-            select(dead_letters).where(dead_letters.c.id == dead_letter_id).with_for_update()
-        ).mappings().one_or_none()
-        if dl is None or dl["kind"] != "outbox":
-            raise DeadLetterNotFound(f"no outbox dead letter with id {dead_letter_id}")
+        dl = _locked_dead_letter(conn, dead_letter_id, kind="outbox")
         _refuse_repeat(dl, force)
         moved = conn.execute(
             update(outbox).where(outbox.c.id == dl["outbox_id"], outbox.c.state == "dead")
@@ -489,11 +498,7 @@ def dismiss_dead_letter(store: Store, dead_letter_id: int, *, by: str) -> dict[s
     """
     with store.begin() as conn:
         now = store.now(conn)
-        dl = conn.execute(
-            select(dead_letters).where(dead_letters.c.id == dead_letter_id).with_for_update()
-        ).mappings().one_or_none()
-        if dl is None:
-            raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+        dl = _locked_dead_letter(conn, dead_letter_id, kind=None)
         if dl["requeued_at"] is not None or dl["handled_at"] is not None:
             done = (f"requeued at {dl['requeued_at']} by {dl['requeued_by']}"
                     if dl["requeued_at"] is not None

@@ -5,35 +5,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from reliable_beat import runs, tracing
 from reliable_beat.errors import StaleFenceToken
 from reliable_beat.triggers import build_trigger_payload
+from tests.memory_spans import exporter  # noqa: F401 (fixture)
 
 SECRET = "UtSecret7c41d9e2"
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    """An SDK provider with the in-memory exporter, as the package's tracer (the global
-    provider can be set once per process: the package's cached tracer is swapped instead)."""
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing._tracer = provider.get_tracer("reliable_beat")
-    try:
-        yield memory
-    finally:
-        tracing._reset()
 
 
 def test_off_without_a_provider() -> None:
@@ -67,7 +51,7 @@ def test_off_without_the_api() -> None:
     assert out.stdout.strip() == "ok"
 
 
-def test_error_and_url_redacted(exporter: InMemorySpanExporter) -> None:
+def test_error_and_url_redacted(exporter: InMemorySpanExporter) -> None:  # noqa: F811
     with pytest.raises(ConnectionError), tracing.span("body"):
         raise ConnectionError(f"refused https://u:{SECRET}@db.example/x?token={SECRET} "
                               f"password={SECRET}")
@@ -87,7 +71,7 @@ def test_error_and_url_redacted(exporter: InMemorySpanExporter) -> None:
         assert SECRET not in text
 
 
-def test_attributes_redacted_like_logs(exporter: InMemorySpanExporter) -> None:
+def test_attributes_redacted_like_logs(exporter: InMemorySpanExporter) -> None:  # noqa: F811
     attrs = tracing.attributes(key=f"sync?token={SECRET}", entry="e", workflow_id="w:1",
                                workflow_run=2, fence_token=None)
     assert SECRET not in repr(attrs)
@@ -96,7 +80,7 @@ def test_attributes_redacted_like_logs(exporter: InMemorySpanExporter) -> None:
     assert "reliable_beat.fence_token" not in attrs
 
 
-def test_an_execution_is_one_span_with_events(exporter: InMemorySpanExporter) -> None:
+def test_an_execution_is_one_span_with_events(exporter: InMemorySpanExporter) -> None:  # noqa: F811
     """The claim and the fenced completion are events of the ``process`` span, with the
     claim's attributes set on it: one span per execution (a span costs the SDK ten times an
     event: four of them were a fifth of a task's CPU)."""
@@ -129,7 +113,8 @@ def test_an_execution_is_one_span_with_events(exporter: InMemorySpanExporter) ->
     assert span.status.status_code == trace.StatusCode.UNSET
 
 
-def test_a_claim_not_acquired_is_the_executions_outcome(exporter: InMemorySpanExporter) -> None:
+def test_a_claim_not_acquired_is_the_executions_outcome(
+        exporter: InMemorySpanExporter) -> None:  # noqa: F811
     claim = runs.Claim(outcome=runs.ALREADY_SUCCEEDED, key="k", run_id=1, fence_token=1,
                       attempt=1, attempt_id=1)
     with tracing.process_span("t", traceparent=None, system="celery"):
@@ -140,7 +125,7 @@ def test_a_claim_not_acquired_is_the_executions_outcome(exporter: InMemorySpanEx
     assert [e.name for e in span.events] == ["reliable_beat.claim"]
 
 
-def test_fenced_out_completion(exporter: InMemorySpanExporter) -> None:
+def test_fenced_out_completion(exporter: InMemorySpanExporter) -> None:  # noqa: F811
     """A zombie's completion: the ``reliable_beat.complete`` event says ``fenced_out`` and the
     execution's span is an error, the StaleFenceToken recorded once (not again as it leaves
     the span)."""
@@ -157,7 +142,7 @@ def test_fenced_out_completion(exporter: InMemorySpanExporter) -> None:
         ("reliable_beat.complete", "fenced_out"), ("exception", None)]
 
 
-def test_expected_signal_is_not_an_error(exporter: InMemorySpanExporter) -> None:
+def test_expected_signal_is_not_an_error(exporter: InMemorySpanExporter) -> None:  # noqa: F811
     """A framework's retry signal leaving the span is an event, not the span's error."""
     class Signal(Exception):
         pass
@@ -190,7 +175,7 @@ def test_a_traceparent_reads_as_the_w3c_propagator_reads_it(tp: str) -> None:
             theirs.trace_id, theirs.span_id, theirs.trace_flags, theirs.is_remote)
 
 
-def test_trigger_carries_the_fire_span(exporter: InMemorySpanExporter) -> None:
+def test_trigger_carries_the_fire_span(exporter: InMemorySpanExporter) -> None:  # noqa: F811
     beat = tracing.BeatTrace.start("celery")
     assert beat is not None
     at = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -211,7 +196,7 @@ def test_trigger_carries_the_fire_span(exporter: InMemorySpanExporter) -> None:
     assert tp.split("-")[2] == f"{fire.context.span_id:016x}"
 
 
-def test_attached_makes_a_traceparent_current(exporter: InMemorySpanExporter) -> None:
+def test_attached_makes_a_traceparent_current(exporter: InMemorySpanExporter) -> None:  # noqa: F811
     """A publish traced by another instrumentation (Celery's ``apply_async`` span) runs in the
     trigger's trace: its context current, no span of ours made."""
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -227,7 +212,7 @@ def test_attached_makes_a_traceparent_current(exporter: InMemorySpanExporter) ->
     assert theirs.parent is not None and theirs.parent.span_id == 0xb7ad6b7169203331
 
 
-def test_add_link_to_a_context_learnt_later(exporter: InMemorySpanExporter) -> None:
+def test_add_link_to_a_context_learnt_later(exporter: InMemorySpanExporter) -> None:  # noqa: F811
     """A span links to a traceparent it learns while open (a consumed signal's sender);
     nothing, an invalid one or a value that is not a string (a column edited by SQL) adds
     no link and raises nothing."""

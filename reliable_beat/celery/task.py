@@ -42,8 +42,8 @@ from sqlalchemy.exc import (
 from reliable_beat import execution, handoff, runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.celery import acks as _acks
+from reliable_beat.celery import broker_loss, prompt_acks
 from reliable_beat.celery import brokers as _brokers
-from reliable_beat.celery import prompt_acks
 from reliable_beat.celery.headers import (
     _HEADERS,
     _SLOT_KEY,
@@ -114,7 +114,8 @@ def _warn_default_store_once(settings: Settings) -> None:
 def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
     """``celeryd_after_setup``: a worker running IdempotentTasks on the default store says so
     at start, and bad reliable_beat settings are reported before the first task. Its
-    consumer writes acks at once (:mod:`reliable_beat.celery.prompt_acks`)."""
+    consumer writes acks at once (:mod:`reliable_beat.celery.prompt_acks`) and says why
+    when Celery stops it after a broker restart (:mod:`reliable_beat.celery.broker_loss`)."""
     app = getattr(instance, "app", None)
     if app is None:
         return
@@ -123,6 +124,8 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
         if tracked:
             # acks written at once, not at the hub's next wake-up (see prompt_acks)
             prompt_acks.install(instance)
+            # a worker Celery stops after a broker restart says why, and the fix
+            broker_loss.install(instance)
             settings = Settings.from_celery(app)
             log.info("reliable_beat: store %s", settings.database_url_text)
             _warn_default_store_once(settings)

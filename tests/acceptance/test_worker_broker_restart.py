@@ -24,6 +24,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,11 @@ class Rig:
             proc.wait(timeout=10)
 
 
+def ran_or_exited(rig: Rig, proc: subprocess.Popen[bytes], name: str) -> bool:
+    """The call ``name`` left its effect, or the worker exited."""
+    return proc.poll() is not None or rig.effect_count(name) > 0
+
+
 def wait(rig: Rig, what: str, cond: Callable[[], Any], timeout: float = 20.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -110,7 +116,8 @@ def rig(pg_url: str, tmp_path: Path) -> Iterator[Rig]:
     store = Store.from_url(pg_url, role="cli")
     upgrade(store)
     meta.create_all(store.engine)
-    with DurableRedis() as redis:  # an AOF: a restart keeps queued and unacked messages
+    redis = DurableRedis()  # an AOF: a restart keeps queued and unacked messages
+    with redis:
         r = Rig(pg_url, redis, store, tmp_path)
         try:
             yield r
@@ -128,9 +135,10 @@ def test_worker_survives_redis_restarts_or_says_why_it_stops(rig: Rig) -> None:
     for i in range(IDLE_RESTARTS + 1):
         if i:
             restart(rig.redis)
-        rig.send(f"idle-{i}")
-        wait(rig, f"IdempotentTask call idle-{i} run (after {i} idle restarts)",
-             lambda i=i: proc.poll() is not None or rig.effect_count(f"idle-{i}"))
+        name = f"idle-{i}"
+        rig.send(name)
+        wait(rig, f"IdempotentTask call {name} run (after {i} idle restarts)",
+             partial(ran_or_exited, rig, proc, name))
         assert proc.poll() is None, f"worker exited on an idle Redis restart\n{rig.logs()}"
     # Held unacknowledged by the worker until its ETA, as an IdempotentTask retry is.
     held = f"held-{uuid.uuid4().hex[:8]}"
@@ -140,9 +148,10 @@ def test_worker_survives_redis_restarts_or_says_why_it_stops(rig: Rig) -> None:
 
     for i in range(RESTARTS):
         restart(rig.redis)
-        rig.send(f"after-{i}")
+        name = f"after-{i}"
+        rig.send(name)
         wait(rig, f"the worker to run a task after Redis restart {i + 1}, or to exit",
-             lambda i=i: proc.poll() is not None or rig.effect_count(f"after-{i}"))
+             partial(ran_or_exited, rig, proc, name))
         if proc.poll() is not None:
             break
 

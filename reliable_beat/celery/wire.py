@@ -427,7 +427,9 @@ class _MessageBuilder:
     sent by the real ``send_task`` and its ``Producer.publish`` call is recorded (the
     *template*, made by the installed Celery version); the next messages of that shape are
     built from the template with only those fields replaced, the custom headers appended
-    as ``send_task`` appends them, and published with the same ``Producer.publish`` call.
+    as ``send_task`` appends them, and published with the same ``Producer.publish`` call;
+    in a Redis batch they are handed straight to kombu's batch as the prepared message
+    ``Producer.publish`` would make (:class:`_RawTemplate`, when the template proves it).
     ``tests/integration/test_publish_builder.py`` (Redis) and ``test_publish_builder_amqp.py``
     (RabbitMQ: the raw content header and body frames) prove the messages byte-for-byte equal
     to ``send_task``'s for every option, on every Celery version of the tox matrix.
@@ -448,7 +450,7 @@ class _MessageBuilder:
         self.prepared: tuple[Any, dict[str, Any], dict[str, Any]] | None = None
         from kombu.serialization import dumps
 
-        self._dumps = dumps
+        self._dumps: Any = dumps
         self._templates: dict[tuple[Any, ...], Any] = {}
         on_task_call = type(app.backend).on_task_call
         from celery.backends.base import Backend

@@ -258,6 +258,52 @@ def _publish_batch(
     # x-expires: size the buffer so that it only flushes on exit.
     with batch(max_size=max(1000, size * 16)):
         yield (BatchPublishError,)
+        _coalesce_pushes(producer)  # the batch was built without error: it flushes next
+
+
+def _coalesce_pushes(producer: Any) -> int:
+    """Merge each run of consecutive buffered ``LPUSH``es to one key in ``producer``'s
+    Redis batch into one multi-value ``LPUSH`` (the same values in the same order), before
+    the batch's flush.
+
+    ``LPUSH k a`` then ``LPUSH k b`` and ``LPUSH k a b`` leave the same list (each value is
+    pushed at the head, left to right), and a non-transactional pipeline runs its commands
+    one after the other either way; a refused ``LPUSH`` (``WRONGTYPE``) refuses every value
+    for that key in both forms. What changes is the client's work: one command to pack and
+    one reply to parse per run instead of one per message (a third of redis-py's per-message
+    cost in a pipeline). Anything other than a plain ``LPUSH`` (a ``PEXPIRE`` of a queue
+    with ``x-expires``, another key) ends a run. Does nothing unless the batch is a kombu
+    Redis publish batch holding a redis-py pipeline.
+
+    Returns:
+        How many commands the merge removed.
+    """
+    state = _batch_state(producer)
+    pipeline = getattr(getattr(state, "session", None), "pipeline", None)
+    stack = getattr(pipeline, "command_stack", None)
+    if not isinstance(stack, list) or len(stack) < 2:
+        return 0
+    merged: list[Any] = []
+    values: list[Any] | None = None  # the values of the run being merged (its last command)
+    key: Any = None
+    removed = 0
+    for command in stack:
+        args, options = command
+        if (isinstance(args, tuple) and len(args) >= 3 and args[0] == "LPUSH"
+                and not options):
+            if values is not None and args[1] == key:
+                values.extend(args[2:])
+                removed += 1
+                continue
+            key, values = args[1], list(args[2:])
+            merged.append((key, values))
+            continue
+        values = None
+        merged.append(command)
+    if removed:
+        stack[:] = [(("LPUSH", item[0], *item[1]), {}) if isinstance(item[1], list) else item
+                    for item in merged]
+    return removed
 
 
 def _pipelined_send_options(app: Any, producer: Any) -> dict[str, Any]:

@@ -273,8 +273,8 @@ def _coalesce_pushes(producer: Any) -> int:
     one reply to parse per run instead of one per message (most of redis-py's per-message
     cost in a pipeline: 500 pushes of ~700 bytes, 8 -> 2 us per message). Anything other
     than a plain ``LPUSH`` (a ``PEXPIRE`` of a queue with ``x-expires``, another key) ends
-    a run. Does nothing unless the batch is a kombu
-    Redis publish batch holding a redis-py pipeline.
+    a run. Does nothing unless the batch is a kombu Redis publish batch holding a redis-py
+    pipeline.
 
     Returns:
         How many commands the merge removed.

@@ -443,6 +443,10 @@ def _send_one(app: Any, producer: Any, message: OutboxMessage, now: datetime,
         builder.learn(payload["task"], args, kwargs, task_id, headers, expires_at, options)
 
 
+#: custom header name -> whether it names a Celery protocol header (any case)
+_PROTOCOL_NAME: dict[str, bool] = {}
+
+
 def _custom_headers(raw: Any, message: OutboxMessage) -> dict[str, Any]:
     """A row's custom headers without Celery's protocol headers (``task``, ``id``, ...).
 
@@ -456,8 +460,14 @@ def _custom_headers(raw: Any, message: OutboxMessage) -> dict[str, Any]:
         return {}
     headers = {}
     dropped = []
+    known = _PROTOCOL_NAME
     for key, value in raw.items():
-        if str(key).lower() in CELERY_PROTOCOL_HEADERS:
+        protocol = known.get(key) if key.__class__ is str else None
+        if protocol is None:
+            protocol = str(key).lower() in CELERY_PROTOCOL_HEADERS
+            if key.__class__ is str and len(known) < 4096:  # bounded: a batch's few names
+                known[key] = protocol
+        if protocol:
             dropped.append(str(key))
         else:
             headers[str(key)] = value

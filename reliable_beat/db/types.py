@@ -70,6 +70,8 @@ class UTCDateTime(TypeDecorator[datetime]):
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
+        if value.tzinfo is timezone.utc and 1 < value.year < 9999:  # already a UTC instant
+            return value
         if value.tzinfo is None or infinity_text(value) is not None:
             return value.replace(tzinfo=timezone.utc)  # a sentinel never shifts (overflow)
         return value.astimezone(timezone.utc)

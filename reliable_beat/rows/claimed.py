@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from datetime import datetime
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import Text, cast
@@ -35,6 +36,8 @@ CONFIG_COLUMNS = ("task", "args", "kwargs", "options", "schedule", "timezone",
 _JSON_COLUMNS = ("args", "kwargs", "options", "schedule")
 _INSTANTS = tuple(c.name for c in entries.c if isinstance(c.type, UTCDateTime))
 _NULLABLE_INSTANTS = tuple(n for n in _INSTANTS if n != "next_fire_at" and entries.c[n].nullable)
+#: a claimed row's stored config values, as one tuple (the memo's key)
+_config_of = itemgetter(*CONFIG_COLUMNS)
 #: Distinct configs remembered (bounded: memory must not grow with the entries).
 MAX_CONFIGS = 10_000
 
@@ -74,7 +77,7 @@ class ClaimedEntries:
             values, problems, unreadable = read_entry(row, dialect, schedule_of)
             return values, problems, unreadable, (
                 None if problems else schedule_of(values["name"], values["schedule"]))
-        key = tuple(row[c] for c in CONFIG_COLUMNS)
+        key = _config_of(row)
         values = dict(row)
         hit = self._memo.get(key)
         if hit is not None and self._own_columns_ok(values):

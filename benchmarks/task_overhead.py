@@ -14,7 +14,9 @@ OpenTelemetry SDK's ``TracerProvider`` and a ``BatchSpanProcessor`` whose export
 every span (the cost of making the spans, none of shipping them).
 
 ``python -m benchmarks --only task_overhead --tracing`` measures the ``IdempotentTask`` with
-tracing off and on instead (target: at most 5 % slower with tracing on).
+tracing off and on instead (target: at most 5 % more CPU per call with tracing on): two
+workers kept running, one per setting, in alternating blocks (:func:`_tracing_rows`); the
+load-independent count is ``benchmarks/profile_tracing.py``'s (instructions per call).
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ class _Blocks:
 
 
 def _tracing_rows(env: Env, eng: Any, db_url: str, n: int, tmp: str,
-                  pools: list[tuple[str, list[str]]]) -> list[list[str]]:
+                  pools: list[tuple[str, list[str]]]) -> list[list[Any]]:
     """Per pool: one worker with tracing off and one with it on, both warmed up, then
     ``repeats`` runs of four blocks of ``n / 2`` calls in the order off, on, on, off (or the
     reverse), so a drift of the machine's load falls on both alike. Per run: the throughput
@@ -276,7 +276,7 @@ def _tracing_rows(env: Env, eng: Any, db_url: str, n: int, tmp: str,
     half = max(1, n // 2)
     rows = []
     for label, pool in pools[:1] if env.size.name == "smoke" else pools:
-        load = os.getloadavg()[0]
+        load0 = os.getloadavg()[0]
         env.flush_redis()
         workers = {t: _Worker(env, db_url, pool, t, f"{label[:4]}t{t}", tmp) for t in "01"}
         try:
@@ -296,7 +296,7 @@ def _tracing_rows(env: Env, eng: Any, db_url: str, n: int, tmp: str,
                 w.stop()
         ratios = [on / off for off, on in zip(rates["0"], rates["1"], strict=True)]
         cpu_ratios = [off / on for off, on in zip(cpus["0"], cpus["1"], strict=True)]
-        load = f"{load:.1f} → {os.getloadavg()[0]:.1f}"
+        load = f"{load0:.1f} → {os.getloadavg()[0]:.1f}"
         rows.append([label, load, spread(cpus["0"], digits=0), spread(cpus["1"], digits=0),
                      spread(cpu_ratios, "x", 3), ", ".join(f"{x:.3f}x" for x in cpu_ratios),
                      spread(rates["0"]), spread(rates["1"]), spread(ratios, "x", 3),

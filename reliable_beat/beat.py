@@ -59,7 +59,7 @@ from reliable_beat import tracing
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import MYSQL_DIALECTS, entries, outbox, runs
 from reliable_beat.identity import store_id as _store_id
-from reliable_beat.planner import SkippedRange, plan_entry
+from reliable_beat.planner import Plan, SkippedRange, plan_entry
 from reliable_beat.redaction import get_logger
 from reliable_beat.slots import SlotText, format_fire_at, idempotency_key
 from reliable_beat.triggers import (
@@ -110,16 +110,40 @@ def slot_counter(schedule: sch.Schedule) -> Callable[[datetime, datetime], int |
 
         return count
     return lambda _first, _last: None
+
+
 class _PlanCalls:
-    """A schedule's ``next_after`` / ``previous_at_or_before`` remembered for one tick (a
-    schedule is a value: the same instant always gets the same answer); errors are not
-    remembered. Bounded by the instants one tick asks about."""
+    """A schedule's ``next_after`` / ``previous_at_or_before`` and the plans made with it,
+    remembered for one tick (a schedule is a value: the same instant always gets the same
+    answer, and :func:`plan_entry` is deterministic); errors are not remembered. Bounded by
+    the instants and the distinct plan inputs one tick sees."""
 
     def __init__(self, schedule: sch.Schedule) -> None:
         self._schedule = schedule
         self._next: dict[datetime, datetime | None] = {}
         self._previous: dict[datetime, datetime | None] = {}
+        self._plans: dict[tuple[Any, ...], Plan] = {}
         self.count_slots = slot_counter(schedule)
+
+    def plan(self, row: Any, now: datetime, claim_until: datetime | None) -> Plan:
+        """:func:`plan_entry` of a claimed entry of this schedule, made once per distinct
+        input (the herd: every entry of one schedule due at one slot shares one plan, read
+        only)."""
+        key = (row.next_fire_at, row.misfire_policy, row.misfire_grace_seconds,
+               row.catch_up_limit, row.catch_up_window_seconds, row.end_at, now, claim_until)
+        plan = self._plans.get(key)
+        if plan is None:
+            window = row.catch_up_window_seconds
+            plan = self._plans[key] = plan_entry(
+                next_fire_at=row.next_fire_at, now=now, next_after=self.next_after,
+                misfire_policy=row.misfire_policy,
+                misfire_grace=timedelta(seconds=row.misfire_grace_seconds),
+                catch_up_limit=row.catch_up_limit,
+                catch_up_window=None if window is None else timedelta(seconds=window),
+                end_at=row.end_at, claim_until=claim_until,
+                previous_at_or_before=self.previous_at_or_before,
+                count_slots=self.count_slots)
+        return plan
 
     def next_after(self, t: datetime) -> datetime | None:
         try:
@@ -614,25 +638,8 @@ class Beat:
                 memo = planners.get(id(schedule))
                 if memo is None or memo[0] is not schedule:
                     memo = planners[id(schedule)] = (schedule, _PlanCalls(schedule))
-                calls = memo[1]
                 ahead_ok = self.claim_ahead > timedelta(0) and row.overlap_policy == "allow"
-                plan = plan_entry(
-                    next_fire_at=row.next_fire_at,
-                    now=now,
-                    next_after=calls.next_after,
-                    misfire_policy=row.misfire_policy,
-                    misfire_grace=timedelta(seconds=row.misfire_grace_seconds),
-                    catch_up_limit=row.catch_up_limit,
-                    catch_up_window=(
-                        timedelta(seconds=row.catch_up_window_seconds)
-                        if row.catch_up_window_seconds is not None
-                        else None
-                    ),
-                    end_at=row.end_at,
-                    claim_until=now + self.claim_ahead if ahead_ok else None,
-                    previous_at_or_before=calls.previous_at_or_before,
-                    count_slots=calls.count_slots,
-                )
+                plan = memo[1].plan(row, now, now + self.claim_ahead if ahead_ok else None)
             except Exception:
                 # One bad entry never stops the tick: log it and push it back a minute.
                 log.exception("entry %r: cannot plan its slots; retrying in 60 s", row.name)

@@ -175,24 +175,28 @@ def _parent(parent: Any) -> Any:
     """A parent context from a traceparent string / carrier mapping; None: the current one."""
     if parent is None or _trace is None:
         return None
-    if isinstance(parent, _context.Context):
-        return parent
-    if isinstance(parent, Mapping):
-        parent = parent.get(TRACEPARENT)
-    if not isinstance(parent, str):
-        return None
-    m = _TRACEPARENT_00.fullmatch(parent)
-    if m is None:  # another version, or invalid: the W3C propagator's rules
-        return _W3C.extract({TRACEPARENT: parent})
-    trace_id, span_id, flags = m.groups()
+    if not isinstance(parent, str):  # (a str first: no ABC check on every execution)
+        if isinstance(parent, _context.Context):
+            return parent
+        if isinstance(parent, Mapping):
+            parent = parent.get(TRACEPARENT)
+        if not isinstance(parent, str):
+            return None
+    if _TRACEPARENT_00.fullmatch(parent) is None:  # another version, or invalid: the W3C
+        return _W3C.extract({TRACEPARENT: parent})  # propagator's rules
+    flags = _FLAGS.get(parent[53:])
+    if flags is None:
+        flags = _trace.TraceFlags(int(parent[53:], 16))
     return _trace.set_span_in_context(_trace.NonRecordingSpan(_trace.SpanContext(
-        int(trace_id, 16), int(span_id, 16), is_remote=True,
-        trace_flags=_trace.TraceFlags(int(flags, 16)))), _ROOT)
+        int(parent[3:35], 16), int(parent[36:52], 16), True, flags)), _ROOT)
 
 
 #: a version-00 traceparent (W3C Trace Context), read without the propagator (a third of its
-#: cost, on every execution)
-_TRACEPARENT_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+#: cost, on every execution): the fields sliced from it once it matched
+_TRACEPARENT_00 = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+#: the flags of nearly every traceparent, made once
+_FLAGS: dict[str, Any] = ({"00": _trace.TraceFlags(0), "01": _trace.TraceFlags(1)}
+                          if _trace is not None else {})
 #: the empty context: the parent of a new trace
 _ROOT: Any = _context.Context() if _trace is not None else None
 
@@ -503,8 +507,13 @@ class DeliverySpans:
 def annotate(attrs: Mapping[str, Any]) -> None:
     """Set ``attrs`` on the execution's span (:func:`process_span`'s, or the framework
     instrumentation's task span; else the current span); no-op when off."""
-    if tracer() is not None and attrs:
-        _execution_span().set_attributes(attrs)
+    if tracer() is None or not attrs:
+        return
+    found = _EXECUTION.get()
+    if found is not None:
+        found.attrs.update(attrs)
+    else:
+        _trace.get_current_span().set_attributes(attrs)
 
 
 #: the names of the events of an execution's steps on its span
@@ -513,13 +522,21 @@ COMPLETE_EVENT = "reliable_beat.complete"
 
 
 class _Execution:
-    """The span of the execution in progress and the exception already recorded on it."""
+    """The span of the execution in progress, the exception already recorded on it, and the
+    ``reliable_beat.*`` attributes its steps found (set on the span in one call as the
+    execution ends: the SDK's cost of setting attributes is mostly per call)."""
 
-    __slots__ = ("recorded", "span")
+    __slots__ = ("attrs", "recorded", "span")
 
     def __init__(self, span: Any) -> None:
         self.span = span
         self.recorded: BaseException | None = None
+        self.attrs: dict[str, Any] = {}
+
+    def flush(self) -> None:
+        if self.attrs:
+            self.span.set_attributes(self.attrs)
+            self.attrs = {}
 
 
 class process_span:  # lower case: used as a function, ``with tracing.process_span(...)``
@@ -527,13 +544,16 @@ class process_span:  # lower case: used as a function, ``with tracing.process_sp
     ``traceparent`` (none or invalid: a new trace), made current for the block; None when off.
 
     The execution's steps are recorded on this one span, not as spans of their own (a span
-    costs the SDK ten times an event): the claim as a ``reliable_beat.claim`` event
+    costs the SDK five times an event): the claim as a ``reliable_beat.claim`` event
     (:func:`claimed`), the fenced completion as a ``reliable_beat.complete`` event
-    (:class:`completion`); what happens elsewhere (a retry, a dead letter, the relay's delivery
-    of an outbox row) keeps its own span. When a span is already current (the framework's own
-    instrumentation, e.g. ``opentelemetry-instrumentation-celery``, started one from the same
-    ``traceparent``), no second one is made: the events and attributes go to that span.
-    ``expected``: the framework's retry signals (recorded as an event, not an error).
+    (:class:`completion`), both bare (a timestamp: the outcome is the span's
+    ``reliable_beat.outcome``); the messaging attributes are set as the span starts, the
+    ``reliable_beat.*`` ones as it ends. What happens elsewhere (a retry, a dead letter, the
+    relay's delivery of an outbox row) keeps its own span. When a span is already current (the
+    framework's own instrumentation, e.g. ``opentelemetry-instrumentation-celery``, started
+    one from the same ``traceparent``), no second one is made: the events and attributes go to
+    that span. ``expected``: the framework's retry signals (recorded as an event, not an
+    error).
     """
 
     __slots__ = ("_attrs", "_ctx_token", "_execution", "_expected", "_name", "_span", "_token",
@@ -544,14 +564,7 @@ class process_span:  # lower case: used as a function, ``with tracing.process_sp
                  expected: tuple[type[BaseException], ...] = ()) -> None:
         self._name = task
         self._traceparent = traceparent
-        attrs: dict[str, Any] = {"messaging.system": system,
-                                 "messaging.operation.type": "process",
-                                 "messaging.operation.name": "process"}
-        if queue:
-            attrs["messaging.destination.name"] = queue
-        if message_id:
-            attrs["messaging.message.id"] = message_id
-        self._attrs = attrs
+        self._attrs = _messaging(system, queue, message_id)
         self._expected = expected
         self._span: Any = None
         self._token: Any = None
@@ -577,45 +590,68 @@ class process_span:  # lower case: used as a function, ``with tracing.process_sp
         if self._token is None:
             return
         _EXECUTION.reset(self._token)
+        execution = self._execution
         s = self._span
-        if s is None:
+        if s is None:  # the framework's span: it ends after this block
+            execution.flush()
             return
         try:
-            if exc is not None and exc is not self._execution.recorded:
+            execution.flush()
+            if exc is not None and exc is not execution.recorded:
                 record_error(s, exc, status=not isinstance(exc, self._expected))
         finally:
             _context.detach(self._ctx_token)
             s.end()
 
 
+def _messaging(system: str, queue: str | None, message_id: str | None) -> dict[str, Any]:
+    """The messaging attributes of a ``process`` span (those of a system and queue made once)."""
+    base = _MESSAGING.get((system, queue))
+    if base is None:
+        base = {"messaging.system": system, "messaging.operation.type": "process",
+                "messaging.operation.name": "process"}
+        if queue:
+            base["messaging.destination.name"] = queue
+        if len(_MESSAGING) >= _REDACTED_MAX:
+            _MESSAGING.clear()
+        _MESSAGING[(system, queue)] = base
+    return {**base, "messaging.message.id": message_id} if message_id else base
+
+
+_MESSAGING: dict[tuple[str, str | None], dict[str, Any]] = {}
+
+
 def claimed(claim: Any, *, key: str, entry: str | None, slot: str | None) -> None:
     """Record a claim on the execution's span: its key, entry, slot, fence token and attempt
     as attributes (and its outcome, unless the run was acquired: the execution's outcome comes
-    later), a ``reliable_beat.claim`` event with the claim's outcome. ``claim`` None: the
-    claim failed (the error is recorded where it is handled)."""
-    s = _execution_span()
-    attrs: dict[str, Any] = {KEY: _text(key)}
+    later), a bare ``reliable_beat.claim`` event (when the claim was made). ``claim`` None:
+    the claim failed (the error is recorded where it is handled)."""
+    found = _EXECUTION.get()
+    attrs: dict[str, Any] = {} if found is None else found.attrs
+    attrs[KEY] = _text(key)
     if entry is not None:
         attrs[ENTRY] = _text(entry)
     if slot is not None:
         attrs[SLOT] = slot  # ISO 8601 of the package's making: nothing to redact
-    if claim is None:
+    if claim is not None:
+        attrs[FENCE_TOKEN] = claim.fence_token
+        attrs[ATTEMPT] = claim.attempt
+        if claim.outcome != "acquired":
+            attrs[OUTCOME] = claim.outcome
+    if found is None:
+        s = _trace.get_current_span()
         s.set_attributes(attrs)
-        return
-    outcome = claim.outcome
-    attrs[FENCE_TOKEN] = claim.fence_token
-    attrs[ATTEMPT] = claim.attempt
-    if outcome != "acquired":
-        attrs[OUTCOME] = outcome
-    s.set_attributes(attrs)
-    s.add_event(CLAIM_EVENT, {OUTCOME: outcome})
+    else:
+        s = found.span
+    if claim is not None:
+        s.add_event(CLAIM_EVENT)
 
 
 class completion:  # lower case: used as a function, ``with tracing.completion():``
-    """Around the fenced completion: a ``reliable_beat.complete`` event on the execution's span
-    with outcome ``succeeded``, or ``fenced_out`` (a newer runner owns the run: this attempt's
-    writes were refused; the span's status is then ERROR, the error recorded redacted), and the
-    same ``reliable_beat.outcome`` on the span. A no-op when off."""
+    """Around the fenced completion: a bare ``reliable_beat.complete`` event on the execution's
+    span and its ``reliable_beat.outcome``: ``succeeded``, or ``fenced_out`` (a newer runner
+    owns the run: this attempt's writes were refused; the span's status is then ERROR, the
+    error recorded redacted). A no-op when off."""
 
     __slots__ = ("_execution",)
 
@@ -626,13 +662,20 @@ class completion:  # lower case: used as a function, ``with tracing.completion()
         execution = self._execution
         if execution is _OFF:
             return
-        s = _trace.get_current_span() if execution is None else execution.span
         if exc is None:
-            s.add_event(COMPLETE_EVENT, _SUCCEEDED)
-            s.set_attribute(OUTCOME, "succeeded")
+            outcome = "succeeded"
         elif isinstance(exc, StaleFenceToken):
-            s.add_event(COMPLETE_EVENT, _FENCED_OUT)
-            s.set_attribute(OUTCOME, "fenced_out")
+            outcome = "fenced_out"
+        else:
+            return
+        if execution is None:
+            s = _trace.get_current_span()
+            s.set_attribute(OUTCOME, outcome)
+        else:
+            s = execution.span
+            execution.attrs[OUTCOME] = outcome
+        s.add_event(COMPLETE_EVENT)
+        if exc is not None:
             record_error(s, exc)
             if execution is not None:
                 execution.recorded = exc
@@ -644,16 +687,7 @@ def completion_span(key: str, fence_token: int, attempt: int) -> completion:
     return completion()
 
 
-_SUCCEEDED = {OUTCOME: "succeeded"}
-_FENCED_OUT = {OUTCOME: "fenced_out"}
 _OFF = _Execution(None)
-
-
-def _execution_span() -> Any:
-    """The span of the execution in progress (:func:`process_span`'s, or the framework's task
-    span it found current), else the current span."""
-    found = _EXECUTION.get()
-    return found.span if found is not None else _trace.get_current_span()
 
 
 #: the execution in progress while :func:`process_span` runs

@@ -48,8 +48,10 @@ def _process(spans: InMemorySpanExporter, key: str) -> ReadableSpan:
 
 
 def _completions(span: ReadableSpan) -> list[str]:
-    """The outcomes of the span's ``reliable_beat.complete`` events."""
-    return [str((e.attributes or {}).get(tracing.OUTCOME)) for e in span.events
+    """The span's outcome once per ``reliable_beat.complete`` event (a bare event: its instant;
+    the outcome is the span's)."""
+    assert all(not e.attributes for e in span.events if e.name.startswith("reliable_beat."))
+    return [str((span.attributes or {}).get(tracing.OUTCOME)) for e in span.events
             if e.name == "reliable_beat.complete"]
 
 

@@ -21,7 +21,6 @@ from djtables import payouts as payouts_t
 from reliable_beat import runs, testing
 from reliable_beat.contrib.django import conf
 from reliable_beat.contrib.django.join import is_write
-from reliable_beat.contrib.django.readonly import ReadOnly, refused_by_database
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 from reliable_beat.db.tables import outbox as outbox_t
@@ -271,6 +270,61 @@ def test_reads_on_another_alias_work_in_the_block_and_it_is_writable_after(side:
             cur.execute("DELETE FROM rb_side WHERE v = 4300")
 
 
+def test_the_read_only_mode_holds_after_an_atomic_there_rolls_back(side: str) -> None:
+    """An ``atomic(using=...)`` on the other alias rolled back in the block takes the
+    session's read-only default with it; the next statement there is read-only again (the
+    server reports the setting with each reply, no extra round trip to check it)."""
+    from djtask_app import PayTask, app
+
+    @app.task(base=PayTask, bind=True, name="dj.test_rolled_back_then_write")
+    def rolled_back_then_write(self: Any, merchant: str) -> None:
+        with self.transaction():
+            try:
+                with transaction.atomic(using=side), connections[side].cursor() as cur:
+                    cur.execute("SELECT 1")
+                    raise LookupError("roll the atomic() back")
+            except LookupError:
+                pass
+            with connections[side].cursor() as cur:
+                cur.execute("SELECT rb_side_insert(4501)")
+
+    res = rolled_back_then_write.apply(args=["rolled-back"])
+    assert isinstance(res.result, ConfigurationError), res.result
+    assert "the database refused it" in str(res.result)
+    assert side_rows(4501) == 0
+
+
+def test_the_read_only_mode_costs_a_statement_per_alias_and_block(
+        side: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads on another alias cost one statement before the first of them and one after
+    the block (two more when the first opens an ``atomic()`` there); a block that does not
+    touch another alias costs nothing."""
+    from djtask_app import pay_plain, pay_then_sql
+
+    from reliable_beat.contrib.django import readonly
+
+    sent: list[str] = []
+    real = readonly._run
+
+    def counting(raw: Any, *statements: str) -> None:
+        sent.extend(statements)
+        real(raw, *statements)
+
+    monkeypatch.setattr(readonly, "_run", counting)
+    assert pay_then_sql.apply(args=["cost-1", side, ["SELECT 1"] * 5]).successful()
+    assert sent == ["SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+                    "SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE"]
+    sent.clear()
+    assert pay_then_sql.apply(args=["cost-2", side, ["SELECT 1"] * 5],
+                              kwargs={"atomic": True}).successful()
+    assert sent == ["SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+                    "SET TRANSACTION READ ONLY",
+                    "SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE"]
+    sent.clear()
+    assert pay_plain.apply(args=["cost-3"]).successful()
+    assert sent == []
+
+
 def test_an_alias_inside_its_own_atomic_keeps_the_statement_check_only(side: str) -> None:
     """An alias already in ``atomic()`` when the block opens (Django's TestCase, a request
     with ATOMIC_REQUESTS): its transaction is not made read-only (that would last past the
@@ -293,6 +347,8 @@ def test_an_alias_inside_its_own_atomic_keeps_the_statement_check_only(side: str
 
 def test_sqlite_alias_runs_query_only_until_restored() -> None:
     """The read-only mode on a real SQLite connection: PRAGMA query_only, restored."""
+    from reliable_beat.contrib.django.readonly import ReadOnly, refused_by_database
+
     wrapper = connections["lite"]
     with wrapper.cursor() as cur:
         cur.execute("CREATE TABLE IF NOT EXISTS rb_side (v integer)")

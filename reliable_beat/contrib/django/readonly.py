@@ -39,8 +39,8 @@ _ROW_LOCK = re.compile(r"\bFOR\s+(?:NO\s+KEY\s+)?UPDATE\b|\bFOR\s+(?:KEY\s+)?SHA
 _WRITES = re.compile(
     r"\b(?:INSERT|REPLACE)\b(?!\s*\()"  # not the MySQL/PostgreSQL string functions
     r"|\b(?:UPDATE|DELETE|MERGE|TRUNCATE|UPSERT|CALL|DO|COPY|PREPARE|EXECUTE|INTO|CREATE"
-    r"|ALTER|DROP|GRANT|REVOKE|COMMENT|RENAME|REINDEX|VACUUM|CLUSTER|REFRESH|NOTIFY"
-    r"|PG_NOTIFY|LOAD|IMPORT)\b"
+    r"|ALTER|DROP|GRANT|REVOKE|REINDEX|VACUUM|REFRESH|NOTIFY|PG_NOTIFY)\b"
+    # (other DDL, e.g. COMMENT ON, is left to the database: words users name columns)
     # what would turn the read-only mode off or end the transaction under it
     r"|\bREAD\s+WRITE\b|\bSESSION\s+CHARACTERISTICS\b|transaction_read_only|tx_read_only"
     r"|\bquery_only\b|\bset_config\b|\bRESET\b|\bDISCARD\b|\bCOMMIT\b|\bABORT\b"

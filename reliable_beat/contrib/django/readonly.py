@@ -32,20 +32,21 @@ from typing import Any
 __all__ = ["ReadOnly", "is_write", "refused_by_database", "statement_text"]
 
 # Comments, string literals and quoted identifiers hide nothing that runs (dollar-quoted
-# bodies do: DO $$ ... $$ is scanned as is).
-_NOISE = re.compile(r"--[^\n]*|/\*.*?\*/|'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|`[^`]*`", re.S)
-# Row locks of a read (SELECT ... FOR UPDATE) are let through.
-_ROW_LOCK = re.compile(r"\bFOR\s+(?:NO\s+KEY\s+)?UPDATE\b|\bFOR\s+(?:KEY\s+)?SHARE\b", re.I)
-_WRITES = re.compile(
-    r"\b(?:INSERT|REPLACE)\b(?!\s*\()"  # not the MySQL/PostgreSQL string functions
-    r"|\b(?:UPDATE|DELETE|MERGE|TRUNCATE|UPSERT|CALL|DO|COPY|PREPARE|EXECUTE|INTO|CREATE"
-    r"|ALTER|DROP|GRANT|REVOKE|REINDEX|VACUUM|REFRESH|NOTIFY|PG_NOTIFY)\b"
-    # (other DDL, e.g. COMMENT ON, is left to the database: words users name columns)
-    # what would turn the read-only mode off or end the transaction under it
-    r"|\bREAD\s+WRITE\b|\bSESSION\s+CHARACTERISTICS\b|transaction_read_only|tx_read_only"
-    r"|\bquery_only\b|\bset_config\b|\bRESET\b|\bDISCARD\b|\bCOMMIT\b|\bABORT\b"
-    r"|\bROLLBACK\b(?!\s+(?:WORK\s+|TRANSACTION\s+)?TO\b)|\bSTART\s+TRANSACTION\b|\bBEGIN\b",
-    re.I)
+# bodies do: DO $$ ... $$ is scanned as is); a doubled quote inside one splits it in two.
+_NOISE = re.compile(r"--[^\n]*|/\*.*?\*/|'[^']*'|\"[^\"]*\"|`[^`]*`", re.S)
+_WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+#: Words that write (other DDL, e.g. COMMENT ON, is left to the database: words users name
+#: columns), or that would turn the read-only mode off or end the transaction under it.
+_WRITE_WORDS = frozenset({
+    "INSERT", "REPLACE", "UPDATE", "DELETE", "MERGE", "TRUNCATE", "UPSERT", "CALL", "DO",
+    "COPY", "PREPARE", "EXECUTE", "INTO", "CREATE", "ALTER", "DROP", "GRANT", "REVOKE",
+    "REINDEX", "VACUUM", "REFRESH", "NOTIFY", "PG_NOTIFY",
+    "TRANSACTION_READ_ONLY", "DEFAULT_TRANSACTION_READ_ONLY", "TX_READ_ONLY", "QUERY_ONLY",
+    "SET_CONFIG", "RESET", "DISCARD", "COMMIT", "ABORT", "ROLLBACK", "BEGIN",
+})
+_PAIRS = frozenset({("READ", "WRITE"), ("SESSION", "CHARACTERISTICS"),
+                    ("START", "TRANSACTION")})
+_ROLLBACK_TO = re.compile(r"\s*(?:WORK\s+|TRANSACTION\s+)?TO\b", re.I)
 # Django's SQLite backend opens atomic() with a bare BEGIN through the cursor.
 _BARE_BEGIN = re.compile(r"\s*BEGIN(?:\s+(?:DEFERRED|IMMEDIATE|EXCLUSIVE))?"
                          r"(?:\s+TRANSACTION)?\s*;?\s*", re.I)
@@ -81,10 +82,29 @@ def is_write(sql: Any, raw: Any = None) -> bool:
     text = statement_text(sql, raw)
     if text is None:
         return True
-    text = _ROW_LOCK.sub(" ", _NOISE.sub(" ", text))
+    text = _NOISE.sub(" ", text)
     if _BARE_BEGIN.fullmatch(text):
         return False
-    return _WRITES.search(text) is not None
+    before = before_that = ""
+    for found in _WORD.finditer(text):
+        word = found.group(0).upper()
+        if (before, word) in _PAIRS:
+            return True
+        if word in _WRITE_WORDS and not _lets_through(word, before, before_that, text,
+                                                       found.end()):
+            return True
+        before_that, before = before, word
+    return False
+
+
+def _lets_through(word: str, before: str, before_that: str, text: str, end: int) -> bool:
+    if word == "UPDATE":  # a read's row lock: FOR UPDATE, FOR NO KEY UPDATE
+        return before == "FOR" or (before, before_that) == ("KEY", "NO")
+    if word in ("INSERT", "REPLACE"):  # the MySQL/PostgreSQL string functions
+        return text[end:end + 80].lstrip().startswith("(")
+    if word == "ROLLBACK":  # ROLLBACK TO SAVEPOINT
+        return _ROLLBACK_TO.match(text, end) is not None
+    return False
 
 
 def refused_by_database(exc: BaseException) -> bool:

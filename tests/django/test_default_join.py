@@ -180,6 +180,9 @@ def test_a_store_that_is_no_django_database_refuses_orm_writes_in_the_block() ->
     ("SET default_transaction_read_only = off", True),
     ("BEGIN READ WRITE", True),
     ("SELECT 1; COMMIT", True),
+    ("ROLLBACK", True),
+    ("START TRANSACTION READ ONLY; SELECT 1", True),
+    ("SELECT 1 AS it''s_ok -- INSERT INTO t\n", False),
     (object(), True),  # a statement whose text cannot be read
     ('SELECT "id" FROM "dj_payouts" FOR NO KEY UPDATE SKIP LOCKED', False),
     ("SELECT replace(note, 'insert into', '') FROM side WHERE note = 'delete'", False),

@@ -6,13 +6,14 @@ PostgreSQL, psycopg 3 and psycopg2 (run by tests/integration/test_django.py)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from django.core.management import call_command
-from django.db import connections
+from django.db import connections, transaction
 from djshop.models import Payout
 from djtables import meta
 from djtables import payouts as payouts_t
@@ -23,6 +24,7 @@ from reliable_beat.contrib.django.join import is_write
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.migrate import upgrade
 from reliable_beat.db.tables import outbox as outbox_t
+from reliable_beat.errors import ConfigurationError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -166,9 +168,211 @@ def test_a_store_that_is_no_django_database_refuses_orm_writes_in_the_block() ->
     ('RELEASE SAVEPOINT "s1_x1"', False),
     ("SET TIME ZONE 'UTC'", False),
     (b"INSERT INTO t VALUES (1)", True),
+    ("SELECT 1; INSERT INTO side VALUES (4242)", True),
+    ("EXPLAIN ANALYZE INSERT INTO side VALUES (1)", True),
+    ("CALL add_side(1)", True),
+    ("DO $$ BEGIN INSERT INTO side VALUES (1); END $$", True),
+    ("COPY side FROM PROGRAM 'echo 1'", True),
+    ("PREPARE p AS INSERT INTO side VALUES (1); EXECUTE p", True),
+    ("SELECT 1 AS v INTO side_copy", True),
+    ("CREATE TABLE side_copy AS SELECT * FROM side", True),
+    ("SELECT set_config('default_transaction_read_only', 'off', false)", True),
+    ("SET default_transaction_read_only = off", True),
+    ("BEGIN READ WRITE", True),
+    ("SELECT 1; COMMIT", True),
+    ("ROLLBACK", True),
+    ("START TRANSACTION READ ONLY; SELECT 1", True),
+    ("SELECT 1 AS it''s_ok -- INSERT INTO t\n", False),
+    (object(), True),  # a statement whose text cannot be read
+    ('SELECT "id" FROM "dj_payouts" FOR NO KEY UPDATE SKIP LOCKED', False),
+    ("SELECT replace(note, 'insert into', '') FROM side WHERE note = 'delete'", False),
+    ('SELECT "update", "into" FROM "side"', False),
+    ("BEGIN", False),  # Django's SQLite backend opens atomic() so
+    ('ROLLBACK TO SAVEPOINT "s1_x1"', False),
+    ("EXPLAIN ANALYZE SELECT 1", False),
 ])
 def test_write_statements_are_told_from_reads(sql: Any, write: bool) -> None:
     assert is_write(sql) is write
+
+
+@pytest.fixture(scope="module")
+def side() -> Iterator[str]:
+    """Table ``rb_side`` and plpgsql function ``rb_side_insert(v)`` writing it, in another
+    database (Django alias ``elsewhere``); yields the alias."""
+    with connections["elsewhere"].cursor() as cur:
+        cur.execute("CREATE TABLE IF NOT EXISTS rb_side (v integer)")
+        cur.execute("CREATE OR REPLACE FUNCTION rb_side_insert(n integer) RETURNS integer "
+                    "LANGUAGE plpgsql AS $$ BEGIN INSERT INTO rb_side VALUES (n); "
+                    "RETURN n; END $$")
+    try:
+        yield "elsewhere"
+    finally:
+        with connections["elsewhere"].cursor() as cur:
+            cur.execute("DROP FUNCTION IF EXISTS rb_side_insert(integer)")
+            cur.execute("DROP TABLE IF EXISTS rb_side, rb_side_copy")
+
+
+def side_rows(v: int) -> int:
+    with connections["elsewhere"].cursor() as cur:
+        cur.execute("SELECT count(*) FROM rb_side WHERE v = %s", [v])
+        return int(cur.fetchone()[0])
+
+
+@pytest.mark.parametrize(("case", "statements", "composed", "by_database"), [
+    ("multi", ["SELECT 1; INSERT INTO rb_side VALUES (4201)"], False, False),
+    ("function", ["SELECT rb_side_insert(4202)"], False, True),
+    ("explain", ["EXPLAIN ANALYZE INSERT INTO rb_side VALUES (4203)"], False, False),
+    ("composed", ["INSERT INTO rb_side VALUES (4204)"], True, False),
+    ("do", ["DO $$ BEGIN INSERT INTO rb_side VALUES (4205); END $$"], False, False),
+    ("read-then-function", ["SELECT count(*) FROM rb_side", "SELECT rb_side_insert(4206)"],
+     False, True),
+    ("function-composed", ["SELECT rb_side_insert(4207)"], True, True),
+])
+def test_a_hidden_write_on_another_alias_is_refused_and_not_written(
+        side: str, case: str, statements: list[str], composed: bool, by_database: bool) -> None:
+    """Raw SQL on another alias's cursor in the block: a write the statement check sees
+    (anywhere in the text) is refused before the database; one it cannot see (a function
+    that inserts) is refused by the database, which runs the statement read-only. Either
+    way a ConfigurationError naming ``using=`` and the alias, and no row there."""
+    from djtask_app import pay_then_sql
+
+    key = f"hidden-{case}"
+    value = int(re.findall(r"\d{4}", statements[-1])[0])
+    for atomic in (False, True):
+        res = pay_then_sql.apply(args=[f"{key}-{atomic}", side, statements],
+                                 kwargs={"composed": composed, "atomic": atomic})
+        assert res.failed(), (case, atomic, res.result)
+        assert isinstance(res.result, ConfigurationError), res.result
+        message = str(res.result)
+        assert f"Django database {side!r} inside self.transaction()" in message, message
+        assert "using=" in message
+        assert ("the database refused it" in message) is by_database, message
+        assert side_rows(value) == 0
+        assert not Payout.objects.filter(key=f"pay:{key}-{atomic}").exists()
+        assert runs.get_run(conf.store(), f"pay:{key}-{atomic}")["state"] == "dead"
+
+
+def test_reads_on_another_alias_work_in_the_block_and_it_is_writable_after(side: str) -> None:
+    """Reads there pass (autocommit, and inside ``atomic(using=...)``), and the read-only
+    mode ends with the block: the alias's own writes after it go through."""
+    from djtask_app import pay_then_sql
+
+    read = ["SELECT count(*) FROM rb_side", "SELECT 7 AS seven"]
+    for atomic in (False, True):
+        res = pay_then_sql.apply(args=[f"reads-{atomic}", side, read],
+                                 kwargs={"atomic": atomic})
+        assert res.successful(), res.traceback
+        assert res.get() == [[7]]
+        assert Payout.objects.filter(key=f"pay:reads-{atomic}").count() == 1
+        with connections[side].cursor() as cur:  # the same connection, after the block
+            cur.execute("SHOW default_transaction_read_only")
+            assert cur.fetchone()[0] == "off"
+            cur.execute("SELECT rb_side_insert(4300)")
+        assert side_rows(4300) == 1
+        with connections[side].cursor() as cur:
+            cur.execute("DELETE FROM rb_side WHERE v = 4300")
+
+
+def test_the_read_only_mode_holds_after_an_atomic_there_rolls_back(side: str) -> None:
+    """An ``atomic(using=...)`` on the other alias rolled back in the block takes the
+    session's read-only default with it; the next statement there is read-only again (the
+    server reports the setting with each reply, no extra round trip to check it)."""
+    from djtask_app import PayTask, app
+
+    @app.task(base=PayTask, bind=True, name="dj.test_rolled_back_then_write")
+    def rolled_back_then_write(self: Any, merchant: str) -> None:
+        with self.transaction():
+            try:
+                with transaction.atomic(using=side), connections[side].cursor() as cur:
+                    cur.execute("SELECT 1")
+                    raise LookupError("roll the atomic() back")
+            except LookupError:
+                pass
+            with connections[side].cursor() as cur:
+                cur.execute("SELECT rb_side_insert(4501)")
+
+    res = rolled_back_then_write.apply(args=["rolled-back"])
+    assert isinstance(res.result, ConfigurationError), res.result
+    assert "the database refused it" in str(res.result)
+    assert side_rows(4501) == 0
+
+
+def test_the_read_only_mode_costs_a_statement_per_alias_and_block(
+        side: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads on another alias cost one statement before the first of them and one after
+    the block (two more when the first opens an ``atomic()`` there); a block that does not
+    touch another alias costs nothing."""
+    from djtask_app import pay_plain, pay_then_sql
+
+    from reliable_beat.contrib.django import readonly
+
+    sent: list[str] = []
+    real = readonly._run
+
+    def counting(raw: Any, *statements: str) -> None:
+        sent.extend(statements)
+        real(raw, *statements)
+
+    monkeypatch.setattr(readonly, "_run", counting)
+    assert pay_then_sql.apply(args=["cost-1", side, ["SELECT 1"] * 5]).successful()
+    assert sent == ["SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+                    "SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE"]
+    sent.clear()
+    assert pay_then_sql.apply(args=["cost-2", side, ["SELECT 1"] * 5],
+                              kwargs={"atomic": True}).successful()
+    assert sent == ["SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+                    "SET TRANSACTION READ ONLY",
+                    "SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE"]
+    sent.clear()
+    assert pay_plain.apply(args=["cost-3"]).successful()
+    assert sent == []
+
+
+def test_an_alias_inside_its_own_atomic_keeps_the_statement_check_only(side: str) -> None:
+    """An alias already in ``atomic()`` when the block opens (Django's TestCase, a request
+    with ATOMIC_REQUESTS): its transaction is not made read-only (that would last past the
+    block); the statement check still refuses plain writes, and reads and its own writes
+    after the block work."""
+    from djtask_app import pay_then_sql
+
+    with transaction.atomic(using=side):
+        res = pay_then_sql.apply(args=["outer-read", side, ["SELECT count(*) FROM rb_side"]])
+        assert res.successful(), res.traceback
+        refused = pay_then_sql.apply(args=["outer-write", side,
+                                           ["SELECT 1; INSERT INTO rb_side VALUES (4401)"]])
+        assert isinstance(refused.result, ConfigurationError), refused.result
+        with connections[side].cursor() as cur:
+            cur.execute("SELECT rb_side_insert(4402)")
+        assert side_rows(4402) == 1
+        transaction.set_rollback(True, using=side)
+    assert side_rows(4402) == 0
+
+
+def test_sqlite_alias_runs_query_only_until_restored() -> None:
+    """The read-only mode on a real SQLite connection: PRAGMA query_only, restored."""
+    from reliable_beat.contrib.django.readonly import ReadOnly, refused_by_database
+
+    wrapper = connections["lite"]
+    with wrapper.cursor() as cur:
+        cur.execute("CREATE TABLE IF NOT EXISTS rb_side (v integer)")
+    try:
+        ro = ReadOnly(wrapper)
+        ro.before()
+        with pytest.raises(Exception) as refused, wrapper.cursor() as cur:
+            cur.execute("INSERT INTO rb_side VALUES (1)")
+        assert refused_by_database(refused.value), refused.value
+        with wrapper.cursor() as cur:
+            cur.execute("SELECT count(*) FROM rb_side")
+            assert cur.fetchone()[0] == 0
+        ro.restore()
+        with wrapper.cursor() as cur:
+            cur.execute("INSERT INTO rb_side VALUES (1)")
+            cur.execute("SELECT count(*) FROM rb_side")
+            assert cur.fetchone()[0] == 1
+    finally:
+        with wrapper.cursor() as cur:
+            cur.execute("DROP TABLE IF EXISTS rb_side")
+        wrapper.close()
 
 
 @pytest.fixture

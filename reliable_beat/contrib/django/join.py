@@ -7,11 +7,14 @@ The app registers :data:`JOIN` with :func:`reliable_beat.joins.register` in
 * ``self.transaction()`` with no ``using=``/``bind=``/``session=`` is
   ``self.transaction(using=ALIAS)`` when the store is the database of Django alias ``ALIAS``
   (:meth:`DjangoJoin.default_alias`): the ORM writes in the block commit with the key;
-* inside any such block, a write statement (``INSERT``, ``UPDATE``, ``DELETE``, ``MERGE``,
-  ``TRUNCATE``; a ``WITH`` holding one) on the connection of another alias raises
-  ``ConfigurationError`` before it reaches the database, naming ``using=``
-  (:meth:`DjangoJoin.guard`, one ``connection.execute_wrapper()`` per alias). Reads,
-  savepoints and row locks there are let through.
+* inside any such block, a statement on the connection of another alias that writes
+  (:func:`.readonly.is_write`: ``INSERT``, ``UPDATE``, ``DELETE``, ``MERGE``, ``COPY``,
+  ``CALL``, ``DO``, DDL ... anywhere in it) raises ``ConfigurationError`` before it reaches
+  the database, naming ``using=``; every other statement there runs read-only at the
+  database (:class:`.readonly.ReadOnly`), whose refusal of a write (``SELECT
+  fn_that_inserts()``) is the same ``ConfigurationError`` (:meth:`DjangoJoin.guard`, one
+  ``connection.execute_wrapper()`` per alias). Reads, savepoints and row locks there are
+  let through.
 
 The guard sees what goes through Django's cursors in this thread (the ORM, raw SQL on
 ``connections[alias].cursor()``); SQLAlchemy engines of your own and other threads are not
@@ -20,7 +23,6 @@ watched.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -31,34 +33,13 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from sqlalchemy.engine import Connection
 
 from reliable_beat import runs
-from reliable_beat.contrib.django import conf, db
+from reliable_beat.contrib.django import conf, db, readonly
+from reliable_beat.contrib.django.readonly import is_write
 from reliable_beat.db.dialects import Store
 from reliable_beat.errors import ConfigurationError
 from reliable_beat.joins import same_database
 
 __all__ = ["JOIN", "DjangoJoin", "is_write"]
-
-#: Statements that change rows; anything else (SELECT, SAVEPOINT, SET, ...) passes.
-_WRITE_VERBS = frozenset({"INSERT", "UPDATE", "DELETE", "MERGE", "REPLACE", "TRUNCATE",
-                          "UPSERT"})
-_LEADING = re.compile(r"(?:\s+|\(|--[^\n]*(?:\n|$)|/\*.*?\*/)*", re.S)
-_VERB = re.compile(r"[A-Za-z]+")
-_CTE_WRITE = re.compile(
-    r"\b(?:INSERT\s+INTO|UPDATE\s+\S+\s+SET|DELETE\s+FROM|MERGE\s+INTO)\b", re.I)
-
-
-def is_write(sql: Any) -> bool:
-    """True when ``sql`` (a statement as Django's cursor gets it) writes rows."""
-    if isinstance(sql, bytes):
-        sql = sql.decode("utf-8", "replace")
-    if not isinstance(sql, str):
-        return False  # a driver's composed object: not the ORM's writes
-    rest = sql[_LEADING.match(sql).end():]  # type: ignore[union-attr]
-    verb = _VERB.match(rest)
-    word = verb.group(0).upper() if verb else ""
-    if word == "WITH":
-        return _CTE_WRITE.search(rest) is not None
-    return word in _WRITE_VERBS
 
 
 class _RefuseWrites:
@@ -68,20 +49,32 @@ class _RefuseWrites:
                  store: Store, fix: str | None = None) -> None:
         self.other, self.block, self.where = other, block, where
         self.task_name, self.store, self.fix = task_name, store, fix
+        self.read_only = readonly.ReadOnly(connections[other])
 
     def __call__(self, execute: Callable[..., Any], sql: Any, params: Any, many: bool,
                  context: Any) -> Any:
-        if is_write(sql):
-            raise ConfigurationError(self.message(sql))
-        return execute(sql, params, many, context)
+        raw = context["connection"].connection
+        if is_write(sql, raw):
+            raise ConfigurationError(self.message(readonly.statement_text(sql, raw) or sql))
+        self.read_only.before()
+        try:
+            return execute(sql, params, many, context)
+        except Exception as exc:
+            if readonly.refused_by_database(exc):
+                raise ConfigurationError(
+                    self.message(readonly.statement_text(sql, raw) or sql,
+                                 by=f"the database refused it ({exc.__cause__ or exc})".strip())
+                ) from exc
+            raise
 
-    def message(self, sql: Any) -> str:
+    def message(self, sql: Any, *, by: str = "") -> str:
         other, block, where = self.other, self.block, self.where
         statement = " ".join(str(sql).split())[:160]
+        refused = f"refused: {' '.join(by.split())[:200]}" if by else "refused"
         head = (f"{self.task_name}: a write on Django database {other!r} inside {where}() "
                 "would commit on its own connection, outside the transaction of the "
                 "idempotency key (a retry, a redelivery or a stale runner writes it again); "
-                "refused")
+                f"{refused}")
         if self.fix is not None:
             return f"{head}. {self.fix}. Statement: {statement}"
         if block is not None:
@@ -172,8 +165,10 @@ class DjangoJoin:
         message says what to do: ``fix``, else how to use ``using=``)."""
         with ExitStack() as stack:
             for other in self._guarded(alias):
-                stack.enter_context(connections[other].execute_wrapper(_RefuseWrites(
-                    other, alias, where=where, task_name=task_name, store=store, fix=fix)))
+                refuse = _RefuseWrites(other, alias, where=where, task_name=task_name,
+                                       store=store, fix=fix)
+                stack.callback(refuse.read_only.restore)
+                stack.enter_context(connections[other].execute_wrapper(refuse))
             yield
 
     def result_writer(self, alias: str, store: Store,

@@ -8,6 +8,7 @@ close inherited Django connections as in a real Django project.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -108,3 +109,24 @@ def pay_via(self: IdempotentTask, merchant: str, alias: str, read_on: str = "") 
         Payout.objects.using(alias).create(key=self.idempotency_key, fence=self.fence_token,
                                            run_id=self.run_id, pid=os.getpid())
     return block
+
+
+@app.task(base=PayTask, bind=True, name="dj.pay_then_sql")
+def pay_then_sql(self: IdempotentTask, merchant: str, alias: str, statements: list[str],
+                 composed: bool = False, atomic: bool = False) -> list[list[Any]]:
+    """``self.transaction()`` without ``using=``: a payout through the ORM, then each of
+    ``statements`` as raw SQL on Django database ``alias``'s cursor (as psycopg's
+    ``sql.SQL`` with ``composed``; inside ``atomic(using=alias)`` with ``atomic``); returns
+    the rows the last one read."""
+    from django.db.backends.postgresql.psycopg_any import sql
+
+    with self.transaction():
+        Payout.objects.create(key=self.idempotency_key, fence=self.fence_token,
+                              run_id=self.run_id, pid=os.getpid())
+        scope = transaction.atomic(using=alias) if atomic else contextlib.nullcontext()
+        with scope, connections[alias].cursor() as cur:
+            for statement in statements:
+                cur.execute(sql.SQL(statement) if composed else statement)
+            rows = [list(row) for row in cur.fetchall()] if cur.description else []
+    return rows
+

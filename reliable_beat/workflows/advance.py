@@ -31,11 +31,12 @@ from sqlalchemy import func, or_, select, update
 
 from reliable_beat import handoff, tracing
 from reliable_beat.db.dialects import Store, update_returning
+from reliable_beat.db.driver import uses_psycopg
 from reliable_beat.db.tables import workflow_signals, workflows
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
 from reliable_beat.workflow_store import add_wake, now_sql
-from reliable_beat.workflows import malformed, runaway, saga
+from reliable_beat.workflows import malformed, pg_statements, runaway, saga
 from reliable_beat.workflows.context import WorkflowContext
 from reliable_beat.workflows.crashes import crash_point
 from reliable_beat.workflows.errors import WorkflowNotFound
@@ -298,20 +299,24 @@ def advance(
             return outcome
         crash_point("advance.before_release")
         with store.begin() as conn:
-            released = conn.execute(
-                update(workflows)
-                .where(
-                    workflows.c.id == claimed.pk,
-                    workflows.c.fence_token == claimed.fence_token,
-                    workflows.c.wake_seq == claimed.seen_wake_seq,
-                )
-                .values(state="waiting", leased_by=None, lease_expires_at=None,
-                        updated_at=now_sql(conn))
-            ).rowcount
-            # the messages this advance published (and the wake it answers) are marked
-            # sent here, not in transactions of their own (reliable_beat.handoff)
-            handoff.mark_in(conn)
-            if released == 1:
+            if uses_psycopg(conn):  # release and marks: one statement on the driver
+                released = pg_statements.release(conn, claimed.pk, claimed.fence_token,
+                                                 claimed.seen_wake_seq, handoff.take_marks())
+            else:
+                released = conn.execute(
+                    update(workflows)
+                    .where(
+                        workflows.c.id == claimed.pk,
+                        workflows.c.fence_token == claimed.fence_token,
+                        workflows.c.wake_seq == claimed.seen_wake_seq,
+                    )
+                    .values(state="waiting", leased_by=None, lease_expires_at=None,
+                            updated_at=now_sql(conn))
+                ).rowcount == 1
+                # the messages this advance published (and the wake it answers) are marked
+                # sent here, not in transactions of their own (reliable_beat.handoff)
+                handoff.mark_in(conn)
+            if released:
                 return "waiting"
             now = db_now(conn)
             row = first(update_returning(

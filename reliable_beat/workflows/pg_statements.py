@@ -1,0 +1,144 @@
+"""An advance's hot statements on PostgreSQL, fixed SQL run on the driver connection.
+
+Each is the statement (or statements) the portable path runs, written once as SQL and run
+through :class:`reliable_beat.db.driver.DriverStatement` (psycopg: no per-call statement
+building, compilation lookup or result objects), and where two statements of one
+transaction can be one, one (a round trip fewer). Same rows, same locks, same order of
+locks, same transaction as the portable path; the callers use them only when
+:func:`~reliable_beat.db.driver.uses_psycopg` says the connection is psycopg's.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+from sqlalchemy import BigInteger, Interval, Select, any_, bindparam, func, literal_column, null
+from sqlalchemy import select, update
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import Connection
+
+from reliable_beat.db.driver import DriverStatement
+from reliable_beat.db.tables import outbox, workflow_events, workflows
+
+__all__ = ["fence_check", "load_history", "release"]
+
+
+def _p(name: str, column: Any) -> Any:
+    # p_ names: a parameter named like a column would become a SET (see runs/complete.py)
+    return bindparam(f"p_{name}", type_=column.type)
+
+
+@cache
+def _release_statement() -> Select[Any]:
+    """The release of an advance and the marks of the messages it published, one statement::
+
+        WITH clock AS (SELECT clock_timestamp() AS now),
+        rel AS (UPDATE workflows SET state = 'waiting', leased_by = NULL,
+                       lease_expires_at = NULL, updated_at = (SELECT now FROM clock)
+                WHERE id = :pk AND fence_token = :mine AND wake_seq = :seen RETURNING id),
+        mk AS (UPDATE outbox SET state = 'sent', sent_at = (SELECT now FROM clock),
+                      last_error = NULL
+               WHERE id = ANY(:ids) AND state = 'pending' RETURNING id)
+        SELECT (SELECT count(*) FROM rel) AS released
+
+    Both updates run whatever the other matched (as the two statements did).
+    """
+    clock = select(func.clock_timestamp().label("now")).cte("clock")
+    now = select(clock.c.now).scalar_subquery()
+    rel = (
+        update(workflows)
+        .where(workflows.c.id == _p("pk", workflows.c.id),
+               workflows.c.fence_token == _p("fence", workflows.c.fence_token),
+               workflows.c.wake_seq == _p("seen", workflows.c.wake_seq))
+        .values(state=literal_column("'waiting'"), leased_by=null(), lease_expires_at=null(),
+                updated_at=now)
+        .returning(workflows.c.id)
+        .cte("rel")
+    )
+    mk = (
+        update(outbox)
+        .where(outbox.c.id == any_(bindparam("p_ids", type_=ARRAY(BigInteger))),
+               outbox.c.state == literal_column("'pending'"))
+        .values(state=literal_column("'sent'"), sent_at=now, last_error=null())
+        .returning(outbox.c.id)
+        .cte("mk")
+    )
+    released = select(func.count()).select_from(rel).scalar_subquery().label("released")
+    return select(released).add_cte(mk)
+
+
+_RELEASE = DriverStatement(_release_statement)
+
+
+def release(conn: Connection, pk: int, fence_token: int, seen_wake_seq: int,
+            sent: list[int]) -> bool:
+    """Release the workflow (``waiting``, no lease) if it is still ours and nothing woke it
+    since ``seen_wake_seq``, and mark the outbox rows ``sent`` (pending ones) in the same
+    statement. True when released."""
+    row = _RELEASE.first(conn, {"p_pk": pk, "p_fence": fence_token,
+                                "p_seen": seen_wake_seq, "p_ids": list(sent)})
+    return bool(row.released == 1)
+
+
+@cache
+def _fence_check_statement() -> Select[Any]:
+    """:func:`reliable_beat.workflows.history.fence_check` on PostgreSQL::
+
+        WITH f AS (UPDATE workflows SET history_len = history_len + :events,
+                          history_bytes = history_bytes + :size,
+                          lease_expires_at = clock_timestamp() + :lease,
+                          updated_at = clock_timestamp()
+                   WHERE id = :pk AND fence_token = :mine RETURNING updated_at)
+        SELECT updated_at FROM f
+    """
+    f = (
+        update(workflows)
+        .where(workflows.c.id == _p("pk", workflows.c.id),
+               workflows.c.fence_token == _p("fence", workflows.c.fence_token))
+        .values(history_len=workflows.c.history_len + _p("events", workflows.c.history_len),
+                history_bytes=workflows.c.history_bytes
+                + _p("size", workflows.c.history_bytes),
+                lease_expires_at=func.clock_timestamp()
+                + bindparam("p_lease", type_=Interval()),
+                updated_at=func.clock_timestamp())
+        .returning(workflows.c.updated_at)
+        .cte("f")
+    )
+    return select(f.c.updated_at)
+
+
+_FENCE_CHECK = DriverStatement(_fence_check_statement)
+
+
+def fence_check(conn: Connection, pk: int, fence_token: int, lease: Any, events: int,
+                size: int) -> datetime | None:
+    """The fence check (and history counters, lease renewal); the clock it wrote, or None
+    when the fence moved."""
+    row = _FENCE_CHECK.first(conn, {"p_pk": pk, "p_fence": fence_token, "p_lease": lease,
+                                    "p_events": events, "p_size": size})
+    return None if row is None else row.updated_at  # type: ignore[no-any-return]
+
+
+@cache
+def _history_statement() -> Select[Any]:
+    """:func:`reliable_beat.workflows.history.load_history`'s select."""
+    return (
+        select(
+            workflow_events.c.seq, workflow_events.c.kind, workflow_events.c.name,
+            workflow_events.c.args_digest, workflow_events.c.state, workflow_events.c.result,
+            workflow_events.c.error, workflow_events.c.fire_at, workflow_events.c.run_key,
+        )
+        .where(workflow_events.c.workflow_pk == _p("pk", workflow_events.c.workflow_pk),
+               workflow_events.c.run_no == _p("run_no", workflow_events.c.run_no))
+        .order_by(workflow_events.c.seq)
+    )
+
+
+_HISTORY = DriverStatement(_history_statement)
+
+
+def load_history(conn: Connection, pk: int, run_no: int) -> list[Any]:
+    """The run's events in seq order (only the columns replay needs)."""
+    return _HISTORY.all(conn, {"p_pk": pk, "p_run_no": run_no})

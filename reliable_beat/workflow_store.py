@@ -187,7 +187,7 @@ def _pg_completed_statement() -> Select[Any]:
         ev AS (UPDATE workflow_events SET state = 'completed', result = :result,
                       completed_at = clock_timestamp()
                WHERE workflow_pk = (SELECT id FROM wf) AND run_no = :run AND seq = :seq
-                 AND run_key = :key AND state = 'scheduled' RETURNING id)
+                 AND run_key = :key AND state = 'scheduled' RETURNING seq)
         SELECT wf.*, (SELECT count(*) FROM ev) AS done FROM wf
 
     The event's ``workflow_pk`` is the workflow row's update (an init plan, run first): the
@@ -219,7 +219,7 @@ def _pg_completed_statement() -> Select[Any]:
         .values(state=literal_column("'completed'"),
                 result=bindparam("p_result", type_=workflow_events.c.result.type),
                 completed_at=func.clock_timestamp())
-        .returning(workflow_events.c.id)
+        .returning(workflow_events.c.seq)
         .cte("ev")
     )
     done = select(func.count()).select_from(ev).scalar_subquery().label("done")

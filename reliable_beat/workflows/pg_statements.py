@@ -14,15 +14,25 @@ from datetime import datetime
 from functools import cache
 from typing import Any
 
-from sqlalchemy import BigInteger, Interval, Select, any_, bindparam, func, literal_column, null
-from sqlalchemy import select, update
+from sqlalchemy import (
+    BigInteger,
+    Interval,
+    Select,
+    any_,
+    bindparam,
+    func,
+    literal_column,
+    null,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from reliable_beat.db.driver import DriverStatement
 from reliable_beat.db.tables import outbox, workflow_events, workflows
 
-__all__ = ["fence_check", "load_history", "release"]
+__all__ = ["EVENT_COLUMNS", "fence_check", "insert_event", "load_history", "release"]
 
 
 def _p(name: str, column: Any) -> Any:
@@ -142,3 +152,27 @@ _HISTORY = DriverStatement(_history_statement)
 def load_history(conn: Connection, pk: int, run_no: int) -> list[Any]:
     """The run's events in seq order (only the columns replay needs)."""
     return _HISTORY.all(conn, {"p_pk": pk, "p_run_no": run_no})
+
+
+#: The columns :func:`insert_event` writes (its parameters, ``p_<column>``).
+EVENT_COLUMNS = ("workflow_pk", "run_no", "seq", "kind", "name", "args_digest", "args",
+                 "state", "result", "error", "fire_at", "run_key", "fence_token",
+                 "created_at", "completed_at")
+
+
+@cache
+def _insert_event_statement() -> Select[Any]:
+    """The record's event insert: ``WITH ins AS (INSERT INTO workflow_events (...) VALUES
+    (...) RETURNING seq) SELECT seq FROM ins``."""
+    ins = (workflow_events.insert()
+           .values({c: _p(c, workflow_events.c[c]) for c in EVENT_COLUMNS})
+           .returning(workflow_events.c.seq).cte("ins"))
+    return select(ins.c.seq)
+
+
+_INSERT_EVENT = DriverStatement(_insert_event_statement)
+
+
+def insert_event(conn: Connection, values: dict[str, Any]) -> None:
+    """Insert one history event (``values``: every column of :data:`EVENT_COLUMNS`)."""
+    _INSERT_EVENT.first(conn, {f"p_{c}": values[c] for c in EVENT_COLUMNS})

@@ -108,9 +108,9 @@ class DriverStatement:
                 dispatch.after_cursor_execute(conn, cursor, sql, bound, None, False)
             if one:
                 row = cursor.fetchone()
-                fetched = [] if row is None else [row]
+                fetched: list[Any] = [] if row is None else [row]
             else:
-                fetched = cursor.fetchall()
+                fetched = list(cursor.fetchall())
             cursor.close()
         except dialect.loaded_dbapi.Error as exc:
             disconnect = dialect.is_disconnect(exc, dbapi_conn, cursor)

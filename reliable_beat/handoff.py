@@ -71,7 +71,7 @@ from reliable_beat.redaction import get_logger
 
 __all__ = ["HANDOFF_DELAY", "UNKNOWN", "Advance", "Publish", "Wake", "add", "after_commit",
            "deferred_marks", "mark", "mark_in", "publishing", "publishing_for", "register",
-           "send", "take_marks"]
+           "send"]
 
 log = get_logger("reliable_beat.workflows")
 
@@ -211,18 +211,6 @@ def deferred_marks(store: Store) -> Iterator[list[int]]:
         _deferred.reset(token)
     if ids:
         mark(store, ids, [])
-
-
-def take_marks() -> list[int]:
-    """Inside :func:`deferred_marks`: the ids of the rows published so far, forgotten here:
-    the caller marks them ``sent`` in its transaction (as :func:`mark_in` does). Outside:
-    none."""
-    ids = _deferred.get()
-    if not ids:
-        return []
-    taken = list(ids)
-    ids.clear()
-    return taken
 
 
 def mark_in(conn: Connection) -> None:

@@ -375,9 +375,9 @@ def advance(
             return outcome
         crash_point("advance.before_release")
         with store.begin() as conn:
-            if uses_psycopg(conn):  # release and marks: one statement on the driver
+            if uses_psycopg(conn):  # the same statement, fixed SQL on the driver
                 released = pg_statements.release(conn, claimed.pk, claimed.fence_token,
-                                                 claimed.seen_wake_seq, handoff.take_marks())
+                                                 claimed.seen_wake_seq)
             else:
                 released = conn.execute(
                     update(workflows)
@@ -389,9 +389,9 @@ def advance(
                     .values(state="waiting", leased_by=None, lease_expires_at=None,
                             updated_at=now_sql(conn))
                 ).rowcount == 1
-                # the messages this advance published (and the wake it answers) are marked
-                # sent here, not in transactions of their own (reliable_beat.handoff)
-                handoff.mark_in(conn)
+            # the messages this advance published (and the wake it answers) are marked
+            # sent here, not in transactions of their own (reliable_beat.handoff)
+            handoff.mark_in(conn)
             if released:
                 return "waiting"
             now = db_now(conn)

@@ -1,9 +1,8 @@
 """An advance's hot statements on PostgreSQL, fixed SQL run on the driver connection.
 
-Each is the statement (or statements) the portable path runs, written once as SQL and run
+Each is the statement the portable path runs, written once as SQL and run
 through :class:`reliable_beat.db.driver.DriverStatement` (psycopg: no per-call statement
-building, compilation lookup or result objects), and where two statements of one
-transaction can be one, one (a round trip fewer). Same rows, same locks, same order of
+building, compilation lookup or result objects). Same rows, same locks, same order of
 locks, same transaction as the portable path; the callers use them only when
 :func:`~reliable_beat.db.driver.uses_psycopg` says the connection is psycopg's.
 """
@@ -15,10 +14,8 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
     Interval,
     Select,
-    any_,
     bindparam,
     func,
     literal_column,
@@ -26,11 +23,10 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from reliable_beat.db.driver import DriverStatement
-from reliable_beat.db.tables import outbox, workflow_events, workflows
+from reliable_beat.db.tables import workflow_events, workflows
 
 __all__ = ["EVENT_COLUMNS", "fence_check", "insert_event", "load_history", "release"]
 
@@ -42,53 +38,34 @@ def _p(name: str, column: Any) -> Any:
 
 @cache
 def _release_statement() -> Select[Any]:
-    """The release of an advance and the marks of the messages it published, one statement::
+    """The release of an advance::
 
-        WITH clock AS (SELECT clock_timestamp() AS now),
-        rel AS (UPDATE workflows SET state = 'waiting', leased_by = NULL,
-                       lease_expires_at = NULL, updated_at = (SELECT now FROM clock)
-                WHERE id = :pk AND fence_token = :mine AND wake_seq = :seen RETURNING id),
-        mk AS (UPDATE outbox SET state = 'sent', sent_at = (SELECT now FROM clock),
-                      last_error = NULL
-               WHERE id = ANY(:ids) AND state = 'pending' RETURNING id)
-        SELECT (SELECT count(*) FROM rel) AS released
-
-    Both updates run whatever the other matched (as the two statements did).
+        WITH rel AS (UPDATE workflows SET state = 'waiting', leased_by = NULL,
+                            lease_expires_at = NULL, updated_at = clock_timestamp()
+                     WHERE id = :pk AND fence_token = :mine AND wake_seq = :seen
+                     RETURNING id)
+        SELECT count(*) AS released FROM rel
     """
-    clock = select(func.clock_timestamp().label("now")).cte("clock")
-    now = select(clock.c.now).scalar_subquery()
     rel = (
         update(workflows)
         .where(workflows.c.id == _p("pk", workflows.c.id),
                workflows.c.fence_token == _p("fence", workflows.c.fence_token),
                workflows.c.wake_seq == _p("seen", workflows.c.wake_seq))
         .values(state=literal_column("'waiting'"), leased_by=null(), lease_expires_at=null(),
-                updated_at=now)
+                updated_at=func.clock_timestamp())
         .returning(workflows.c.id)
         .cte("rel")
     )
-    mk = (
-        update(outbox)
-        .where(outbox.c.id == any_(bindparam("p_ids", type_=ARRAY(BigInteger))),
-               outbox.c.state == literal_column("'pending'"))
-        .values(state=literal_column("'sent'"), sent_at=now, last_error=null())
-        .returning(outbox.c.id)
-        .cte("mk")
-    )
-    released = select(func.count()).select_from(rel).scalar_subquery().label("released")
-    return select(released).add_cte(mk)
+    return select(func.count().label("released")).select_from(rel)
 
 
 _RELEASE = DriverStatement(_release_statement)
 
 
-def release(conn: Connection, pk: int, fence_token: int, seen_wake_seq: int,
-            sent: list[int]) -> bool:
+def release(conn: Connection, pk: int, fence_token: int, seen_wake_seq: int) -> bool:
     """Release the workflow (``waiting``, no lease) if it is still ours and nothing woke it
-    since ``seen_wake_seq``, and mark the outbox rows ``sent`` (pending ones) in the same
-    statement. True when released."""
-    row = _RELEASE.first(conn, {"p_pk": pk, "p_fence": fence_token,
-                                "p_seen": seen_wake_seq, "p_ids": list(sent)})
+    since ``seen_wake_seq``. True when released."""
+    row = _RELEASE.first(conn, {"p_pk": pk, "p_fence": fence_token, "p_seen": seen_wake_seq})
     return bool(row.released == 1)
 
 

@@ -5,7 +5,7 @@ The same steps run twice on PostgreSQL, handed off and advanced in process as a 
 once on the driver path, once on the portable one (``uses_psycopg`` answering False). They
 must write the same history, the same workflow row and the same outbox states, each effect
 once, and the driver path must take fewer statements per step (it merges the completion's two
-updates and the release with its marks).
+updates into one).
 """
 
 from __future__ import annotations

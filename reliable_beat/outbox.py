@@ -243,8 +243,8 @@ def add(
             "p_headers": header_values, "p_ordering_key": ordering_key, "p_run_id": run_id,
             "p_schedule_group": schedule_group, "p_delay": delay or timedelta(0),
             **({"p_traceparent": traceparent} if traceparent is not None else {})})
-        if row is not None:
-            returned.append(row._asdict())
+        if row is not None:  # a named tuple: attributes as a Row's
+            returned.append(row)
         if notify:
             _notify_once(conn, destination)
         return message_id

@@ -50,8 +50,10 @@ class OutboxMessage:
 
     @classmethod
     def from_row(cls, row: Row[Any] | Mapping[str, Any]) -> OutboxMessage:
-        """Build from a result row (or mapping) of ``reliable_beat_outbox``."""
-        m: Mapping[str, Any] = row._mapping if isinstance(row, Row) else row  # type: ignore[assignment]
+        """Build from a result row (a SQLAlchemy ``Row``, a driver statement's named tuple,
+        or a mapping) of ``reliable_beat_outbox``."""
+        m: Mapping[str, Any] = (row._mapping if isinstance(row, Row)  # type: ignore[assignment]
+                                else row._asdict() if hasattr(row, "_asdict") else row)
         return cls(
             id=int(m["id"]),
             message_id=m["message_id"],

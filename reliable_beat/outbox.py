@@ -32,15 +32,17 @@ import uuid
 import weakref
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
+from functools import cache
 from typing import Any
 
-from sqlalchemy import Interval, Table, bindparam, func, select, text
+from sqlalchemy import Interval, Select, Table, bindparam, func, literal_column, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import ColumnElement
 
 from reliable_beat import tracing
+from reliable_beat.db.driver import DriverStatement, uses_psycopg
 from reliable_beat.db.tables import outbox
 from reliable_beat.messages import OutboxMessage
 from reliable_beat.payloads import check_payload
@@ -232,6 +234,20 @@ def add(
             " store the data elsewhere and put a reference (an id, a key) in the payload"
         )
     message_id = key if key is not None else new_message_id()
+    if returned is not None and uses_psycopg(conn) and not isinstance(schedule_group,
+                                                                       ColumnElement):
+        # the hand-off's insert (reliable_beat.handoff): fixed SQL on the driver connection
+        traceparent = _traceparent_column().get("traceparent")
+        row = _PG_INSERT[traceparent is not None].first(conn, {
+            "p_message_id": message_id, "p_destination": destination, "p_payload": payload,
+            "p_headers": header_values, "p_ordering_key": ordering_key, "p_run_id": run_id,
+            "p_schedule_group": schedule_group, "p_delay": delay or timedelta(0),
+            **({"p_traceparent": traceparent} if traceparent is not None else {})})
+        if row is not None:  # a named tuple: attributes as a Row's
+            returned.append(row)
+        if notify:
+            _notify_once(conn, destination)
+        return message_id
     pg = conn.dialect.name == "postgresql"
     created_at: Any
     available_at: Any
@@ -264,3 +280,35 @@ def add(
     if pg and notify:
         _notify_once(conn, destination)
     return message_id
+
+
+@cache
+def _pg_insert_statement(traced: bool) -> Select[Any]:
+    """:func:`add`'s insert on PostgreSQL returning the row, as one select of a CTE::
+
+        WITH ins AS (INSERT INTO outbox (...) VALUES (..., clock_timestamp() + :delay,
+                     clock_timestamp()) ON CONFLICT DO NOTHING RETURNING *)
+        SELECT * FROM ins
+
+    ``traced``: with the ``traceparent`` column (written only while tracing is on)."""
+    def p(name: str) -> Any:  # p_ names: see reliable_beat.runs.complete
+        return bindparam(f"p_{name}", type_=outbox.c[name].type)
+
+    values: dict[str, Any] = {
+        "message_id": p("message_id"), "destination": p("destination"),
+        "payload": p("payload"), "headers": p("headers"), "ordering_key": p("ordering_key"),
+        "run_id": p("run_id"), "schedule_group": p("schedule_group"),
+        "state": literal_column("'pending'"), "attempts": literal_column("0"),
+        "available_at": func.clock_timestamp() + bindparam("p_delay", type_=Interval()),
+        "created_at": func.clock_timestamp(),
+    }
+    if traced:
+        values["traceparent"] = p("traceparent")
+    ins = (postgresql.insert(outbox).values(**values).on_conflict_do_nothing()
+           .returning(*outbox.c).cte("ins"))
+    return select(*ins.c)
+
+
+#: :func:`_pg_insert_statement` (untraced, traced) on the psycopg connection
+_PG_INSERT = (DriverStatement(lambda: _pg_insert_statement(False)),
+              DriverStatement(lambda: _pg_insert_statement(True)))

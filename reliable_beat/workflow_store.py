@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
+from functools import cache
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Select, bindparam, func, literal_column, select, update
 from sqlalchemy.engine import Connection
 
 from reliable_beat import handoff, outbox
 from reliable_beat.db.dialects import update_returning
+from reliable_beat.db.driver import DriverStatement, uses_psycopg
 from reliable_beat.db.tables import workflow_events, workflows
 from reliable_beat.outbox import now_sql
 
@@ -119,6 +121,13 @@ def on_run_finished(
     if parsed is None:
         return False
     workflow_id, run_no, seq = parsed
+    if state == "succeeded" and uses_psycopg(conn):  # the hot path: one statement
+        wf = _PG_COMPLETED.first(conn, {"p_workflow_id": workflow_id, "p_run_no": run_no,
+                                        "p_seq": seq, "p_key": key, "p_result": result})
+        if wf is None or wf.done != 1:
+            return False
+        _wake_after(conn, workflow_id, run_no, seq, wf)
+        return True
     # the workflow row first: the same lock order as an advance's record transaction
     wf = _first(update_returning(
         conn,
@@ -148,15 +157,74 @@ def on_run_finished(
     ).rowcount
     if done != 1:
         return False
+    if state == "succeeded":
+        _wake_after(conn, workflow_id, run_no, seq, wf)
+    else:
+        add_wake(conn, workflow_id, wf.queue, f"{run_no}#{seq}.{wf.wake_seq}")
+    return True
+
+
+def _wake_after(conn: Connection, workflow_id: str, run_no: int, seq: int, wf: Any) -> None:
+    """The wake of a workflow whose activity at ``seq`` completed (``wf``: its row's id,
+    queue, wake_seq, schedule_group, name after the bump)."""
     # wake_seq in the id: a requeued compensation completes the same seq a second time
     what = f"{run_no}#{seq}.{wf.wake_seq}"
-    if state == "succeeded":
-        # advanced by this process right after the activity, or published by it after the
-        # commit (reliable_beat.handoff); the relay sends it if neither happens
-        handoff.add(conn, WAKE_DESTINATION, _wake_payload(workflow_id, wf.queue),
-                    key=f"wake:{workflow_id}:{what}", group=wf.schedule_group,
-                    schedule_group=wf.schedule_group,
-                    wakes=handoff.Wake(workflow_id, wf.name, wf.queue))
-    else:
-        add_wake(conn, workflow_id, wf.queue, what)
-    return True
+    # advanced by this process right after the activity, or published by it after the
+    # commit (reliable_beat.handoff); the relay sends it if neither happens
+    handoff.add(conn, WAKE_DESTINATION, _wake_payload(workflow_id, wf.queue),
+                key=f"wake:{workflow_id}:{what}", group=wf.schedule_group,
+                schedule_group=wf.schedule_group,
+                wakes=handoff.Wake(workflow_id, wf.name, wf.queue))
+
+
+@cache
+def _pg_completed_statement() -> Select[Any]:
+    """PostgreSQL: :func:`on_run_finished` of a succeeded activity in one statement::
+
+        WITH wf AS (UPDATE workflows SET wake_seq = wake_seq + 1
+                    WHERE workflow_id = :id AND run_no = :run
+                    RETURNING id, queue, wake_seq, schedule_group, name),
+        ev AS (UPDATE workflow_events SET state = 'completed', result = :result,
+                      completed_at = clock_timestamp()
+               WHERE workflow_pk = (SELECT id FROM wf) AND run_no = :run AND seq = :seq
+                 AND run_key = :key AND state = 'scheduled' RETURNING seq)
+        SELECT wf.*, (SELECT count(*) FROM ev) AS done FROM wf
+
+    The event's ``workflow_pk`` is the workflow row's update (an init plan, run first): the
+    workflow row is locked before the event row, the lock order of an advance's record.
+    No row: no such workflow run.
+    """
+    # p_ names: a parameter named like a column would become a SET (see runs/complete.py)
+    wf = (
+        update(workflows)
+        .where(workflows.c.workflow_id == bindparam("p_workflow_id",
+                                                    type_=workflows.c.workflow_id.type),
+               workflows.c.run_no == bindparam("p_run_no", type_=workflows.c.run_no.type))
+        .values(wake_seq=workflows.c.wake_seq + 1)
+        .returning(workflows.c.id, workflows.c.queue, workflows.c.wake_seq,
+                   workflows.c.schedule_group, workflows.c.name)
+        .cte("wf")
+    )
+    ev = (
+        update(workflow_events)
+        .where(
+            workflow_events.c.workflow_pk == select(wf.c.id).scalar_subquery(),
+            workflow_events.c.run_no == bindparam("p_run_no",
+                                                  type_=workflow_events.c.run_no.type),
+            workflow_events.c.seq == bindparam("p_seq", type_=workflow_events.c.seq.type),
+            workflow_events.c.run_key == bindparam("p_key",
+                                                   type_=workflow_events.c.run_key.type),
+            workflow_events.c.state == literal_column("'scheduled'"),
+        )
+        .values(state=literal_column("'completed'"),
+                result=bindparam("p_result", type_=workflow_events.c.result.type),
+                completed_at=func.clock_timestamp())
+        .returning(workflow_events.c.seq)
+        .cte("ev")
+    )
+    done = select(func.count()).select_from(ev).scalar_subquery().label("done")
+    return select(wf.c.id, wf.c.queue, wf.c.wake_seq, wf.c.schedule_group, wf.c.name, done)
+
+
+#: :func:`_pg_completed_statement` run on the psycopg connection (reliable_beat.db.driver).
+_PG_COMPLETED = DriverStatement(_pg_completed_statement)

@@ -83,6 +83,14 @@ class DriverStatement:
     def first(self, conn: Connection, params: Mapping[str, Any]) -> Any:
         """Execute on ``conn``'s driver connection (in its transaction, if any); the first
         row as a named tuple (values through the columns' result processors), or None."""
+        rows = self._execute(conn, params, one=True)
+        return rows[0] if rows else None
+
+    def all(self, conn: Connection, params: Mapping[str, Any]) -> list[Any]:
+        """As :meth:`first`, every row (a list of named tuples)."""
+        return self._execute(conn, params, one=False)
+
+    def _execute(self, conn: Connection, params: Mapping[str, Any], *, one: bool) -> list[Any]:
         dialect = conn.dialect
         sql, defaults, binds, results = self._for(dialect)
         bound = {**defaults, **params}
@@ -98,7 +106,11 @@ class DriverStatement:
             cursor.execute(sql, bound)
             if dispatch.after_cursor_execute:
                 dispatch.after_cursor_execute(conn, cursor, sql, bound, None, False)
-            row = cursor.fetchone()
+            if one:
+                row = cursor.fetchone()
+                fetched: list[Any] = [] if row is None else [row]
+            else:
+                fetched = list(cursor.fetchall())
             cursor.close()
         except dialect.loaded_dbapi.Error as exc:
             disconnect = dialect.is_disconnect(exc, dbapi_conn, cursor)
@@ -114,11 +126,13 @@ class DriverStatement:
             if not isinstance(exc, Exception) and not conn.invalidated:
                 conn.invalidate()
             raise
-        if row is None:
-            return None
+        make = self._row._make
         if not results:
-            return self._row._make(row)
-        out = list(row)
-        for i, proc in results:
-            out[i] = proc(out[i])
-        return self._row._make(out)
+            return [make(row) for row in fetched]
+        out = []
+        for row in fetched:
+            values = list(row)
+            for i, proc in results:
+                values[i] = proc(values[i])
+            out.append(make(values))
+        return out

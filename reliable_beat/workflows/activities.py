@@ -76,9 +76,13 @@ def start_activity(rt: Runtime, task: Any, args: tuple[Any, ...], kwargs: dict[s
 
         def dispatch(conn: Connection) -> None:
             # published by this advance right after the commit (reliable_beat.handoff)
+            # the row's group: the workflow's (set at its start, never changed), as its
+            # claim read it; not known (a claim that did not read it): read in the insert
+            extra = rt.claimed.extra
             handoff.add(conn, WAKE_DESTINATION, payload, key=f"act:{key}",
-                        group=rt.claimed.extra.get("schedule_group", handoff.UNKNOWN),
-                        schedule_group=group_of(rt.claimed.workflow_id))
+                        group=extra.get("schedule_group", handoff.UNKNOWN),
+                        schedule_group=extra["schedule_group"] if "schedule_group" in extra
+                        else group_of(rt.claimed.workflow_id))
 
         # stored with its queue (not part of the digest), for the re-dispatch sweep
         rt.record(seq, "activity", task_name, digest, [*call, queue],

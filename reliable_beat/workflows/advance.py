@@ -25,17 +25,30 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from datetime import timedelta
+from functools import cache
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import (
+    Integer,
+    Interval,
+    Select,
+    bindparam,
+    func,
+    literal_column,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection
 
 from reliable_beat import handoff, tracing
 from reliable_beat.db.dialects import Store, update_returning
+from reliable_beat.db.driver import DriverStatement, uses_psycopg
 from reliable_beat.db.tables import workflow_signals, workflows
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
 from reliable_beat.workflow_store import add_wake, now_sql
-from reliable_beat.workflows import malformed, runaway, saga
+from reliable_beat.workflows import malformed, pg_statements, runaway, saga
 from reliable_beat.workflows.context import WorkflowContext
 from reliable_beat.workflows.crashes import crash_point
 from reliable_beat.workflows.errors import WorkflowNotFound
@@ -97,35 +110,99 @@ def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta,
         return found[0]
 
 
+@cache
+def _pg_claim_statement() -> Select[Any]:
+    """The claim of :func:`_claim_tx` (the same UPDATE, the clock inside it) as one
+    select returning the whole row::
+
+        WITH c AS (UPDATE workflows SET takeovers = ..., fence_token = fence_token + 1,
+                          leased_by = :owner, lease_expires_at = clock_timestamp() + :lease,
+                          state = 'running', claimed_wake_seq = wake_seq,
+                          advances = advances + 1, updated_at = clock_timestamp()
+                   WHERE workflow_id = :id AND state IN (active states)
+                     AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp())
+                     AND (state != 'running' OR takeovers < :max_takeovers)
+                   RETURNING *)
+        SELECT * FROM c
+    """
+    now = func.clock_timestamp()
+    c = (
+        update(workflows)
+        .where(
+            workflows.c.workflow_id == bindparam("p_workflow_id",
+                                                 type_=workflows.c.workflow_id.type),
+            # the states as literals: an expanding IN cannot be fixed SQL
+            workflows.c.state.in_([literal_column(f"'{s}'") for s in ACTIVE_STATES]),
+            or_(workflows.c.lease_expires_at.is_(None), workflows.c.lease_expires_at < now),
+            runaway.may_take_over(bindparam("p_max_takeovers", type_=Integer())),
+        )
+        .ordered_values(
+            (workflows.c.takeovers, runaway.takeovers_after_claim()),
+            (workflows.c.fence_token, workflows.c.fence_token + 1),
+            (workflows.c.leased_by, bindparam("p_owner", type_=workflows.c.leased_by.type)),
+            (workflows.c.lease_expires_at, now + bindparam("p_lease", type_=Interval())),
+            (workflows.c.state, literal_column("'running'")),
+            (workflows.c.claimed_wake_seq, workflows.c.wake_seq),
+            (workflows.c.advances, workflows.c.advances + 1), (workflows.c.updated_at, now),
+        )
+        .returning(*workflows.c)
+        .cte("c")
+    )
+    return select(*c.c)
+
+
+#: :func:`_pg_claim_statement` on the psycopg connection (reliable_beat.db.driver)
+_PG_CLAIM = DriverStatement(_pg_claim_statement)
+
+
+def _pg_claim(conn: Connection, workflow_id: str, owner: str, lease: Any,
+              max_takeovers: int) -> Any:
+    """The claim; the claimed row (all columns), or None when not claimed."""
+    return _PG_CLAIM.first(conn, {"p_workflow_id": workflow_id, "p_owner": owner,
+                                  "p_lease": lease, "p_max_takeovers": max_takeovers})
+
+
+def _claim_statement(conn: Connection, workflow_id: str, owner: str, lease: timedelta,
+                     max_takeovers: int, now: Any) -> tuple[Any, bool]:
+    """The claim's UPDATE built per call (every dialect but psycopg's); (the row when the
+    dialect returns it, claimed?)."""
+    stmt = (
+        update(workflows)
+        .where(
+            workflows.c.workflow_id == workflow_id,
+            workflows.c.state.in_(ACTIVE_STATES),
+            or_(workflows.c.lease_expires_at.is_(None), workflows.c.lease_expires_at < now),
+            runaway.may_take_over(max_takeovers),
+        )
+        .ordered_values(  # takeovers first: MySQL sets left to right (its CASE reads state)
+            (workflows.c.takeovers, runaway.takeovers_after_claim()),
+            (workflows.c.fence_token, workflows.c.fence_token + 1),
+            (workflows.c.leased_by, owner), (workflows.c.lease_expires_at, now + lease),
+            (workflows.c.state, "running"),
+            (workflows.c.claimed_wake_seq, workflows.c.wake_seq),
+            (workflows.c.advances, workflows.c.advances + 1), (workflows.c.updated_at, now),
+        )
+    )
+    if conn.dialect.update_returning:  # PostgreSQL, SQLite: the row in one statement
+        row = conn.execute(stmt.returning(*workflows.c)).first()
+        done = row is not None
+    else:
+        done = conn.execute(stmt).rowcount == 1
+        row = None
+    return row, done
+
+
 def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
               max_takeovers: int) -> Claimed | str:
     with store.begin() as conn:
         pg = conn.dialect.name == "postgresql"
         # PostgreSQL: the clock inside the claim statement (no round trip of its own)
         now: Any = func.clock_timestamp() if pg else db_now(conn)
-        stmt = (
-            update(workflows)
-            .where(
-                workflows.c.workflow_id == workflow_id,
-                workflows.c.state.in_(ACTIVE_STATES),
-                or_(workflows.c.lease_expires_at.is_(None), workflows.c.lease_expires_at < now),
-                runaway.may_take_over(max_takeovers),
-            )
-            .ordered_values(  # takeovers first: MySQL sets left to right (its CASE reads state)
-                (workflows.c.takeovers, runaway.takeovers_after_claim()),
-                (workflows.c.fence_token, workflows.c.fence_token + 1),
-                (workflows.c.leased_by, owner), (workflows.c.lease_expires_at, now + lease),
-                (workflows.c.state, "running"),
-                (workflows.c.claimed_wake_seq, workflows.c.wake_seq),
-                (workflows.c.advances, workflows.c.advances + 1), (workflows.c.updated_at, now),
-            )
-        )
-        if conn.dialect.update_returning:  # PostgreSQL, SQLite: the row in the same statement
-            row = conn.execute(stmt.returning(*workflows.c)).first()
+        if uses_psycopg(conn):  # the same statement, fixed SQL on the driver connection
+            row = _pg_claim(conn, workflow_id, owner, lease, max_takeovers)
             done = row is not None
         else:
-            done = conn.execute(stmt).rowcount == 1
-            row = None
+            row, done = _claim_statement(conn, workflow_id, owner, lease, max_takeovers, now)
         if row is None:
             row = conn.execute(
                 select(workflows).where(workflows.c.workflow_id == workflow_id)
@@ -298,20 +375,24 @@ def advance(
             return outcome
         crash_point("advance.before_release")
         with store.begin() as conn:
-            released = conn.execute(
-                update(workflows)
-                .where(
-                    workflows.c.id == claimed.pk,
-                    workflows.c.fence_token == claimed.fence_token,
-                    workflows.c.wake_seq == claimed.seen_wake_seq,
-                )
-                .values(state="waiting", leased_by=None, lease_expires_at=None,
-                        updated_at=now_sql(conn))
-            ).rowcount
+            if uses_psycopg(conn):  # the same statement, fixed SQL on the driver
+                released = pg_statements.release(conn, claimed.pk, claimed.fence_token,
+                                                 claimed.seen_wake_seq)
+            else:
+                released = conn.execute(
+                    update(workflows)
+                    .where(
+                        workflows.c.id == claimed.pk,
+                        workflows.c.fence_token == claimed.fence_token,
+                        workflows.c.wake_seq == claimed.seen_wake_seq,
+                    )
+                    .values(state="waiting", leased_by=None, lease_expires_at=None,
+                            updated_at=now_sql(conn))
+                ).rowcount == 1
             # the messages this advance published (and the wake it answers) are marked
             # sent here, not in transactions of their own (reliable_beat.handoff)
             handoff.mark_in(conn)
-            if released == 1:
+            if released:
                 return "waiting"
             now = db_now(conn)
             row = first(update_returning(

@@ -23,8 +23,10 @@ from sqlalchemy.engine import Connection
 
 from reliable_beat import values as rb_values
 from reliable_beat.db.dialects import Store
+from reliable_beat.db.driver import uses_psycopg
 from reliable_beat.db.tables import workflow_events, workflows
 from reliable_beat.outbox import db_now
+from reliable_beat.workflows import pg_statements
 from reliable_beat.workflows.errors import ActivityError, FencedOut
 
 __all__ = [
@@ -149,6 +151,8 @@ class Claimed:
 
 def load_history(conn: Connection, pk: int, run_no: int) -> dict[int, Any]:
     """The run's events by seq (only the columns replay needs)."""
+    if uses_psycopg(conn):  # the same select, on the driver connection
+        return {r.seq: r for r in pg_statements.load_history(conn, pk, run_no)}
     rows = conn.execute(
         select(
             workflow_events.c.seq, workflow_events.c.kind, workflow_events.c.name,
@@ -173,6 +177,13 @@ def fence_check(
         FencedOut: a newer advance claimed the workflow (the caller's transaction must roll
             back: nothing of this advance is written).
     """
+    if uses_psycopg(conn):  # the same statement, on the driver connection
+        now = pg_statements.fence_check(conn, claimed.pk, claimed.fence_token,
+                                        claimed.lease, events, size)
+        if now is None:
+            raise FencedOut(
+                f"workflow {claimed.workflow_id!r}: fence {claimed.fence_token} is stale")
+        return now
     stmt = (update(workflows)
             .where(workflows.c.id == claimed.pk,
                    workflows.c.fence_token == claimed.fence_token)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import select, update
 
 from reliable_beat import handoff
+from reliable_beat.db.driver import uses_psycopg
 from reliable_beat.db.tables import workflow_events
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
@@ -32,6 +33,7 @@ from reliable_beat.workflows import (
     crashes,
     lifecycle,
     limits,
+    pg_statements,
     runaway,
     saga,
     tripwire,
@@ -382,13 +384,17 @@ class Replay:
                     fire_at = holder.get("fire_at", fire_at)
                     if holder.get("done"):
                         state = "completed"
-                conn.execute(workflow_events.insert().values(
+                event = dict(
                     workflow_pk=self.claimed.pk, run_no=self.claimed.run_no, seq=seq,
                     kind=kind, name=name, args_digest=digest, args=args, state=state,
                     result=result, error=error, fire_at=fire_at, run_key=run_key,
                     fence_token=self.claimed.fence_token, created_at=now,
                     completed_at=now if state != "scheduled" else None,
-                ))
+                )
+                if uses_psycopg(conn):  # the same insert, fixed SQL on the driver
+                    pg_statements.insert_event(conn, event)
+                else:
+                    conn.execute(workflow_events.insert().values(**event))
                 crashes.crash_point(f"record.{kind}.in")
         except FencedOut as exc:
             raise self.control(exc) from None

@@ -353,9 +353,10 @@ def park_stuck(conn: Connection, pk: int, workflow_id: str, fence_token: int, re
 # ------------------------------------------------------------------ the takeover count ----
 
 
-def may_take_over(max_takeovers: int) -> Any:
+def may_take_over(max_takeovers: int | Any) -> Any:
     """SQL condition of a claim: a ``running`` row (its advance's lease expired) is taken
-    over only while it has fewer than ``max_takeovers`` takeovers."""
+    over only while it has fewer than ``max_takeovers`` takeovers (a number, or a bound
+    parameter of a statement built once)."""
     return or_(workflows.c.state != "running", workflows.c.takeovers < max_takeovers)
 
 

@@ -1,0 +1,155 @@
+"""An advance's hot statements on PostgreSQL, fixed SQL run on the driver connection.
+
+Each is the statement the portable path runs, written once as SQL and run
+through :class:`reliable_beat.db.driver.DriverStatement` (psycopg: no per-call statement
+building, compilation lookup or result objects). Same rows, same locks, same order of
+locks, same transaction as the portable path; the callers use them only when
+:func:`~reliable_beat.db.driver.uses_psycopg` says the connection is psycopg's.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    Interval,
+    Select,
+    bindparam,
+    func,
+    literal_column,
+    null,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection
+
+from reliable_beat.db.driver import DriverStatement
+from reliable_beat.db.tables import workflow_events, workflows
+
+__all__ = ["EVENT_COLUMNS", "fence_check", "insert_event", "load_history", "release"]
+
+
+def _p(name: str, column: Any) -> Any:
+    # p_ names: a parameter named like a column would become a SET (see runs/complete.py)
+    return bindparam(f"p_{name}", type_=column.type)
+
+
+@cache
+def _release_statement() -> Select[Any]:
+    """The release of an advance::
+
+        WITH rel AS (UPDATE workflows SET state = 'waiting', leased_by = NULL,
+                            lease_expires_at = NULL, updated_at = clock_timestamp()
+                     WHERE id = :pk AND fence_token = :mine AND wake_seq = :seen
+                     RETURNING id)
+        SELECT count(*) AS released FROM rel
+    """
+    rel = (
+        update(workflows)
+        .where(workflows.c.id == _p("pk", workflows.c.id),
+               workflows.c.fence_token == _p("fence", workflows.c.fence_token),
+               workflows.c.wake_seq == _p("seen", workflows.c.wake_seq))
+        .values(state=literal_column("'waiting'"), leased_by=null(), lease_expires_at=null(),
+                updated_at=func.clock_timestamp())
+        .returning(workflows.c.id)
+        .cte("rel")
+    )
+    return select(func.count().label("released")).select_from(rel)
+
+
+_RELEASE = DriverStatement(_release_statement)
+
+
+def release(conn: Connection, pk: int, fence_token: int, seen_wake_seq: int) -> bool:
+    """Release the workflow (``waiting``, no lease) if it is still ours and nothing woke it
+    since ``seen_wake_seq``. True when released."""
+    row = _RELEASE.first(conn, {"p_pk": pk, "p_fence": fence_token, "p_seen": seen_wake_seq})
+    return bool(row.released == 1)
+
+
+@cache
+def _fence_check_statement() -> Select[Any]:
+    """:func:`reliable_beat.workflows.history.fence_check` on PostgreSQL::
+
+        WITH f AS (UPDATE workflows SET history_len = history_len + :events,
+                          history_bytes = history_bytes + :size,
+                          lease_expires_at = clock_timestamp() + :lease,
+                          updated_at = clock_timestamp()
+                   WHERE id = :pk AND fence_token = :mine RETURNING updated_at)
+        SELECT updated_at FROM f
+    """
+    f = (
+        update(workflows)
+        .where(workflows.c.id == _p("pk", workflows.c.id),
+               workflows.c.fence_token == _p("fence", workflows.c.fence_token))
+        .values(history_len=workflows.c.history_len + _p("events", workflows.c.history_len),
+                history_bytes=workflows.c.history_bytes
+                + _p("size", workflows.c.history_bytes),
+                lease_expires_at=func.clock_timestamp()
+                + bindparam("p_lease", type_=Interval()),
+                updated_at=func.clock_timestamp())
+        .returning(workflows.c.updated_at)
+        .cte("f")
+    )
+    return select(f.c.updated_at)
+
+
+_FENCE_CHECK = DriverStatement(_fence_check_statement)
+
+
+def fence_check(conn: Connection, pk: int, fence_token: int, lease: Any, events: int,
+                size: int) -> datetime | None:
+    """The fence check (and history counters, lease renewal); the clock it wrote, or None
+    when the fence moved."""
+    row = _FENCE_CHECK.first(conn, {"p_pk": pk, "p_fence": fence_token, "p_lease": lease,
+                                    "p_events": events, "p_size": size})
+    return None if row is None else row.updated_at  # type: ignore[no-any-return]
+
+
+@cache
+def _history_statement() -> Select[Any]:
+    """:func:`reliable_beat.workflows.history.load_history`'s select."""
+    return (
+        select(
+            workflow_events.c.seq, workflow_events.c.kind, workflow_events.c.name,
+            workflow_events.c.args_digest, workflow_events.c.state, workflow_events.c.result,
+            workflow_events.c.error, workflow_events.c.fire_at, workflow_events.c.run_key,
+        )
+        .where(workflow_events.c.workflow_pk == _p("pk", workflow_events.c.workflow_pk),
+               workflow_events.c.run_no == _p("run_no", workflow_events.c.run_no))
+        .order_by(workflow_events.c.seq)
+    )
+
+
+_HISTORY = DriverStatement(_history_statement)
+
+
+def load_history(conn: Connection, pk: int, run_no: int) -> list[Any]:
+    """The run's events in seq order (only the columns replay needs)."""
+    return _HISTORY.all(conn, {"p_pk": pk, "p_run_no": run_no})
+
+
+#: The columns :func:`insert_event` writes (its parameters, ``p_<column>``).
+EVENT_COLUMNS = ("workflow_pk", "run_no", "seq", "kind", "name", "args_digest", "args",
+                 "state", "result", "error", "fire_at", "run_key", "fence_token",
+                 "created_at", "completed_at")
+
+
+@cache
+def _insert_event_statement() -> Select[Any]:
+    """The record's event insert: ``WITH ins AS (INSERT INTO workflow_events (...) VALUES
+    (...) RETURNING seq) SELECT seq FROM ins``."""
+    ins = (workflow_events.insert()
+           .values({c: _p(c, workflow_events.c[c]) for c in EVENT_COLUMNS})
+           .returning(workflow_events.c.seq).cte("ins"))
+    return select(ins.c.seq)
+
+
+_INSERT_EVENT = DriverStatement(_insert_event_statement)
+
+
+def insert_event(conn: Connection, values: dict[str, Any]) -> None:
+    """Insert one history event (``values``: every column of :data:`EVENT_COLUMNS`)."""
+    _INSERT_EVENT.first(conn, {f"p_{c}": values[c] for c in EVENT_COLUMNS})

@@ -1,0 +1,165 @@
+"""A workflow step's statements on the psycopg connection (reliable_beat.workflows.pg_statements,
+the completion hook in reliable_beat.workflow_store, the hand-off's outbox insert).
+
+The same steps run twice on PostgreSQL, handed off and advanced in process as a worker does:
+once on the driver path, once on the portable one (``uses_psycopg`` answering False). They
+must write the same history, the same workflow row and the same outbox states, each effect
+once, and the driver path must take fewer statements per step (it merges the completion's two
+updates into one).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from reliable_beat import handoff
+from reliable_beat.celery.task import IdempotentTask
+from reliable_beat.db.dialects import Store
+from reliable_beat.db.tables import outbox, workflow_events, workflows
+from reliable_beat.messages import OutboxMessage
+from reliable_beat.workflows import WorkflowContext, engine
+
+#: the modules whose psycopg switch selects the driver path of a workflow step
+DRIVER_USERS = ["reliable_beat.workflow_store", "reliable_beat.outbox",
+                "reliable_beat.workflows.history", "reliable_beat.workflows.advance",
+                "reliable_beat.workflows.replay"]
+
+effects = sa.Table("wfdrv_effects", sa.MetaData(),
+                   sa.Column("id", sa.Integer, primary_key=True),
+                   sa.Column("key", sa.String(200), nullable=False))
+LEASE = timedelta(seconds=30)
+STEPS = 3
+
+
+def _app(store: Store) -> Celery:
+    app = Celery("wfdrv", set_as_current=False)
+    app.conf.update(broker_url="memory://",
+                    reliable_beat_database_url=store.engine.url.render_as_string(
+                        hide_password=False))
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="wfdrv.double")
+    def double(self: IdempotentTask, x: int) -> int:
+        with self.transaction() as tx:
+            tx.execute(effects.insert().values(key=self.idempotency_key))
+            self.returns(x * 2)
+        return x * 2
+
+    def steps(ctx: WorkflowContext, n: int) -> int:
+        total = 0
+        for i in range(n):
+            total += ctx.activity(double, i + 1)
+        return total
+
+    engine.register(engine.WorkflowDefinition(name="wfdrv.steps", fn=steps))
+    return app
+
+
+def _run(store: Store, app: Celery, wid: str, on_step: Callable[[], None]) -> int:
+    """Start ``wid`` and drive it as one worker does: every activity message it publishes
+    runs here, and the completed activity's workflow is advanced in process."""
+    broker: list[OutboxMessage] = []
+
+    def publish(messages: Sequence[OutboxMessage]) -> list[tuple[int, BaseException | None]]:
+        broker.extend(messages)
+        return [(m.id, None) for m in messages]
+
+    def advance(st: Store, wake: handoff.Wake) -> str:
+        return engine.advance(st, wake.workflow_id, owner="t", lease=LEASE)
+
+    engine.start(store, "wfdrv.steps", wid, [STEPS])
+    with store.begin() as conn:  # its start message: delivered here, by hand
+        conn.execute(sa.update(outbox).where(outbox.c.message_id == f"wake:{wid}:start")
+                     .values(state="sent"))
+    with handoff.publishing(publish, None, advance), handoff.deferred_marks(store):
+        assert engine.advance(store, wid, owner="t", lease=LEASE) == "waiting"
+    delivered = 0
+    while broker:
+        message = broker.pop(0)
+        assert message.payload["task"] == "wfdrv.double"  # wakes never travel: in process
+        on_step()
+        with handoff.publishing(publish, None, advance):  # as the worker's task does
+            app.tasks["wfdrv.double"].apply(
+                tuple(message.payload["args"]), dict(message.payload["kwargs"]),
+                headers=message.payload["headers"])
+        delivered += 1
+    return delivered
+
+
+def _written(store: Store, wid: str) -> dict[str, Any]:
+    with store.connect() as conn:
+        wf = conn.execute(sa.select(workflows).where(workflows.c.workflow_id == wid)).one()
+        events = conn.execute(
+            sa.select(workflow_events.c.seq, workflow_events.c.kind, workflow_events.c.name,
+                      workflow_events.c.state, workflow_events.c.result,
+                      workflow_events.c.run_key, workflow_events.c.fence_token,
+                      workflow_events.c.completed_at.is_not(None))
+            .where(workflow_events.c.workflow_pk == wf.id)
+            .order_by(workflow_events.c.seq)).all()
+        rows = conn.execute(
+            sa.select(outbox.c.message_id, outbox.c.state, outbox.c.sent_at.is_not(None),
+                      outbox.c.schedule_group, outbox.c.payload)
+            .where(outbox.c.message_id.like(f"%{wid}%")).order_by(outbox.c.id)).all()
+        done = conn.execute(sa.select(effects.c.key).where(effects.c.key.like(f"%{wid}%"))
+                            .order_by(effects.c.key)).scalars().all()
+    return {
+        "workflow": (wf.state, wf.result, wf.history_len, wf.history_bytes, wf.fence_token,
+                     wf.wake_seq, wf.claimed_wake_seq, wf.advances, wf.leased_by,
+                     wf.lease_expires_at),
+        "events": [tuple(str(v).replace(wid, "W") if isinstance(v, str) else v for v in e)
+                   for e in events],
+        "outbox": [tuple(str(v).replace(wid, "W") for v in r) for r in rows],
+        "effects": [k.replace(wid, "W") for k in done],
+    }
+
+
+def test_a_step_on_the_driver_path_writes_what_the_portable_path_writes(
+    pg_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store.from_url(pg_store.url, role="worker")
+    effects.create(store.engine, checkfirst=True)
+    app = _app(store)
+    counted: dict[str, int] = {"statements": 0, "core": 0}
+    per_step: dict[str, list[int]] = {"driver": [], "portable": []}
+
+    def on_exec(_c: Any, _cur: Any, _s: str, _p: Any, context: Any, _m: bool) -> None:
+        counted["statements"] += 1
+        counted["core"] += context is not None  # built and compiled per call by SQLAlchemy
+
+    def step_boundary(path: str) -> Callable[[], None]:
+        def on_step() -> None:
+            per_step[path].append(counted["statements"])
+            counted["statements"] = 0
+        return on_step
+
+    # every engine: the activity runs on the app's store (the worker's), not on ``store``
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", on_exec)
+    try:
+        assert _run(store, app, "wfdrv-a", step_boundary("driver")) == STEPS
+        per_step["driver"].append(counted["statements"])
+        driver_core = counted["core"]
+        for name in DRIVER_USERS:
+            monkeypatch.setattr(importlib.import_module(name), "uses_psycopg",
+                                lambda conn: False)
+        counted.update(statements=0, core=0)
+        assert _run(store, app, "wfdrv-b", step_boundary("portable")) == STEPS
+        per_step["portable"].append(counted["statements"])
+    finally:
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", on_exec)
+        store.dispose()
+    a, b = _written(pg_store, "wfdrv-a"), _written(pg_store, "wfdrv-b")
+    assert a == b
+    assert a["workflow"][:2] == ("completed", 2 + 4 + 6)
+    assert len(a["effects"]) == STEPS and len(set(a["effects"])) == STEPS  # each once
+    # every activity message and every wake answered in process: marked sent, none pending
+    assert [r[1] for r in a["outbox"]] == ["sent"] * len(a["outbox"])
+    # a middle step (an activity's completion + the in-process advance recording the next):
+    # the driver path runs fewer statements, and of the workflow's, none through Core
+    assert per_step["driver"][1] < per_step["portable"][1], per_step
+    assert driver_core < counted["core"], (driver_core, counted["core"])

@@ -182,8 +182,11 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
 
     Key, in order: the message option ``reliable_beat["key"]`` (the beat, a requeue,
     :meth:`send_with_key`), else the actor option ``idempotency_key`` (a string, or a callable
-    of the call's arguments returning one). Neither -> :class:`IdempotencyKeyError` (nothing
-    runs, the message is failed). Never a random key.
+    of the call's arguments returning one), else (a message the relay published for an
+    outbox row) the row's stable message id, the ``reliable_beat_message_id`` option. None
+    -> :class:`IdempotencyKeyError` at the call site (``send``, :meth:`message_with_options`)
+    and, for a message put on the queue without one, in the worker: a ``message`` dead letter
+    ``no_key``, nothing runs, the message is failed. Never a random key.
 
     Actor options: ``lease_seconds`` / ``max_attempts`` (None: the settings). Classification
     (first match): ``dramatiq.Retry`` raised by the body -> a retry request with its delay,

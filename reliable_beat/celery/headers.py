@@ -15,9 +15,15 @@ from typing import Any
 
 from reliable_beat import slots, tracing
 
-__all__ = ["ENTRY_HEADER", "FIRE_AT_HEADER", "KEY_HEADER", "TRIGGER_HEADER", "WAITS_HEADER"]
+__all__ = [
+    "ENTRY_HEADER", "FIRE_AT_HEADER", "KEY_HEADER", "OUTBOX_MESSAGE_HEADER", "TRIGGER_HEADER",
+    "WAITS_HEADER",
+]
 
 KEY_HEADER = "reliable_beat_key"
+#: An outbox row's stable message id, set by the relay on the message it publishes; an
+#: ``IdempotentTask`` message without a key runs under it.
+OUTBOX_MESSAGE_HEADER = "reliable_beat_message_id"
 #: The form of a scheduled slot's key (:func:`reliable_beat.slots.idempotency_key`).
 _SLOT_KEY = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
 ENTRY_HEADER = "reliable_beat_entry"

@@ -12,9 +12,9 @@ the task's name, task id, arguments, headers and the queue it came from, and a r
 * ``unregistered``: no task of that name in this worker. ``reliable-beat -A APP
   dead-letters requeue ID`` sends the same message again (same task id, arguments and
   headers, to the queue it came from) once a worker registers the task.
-* ``no_key``: an ``IdempotentTask`` message with no ``reliable_beat_key`` header and no
-  key from ``idempotency_key_for()``; not requeueable (the caller sends it again with a
-  key).
+* ``no_key``: an ``IdempotentTask`` message with no ``reliable_beat_key`` header, no
+  key from ``idempotency_key_for()`` and no outbox row's message id
+  (``reliable_beat_message_id``); not requeueable (the caller sends it again with a key).
 * ``rejected``: a message Celery could not read as a task; not requeueable.
 
 ``reliable-beat dead-letters list`` shows them and ``status --check`` fails on them, as on

@@ -50,6 +50,7 @@ from reliable_beat.celery.headers import (
     ENTRY_HEADER,
     FIRE_AT_HEADER,
     KEY_HEADER,
+    OUTBOX_MESSAGE_HEADER,
     TRIGGER_HEADER,
     WAITS_HEADER,  # noqa: F401 (re-exported)
     _header,
@@ -151,9 +152,11 @@ class IdempotentTask(_Retries, _BodyTransaction):
 
     Key, in order: the ``reliable_beat_key`` message header (put there by the scheduler,
     by :meth:`delay_with_key`, or ``apply_async(..., headers={"reliable_beat_key": k})``),
-    else :meth:`idempotency_key_for` of the arguments. Neither -> :class:`IdempotencyKeyError`
-    at the call site (``apply_async``) and, for messages sent by name, in the worker, where
-    the message is refused (logged, task FAILURE, nothing run, no retry).
+    else :meth:`idempotency_key_for` of the arguments, else (a message the relay published
+    for an outbox row) the row's stable message id, its ``reliable_beat_message_id``
+    header. None -> :class:`IdempotencyKeyError` at the call site (``apply_async``) and,
+    for messages sent by name, in the worker, where the message is refused (logged, task
+    FAILURE, a ``message`` dead letter ``no_key``, nothing run, no retry).
 
     Failure classification, first match wins:
 
@@ -299,10 +302,13 @@ class IdempotentTask(_Retries, _BodyTransaction):
         key = _header(self.request, KEY_HEADER)
         if not key:
             key = self.idempotency_key_for(*args, **kwargs)
+        if not key:  # an outbox row's message: the relay's stable id, derived from the row
+            key = _header(self.request, OUTBOX_MESSAGE_HEADER)
         if not key:
             raise IdempotencyKeyError(
                 f"{self.name}[{self.request.id}]: no idempotency key (no {KEY_HEADER!r} "
-                "header and idempotency_key_for() returned None); refusing to run"
+                "header, idempotency_key_for() returned None, not an outbox row's message); "
+                "refusing to run"
             )
         return str(key)
 

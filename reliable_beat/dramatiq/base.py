@@ -10,12 +10,15 @@ from typing import Any
 
 from reliable_beat import slots
 
-__all__ = ["OPTION", "TRIGGER_DESTINATION", "DeadLettered"]
+__all__ = ["OPTION", "OUTBOX_MESSAGE_OPTION", "TRIGGER_DESTINATION", "DeadLettered"]
 
 #: The outbox destination of Dramatiq triggers (a member of beat.TRIGGER_DESTINATIONS).
 TRIGGER_DESTINATION = "dramatiq"
 #: The message option carrying ``{"key", "entry", "fire_at", "trigger"}``; survives retries.
 OPTION = "reliable_beat"
+#: The message option carrying an outbox row's stable message id (set by the relay's
+#: ``dramatiq`` handler); an ``IdempotentActor`` message without a key runs under it.
+OUTBOX_MESSAGE_OPTION = "reliable_beat_message_id"
 
 
 class DeadLettered(Exception):

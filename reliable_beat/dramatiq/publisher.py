@@ -17,7 +17,13 @@ import dramatiq
 
 from reliable_beat import runs, tracing
 from reliable_beat.dramatiq import backlog
-from reliable_beat.dramatiq.base import OPTION, TRIGGER_DESTINATION, _broker_errors, _parse_instant
+from reliable_beat.dramatiq.base import (
+    OPTION,
+    OUTBOX_MESSAGE_OPTION,
+    TRIGGER_DESTINATION,
+    _broker_errors,
+    _parse_instant,
+)
 from reliable_beat.dramatiq.worker import IdempotentActor
 from reliable_beat.handlers import DestinationUnavailableError, MessageExpiredError
 from reliable_beat.outbox import OutboxMessage
@@ -151,7 +157,7 @@ class DramatiqHandler:
             actor = str(payload["actor"])
             queue = payload.get("queue") or self.broker.get_actor(actor).queue_name
             options = dict(payload.get("options") or {})
-            options["reliable_beat_message_id"] = message.message_id
+            options[OUTBOX_MESSAGE_OPTION] = message.message_id
             msg: Any = dramatiq.Message(
                 queue_name=queue, actor_name=actor, args=tuple(payload.get("args") or ()),
                 kwargs=dict(payload.get("kwargs") or {}), options=options,

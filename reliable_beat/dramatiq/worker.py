@@ -23,7 +23,13 @@ from sqlalchemy.exc import DataError, IntegrityError
 from reliable_beat import execution, runs, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.db.tables import runs as runs_table
-from reliable_beat.dramatiq.base import OPTION, DeadLettered, _broker_errors, _parse_instant
+from reliable_beat.dramatiq.base import (
+    OPTION,
+    OUTBOX_MESSAGE_OPTION,
+    DeadLettered,
+    _broker_errors,
+    _parse_instant,
+)
 from reliable_beat.dramatiq.context import RunContext, _message, _run
 from reliable_beat.dramatiq.retry_options import (
     drop_message_options,
@@ -176,8 +182,11 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
 
     Key, in order: the message option ``reliable_beat["key"]`` (the beat, a requeue,
     :meth:`send_with_key`), else the actor option ``idempotency_key`` (a string, or a callable
-    of the call's arguments returning one). Neither -> :class:`IdempotencyKeyError` (nothing
-    runs, the message is failed). Never a random key.
+    of the call's arguments returning one), else (a message the relay published for an
+    outbox row) the row's stable message id, the ``reliable_beat_message_id`` option. None
+    -> :class:`IdempotencyKeyError` at the call site (``send``, :meth:`message_with_options`)
+    and, for a message put on the queue without one, in the worker: a ``message`` dead letter
+    ``no_key``, nothing runs, the message is failed. Never a random key.
 
     Actor options: ``lease_seconds`` / ``max_attempts`` (None: the settings). Classification
     (first match): ``dramatiq.Retry`` raised by the body -> a retry request with its delay,
@@ -202,10 +211,37 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
 
     def message_with_options(self, *, args: tuple[Any, ...] = (),
                              kwargs: dict[str, Any] | None = None, **options: Any) -> Any:
-        """Dramatiq's, without the message options that would drop our retries
-        (``max_retries``, ``throws``: a WARNING names them)."""
+        """Dramatiq's (``send``, ``send_with_options``, ``message``), refusing a call that
+        has no idempotency key, and without the message options that would drop our retries
+        (``max_retries``, ``throws``: a WARNING names them).
+
+        The key the worker will use (the ``reliable_beat["key"]`` option, else the actor's
+        ``idempotency_key`` of these arguments) is put into the message's
+        ``reliable_beat`` option, so the worker uses exactly the key the caller saw.
+
+        Raises:
+            IdempotencyKeyError: neither gives a key; nothing is sent.
+        """
         drop_message_options(self.actor_name, options, where="when the message was built")
+        rb = dict(options.get(OPTION) or {})
+        if not rb.get("key"):
+            key = self._derived_key(args, kwargs or {})
+            if not key:
+                raise IdempotencyKeyError(
+                    f"{self.actor_name}: no idempotency key for args={args!r} "
+                    f"kwargs={kwargs!r}; refusing to send: use "
+                    f"{self.actor_name}.send_with_key(key, ...), or declare the actor with "
+                    "idempotency_key=callable (a key derived from the work)")
+            rb["key"] = key
+            options[OPTION] = rb
         return super().message_with_options(args=args, kwargs=kwargs, **options)
+
+    def _derived_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """The actor option ``idempotency_key`` (a string, or a callable of the call's
+        arguments returning one) for these arguments, or None."""
+        derive = self.options.get("idempotency_key")
+        key = derive(*args, **kwargs) if callable(derive) else derive
+        return str(key) if key else None
 
     def send_with_key(self, key: str, *args: Any, **kwargs: Any) -> Any:
         """``send(*args, **kwargs)`` under the explicit idempotency ``key``."""
@@ -213,16 +249,15 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         return self.send_with_options(args=args, kwargs=kwargs, **options)
 
     def _resolve_key(self, message: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        opts = (message.options.get(OPTION) or {}) if message is not None else {}
-        key = opts.get("key")
-        if not key:
-            derive = self.options.get("idempotency_key")
-            key = derive(*args, **kwargs) if callable(derive) else derive
+        options = message.options if message is not None else {}
+        key = (options.get(OPTION) or {}).get("key") or self._derived_key(args, kwargs)
+        if not key:  # an outbox row's message: the relay's stable id, derived from the row
+            key = options.get(OUTBOX_MESSAGE_OPTION)
         if not key:
             raise IdempotencyKeyError(
                 f"{self.actor_name}[{getattr(message, 'message_id', None)}]: no idempotency key "
-                f"(no {OPTION}['key'] message option, no idempotency_key actor option); "
-                "refusing to run: use send_with_key(key, ...) or idempotency_key=callable")
+                f"(no {OPTION}['key'] message option, no idempotency_key actor option, not "
+                "an outbox row's message); refusing to run")
         return str(key)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -246,9 +281,12 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         if message is not None:  # a message built elsewhere: Retries reads these after us
             drop_message_options(self.actor_name, message.options, where="in the worker",
                                  message_id=message.message_id)
-        key = self._resolve_key(message, args, kwargs)
-        opts = (message.options.get(OPTION) or {}) if message is not None else {}
         store = execution.store_for(settings.database_url)
+        try:
+            key = self._resolve_key(message, args, kwargs)
+        except IdempotencyKeyError as exc:
+            self._refuse_keyless(store, exc, message, args, kwargs)
+        opts = (message.options.get(OPTION) or {}) if message is not None else {}
         lease = timedelta(seconds=self.options.get("lease_seconds") or settings.lease_seconds)
         max_attempts = int(self.options.get("max_attempts") or self._rb_retry.max_attempts
                            or settings.retry_max_attempts)
@@ -371,12 +409,47 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
             raise dramatiq.Retry(delay=1000) from record_exc
         raise DeadLettered(f"{self.actor_name}: {key}: refused: {error}") from exc
 
+    def _refuse_keyless(self, store: Any, exc: IdempotencyKeyError, message: Any,
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+        """Refuse a message without an idempotency key (sent by ``broker.enqueue`` or a
+        producer of another language, bypassing :meth:`message_with_options`): a dead
+        letter of kind ``message``, reason ``no_key`` (not requeueable: the caller sends the
+        work again with a key), logged at ERROR, then :class:`DeadLettered`. Store
+        unreachable while recording: retried."""
+        message_id = getattr(message, "message_id", None)
+        log.error("refusing to run %s[%s]: no idempotency key", self.actor_name, message_id)
+        error = (f"{exc}. The message was not run and is not retried. Fix: send it with a key "
+                 f"(`{self.actor_name}.send_with_key(key, ...)`, the message option "
+                 f"{OPTION}={{'key': key}}, or declare the actor with "
+                 "idempotency_key=callable), then send the work again")
+        payload = {"actor": self.actor_name, "task": self.actor_name,
+                   "key": str(message_id or ""), "task_id": message_id,
+                   "queue": getattr(message, "queue_name", self.queue_name),
+                   "args": _stored(list(args), "args"), "kwargs": _stored(dict(kwargs), "kwargs"),
+                   "options": _stored(dict(message.options) if message is not None else {},
+                                      "options")}
+        try:
+            runs.record_refused_message(store, key=str(message_id or "?"),
+                                        task=self.actor_name, payload=payload, error=error,
+                                        reason="no_key")
+        except Exception as record_exc:
+            raise dramatiq.Retry(delay=1000) from record_exc
+        raise DeadLettered(f"{self.actor_name}[{message_id}]: refused: {exc}") from exc
+
     def _payload(self, claim: runs.Claim, message: Any) -> dict[str, Any]:
         opts = dict((message.options.get(OPTION) or {}) if message is not None else {})
         opts["key"] = claim.key
         return {"actor": self.actor_name, "task": self.actor_name, "args": list(claim.args),
                 "kwargs": dict(claim.kwargs or {}), "key": claim.key,
                 "queue": self.queue_name, "options": {OPTION: opts}}
+
+
+def _stored(value: Any, what: str) -> Any:
+    """``value`` as the JSON a dead letter keeps, else its ``repr`` (cut to 2000)."""
+    try:
+        return rb_values.to_json_value(value, what)
+    except ValueError:
+        return {runs.UNSTORABLE: repr(value)[:2000]}
 
 
 def _interrupts() -> tuple[type[BaseException], ...]:

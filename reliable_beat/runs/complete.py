@@ -401,7 +401,8 @@ def record_refused_message(
     ``reason``: ``invalid`` (above); a worker's hook also records a message it had to drop
     (:mod:`reliable_beat.celery.lost_messages`): ``unregistered`` (no task of that name in
     the worker: requeueable once it is registered), ``no_key`` (an ``IdempotentTask``
-    message without an idempotency key), ``rejected`` (not a task message Celery can read).
+    or ``IdempotentActor`` message without an idempotency key), ``rejected`` (not a task
+    message Celery can read).
 
     Returns:
         The dead letter's id.

@@ -382,3 +382,72 @@ def test_beat_waits_for_the_database_at_start_and_says_so(dq: DqEnv) -> None:
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+# -------------------------------------- messages without a key; outbox rows to actors ----
+
+def _python(dq: DqEnv, code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` as a client of the app (``dq_app`` importable)."""
+    return subprocess.run([sys.executable, "-c", code], env=dq.env, cwd=dq.tmp,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_keyless_send_is_refused_and_a_keyless_message_is_a_dead_letter(dq: DqEnv) -> None:
+    """``send()`` on an ``IdempotentActor`` with no ``idempotency_key`` option is refused at
+    the call site, naming the fix; a keyless message put on the queue anyway (another
+    producer's ``broker.enqueue``) is a ``message`` dead letter ``no_key`` that ``status
+    --check`` alarms on, not requeueable. Fails on the old code: ``send()`` was accepted and
+    the worker logged one INFO line ("expected exception IdempotencyKeyError"), nothing
+    recorded."""
+    refused = _python(dq, "import dq_app; dq_app.broker.get_actor('flaky').send('nk', 0)")
+    assert refused.returncode != 0, refused.stdout + refused.stderr
+    assert "IdempotencyKeyError" in refused.stderr, refused.stderr
+    assert "flaky.send_with_key(key, ...)" in refused.stderr, refused.stderr
+    dq.worker()
+    sent = _python(dq, "import dramatiq, dq_app; m = dramatiq.Message(queue_name=dq_app.QUEUE, "
+                       "actor_name='flaky', args=('nk', 0), kwargs={}, options={}); "
+                       "dq_app.broker.enqueue(m); print(m.message_id)")
+    assert sent.returncode == 0, sent.stderr
+    message_id = sent.stdout.strip()
+    (dl,) = dq.wait("the keyless message's dead letter", lambda: dq.rows(
+        sa.select(dead_letters).where(dead_letters.c.reason == "no_key")), 60)
+    assert dl["kind"] == "message" and dl["task"] == "flaky" and dl["key"] == message_id, dl
+    assert "no idempotency key" in dl["error"] and "send_with_key" in dl["error"], dl["error"]
+    assert dl["payload"]["args"] == ["nk", 0], dl["payload"]
+    assert len(dq.rows(sa.select(dead_letters))) == 1  # the refused send() enqueued nothing
+    assert "refusing to run flaky" in dq.logs()
+    checked = subprocess.run(
+        [sys.executable, "-m", "reliable_beat.cli", "--database-url", dq.pg_url, "status",
+         "--check"], env=dq.env, cwd=dq.tmp, capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert "1 dead letters wait for a person" in checked.stdout, checked.stdout
+    again = dq.cli("dead-letters", "requeue", str(dl["id"]), "--yes")
+    assert again.returncode != 0 and "not requeueable" in again.stderr, again.stderr
+    assert not dq.progress(message_id) and not dq.rows(sa.select(runs_table))
+
+
+def test_outbox_row_to_an_actor_without_a_key_runs_once_under_the_row_id(dq: DqEnv) -> None:
+    """An outbox row addressed to an ``IdempotentActor`` that derives no key runs under the
+    row's stable message id (the relay's ``reliable_beat_message_id`` option), so the same
+    row published twice (a relay that died between publishing and marking it sent) runs
+    once. Fails on the old code: each delivery was refused (INFO line), nothing ran."""
+    from reliable_beat import outbox as rb_outbox
+
+    dq.worker()
+    key = "ob-flaky-1"
+    with dq.store.begin() as conn:
+        rb_outbox.add(conn, "dramatiq", {"actor": "flaky", "args": ["ob", 0]}, key=key)
+    relay = dq.relay()
+    dq.wait("the row's message ran", lambda: dq.state(key) == "succeeded", 90)
+    sent = sa.select(outbox.c.state).where(outbox.c.message_id == key)
+    dq.wait("the row marked sent", lambda: dq.rows(sent) == [{"state": "sent"}], 30)
+    # the relay publishes the same row again (as after a crash before it marked it sent)
+    with dq.store.begin() as conn:
+        conn.execute(sa.update(outbox).where(outbox.c.message_id == key).values(
+            state="pending", claimed_by=None, available_at=sa.func.now()))
+    dq.wait("the second delivery deduplicated",
+            lambda: "deduplicated" in outcomes(dq.attempts(key)), 90)
+    assert relay.poll() is None, dq.logs()
+    assert outcomes(dq.attempts(key)) == ["succeeded", "deduplicated"]
+    assert len(dq.effects(key)) == 1
+    assert dq.rows(sa.select(dead_letters)) == []

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 from celery import Celery
 
 from reliable_beat import outbox, runs
@@ -158,6 +159,53 @@ def test_keyless_and_unreadable_messages_are_dead_letters(
     assert bad["task"] == "lostapp.pay" and bad["payload"]["task_id"] == bad_id, bad
     assert "invalid ETA value" in bad["error"] and bad["key"] == "bad-eta", bad["error"]
     assert redis.Redis.from_url(redis_url).lrange(f"{queue}:effects", 0, -1) == []
+
+
+def test_outbox_row_to_an_idempotent_task_runs_once_under_the_row_id(
+    pg_store: Store, redis_url: str, procs: procs_mod.BeatProcs,
+    setup: tuple[dict[str, str], str],
+) -> None:
+    """A ``celery`` outbox row addressed to an ``IdempotentTask`` with no key of its own
+    runs under the row's stable message id (the ``reliable_beat_message_id`` header the
+    relay sets), and the same row published twice (a relay that died between publishing and
+    marking it sent) runs once. Fails on the old code: every delivery was a ``no_key`` dead
+    letter, not requeueable, and the effect was lost."""
+    _env, queue = setup
+    effects = redis.Redis.from_url(redis_url)
+    start_worker(procs, queue)
+    with pg_store.begin() as conn:
+        mid = outbox.add(conn, "celery", {"task": "lostapp.pay", "args": ["ob"]},
+                         key="ob-pay-1")
+        outbox.add(conn, "celery", {"task": "lostapp.pay", "args": ["given"],  # its own key
+                                    "headers": {"reliable_beat_key": "pay:given"}})
+    app = Celery("lostapp", broker=redis_url)
+    app.conf.task_default_queue = queue
+    relay = Relay(pg_store, app, claim_lease_seconds=10)
+    procs_mod.wait_for(lambda: relay.run_once() or outbox_state(pg_store, mid) == "sent", 30,
+                       "the relay to publish the row")
+    procs_mod.wait_for(lambda: run_state(pg_store, mid) == "succeeded"
+                       and run_state(pg_store, "pay:given") == "succeeded", 30,
+                       "the rows' messages to run, under the message id / the given key")
+    # the same row published again: its message is a duplicate of the first
+    with pg_store.begin() as conn:
+        conn.execute(outbox_table.update().where(outbox_table.c.message_id == mid).values(
+            state="pending", claimed_by=None, available_at=sa.func.now()))
+    procs_mod.wait_for(lambda: relay.run_once() or outbox_state(pg_store, mid) == "sent", 30,
+                       "the relay to publish the row again")
+    run_id = runs.get_run(pg_store, mid)["id"]
+    procs_mod.wait_for(lambda: len(runs.list_attempts(pg_store, run_id)) == 2, 30,
+                       "the second delivery")
+    assert [a["outcome"] for a in runs.list_attempts(pg_store, run_id)] == [
+        "succeeded", "deduplicated"]
+    assert sorted(effects.lrange(f"{queue}:effects", 0, -1)) == [b"pay:given", b"pay:ob"]
+    assert runs.list_dead_letters(pg_store) == []
+
+
+def run_state(store: Store, key: str) -> str | None:
+    try:
+        return str(runs.get_run(store, key)["state"])
+    except runs.RunNotFound:
+        return None
 
 
 def outbox_state(store: Store, message_id: str) -> str | None:

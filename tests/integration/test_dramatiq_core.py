@@ -28,6 +28,7 @@ from reliable_beat.beat import Beat
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, outbox, runs
 from reliable_beat.entries import EntryDefinition
+from reliable_beat.errors import IdempotencyKeyError
 from reliable_beat.loop import BeatLoop
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import claim_stuck_runs
@@ -240,7 +241,11 @@ def test_idempotent_actor_in_process(stub: Any, sqlite_store: Store) -> None:
     assert act.options["max_retries"] is None
     act.send(1)
     act.send(1)  # the same work again: deduplicated
-    keyless.send()  # no key: refused, nothing runs
+    with pytest.raises(IdempotencyKeyError, match=r"keyless\.send_with_key\(key, \.\.\.\)"):
+        keyless.send()  # no key: refused at the call site, nothing sent
+    # ... and a keyless message sent anyway (broker.enqueue): refused in the worker
+    stub.enqueue(dramatiq.Message(queue_name=keyless.queue_name, actor_name="keyless",
+                                  args=(), kwargs={}, options={}))
     bad.send_with_key("bad:1")
     act.send_with_key("x" * 401, 3)  # a key the store cannot take: refused, not retried
     stub.join(act.queue_name, fail_fast=False)
@@ -255,7 +260,10 @@ def test_idempotent_actor_in_process(stub: Any, sqlite_store: Store) -> None:
     assert len(stub.dead_letters) == 3
     with sqlite_store.engine.connect() as conn:
         kinds = sorted(r.kind for r in conn.execute(select(dead_letters)))
-    assert kinds == ["message", "run"]
+        reasons = sorted(r.reason for r in conn.execute(
+            select(dead_letters).where(dead_letters.c.kind == "message")))
+    assert kinds == ["message", "message", "run"]
+    assert reasons == ["invalid", "no_key"]
 
 
 def test_periodic_definitions_are_validated(stub: Any, sqlite_store: Store) -> None:

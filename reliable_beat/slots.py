@@ -6,9 +6,16 @@ Slots are tz-aware UTC :class:`~datetime.datetime` values with ``microsecond == 
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
 
-__all__ = ["SlotText", "format_fire_at", "idempotency_key", "parse_fire_at", "truncate"]
+__all__ = [
+    "SlotText", "format_fire_at", "has_slot_key_form", "idempotency_key", "parse_fire_at",
+    "truncate",
+]
+
+#: The form of a scheduled slot's key (:func:`idempotency_key`): ``<entry>@<UTC instant>Z``.
+SLOT_KEY_FORM = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
 
 
 def truncate(at: datetime) -> datetime:
@@ -102,6 +109,14 @@ def idempotency_key(entry: str, fire_at: datetime) -> str:
         ValueError: ``fire_at`` is naive.
     """
     return f"{entry}@{format_fire_at(fire_at)}"
+
+
+def has_slot_key_form(key: str) -> bool:
+    """Whether ``key`` has the form of a scheduled slot's key (``"<entry>@<instant>Z"``).
+
+    That form is reserved for the slots a beat fires: a run under it takes the slot's place.
+    """
+    return SLOT_KEY_FORM.search(key) is not None
 
 
 class SlotText:

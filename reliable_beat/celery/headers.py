@@ -8,7 +8,6 @@ wherever the Celery version put it; :func:`_parse_fire_at` reads the slot's inst
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -25,7 +24,7 @@ KEY_HEADER = "reliable_beat_key"
 #: ``IdempotentTask`` message without a key runs under it.
 OUTBOX_MESSAGE_HEADER = "reliable_beat_message_id"
 #: The form of a scheduled slot's key (:func:`reliable_beat.slots.idempotency_key`).
-_SLOT_KEY = re.compile(r"@\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
+_SLOT_KEY = slots.SLOT_KEY_FORM
 ENTRY_HEADER = "reliable_beat_entry"
 FIRE_AT_HEADER = "reliable_beat_fire_at"
 TRIGGER_HEADER = "reliable_beat_trigger"

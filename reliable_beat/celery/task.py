@@ -39,7 +39,7 @@ from sqlalchemy.exc import (
     StatementError,
 )
 
-from reliable_beat import execution, handoff, runs, tracing
+from reliable_beat import execution, handoff, runs, slots, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.celery import acks as _acks
 from reliable_beat.celery import broker_loss, prompt_acks
@@ -304,6 +304,13 @@ class IdempotentTask(_Retries, _BodyTransaction):
             key = self.idempotency_key_for(*args, **kwargs)
         if not key:  # an outbox row's message: the relay's stable id, derived from the row
             key = _header(self.request, OUTBOX_MESSAGE_HEADER)
+            if key and slots.has_slot_key_form(str(key)):
+                raise IdempotencyKeyError(
+                    f"{self.name}[{self.request.id}]: no idempotency key, and the outbox "
+                    f"row's message id {str(key)!r} has the form of a scheduled slot's key "
+                    "('<entry>@<UTC instant>Z'), which is reserved (a run under it would take "
+                    f"that slot's place); refusing to run. Give the row a key: headers "
+                    f"{{{KEY_HEADER!r}: ...}} in its payload, or another key= form")
         if not key:
             raise IdempotencyKeyError(
                 f"{self.name}[{self.request.id}]: no idempotency key (no {KEY_HEADER!r} "

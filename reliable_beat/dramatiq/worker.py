@@ -20,7 +20,7 @@ from dramatiq.middleware import Middleware
 from sqlalchemy import update
 from sqlalchemy.exc import DataError, IntegrityError
 
-from reliable_beat import execution, runs, tracing
+from reliable_beat import execution, runs, slots, tracing
 from reliable_beat import values as rb_values
 from reliable_beat.db.tables import runs as runs_table
 from reliable_beat.dramatiq.base import (
@@ -253,6 +253,14 @@ class IdempotentActor(dramatiq.Actor):  # type: ignore[misc,type-arg]
         key = (options.get(OPTION) or {}).get("key") or self._derived_key(args, kwargs)
         if not key:  # an outbox row's message: the relay's stable id, derived from the row
             key = options.get(OUTBOX_MESSAGE_OPTION)
+            if key and slots.has_slot_key_form(str(key)):
+                raise IdempotencyKeyError(
+                    f"{self.actor_name}[{getattr(message, 'message_id', None)}]: no "
+                    f"idempotency key, and the outbox row's message id {str(key)!r} has the "
+                    "form of a scheduled slot's key ('<entry>@<UTC instant>Z'), which is "
+                    "reserved (a run under it would take that slot's place); refusing to "
+                    f"run. Give the row a key: options {{{OPTION!r}: {{'key': ...}}}} in its "
+                    "payload, or another key= form")
         if not key:
             raise IdempotencyKeyError(
                 f"{self.actor_name}[{getattr(message, 'message_id', None)}]: no idempotency key "

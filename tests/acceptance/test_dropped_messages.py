@@ -148,6 +148,17 @@ def test_keyless_and_unreadable_messages_are_dead_letters(
     with pytest.raises(ValueError, match="not requeueable"):
         requeue_dead_message(pg_store, app, dl["id"], dl["payload"], by="bob")
 
+    # An outbox row's message id in a slot's key form (a row given key="<entry>@<instant>Z"):
+    # reserved, so not the key; a dead letter naming it, not that slot's run.
+    slot_id = app.send_task("lostapp.pay", args=["s"], headers={
+        "reliable_beat_message_id": "nightly@2026-01-01T02:00:00Z"}).id
+    slotted = procs_mod.wait_for(
+        lambda: [d for d in dead_letters(pg_store, "no_key")
+                 if d["payload"]["task_id"] == slot_id], 30, "the slot-shaped id's dead letter")
+    assert "form of a scheduled slot's key" in slotted[0]["error"], slotted[0]["error"]
+    with pytest.raises(runs.RunNotFound):
+        runs.get_run(pg_store, "nightly@2026-01-01T02:00:00Z")
+
     # A message Celery cannot read as a task (an ETA that is no instant): rejected, recorded.
     bad_id = str(uuid.uuid4())
     with app.producer_or_acquire() as producer:

@@ -222,6 +222,7 @@ def _attempts(store: Store, key: str) -> list[str]:
 
 def test_idempotent_actor_in_process(stub: Any, sqlite_store: Store) -> None:
     from reliable_beat.dramatiq import IdempotentActor, current
+    from reliable_beat.dramatiq.base import OUTBOX_MESSAGE_OPTION
 
     calls: list[int] = []
 
@@ -246,6 +247,10 @@ def test_idempotent_actor_in_process(stub: Any, sqlite_store: Store) -> None:
     # ... and a keyless message sent anyway (broker.enqueue): refused in the worker
     stub.enqueue(dramatiq.Message(queue_name=keyless.queue_name, actor_name="keyless",
                                   args=(), kwargs={}, options={}))
+    # an outbox row's message id in a slot's key form: reserved, refused (not that slot's run)
+    stub.enqueue(dramatiq.Message(
+        queue_name=keyless.queue_name, actor_name="keyless", args=(), kwargs={},
+        options={OUTBOX_MESSAGE_OPTION: "nightly@2026-01-01T02:00:00Z"}))
     bad.send_with_key("bad:1")
     act.send_with_key("x" * 401, 3)  # a key the store cannot take: refused, not retried
     stub.join(act.queue_name, fail_fast=False)
@@ -256,14 +261,19 @@ def test_idempotent_actor_in_process(stub: Any, sqlite_store: Store) -> None:
     assert got.count("succeeded") == 1 and got[-1] == "deduplicated", got
     assert set(got) <= {"succeeded", "busy", "deduplicated"}, got
     assert _attempts(sqlite_store, "bad:1") == ["dead"]
-    # keyless, bad, the long key: failed, in Dramatiq's dead letters (no retry)
-    assert len(stub.dead_letters) == 3
+    # keyless, slot-shaped, bad, the long key: failed, in Dramatiq's dead letters (no retry)
+    assert len(stub.dead_letters) == 4
     with sqlite_store.engine.connect() as conn:
         kinds = sorted(r.kind for r in conn.execute(select(dead_letters)))
-        reasons = sorted(r.reason for r in conn.execute(
+        messages = list(conn.execute(
             select(dead_letters).where(dead_letters.c.kind == "message")))
-    assert kinds == ["message", "message", "run"]
-    assert reasons == ["invalid", "no_key"]
+        slot_runs = conn.execute(select(runs.c.id).where(
+            runs.c.idempotency_key == "nightly@2026-01-01T02:00:00Z")).all()
+    assert kinds == ["message", "message", "message", "run"]
+    assert sorted(r.reason for r in messages) == ["invalid", "no_key", "no_key"]
+    assert slot_runs == []  # no run under the slot's key
+    assert any("form of a scheduled slot's key" in r.error for r in messages), [
+        r.error for r in messages]
 
 
 def test_periodic_definitions_are_validated(stub: Any, sqlite_store: Store) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 
 from reliable_beat import schedules as sch
+from reliable_beat.adapters import task_function_checker
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries as entries_table
 from reliable_beat.entries import EntryDefinition, definition_from_celery
@@ -221,6 +222,7 @@ def build_definition(
         definition = definition_from_celery(
             name, raw, default_timezone=app_zone, settings=ctx.settings, now=now,
             origin="runtime", is_idempotent=task_checker(app),
+            task_function=task_function_checker(app),
         )
     except EntryValidationError as exc:
         problems.extend(p for p in exc.problems if p not in problems)

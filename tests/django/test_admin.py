@@ -520,7 +520,8 @@ def test_runtime_entry_added_in_the_admin_belongs_to_the_apps_schedule_group(
     name = f"grouped-{seeded['tag']}"
     with override_settings(RELIABLE_BEAT={"CELERY_APP": "djtask_app:app"}):
         ok = client(users["admin"]).post("/admin/reliable_beat/entry/add-runtime/",
-                                         {"name": name, "task": "dj.pay", "cron": "0 9 * * 1"})
+                                         {"name": name, "task": "dj.pay", "cron": "0 9 * * 1",
+                                          "args": '["m-grouped"]'})
     assert ok.status_code == 302
     assert rb_entries.get_entry(conf.store(), name)["schedule_group"] == "djtask_app"
 
@@ -656,7 +657,7 @@ def test_secrets_are_masked_on_every_page_as_the_cli_masks_them(
     name = f"secret-{tag}"
     admin_c = client(users["admin"])
     ok = admin_c.post("/admin/reliable_beat/entry/add-runtime/", {
-        "name": name, "task": "dj.pay", "every": "60", "group": "djtask_app",
+        "name": name, "task": "dj.notify", "every": "60", "group": "djtask_app",
         "kwargs": json_text({"customer": "adm", "api_key": SECRET})})
     assert ok.status_code == 302, form_problems(ok.content.decode())
     claim = rb_runs.claim_run(store, f"sec:{tag}", owner="test", lease=timedelta(seconds=30),
@@ -739,6 +740,7 @@ def test_runtime_entry_form_says_what_blank_gives_and_takes_group_and_dst(
             assert "blank: Europe/Berlin" in page and "default UTC" not in page
             assert 'name="group"' in page and 'name="dst_nonexistent"' in page
             ok = c.post(add, {"name": name, "task": "dj.pay", "cron": "* * * * * */15",
+                              "args": '["m-dst"]',
                               "group": "billing", "dst_nonexistent": "skip",
                               "dst_repeated": "first"})
             assert ok.status_code == 302, form_problems(ok.content.decode())

@@ -437,3 +437,43 @@ def test_quarantined_entries_are_listed_and_resume_says_they_stay_quarantined(
         row = conn.execute(select(entries.c.enabled, entries.c.quarantine_reason)
                            .where(entries.c.name == "broken")).one()
     assert row.enabled and row.quarantine_reason is None
+
+
+ARGS_APP = "tests.apps.argsapp"
+
+
+def test_arguments_that_cannot_fit_the_task_are_refused_where_the_entry_is_written(
+        store: Store) -> None:
+    """Fails on the old code: `schedule sync` inserted every entry and `entries add` took
+    `--args '[1,2,3]'` for `bill(self, amount)`; each slot then dead-lettered with a
+    TypeError."""
+    def run(*args: str) -> Result:
+        return CliRunner().invoke(reliable_beat, ["-A", ARGS_APP, "--database-url", store.url,
+                                                  *args], catch_exceptions=False)
+
+    r = run("schedule", "sync")
+    assert r.exit_code == 2, r.output
+    for name in ("bill-missing", "bill-too-many", "plain-wrong-kwarg"):
+        assert f"entry {name!r}" in r.output
+    assert "task 'argsapp.bill', which takes (amount)" in r.output
+    assert "missing a required argument" in r.output
+    assert "too many positional arguments" in r.output
+    assert "(0 positional argument(s) and keyword(s) 'amt') do not fit task 'argsapp.plain'" \
+        ", which takes (amount, currency='EUR')" in r.output
+    for name in ("good-bill", "good-plain", "good-any", "good-untyped", "elsewhere"):
+        assert f"entry {name!r}" not in r.output
+    assert count(store, entries) == 0
+
+    r = run("entries", "add", "x", "--task", "argsapp.bill", "--every", "60",
+            "--args", "[1,2,3]")
+    assert r.exit_code == 2 and "entry 'x'" in r.output and "takes (amount)" in r.output
+    r = run("entries", "add", "x", "--task", "argsapp.plain", "--every", "60")
+    assert r.exit_code == 2 and "missing a required argument: 'amount'" in r.output
+    assert count(store, entries) == 0
+    ok(run("entries", "add", "x", "--task", "argsapp.bill", "--every", "60", "--args", "[1]"))
+    r = run("entries", "update", "x", "--kwargs", '{"amount": 2}')
+    assert r.exit_code == 2 and "multiple values for argument 'amount'" in r.output
+    ok(run("entries", "update", "x", "--args", "[]", "--kwargs", '{"amount": 2}'))
+    # without the app nothing can be checked: accepted as before (no false refusal)
+    ok(cli(store, "entries", "add", "y", "--task", "argsapp.bill", "--every", "60",
+           "--args", "[1,2,3]"))

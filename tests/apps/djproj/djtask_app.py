@@ -108,3 +108,9 @@ def pay_via(self: IdempotentTask, merchant: str, alias: str, read_on: str = "") 
         Payout.objects.using(alias).create(key=self.idempotency_key, fence=self.fence_token,
                                            run_id=self.run_id, pid=os.getpid())
     return block
+
+
+@app.task(name="dj.notify")
+def notify(**fields: Any) -> None:
+    """A plain task taking any keyword arguments (the admin's secrets tests give it an
+    ``api_key``)."""

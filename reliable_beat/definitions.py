@@ -347,6 +347,12 @@ def definition_from_celery(
             bad(problem)
     for problem in rb_values.entry_name_problems(name):
         bad(problem)
+    for key in ("queue", "routing_key", "exchange"):
+        value = options.get(key)
+        if isinstance(value, str) and value != value.strip():
+            bad(f"options[{key!r}]={value!r} has leading or trailing whitespace: the broker "
+                f"takes it as written, a name other than {value.strip()!r}; give "
+                f"{value.strip()!r}")
     if task_function is not None and task != "?":
         misfit = arguments_problem(task, task_function(task), args, kwargs)
         if misfit is not None:

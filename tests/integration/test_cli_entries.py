@@ -477,3 +477,13 @@ def test_arguments_that_cannot_fit_the_task_are_refused_where_the_entry_is_writt
     # without the app nothing can be checked: accepted as before (no false refusal)
     ok(cli(store, "entries", "add", "y", "--task", "argsapp.bill", "--every", "60",
            "--args", "[1,2,3]"))
+
+
+def test_a_queue_name_with_leading_or_trailing_whitespace_is_refused(store: Store) -> None:
+    """Fails on the old code: `--queue ' celery'` was stored; its triggers went to a queue no
+    worker consumed, and status printed the name unquoted."""
+    r = cli(store, "entries", "add", "q", "--task", "t", "--every", "60", "--queue", " celery")
+    assert r.exit_code == 2, r.output
+    assert "entry 'q': options['queue']=' celery' has leading or trailing whitespace" in r.output
+    assert "give 'celery'" in r.output
+    assert count(store, entries) == 0

@@ -41,13 +41,24 @@ POLICY_OPTIONS = (
 
 
 def schedule_text(spec: dict[str, Any]) -> str:
-    """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``."""
+    """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``.
+
+    A Celery ``crontab`` restricting both day fields keeps Celery's meaning (both must
+    match, ``day_or`` False): the line says so, ``cron '0 22 1-7 * 6' with day-of-month AND
+    day-of-week (Celery crontab) UTC``, since the bare string as ``--cron`` means either
+    (POSIX)."""
     if not isinstance(spec, dict):  # a malformed (quarantined) row: show what is stored
         return f"malformed: {spec!r:.60}"
     kind = spec.get("kind")
     tz = spec.get("timezone", "UTC")
     if kind == "cron":
-        return f"cron '{spec.get('expr')}' {tz}"
+        expr = spec.get("expr")
+        fields = expr.split() if isinstance(expr, str) else []
+        if spec.get("day_or") is False and len(fields) >= 5 and "*" not in (fields[2],
+                                                                            fields[4]):
+            # a Celery crontab: both day fields must match; the bare string means either
+            return f"cron '{expr}' with day-of-month AND day-of-week (Celery crontab) {tz}"
+        return f"cron '{expr}' {tz}"
     if kind == "interval":
         return f"every {spec.get('every_seconds')}s"
     if kind == "once":

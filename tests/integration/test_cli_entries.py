@@ -487,3 +487,19 @@ def test_a_queue_name_with_leading_or_trailing_whitespace_is_refused(store: Stor
     assert "entry 'q': options['queue']=' celery' has leading or trailing whitespace" in r.output
     assert "give 'celery'" in r.output
     assert count(store, entries) == 0
+
+
+def test_a_missing_sqlite_store_with_an_app_names_the_fixes_that_apply(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails on the old code: `-A app schedule ...` on a missing SQLite file said "or pass
+    --database-url / -A" though -A was given."""
+    monkeypatch.chdir(tmp_path)  # the embedded default store: ./reliable_beat.sqlite3, absent
+    monkeypatch.delenv("RELIABLE_BEAT_DATABASE_URL", raising=False)
+    r = CliRunner().invoke(reliable_beat, ["-A", ARGS_APP, "schedule", "list"])
+    assert r.exit_code == 1, r.output
+    assert "no reliable_beat store at" in r.output and "db upgrade" in r.output
+    assert "-A" not in r.output
+    assert "set reliable_beat_database_url in the app (or pass --database-url)" in r.output
+    assert not (tmp_path / "reliable_beat.sqlite3").exists()
+    r = CliRunner().invoke(reliable_beat, ["schedule", "list"])
+    assert r.exit_code == 1 and "or pass --database-url URL or -A APP" in r.output

@@ -526,6 +526,35 @@ def test_runtime_entry_added_in_the_admin_belongs_to_the_apps_schedule_group(
     assert rb_entries.get_entry(conf.store(), name)["schedule_group"] == "djtask_app"
 
 
+def test_runtime_entry_form_refuses_misfit_arguments_in_form_wording(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    """Fails on the old code: the admin stored `dj.pay` (``pay(self, merchant)``) with no
+    args (every slot then dead-lettered with a TypeError), and its refusals named the CLI's
+    options ("give one of --cron, --every, --at", "use `entries update`")."""
+    add = "/admin/reliable_beat/entry/add-runtime/"
+    name = f"misfit-{seeded['tag']}"
+    c = client(users["admin"])
+    with override_settings(RELIABLE_BEAT={"CELERY_APP": "djtask_app:app"}):
+        bad = c.post(add, {"name": name, "task": "dj.pay", "cron": "0 9 * * 1",
+                           "kwargs": '{"api_key": "sk_live_NOTSHOWN"}'})
+        page = bad.content.decode()
+        assert bad.status_code == 200 and 'id="rb-problems"' in page, page[-3000:]
+        assert "do not fit task &#x27;dj.pay&#x27;, which takes (merchant, " in page
+        assert "sk_live_NOTSHOWN" not in page.split('id="rb-entry-form"')[0]
+        both = c.post(add, {"name": name, "task": "dj.pay", "cron": "0 9 * * 1",
+                            "every": "60", "args": "[1"}).content.decode()
+        assert "fill in only one of the cron, every and at fields (got cron, every)" in both
+        assert "the args field is not JSON" in both
+        assert "--cron" not in both and "--args" not in both
+        ok = c.post(add, {"name": name, "task": "dj.pay", "every": "60",
+                          "args": '["m-misfit"]'})
+        assert ok.status_code == 302, form_problems(ok.content.decode())
+        again = c.post(add, {"name": name, "task": "dj.pay", "every": "60",
+                             "args": '["m-misfit"]'}).content.decode()
+        assert "already exists; choose another name, or edit that entry" in again
+        assert "entries update" not in again
+
+
 # -- manage.py reliable_beat ------------------------------------------------------------------
 
 

@@ -103,6 +103,12 @@ class AppAdapter(Protocol):
         """The run lease ``task`` declares itself, in seconds (None: the settings' default)."""
         ...
 
+    def task_function(self, app: Any, task: str) -> Callable[..., Any] | None:
+        """The function a worker calls with an entry's args / kwargs for ``task`` (a bound
+        task's ``self`` already bound), None when ``app`` does not register ``task`` or its
+        arguments are not checked; used to refuse arguments that cannot fit."""
+        ...
+
     def settings(self, app: Any, database_url: tuple[str, str] | None = None) -> Settings:
         """The ``reliable_beat`` settings ``app`` runs with; ``database_url`` (``(url,
         origin)``, the CLI's ``--database-url``) replaces the store URL.
@@ -222,6 +228,21 @@ def app_lease_seconds(app: Any, task: str) -> float | None:
     :meth:`AppAdapter.lease_seconds`), None when it declares none."""
     read = getattr(adapter_for(app), "lease_seconds", None)
     return read(app, task) if callable(read) else None
+
+
+def app_task_function(app: Any, task: str) -> Callable[..., Any] | None:
+    """The function ``app``'s worker calls for ``task`` (its adapter's
+    :meth:`AppAdapter.task_function`); None when unknown here or the adapter predates it."""
+    read = getattr(adapter_for(app), "task_function", None)
+    return read(app, task) if callable(read) else None
+
+
+def task_function_checker(app: Any) -> Callable[[str], Callable[..., Any] | None] | None:
+    """``task name -> function`` for :func:`reliable_beat.entries.definition_from_celery`'s
+    argument check against ``app`` (None without an app: nothing is checked)."""
+    if app is None:
+        return None
+    return lambda task: app_task_function(app, task)
 
 
 def _framework_of(value: Any, names: set[str]) -> str | None:

@@ -27,6 +27,7 @@ fires it anyway instead of parking it; see :func:`reliable_beat.entries.park_rea
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -250,6 +251,35 @@ def _encoded_arguments(
     return encoded_args, encoded_kwargs
 
 
+def arguments_problem(
+    task: str, function: Callable[..., Any] | None, args: list[Any], kwargs: dict[str, Any]
+) -> str | None:
+    """Why ``args`` / ``kwargs`` cannot be passed to ``function`` (task ``task``'s body, a
+    bound task's ``self`` already bound), or None when they fit or nothing can be checked
+    (no function, no readable signature). ``*args`` / ``**kwargs`` in the signature take
+    anything, as they do when the worker calls the task."""
+    if function is None:
+        return None
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        shown = signature.replace(
+            parameters=[p.replace(annotation=inspect.Parameter.empty)
+                        for p in signature.parameters.values()],
+            return_annotation=inspect.Signature.empty)
+        # the values are not shown: they may hold secrets (an api_key keyword)
+        given = (f"{len(args)} positional argument(s)"
+                 + (f" and keyword(s) {', '.join(map(repr, kwargs))}" if kwargs else ""))
+        return (f"its args / kwargs ({given}) do not fit task {task!r}, which takes "
+                f"{shown} ({exc}); every run would fail with a TypeError: give args / kwargs "
+                "that the task takes")
+    return None
+
+
 def definition_from_celery(
     name: str,
     raw: Mapping[str, Any],
@@ -259,6 +289,7 @@ def definition_from_celery(
     now: datetime,
     origin: str = "config",
     is_idempotent: Callable[[str], bool | None] | None = None,
+    task_function: Callable[[str], Callable[..., Any] | None] | None = None,
 ) -> EntryDefinition:
     """Build an :class:`EntryDefinition` from one ``beat_schedule`` item.
 
@@ -273,6 +304,9 @@ def definition_from_celery(
         now: UTC-aware instant used as the default interval anchor.
         is_idempotent: task name -> True (IdempotentTask), False (plain task), None (unknown);
             used to refuse overlap policies that need run tracking on plain tasks.
+        task_function: task name -> the function the worker calls with the entry's args /
+            kwargs (None: not registered here, not checked); arguments that cannot bind to
+            its signature are refused.
 
     Raises:
         EntryValidationError: every problem of this entry, each naming the entry and the fix.
@@ -313,6 +347,16 @@ def definition_from_celery(
             bad(problem)
     for problem in rb_values.entry_name_problems(name):
         bad(problem)
+    for key in ("queue", "routing_key", "exchange"):
+        value = options.get(key)
+        if isinstance(value, str) and value != value.strip():
+            bad(f"options[{key!r}]={value!r} has leading or trailing whitespace: the broker "
+                f"takes it as written, a name other than {value.strip()!r}; give "
+                f"{value.strip()!r}")
+    if task_function is not None and task != "?":
+        misfit = arguments_problem(task, task_function(task), args, kwargs)
+        if misfit is not None:
+            bad(misfit)
     args, kwargs = _encoded_arguments(args, kwargs, bad)
     try:
         json.dumps(options)
@@ -439,6 +483,7 @@ def definitions_from_beat_schedule(
     settings: Settings,
     now: datetime,
     is_idempotent: Callable[[str], bool | None] | None = None,
+    task_function: Callable[[str], Callable[..., Any] | None] | None = None,
 ) -> list[EntryDefinition]:
     """Validate every ``beat_schedule`` item; all problems of all entries in one error.
 
@@ -452,7 +497,7 @@ def definitions_from_beat_schedule(
             out.append(
                 definition_from_celery(
                     name, raw, default_timezone=default_timezone, settings=settings, now=now,
-                    is_idempotent=is_idempotent,
+                    is_idempotent=is_idempotent, task_function=task_function,
                 )
             )
         except EntryValidationError as exc:

@@ -515,9 +515,13 @@ def _note_ungrouped(conn: Connection, group: str, result: SyncResult) -> None:
 
 
 def save_runtime_entry(
-    store: Store, definition: EntryDefinition, *, create: bool, schedule_group: str | None = None
+    store: Store, definition: EntryDefinition, *, create: bool, schedule_group: str | None = None,
+    form: bool = False,
 ) -> str:
     """Add (``create=True``) or update a runtime entry.
+
+    ``form``: the entry comes from a form (the Django admin): refusals name its fields and
+    pages, not the command line's options.
 
     ``schedule_group``: the schedule group whose beats fire it (the app whose broker and
     workers take its triggers: ``reliable-beat -A proj entries add`` gives ``proj``'s group).
@@ -539,8 +543,9 @@ def save_runtime_entry(
         ).first()
         if create and row is not None:
             raise ConfigurationError(
-                f"entry {definition.name!r} already exists; use `entries update` to change it"
-            )
+                f"entry {definition.name!r} already exists; "
+                + ("choose another name, or edit that entry from its page in the entries "
+                   "list" if form else "use `entries update` to change it"))
         if not create and row is None:
             raise EntryNotFoundError(f"no entry named {definition.name!r}")
         if row is not None and row.origin == "config":
@@ -553,10 +558,10 @@ def save_runtime_entry(
                 raise ConfigurationError(
                     f"entry {definition.name!r} has no schedule group, and the schedule groups "
                     f"{', '.join(repr(g) for g in groups)} share this store: the beats of every "
-                    "group would fire it, each through its own app's broker. Name the app "
-                    "whose workers run it: `reliable-beat -A proj entries add ...` or "
-                    "`--group GROUP`."
-                )
+                    "group would fire it, each through its own app's broker. "
+                    + ("Fill in the group field with the schedule group whose workers run it."
+                       if form else "Name the app whose workers run it: `reliable-beat -A "
+                       "proj entries add ...` or `--group GROUP`."))
         outcome = _upsert(conn, store, definition, now, group=schedule_group)
         notify_entries_changed(conn, store)
     return outcome

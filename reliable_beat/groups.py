@@ -533,7 +533,8 @@ def group_health(
         "current_config" (hash | None),
         "beats_on_other_config" (live beats that started with a config other than the
         current one: an old pod, or a refused config), "unregistered" ({entry: task}, from
-        the live beats), "relays_alive" (int: live relays of the group, 0011),
+        the live beats), "relays_alive" (int: live relays of the group, 0011, and those of no group,
+        which serve every group),
         "relay_last_seen_at" (UTC | None), "beat_destinations" ([str]: what the live beats
         publish to, ``celery`` / ``dramatiq``, from their rows; empty when none recorded
         it)}``. ``beats_alive`` / ``last_seen_at`` count beats only (``role = 'beat'``).
@@ -591,17 +592,29 @@ def group_health(
             if isinstance(row.destinations, list):
                 g["beat_destinations"] = sorted({*g["beat_destinations"],
                                                  *map(str, row.destinations)})
+    everywhere: list[Any] = []  # relays of no group (no app) serve every group
     for relay in _beat_rows(conn, ("schedule_group", "seen_at", "stopped_at"),
-                            beats.c.role == "relay", beats.c.schedule_group.is_not(None)):
-        g = group(relay.schedule_group)
-        seen = _readable_instant(relay.seen_at)
-        if seen is None:
-            continue
-        if g["relay_last_seen_at"] is None or seen > g["relay_last_seen_at"]:
-            g["relay_last_seen_at"] = seen
-        if relay.stopped_at is None and "stopped_at" not in relay.unreadable and seen >= horizon:
-            g["relays_alive"] += 1
+                            beats.c.role == "relay"):
+        if relay.schedule_group is None:
+            everywhere.append(relay)
+        else:
+            _count_relay(group(relay.schedule_group), relay, horizon)
+    for relay in everywhere:
+        for g in groups.values():
+            _count_relay(g, relay, horizon)
     return [groups[k] for k in sorted(groups)]
+
+
+def _count_relay(g: dict[str, Any], relay: Any, horizon: datetime) -> None:
+    """Count ``relay`` (a beats row) in group health ``g``: its last sighting, and live
+    when it did not stop and its heartbeat is newer than ``horizon``."""
+    seen = _readable_instant(relay.seen_at)
+    if seen is None:
+        return
+    if g["relay_last_seen_at"] is None or seen > g["relay_last_seen_at"]:
+        g["relay_last_seen_at"] = seen
+    if relay.stopped_at is None and "stopped_at" not in relay.unreadable and seen >= horizon:
+        g["relays_alive"] += 1
 
 
 def _aware(value: datetime) -> datetime:

@@ -73,6 +73,19 @@ class CeleryAdapter:
             return "unknown"
         return "idempotent" if isinstance(registry[task], IdempotentTask) else "plain"
 
+    def task_function(self, app: Any, task: str) -> Callable[..., Any] | None:
+        """``task``'s ``run`` (bound to the task for ``bind=True``, so ``self`` is not an
+        argument), None when ``app`` registers no ``task`` or the task sets ``typing=False``
+        (Celery then does not check arguments either)."""
+        registry = getattr(app, "tasks", None)
+        if registry is None or task not in registry:
+            return None
+        found = registry[task]
+        if getattr(found, "typing", True) is False:
+            return None
+        run = getattr(found, "run", None)
+        return run if callable(run) else None
+
     def lease_seconds(self, app: Any, task: str) -> float | None:
         """The ``lease_seconds`` attribute of the ``IdempotentTask`` ``task`` (None: unset,
         or no such task)."""

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 from celery.beat import Scheduler
 
 from reliable_beat import loop as core
+from reliable_beat.adapters import task_function_checker
 from reliable_beat.celery import backlog
 from reliable_beat.celery.brokers import warn_broker_timeouts
 from reliable_beat.celery.publishing import bound_broker_wait, publish_celery_batch
@@ -201,6 +202,7 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             settings=self.settings,
             now=now,
             is_idempotent=self._task_kind,
+            task_function=task_function_checker(self.app),
         )
 
     def _warn_broker_timeouts(self) -> None:

@@ -168,12 +168,25 @@ class CliContext:
             url = self.settings.database_url
             path = _sqlite_path(url)
             if path is not None and not self.create_store and not os.path.exists(path):
-                raise click.ClickException(
-                    f"no reliable_beat store at {path}: start a beat (it creates the embedded "
-                    "store), run `reliable-beat db upgrade`, or pass --database-url / -A"
-                )
+                raise click.ClickException(self._no_sqlite_store(path))
             self._store = Store.from_url(url, role=self.role)
         return self._store
+
+    def _no_sqlite_store(self, path: str) -> str:
+        """Why there is no store at SQLite file ``path``, and the fixes that apply to where
+        its URL came from (``-A`` given or not, ``--database-url``, the app's setting)."""
+        settings = self.settings
+        origin = settings.database_url_origin
+        create = ("start a beat (it creates the embedded store) or run `reliable-beat db "
+                  "upgrade` to create it here")
+        if origin == "--database-url":
+            fix = f"{create}, or give --database-url the URL of the store your beats use"
+        elif self.app is not None:
+            fix = (f"{create}, or set {settings.database_url_key} in the app (or pass "
+                   "--database-url) to the store your beats use")
+        else:
+            fix = f"{create}, or pass --database-url URL or -A APP (the app's store)"
+        return f"no reliable_beat store at {path} (URL from {origin}): {fix}"
 
     @property
     def app_timezone(self) -> str:

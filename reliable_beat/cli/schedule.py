@@ -19,6 +19,7 @@ from typing import Any
 import click
 from sqlalchemy import select, update
 
+from reliable_beat.adapters import task_function_checker
 from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.cli.entries import handle_errors
 from reliable_beat.db.dialects import update_returning
@@ -98,6 +99,7 @@ def sync_cmd(cli: CliContext, force: bool, group: str | None, as_json: bool) -> 
     defs = definitions_from_beat_schedule(
         app.conf.beat_schedule or {}, default_timezone=cli.app_timezone,  # as a beat does
         settings=cli.settings, now=datetime.now(timezone.utc),
+        task_function=task_function_checker(app),
     )
     result = sync_schedule_group(cli.store, defs, group=group, owner="cli", force=force)
     if result.outcome == "refused":

@@ -17,7 +17,7 @@ from reliable_beat.cli import CliContext, fail, jsonable, pass_cli
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.ops import checks, reads
 from reliable_beat.ops import status as ops_status
-from reliable_beat.ops.checks import fmt_instant
+from reliable_beat.ops.checks import fmt_instant, shown_name
 from reliable_beat.ops.reads import (
     expired_leases,
     malformed_entries,
@@ -74,7 +74,7 @@ def _depth_text(d: dict[str, Any]) -> str:
     if d["error"] is not None:
         return f"depth unknown ({d['error']}) for {names}"
     ready = "unknown" if d["ready"] is None else f"{d['ready']:,} ready"
-    return f"{d['queue']}: {ready} (waiting triggers of {names})"
+    return f"{shown_name(d['queue'])}: {ready} (waiting triggers of {names})"
 
 
 def _secs(value: float | None) -> str:

@@ -122,6 +122,12 @@ class DramatiqAdapter:
             return "unknown"
         return "idempotent" if isinstance(actor, IdempotentActor) else "plain"
 
+    def task_function(self, app: Any, task: str) -> Callable[..., Any] | None:
+        """The function of actor ``task`` (None: the broker declares no such actor)."""
+        actor = (getattr(app, "actors", None) or {}).get(task)
+        fn = getattr(actor, "fn", None)
+        return fn if callable(fn) else None
+
     def lease_seconds(self, app: Any, task: str) -> float | None:
         """The actor option ``lease_seconds`` of ``task`` (None: not set, or no such actor)."""
         actor = (getattr(app, "actors", None) or {}).get(task)

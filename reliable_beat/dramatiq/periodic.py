@@ -40,6 +40,10 @@ def definitions(broker: Any, schedule: Mapping[str, Any] | None = None, *,
         actor = broker.actors.get(name)
         return None if actor is None else isinstance(actor, IdempotentActor)
 
+    def task_function(name: str) -> Any:
+        fn = getattr(broker.actors.get(name), "fn", None)
+        return fn if callable(fn) else None
+
     raw: dict[str, dict[str, Any]] = {}
     for name, actor in sorted(broker.actors.items()):
         periodic = actor.options.get("periodic")
@@ -69,7 +73,7 @@ def definitions(broker: Any, schedule: Mapping[str, Any] | None = None, *,
         try:
             out.append(definition_from_celery(
                 name, item, default_timezone="UTC", settings=settings, now=now,
-                is_idempotent=is_idempotent))
+                is_idempotent=is_idempotent, task_function=task_function))
         except (ConfigurationError, ValueError, TypeError) as exc:
             problems.append(f"{name}: {exc}")
     if problems:

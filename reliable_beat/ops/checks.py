@@ -21,7 +21,7 @@ from typing import Any
 from reliable_beat.db.types import infinity_text
 from reliable_beat.ops.reads import UNSTARTED_WINDOW_HOURS
 
-__all__ = ["MAX_SHOWN", "depth_note", "fmt_instant", "problems_of", "warnings_of"]
+__all__ = ["MAX_SHOWN", "depth_note", "fmt_instant", "problems_of", "shown_name", "warnings_of"]
 
 #: MALFORMED ENTRY / NAME CONFLICT: at most this many names (with their problems) are shown.
 MAX_SHOWN = 10
@@ -376,14 +376,23 @@ def depth_note(depths: list[dict[str, Any]], names: list[str]) -> str:
         if d["error"] is not None:
             notes.append(f"the broker could not tell its queue depths ({d['error']})")
         elif d["ready"] is None:
-            notes.append(f"the broker cannot tell how deep queue {d['queue']} is")
+            notes.append(f"the broker cannot tell how deep queue {shown_name(d['queue'])} is")
         elif d["ready"] > 0:
-            notes.append(f"queue {d['queue']} holds {d['ready']:,} ready messages (a "
+            notes.append(f"queue {shown_name(d['queue'])} holds {d['ready']:,} ready messages (a "
                          "backlog: its workers are behind or stopped)")
         else:
-            notes.append(f"queue {d['queue']} holds 0 ready messages (not a backlog: a "
+            notes.append(f"queue {shown_name(d['queue'])} holds 0 ready messages (not a backlog: a "
                          "worker holds them unacknowledged, or the broker lost them)")
     return (" " + _capital("; ".join(notes)) + ".") if notes else ""
+
+
+def shown_name(name: Any) -> str:
+    """A queue (or other) name as printed in a sentence: as is, or quoted with ``repr``
+    when whitespace or an unprintable character could mislead (``' celery'``)."""
+    text = str(name)
+    if text and text == text.strip() and text.isprintable() and " " not in text:
+        return text
+    return repr(name)
 
 
 def fmt_instant(at: datetime | None) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 
 from reliable_beat import schedules as sch
+from reliable_beat.adapters import task_function_checker
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries as entries_table
 from reliable_beat.entries import EntryDefinition, definition_from_celery
@@ -40,13 +41,24 @@ POLICY_OPTIONS = (
 
 
 def schedule_text(spec: dict[str, Any]) -> str:
-    """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``."""
+    """A schedule spec as one short line, e.g. ``cron '0 2 * * *' Europe/Berlin``.
+
+    A Celery ``crontab`` restricting both day fields keeps Celery's meaning (both must
+    match, ``day_or`` False): the line says so, ``cron '0 22 1-7 * 6' with day-of-month AND
+    day-of-week (Celery crontab) UTC``, since the bare string as ``--cron`` means either
+    (POSIX)."""
     if not isinstance(spec, dict):  # a malformed (quarantined) row: show what is stored
         return f"malformed: {spec!r:.60}"
     kind = spec.get("kind")
     tz = spec.get("timezone", "UTC")
     if kind == "cron":
-        return f"cron '{spec.get('expr')}' {tz}"
+        expr = spec.get("expr")
+        fields = expr.split() if isinstance(expr, str) else []
+        if spec.get("day_or") is False and len(fields) >= 5 and "*" not in (fields[2],
+                                                                            fields[4]):
+            # a Celery crontab: both day fields must match; the bare string means either
+            return f"cron '{expr}' with day-of-month AND day-of-week (Celery crontab) {tz}"
+        return f"cron '{expr}' {tz}"
     if kind == "interval":
         return f"every {spec.get('every_seconds')}s"
     if kind == "once":
@@ -54,18 +66,26 @@ def schedule_text(spec: dict[str, Any]) -> str:
     return json.dumps(spec)
 
 
-def _parse_json(value: str | None, what: str, kind: type, problems: list[str], name: str) -> Any:
+def _option(what: str, form: bool) -> str:
+    """How a problem names an input: ``--args`` on the command line, ``the args field`` in
+    a form (the Django admin)."""
+    return f"the {what} field" if form else f"--{what}"
+
+
+def _parse_json(value: str | None, what: str, kind: type, problems: list[str], name: str,
+                form: bool = False) -> Any:
     if value is None:
         return None
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
         example = '[1, "a"]' if kind is list else '{"day": "mon"}'
-        problems.append(f"entry {name!r}: --{what} is not JSON ({exc.msg} at column "
-                        f"{exc.colno}); e.g. --{what} '{example}'")
+        problems.append(f"entry {name!r}: {_option(what, form)} is not JSON ({exc.msg} at "
+                        f"column {exc.colno}); e.g. "
+                        + (example if form else f"--{what} '{example}'"))
         return None
     if not isinstance(parsed, kind):
-        problems.append(f"entry {name!r}: --{what} must be a JSON "
+        problems.append(f"entry {name!r}: {_option(what, form)} must be a JSON "
                         f"{'array' if kind is list else 'object'}, got {type(parsed).__name__}")
         return None
     return parsed
@@ -102,6 +122,7 @@ def build_definition(
     params: dict[str, Any],
     *,
     existing: dict[str, Any] | None = None,
+    form: bool = False,
 ) -> EntryDefinition:
     """Validate command-line options into an :class:`EntryDefinition`, like the beat does.
 
@@ -112,6 +133,8 @@ def build_definition(
         name: the entry name.
         params: the click parameters of ``add`` / ``update`` (None = not given).
         existing: for ``update``, the stored entry: values not given are kept.
+        form: the values come from a form's fields (the Django admin), not options: the
+            problems name fields (``the cron field``), not ``--cron``.
 
     Raises:
         EntryValidationError: every problem found (parsing and the beat's own validation),
@@ -130,7 +153,7 @@ def build_definition(
         for what, kind in (("args", list), ("kwargs", dict)):
             if not isinstance(existing[what], kind) and params.get(what) is None:
                 problems.append(f"entry {name!r}: the stored {what} {existing[what]!r:.80} "
-                                f"are malformed: give --{what}")
+                                f"are malformed: give {_option(what, form)}")
         options = dict(existing["options"]) if isinstance(existing["options"], dict) else {}
         rb = {
             "misfire_policy": existing["misfire_policy"],
@@ -146,10 +169,10 @@ def build_definition(
                 rb[key] = existing[key]
     if params.get("task") is not None:
         raw["task"] = params["task"]
-    args = _parse_json(params.get("args"), "args", list, problems, name)
+    args = _parse_json(params.get("args"), "args", list, problems, name, form)
     if args is not None:
         raw["args"] = args
-    kwargs = _parse_json(params.get("kwargs"), "kwargs", dict, problems, name)
+    kwargs = _parse_json(params.get("kwargs"), "kwargs", dict, problems, name, form)
     if kwargs is not None:
         raw["kwargs"] = kwargs
     if params.get("queue") is not None:
@@ -165,15 +188,22 @@ def build_definition(
     tz = rb.get("timezone") or app_zone
 
     given = [k for k in ("cron", "every", "at") if params.get(k) is not None]
+    schedule_options = ("the cron, every or at field (a cron expression, an interval in "
+                        "seconds or a one-off ISO 8601 instant)" if form else
+                        "--cron EXPR, --every SECONDS or --at ISO-INSTANT")
     if len(given) > 1:
-        problems.append(f"entry {name!r}: give one of --cron, --every, --at (got "
-                        f"{', '.join('--' + g for g in given)})")
+        if form:
+            problems.append(f"entry {name!r}: fill in only one of the cron, every and at "
+                            f"fields (got {', '.join(given)})")
+        else:
+            problems.append(f"entry {name!r}: give one of --cron, --every, --at (got "
+                            f"{', '.join('--' + g for g in given)})")
     elif given == ["cron"]:
         raw["schedule"] = params["cron"]
     elif given == ["every"]:
         raw["schedule"] = params["every"]
     elif given == ["at"]:
-        at = parse_instant(params["at"], "--at", problems, name)
+        at = parse_instant(params["at"], "at" if form else "--at", problems, name)
         if at is not None:
             try:
                 raw["schedule"] = sch.OneOffSchedule(at, sch.validate_timezone(tz))
@@ -192,12 +222,14 @@ def build_definition(
             # the update must give a new one; say so, as the quarantine message does
             problems.append(
                 f"entry {name!r}: its stored schedule is unusable ({exc}); give a new one "
-                f"with --cron EXPR, --every SECONDS or --at ISO-INSTANT, e.g. "
+                f"in {schedule_options}" if form else
+                f"entry {name!r}: its stored schedule is unusable ({exc}); give a new one "
+                f"with {schedule_options}, e.g. "
                 f"`reliable-beat entries update {name} --every 60 ...`"
             )
     else:
-        problems.append(f"entry {name!r}: no schedule: give --cron EXPR, --every SECONDS or "
-                        "--at ISO-INSTANT")
+        problems.append(f"entry {name!r}: no schedule: "
+                        + (f"fill in {schedule_options}" if form else f"give {schedule_options}"))
     if options:
         raw["options"] = dict(options, reliable_beat=rb)
     else:
@@ -221,6 +253,7 @@ def build_definition(
         definition = definition_from_celery(
             name, raw, default_timezone=app_zone, settings=ctx.settings, now=now,
             origin="runtime", is_idempotent=task_checker(app),
+            task_function=task_function_checker(app),
         )
     except EntryValidationError as exc:
         problems.extend(p for p in exc.problems if p not in problems)

@@ -532,9 +532,26 @@ def cancel(store: Store, workflow_id: str, *, compensate: bool = True) -> dict[s
             state = row.state
             message = ("cancel requested: the workflow sees WorkflowCancelled at its next "
                        "durable call, its sagas unwind, then it ends cancelled")
+            if _compensating(conn, row.id):
+                message = ("cancel requested, but the workflow is already compensating (a "
+                           "saga unwinding after an error): its compensations go on and it "
+                           "ends failed with that error; only if its code catches the error "
+                           "does it see WorkflowCancelled at its next durable call and end "
+                           "cancelled")
     if done != 1:  # it ended between our read and our write
         return cancel(store, workflow_id, compensate=compensate)
     return {"workflow_id": workflow_id, "state": state, "changed": True, "message": message}
+
+
+def _compensating(conn: Any, pk: int) -> bool:
+    """A saga of workflow ``pk``'s current run is unwinding in its code: a compensation has
+    been dispatched and has not settled."""
+    run_no = select(workflows.c.run_no).where(workflows.c.id == pk).scalar_subquery()
+    return conn.execute(
+        select(workflow_events.c.seq)
+        .where(workflow_events.c.workflow_pk == pk, workflow_events.c.run_no == run_no,
+               workflow_events.c.kind == "compensation",
+               workflow_events.c.state == "scheduled").limit(1)).first() is not None
 
 
 def compensate(store: Store, workflow_id: str, *, by: str = "workflows compensate"

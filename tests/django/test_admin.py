@@ -520,9 +520,39 @@ def test_runtime_entry_added_in_the_admin_belongs_to_the_apps_schedule_group(
     name = f"grouped-{seeded['tag']}"
     with override_settings(RELIABLE_BEAT={"CELERY_APP": "djtask_app:app"}):
         ok = client(users["admin"]).post("/admin/reliable_beat/entry/add-runtime/",
-                                         {"name": name, "task": "dj.pay", "cron": "0 9 * * 1"})
+                                         {"name": name, "task": "dj.pay", "cron": "0 9 * * 1",
+                                          "args": '["m-grouped"]'})
     assert ok.status_code == 302
     assert rb_entries.get_entry(conf.store(), name)["schedule_group"] == "djtask_app"
+
+
+def test_runtime_entry_form_refuses_misfit_arguments_in_form_wording(
+        users: dict[str, User], seeded: dict[str, Any]) -> None:
+    """Fails on the old code: the admin stored `dj.pay` (``pay(self, merchant)``) with no
+    args (every slot then dead-lettered with a TypeError), and its refusals named the CLI's
+    options ("give one of --cron, --every, --at", "use `entries update`")."""
+    add = "/admin/reliable_beat/entry/add-runtime/"
+    name = f"misfit-{seeded['tag']}"
+    c = client(users["admin"])
+    with override_settings(RELIABLE_BEAT={"CELERY_APP": "djtask_app:app"}):
+        bad = c.post(add, {"name": name, "task": "dj.pay", "cron": "0 9 * * 1",
+                           "kwargs": '{"api_key": "sk_live_NOTSHOWN"}'})
+        page = bad.content.decode()
+        assert bad.status_code == 200 and 'id="rb-problems"' in page, page[-3000:]
+        assert "do not fit task &#x27;dj.pay&#x27;, which takes (merchant, " in page
+        assert "sk_live_NOTSHOWN" not in page.split('id="rb-entry-form"')[0]
+        both = c.post(add, {"name": name, "task": "dj.pay", "cron": "0 9 * * 1",
+                            "every": "60", "args": "[1"}).content.decode()
+        assert "fill in only one of the cron, every and at fields (got cron, every)" in both
+        assert "the args field is not JSON" in both
+        assert "--cron" not in both and "--args" not in both
+        ok = c.post(add, {"name": name, "task": "dj.pay", "every": "60",
+                          "args": '["m-misfit"]'})
+        assert ok.status_code == 302, form_problems(ok.content.decode())
+        again = c.post(add, {"name": name, "task": "dj.pay", "every": "60",
+                             "args": '["m-misfit"]'}).content.decode()
+        assert "already exists; choose another name, or edit that entry" in again
+        assert "entries update" not in again
 
 
 # -- manage.py reliable_beat ------------------------------------------------------------------
@@ -656,7 +686,7 @@ def test_secrets_are_masked_on_every_page_as_the_cli_masks_them(
     name = f"secret-{tag}"
     admin_c = client(users["admin"])
     ok = admin_c.post("/admin/reliable_beat/entry/add-runtime/", {
-        "name": name, "task": "dj.pay", "every": "60", "group": "djtask_app",
+        "name": name, "task": "dj.notify", "every": "60", "group": "djtask_app",
         "kwargs": json_text({"customer": "adm", "api_key": SECRET})})
     assert ok.status_code == 302, form_problems(ok.content.decode())
     claim = rb_runs.claim_run(store, f"sec:{tag}", owner="test", lease=timedelta(seconds=30),
@@ -739,6 +769,7 @@ def test_runtime_entry_form_says_what_blank_gives_and_takes_group_and_dst(
             assert "blank: Europe/Berlin" in page and "default UTC" not in page
             assert 'name="group"' in page and 'name="dst_nonexistent"' in page
             ok = c.post(add, {"name": name, "task": "dj.pay", "cron": "* * * * * */15",
+                              "args": '["m-dst"]',
                               "group": "billing", "dst_nonexistent": "skip",
                               "dst_repeated": "first"})
             assert ok.status_code == 302, form_problems(ok.content.decode())

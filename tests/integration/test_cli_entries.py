@@ -437,3 +437,69 @@ def test_quarantined_entries_are_listed_and_resume_says_they_stay_quarantined(
         row = conn.execute(select(entries.c.enabled, entries.c.quarantine_reason)
                            .where(entries.c.name == "broken")).one()
     assert row.enabled and row.quarantine_reason is None
+
+
+ARGS_APP = "tests.apps.argsapp"
+
+
+def test_arguments_that_cannot_fit_the_task_are_refused_where_the_entry_is_written(
+        store: Store) -> None:
+    """Fails on the old code: `schedule sync` inserted every entry and `entries add` took
+    `--args '[1,2,3]'` for `bill(self, amount)`; each slot then dead-lettered with a
+    TypeError."""
+    def run(*args: str) -> Result:
+        return CliRunner().invoke(reliable_beat, ["-A", ARGS_APP, "--database-url", store.url,
+                                                  *args], catch_exceptions=False)
+
+    r = run("schedule", "sync")
+    assert r.exit_code == 2, r.output
+    for name in ("bill-missing", "bill-too-many", "plain-wrong-kwarg"):
+        assert f"entry {name!r}" in r.output
+    assert "task 'argsapp.bill', which takes (amount)" in r.output
+    assert "missing a required argument" in r.output
+    assert "too many positional arguments" in r.output
+    assert "(0 positional argument(s) and keyword(s) 'amt') do not fit task 'argsapp.plain'" \
+        ", which takes (amount, currency='EUR')" in r.output
+    for name in ("good-bill", "good-plain", "good-any", "good-untyped", "elsewhere"):
+        assert f"entry {name!r}" not in r.output
+    assert count(store, entries) == 0
+
+    r = run("entries", "add", "x", "--task", "argsapp.bill", "--every", "60",
+            "--args", "[1,2,3]")
+    assert r.exit_code == 2 and "entry 'x'" in r.output and "takes (amount)" in r.output
+    r = run("entries", "add", "x", "--task", "argsapp.plain", "--every", "60")
+    assert r.exit_code == 2 and "missing a required argument: 'amount'" in r.output
+    assert count(store, entries) == 0
+    ok(run("entries", "add", "x", "--task", "argsapp.bill", "--every", "60", "--args", "[1]"))
+    r = run("entries", "update", "x", "--kwargs", '{"amount": 2}')
+    assert r.exit_code == 2 and "multiple values for argument 'amount'" in r.output
+    ok(run("entries", "update", "x", "--args", "[]", "--kwargs", '{"amount": 2}'))
+    # without the app nothing can be checked: accepted as before (no false refusal)
+    ok(cli(store, "entries", "add", "y", "--task", "argsapp.bill", "--every", "60",
+           "--args", "[1,2,3]"))
+
+
+def test_a_queue_name_with_leading_or_trailing_whitespace_is_refused(store: Store) -> None:
+    """Fails on the old code: `--queue ' celery'` was stored; its triggers went to a queue no
+    worker consumed, and status printed the name unquoted."""
+    r = cli(store, "entries", "add", "q", "--task", "t", "--every", "60", "--queue", " celery")
+    assert r.exit_code == 2, r.output
+    assert "entry 'q': options['queue']=' celery' has leading or trailing whitespace" in r.output
+    assert "give 'celery'" in r.output
+    assert count(store, entries) == 0
+
+
+def test_a_missing_sqlite_store_with_an_app_names_the_fixes_that_apply(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails on the old code: `-A app schedule ...` on a missing SQLite file said "or pass
+    --database-url / -A" though -A was given."""
+    monkeypatch.chdir(tmp_path)  # the embedded default store: ./reliable_beat.sqlite3, absent
+    monkeypatch.delenv("RELIABLE_BEAT_DATABASE_URL", raising=False)
+    r = CliRunner().invoke(reliable_beat, ["-A", ARGS_APP, "schedule", "list"])
+    assert r.exit_code == 1, r.output
+    assert "no reliable_beat store at" in r.output and "db upgrade" in r.output
+    assert "-A" not in r.output
+    assert "set reliable_beat_database_url in the app (or pass --database-url)" in r.output
+    assert not (tmp_path / "reliable_beat.sqlite3").exists()
+    r = CliRunner().invoke(reliable_beat, ["schedule", "list"])
+    assert r.exit_code == 1 and "or pass --database-url URL or -A APP" in r.output

@@ -156,3 +156,31 @@ def test_a_beat_row_records_its_destination_and_serves_only_it(pg_store: Store) 
                 in r.output), r.output
     finally:
         loop.close()
+
+
+def test_a_relay_of_no_group_counts_as_live_for_every_group(
+        sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay without an app (``reliable-beat dramatiq relay``, a relay with handlers only)
+    records no group and serves every group: status counts it in each (main: "0 live
+    relays" for every group while it ran)."""
+    store = sqlite_store
+    monkeypatch.setattr(relay_mod, "HEARTBEAT_SECONDS", 0.0)
+    loops = [BeatLoop(store, Settings(), _Publisher("dramatiq"), f"{g}beat:1",
+                      schedule_group=g, definitions=lambda now: []) for g in ("default", "b")]
+    relay = Relay(store, handlers={"dramatiq": lambda m: None}, settings=Settings(),
+                  owner="anygroup:1")
+    try:
+        assert all(loop.start() for loop in loops)
+        assert relay.heartbeat_from_thread() is True
+        with store.engine.connect() as conn:
+            assert conn.execute(select(beats.c.schedule_group).where(
+                beats.c.role == "relay")).scalar_one() is None
+        assert _relays_alive(store, "default") == 1 and _relays_alive(store, "b") == 1
+        r = CliRunner().invoke(reliable_beat, ["--database-url", store.url, "status"],
+                               catch_exceptions=False)
+        assert ("schedule group default: 1 live beats (publishing to dramatiq), 1 live relays"
+                in r.output), r.output
+    finally:
+        relay.close()
+        for loop in loops:
+            loop.close()

@@ -55,3 +55,12 @@ def test_a_broker_class_it_cannot_read_is_an_unknown_depth() -> None:
     assert depths == [{"queue": "x", "ready": None, "entries": ["e1"], "error": None}]
     assert _depth_note(depths, ["e1"]) == " The broker cannot tell how deep queue x is."
     assert _depth_note(depths, ["other"]) == ""
+
+
+def test_a_queue_name_with_whitespace_is_quoted_in_the_depth_note() -> None:
+    """Fails on the old code: queue ' celery' was printed `Queue  celery holds 8 ready
+    messages`, indistinguishable from queue 'celery'."""
+    depths = [{"queue": " celery", "ready": 8, "entries": ["e1"], "error": None},
+              {"queue": "celery", "ready": 0, "entries": ["e2"], "error": None}]
+    assert _depth_note(depths, ["e1"]).startswith(" Queue ' celery' holds 8 ready messages")
+    assert _depth_note(depths, ["e2"]).startswith(" Queue celery holds 0 ready messages")

@@ -126,3 +126,21 @@ def test_docs_scheduled_workflow_example_passes_the_beats_validation() -> None:
         app.conf.beat_schedule, default_timezone="UTC", settings=Settings(), now=NOW)
     assert entry.name == "nightly-report"
     assert entry.overlap_policy == OverlapPolicy("skip")
+
+
+def test_a_crontab_anding_both_day_fields_is_shown_with_its_meaning() -> None:
+    """Fails on the old code: `entries list` showed `cron '0 22 1-7 * 6' UTC`, which pasted
+    into --cron means the 1st-7th OR any Saturday; the entry fires on the first Saturday."""
+    from reliable_beat.ops.entries import schedule_text
+
+    now = datetime(2026, 5, 1, tzinfo=timezone.utc)
+
+    def shown(schedule: object) -> str:
+        d = definition_from_celery("e", {"task": "t", "schedule": schedule},
+                                   default_timezone="UTC", settings=Settings(), now=now)
+        return schedule_text(d.schedule.to_spec())
+
+    assert shown(crontab(minute=0, hour=22, day_of_month="1-7", day_of_week="sat")) == (
+        "cron '0 22 1-7 * 6' with day-of-month AND day-of-week (Celery crontab) UTC")
+    assert shown("0 22 1-7 * 6") == "cron '0 22 1-7 * 6' UTC"  # a cron string: POSIX OR
+    assert shown(crontab(minute=0, hour=22, day_of_week="sat")) == "cron '0 22 * * 6' UTC"

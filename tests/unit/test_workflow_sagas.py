@@ -772,3 +772,24 @@ def test_requeue_of_a_settled_activity_dead_letter_is_refused(app: Celery, store
         plan_requeue(store, dead["wf:o4/1#3"])  # the dead compensation
     with pytest.raises(RequeueRefused, match="outside its history"):
         plan_requeue(store, dead["wf:o4/1#6"])  # the refused step
+
+
+def test_cancel_of_a_workflow_already_compensating_says_it_ends_failed(
+        app: Celery, store: Store) -> None:
+    """Fails on the old code: the cancel of a workflow whose saga was already unwinding
+    said "...then it ends cancelled", and it ended failed with its original error."""
+    handle = engine.start(store, "t.three", "c1", ["c1"])
+    driver = Driver(store, app)
+    for _ in range(200):  # up to the first compensation dispatched (the saga unwinding)
+        if ("compensation", "scheduled") in shape(store, "c1"):
+            break
+        driver.step()
+    else:
+        raise AssertionError("the saga never started compensating")
+    out = cancel(store, "c1")
+    assert out["changed"] and "already compensating" in out["message"]
+    assert "ends failed" in out["message"] and "ends cancelled" not in out["message"]
+    drain(driver)
+    with pytest.raises(WorkflowFailed) as info:
+        handle.result(timeout=1)
+    assert info.value.state == "failed" and info.value.error["type"] == "ActivityError"

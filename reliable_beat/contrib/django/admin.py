@@ -348,12 +348,13 @@ class EntryAdmin(_ReadOnlyAdmin):
             try:
                 if existing is None and params.get("task") is None:
                     raise EntryValidationError([f"entry {name!r}: task is required"])
-                definition = build_definition(ctx, name, params, existing=existing)
+                definition = build_definition(ctx, name, params, existing=existing,
+                                              form=True)
                 group = form.cleaned_data.get("group") or None
                 if group is None and existing is None and ctx.app is not None:
                     group = schedule_group_of(ctx.app, ctx.settings.schedule_group)
                 rb_entries.save_runtime_entry(store, definition, create=existing is None,
-                                              schedule_group=group)
+                                              schedule_group=group, form=True)
             except EntryValidationError as exc:
                 problems = list(exc.problems)
             except ReliableBeatError as exc:

@@ -130,3 +130,8 @@ def pay_then_sql(self: IdempotentTask, merchant: str, alias: str, statements: li
             rows = [list(row) for row in cur.fetchall()] if cur.description else []
     return rows
 
+
+@app.task(name="dj.notify")
+def notify(**fields: Any) -> None:
+    """A plain task taking any keyword arguments (the admin's secrets tests give it an
+    ``api_key``)."""

@@ -87,9 +87,13 @@ class Runtime(Protocol):
     def check_pending(self) -> None:
         """Re-raise the engine's control flow the code swallowed, if any."""
 
-    def next(self, kind: str, name: str | None, args: Any) -> tuple[int, str, Any]:
+    def next(self, kind: str, name: str | None, args: Any, *,
+             digest: str | None = None) -> tuple[int, str, Any]:
         """Take the next position and check it against the history: ``(seq, digest,
-        recorded event or None)``."""
+        recorded event or None)``; ``digest``: the call's, if already computed."""
+
+    def recorded_match(self, kind: str, name: str | None, args: Any) -> tuple[str, bool]:
+        """``(digest, matches)``: the next call's digest; whether the history records it."""
 
     def check_size(self, kind: str, name: str | None, args: Any, what: str, *,
                    message: Any = None) -> None:

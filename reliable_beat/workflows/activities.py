@@ -63,10 +63,14 @@ def start_activity(rt: Runtime, task: Any, args: tuple[Any, ...], kwargs: dict[s
         )
     task_name = task if isinstance(task, str) else str(task.name)
     call = to_json([list(args), kwargs], f"activity {task_name!r} arguments")
-    rt.check_size("activity", task_name, call,
-                  f"activity {task_name!r} arguments (in their message)",
-                  message=activity_message(rt, task_name, call, queue))
-    seq, digest, ev = rt.next("activity", task_name, call)
+    # one digest per call; a call the history records as it is (a replay) was size-checked
+    # when it was recorded, and its message is not built again
+    digest, recorded = rt.recorded_match("activity", task_name, call)
+    if not recorded:
+        rt.check_size("activity", task_name, call,
+                      f"activity {task_name!r} arguments (in their message)",
+                      message=activity_message(rt, task_name, call, queue))
+    seq, digest, ev = rt.next("activity", task_name, call, digest=digest)
     key = activity_key(rt.claimed.workflow_id, rt.claimed.run_no, seq)
     if ev is None:
         payload = activity_message(rt, task_name, call, queue, seq)

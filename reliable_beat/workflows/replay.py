@@ -285,9 +285,11 @@ class Replay:
             raise WorkflowUsageError(f"{what} called inside ctx.step/ctx.transaction: durable "
                                      "calls cannot be nested")
 
-    def next(self, kind: str, name: str | None, args: Any) -> tuple[int, str, Any]:
+    def next(self, kind: str, name: str | None, args: Any, *,
+             digest: str | None = None) -> tuple[int, str, Any]:
         """Take the next position; check it against the history. Returns (seq, digest,
-        recorded event or None)."""
+        recorded event or None). ``digest``: ``args_digest(kind, name, args)`` when the
+        caller has computed it already (:meth:`recorded_match`); computed here otherwise."""
         self.check_pending()
         if threading.get_ident() != self._thread:
             raise WorkflowUsageError(
@@ -301,7 +303,8 @@ class Replay:
             )
         self.seq += 1
         seq = self.seq
-        digest = args_digest(kind, name, args)
+        if digest is None:
+            digest = args_digest(kind, name, args)
         ev = self.history.get(seq)
         if ev is not None and ev.kind == "cancel":
             raise WorkflowCancelled(f"workflow {self.claimed.workflow_id!r} was cancelled "
@@ -317,6 +320,18 @@ class Replay:
                 f"(args digest {ev.args_digest})"
             ))
         return seq, digest, ev
+
+    def recorded_match(self, kind: str, name: str | None, args: Any) -> tuple[str, bool]:
+        """``(digest, matches)``: the digest of the next durable call and whether the
+        history already records that very call (kind, name and digest) at the next
+        position. A matching call was validated when it was recorded: its replay skips the
+        checks that depend on the arguments only (the message size); a call that does not
+        match is checked as a new one, and :meth:`next` (given this ``digest``) reports the
+        mismatch."""
+        digest = args_digest(kind, name, args)
+        ev = self.history.get(self.seq + 1)
+        return digest, ev is not None and (ev.kind, ev.name, ev.args_digest) == (
+            kind, name, digest)
 
     def _recorded_args(self, seq: int) -> Any:
         """The stored ``args`` of the event at ``seq`` (for an error message only), or

@@ -148,11 +148,14 @@ class Saga:
                   queue: str | None) -> None:
         rt = self._rt
         call = history.to_json([list(args), kwargs], f"compensation {name!r} arguments")
-        # refused at registration: an unwind could not send it
-        rt.check_size("compensation", name, call,
-                      f"compensation {name!r} arguments (in their message)",
-                      message=activities.activity_message(rt, name, call, queue))
-        seq, digest, ev = rt.next("compensation", name, call)
+        # refused at registration: an unwind could not send it (a replayed registration
+        # was checked when it was recorded)
+        digest, recorded = rt.recorded_match("compensation", name, call)
+        if not recorded:
+            rt.check_size("compensation", name, call,
+                          f"compensation {name!r} arguments (in their message)",
+                          message=activities.activity_message(rt, name, call, queue))
+        seq, digest, ev = rt.next("compensation", name, call, digest=digest)
         if ev is None:
             key = workflow_store.activity_key(rt.claimed.workflow_id, rt.claimed.run_no, seq)
             rt.record(seq, "compensation", name, digest, [*call, queue], state="registered",

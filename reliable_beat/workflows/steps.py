@@ -49,8 +49,10 @@ def transaction(rt: Runtime, fn: Callable[..., Any], args: tuple[Any, ...],
     """See :meth:`WorkflowContext.transaction`."""
     step_name = callable_name(fn, name)
     call = to_json([list(args), kwargs], f"transaction {step_name!r} arguments")
-    rt.check_size("transaction", step_name, call, f"transaction {step_name!r} arguments")
-    seq, digest, ev = rt.next("transaction", step_name, call)
+    digest, recorded = rt.recorded_match("transaction", step_name, call)
+    if not recorded:  # a replayed call was size-checked when it was recorded
+        rt.check_size("transaction", step_name, call, f"transaction {step_name!r} arguments")
+    seq, digest, ev = rt.next("transaction", step_name, call, digest=digest)
     if ev is not None:
         return outcome(ev.state, ev.result, ev.error, "transaction", step_name)
 
@@ -87,8 +89,10 @@ def step(rt: Runtime, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     """See :meth:`WorkflowContext.step`."""
     step_name = callable_name(fn, name)
     call = to_json([list(args), kwargs], f"step {step_name!r} arguments")
-    rt.check_size("step", step_name, call, f"step {step_name!r} arguments")
-    seq, digest, ev = rt.next("step", step_name, call)
+    digest, recorded = rt.recorded_match("step", step_name, call)
+    if not recorded:  # a replayed call was size-checked when it was recorded
+        rt.check_size("step", step_name, call, f"step {step_name!r} arguments")
+    seq, digest, ev = rt.next("step", step_name, call, digest=digest)
     if ev is not None:
         return outcome(ev.state, ev.result, ev.error, "step", step_name)
     rt.in_step = True

@@ -3,6 +3,7 @@ continue-as-new, on SQLite with the in-process driver (tests/apps/wf_driver.py).
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -554,3 +555,72 @@ def test_the_dashboard_shows_the_replay_check_verdict(
                 if getattr(r, "path", "") == "/workflows/{wid:path}")
     with slot:
         assert "another replay check is still running" in verdict()
+
+
+# ------------------------------------------------------------------ changed arguments ----
+
+
+@pytest.fixture(params=["sqlite", pytest.param("pg", marks=pytest.mark.postgres),
+                        pytest.param("mariadb", marks=pytest.mark.mariadb)])
+def any_store(request: pytest.FixtureRequest) -> Store:
+    """SQLite, PostgreSQL (the history read and the claim on the driver connection) and
+    MariaDB."""
+    CALLS.clear()
+    store: Store = request.getfixturevalue(f"{request.param}_store")
+    return store
+
+
+def _shout(text: str) -> str:
+    return text.upper()
+
+
+@pytest.mark.parametrize("kind", ["activity", "step"])
+@pytest.mark.parametrize("changed_at", [1, 3])
+def test_a_replayed_call_with_a_changed_argument_is_non_determinism(
+        any_store: Store, wf_celery_app: Callable[[str, Store], Celery], kind: str,
+        changed_at: int) -> None:
+    """A replay answers a recorded call only if the call is the recorded one: the same kind
+    and name with other arguments (and a matching call replayed before it, at seq 3) blocks
+    the run as non-deterministic, naming both digests, and writes nothing; the replayed calls
+    skip the re-validation of their arguments, never the comparison."""
+    store = any_store
+    app = make_app(wf_celery_app("wfv", store))
+
+    def call(ctx: WorkflowContext, arg: str) -> str:
+        if kind == "activity":
+            return str(ctx.activity("wfv.act", arg))
+        return str(ctx.step(_shout, arg, name="shout"))
+
+    def flow(first: str, second: str) -> Callable[[WorkflowContext], list[str]]:
+        def run(ctx: WorkflowContext) -> list[str]:
+            a = call(ctx, first)
+            ctx.wait_signal("go")
+            b = call(ctx, second)
+            ctx.wait_signal("end")
+            return [a, b]
+        return run
+
+    driver = Driver(store, app)
+    workflow(name="t.changed")(flow("a", "b"))
+    engine.start(store, "t.changed", "changed")
+    driver.run()
+    signal(store, "changed", "go", 1)
+    driver.run()  # parked at seq 4; seq 1 and 3 recorded with "a" and "b"
+    before = events(store, "changed")
+    assert [e[1] for e in before] == [kind, "signal", kind, "signal"], before
+    workflow(name="t.changed")(flow("a2", "b") if changed_at == 1 else flow("a", "b2"))
+    problem = engine.replay_check(store, "changed")
+    assert problem is not None and f"seq {changed_at}: code did {kind}" in problem, problem
+    signal(store, "changed", "end", 1)
+    driver.run()
+    row = engine.get_workflow(store, "changed")
+    assert row["state"] == "blocked", row
+    reason = row["block_reason"]
+    name = "wfv.act" if kind == "activity" else "shout"
+    assert reason.startswith(f"non-determinism: seq {changed_at}: code did {kind} {name} "
+                             "(args digest "), reason
+    code_digest, history_digest = re.findall(r"args digest ([0-9a-f]{16})", reason)
+    assert code_digest != history_digest, reason
+    assert events(store, "changed") == before  # nothing recorded past the mismatch
+    if kind == "activity":
+        assert CALLS == ["a", "b"]  # the changed call dispatched nothing

@@ -39,6 +39,7 @@ from reliable_beat import values as rb_values
 from reliable_beat.errors import ConfigurationError, EntryValidationError
 from reliable_beat.handlers import CELERY_PROTOCOL_HEADERS
 from reliable_beat.policies import MisfirePolicy, OverlapPolicy, catch_up_limit_problem
+from reliable_beat.redaction import get_logger
 from reliable_beat.rows import check_options
 from reliable_beat.settings import Settings
 
@@ -50,6 +51,8 @@ __all__ = [
     "definitions_from_beat_schedule",
     "is_task_elsewhere",
 ]
+
+log = get_logger("reliable_beat.definitions")
 
 ENTRY_OPTION_KEYS = frozenset(
     {
@@ -257,11 +260,13 @@ def arguments_problem(
     """Why ``args`` / ``kwargs`` cannot be passed to ``function`` (task ``task``'s body, a
     bound task's ``self`` already bound), or None when they fit or nothing can be checked
     (no function, no readable signature). ``*args`` / ``**kwargs`` in the signature take
-    anything, as they do when the worker calls the task."""
+    anything, as they do when the worker calls the task. The signature read is the function's
+    own, not the one ``functools.wraps`` points to: a decorator that supplies arguments itself
+    takes what its wrapper takes (Celery checks the same way)."""
     if function is None:
         return None
     try:
-        signature = inspect.signature(function)
+        signature = inspect.signature(function, follow_wrapped=False)
     except (TypeError, ValueError):
         return None
     try:
@@ -355,7 +360,12 @@ def definition_from_celery(
                 f"{value.strip()!r}")
     if task_function is not None and task != "?":
         misfit = arguments_problem(task, task_function(task), args, kwargs)
-        if misfit is not None:
+        if misfit is not None and origin == "config":
+            # loud, never fatal: a configured schedule's other entries keep firing, and a
+            # signature this check misreads cannot stop a working beat; each run of it is a
+            # dead letter naming the TypeError
+            log.error("entry %r: %s", name, misfit)
+        elif misfit is not None:
             bad(misfit)
     args, kwargs = _encoded_arguments(args, kwargs, bad)
     try:

@@ -1,11 +1,14 @@
 """A Celery app whose tasks have fixed signatures, and a ``beat_schedule`` with entries whose
-arguments cannot fit them (``schedule sync`` / ``entries add`` must refuse those by name).
+arguments cannot fit them (``entries add`` refuses those by name; ``schedule sync`` and a
+beat's start name them at ERROR and sync them all).
 
 Broker: in-memory (``memory://``).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -36,6 +39,22 @@ def untyped(amount: int) -> None:
     """``typing=False``: Celery does not check its arguments, nor do we."""
 
 
+def inject_session(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator that supplies the first argument itself (``functools.wraps``: the
+    wrapper's ``__wrapped__`` signature has one argument more than the task takes)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn("SESSION", *args, **kwargs)
+    return wrapper
+
+
+@app.task(name="argsapp.wrapped")
+@inject_session
+def wrapped(session: str, merchant: str) -> str:
+    """Called with ``merchant`` only: Celery runs it (``apply(args=["m1"])``)."""
+    return merchant
+
+
 GOOD = {
     "good-bill": {"task": "argsapp.bill", "schedule": 60, "args": [5]},
     "good-plain": {"task": "argsapp.plain", "schedule": 60, "kwargs": {"amount": 1}},
@@ -43,6 +62,7 @@ GOOD = {
                  "kwargs": {"x": 1}},
     "good-untyped": {"task": "argsapp.untyped", "schedule": 60, "args": [1, 2, 3]},
     "elsewhere": {"task": "other.app.task", "schedule": 60, "args": [1, 2, 3]},
+    "good-wrapped": {"task": "argsapp.wrapped", "schedule": 60, "args": ["m1"]},
 }
 BAD = {
     "bill-missing": {"task": "argsapp.bill", "schedule": 60},

@@ -12,7 +12,6 @@ the typo entry was synced enabled and its slot fired.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 
 from click.testing import CliRunner
@@ -24,20 +23,8 @@ from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, runs
 from reliable_beat.entries import EntryDefinition, definition_from_celery
 from reliable_beat.loop import BeatLoop
-from reliable_beat.outbox import OutboxMessage
 from reliable_beat.settings import Settings
-
-
-class _Publisher:
-    destination = "celery"
-
-    def publish(self, messages: Sequence[OutboxMessage], now: datetime
-                ) -> list[tuple[int, BaseException | None]]:
-        return [(m.id, None) for m in messages]
-
-    def tracked_tasks(self) -> Collection[str]:
-        return []
-
+from tests.apps.quiet_handler import QuietHandler as _Publisher
 
 SCHEDULE = {
     "ok": {"task": "shop.tick", "schedule": 60.0},

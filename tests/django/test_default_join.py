@@ -190,6 +190,13 @@ def test_a_store_that_is_no_django_database_refuses_orm_writes_in_the_block() ->
     ("BEGIN", False),  # Django's SQLite backend opens atomic() so
     ('ROLLBACK TO SAVEPOINT "s1_x1"', False),
     ("EXPLAIN ANALYZE SELECT 1", False),
+    ('SET "transaction_read_only" = off; SELECT fn_ins()', True),
+    ('SET "default_transaction_read_only" = off', True),
+    ('SET SESSION "Transaction_Read_Only" TO off', True),
+    ("SET @@session.`transaction_read_only` = 0", True),
+    ('SELECT "pg_catalog"."set_config"(\'transaction_read_only\', \'off\', true)', True),
+    ('SET U&"\\0074ransaction_read_only" = off', True),
+    ('SELECT "dj_payouts"."id", "dj_payouts"."key" FROM "dj_payouts" WHERE "key" = %s', False),
 ])
 def test_write_statements_are_told_from_reads(sql: Any, write: bool) -> None:
     assert is_write(sql) is write
@@ -250,6 +257,27 @@ def test_a_hidden_write_on_another_alias_is_refused_and_not_written(
         assert side_rows(value) == 0
         assert not Payout.objects.filter(key=f"pay:{key}-{atomic}").exists()
         assert runs.get_run(conf.store(), f"pay:{key}-{atomic}")["state"] == "dead"
+
+
+@pytest.mark.parametrize("setting", ["transaction_read_only",
+                                     "default_transaction_read_only"])
+def test_read_only_switched_off_through_a_quoted_setting_is_refused(
+        side: str, setting: str) -> None:
+    """``SET "transaction_read_only" = off; SELECT fn_that_inserts()`` on another alias in
+    the block: the quoted setting name is seen, the statement refused, no row written; an
+    ORM read there (every column quoted) still passes."""
+    from djtask_app import pay_then_sql, pay_via
+
+    statement = f'SET "{setting}" = off; SELECT rb_side_insert(4601)'
+    for atomic in (False, True):
+        key = f"quoted-{setting}-{atomic}"
+        res = pay_then_sql.apply(args=[key, side, [statement]], kwargs={"atomic": atomic})
+        assert isinstance(res.result, ConfigurationError), (atomic, res.result)
+        assert f"Django database {side!r} inside self.transaction()" in str(res.result)
+        assert side_rows(4601) == 0
+        assert not Payout.objects.filter(key=f"pay:{key}").exists()
+    res = pay_via.apply(args=[f"quoted-read-{setting}", "default"], kwargs={"read_on": "other"})
+    assert res.successful(), res.traceback
 
 
 def test_reads_on_another_alias_work_in_the_block_and_it_is_writable_after(side: str) -> None:

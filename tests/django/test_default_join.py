@@ -376,6 +376,46 @@ def test_an_alias_inside_its_own_atomic_keeps_the_statement_check_only(side: str
     assert side_rows(4402) == 0
 
 
+@pytest.fixture
+def manual_other(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Alias ``other`` with ``AUTOCOMMIT: False`` and a persistent connection."""
+    wrapper = connections["other"]
+    wrapper.close()
+    monkeypatch.setitem(wrapper.settings_dict, "AUTOCOMMIT", False)
+    monkeypatch.setitem(wrapper.settings_dict, "CONN_MAX_AGE", 600)
+    try:
+        yield "other"
+    finally:
+        wrapper.close()
+
+
+def test_an_alias_without_autocommit_is_writable_after_the_block(manual_other: str) -> None:
+    """An ``AUTOCOMMIT: False`` alias manages its own transactions (the user commits in the
+    block, rolls back after it): it keeps the statement check only, and its connection is
+    read-write after the block."""
+    from djtask_app import PayTask, app
+
+    @app.task(base=PayTask, bind=True, name="dj.test_manual_commit")
+    def manual_commit(self: Any, merchant: str) -> None:
+        with self.transaction():
+            with connections[manual_other].cursor() as cur:
+                cur.execute("select 1")
+            connections[manual_other].commit()
+            with pytest.raises(ConfigurationError), connections[manual_other].cursor() as cur:
+                cur.execute("INSERT INTO dj_payouts (key) VALUES ('x')")
+
+    res = manual_commit.apply(args=["manual"])
+    assert res.successful(), res.traceback
+    wrapper = connections[manual_other]
+    wrapper.rollback()
+    with wrapper.cursor() as cur:
+        cur.execute("SHOW default_transaction_read_only")
+        assert cur.fetchone()[0] == "off"
+    Payout.objects.using(manual_other).create(key="pay:manual-after", fence=1, run_id=1, pid=0)
+    wrapper.commit()
+    assert Payout.objects.filter(key="pay:manual-after").count() == 1
+
+
 def test_sqlite_alias_runs_query_only_until_restored() -> None:
     """The read-only mode on a real SQLite connection: PRAGMA query_only, restored."""
     from reliable_beat.contrib.django.readonly import ReadOnly, refused_by_database

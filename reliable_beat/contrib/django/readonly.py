@@ -18,9 +18,12 @@
    * SQLite: ``PRAGMA query_only = ON``;
 
    restored (read-write) when the block ends, also on error; a connection that cannot be
-   restored is closed. An alias already inside its own ``atomic()`` when the block opens
-   (PostgreSQL, MySQL) keeps the statement check only: its transaction cannot be read-only
-   for part of it, and its writes commit or roll back with that ``atomic()``.
+   restored (durably: outside a transaction) is closed. An alias already inside its own
+   ``atomic()`` when the block opens (PostgreSQL, MySQL) keeps the statement check only:
+   its transaction cannot be read-only for part of it, and its writes commit or roll back
+   with that ``atomic()``. So does a PostgreSQL alias not in autocommit (``AUTOCOMMIT:
+   False``, ``set_autocommit(False)``) outside ``atomic()``: its user commits and rolls
+   back by hand, so a setting sent in its transaction could outlive the block or be undone.
 
 :func:`refused_by_database` tells the database's read-only error from others.
 """
@@ -213,6 +216,12 @@ class ReadOnly:
                 self.outer = True  # begun before the block touched it: as an outer atomic
             return
         autocommit = bool(self.wrapper.get_autocommit())
+        if not autocommit and not self.wrapper.in_atomic_block:
+            # transactions managed by hand (AUTOCOMMIT: False, set_autocommit(False)): a
+            # setting sent in one is made or unmade by the user's commit or rollback, which
+            # may come after the block: the statement check only, as for an outer atomic()
+            self.outer = True
+            return
         # the next transaction starts under the session's default
         self.in_read_only_transaction = not autocommit
         if _parameter(raw, "default_transaction_read_only") == "on":
@@ -239,6 +248,9 @@ class ReadOnly:
                      "sqlite": "PRAGMA query_only = OFF"}[self.vendor]
         try:
             self._send(raw, statement)
+            if self.vendor == "postgresql" and _transaction_status(raw) != _IDLE:
+                # sent inside a transaction a later rollback may undo: not restored
+                raise RuntimeError("read-write not restored durably")
         except Exception:  # a read-only session must not be reused: drop the connection
             try:
                 self.wrapper.close()

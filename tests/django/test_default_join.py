@@ -197,6 +197,10 @@ def test_a_store_that_is_no_django_database_refuses_orm_writes_in_the_block() ->
     ('SELECT "pg_catalog"."set_config"(\'transaction_read_only\', \'off\', true)', True),
     ('SET U&"\\0074ransaction_read_only" = off', True),
     ('SELECT "dj_payouts"."id", "dj_payouts"."key" FROM "dj_payouts" WHERE "key" = %s', False),
+    ("SELECT E'a\\''; SET default_transaction_read_only = off; COMMIT; "
+     "INSERT INTO side VALUES (1); SELECT 'x'", True),
+    ("SELECT 'C:\\'; INSERT INTO side VALUES (1); SELECT 'x'", True),
+    ("SELECT E'it\\'s', 'a\\\\b' FROM side", False),
 ])
 def test_write_statements_are_told_from_reads(sql: Any, write: bool) -> None:
     assert is_write(sql) is write
@@ -234,6 +238,8 @@ def side_rows(v: int) -> int:
     ("read-then-function", ["SELECT count(*) FROM rb_side", "SELECT rb_side_insert(4206)"],
      False, True),
     ("function-composed", ["SELECT rb_side_insert(4207)"], True, True),
+    ("escaped-string", ["SELECT E'a\\''; SET default_transaction_read_only = off; COMMIT; "
+                        "SELECT rb_side_insert(4208); SELECT 'x'"], False, False),
 ])
 def test_a_hidden_write_on_another_alias_is_refused_and_not_written(
         side: str, case: str, statements: list[str], composed: bool, by_database: bool) -> None:

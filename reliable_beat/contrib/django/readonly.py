@@ -40,6 +40,11 @@ __all__ = ["ReadOnly", "is_write", "refused_by_database", "statement_text"]
 # a column or table, or a setting or function: its words are scanned for _QUOTED_WORDS
 # (Django's ORM quotes every column, so "update" or "into" there is a name, not a write).
 _NOISE = re.compile(r"--[^\n]*|/\*.*?\*/|'[^']*'|(?P<quoted>\"[^\"]*\"|`[^`]*`)", re.S)
+# The same where a backslash escapes the next character in quotes (PostgreSQL's E'...'
+# strings, standard_conforming_strings off, MySQL's strings): a text with a backslash is
+# read both ways, so E'\''; INSERT ... cannot hide the INSERT from either reading.
+_NOISE_ESCAPED = re.compile(r"--[^\n]*|/\*.*?\*/|'(?:[^'\\]|\\.)*'"
+                            r"|(?P<quoted>\"(?:[^\"\\]|\\.)*\"|`[^`]*`)", re.S)
 _WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 #: Words that write (other DDL, e.g. COMMENT ON, is left to the database: words users name
 #: columns), or that would turn the read-only mode off or end the transaction under it.
@@ -96,6 +101,10 @@ def is_write(sql: Any, raw: Any = None) -> bool:
     text = statement_text(sql, raw)
     if text is None:
         return True
+    return _writes(text, _NOISE) or ("\\" in text and _writes(text, _NOISE_ESCAPED))
+
+
+def _writes(text: str, noise: re.Pattern[str]) -> bool:
     quoted_write = False
 
     def blank(found: re.Match[str]) -> str:
@@ -107,7 +116,7 @@ def is_write(sql: Any, raw: Any = None) -> bool:
             quoted_write = True
         return " "
 
-    text = _NOISE.sub(blank, text)
+    text = noise.sub(blank, text)
     if quoted_write:
         return True
     if _BARE_BEGIN.fullmatch(text):

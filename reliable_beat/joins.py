@@ -123,8 +123,14 @@ def same_database(a: URL, b: URL) -> bool:
         return bool(a.database) and bool(b.database) and \
             os.path.abspath(str(a.database)) == os.path.abspath(str(b.database))
     default = _DEFAULT_PORTS.get(backend)
-    return (a.host or "", a.port or default, a.database) == \
-        (b.host or "", b.port or default, b.database)
+    return _where(a, default) == _where(b, default)
+
+
+def _where(url: URL, default: int | None) -> tuple[str, Any, str | None]:
+    """Host (or Unix socket: ``?host=/dir``, ``?unix_socket=...``), port and database."""
+    host = url.host or str(url.query.get("host") or url.query.get("unix_socket") or "")
+    port = url.port or url.query.get("port") or default
+    return host, str(port) if port is not None else None, url.database
 
 
 def check_same_database(engine: Engine, store: Store) -> None:

@@ -190,6 +190,17 @@ def test_a_store_that_is_no_django_database_refuses_orm_writes_in_the_block() ->
     ("BEGIN", False),  # Django's SQLite backend opens atomic() so
     ('ROLLBACK TO SAVEPOINT "s1_x1"', False),
     ("EXPLAIN ANALYZE SELECT 1", False),
+    ('SET "transaction_read_only" = off; SELECT fn_ins()', True),
+    ('SET "default_transaction_read_only" = off', True),
+    ('SET SESSION "Transaction_Read_Only" TO off', True),
+    ("SET @@session.`transaction_read_only` = 0", True),
+    ('SELECT "pg_catalog"."set_config"(\'transaction_read_only\', \'off\', true)', True),
+    ('SET U&"\\0074ransaction_read_only" = off', True),
+    ('SELECT "dj_payouts"."id", "dj_payouts"."key" FROM "dj_payouts" WHERE "key" = %s', False),
+    ("SELECT E'a\\''; SET default_transaction_read_only = off; COMMIT; "
+     "INSERT INTO side VALUES (1); SELECT 'x'", True),
+    ("SELECT 'C:\\'; INSERT INTO side VALUES (1); SELECT 'x'", True),
+    ("SELECT E'it\\'s', 'a\\\\b' FROM side", False),
 ])
 def test_write_statements_are_told_from_reads(sql: Any, write: bool) -> None:
     assert is_write(sql) is write
@@ -227,6 +238,8 @@ def side_rows(v: int) -> int:
     ("read-then-function", ["SELECT count(*) FROM rb_side", "SELECT rb_side_insert(4206)"],
      False, True),
     ("function-composed", ["SELECT rb_side_insert(4207)"], True, True),
+    ("escaped-string", ["SELECT E'a\\''; SET default_transaction_read_only = off; COMMIT; "
+                        "SELECT rb_side_insert(4208); SELECT 'x'"], False, False),
 ])
 def test_a_hidden_write_on_another_alias_is_refused_and_not_written(
         side: str, case: str, statements: list[str], composed: bool, by_database: bool) -> None:
@@ -250,6 +263,27 @@ def test_a_hidden_write_on_another_alias_is_refused_and_not_written(
         assert side_rows(value) == 0
         assert not Payout.objects.filter(key=f"pay:{key}-{atomic}").exists()
         assert runs.get_run(conf.store(), f"pay:{key}-{atomic}")["state"] == "dead"
+
+
+@pytest.mark.parametrize("setting", ["transaction_read_only",
+                                     "default_transaction_read_only"])
+def test_read_only_switched_off_through_a_quoted_setting_is_refused(
+        side: str, setting: str) -> None:
+    """``SET "transaction_read_only" = off; SELECT fn_that_inserts()`` on another alias in
+    the block: the quoted setting name is seen, the statement refused, no row written; an
+    ORM read there (every column quoted) still passes."""
+    from djtask_app import pay_then_sql, pay_via
+
+    statement = f'SET "{setting}" = off; SELECT rb_side_insert(4601)'
+    for atomic in (False, True):
+        key = f"quoted-{setting}-{atomic}"
+        res = pay_then_sql.apply(args=[key, side, [statement]], kwargs={"atomic": atomic})
+        assert isinstance(res.result, ConfigurationError), (atomic, res.result)
+        assert f"Django database {side!r} inside self.transaction()" in str(res.result)
+        assert side_rows(4601) == 0
+        assert not Payout.objects.filter(key=f"pay:{key}").exists()
+    res = pay_via.apply(args=[f"quoted-read-{setting}", "default"], kwargs={"read_on": "other"})
+    assert res.successful(), res.traceback
 
 
 def test_reads_on_another_alias_work_in_the_block_and_it_is_writable_after(side: str) -> None:
@@ -346,6 +380,46 @@ def test_an_alias_inside_its_own_atomic_keeps_the_statement_check_only(side: str
         assert side_rows(4402) == 1
         transaction.set_rollback(True, using=side)
     assert side_rows(4402) == 0
+
+
+@pytest.fixture
+def manual_other(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Alias ``other`` with ``AUTOCOMMIT: False`` and a persistent connection."""
+    wrapper = connections["other"]
+    wrapper.close()
+    monkeypatch.setitem(wrapper.settings_dict, "AUTOCOMMIT", False)
+    monkeypatch.setitem(wrapper.settings_dict, "CONN_MAX_AGE", 600)
+    try:
+        yield "other"
+    finally:
+        wrapper.close()
+
+
+def test_an_alias_without_autocommit_is_writable_after_the_block(manual_other: str) -> None:
+    """An ``AUTOCOMMIT: False`` alias manages its own transactions (the user commits in the
+    block, rolls back after it): it keeps the statement check only, and its connection is
+    read-write after the block."""
+    from djtask_app import PayTask, app
+
+    @app.task(base=PayTask, bind=True, name="dj.test_manual_commit")
+    def manual_commit(self: Any, merchant: str) -> None:
+        with self.transaction():
+            with connections[manual_other].cursor() as cur:
+                cur.execute("select 1")
+            connections[manual_other].commit()
+            with pytest.raises(ConfigurationError), connections[manual_other].cursor() as cur:
+                cur.execute("INSERT INTO dj_payouts (key) VALUES ('x')")
+
+    res = manual_commit.apply(args=["manual"])
+    assert res.successful(), res.traceback
+    wrapper = connections[manual_other]
+    wrapper.rollback()
+    with wrapper.cursor() as cur:
+        cur.execute("SHOW default_transaction_read_only")
+        assert cur.fetchone()[0] == "off"
+    Payout.objects.using(manual_other).create(key="pay:manual-after", fence=1, run_id=1, pid=0)
+    wrapper.commit()
+    assert Payout.objects.filter(key="pay:manual-after").count() == 1
 
 
 def test_sqlite_alias_runs_query_only_until_restored() -> None:

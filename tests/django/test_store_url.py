@@ -98,3 +98,32 @@ def test_mysql_cannot_be_joined_and_says_what_to_do_instead() -> None:
 
     with pytest.raises(ConfigurationError, match="MySQL/MariaDB"), atomic_connection("maria"):
         pass
+
+
+@pytest.mark.parametrize(("engine", "host", "port", "expected", "socket_key"), [
+    ("django.db.backends.postgresql", "/tmp/a4pg", "55434",
+     f"postgresql+{os.environ.get('RB_DJANGO_DRIVER', 'psycopg')}://postgres@/shop"
+     "?host=%2Ftmp%2Fa4pg&port=55434", "host"),
+    ("django.db.backends.mysql", "/run/mysqld/mysqld.sock", "",
+     "mysql+pymysql://postgres@/shop?unix_socket=%2Frun%2Fmysqld%2Fmysqld.sock",
+     "unix_socket"),
+])
+def test_a_unix_socket_host_goes_in_the_query_and_round_trips(
+        engine: str, host: str, port: str, expected: str, socket_key: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Django ``HOST`` that is a path is a Unix socket (directory): the store URL names it
+    where the driver takes it, so the store connects to that server, not the default one."""
+    from sqlalchemy.engine import make_url
+
+    from reliable_beat.joins import same_database
+
+    monkeypatch.setitem(django_settings.DATABASES, "sock", {
+        "ENGINE": engine, "NAME": "shop", "USER": "postgres", "HOST": host, "PORT": port})
+    url = database_url("sock")
+    assert url == expected
+    parsed = make_url(url)
+    assert parsed.database == "shop" and parsed.host is None
+    assert parsed.query[socket_key] == host
+    assert parsed.query.get("port") == (port or None)
+    other_dir = parsed.update_query_dict({socket_key: "/tmp/elsewhere"})
+    assert same_database(parsed, parsed) and not same_database(parsed, other_dir)

@@ -198,25 +198,36 @@ def _url(alias: str, driver: str, *, for_store: bool) -> URL:
         return URL.create("sqlite" if for_store else f"sqlite+{_DRIVERS[driver]}",
                           database=os.path.abspath(name))
     options = cfg.get("OPTIONS") or {}
-    port = cfg.get("PORT")
+    port = int(cfg["PORT"]) if cfg.get("PORT") not in (None, "") else None
+    host = str(cfg.get("HOST") or "") or None
+    # a HOST that is a path is a Unix-socket directory (PostgreSQL) or socket (MySQL): it
+    # goes in the query, as the drivers take it (the URL's host part cannot hold a path)
+    socket = host if host is not None and host.startswith("/") else None
     if driver == "pymysql":
         charset = options.get("charset")
+        query = {"charset": str(charset)} if charset else {}
+        if socket is not None:
+            query["unix_socket"] = socket
         return URL.create(
             "mysql+pymysql",
             username=cfg.get("USER") or None,
             password=cfg.get("PASSWORD") or None,
-            host=cfg.get("HOST") or None,
-            port=int(port) if port not in (None, "") else None,
+            host=None if socket is not None else host,
+            port=None if socket is not None else port,
             database=cfg.get("NAME") or None,
-            query={"charset": str(charset)} if charset else {},
+            query=query,
         )
     query = {k: str(options[k]) for k in _LIBPQ_OPTIONS if options.get(k) is not None}
+    if socket is not None:
+        query["host"] = socket
+        if port is not None:
+            query["port"] = str(port)
     return URL.create(
         f"postgresql+{driver if for_store else _DRIVERS[driver]}",
         username=cfg.get("USER") or None,
         password=(cfg.get("PASSWORD") or None) if for_store else None,
-        host=cfg.get("HOST") or None,
-        port=int(port) if port not in (None, "") else None,
+        host=None if socket is not None else host,
+        port=None if socket is not None else port,
         database=cfg.get("NAME") or None,
         query=query,
     )

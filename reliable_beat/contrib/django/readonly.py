@@ -3,7 +3,8 @@
 1. :func:`is_write`, a statement check: a clear error before the database for the statements
    that plainly write (anywhere in the text: multi-statement strings, ``EXPLAIN ANALYZE``,
    ``CALL``, ``DO``, ``COPY``, ``PREPARE``/``EXECUTE``, ``SELECT ... INTO``, DDL) or that
-   would switch the session back to read-write or end its transaction.
+   would switch the session back to read-write or end its transaction (the setting names
+   and ``set_config`` also when quoted: ``SET "transaction_read_only" = off``).
 2. :class:`ReadOnly`, the database's read-only mode for one alias while the block is open,
    so what the text does not show (``SELECT fn_that_inserts()``) is refused by the database:
 
@@ -17,9 +18,12 @@
    * SQLite: ``PRAGMA query_only = ON``;
 
    restored (read-write) when the block ends, also on error; a connection that cannot be
-   restored is closed. An alias already inside its own ``atomic()`` when the block opens
-   (PostgreSQL, MySQL) keeps the statement check only: its transaction cannot be read-only
-   for part of it, and its writes commit or roll back with that ``atomic()``.
+   restored (durably: outside a transaction) is closed. An alias already inside its own
+   ``atomic()`` when the block opens (PostgreSQL, MySQL) keeps the statement check only:
+   its transaction cannot be read-only for part of it, and its writes commit or roll back
+   with that ``atomic()``. So does a PostgreSQL alias not in autocommit (``AUTOCOMMIT:
+   False``, ``set_autocommit(False)``) outside ``atomic()``: its user commits and rolls
+   back by hand, so a setting sent in its transaction could outlive the block or be undone.
 
 :func:`refused_by_database` tells the database's read-only error from others.
 """
@@ -31,9 +35,16 @@ from typing import Any
 
 __all__ = ["ReadOnly", "is_write", "refused_by_database", "statement_text"]
 
-# Comments, string literals and quoted identifiers hide nothing that runs (dollar-quoted
-# bodies do: DO $$ ... $$ is scanned as is); a doubled quote inside one splits it in two.
-_NOISE = re.compile(r"--[^\n]*|/\*.*?\*/|'[^']*'|\"[^\"]*\"|`[^`]*`", re.S)
+# Comments and string literals hide nothing that runs (dollar-quoted bodies do: DO $$ ... $$
+# is scanned as is); a doubled quote inside one splits it in two. A quoted identifier names
+# a column or table, or a setting or function: its words are scanned for _QUOTED_WORDS
+# (Django's ORM quotes every column, so "update" or "into" there is a name, not a write).
+_NOISE = re.compile(r"--[^\n]*|/\*.*?\*/|'[^']*'|(?P<quoted>\"[^\"]*\"|`[^`]*`)", re.S)
+# The same where a backslash escapes the next character in quotes (PostgreSQL's E'...'
+# strings, standard_conforming_strings off, MySQL's strings): a text with a backslash is
+# read both ways, so E'\''; INSERT ... cannot hide the INSERT from either reading.
+_NOISE_ESCAPED = re.compile(r"--[^\n]*|/\*.*?\*/|'(?:[^'\\]|\\.)*'"
+                            r"|(?P<quoted>\"(?:[^\"\\]|\\.)*\"|`[^`]*`)", re.S)
 _WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 #: Words that write (other DDL, e.g. COMMENT ON, is left to the database: words users name
 #: columns), or that would turn the read-only mode off or end the transaction under it.
@@ -44,6 +55,14 @@ _WRITE_WORDS = frozenset({
     "TRANSACTION_READ_ONLY", "DEFAULT_TRANSACTION_READ_ONLY", "TX_READ_ONLY", "QUERY_ONLY",
     "SET_CONFIG", "RESET", "DISCARD", "COMMIT", "ABORT", "ROLLBACK", "BEGIN",
 })
+#: Names that switch the read-only mode off (settings, set_config) or write outside it,
+#: found in quoted identifiers too: SET "transaction_read_only" = off.
+_QUOTED_WORDS = frozenset({
+    "TRANSACTION_READ_ONLY", "DEFAULT_TRANSACTION_READ_ONLY", "TX_READ_ONLY", "QUERY_ONLY",
+    "SET_CONFIG", "PG_NOTIFY",
+})
+# A Unicode-escaped identifier (U&"\0074ransaction_read_only") cannot be read as written.
+_UNICODE_QUOTED = re.compile(r"U&\s*$", re.I)
 _PAIRS = frozenset({("READ", "WRITE"), ("SESSION", "CHARACTERISTICS"),
                     ("START", "TRANSACTION")})
 _ROLLBACK_TO = re.compile(r"\s*(?:WORK\s+|TRANSACTION\s+)?TO\b", re.I)
@@ -82,7 +101,24 @@ def is_write(sql: Any, raw: Any = None) -> bool:
     text = statement_text(sql, raw)
     if text is None:
         return True
-    text = _NOISE.sub(" ", text)
+    return _writes(text, _NOISE) or ("\\" in text and _writes(text, _NOISE_ESCAPED))
+
+
+def _writes(text: str, noise: re.Pattern[str]) -> bool:
+    quoted_write = False
+
+    def blank(found: re.Match[str]) -> str:
+        nonlocal quoted_write
+        name = found.group("quoted")
+        if name is not None and (
+                _UNICODE_QUOTED.search(found.string, 0, found.start()) is not None
+                or any(word.upper() in _QUOTED_WORDS for word in _WORD.findall(name))):
+            quoted_write = True
+        return " "
+
+    text = noise.sub(blank, text)
+    if quoted_write:
+        return True
     if _BARE_BEGIN.fullmatch(text):
         return False
     before = before_that = ""
@@ -189,6 +225,12 @@ class ReadOnly:
                 self.outer = True  # begun before the block touched it: as an outer atomic
             return
         autocommit = bool(self.wrapper.get_autocommit())
+        if not autocommit and not self.wrapper.in_atomic_block:
+            # transactions managed by hand (AUTOCOMMIT: False, set_autocommit(False)): a
+            # setting sent in one is made or unmade by the user's commit or rollback, which
+            # may come after the block: the statement check only, as for an outer atomic()
+            self.outer = True
+            return
         # the next transaction starts under the session's default
         self.in_read_only_transaction = not autocommit
         if _parameter(raw, "default_transaction_read_only") == "on":
@@ -215,6 +257,9 @@ class ReadOnly:
                      "sqlite": "PRAGMA query_only = OFF"}[self.vendor]
         try:
             self._send(raw, statement)
+            if self.vendor == "postgresql" and _transaction_status(raw) != _IDLE:
+                # sent inside a transaction a later rollback may undo: not restored
+                raise RuntimeError("read-write not restored durably")
         except Exception:  # a read-only session must not be reused: drop the connection
             try:
                 self.wrapper.close()

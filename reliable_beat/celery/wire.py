@@ -288,6 +288,8 @@ def _coalesce_pushes(producer: Any) -> int:
     values: list[Any] | None = None  # the values of the run being merged (its last command)
     key: Any = None
     removed = 0
+    if not all(isinstance(c, tuple) and len(c) == 2 for c in stack):
+        return 0  # not redis-py's (args, options) pairs: a client this was not made for
     for command in stack:
         args, options = command
         if (isinstance(args, tuple) and len(args) >= 3 and args[0] == "LPUSH"

@@ -19,6 +19,9 @@ the server figure over blocks of 100 calls or more).
     # experiment (noattempt: no attempt row for a first try; indexes: partial state / entry
     # indexes on the runs table), + row writes per call from pg_stat_user_tables
     PYTHONPATH=. python benchmarks/profile_task.py --ab noattempt --n 3200 .
+    # + the server's side per statement (pg_stat_statements: calls, execution time, WAL
+    # records and bytes per call), printed after the runs
+    PYTHONPATH=. python benchmarks/profile_task.py --n 1000 --rounds 1 --statements .
 """
 import json
 import os
@@ -327,13 +330,16 @@ def main():
     ap.add_argument("--toggle", action="store_true")
     ap.add_argument("--ab", choices=("indexes", "noattempt", "floor", "floor_driver"),
                     help="one process, blocks alternating plain / old / new of an experiment")
+    ap.add_argument("--statements", action="store_true",
+                    help="load pg_stat_statements and print its per-statement table at the end")
     ap.add_argument("trees", nargs="+")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import sqlalchemy as sa
 
     from harness.servers import PostgresServer
-    with PostgresServer() as pg:
+    conf = ({"shared_preload_libraries": "pg_stat_statements"} if args.statements else {})
+    with PostgresServer(extra_conf=conf) as pg:
         from reliable_beat.db.dialects import Store
         from reliable_beat.db.migrate import upgrade
         st = Store.from_url(pg.url)
@@ -341,6 +347,8 @@ def main():
         with st.engine.begin() as c:
             c.execute(sa.text("CREATE TABLE bench_effects "
                               "(id serial PRIMARY KEY, key varchar(200), n int)"))
+            if args.statements:
+                c.execute(sa.text("CREATE EXTENSION pg_stat_statements"))
         st.dispose()
         pm = int((pg.datadir / "data" / "postmaster.pid").read_text().split()[0])
         res = {}
@@ -390,6 +398,24 @@ def main():
                    for m in ("plain", "idem")}
             ratios = [p / i for p, i in zip(tot["plain"], tot["idem"], strict=True)]
             print(tree, "plain/idem total-CPU ratio per round:", [round(x, 2) for x in ratios])
+        if args.statements:
+            print_statements(pg.url)
+
+
+def print_statements(url):
+    """pg_stat_statements over every run above (all trees and modes together): per
+    statement its calls, mean execution time, and WAL records / bytes per call."""
+    import sqlalchemy as sa
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    q = sa.text(
+        "SELECT calls, total_exec_time / calls * 1000 AS exec_us, wal_records::float / calls,"
+        " wal_bytes::float / calls, left(regexp_replace(query, '\\s+', ' ', 'g'), 90)"
+        " FROM pg_stat_statements WHERE calls >= 100 ORDER BY total_exec_time DESC LIMIT 15")
+    print("\npg_stat_statements: calls, exec us/call, WAL records/call, WAL bytes/call, query")
+    with engine.connect() as c:
+        for calls, us, recs, wal, query in c.execute(q):
+            print(f"{calls:7d} {us:7.1f} {recs:6.1f} {wal:8.0f}  {query}")
+    engine.dispose()
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,7 @@ START_TIMEOUT = 90.0  # a celery process starting on a loaded 2-core machine
 #: The sweep delay: a trigger a SIGKILLed beat left unsent is published by another beat
 #: after slot + this, so a second message of a plain task's slot needs a SIGKILL inside it.
 SWEEP_DELAY = 10
-SETTLE_TIMEOUT = 60.0
+SETTLE_TIMEOUT = 45.0
 
 
 @pytest.fixture(scope="module")
@@ -259,15 +259,25 @@ def rolling_deploy(r: Roll, beats: int, rng: random.Random, kill_workers: bool) 
     assert r.code[beat.pid] == "new"
     # past any slot the killed beat claimed ahead (reliable_beat_claim_ahead_seconds, 0.5 s)
     t1 = r.now() + 2 * SECOND
-    procs_mod.wait_for(lambda: not r.unsettled(t1), SETTLE_TIMEOUT,
-                       "the slots up to the last SIGKILL to settle", interval=0.3)
-    r.events.append(f"{r.now():%H:%M:%S.%f} settled")
+    settle(r, lambda: not r.unsettled(t1), "the slots up to the last SIGKILL")
     r.procs.terminate(beat, timeout=30)
     # what the last beat published as it stopped is executed (no beat is left to sweep)
-    procs_mod.wait_for(lambda: not r.unsettled(), SETTLE_TIMEOUT, "every slot to settle",
-                       interval=0.3)
+    settle(r, lambda: not r.unsettled(), "every slot")
     for w in workers:
         r.procs.terminate(w, timeout=30)
+
+
+def settle(r: Roll, done: Callable[[], bool], what: str) -> None:
+    """Wait until ``done()``, at most :data:`SETTLE_TIMEOUT`; the checks then name what did
+    not settle."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while not done():
+        if time.monotonic() > deadline:
+            r.events.append(f"{r.now():%H:%M:%S.%f} {what}: NOT settled after "
+                            f"{SETTLE_TIMEOUT:.0f} s")
+            return
+        time.sleep(0.3)
+    r.events.append(f"{r.now():%H:%M:%S.%f} {what} settled")
 
 
 def check(r: Roll) -> dict[str, Any]:

@@ -7,6 +7,7 @@ ledger that proves every slot's effect happened exactly once.
     python -m harness.faults --minutes 2.5 --seed 7 --broker rabbitmq   # on RabbitMQ
     python -m harness.faults --minutes 2.5 --seed 7 --framework dramatiq  # Dramatiq adapter
     python -m harness.faults --minutes 2.5 --seed 7 --store mariadb     # MariaDB as the store
+    python -m harness.faults --minutes 3 --seed 5 --old-code HEAD~3     # old + new code mixed
 
 What it does (see ``docs/reliability.md``):
 
@@ -55,6 +56,17 @@ What it does (see ``docs/reliability.md``):
    effect exactly once, compensations in reverse order, no timer early, one consumed signal
    each, none left pending/running/waiting, ``blocked`` only where injected.
 
+``--old-code REV`` runs old and new code side by side, as a rolling deploy does: the harness
+extracts revision ``REV``'s ``reliable_beat`` package (``git archive REV reliable_beat``, in
+this repository) and every start of a beat, relay or worker (the first ones, and every
+restart after a kill, a crash or the skewed clock) runs either that old package or the
+current tree's (:class:`Procs`: the first start of each name alternates, restarts draw from
+the seed, about half each); the app modules (``harness/faultapp*.py``) stay the current
+tree's, and the schema is the current code's (migrated first, as a deploy does). Each start
+is logged with its code, the table counts the starts of each role on old and new code, and
+every check is the same. An old revision that lacks an API the app uses fails the run at
+start, naming it (:func:`harness.oldcode.probe`).
+
 ``--compare stock,redbeat`` then runs the same entries (as Celery intervals) under two stock
 ``celery beat`` processes (PersistentScheduler, one schedule file each) and two RedBeat
 beats, with beat SIGKILL / SIGSTOP faults, and counts duplicate and missing triggers from
@@ -87,6 +99,7 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine
 
+from harness.oldcode import OldCode, OldCodeError, extract, probe
 from harness.servers import (
     MariaDBServer,
     PostgresServer,
@@ -250,11 +263,24 @@ class Sink:
 
 
 class Procs:
-    """Named subprocesses (own process groups) with kill / pause / restart."""
+    """Named subprocesses (own process groups) with kill / pause / restart.
 
-    def __init__(self, env: dict[str, str], logdir: Path) -> None:
+    With ``old`` (``--old-code``), every start of a process chooses its code: the old
+    revision's ``reliable_beat`` (:meth:`OldCode.env <harness.oldcode.OldCode.env>`, started
+    in the old tree) or the current tree's. A name's first start alternates by its number
+    (``worker0`` old, ``worker1`` new, ...: both codes from the beginning wherever a role has
+    two processes), every restart draws from ``rng``, half each. :attr:`starts` counts them.
+    """
+
+    def __init__(self, env: dict[str, str], logdir: Path, old: OldCode | None = None,
+                 rng: random.Random | None = None) -> None:
         self.env = env
         self.logdir = logdir
+        self.old = old
+        self.code_rng = rng or random.Random(0)
+        #: (role, "old" | "new") -> starts; the code each name last started on
+        self.starts: Counter[tuple[str, str]] = Counter()
+        self.code: dict[str, str] = {}
         self.cmds: dict[str, list[str]] = {}
         self.extra_env: dict[str, dict[str, str]] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -279,7 +305,7 @@ class Procs:
                         if name not in self.down and not self.alive(name):
                             log(f"{name} exited on its own (rc {self.procs[name].returncode}); "
                                 "restarting it")
-                            self.crashes[name.rstrip("0123456789")] += 1
+                            self.crashes[role_of(name)] += 1
                             self.start(name)
 
         threading.Thread(target=loop, daemon=True).start()
@@ -296,12 +322,29 @@ class Procs:
             if extra_env is not None:
                 self.extra_env[name] = extra_env
             env = {**self.env, **self.extra_env.get(name, {})}
+            cwd, code = ROOT, "new"
+            if self.old is not None and self._old_turn(name):
+                env, cwd, code = self.old.env(env), self.old.tree, "old"
+            self.code[name] = code
+            self.starts[(role_of(name), code)] += 1
             logf = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+            if self.old is not None:
+                what = f"old code {self.old.label}" if code == "old" else "new code"
+                log(f"start {name} on {what}")
+                logf.write(f"--- harness: {name} started on {what} ---\n".encode())
+                logf.flush()
             self.procs[name] = subprocess.Popen(
-                self.cmds[name], env=env, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                self.cmds[name], env=env, cwd=cwd, stdout=logf, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             logf.close()
+
+    def _old_turn(self, name: str) -> bool:
+        """Whether this start of ``name`` runs the old code (see the class docstring)."""
+        if name not in self.code:
+            number = name[len(role_of(name)):]
+            return not number.isdigit() or int(number) % 2 == 0
+        return self.code_rng.random() < 0.5
 
     def alive(self, name: str) -> bool:
         p = self.procs.get(name)
@@ -349,6 +392,11 @@ class Procs:
         self.unsupervise()  # else the supervisor restarts what this stops (SIGTERM, Ctrl-C)
         for name in list(self.procs):
             self.stop(name, timeout=10)
+
+
+def role_of(name: str) -> str:
+    """A process's role: its name without the number (``beat2`` -> ``beat``)."""
+    return name.rstrip("0123456789")
 
 
 #: The Dramatiq app (``--framework dramatiq``).
@@ -439,6 +487,8 @@ class Options:
     compare_minutes: float | None = None
     workdir: Path | None = None
     keep_workdir: bool = False
+    #: a git revision whose ``reliable_beat`` half the process starts run (``--old-code``)
+    old_code: str | None = None
     lease_seconds: float = 3.0
     warmup_seconds: float = 12.0
     quiet_seconds: float = 20.0
@@ -491,6 +541,8 @@ class Harness:
         self.wf_direct: list[str] = []
         self.wf_driver_errors = 0
         self.stop_wf = threading.Event()
+        #: ``--old-code``: the old revision's extracted tree (:meth:`run` extracts it)
+        self.old: OldCode | None = None
 
     # -- setup ---------------------------------------------------------------------------
     def _servers(self) -> tuple[str, str]:
@@ -583,6 +635,9 @@ class Harness:
         shutil.rmtree(self.workdir, ignore_errors=True)
         (self.workdir / "logs").mkdir(parents=True)
         try:
+            if o.old_code:  # before any server starts: a bad revision fails at once
+                self.old = extract(o.old_code, self.workdir / "old-code")
+                log(f"old code {self.old.label} extracted into {self.old.tree}")
             with self.stack:
                 self.sink = Sink()
                 self.stack.callback(self.sink.close)
@@ -625,9 +680,13 @@ class Harness:
         env.update(RB_FAULTS_CONFIG=str(cfg), PYTHONPATH=os.pathsep.join(
             filter(None, [str(ROOT), env.get("PYTHONPATH")])))
         env.pop("RB_FAULTS_CLOCK_SKEW", None)
-        self.procs = Procs(env, self.workdir / "logs")
-        self.stack.callback(self.procs.stop_all)
         dq = o.framework == "dramatiq"
+        if self.old is not None:
+            self._probe_old_code(env, dq)
+        # its own rng: the fault timeline stays the one a run without --old-code has
+        self.procs = Procs(env, self.workdir / "logs", old=self.old,
+                           rng=random.Random(o.seed + 32))
+        self.stack.callback(self.procs.stop_all)
         self.stack.callback(self.stop_faults.set)  # runs first: no fault during the teardown
         for i in range(o.workers):
             self.procs.start(f"worker{i}", dramatiq_worker_cmd(i) if dq else worker_cmd(i))
@@ -669,6 +728,22 @@ class Harness:
         for name in list(self.procs.procs):
             self.procs.stop(name)
         return 1 if self.result.failures else 0
+
+    def _probe_old_code(self, env: dict[str, str], dramatiq: bool) -> None:
+        """Fail before any process starts when the old code cannot run the app: its
+        imports (the app module, the scheduler class) and its commands' options, on the
+        old tree (:func:`harness.oldcode.probe`)."""
+        assert self.old is not None
+        if dramatiq:
+            imports = [DRAMATIQ_APP]
+            commands = [dramatiq_beat_cmd(), dramatiq_relay_cmd()]
+        else:
+            imports = [APP, "reliable_beat.celery:ReliableScheduler"]
+            commands = [beat_cmd(self.workdir / "probe.schedule"), worker_cmd(0), relay_cmd()]
+        log(f"probing old code {self.old.label}: {', '.join(imports)} and "
+            f"{len(commands)} commands")
+        probe(self.old, env, imports, commands,
+              f"the harness's {self.opts.framework} app ({', '.join(imports)})")
 
     # -- faults --------------------------------------------------------------------------
     def _timeline(self, begin: float, end: float) -> None:
@@ -1317,6 +1392,11 @@ class Harness:
             attempts=dict(outcomes),
             crashes=dict(self.procs.crashes),
         )
+        if self.old is not None:
+            r.stats["old_code"] = self.old.label
+            r.stats["starts"] = {
+                role: {c: self.procs.starts[(role, c)] for c in ("old", "new")}
+                for role in sorted({role for role, _ in self.procs.starts})}
         checks: list[tuple[list[Any], str]] = [
             (missing, "slots without an effect"),
             (duplicated, "slots with more than one effect"),
@@ -1476,6 +1556,11 @@ class Harness:
             f"| max fire lateness (dispatched_at - fire_at) | "
             f"{'-' if late is None else f'{late:.2f} s'} |",
         ]
+        starts = s.get("starts")
+        if starts:
+            lines += ["", f"| process starts | old code ({s['old_code']}) | new code |",
+                      "|---|---|---|"]
+            lines += [f"| {role} | {n['old']} | {n['new']} |" for role, n in starts.items()]
         wf = s.get("wf")
         if wf:
             lines += [
@@ -1584,6 +1669,10 @@ def _parse(argv: list[str] | None) -> Options:
                     help="how long workers and relays may take to drain after the faults")
     ap.add_argument("--no-workflows", dest="workflows", action="store_false",
                     help="leave out the workflow shapes (saga, timer, signal; Celery only)")
+    ap.add_argument("--old-code", metavar="REV", default=None,
+                    help="a git revision of this repository: every start of a beat, relay or "
+                         "worker runs either that revision's reliable_beat or the current "
+                         "one (about half each; the app modules stay the current tree's)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep-workdir", action="store_true")
     a = ap.parse_args(argv)
@@ -1597,12 +1686,15 @@ def _parse(argv: list[str] | None) -> Options:
         ap.error("--broker rabbitmq: --compare and --redis-url need Redis")
     if a.store == "mariadb" and (compare or a.postgres_url):
         ap.error("--store mariadb: --compare and --postgres-url need PostgreSQL")
+    if a.old_code is not None and (compare or not a.old_code.strip()):
+        ap.error("--old-code: give a git revision (a commit, tag or branch), without --compare "
+                 "(the side-by-side schedulers run on the current code only)")
     return Options(
         minutes=a.minutes, seed=a.seed, beats=a.beats, workers=a.workers, relays=a.relays,
         entries=a.entries, postgres_url=a.postgres_url, redis_url=a.redis_url,
         broker=a.broker, framework=a.framework, store=a.store, compare=compare,
         compare_minutes=a.compare_minutes, workdir=a.workdir, drain_seconds=a.drain_seconds,
-        keep_workdir=a.keep_workdir, workflows=a.workflows,
+        keep_workdir=a.keep_workdir, workflows=a.workflows, old_code=a.old_code,
     )
 
 
@@ -1621,7 +1713,12 @@ def _sigterm_as_exit() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     opts = _parse(argv)
     with _sigterm_as_exit():
-        return Harness(opts).run()
+        try:
+            return Harness(opts).run()
+        except OldCodeError as exc:
+            print(f"python -m harness.faults: --old-code {opts.old_code}: {exc}",
+                  file=sys.stderr, flush=True)
+            return 2
 
 
 if __name__ == "__main__":

@@ -60,15 +60,19 @@ class BeatProcs:
     beats: list[Beat] = field(default_factory=list)
 
     def start(self, name: str, *, command: list[str] | None = None, app: str = "beatapp",
-              **env: str) -> Beat:
+              code: Path | None = None, **env: str) -> Beat:
         """Start ``celery -A beatapp beat`` (or ``celery -A beatapp`` + ``command``, e.g.
         ``["worker", "-B", ...]``; ``app``: another module of tests/apps) with ``env`` on top
-        of :attr:`env`."""
+        of :attr:`env`. ``code``: a directory holding another revision's ``reliable_beat``
+        package (:func:`harness.oldcode.extract`), put first on ``PYTHONPATH``: the process
+        runs that code with the current tree's apps (it runs in :attr:`logdir`, which must
+        not hold a ``reliable_beat`` of its own)."""
         full = dict(os.environ)
         full.pop("CELERY_CONFIG_MODULE", None)
         full.update(self.env)
         full.update(env)
-        full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(APPS)])
+        full["PYTHONPATH"] = os.pathsep.join([*([str(code)] if code else []), str(ROOT),
+                                              str(APPS)])
         full["PYTHONUNBUFFERED"] = "1"
         log = self.logdir / f"{name}-{len(self.beats)}.log"
         with open(log, "wb") as fh:

@@ -48,7 +48,7 @@ from reliable_beat.db.tables import workflow_signals, workflows
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
 from reliable_beat.workflow_store import add_wake, now_sql
-from reliable_beat.workflows import malformed, pg_statements, runaway, saga
+from reliable_beat.workflows import malformed, pg_statements, runaway, saga, sticky
 from reliable_beat.workflows.context import WorkflowContext
 from reliable_beat.workflows.crashes import crash_point
 from reliable_beat.workflows.errors import WorkflowNotFound
@@ -215,7 +215,15 @@ def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
             if row.state == "running" and runaway.park_expired(conn, row, now, max_takeovers):
                 return "blocked"
             return "busy" if row.state in ACTIVE_STATES else row.state  # type: ignore[no-any-return]
-        history = load_history(conn, row.id, row.run_no)
+        # this process's sticky cache and the events changed since, or the whole history
+        cache_key = (str(store.engine.url), int(row.id), workflow_id, row.created_at)
+        # (the completion this process committed right before, when it answers its wake)
+        wake = handoff.answering(workflow_id)
+        history = sticky.read_history(
+            conn, cache_key, int(row.run_no), int(row.fence_token),
+            int(row.claimed_wake_seq), int(row.history_len),
+            known=None if wake is None or wake.event is None
+            else (wake.run_no, wake.wake_seq, wake.event))
         args = [] if row.args is None else row.args
         kwargs = {} if row.kwargs is None else row.kwargs
         problem = malformed.shape_problem(workflow_id, int(row.run_no), args, kwargs, history)
@@ -235,7 +243,7 @@ def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
             version=row.version,
             extra={"cancel_requested": row.cancel_requested,
                    "schedule_group": row.schedule_group},
-            history=history,
+            history=history, cache_key=cache_key,
         )
 
 
@@ -368,16 +376,22 @@ def advance(
                 claimed.extra["cancel_requested"] = conn.execute(
                     select(workflows.c.cancel_requested).where(workflows.c.id == claimed.pk)
                 ).scalar()
+        loaded = dict(history)  # as read from the store (the code's runtime changes its own)
         ctx = WorkflowContext(store, claimed, history, definition, code_timeout=None
                               if code_timeout is None else code_timeout.total_seconds())
         outcome = ctx.run_code(definition.fn)
         if outcome != "suspended":
             return outcome
         crash_point("advance.before_release")
+        released = False
         with store.begin() as conn:
-            if uses_psycopg(conn):  # the same statement, fixed SQL on the driver
-                released = pg_statements.release(conn, claimed.pk, claimed.fence_token,
-                                                 claimed.seen_wake_seq)
+            if uses_psycopg(conn):  # the same statements, one fixed SQL on the driver:
+                # the release and the marks of the messages this advance published (and
+                # of the wake it answers: reliable_beat.handoff)
+                pk, fence, seen = claimed.pk, claimed.fence_token, claimed.seen_wake_seq
+                released = bool(handoff.mark_in(conn, lambda ids: (
+                    pg_statements.release_and_mark(conn, pk, fence, seen, ids) if ids
+                    else pg_statements.release(conn, pk, fence, seen))))
             else:
                 released = conn.execute(
                     update(workflows)
@@ -389,24 +403,28 @@ def advance(
                     .values(state="waiting", leased_by=None, lease_expires_at=None,
                             updated_at=now_sql(conn))
                 ).rowcount == 1
-            # the messages this advance published (and the wake it answers) are marked
-            # sent here, not in transactions of their own (reliable_beat.handoff)
-            handoff.mark_in(conn)
-            if released:
-                return "waiting"
-            now = db_now(conn)
-            row = first(update_returning(
-                conn,
-                update(workflows)
-                .where(workflows.c.id == claimed.pk,
-                       workflows.c.fence_token == claimed.fence_token)
-                .values(claimed_wake_seq=workflows.c.wake_seq,
-                        lease_expires_at=now + lease, updated_at=now),
-                workflows, [workflows.c.wake_seq],
-            ))
-            if row is None:
-                return "fenced"
-            claimed.seen_wake_seq = int(row.wake_seq)
+                # the messages this advance published (and the wake it answers) are
+                # marked sent here, not in transactions of their own
+                handoff.mark_in(conn)
+            if not released:
+                now = db_now(conn)
+                row = first(update_returning(
+                    conn,
+                    update(workflows)
+                    .where(workflows.c.id == claimed.pk,
+                           workflows.c.fence_token == claimed.fence_token)
+                    .values(claimed_wake_seq=workflows.c.wake_seq,
+                            lease_expires_at=now + lease, updated_at=now),
+                    workflows, [workflows.c.wake_seq],
+                ))
+                if row is None:
+                    return "fenced"
+                claimed.seen_wake_seq = int(row.wake_seq)
+        if released:
+            if claimed.cache_key is not None:  # committed: the next advance here reads less
+                sticky.remember(claimed.cache_key, claimed.run_no, claimed.fence_token,
+                                claimed.seen_wake_seq, loaded, history)
+            return "waiting"
     # woken max_loops times in a row: hand over to a fresh message rather than spin here
     with store.begin() as conn:
         now = db_now(conn)

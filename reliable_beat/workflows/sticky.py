@@ -53,7 +53,8 @@ from reliable_beat.db.tables import workflow_events
 from reliable_beat.workflows import pg_statements
 from reliable_beat.workflows.history import load_history
 
-__all__ = ["MAX_EVENTS", "MAX_WORKFLOWS", "clear", "read_history", "remember", "stats"]
+__all__ = ["MAX_EVENTS", "MAX_WORKFLOWS", "clear", "expects", "read_history", "remember",
+           "stats"]
 
 #: Workflows whose history one process keeps at most.
 MAX_WORKFLOWS = 1000
@@ -82,6 +83,8 @@ class _Entry:
 
 _lock = threading.Lock()
 _entries: OrderedDict[Key, _Entry] = OrderedDict()
+#: (store url, workflow id) -> the key of its entry
+_keys: dict[tuple[str, str], Key] = {}
 _events = 0
 #: hits (a partial read), misses (a full read although an entry existed), reads (claims)
 _stats = {"hits": 0, "misses": 0, "reads": 0, "unread": 0}
@@ -92,6 +95,7 @@ def clear() -> None:
     global _events
     with _lock:
         _entries.clear()
+        _keys.clear()
         _events = 0
 
 
@@ -105,13 +109,33 @@ def stats() -> dict[str, int]:
     return dict(_stats)
 
 
-def _take(key: Key) -> _Entry | None:
+def _drop(key: Key) -> _Entry | None:
     global _events
+    entry = _entries.pop(key, None)
+    if entry is not None:
+        _events -= len(entry.history)
+        if _keys.get((key[0], key[2])) == key:
+            del _keys[(key[0], key[2])]
+    return entry
+
+
+def _take(key: Key) -> _Entry | None:
     with _lock:
-        entry = _entries.pop(key, None)
-        if entry is not None:
-            _events -= len(entry.history)
-        return entry
+        return _drop(key)
+
+
+def expects(url: str, workflow_id: str, known: tuple[Any, Any, Any]) -> bool:
+    """Whether this process holds an entry of ``workflow_id`` on the store ``url`` that the
+    completion ``known`` (run, ``wake_seq``, event) would complete with no read, as far as
+    can be told before the claim (the claim's fence token and counts decide)."""
+    with _lock:
+        key = _keys.get((url, workflow_id))
+        entry = None if key is None else _entries.get(key)
+    if entry is None:
+        return False
+    k_run, k_wake, event = known
+    return bool(entry.run_no == k_run and entry.wake_seq + 1 == k_wake
+                and event.seq == entry.low)
 
 
 def remember(key: Key, run_no: int, fence_token: int, wake_seq: int,
@@ -129,14 +153,15 @@ def remember(key: Key, run_no: int, fence_token: int, wake_seq: int,
     if len(history) > MAX_EVENTS // 4:
         return
     with _lock:
-        old = _entries.pop(key, None)
-        if old is not None:
-            _events -= len(old.history)
+        _drop(key)
+        stale = _keys.get((key[0], key[2]))
+        if stale is not None:  # the same id, another workflow row (ended, started again)
+            _drop(stale)
         _entries[key] = _Entry(run_no, fence_token, wake_seq, history, low)
+        _keys[(key[0], key[2])] = key
         _events += len(history)
         while _entries and (len(_entries) > MAX_WORKFLOWS or _events > MAX_EVENTS):
-            _, dropped = _entries.popitem(last=False)
-            _events -= len(dropped.history)
+            _drop(next(iter(_entries)))
 
 
 def _since(conn: Connection, pk: int, run_no: int, low: int) -> list[Any]:

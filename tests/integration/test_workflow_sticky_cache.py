@@ -161,10 +161,12 @@ def test_a_stale_cache_entry_falls_back_to_the_whole_history(
             with worker_store.begin() as conn:
                 conn.execute(sa.update(workflows).where(workflows.c.workflow_id == wid)
                              .values(wake_seq=workflows.c.wake_seq + 1))
-            mine = sticky._entries.copy()  # that process has a cache of its own
+            # that process has a cache of its own: this one's stays as it was
+            mine, keys = sticky._entries.copy(), dict(sticky._keys)
             assert engine.advance(worker_store, wid, owner="other", lease=LEASE) == "waiting"
-            sticky._entries.clear()
+            sticky.clear()
             sticky._entries.update(mine)
+            sticky._keys.update(keys)
 
     misses = sticky.stats()["misses"]
     row = _run(worker_store, app, wid, before)

@@ -93,7 +93,9 @@ def _traced_advance(fn: Callable[..., str]) -> Callable[..., str]:
 def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta,
            max_takeovers: int = runaway.DEFAULT_MAX_TAKEOVERS) -> Claimed | str:
     """The claim transaction; on success it also loads the run's history (same connection,
-    same transaction: one checkout instead of two per advance).
+    same transaction: one checkout instead of two per advance). The advance that answers
+    its own activity's completion with the history in this process's cache claims in one
+    autocommit statement instead (:func:`_claim_alone`; psycopg).
 
     A row or history that is malformed (changed by SQL: a JSON column that does not decode,
     a value of the wrong shape, an unknown event kind or state) parks the workflow

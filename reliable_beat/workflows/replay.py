@@ -374,12 +374,17 @@ class Replay:
         state: str, result: Any = None, error: Any = None,
         fire_at: datetime | None = None, run_key: str | None = None,
         effect: Callable[[Connection], Any] | None = None,
-        holder: dict[str, Any] | None = None,
+        holder: dict[str, Any] | None = None, dispatch: bool = False,
     ) -> Any:
         """Record position ``seq`` (the frontier) in one fenced transaction with ``effect``
         (``effect(conn)`` runs first; its return value is the event's result). ``effect``
         may set ``holder["fire_at"]`` (computed on the DB clock in this transaction) and
-        ``holder["done"]`` (the event is recorded ``completed`` at once)."""
+        ``holder["done"]`` (the event is recorded ``completed`` at once).
+
+        ``dispatch``: ``effect`` only sends (its return value is not the result, it sets
+        nothing in ``holder``); on psycopg the fence check and the event's insert are then
+        one statement, run before ``effect``, in the same transaction (the workflow row is
+        locked first either way)."""
         if self.claimed.history_len + seq - self.last_recorded > self.definition.history_limit:
             raise _HistoryLimit(
                 f"history_limit: run {self.claimed.run_no} would pass "

@@ -25,9 +25,9 @@ from reliable_beat.outbox import now_sql
 
 __all__ = [
     "ADVANCE_TASK",
-    "HistoryRow",
     "OVERLAP_STATES",
     "WAKE_DESTINATION",
+    "HistoryRow",
     "active_entries",
     "activity_key",
     "add_wake",

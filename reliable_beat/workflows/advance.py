@@ -245,7 +245,7 @@ def _claim_alone(store: Store, workflow_id: str, owner: str, lease: timedelta,
     with store.connect() as conn:
         if not uses_psycopg(conn):
             return None
-        raw = conn.connection.dbapi_connection
+        raw: Any = conn.connection.dbapi_connection
         raw.autocommit = True  # the driver's flag: no round trip either way
         try:
             row = _pg_claim(conn, workflow_id, owner, lease, max_takeovers)
@@ -345,6 +345,15 @@ def _nudge_holder(store: Store, workflow_id: str) -> bool | None:
         ).rowcount
     return True if done == 1 else None
 
+
+
+def _release_and_mark(conn: Connection, pk: int, fence_token: int, seen_wake_seq: int,
+                      ids: list[int]) -> bool:
+    """psycopg: the release and the marks of the rows ``ids`` in one statement (the release
+    alone when there is nothing to mark)."""
+    if ids:
+        return pg_statements.release_and_mark(conn, pk, fence_token, seen_wake_seq, ids)
+    return pg_statements.release(conn, pk, fence_token, seen_wake_seq)
 
 
 def record_first_version(store: Store, claimed: Claimed, version: str) -> None:
@@ -447,10 +456,9 @@ def advance(
             if uses_psycopg(conn):  # the same statements, one fixed SQL on the driver:
                 # the release and the marks of the messages this advance published (and
                 # of the wake it answers: reliable_beat.handoff)
-                pk, fence, seen = claimed.pk, claimed.fence_token, claimed.seen_wake_seq
-                released = bool(handoff.mark_in(conn, lambda ids: (
-                    pg_statements.release_and_mark(conn, pk, fence, seen, ids) if ids
-                    else pg_statements.release(conn, pk, fence, seen))))
+                released = bool(handoff.mark_in(
+                    conn, functools.partial(_release_and_mark, conn, claimed.pk,
+                                            claimed.fence_token, claimed.seen_wake_seq)))
             else:
                 released = conn.execute(
                     update(workflows)

@@ -168,7 +168,7 @@ def _since(conn: Connection, pk: int, run_no: int, low: int) -> list[Any]:
     """The run's events from ``seq`` ``low`` on, in seq order (the history's columns)."""
     if uses_psycopg(conn):  # the same select, on the driver connection
         return pg_statements.history_since(conn, pk, run_no, low)
-    return conn.execute(
+    return list(conn.execute(
         select(
             workflow_events.c.seq, workflow_events.c.kind, workflow_events.c.name,
             workflow_events.c.args_digest, workflow_events.c.state, workflow_events.c.result,
@@ -177,7 +177,7 @@ def _since(conn: Connection, pk: int, run_no: int, low: int) -> list[Any]:
         .where(workflow_events.c.workflow_pk == pk, workflow_events.c.run_no == run_no,
                workflow_events.c.seq >= low)
         .order_by(workflow_events.c.seq)
-    ).all()
+    ).all())
 
 
 def read_history(conn: Connection, key: Key, run_no: int, fence_token: int, wake_seq: int,

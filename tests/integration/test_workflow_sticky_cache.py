@@ -20,6 +20,7 @@ fallback, the stale cases would end as the control does.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -178,3 +179,36 @@ def test_a_stale_cache_entry_falls_back_to_the_whole_history(
         return
     assert row["result"] == [100, 4, 6], row  # the whole history was read
     assert sticky.stats()["misses"] == misses + 1
+
+
+def test_a_malformed_row_claimed_in_autocommit_is_blocked_under_its_fence(
+    worker_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The advance whose history the cache holds claims in one autocommit statement; a
+    workflow row changed by SQL meanwhile (``args`` of the wrong shape) is still parked
+    ``blocked`` naming the column, by a fenced update after that claim."""
+    advance_mod = importlib.import_module("reliable_beat.workflows.advance")
+    app = _app(worker_store)
+    wid = "st-malformed"
+    alone: list[Any] = []
+    claim_alone = advance_mod._claim_alone
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        got = claim_alone(*args, **kwargs)
+        alone.append(got if isinstance(got, str) or got is None else "claimed")
+        return got
+
+    monkeypatch.setattr(advance_mod, "_claim_alone", spy)
+
+    def before(i: int) -> None:
+        if i == 1:
+            with worker_store.begin() as conn:
+                conn.execute(sa.update(workflows).where(workflows.c.workflow_id == wid)
+                             .values(args={"x": 1}))
+
+    row = _run(worker_store, app, wid, before)
+    assert alone == ["claimed", "blocked"], alone  # step 1 from the cache; step 2 parked
+    assert row["state"] == "blocked", row
+    assert row["block_reason"].startswith("malformed row: "), row["block_reason"]
+    assert "reliable_beat_workflows.args" in row["block_reason"]
+    assert row["leased_by"] is None and row["lease_expires_at"] is None

@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
@@ -70,10 +70,13 @@ from reliable_beat.outbox import now_sql
 from reliable_beat.redaction import get_logger
 
 __all__ = ["HANDOFF_DELAY", "UNKNOWN", "Advance", "Publish", "Wake", "add", "after_commit",
+           "answering",
            "deferred_marks", "mark", "mark_in", "publishing", "publishing_for", "register",
            "send"]
 
 log = get_logger("reliable_beat.workflows")
+
+_T = TypeVar("_T")
 
 #: A handed-off row is due to the relays this long after its commit (if not marked sent).
 HANDOFF_DELAY = timedelta(seconds=5)
@@ -87,11 +90,16 @@ Publish = Callable[[Sequence[OutboxMessage]], Sequence[tuple[int, "BaseException
 
 @dataclass(frozen=True)
 class Wake:
-    """The workflow a wake row wakes: its id, its registered name, its queue."""
+    """The workflow a wake row wakes: its id, its registered name, its queue; for the wake
+    of an activity's completion, the run, the ``wake_seq`` its completion set and the
+    completed history event as stored (None when the writer did not read them back)."""
 
     workflow_id: str
     name: str
     queue: str | None
+    run_no: int | None = None
+    wake_seq: int | None = None
+    event: Any = None
 
 
 #: ``advance(store, wake) -> outcome``, or None when this process may not advance that
@@ -119,6 +127,9 @@ _publisher: contextvars.ContextVar[_Publisher | None] = contextvars.ContextVar(
     "reliable_beat_handoff_publisher", default=None)
 _pending: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar(
     "reliable_beat_handoff_pending", default=None)
+#: the wake an in-process advance answers (see :func:`answering`)
+_answering: contextvars.ContextVar[Wake | None] = contextvars.ContextVar(
+    "reliable_beat_handoff_answering", default=None)
 #: ids of rows published inside an advance, marked sent by its release transaction
 _deferred: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "reliable_beat_handoff_deferred", default=None)
@@ -181,7 +192,11 @@ def _advance_woken(publisher: _Publisher, ok: bool) -> None:
             try:
                 with deferred_marks(store) as marks:
                     marks.append(message.id)  # the wake: marked sent by the advance's release
-                    outcome = publisher.advance(store, wake)
+                    token = _answering.set(wake)
+                    try:
+                        outcome = publisher.advance(store, wake)
+                    finally:
+                        _answering.reset(token)
                     if outcome is None and message.id in marks:
                         marks.remove(message.id)  # not advanced here: the wake goes out
             except Exception as exc:
@@ -190,6 +205,14 @@ def _advance_woken(publisher: _Publisher, ok: bool) -> None:
                 outcome = None
         if outcome is None:
             send(store, [message])
+
+
+def answering(workflow_id: str) -> Wake | None:
+    """The wake of ``workflow_id`` this process is advancing in process right after the
+    activity's completion it committed (its ``event``: the completed history event as that
+    commit stored it), or None."""
+    wake = _answering.get()
+    return wake if wake is not None and wake.workflow_id == workflow_id else None
 
 
 @contextmanager
@@ -213,15 +236,26 @@ def deferred_marks(store: Store) -> Iterator[list[int]]:
         mark(store, ids, [])
 
 
-def mark_in(conn: Connection) -> None:
+def mark_in(conn: Connection, with_statement: Callable[[list[int]], _T] | None = None,
+            ) -> _T | None:
     """Inside :func:`deferred_marks`: mark the rows published so far ``sent`` in the
-    caller's transaction (an advance's release), and forget them."""
+    caller's transaction (an advance's release), and forget them.
+
+    ``with_statement``: the caller writes the marks in a statement of its own
+    (``with_statement(ids)``: the advance's release and the marks as one statement); its
+    return value is returned. Called with the ids to mark (possibly none)."""
     ids = _deferred.get()
+    if with_statement is not None:
+        marked = list(ids or ())
+        if ids:
+            ids.clear()
+        return with_statement(marked)
     if not ids:
-        return
+        return None
     conn.execute(update(outbox).where(outbox.c.id.in_(list(ids)), outbox.c.state == "pending")
                  .values(state="sent", sent_at=now_sql(conn), last_error=None))
     ids.clear()
+    return None
 
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import timedelta
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Select, bindparam, func, literal_column, select, update
 from sqlalchemy.engine import Connection
@@ -27,6 +27,7 @@ __all__ = [
     "ADVANCE_TASK",
     "OVERLAP_STATES",
     "WAKE_DESTINATION",
+    "HistoryRow",
     "active_entries",
     "activity_key",
     "add_wake",
@@ -70,6 +71,20 @@ def parse_activity_key(key: str) -> tuple[str, int, int] | None:
     if not (wf and run.isdigit() and seq.isdigit()):
         return None
     return wf, int(run), int(seq)
+
+
+class HistoryRow(NamedTuple):
+    """One event as an advance's history read returns it (its columns, in order)."""
+
+    seq: int
+    kind: str
+    name: str | None
+    args_digest: str
+    state: str
+    result: Any
+    error: Any
+    fire_at: Any
+    run_key: str | None
 
 
 def _first(rows: list[Any]) -> Any:
@@ -126,7 +141,8 @@ def on_run_finished(
                                         "p_seq": seq, "p_key": key, "p_result": result})
         if wf is None or wf.done != 1:
             return False
-        _wake_after(conn, workflow_id, run_no, seq, wf)
+        _wake_after(conn, workflow_id, run_no, seq, wf,
+                    HistoryRow(*(getattr(wf, f"ev_{c}") for c in HistoryRow._fields)))
         return True
     # the workflow row first: the same lock order as an advance's record transaction
     wf = _first(update_returning(
@@ -164,9 +180,11 @@ def on_run_finished(
     return True
 
 
-def _wake_after(conn: Connection, workflow_id: str, run_no: int, seq: int, wf: Any) -> None:
+def _wake_after(conn: Connection, workflow_id: str, run_no: int, seq: int, wf: Any,
+                event: HistoryRow | None = None) -> None:
     """The wake of a workflow whose activity at ``seq`` completed (``wf``: its row's id,
-    queue, wake_seq, schedule_group, name after the bump)."""
+    queue, wake_seq, schedule_group, name after the bump; ``event``: the completed event as
+    stored, when the statement returned it)."""
     # wake_seq in the id: a requeued compensation completes the same seq a second time
     what = f"{run_no}#{seq}.{wf.wake_seq}"
     # advanced by this process right after the activity, or published by it after the
@@ -174,7 +192,8 @@ def _wake_after(conn: Connection, workflow_id: str, run_no: int, seq: int, wf: A
     handoff.add(conn, WAKE_DESTINATION, _wake_payload(workflow_id, wf.queue),
                 key=f"wake:{workflow_id}:{what}", group=wf.schedule_group,
                 schedule_group=wf.schedule_group,
-                wakes=handoff.Wake(workflow_id, wf.name, wf.queue))
+                wakes=handoff.Wake(workflow_id, wf.name, wf.queue, run_no=run_no,
+                                   wake_seq=int(wf.wake_seq), event=event))
 
 
 @cache
@@ -205,6 +224,7 @@ def _pg_completed_statement() -> Select[Any]:
                    workflows.c.schedule_group, workflows.c.name)
         .cte("wf")
     )
+    evc = workflow_events.c
     ev = (
         update(workflow_events)
         .where(
@@ -219,11 +239,14 @@ def _pg_completed_statement() -> Select[Any]:
         .values(state=literal_column("'completed'"),
                 result=bindparam("p_result", type_=workflow_events.c.result.type),
                 completed_at=func.clock_timestamp())
-        .returning(workflow_events.c.seq)
+        .returning(*(evc[c] for c in HistoryRow._fields))
         .cte("ev")
     )
     done = select(func.count()).select_from(ev).scalar_subquery().label("done")
-    return select(wf.c.id, wf.c.queue, wf.c.wake_seq, wf.c.schedule_group, wf.c.name, done)
+    # the completed event as the history's select reads it (the same columns and types)
+    event = [select(ev.c[c]).scalar_subquery().label(f"ev_{c}") for c in HistoryRow._fields]
+    return select(wf.c.id, wf.c.queue, wf.c.wake_seq, wf.c.schedule_group, wf.c.name, done,
+                  *event)
 
 
 #: :func:`_pg_completed_statement` run on the psycopg connection (reliable_beat.db.driver).

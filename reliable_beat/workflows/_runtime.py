@@ -103,8 +103,9 @@ class Runtime(Protocol):
                state: str, result: Any = None, error: Any = None,
                fire_at: datetime | None = None, run_key: str | None = None,
                effect: Callable[[Connection], Any] | None = None,
-               holder: dict[str, Any] | None = None) -> Any:
-        """Record the frontier at ``seq`` in one fenced transaction with ``effect``."""
+               holder: dict[str, Any] | None = None, dispatch: bool = False) -> Any:
+        """Record the frontier at ``seq`` in one fenced transaction with ``effect``
+        (``dispatch``: ``effect`` only sends a message, its return value unused)."""
 
     def complete(self, seq: int, state: str, result: Any = None, error: Any = None,
                  effect: Callable[[Connection], Any] | None = None) -> Any:

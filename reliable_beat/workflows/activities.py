@@ -90,7 +90,7 @@ def start_activity(rt: Runtime, task: Any, args: tuple[Any, ...], kwargs: dict[s
 
         # stored with its queue (not part of the digest), for the re-dispatch sweep
         rt.record(seq, "activity", task_name, digest, [*call, queue],
-                  state="scheduled", run_key=key, effect=dispatch)
+                  state="scheduled", run_key=key, effect=dispatch, dispatch=True)
         rt.dispatched.add(seq)
         rt.history[seq] = Event(seq, "activity", task_name, digest, "scheduled", None,
                                 None, None, key)

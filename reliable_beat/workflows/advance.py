@@ -10,7 +10,9 @@ The protocol (docs/workflows.md):
    signal on PostgreSQL may have skipped its bump, so a busy advance that finds an
    unconsumed signal bumps it itself: :func:`_nudge_holder`) or the workflow is terminal /
    blocked.
-2. **load** the run's events, **run** the function from the top with a
+2. **load** the run's events (the worker that answers its own activity's completion may
+   take them from its cache: :mod:`reliable_beat.workflows.sticky`, and its claim is then a
+   statement of its own, :func:`_claim_alone`), **run** the function from the top with a
    :class:`~reliable_beat.workflows.context.WorkflowContext`: recorded calls are answered from
    the history, the first unrecorded call (the frontier) is recorded in one transaction that
    starts with the fence check (``UPDATE ... WHERE fence_token = :mine``) and holds whatever it
@@ -48,7 +50,7 @@ from reliable_beat.db.tables import workflow_signals, workflows
 from reliable_beat.outbox import db_now
 from reliable_beat.redaction import get_logger
 from reliable_beat.workflow_store import add_wake, now_sql
-from reliable_beat.workflows import malformed, pg_statements, runaway, saga
+from reliable_beat.workflows import malformed, pg_statements, runaway, saga, sticky
 from reliable_beat.workflows.context import WorkflowContext
 from reliable_beat.workflows.crashes import crash_point
 from reliable_beat.workflows.errors import WorkflowNotFound
@@ -91,7 +93,9 @@ def _traced_advance(fn: Callable[..., str]) -> Callable[..., str]:
 def _claim(store: Store, workflow_id: str, owner: str, lease: timedelta,
            max_takeovers: int = runaway.DEFAULT_MAX_TAKEOVERS) -> Claimed | str:
     """The claim transaction; on success it also loads the run's history (same connection,
-    same transaction: one checkout instead of two per advance).
+    same transaction: one checkout instead of two per advance). The advance that answers
+    its own activity's completion with the history in this process's cache claims in one
+    autocommit statement instead (:func:`_claim_alone`; psycopg).
 
     A row or history that is malformed (changed by SQL: a JSON column that does not decode,
     a value of the wrong shape, an unknown event kind or state) parks the workflow
@@ -194,6 +198,15 @@ def _claim_statement(conn: Connection, workflow_id: str, owner: str, lease: time
 
 def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
               max_takeovers: int) -> Claimed | str:
+    # the completion this process committed right before, when this advance answers its wake
+    wake = handoff.answering(workflow_id)
+    known = (None if wake is None or wake.event is None
+             else (wake.run_no, wake.wake_seq, wake.event))
+    url = str(store.engine.url)
+    if known is not None and sticky.expects(url, workflow_id, known):
+        got = _claim_alone(store, workflow_id, owner, lease, max_takeovers, url, known)
+        if got is not None:
+            return got
     with store.begin() as conn:
         pg = conn.dialect.name == "postgresql"
         # PostgreSQL: the clock inside the claim statement (no round trip of its own)
@@ -215,28 +228,82 @@ def _claim_tx(store: Store, workflow_id: str, owner: str, lease: timedelta,
             if row.state == "running" and runaway.park_expired(conn, row, now, max_takeovers):
                 return "blocked"
             return "busy" if row.state in ACTIVE_STATES else row.state  # type: ignore[no-any-return]
-        history = load_history(conn, row.id, row.run_no)
-        args = [] if row.args is None else row.args
-        kwargs = {} if row.kwargs is None else row.kwargs
-        problem = malformed.shape_problem(workflow_id, int(row.run_no), args, kwargs, history)
-        if problem is not None:  # we hold the claim: block it in this transaction
-            why = malformed.reason(workflow_id, problem)
-            log.error("workflow %s blocked: %s", workflow_id, why)
-            conn.execute(update(workflows).where(workflows.c.id == row.id).values(
-                state="blocked", block_reason=why[:4000], leased_by=None,
-                lease_expires_at=None, updated_at=now))
-            return "blocked"
-        return Claimed(
-            pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
-            args=list(args), kwargs=dict(kwargs), queue=row.queue,
-            random_seed=int(row.random_seed), fence_token=int(row.fence_token),
-            seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
-            history_bytes=int(row.history_bytes), owner=owner, lease=lease,
-            version=row.version,
-            extra={"cancel_requested": row.cancel_requested,
-                   "schedule_group": row.schedule_group},
-            history=history,
-        )
+        return _claimed(conn, row, workflow_id, owner, lease, now, url, known)
+
+
+def _claim_alone(store: Store, workflow_id: str, owner: str, lease: timedelta,
+                 max_takeovers: int, url: str, known: tuple[Any, Any, Any],
+                 ) -> Claimed | str | None:
+    """psycopg, an advance answering the completion this process committed, whose history
+    this process holds (:func:`reliable_beat.workflows.sticky.expects`): the claim as a
+    statement of its own (autocommit, no BEGIN and COMMIT round trips), as the claim
+    transaction would run it with nothing else to read. What the claimed row says decides
+    (:func:`_claimed`): the history from the cache, or read now (after the claim's commit,
+    under its lease, as an advance re-reads it after a wake); a malformed row is parked
+    ``blocked`` under the claim's fence token. None: not claimed (busy, parked, ended: the
+    claim transaction decides, as for any advance)."""
+    with store.connect() as conn:
+        if not uses_psycopg(conn):
+            return None
+        raw: Any = conn.connection.dbapi_connection
+        raw.autocommit = True  # the driver's flag: no round trip either way
+        try:
+            row = _pg_claim(conn, workflow_id, owner, lease, max_takeovers)
+        except BaseException:
+            _leave_autocommit(conn, raw, failing=True)
+            raise
+        _leave_autocommit(conn, raw, failing=False)
+        if row is None:
+            return None
+        with conn.begin():  # no statement, no round trip, unless the cache does not fit
+            return _claimed(conn, row, workflow_id, owner, lease, row.updated_at, url, known)
+
+
+def _leave_autocommit(conn: Connection, raw: Any, *, failing: bool) -> None:
+    """Clear ``raw.autocommit``; when it cannot be cleared (a broken connection), invalidate
+    ``conn`` so the pool discards it (never pooled in autocommit), and raise unless an error
+    is already on its way (as :mod:`reliable_beat.runs.claim` does)."""
+    try:
+        raw.autocommit = False
+    except Exception:
+        if not conn.invalidated:
+            conn.invalidate()
+        if not failing:
+            raise
+
+
+def _claimed(conn: Connection, row: Any, workflow_id: str, owner: str, lease: timedelta,
+             now: Any, url: str, known: tuple[Any, Any, Any] | None) -> Claimed | str:
+    """The claimed ``row``'s history and shape check (in ``conn``'s transaction); the
+    :class:`Claimed`, or ``"blocked"`` (a malformed row, parked under the claim's fence
+    token), or ``"fenced"`` (a newer claim took it meanwhile)."""
+    # this process's sticky cache and the events changed since, or the whole history
+    cache_key = (url, int(row.id), workflow_id, row.created_at)
+    history = sticky.read_history(
+        conn, cache_key, int(row.run_no), int(row.fence_token), int(row.claimed_wake_seq),
+        int(row.history_len), known=known)
+    args = [] if row.args is None else row.args
+    kwargs = {} if row.kwargs is None else row.kwargs
+    problem = malformed.shape_problem(workflow_id, int(row.run_no), args, kwargs, history)
+    if problem is not None:  # we hold the claim: block it (in this transaction)
+        why = malformed.reason(workflow_id, problem)
+        log.error("workflow %s blocked: %s", workflow_id, why)
+        done = conn.execute(update(workflows).where(
+            workflows.c.id == row.id, workflows.c.fence_token == row.fence_token).values(
+            state="blocked", block_reason=why[:4000], leased_by=None,
+            lease_expires_at=None, updated_at=now)).rowcount
+        return "blocked" if done == 1 else "fenced"
+    return Claimed(
+        pk=row.id, workflow_id=workflow_id, name=row.name, run_no=row.run_no,
+        args=list(args), kwargs=dict(kwargs), queue=row.queue,
+        random_seed=int(row.random_seed), fence_token=int(row.fence_token),
+        seen_wake_seq=int(row.claimed_wake_seq), history_len=int(row.history_len),
+        history_bytes=int(row.history_bytes), owner=owner, lease=lease,
+        version=row.version,
+        extra={"cancel_requested": row.cancel_requested,
+               "schedule_group": row.schedule_group},
+        history=history, cache_key=cache_key,
+    )
 
 
 
@@ -278,6 +345,15 @@ def _nudge_holder(store: Store, workflow_id: str) -> bool | None:
         ).rowcount
     return True if done == 1 else None
 
+
+
+def _release_and_mark(conn: Connection, pk: int, fence_token: int, seen_wake_seq: int,
+                      ids: list[int]) -> bool:
+    """psycopg: the release and the marks of the rows ``ids`` in one statement (the release
+    alone when there is nothing to mark)."""
+    if ids:
+        return pg_statements.release_and_mark(conn, pk, fence_token, seen_wake_seq, ids)
+    return pg_statements.release(conn, pk, fence_token, seen_wake_seq)
 
 
 def record_first_version(store: Store, claimed: Claimed, version: str) -> None:
@@ -368,16 +444,21 @@ def advance(
                 claimed.extra["cancel_requested"] = conn.execute(
                     select(workflows.c.cancel_requested).where(workflows.c.id == claimed.pk)
                 ).scalar()
+        loaded = dict(history)  # as read from the store (the code's runtime changes its own)
         ctx = WorkflowContext(store, claimed, history, definition, code_timeout=None
                               if code_timeout is None else code_timeout.total_seconds())
         outcome = ctx.run_code(definition.fn)
         if outcome != "suspended":
             return outcome
         crash_point("advance.before_release")
+        released = False
         with store.begin() as conn:
-            if uses_psycopg(conn):  # the same statement, fixed SQL on the driver
-                released = pg_statements.release(conn, claimed.pk, claimed.fence_token,
-                                                 claimed.seen_wake_seq)
+            if uses_psycopg(conn):  # the same statements, one fixed SQL on the driver:
+                # the release and the marks of the messages this advance published (and
+                # of the wake it answers: reliable_beat.handoff)
+                released = bool(handoff.mark_in(
+                    conn, functools.partial(_release_and_mark, conn, claimed.pk,
+                                            claimed.fence_token, claimed.seen_wake_seq)))
             else:
                 released = conn.execute(
                     update(workflows)
@@ -389,24 +470,28 @@ def advance(
                     .values(state="waiting", leased_by=None, lease_expires_at=None,
                             updated_at=now_sql(conn))
                 ).rowcount == 1
-            # the messages this advance published (and the wake it answers) are marked
-            # sent here, not in transactions of their own (reliable_beat.handoff)
-            handoff.mark_in(conn)
-            if released:
-                return "waiting"
-            now = db_now(conn)
-            row = first(update_returning(
-                conn,
-                update(workflows)
-                .where(workflows.c.id == claimed.pk,
-                       workflows.c.fence_token == claimed.fence_token)
-                .values(claimed_wake_seq=workflows.c.wake_seq,
-                        lease_expires_at=now + lease, updated_at=now),
-                workflows, [workflows.c.wake_seq],
-            ))
-            if row is None:
-                return "fenced"
-            claimed.seen_wake_seq = int(row.wake_seq)
+                # the messages this advance published (and the wake it answers) are
+                # marked sent here, not in transactions of their own
+                handoff.mark_in(conn)
+            if not released:
+                now = db_now(conn)
+                row = first(update_returning(
+                    conn,
+                    update(workflows)
+                    .where(workflows.c.id == claimed.pk,
+                           workflows.c.fence_token == claimed.fence_token)
+                    .values(claimed_wake_seq=workflows.c.wake_seq,
+                            lease_expires_at=now + lease, updated_at=now),
+                    workflows, [workflows.c.wake_seq],
+                ))
+                if row is None:
+                    return "fenced"
+                claimed.seen_wake_seq = int(row.wake_seq)
+        if released:
+            if claimed.cache_key is not None:  # committed: the next advance here reads less
+                sticky.remember(claimed.cache_key, claimed.run_no, claimed.fence_token,
+                                claimed.seen_wake_seq, loaded, history)
+            return "waiting"
     # woken max_loops times in a row: hand over to a fresh message rather than spin here
     with store.begin() as conn:
         now = db_now(conn)

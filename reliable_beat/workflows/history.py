@@ -146,6 +146,9 @@ class Claimed:
     version: str | None = None  # recorded at start / continue-as-new
     #: The history read in the claim transaction (the first run of the code uses it).
     history: dict[int, Any] | None = None
+    #: The workflow's identity in this process's sticky history cache
+    #: (:mod:`reliable_beat.workflows.sticky`); None: not cached.
+    cache_key: tuple[Any, ...] | None = None
 
 
 

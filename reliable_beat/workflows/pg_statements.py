@@ -14,21 +14,27 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Interval,
     Select,
+    String,
     bindparam,
+    case,
+    cast,
     func,
     literal_column,
     null,
     select,
     update,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from reliable_beat.db.driver import DriverStatement
-from reliable_beat.db.tables import workflow_events, workflows
+from reliable_beat.db.tables import outbox, workflow_events, workflows
 
-__all__ = ["EVENT_COLUMNS", "fence_check", "insert_event", "load_history", "release"]
+__all__ = ["EVENT_COLUMNS", "fence_check", "fence_check_and_insert_event", "history_since",
+           "insert_event", "load_history", "release", "release_and_mark"]
 
 
 def _p(name: str, column: Any) -> Any:
@@ -66,6 +72,60 @@ def release(conn: Connection, pk: int, fence_token: int, seen_wake_seq: int) -> 
     """Release the workflow (``waiting``, no lease) if it is still ours and nothing woke it
     since ``seen_wake_seq``. True when released."""
     row = _RELEASE.first(conn, {"p_pk": pk, "p_fence": fence_token, "p_seen": seen_wake_seq})
+    return bool(row.released == 1)
+
+
+@cache
+def _release_and_mark_statement() -> Select[Any]:
+    """The release and the marks of the messages the advance published, one statement::
+
+        WITH rel AS (UPDATE workflows SET state = 'waiting', ... (as _release_statement)
+                     RETURNING id),
+        mk AS (UPDATE outbox SET state = 'sent', sent_at = clock_timestamp(),
+                      last_error = NULL
+               WHERE id = ANY(:ids) AND state = 'pending'
+                 AND (SELECT count(*) FROM rel) >= 0
+               RETURNING id)
+        SELECT (SELECT count(*) FROM rel) AS released, (SELECT count(*) FROM mk) AS marked
+
+    ``mk``'s condition on ``rel`` is an init plan, run first: the workflow row is updated
+    (locked) before the outbox rows, the order of the two statements it replaces.
+    """
+    rel = (
+        update(workflows)
+        .where(workflows.c.id == _p("pk", workflows.c.id),
+               workflows.c.fence_token == _p("fence", workflows.c.fence_token),
+               workflows.c.wake_seq == _p("seen", workflows.c.wake_seq))
+        .values(state=literal_column("'waiting'"), leased_by=null(), lease_expires_at=null(),
+                updated_at=func.clock_timestamp())
+        .returning(workflows.c.id)
+        .cte("rel")
+    )
+    released = select(func.count()).select_from(rel).scalar_subquery()
+    ids = cast(bindparam("p_ids", type_=ARRAY(BigInteger())), ARRAY(BigInteger()))
+    mk = (
+        update(outbox)
+        .where(outbox.c.id == func.any(ids), outbox.c.state == literal_column("'pending'"),
+               released >= 0)
+        .values(state=literal_column("'sent'"), sent_at=func.clock_timestamp(),
+                last_error=null())
+        .returning(outbox.c.id)
+        .cte("mk")
+    )
+    return select(released.label("released"),
+                  select(func.count()).select_from(mk).scalar_subquery().label("marked"))
+
+
+_RELEASE_AND_MARK = DriverStatement(_release_and_mark_statement)
+
+
+def release_and_mark(conn: Connection, pk: int, fence_token: int, seen_wake_seq: int,
+                     ids: list[int]) -> bool:
+    """:func:`release` and, in the same statement, mark the outbox rows ``ids`` ``sent``
+    (those still pending: what :func:`reliable_beat.handoff.mark_in` writes). True when
+    released."""
+    row = _RELEASE_AND_MARK.first(conn, {"p_pk": pk, "p_fence": fence_token,
+                                         "p_seen": seen_wake_seq, "p_ids": list(ids)})
     return bool(row.released == 1)
 
 
@@ -131,6 +191,21 @@ def load_history(conn: Connection, pk: int, run_no: int) -> list[Any]:
     return _HISTORY.all(conn, {"p_pk": pk, "p_run_no": run_no})
 
 
+@cache
+def _history_since_statement() -> Select[Any]:
+    """:func:`_history_statement` from a seq on (the sticky cache's read)."""
+    return _history_statement().where(
+        workflow_events.c.seq >= _p("low", workflow_events.c.seq))
+
+
+_HISTORY_SINCE = DriverStatement(_history_since_statement)
+
+
+def history_since(conn: Connection, pk: int, run_no: int, low: int) -> list[Any]:
+    """The run's events from seq ``low`` on, in seq order."""
+    return _HISTORY_SINCE.all(conn, {"p_pk": pk, "p_run_no": run_no, "p_low": low})
+
+
 #: The columns :func:`insert_event` writes (its parameters, ``p_<column>``).
 EVENT_COLUMNS = ("workflow_pk", "run_no", "seq", "kind", "name", "args_digest", "args",
                  "state", "result", "error", "fire_at", "run_key", "fence_token",
@@ -153,3 +228,77 @@ _INSERT_EVENT = DriverStatement(_insert_event_statement)
 def insert_event(conn: Connection, values: dict[str, Any]) -> None:
     """Insert one history event (``values``: every column of :data:`EVENT_COLUMNS`)."""
     _INSERT_EVENT.first(conn, {f"p_{c}": values[c] for c in EVENT_COLUMNS})
+
+
+#: The event columns :func:`fence_check_and_insert_event` takes (the clock columns come
+#: from the fence check's ``updated_at``).
+_FENCED_EVENT_COLUMNS = tuple(c for c in EVENT_COLUMNS
+                              if c not in ("created_at", "completed_at"))
+
+
+@cache
+def _fence_and_event_statement() -> Select[Any]:
+    """The fence check (:func:`fence_check`, one event) and the event's insert, one
+    statement::
+
+        WITH f AS (UPDATE workflows SET history_len = history_len + 1, ... (as
+                          _fence_check_statement) WHERE id = :pk AND fence_token = :mine
+                   RETURNING updated_at),
+        ins AS (INSERT INTO workflow_events (..., created_at, completed_at)
+                SELECT :workflow_pk, ..., f.updated_at,
+                       CASE WHEN :state <> 'scheduled' THEN f.updated_at END
+                FROM f RETURNING seq)
+        SELECT f.updated_at, (SELECT count(*) FROM ins) AS inserted FROM f
+
+    ``ins`` reads ``f``: the workflow row is updated (locked) first, and a stale fence
+    (no ``f`` row) inserts nothing."""
+    f = (
+        update(workflows)
+        .where(workflows.c.id == _p("pk", workflows.c.id),
+               workflows.c.fence_token == _p("fence", workflows.c.fence_token))
+        .values(history_len=workflows.c.history_len + 1,
+                history_bytes=workflows.c.history_bytes
+                + _p("size", workflows.c.history_bytes),
+                lease_expires_at=func.clock_timestamp()
+                + bindparam("p_lease", type_=Interval()),
+                updated_at=func.clock_timestamp())
+        .returning(workflows.c.updated_at)
+        .cte("f")
+    )
+    col = workflow_events.c
+
+    def typed(c: str) -> Any:
+        # an untyped parameter in a select list would be text, not the column's type; a
+        # string is cast to unbounded varchar (a cast to varchar(n) would truncate: the
+        # insert refuses a value too long, as the insert of VALUES does)
+        kind = String() if isinstance(col[c].type, String) else col[c].type
+        return cast(_p(c, col[c]), kind)
+
+    values = [typed(c) for c in _FENCED_EVENT_COLUMNS]
+    state = typed("state")
+    ins = (
+        workflow_events.insert()
+        .from_select([*_FENCED_EVENT_COLUMNS, "created_at", "completed_at"],
+                     select(*values, f.c.updated_at,
+                            case((state != literal_column("'scheduled'"), f.c.updated_at),
+                                 else_=null())).select_from(f))
+        .returning(col.seq)
+        .cte("ins")
+    )
+    return select(f.c.updated_at,
+                  select(func.count()).select_from(ins).scalar_subquery().label("inserted"))
+
+
+_FENCE_AND_EVENT = DriverStatement(_fence_and_event_statement)
+
+
+def fence_check_and_insert_event(conn: Connection, pk: int, fence_token: int, lease: Any,
+                                 size: int, values: dict[str, Any]) -> datetime | None:
+    """The fence check of a record (one event of ``size`` bytes) and the insert of its
+    event (``values``: the columns of :data:`EVENT_COLUMNS` but the two clock columns,
+    which are the fence check's clock: ``completed_at`` unless the event is
+    ``scheduled``). The clock written, or None when the fence moved (nothing inserted)."""
+    params = {f"p_{c}": values[c] for c in _FENCED_EVENT_COLUMNS}
+    params.update(p_pk=pk, p_fence=fence_token, p_lease=lease, p_size=size)
+    row = _FENCE_AND_EVENT.first(conn, params)
+    return None if row is None else row.updated_at  # type: ignore[no-any-return]

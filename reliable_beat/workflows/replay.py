@@ -374,12 +374,17 @@ class Replay:
         state: str, result: Any = None, error: Any = None,
         fire_at: datetime | None = None, run_key: str | None = None,
         effect: Callable[[Connection], Any] | None = None,
-        holder: dict[str, Any] | None = None,
+        holder: dict[str, Any] | None = None, dispatch: bool = False,
     ) -> Any:
         """Record position ``seq`` (the frontier) in one fenced transaction with ``effect``
         (``effect(conn)`` runs first; its return value is the event's result). ``effect``
         may set ``holder["fire_at"]`` (computed on the DB clock in this transaction) and
-        ``holder["done"]`` (the event is recorded ``completed`` at once)."""
+        ``holder["done"]`` (the event is recorded ``completed`` at once).
+
+        ``dispatch``: ``effect`` only sends (its return value is not the result, it sets
+        nothing in ``holder``); on psycopg the fence check and the event's insert are then
+        one statement, run before ``effect``, in the same transaction (the workflow row is
+        locked first either way)."""
         if self.claimed.history_len + seq - self.last_recorded > self.definition.history_limit:
             raise _HistoryLimit(
                 f"history_limit: run {self.claimed.run_no} would pass "
@@ -392,29 +397,62 @@ class Replay:
             # an activity's message is published right after this commit (handoff)
             with handoff.after_commit(self.store), self.store.begin() as conn:
                 size = len(canonical_json([args, result]))
-                now = fence_check(conn, self.claimed, events=1, size=size)
-                if effect is not None:
-                    result = effect(conn)
-                if holder:
-                    fire_at = holder.get("fire_at", fire_at)
-                    if holder.get("done"):
-                        state = "completed"
-                event = dict(
-                    workflow_pk=self.claimed.pk, run_no=self.claimed.run_no, seq=seq,
-                    kind=kind, name=name, args_digest=digest, args=args, state=state,
-                    result=result, error=error, fire_at=fire_at, run_key=run_key,
-                    fence_token=self.claimed.fence_token, created_at=now,
-                    completed_at=now if state != "scheduled" else None,
-                )
-                if uses_psycopg(conn):  # the same insert, fixed SQL on the driver
-                    pg_statements.insert_event(conn, event)
+                if dispatch and holder is None and uses_psycopg(conn):
+                    self._fenced_event_then(conn, effect, size, dict(
+                        workflow_pk=self.claimed.pk, run_no=self.claimed.run_no, seq=seq,
+                        kind=kind, name=name, args_digest=digest, args=args, state=state,
+                        result=result, error=error, fire_at=fire_at, run_key=run_key,
+                        fence_token=self.claimed.fence_token))
                 else:
-                    conn.execute(workflow_events.insert().values(**event))
+                    result = self._fence_effect_event(
+                        conn, seq, kind, name, digest, args, size, state=state,
+                        result=result, error=error, fire_at=fire_at, run_key=run_key,
+                        effect=effect, holder=holder)
                 crashes.crash_point(f"record.{kind}.in")
         except FencedOut as exc:
             raise self.control(exc) from None
         crashes.crash_point(f"record.{kind}.after")
         return result
+
+    def _fence_effect_event(
+        self, conn: Connection, seq: int, kind: str, name: str | None, digest: str,
+        args: Any, size: int, *, state: str, result: Any, error: Any,
+        fire_at: datetime | None, run_key: str | None,
+        effect: Callable[[Connection], Any] | None, holder: dict[str, Any] | None,
+    ) -> Any:
+        """The fence check, ``effect``, then the event's insert; the event's result."""
+        now = fence_check(conn, self.claimed, events=1, size=size)
+        if effect is not None:
+            result = effect(conn)
+        if holder:
+            fire_at = holder.get("fire_at", fire_at)
+            if holder.get("done"):
+                state = "completed"
+        event = dict(
+            workflow_pk=self.claimed.pk, run_no=self.claimed.run_no, seq=seq,
+            kind=kind, name=name, args_digest=digest, args=args, state=state,
+            result=result, error=error, fire_at=fire_at, run_key=run_key,
+            fence_token=self.claimed.fence_token, created_at=now,
+            completed_at=now if state != "scheduled" else None,
+        )
+        if uses_psycopg(conn):  # the same insert, fixed SQL on the driver
+            pg_statements.insert_event(conn, event)
+        else:
+            conn.execute(workflow_events.insert().values(**event))
+        return result
+
+    def _fenced_event_then(self, conn: Connection, effect: Callable[[Connection], Any] | None,
+                           size: int, event: dict[str, Any]) -> None:
+        """psycopg, a record that only dispatches: the fence check and the event's insert
+        in one statement (the workflow row locked first, as :func:`fence_check` does),
+        then ``effect`` (its message) in the same transaction."""
+        if pg_statements.fence_check_and_insert_event(
+                conn, self.claimed.pk, self.claimed.fence_token, self.claimed.lease, size,
+                event) is None:
+            raise FencedOut(f"workflow {self.claimed.workflow_id!r}: fence "
+                            f"{self.claimed.fence_token} is stale")
+        if effect is not None:
+            effect(conn)
 
     def complete(self, seq: int, state: str, result: Any = None, error: Any = None,
                  effect: Callable[[Connection], Any] | None = None) -> Any:

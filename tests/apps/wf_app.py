@@ -311,14 +311,13 @@ handoff.mark = _mark_after_crash_point
 _handoff_mark_in = handoff.mark_in
 
 
-def _mark_in_after_crash_point(conn: Any) -> None:
+def _mark_in_after_crash_point(conn: Any, *args: Any) -> Any:
     engine.crash_point("handoff.before_mark")
     if os.environ.get("RB_WF_HANDOFF_UNMARKED"):
         deferred = handoff._deferred.get()
         if deferred:
-            deferred.clear()
-        return
-    _handoff_mark_in(conn)
+            deferred.clear()  # nothing to mark; a release written with the marks still runs
+    return _handoff_mark_in(conn, *args)
 
 
 handoff.mark_in = _mark_in_after_crash_point

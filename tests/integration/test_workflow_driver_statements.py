@@ -29,7 +29,7 @@ from reliable_beat.workflows import WorkflowContext, engine
 #: the modules whose psycopg switch selects the driver path of a workflow step
 DRIVER_USERS = ["reliable_beat.workflow_store", "reliable_beat.outbox",
                 "reliable_beat.workflows.history", "reliable_beat.workflows.advance",
-                "reliable_beat.workflows.replay"]
+                "reliable_beat.workflows.replay", "reliable_beat.workflows.sticky"]
 
 effects = sa.Table("wfdrv_effects", sa.MetaData(),
                    sa.Column("id", sa.Integer, primary_key=True),

@@ -172,7 +172,7 @@ def materialise_unsent(
     its runs back sees it: :func:`take_back_runs`). Logged at WARNING when any.
 
     Returns:
-        How many trigger rows were written.
+        How many runs got their trigger row.
     """
     cutoff = now - sweep_delay
     sel = (
@@ -194,7 +194,7 @@ def materialise_unsent(
     sid = _store_id(store)
     options = entry_options(conn, [r.entry_name for r in found])
     slot_text = SlotText()
-    written = _insert_rows(store, conn, [
+    _insert_rows(store, conn, [
         trigger_outbox_row(r.idempotency_key, int(r.id),
                            _payload(r, options.get(r.entry_name, {}), destination, sid,
                                     slot_text),
@@ -208,7 +208,7 @@ def materialise_unsent(
                 "or stalled between its claim and its publish): their triggers are written "
                 "to the outbox and published by the sweep now: %s", len(found),
                 ", ".join(r.idempotency_key for r in found[:5]))
-    return written
+    return len(found)
 
 
 def _insert_rows(store: Store, conn: Connection, rows: list[dict[str, Any]]) -> int:

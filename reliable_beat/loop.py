@@ -192,7 +192,7 @@ def publish_and_mark(
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
     failed = [i for i, err in outcomes if err is not None and i not in expired]
     if failed:
-        logger.warning("%d triggers not published (%s); they stay in the outbox for the relay",
+        logger.warning("%d triggers not published (%s); they wait in the outbox for the relay",
                        len(failed), next(err for _, err in outcomes if err is not None))
     try:
         with store.begin() as conn:

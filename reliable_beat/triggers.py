@@ -2,8 +2,9 @@
 
 A trigger is what fires a run: a message for the run's task, written as one outbox row
 (destination ``celery`` or ``dramatiq``) unless the beat publishes it right after its claim
-(then its run row is its record: :mod:`reliable_beat.unsent`). This module names the destinations, derives a run's task id and trigger message id from its
-idempotency key, and builds and reads the trigger payload in both shapes. It sits below
+(then its run row is its record: :mod:`reliable_beat.unsent`). This module names the
+destinations, derives a run's task id and trigger message id from its idempotency key, and
+builds and reads the trigger payload in both shapes. It sits below
 everything that writes or reads triggers (the beat, the relay, the re-dispatch sweep, the
 run store, the adapters) and imports nothing of theirs.
 """

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, true
 from sqlalchemy.engine import Connection
 
+from reliable_beat import unsent
 from reliable_beat.db.tables import (
     dead_letters,
     entries,

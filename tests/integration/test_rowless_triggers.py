@@ -104,7 +104,8 @@ def test_due_slot_writes_no_trigger_row_and_a_slot_claimed_ahead_keeps_its_row(
         sched.loop._claim()  # the due slot is published at once, the other one held
         assert _queued(redis_url) == ["due"]
         rows = _rows(pg_store)
-        assert [r.message_id for r in rows] == [f"trigger:{_runs(pg_store)['ahead'].idempotency_key}"]
+        ahead_key = _runs(pg_store)["ahead"].idempotency_key
+        assert [r.message_id for r in rows] == [f"trigger:{ahead_key}"]
         assert rows[0].state == "pending" and rows[0].claimed_by == sched.loop.owner
         states = {n: r.state for n, r in _runs(pg_store).items()}
         assert states == {"due": "dispatched", "ahead": "scheduled"}

@@ -60,7 +60,7 @@ from reliable_beat.db.tables import outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import entry_outside_group, schedule_group_of
 from reliable_beat.handlers import MessageExpiredError
-from reliable_beat.identity import store_id
+from reliable_beat.identity import store_id_in
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.policies import BACKOFF_CAP, backoff_wait
 from reliable_beat.redaction import get_logger
@@ -245,7 +245,7 @@ def _run_messages(store: Store, conn: Connection, run_ids: Collection[int],
     """The messages of runs that have no trigger row (:func:`reliable_beat.unsent.
     run_messages`: built from the run row, with its entry's options), in run id order."""
     rows = conn.execute(select(runs).where(runs.c.id.in_(sorted(run_ids))).order_by(runs.c.id))
-    return unsent.run_messages(conn, rows.all(), destination, sid=store_id(store))
+    return unsent.run_messages(conn, rows.all(), destination, sid=store_id_in(conn, store))
 
 
 def _still_claimed(store: Store, stuck: list[OutboxMessage],

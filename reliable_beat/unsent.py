@@ -41,7 +41,7 @@ from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import beats, entries, outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import entry_outside_group
-from reliable_beat.identity import store_id as _store_id
+from reliable_beat.identity import store_id_in
 from reliable_beat.messages import OutboxMessage
 from reliable_beat.outbox_queue import _ids_clause
 from reliable_beat.redaction import get_logger
@@ -191,7 +191,7 @@ def materialise_unsent(
     found = _read_runs(conn, conn.execute(store.for_update_skip_locked(sel)).all(), now)
     if not found:
         return 0
-    sid = _store_id(store)
+    sid = store_id_in(conn, store)
     options = entry_options(conn, [r.entry_name for r in found])
     slot_text = SlotText()
     _insert_rows(store, conn, [
@@ -273,7 +273,7 @@ def write_run_trigger(store: Store, conn: Connection, run_id: int, now: datetime
         return False
     destination = group_trigger_destination(conn, row.entry_name)
     write_trigger_rows(store, conn, run_messages(conn, [row], destination,
-                                                 sid=_store_id(store)), now)
+                                                 sid=store_id_in(conn, store)), now)
     return True
 
 

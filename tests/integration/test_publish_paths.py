@@ -224,9 +224,10 @@ def test_sweep_reached_late_publishes_only_rows_still_its_own(
     another sweep takes and sends one of them meanwhile: only the other one is sent."""
     _seed_due(pg_store, ["kept", "taken"])
     scheduler.loop._beat.tick()  # committed; the fast path never ran (the beat "died")
-    with pg_store.begin() as conn:
-        conn.execute(update(outbox).values(available_at=pg_store.now(conn)
-                                           - timedelta(seconds=1)))
+    with pg_store.begin() as conn:  # ... longer ago than the sweep delay: the sweep writes
+        # the slots' trigger rows, then claims them
+        ago = pg_store.now(conn) - timedelta(seconds=30)
+        conn.execute(update(runs).values(fire_at=ago, created_at=ago, updated_at=ago))
     real_claim = loop_mod.claim_outbox_batch
 
     def claim_then_pause(*args: Any, **kwargs: Any) -> Any:

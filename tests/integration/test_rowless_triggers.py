@@ -290,6 +290,7 @@ def test_resend_of_a_periodic_run_without_a_row_goes_where_its_trigger_went(
     result = Beat(pg_store, owner="t:1").tick()
     with pg_store.begin() as conn:
         now = pg_store.now(conn)
+        conn.execute(outbox.delete())  # no row (a due slot's trigger; or a purged one)
         conn.execute(update(runs).values(state="dispatched",
                                          dispatched_at=now - timedelta(hours=1)))
         stuck = claim_stuck_runs(pg_store, conn, now=now, after=timedelta(seconds=60),
@@ -304,6 +305,7 @@ def test_lease_clear_of_a_periodic_run_without_a_row_resends_it(pg_store: Store)
     key = result.triggers[0].key
     with pg_store.begin() as conn:
         now = pg_store.now(conn)
+        conn.execute(outbox.delete())  # no row (a due slot's trigger; or a purged one)
         conn.execute(update(runs).values(state="running", leased_by="w:1",
                                          lease_expires_at=now + timedelta(hours=1)))
     done = rb_runs.release_lease(pg_store, key)

@@ -86,7 +86,7 @@ def entry_options(conn: Connection, names: Iterable[str]) -> dict[str, dict[str,
                             .where(entries.c.name.in_(wanted))).all():
         values, problems = rows_mod.decode_row(entries, dict(raw._mapping), conn.dialect)
         options = values.get("options")
-        if isinstance(values.get("name"), str) and not any(
+        if isinstance(values.get("name"), str) and isinstance(options, dict) and not any(
                 rows_mod.column_of(p) == "options" for p in problems) \
                 and not rows_mod.check_options(options):
             out[values["name"]] = dict(options)

@@ -2,8 +2,9 @@
 
 Ours: k worker processes (k = 1, 2, 4), each looping exactly what
 :meth:`ReliableScheduler.tick` does minus the sleep: :meth:`Beat.tick` (claim up to
-``batch`` entries FOR UPDATE SKIP LOCKED, insert runs + trigger outbox rows, advance, commit),
-:func:`publish_triggers` (one producer connection, then marks the rows sent), its heap
+``batch`` entries FOR UPDATE SKIP LOCKED, insert runs, advance, commit: a due slot's trigger
+has no outbox row), :func:`publish_triggers` (one producer connection, then marks the runs
+dispatched), its heap
 frozen before the clock starts as :class:`~reliable_beat.loop.BeatLoop` freezes it after its
 first claim (:func:`reliable_beat.process.freeze_heap`).
 

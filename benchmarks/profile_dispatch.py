@@ -3,7 +3,8 @@
 Not part of ``python -m benchmarks`` (it prints no target); the tool behind the figures of
 ``docs/performance.md`` (*CPU per slot of the dispatch path*). One beat process loops exactly
 what part 1 (``benchmarks/dispatch.py``) loops: :meth:`Beat.tick` then ``publish_triggers``
-(publish + mark sent), over N entries due at once (interval 1 h, slot 2 s ago), on a private
+(publish + mark: the runs dispatched; a tree whose due triggers have outbox rows marks those
+sent too), over N entries due at once (interval 1 h, slot 2 s ago), on a private
 PostgreSQL and Redis (or ``--postgres-url`` / ``--redis-url``). After the first tick the
 heap is frozen as :class:`~reliable_beat.loop.BeatLoop` freezes it (a source tree without
 :func:`reliable_beat.process.freeze_heap`: not). ``row_writes``: rows

@@ -1139,6 +1139,7 @@ class Harness:
     def _zombie(self) -> None:
         """SIGSTOP a worker inside its body (after its writes) past its lease, then SIGCONT
         once another worker has taken the run over (fence moved): its commit must fail."""
+        from reliable_beat import unsent
         from reliable_beat.db.tables import outbox, runs
 
         for stale in self.workdir.glob("slow.*"):
@@ -1189,6 +1190,10 @@ class Harness:
                     payload = conn.execute(
                         select(outbox.c.payload).where(outbox.c.message_id == "trigger:" + key)
                     ).scalar_one_or_none()
+                    if payload is None:  # a due slot's trigger has no row: built as a re-send
+                        run = conn.execute(select(runs).where(runs.c.idempotency_key == key))
+                        payload = unsent.run_messages(conn, run.all(),
+                                                      self.trigger_destination)[0].payload
                     if payload is not None:
                         self._republish(payload)
                         republished = True

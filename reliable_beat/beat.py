@@ -12,14 +12,13 @@ Everything that decides *whether* a slot fires happens in **one** transaction (i
    time), then the overlap policy from run state;
 3. ``INSERT`` the runs (``ON CONFLICT DO NOTHING`` on UNIQUE(entry, fire_at) and on the
    idempotency key: a slot already fired is a no-op, whatever the clocks said) and a trigger
-   outbox row for each run actually inserted and fired;
+   outbox row for each run inserted and fired ahead of its slot (claimed ahead);
 4. advance ``next_fire_at`` on the grid; commit.
 
-Only after the commit are the triggers published (fast path, by the caller), and never
-before their slot: a trigger claimed ahead is held by the caller until ``fire_at``. A trigger
-row is written with ``available_at = max(now, fire_at) + sweep_delay`` so a relay sweeps it
-only if the fast path did not mark it sent in time (a crash between commit and publish), and
-never before its slot.
+Only after the commit are the triggers published (by the caller), never before their slot.
+A trigger due at the claim has no outbox row: its run is its record (a crash before the
+publish is swept after the sweep delay: :mod:`reliable_beat.unsent`). One claimed ahead is
+held until ``fire_at``; its row is swept after ``fire_at + sweep_delay`` if still unsent.
 
 "now" is always the database's clock (invariant 4). This module knows nothing of Celery.
 """
@@ -723,6 +722,10 @@ class Beat:
                     store_id=self._sid, slot_text=slot_text,
                     destination=self.trigger_destination, traceparent=tp,
                 )
+                if r["fire_at"] <= now:  # due: no outbox row (see the module docstring)
+                    result.triggers.append(
+                        Trigger(None, run_id, key, payload, r["fire_at"], traceparent=tp))
+                    continue
                 outbox_rows.append(
                     self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"],
                                      traceparent=tp)

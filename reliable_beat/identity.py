@@ -13,13 +13,14 @@ from __future__ import annotations
 import threading
 
 from sqlalchemy import select
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import store_identity
 from reliable_beat.errors import ConfigurationError
 
-__all__ = ["STORE_HEADER", "ForeignStoreError", "store_id"]
+__all__ = ["STORE_HEADER", "ForeignStoreError", "store_id", "store_id_in"]
 
 #: Trigger header carrying the id of the store the trigger's run was written to.
 STORE_HEADER = "reliable_beat_store"
@@ -55,6 +56,27 @@ def store_id(store: Store) -> str | None:
         return found
     try:
         with store.connect() as conn:
+            value = conn.execute(select(store_identity.c.store_id).limit(1)).scalar()
+    except DBAPIError:
+        return None
+    if value is None:
+        return None
+    with _lock:
+        _cache[store.url] = str(value)
+    return str(value)
+
+
+def store_id_in(conn: Connection, store: Store) -> str | None:
+    """:func:`store_id` read through ``conn``, inside the caller's transaction (a savepoint:
+    a schema without the table leaves the transaction usable). For code already inside a
+    write transaction: on SQLite a second connection would wait for the write lock it
+    holds. Cached per process and URL like :func:`store_id`."""
+    with _lock:
+        found = _cache.get(store.url)
+    if found is not None:
+        return found
+    try:
+        with conn.begin_nested():
             value = conn.execute(select(store_identity.c.store_id).limit(1)).scalar()
     except DBAPIError:
         return None

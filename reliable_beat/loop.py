@@ -14,20 +14,20 @@ publisher; ``reliable-beat dramatiq beat`` runs one with a Dramatiq publisher
 * **claim** (:meth:`~reliable_beat.beat.Beat.tick`: one transaction, ``SKIP LOCKED``, the
   database clock) once the earliest entry's claim moment has come, a NOTIFY arrived, or the
   last claim took a full batch;
-* **publish at once** the triggers already due (the fast path), through the publisher, and
-  mark the outcome (``sent`` / expired / back to the outbox for the sweep); a fast path that
-  comes late (this process was paused past half the sweep delay) first **takes back** the
-  rows still pending under its own name and publishes only those;
+* **publish at once** the triggers already due (the fast path; they have no outbox row, their
+  runs are their record: :mod:`reliable_beat.unsent`) and mark the outcome (run
+  ``dispatched`` / expired / a row for the sweep); a fast path that comes late (paused past
+  half the sweep delay) first **takes back** the runs untouched since its claim;
 * **hold and flush**: with ``reliable_beat_claim_ahead_seconds`` A > 0 a claim also takes the
   ``allow`` entries whose slot is at most A away and commits their runs and triggers; the
   triggers are held in memory, grouped by slot, and each group is published at the slot's
   instant (a :class:`HoldingPublisher` builds the batch a moment before and flushes it at
   the instant; any other publisher is called at the instant). A hold that overran takes back
   its rows first, like the fast path; a stop publishes what is held, each group at its slot;
-* **sweep** every :data:`SWEEP_SECONDS`: publish this destination's trigger rows the fast
-  path left unsent (a beat died between commit and publish, the broker was down), then
-  re-dispatch stuck runs of the tracked tasks (:func:`~reliable_beat.redispatch.redispatch_with`)
-  and refresh the beat's heartbeat;
+* **sweep** every :data:`SWEEP_SECONDS`: write the rows of due triggers never published (a
+  beat died between commit and publish), publish this destination's trigger rows left
+  unsent (those, a broker that was down), then re-dispatch stuck runs of the tracked tasks
+  (:func:`~reliable_beat.redispatch.redispatch_with`) and refresh the beat's heartbeat;
 * **wait** until the next thing to do: on PostgreSQL on ``LISTEN reliable_beat_entries``
   (woken early by a NOTIFY when entries change), else asleep; bounded by ``max_interval``
   and :data:`SWEEP_SECONDS` (:data:`SQLITE_MAX_WAIT_SECONDS` without NOTIFY).
@@ -63,7 +63,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.exc import DBAPIError
 
-from reliable_beat import tracing
+from reliable_beat import tracing, unsent
 from reliable_beat.beat import Beat, TickResult
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox
@@ -160,6 +160,10 @@ def publish_and_mark(
     to the sweep / relay at once (``available_at = now``). Nothing is lost if this process
     dies at any point: a row not marked sent is swept after ``available_at``.
 
+    A negative id is a trigger with no outbox row (its run's id negated): its run is marked
+    the same way, and if it was not published its row is written now
+    (:func:`~reliable_beat.unsent.hand_back`).
+
     Args:
         now: the store's clock at the publish (UTC), for the ``expires_at`` check.
         wait: called right before the first message can reach the broker (the loop sleeps
@@ -188,7 +192,7 @@ def publish_and_mark(
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
     failed = [i for i, err in outcomes if err is not None and i not in expired]
     if failed:
-        logger.warning("%d triggers not published (%s); they stay in the outbox for the relay",
+        logger.warning("%d triggers not published (%s); they wait in the outbox for the relay",
                        len(failed), next(err for _, err in outcomes if err is not None))
     try:
         with store.begin() as conn:
@@ -196,10 +200,7 @@ def publish_and_mark(
             mark_sent(conn, sent, at)
             mark_expired(conn, expired, at)
             if failed:
-                conn.execute(
-                    update(outbox).where(outbox.c.id.in_(failed), outbox.c.state == "pending")
-                    .values(available_at=at, claimed_by=None)
-                )
+                unsent.hand_back(store, conn, failed, messages, at)
     except (StoreUnavailableError, DBAPIError) as exc:
         # Published but not marked. The caller (a beat) records them first when the database
         # returns; without one a sweep re-sends them later (at least once, same message id).
@@ -454,14 +455,14 @@ class BeatLoop(BeatProcess):
         self._clock = (result.now, result.monotonic)
         ahead = result.ahead
         if ahead:
-            ids = {t.outbox_id for t in ahead}
+            ids = {t.id for t in ahead}
             for t in ahead:
                 group = self._held.get(t.fire_at)
                 if group is None:
                     at = result.monotonic + (t.fire_at - result.now).total_seconds()
                     group = self._held[t.fire_at] = _Held(t.fire_at, at, [])
                 group.triggers.append(t)
-            due = [t for t in result.triggers if t.outbox_id not in ids]
+            due = [t for t in result.triggers if t.id not in ids]
             result = replace(result, triggers=due)
         if result.triggers or result.skipped or result.duplicates:
             self._publish(result)
@@ -583,11 +584,16 @@ class BeatLoop(BeatProcess):
         now, mono = self._clock
         return max(at_least, now + timedelta(seconds=time.monotonic() - mono))
 
-    def _take_back(self, triggers: list[Trigger]) -> list[Trigger]:
-        """The triggers whose rows are still pending and claimed by this beat, re-leased for a
-        sweep delay (one ``UPDATE ... RETURNING``); the others were swept meanwhile."""
-        ids = self._take_back_ids([t.outbox_id for t in triggers])
-        return [t for t in triggers if t.outbox_id in ids]
+    def _take_back(self, triggers: list[Trigger],
+                   claimed_at: datetime | None = None) -> list[Trigger]:
+        """The triggers still this beat's to publish (rows pending under its name; row-less
+        ones: runs untouched since the claim at ``claimed_at``, :func:`~reliable_beat.unsent.
+        take_back_runs`), re-leased for a sweep delay; the others were swept meanwhile."""
+        ids = self._take_back_ids([t.outbox_id for t in triggers if t.outbox_id is not None])
+        runs_back = unsent.take_back_runs(
+            self.store, [t.run_id for t in triggers if t.outbox_id is None], claimed_at)
+        return [t for t in triggers
+                if (t.outbox_id in ids if t.outbox_id is not None else t.run_id in runs_back)]
 
     def _take_back_ids(self, outbox_ids: list[int]) -> set[int]:
         """The ids of ``outbox_ids`` still ``pending`` and claimed by this beat, re-leased for
@@ -616,12 +622,12 @@ class BeatLoop(BeatProcess):
 
     def _publish(self, result: TickResult) -> None:
         """The fast path right after the claim's commit. A publish that comes late (this
-        process was paused between the commit and here) first takes back the rows still
-        pending under its own name, like a held slot that overran, and publishes only those."""
+        process was paused between the commit and here) first takes back its triggers not
+        swept meanwhile, like a held slot that overran, and publishes only those."""
         assert result.now is not None
         triggers = result.triggers
         if triggers and self._overran(result.monotonic):
-            triggers = self._take_back(triggers)
+            triggers = self._take_back(triggers, result.now)
             self.log.warning("triggers claimed at %s published %.1f s after the claim (this "
                              "process was paused); %d of %d still pending under this beat",
                              format_fire_at(result.now), time.monotonic() - result.monotonic,
@@ -661,15 +667,21 @@ class BeatLoop(BeatProcess):
         self._sweep()
 
     def _sweep(self) -> None:
-        """Publish trigger rows whose fast path never happened (a beat died between commit
-        and publish, or the broker was down). A relay does the same; the beat does it too so
-        plain-task users without a relay lose nothing. At most every ``SWEEP_SECONDS``."""
+        """Publish triggers whose fast path never happened (a beat died between commit and
+        publish: :func:`~reliable_beat.unsent.materialise_unsent` first; or the broker was
+        down). A relay does the same; the beat does it too so plain-task users without a relay
+        lose nothing. At most every ``SWEEP_SECONDS``."""
         now_mono = time.monotonic()
         if now_mono - self._last_sweep < SWEEP_SECONDS or now_mono < self._sweep_not_before:
             return
         self._last_sweep = now_mono
         with self.store.begin() as conn:
             now = self.store.now(conn)
+            # their trigger rows first, so this same claim publishes them
+            unsent.materialise_unsent(
+                self.store, conn, now=now, sweep_delay=self._beat.sweep_delay,
+                destination=self.publisher.destination, schedule_group=self.group,
+                limit=self.settings.batch_size)
             messages = claim_outbox_batch(
                 self.store, conn, owner=self.owner, now=now,
                 lease=SWEEP_LEASE, limit=self.settings.batch_size,

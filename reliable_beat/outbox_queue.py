@@ -332,36 +332,42 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
 
     Joins the caller's transaction. Rows already ``sent`` or ``dead`` are left alone, so it
     is idempotent. For each row this call changes to ``sent`` whose ``destination`` is
-    ``celery`` and that has a ``run_id``, the run goes from ``scheduled`` to ``dispatched``
-    with ``dispatched_at = now``; a run already past ``scheduled`` (a worker claimed it
-    before this mark) keeps its state and only gets ``dispatched_at = now`` if it had none.
-    (A row someone else already marked had its run moved by that mark, in its transaction.)
-    Used by the relay and by the beat's fast path.
+    a trigger destination and that has a ``run_id``, the run goes from ``scheduled`` to
+    ``dispatched`` with ``dispatched_at = now``; a run already past ``scheduled`` (a worker
+    claimed it before this mark) keeps its state and only gets ``dispatched_at = now`` if it
+    had none. (A row someone else already marked had its run moved by that mark, in its
+    transaction.) Used by the relay and by the beat's fast path.
+
+    A negative id is a trigger published with no outbox row (the beat's due-now fast path,
+    :mod:`reliable_beat.unsent`): its run's id negated; that run moves as above.
 
     Two statements whatever the batch size, both by primary key: the outbox ``UPDATE ...
-    RETURNING run_id`` and one ``UPDATE`` of those runs. On PostgreSQL the ids go as one
-    array parameter (``id = ANY(:ids)``), so the statement text is the same for every batch.
+    RETURNING run_id`` (none when every id is a run's) and one ``UPDATE`` of the runs. On
+    PostgreSQL the ids go as one array parameter (``id = ANY(:ids)``), so the statement text
+    is the same for every batch.
 
     Args:
         conn: a connection inside a transaction.
-        ids: outbox row ids that were delivered.
+        ids: outbox row ids that were delivered (negative: run ids negated).
         now: the store's clock, UTC.
 
     Returns:
-        How many outbox rows changed to ``sent``.
+        How many outbox rows changed to ``sent``, plus the row-less triggers given.
     """
     if not ids:
         return 0
+    row_ids = [int(i) for i in ids if i >= 0]
+    rowless = {-int(i) for i in ids if i < 0}
     changed = update_returning(
         conn,
         update(outbox)
-        .where(_ids_clause(conn, outbox.c.id, [int(i) for i in ids]),
+        .where(_ids_clause(conn, outbox.c.id, row_ids),
                outbox.c.state == "pending")
         .values(state="sent", sent_at=now, last_error=None),
         outbox, (outbox.c.destination, outbox.c.run_id), lock_by_primary_key=True,
-    )
-    run_ids = sorted({run_id for destination, run_id in changed
-                      if destination in TRIGGER_DESTINATIONS and run_id is not None})
+    ) if row_ids else []
+    run_ids = sorted(rowless | {run_id for destination, run_id in changed
+                                if destination in TRIGGER_DESTINATIONS and run_id is not None})
     if run_ids:
         scheduled = runs.c.state == "scheduled"
         at = literal(now, UTCDateTime())
@@ -376,7 +382,7 @@ def mark_sent(conn: Connection, ids: Sequence[int], now: datetime) -> int:
                                    else_=func.coalesce(runs.c.dispatched_at, at)),
             )
         )
-    return len(changed)
+    return len(changed) + len(rowless)
 
 
 def _ids_clause(conn: Connection, col: Any, ids: list[int]) -> Any:
@@ -391,21 +397,30 @@ def mark_expired(conn: Connection, ids: Sequence[int], now: datetime) -> int:
 
     Joins the caller's transaction. The outbox rows become ``sent`` with ``last_error =
     "expired before publish"``; linked runs go ``scheduled -> skipped`` with reason
-    ``expired``. Not a dead letter: the entry's own expiry asked for exactly this.
+    ``expired``. Not a dead letter: the entry's own expiry asked for exactly this. A negative
+    id is a trigger with no outbox row (:mod:`reliable_beat.unsent`): its run's id negated;
+    that run is skipped the same way.
 
     Returns:
-        How many outbox rows changed.
+        How many outbox rows changed, plus the row-less triggers given.
     """
     if not ids:
         return 0
-    id_list = list(ids)
-    changed = conn.execute(
-        update(outbox)
-        .where(outbox.c.id.in_(id_list), outbox.c.state == "pending")
-        .values(state="sent", sent_at=now, claimed_by=None, last_error=EXPIRED_ERROR)
-    ).rowcount
-    _move_runs(conn, id_list, frm="scheduled", to="skipped", now=now, reason="expired")
-    return int(changed or 0)
+    id_list = [int(i) for i in ids if i >= 0]
+    rowless = sorted(-int(i) for i in ids if i < 0)
+    changed = 0
+    if id_list:
+        changed = conn.execute(
+            update(outbox)
+            .where(outbox.c.id.in_(id_list), outbox.c.state == "pending")
+            .values(state="sent", sent_at=now, claimed_by=None, last_error=EXPIRED_ERROR)
+        ).rowcount or 0
+        _move_runs(conn, id_list, frm="scheduled", to="skipped", now=now, reason="expired")
+    if rowless:
+        conn.execute(
+            update(runs).where(runs.c.id.in_(rowless), runs.c.state == "scheduled")
+            .values(state="skipped", reason="expired", updated_at=now, finished_at=now))
+    return int(changed) + len(rowless)
 
 
 def _move_runs(

@@ -44,6 +44,8 @@ log = get_logger("reliable_beat.loop")
 SPIN_SECONDS = 0.002
 
 #: ``(outbox id, None or the error)`` per message, in order.
+#: (A negative id: a trigger with no outbox row, its run's id negated; publishers only hand
+#: ids back.)
 Outcomes = list[tuple[int, "BaseException | None"]]
 
 
@@ -96,10 +98,12 @@ class HoldingPublisher(Publisher, Protocol):
 
 
 def trigger_messages(triggers: Sequence[Trigger], destination: str) -> list[OutboxMessage]:
-    """The outbox messages of committed triggers (as a sweep would read them)."""
+    """The outbox messages of committed triggers (as a sweep would read them); a trigger
+    with no outbox row carries its run's id negated (:attr:`Trigger.id`)."""
     return [
-        OutboxMessage(id=t.outbox_id, message_id=trigger_message_id(t.key),
-                      destination=destination, payload=t.payload, run_id=t.run_id)
+        OutboxMessage(id=t.id, message_id=trigger_message_id(t.key),
+                      destination=destination, payload=t.payload, run_id=t.run_id,
+                      traceparent=t.traceparent)
         for t in triggers
     ]
 

@@ -18,8 +18,10 @@ The beat therefore looks, every few seconds, for runs of *tracked* tasks
   lease clear``),
 
 and publishes their trigger again, with the same task id and idempotency key. A run with no
-trigger row (an ad-hoc call, a requeued dead letter) is re-sent as built from its run row
-(task, arguments, key; to the task's default queue); a workflow activity's run is left to the
+trigger row (a slot the beat published without one, an ad-hoc call, a requeued dead letter)
+is re-sent as built from its run row (task, arguments, key, slot; a periodic run with its
+entry's options, so to the queue its trigger went to; an ad-hoc call's to the task's default
+queue); a workflow activity's run is left to the
 workflow sweep. A duplicate is harmless: the task deduplicates it (a second claim of a live
 or finished run does not run the body). Plain Celery tasks are never re-sent: they keep no
 run state, so "stuck" cannot be told from "done".
@@ -51,12 +53,14 @@ from sqlalchemy import and_, case, literal, or_, select, true, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from reliable_beat import unsent
 from reliable_beat.adapters import adapter_for
 from reliable_beat.db.dialects import Store, update_returning
 from reliable_beat.db.tables import outbox, runs
 from reliable_beat.errors import StoreUnavailableError
 from reliable_beat.groups import entry_outside_group, schedule_group_of
 from reliable_beat.handlers import MessageExpiredError
+from reliable_beat.identity import store_id_in
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.policies import BACKOFF_CAP, backoff_wait
 from reliable_beat.redaction import get_logger
@@ -64,7 +68,6 @@ from reliable_beat.settings import Settings
 from reliable_beat.triggers import (
     TRIGGER_DESTINATION,
     TRIGGER_DESTINATIONS,
-    build_trigger_payload,
     trigger_message_id,
 )
 
@@ -115,8 +118,9 @@ def _stuck_runs_select(*, now: datetime, after: timedelta, tasks: Collection[str
             and_(runs.c.retry_at.is_(None), _waited(runs.c.updated_at, now, retrying_after)),
         )))
     # Only runs this sweep can re-send: those with a trigger row (``trigger:<key>``) of a
-    # trigger destination, and any other run but a workflow activity's (an ad-hoc call, a
-    # requeued dead letter: re-sent as built from the run row, :func:`_run_message`). A
+    # trigger destination, and any other run but a workflow activity's (a slot published
+    # without a row, an ad-hoc call, a requeued dead letter: re-sent as built from the run
+    # row, :func:`reliable_beat.unsent.run_messages`). A
     # workflow activity's run (key ``wf:<id>/<run>#<seq>``, message ``act:<key>``) is the
     # workflow sweep's (:func:`~reliable_beat.workflows.engine.redispatch_workflows`):
     # claiming it here would push its clock to ``now`` and hide it from that sweep.
@@ -197,9 +201,10 @@ def claim_stuck_runs(
 
     Returns:
         The runs' trigger outbox rows as :class:`~reliable_beat.outbox.OutboxMessage`
-        (in run id order), then, for runs without one (an ad-hoc call, a requeued dead
-        letter; never a workflow activity's, the workflow sweep's), a message built from
-        the run row (:func:`_run_message`: not stored, ``id`` the run's id negated).
+        (in run id order), then, for runs without one (a slot published without a row, an
+        ad-hoc call, a requeued dead letter; never a workflow activity's, the workflow
+        sweep's), a message built from the run row and its entry's options
+        (:func:`reliable_beat.unsent.run_messages`: not stored, ``id`` the run's id negated).
     """
     if not tasks or (only_ids is not None and not only_ids):
         return []
@@ -229,25 +234,18 @@ def claim_stuck_runs(
                 for r in _trigger_rows(conn, [r.idempotency_key for r in stuck])]
     found = {m.message_id for m in messages}
     bare = [r.id for r in stuck if trigger_message_id(r.idempotency_key) not in found]
-    if bare:  # an ad-hoc call's run, a requeued dead letter: its message from the run row
-        messages += [_run_message(row, destination) for row in conn.execute(
-            select(runs).where(runs.c.id.in_(bare)).order_by(runs.c.id))]
+    if bare:  # a due slot's run (its trigger had no row), an ad-hoc call's run, a requeued
+        # dead letter: its message from the run row (and its entry's options)
+        messages += _run_messages(store, conn, bare, destination)
     return messages
 
 
-def _run_message(row: Any, destination: str) -> OutboxMessage:
-    """The message re-sending a run that has no trigger row (an ad-hoc call, a requeued
-    dead letter), built from the run row: its task, arguments and idempotency key, to the
-    task's default queue, in the trigger payload shape of ``destination``
-    (:func:`~reliable_beat.beat.build_trigger_payload`). Never stored: its ``id`` is the
-    run's id negated (no outbox row has it)."""
-    payload = build_trigger_payload(
-        task=row.task, args=list(row.args or []), kwargs=dict(row.kwargs or {}), options={},
-        key=row.idempotency_key, entry=row.entry_name, fire_at=row.fire_at,
-        trigger=row.trigger or "adhoc", destination=destination)
-    return OutboxMessage(id=-int(row.id), message_id=trigger_message_id(row.idempotency_key),
-                         destination=destination, payload=payload, run_id=int(row.id),
-                         state="sent")
+def _run_messages(store: Store, conn: Connection, run_ids: Collection[int],
+                  destination: str) -> list[OutboxMessage]:
+    """The messages of runs that have no trigger row (:func:`reliable_beat.unsent.
+    run_messages`: built from the run row, with its entry's options), in run id order."""
+    rows = conn.execute(select(runs).where(runs.c.id.in_(sorted(run_ids))).order_by(runs.c.id))
+    return unsent.run_messages(conn, rows.all(), destination, sid=store_id_in(conn, store))
 
 
 def _still_claimed(store: Store, stuck: list[OutboxMessage],
@@ -390,7 +388,8 @@ def _log_once(key: str, every: timedelta, msg: str, *args: Any) -> None:
 
 def _hold_backlogged(store: Store, settings: Settings, tasks: Collection[str],
                      depths: QueueDepthFn, *, after: timedelta, retrying_after: timedelta,
-                     schedule_group: str | None) -> set[int] | None:
+                     schedule_group: str | None,
+                     destination: str = TRIGGER_DESTINATION) -> set[int] | None:
     """Look at the runs the sweep would claim (no lock), ask the broker how deep their
     queues are (outside any transaction) and apply :func:`backlogged`.
 
@@ -407,6 +406,9 @@ def _hold_backlogged(store: Store, settings: Settings, tasks: Collection[str],
             return None
         rows = {r.message_id: OutboxMessage.from_row(r)
                 for r in _trigger_rows(conn, [p.idempotency_key for p in peek])}
+        bare = [p.id for p in peek if trigger_message_id(p.idempotency_key) not in rows]
+        if bare:  # their messages as a re-send builds them: the queue they would go to
+            rows.update((m.message_id, m) for m in _run_messages(store, conn, bare, destination))
     looked = [(p, rows[trigger_message_id(p.idempotency_key)]) for p in peek
               if trigger_message_id(p.idempotency_key) in rows]
     # young: waited less than the backoff cap since the instant its state's wait counts from
@@ -489,7 +491,7 @@ def redispatch_with(
     if queue_depths is not None and settings.redispatch_backlog_check:
         only_ids = _hold_backlogged(store, settings, tasks, queue_depths, after=after,
                                     retrying_after=retrying_after,
-                                    schedule_group=schedule_group)
+                                    schedule_group=schedule_group, destination=destination)
         if not only_ids:
             return 0
     started = time.monotonic()

@@ -53,7 +53,7 @@ from typing import Any
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import Connection
 
-from reliable_beat import tracing
+from reliable_beat import tracing, unsent
 from reliable_beat.adapters import adapter_for, app_settings
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, outbox
@@ -189,6 +189,11 @@ class Relay:
         self._rng = rng or random.Random()
         self._last_purge = float("-inf")
         self._last_redispatch = float("-inf")
+        self._last_unsent = float("-inf")
+        #: A due trigger committed without a row and still ``scheduled`` this long after its
+        #: slot and its claim was never published (its beat died): its row is written
+        #: (:meth:`maybe_materialise_unsent`). The beats' sweep delay.
+        self.unsent_after = timedelta(seconds=TRIGGER_HOLD_AFTER_OUTAGE_SECONDS)
         self._down_streak: dict[str, int] = {}
         #: destination -> ids of rows this relay backed off while the destination was down:
         #: made due again at once when a delivery to it succeeds (see :meth:`settle`)
@@ -255,6 +260,7 @@ class Relay:
         self._cycle_started = time.monotonic()
         try:
             self.maybe_heartbeat()
+            self.maybe_materialise_unsent()
             messages = self.claim()
             if messages:
                 outcome = self.deliver(messages)
@@ -366,6 +372,35 @@ class Relay:
                 "(reliable_beat_outbox_handlers).",
                 n, destination, destination, ", ".join(sorted(self.handlers)) or "none")
         return found
+
+    def maybe_materialise_unsent(self) -> int:
+        """Every :data:`UNSENT_SECONDS`, for a relay with an app (it knows its schedule group
+        and the payload shape of its triggers): write the trigger rows of its group's due
+        slots a beat committed but never published (:func:`~reliable_beat.unsent.
+        materialise_unsent`), so this relay's claim publishes them. Not during the hold
+        after a database outage (a beat records what it published meanwhile first).
+
+        Returns:
+            How many trigger rows were written.
+        """
+        destination = self._trigger_destination()
+        if (destination is None or time.monotonic() < self._triggers_after
+                or time.monotonic() - self._last_unsent < UNSENT_SECONDS):
+            return 0
+        self._last_unsent = time.monotonic()
+        with self.store.begin() as conn:
+            return unsent.materialise_unsent(
+                self.store, conn, now=db_now(conn), sweep_delay=self.unsent_after,
+                destination=destination, schedule_group=self.schedule_group,
+                limit=self.batch_size)
+
+    def _trigger_destination(self) -> str | None:
+        """The trigger destination of this relay's app, if it delivers it; None without an
+        app (a relay of no group cannot know which payload shape a run's trigger takes)."""
+        if self.app is None or self.schedule_group is None:
+            return None
+        name = getattr(adapter_for(self.app), "name", None)
+        return name if name in TRIGGER_DESTINATIONS and name in self.handlers else None
 
     def maybe_redispatch(self) -> None:
         """Every few seconds, with an app: re-send triggers of stuck tracked runs (their
@@ -742,6 +777,9 @@ class Relay:
             self._listener = None
 
 
+#: Seconds between two looks of a relay for due triggers no beat published
+#: (:meth:`Relay.maybe_materialise_unsent`).
+UNSENT_SECONDS = 5.0
 #: Seconds between two heartbeats of a relay (``status`` counts one seen within 60 s live).
 #: Written by a thread of its own while :meth:`Relay.run_forever` runs, so a long batch or
 #: a slow broker does not make a busy relay look dead.

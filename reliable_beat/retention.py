@@ -5,7 +5,8 @@ What grows, one row each (sizes in docs/configuration.md, "Retention"):
 * ``reliable_beat_runs``: one row per slot fired or skipped, per manual trigger, per ad-hoc
   idempotency key, with the task's args/kwargs and result. A 1 s entry writes 86,400 a day.
 * ``reliable_beat_attempts``: one row per try of a tracked run.
-* ``reliable_beat_outbox``: one row per trigger and per outbox message.
+* ``reliable_beat_outbox``: one row per outbox message and per trigger written there (a slot
+  claimed ahead, a manual trigger; a due slot's trigger only when its publish failed).
 * ``reliable_beat_dead_letters``: one row per dead run / outbox row.
 
 What is purged, each table by its own setting (None: keep forever):

@@ -1,8 +1,10 @@
 """The trigger vocabulary: what a beat writes to fire a slot and every reader decodes.
 
-A trigger is one outbox row (destination ``celery`` or ``dramatiq``) per fired run. This
-module names the destinations, derives a run's task id and trigger message id from its
-idempotency key, and builds and reads the trigger payload in both shapes. It sits below
+A trigger is what fires a run: a message for the run's task, written as one outbox row
+(destination ``celery`` or ``dramatiq``) unless the beat publishes it right after its claim
+(then its run row is its record: :mod:`reliable_beat.unsent`). This module names the
+destinations, derives a run's task id and trigger message id from its idempotency key, and
+builds and reads the trigger payload in both shapes. It sits below
 everything that writes or reads triggers (the beat, the relay, the re-dispatch sweep, the
 run store, the adapters) and imports nothing of theirs.
 """
@@ -111,19 +113,33 @@ def trigger_outbox_row(
 
 @dataclass(frozen=True)
 class Trigger:
-    """A committed trigger to publish: one outbox row of destination ``celery``.
+    """A committed trigger to publish.
+
+    A trigger published right after its claim committed (its slot was due at the claim) has
+    no outbox row: its run row is its record (:mod:`reliable_beat.unsent`). A trigger claimed
+    ahead (held until its slot), a released buffered run and a manual trigger have one.
 
     Attributes:
-        outbox_id / run_id: row ids.
+        outbox_id: the trigger's outbox row id; None: no row.
+        run_id: the run's id.
         payload: the outbox payload (task, args, kwargs, task_id, headers, options, expires_at).
         fire_at: the slot (UTC), or the request time for a manual trigger.
+        traceparent: the W3C context of the slot's ``fire`` span (a row-less trigger keeps
+            it here, for the row written if its publish fails), or None.
     """
 
-    outbox_id: int
+    outbox_id: int | None
     run_id: int
     key: str
     payload: dict[str, Any]
     fire_at: datetime
+    traceparent: str | None = None
+
+    @property
+    def id(self) -> int:
+        """The id its message carries to the publisher and back in the outcomes: the outbox
+        row's id, else the run's id negated (no outbox row has a negative id)."""
+        return self.outbox_id if self.outbox_id is not None else -self.run_id
 
 
 def build_trigger_payload(

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, true
 from sqlalchemy.engine import Connection
 
+from reliable_beat import unsent
 from reliable_beat.db.tables import (
     dead_letters,
     entries,
@@ -35,7 +36,7 @@ from reliable_beat.rows import (
     entry_checker,
     raw_labelled,
 )
-from reliable_beat.triggers import TRIGGER_DESTINATIONS, trigger_message_id
+from reliable_beat.triggers import TRIGGER_DESTINATION, TRIGGER_DESTINATIONS, trigger_message_id
 
 __all__ = [
     "MAX_DEPTH_ENTRIES",
@@ -282,8 +283,9 @@ def unstarted_triggers(conn: Connection, names: list[str]
                        ) -> list[tuple[str, OutboxMessage]]:
     """``[(entry, its newest unstarted trigger's outbox row)]`` for (at most
     :data:`MAX_DEPTH_ENTRIES` of) ``names``: the trigger of each entry's latest
-    ``dispatched`` run without ``started_at`` (one query). Entries without such a row (the
-    trigger row was purged) are left out."""
+    ``dispatched`` run without ``started_at`` (one query); for a run whose trigger has no
+    row (published by the beat's fast path, or purged) its message as a re-send builds it
+    (:func:`reliable_beat.unsent.run_messages`: the entry's options, so its queue)."""
     names = names[:MAX_DEPTH_ENTRIES]
     if not names:
         return []
@@ -294,19 +296,29 @@ def unstarted_triggers(conn: Connection, names: list[str]
         .group_by(runs.c.entry_name)
         .subquery()
     )
-    keys = {str(key): str(entry) for entry, key in conn.execute(
-        select(latest.c.entry_name, runs.c.idempotency_key)
+    keys = {str(key): (str(entry), int(run_id)) for entry, key, run_id in conn.execute(
+        select(latest.c.entry_name, runs.c.idempotency_key, runs.c.id)
         .select_from(latest.join(runs, runs.c.id == latest.c.run_id)))}
     if not keys:
         return []
-    by_message = {trigger_message_id(k): e for k, e in keys.items()}
+    by_message = {trigger_message_id(k): e for k, (e, _) in keys.items()}
     rows = conn.execute(select(outbox).where(outbox.c.message_id.in_(sorted(by_message))))
     found = []
+    seen = set()
     for row in rows:
+        seen.add(row.message_id)
         try:
             found.append((by_message[row.message_id], OutboxMessage.from_row(row)))
         except Exception:  # a malformed row: no depth for it (status reports rows elsewhere)
             continue
+    bare = [run_id for k, (_, run_id) in keys.items() if trigger_message_id(k) not in seen]
+    if bare:
+        try:
+            run_rows = conn.execute(select(runs).where(runs.c.id.in_(bare))).all()
+            found += [(by_message[m.message_id], m) for m in unsent.run_messages(
+                conn, run_rows, TRIGGER_DESTINATION)]
+        except Exception:  # a malformed run: no depth for it (status reports it elsewhere)
+            pass
     return sorted(found, key=lambda t: t[0])
 
 
@@ -401,7 +413,8 @@ def expired_leases(conn: Connection, now: datetime, *, grace_seconds: float,
         ``(count, runs)``: how many, and the ``limit`` longest expired as ``{"key",
         "entry", "leased_by", "lease_expires_at" (UTC), "expired_seconds" (float),
         "resend_at" (UTC datetime of the sweep's next re-send; None: the run has no trigger
-        row (an ad-hoc call, a workflow activity): the sweep does not re-send it)}``.
+        row and no entry (an ad-hoc call, a workflow activity): the sweep does not re-send
+        it)}``.
     """
     stuck = and_(runs.c.state == "running",
                  runs.c.lease_expires_at < now - timedelta(seconds=grace_seconds))
@@ -434,7 +447,9 @@ def expired_leases(conn: Connection, now: datetime, *, grace_seconds: float,
         shown.append({
             "key": key, "entry": entry, "leased_by": holder, "lease_expires_at": ended,
             "expired_seconds": round((now - ended).total_seconds(), 3),
-            "resend_at": ended + wait if trigger_message_id(str(key)) in found else None,
+            # the sweep re-sends a run with a trigger row, and a periodic run without one
+            "resend_at": ended + wait if trigger_message_id(str(key)) in found or (
+                entry and not str(key).startswith("wf:")) else None,
         })
     return total, shown
 

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
 
+from reliable_beat import unsent
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import attempts, dead_letters, outbox, runs
 from reliable_beat.errors import DeadLetterNotFound, RunNotFound
@@ -127,9 +128,12 @@ def release_lease(store: Store, key: str, *, resend: bool = True) -> LeaseCleare
       wakes the relays). A relay, or a beat's sweep of unsent triggers, publishes it: the
       same message (task id, idempotency key) as the first delivery, so a duplicate is
       deduplicated by the key. A crash after the commit loses nothing: the row is in the
-      store. Not re-sent (``resend = not_resent``, :attr:`LeaseCleared.note` says why): a
-      run with no trigger row (an ad-hoc call: its sender holds the message; a workflow
-      activity: the workflow sweep re-sends it) and a trigger whose ``expires_at`` passed.
+      store. A periodic run whose trigger was published with no row (the beat's fast path)
+      gets its row now (:func:`reliable_beat.unsent.write_run_trigger`: built as the beat
+      builds it, with the entry's options). Not re-sent (``resend = not_resent``,
+      :attr:`LeaseCleared.note` says why): a run of no entry with no trigger row (an ad-hoc
+      call: its sender holds the message; a workflow activity: the workflow sweep re-sends
+      it) and a trigger whose ``expires_at`` passed.
 
     Idempotent in effect (a second clear bumps the fence again and re-sends nothing: the
     run is no longer ``running``). Safe from several processes (the run row is locked on
@@ -194,11 +198,13 @@ def release_lease(store: Store, key: str, *, resend: bool = True) -> LeaseCleare
                     "redelivery, a retry) or the re-dispatch sweep runs it")
         else:
             mid = trigger_message_id(key)
-            trig = conn.execute(
+            trigger_row = (
                 select(outbox.c.id, outbox.c.destination, outbox.c.payload).where(
                     outbox.c.message_id == mid,
-                    outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS)))
-            ).first()
+                    outbox.c.destination.in_(sorted(TRIGGER_DESTINATIONS))))
+            trig = conn.execute(trigger_row).first()
+            if trig is None and unsent.write_run_trigger(store, conn, row.id, now):
+                trig = conn.execute(trigger_row).first()  # a slot's trigger sent with no row
             expires = _trigger_expires_at(trig.payload) if trig is not None else None
             if trig is None:
                 outcome["resend"] = NOT_RESENT

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from sqlalchemy import select, update
 
 from reliable_beat import schedules as sch
+from reliable_beat import unsent
 from reliable_beat.beat import TRIGGER_DESTINATION, Beat
 from reliable_beat.celery.commands import reliable_beat
 from reliable_beat.cli.status import collect_status
@@ -87,8 +88,13 @@ def _fire_all(store: Store) -> None:
 
 
 def _sweep(store: Store, group: str | None) -> list[Any]:
+    """A beat's sweep of ``group``: the trigger rows of due slots committed without one
+    (a due slot's trigger has no row until then), then the claim of unsent rows."""
     with store.begin() as conn:
         now = store.now(conn) + timedelta(hours=1)  # past every sweep delay
+        unsent.materialise_unsent(store, conn, now=now, sweep_delay=timedelta(seconds=10),
+                                  destination=TRIGGER_DESTINATION, schedule_group=group,
+                                  limit=100)
         return claim_outbox_batch(store, conn, owner=f"sweep-{group}", now=now,
                                   lease=timedelta(seconds=30), limit=100,
                                   destinations=[TRIGGER_DESTINATION], schedule_group=group)
@@ -165,11 +171,12 @@ def test_entries_added_with_an_app_get_its_group(pg_store: Store) -> None:
 def test_a_relay_with_an_app_delivers_only_its_groups_triggers(pg_store: Store) -> None:
     """Fails on the old relay: proj's relay took proj2's trigger into proj's broker."""
     _fire_all(pg_store)
-    with pg_store.begin() as conn:  # past the beats' sweep delay
-        conn.execute(update(outbox).values(available_at=pg_store.now(conn)))
     app = Celery("proj", broker="memory://", set_as_current=False)
     app.conf.update(reliable_beat_database_url=pg_store.url)
-    claimed = Relay(pg_store, app, owner="relay-proj").claim()
+    relay = Relay(pg_store, app, owner="relay-proj")
+    relay.unsent_after = timedelta(0)  # past the beats' sweep delay
+    assert relay.maybe_materialise_unsent() == 2  # its group's and group-less due slots
+    claimed = relay.claim()
     assert sorted(m.payload["args"][0] for m in claimed) == ["a-proj", "c-none"]
 
 

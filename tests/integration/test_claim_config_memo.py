@@ -77,4 +77,6 @@ def test_config_memo_follows_the_stored_values_and_checks_each_row(pg_store: Sto
             select(runs.c.idempotency_key, runs.c.args).where(runs.c.entry_name == "memo-a")
         ).all())
         assert sorted(stored.values()) == [[1, "x"], [2, "y"]]
-        assert conn.execute(select(outbox.c.id)).all()
+        assert conn.execute(select(outbox.c.id)).all() == []  # due: the runs are the record
+        assert set(conn.execute(select(runs.c.state).where(
+            runs.c.entry_name.in_(["memo-a", "memo-c"]))).scalars()) == {"scheduled"}

@@ -24,12 +24,13 @@ import pytest
 from sqlalchemy import select, update
 
 from reliable_beat import schedules as sch
+from reliable_beat import unsent
 from reliable_beat.beat import Beat
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import dead_letters, entries, outbox, runs
 from reliable_beat.entries import EntryDefinition
 from reliable_beat.errors import IdempotencyKeyError
-from reliable_beat.loop import BeatLoop
+from reliable_beat.loop import BeatLoop, trigger_messages
 from reliable_beat.outbox import OutboxMessage
 from reliable_beat.redispatch import claim_stuck_runs
 from reliable_beat.relay import mark_expired, mark_sent
@@ -94,11 +95,27 @@ def test_dramatiq_trigger_rows_move_their_runs(sqlite_store: Store, end: str) ->
     _seed_due(store)
     result = Beat(store, owner="t:1", trigger_destination="dramatiq").tick()
     assert len(result.triggers) == 1
-    with store.engine.connect() as conn:
-        assert conn.execute(select(outbox.c.destination)).scalar_one() == "dramatiq"
-    with store.begin() as conn:
+    with store.begin() as conn:  # its row, as a publish the broker refused writes it
         now = store.now(conn)
-        (mark_sent if end == "sent" else mark_expired)(conn, [result.triggers[0].outbox_id], now)
+        unsent.write_trigger_rows(store, conn,
+                                  trigger_messages(result.triggers, "dramatiq"), now)
+    with store.engine.connect() as conn:
+        row_id, destination = conn.execute(select(outbox.c.id, outbox.c.destination)).one()
+    assert destination == "dramatiq"
+    with store.begin() as conn:
+        (mark_sent if end == "sent" else mark_expired)(conn, [row_id], now)
+    assert _run_state(store) == ("dispatched" if end == "sent" else "skipped")
+
+
+@pytest.mark.parametrize("end", ["sent", "expired"])
+def test_dramatiq_rowless_triggers_move_their_runs(sqlite_store: Store, end: str) -> None:
+    store = sqlite_store
+    _seed_due(store)
+    result = Beat(store, owner="t:1", trigger_destination="dramatiq").tick()
+    assert [t.outbox_id for t in result.triggers] == [None]  # due: no row
+    with store.begin() as conn:
+        (mark_sent if end == "sent" else mark_expired)(conn, [result.triggers[0].id],
+                                                       store.now(conn))
     assert _run_state(store) == ("dispatched" if end == "sent" else "skipped")
 
 
@@ -108,12 +125,32 @@ def test_redispatch_finds_stuck_dramatiq_triggers(sqlite_store: Store) -> None:
     result = Beat(store, owner="t:1", trigger_destination="dramatiq").tick()
     with store.begin() as conn:
         now = store.now(conn)
-        mark_sent(conn, [result.triggers[0].outbox_id], now)
+        # its row, as a publish the broker refused writes it (then sent by a relay)
+        unsent.write_trigger_rows(store, conn,
+                                  trigger_messages(result.triggers, "dramatiq"), now)
+        mark_sent(conn, list(conn.execute(select(outbox.c.id)).scalars()), now)
         conn.execute(update(runs).values(dispatched_at=now - timedelta(hours=1)))
     with store.begin() as conn:
         stuck = claim_stuck_runs(store, conn, now=store.now(conn), after=timedelta(seconds=60),
                                  tasks=["t"])
     assert [m.destination for m in stuck] == ["dramatiq"]
+
+
+def test_redispatch_of_a_rowless_dramatiq_trigger_takes_the_callers_shape(
+    sqlite_store: Store,
+) -> None:
+    store = sqlite_store
+    _seed_due(store)
+    result = Beat(store, owner="t:1", trigger_destination="dramatiq").tick()
+    with store.begin() as conn:
+        now = store.now(conn)
+        mark_sent(conn, [result.triggers[0].id], now)
+        conn.execute(update(runs).values(dispatched_at=now - timedelta(hours=1)))
+    with store.begin() as conn:
+        stuck = claim_stuck_runs(store, conn, now=store.now(conn), after=timedelta(seconds=60),
+                                 tasks=["t"], destination="dramatiq")
+    assert [m.destination for m in stuck] == ["dramatiq"]
+    assert stuck[0].payload == result.triggers[0].payload
 
 
 class _Recorder:
@@ -139,8 +176,8 @@ def test_beat_loop_publishes_and_marks(sqlite_store: Store) -> None:
     loop.step()
     assert [m.payload["task"] for m in pub.published] == ["t"]
     assert _run_state(sqlite_store) == "dispatched"
-    with sqlite_store.engine.connect() as conn:
-        assert conn.execute(select(outbox.c.state)).scalar_one() == "sent"
+    with sqlite_store.engine.connect() as conn:  # a due trigger: its run is its record
+        assert conn.execute(select(outbox.c.state)).all() == []
 
 
 def test_beat_loop_leaves_unpublished_triggers_pending(sqlite_store: Store) -> None:

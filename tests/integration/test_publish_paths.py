@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 
 from reliable_beat import loop as loop_mod
 from reliable_beat import schedules as sch
+from reliable_beat import unsent
 from reliable_beat.celery import scheduler as scheduler_mod
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import entries, outbox, runs
@@ -76,9 +77,14 @@ def test_fast_path_reached_late_publishes_only_rows_still_its_own(
     assert len(result.triggers) == 2
     swept = next(t for t in result.triggers
                  if t.payload["headers"]["reliable_beat_entry"] == "swept")
-    with pg_store.begin() as conn:  # ... another beat's sweep sent one row meanwhile ...
-        conn.execute(update(outbox).where(outbox.c.id == swept.outbox_id)
-                     .values(state="sent", claimed_by="other:1"))
+    with pg_store.begin() as conn:  # ... another beat's sweep took one meanwhile (it looked
+        # committed and unsent for longer than the sweep delay): wrote its row, re-stamped it
+        ago = result.now - timedelta(seconds=11)
+        conn.execute(update(runs).where(runs.c.id == swept.run_id)
+                     .values(fire_at=ago, updated_at=ago))
+        assert unsent.materialise_unsent(
+            pg_store, conn, now=pg_store.now(conn), sweep_delay=timedelta(seconds=10),
+            destination="celery", schedule_group=None, limit=10) == 1
     result.monotonic -= 6.0  # ... while this process was paused 6 s before its fast path
     scheduler.loop._publish(result)
     assert _queued(redis_url) == ["kept"]  # the swept row is not published a second time
@@ -104,8 +110,8 @@ def test_published_but_unmarked_is_recorded_before_any_sweep(
     scheduler.loop._claim()  # published at once; the mark could not be written
     assert _queued(redis_url) == ["a", "b"]
     with pg_store.begin() as conn:  # the outage outlasted the sweep delay
-        conn.execute(update(outbox).values(available_at=pg_store.now(conn)
-                                           - timedelta(seconds=30)))
+        ago = pg_store.now(conn) - timedelta(seconds=30)
+        conn.execute(update(runs).values(fire_at=ago, created_at=ago, updated_at=ago))
     scheduler.loop._last_sweep = 0.0
     scheduler.loop._claim_at = 0.0
     scheduler.loop._step()  # database back: record first, then claim and sweep
@@ -113,7 +119,7 @@ def test_published_but_unmarked_is_recorded_before_any_sweep(
     with pg_store.engine.connect() as conn:
         rows = conn.execute(select(outbox.c.state, outbox.c.claimed_by)).all()
         run_states = set(conn.execute(select(runs.c.state)).scalars())
-    assert {r.state for r in rows} == {"sent"}
+    assert rows == []  # due triggers: no rows, and the sweep wrote none for them
     assert run_states == {"dispatched"}
 
 
@@ -146,7 +152,7 @@ def test_redispatch_reached_late_resends_only_runs_still_its_claim(
             conn.execute(entries.insert().values(**values))
     result = Beat(pg_store, owner="t").tick()
     with pg_store.begin() as conn:
-        mark_sent(conn, [t.outbox_id for t in result.triggers], pg_store.now(conn))
+        mark_sent(conn, [t.id for t in result.triggers], pg_store.now(conn))
         conn.execute(update(runs).values(dispatched_at=pg_store.now(conn)
                                          - timedelta(seconds=60)))
     real_claim = redispatch_mod.claim_stuck_runs
@@ -218,9 +224,10 @@ def test_sweep_reached_late_publishes_only_rows_still_its_own(
     another sweep takes and sends one of them meanwhile: only the other one is sent."""
     _seed_due(pg_store, ["kept", "taken"])
     scheduler.loop._beat.tick()  # committed; the fast path never ran (the beat "died")
-    with pg_store.begin() as conn:
-        conn.execute(update(outbox).values(available_at=pg_store.now(conn)
-                                           - timedelta(seconds=1)))
+    with pg_store.begin() as conn:  # ... longer ago than the sweep delay: the sweep writes
+        # the slots' trigger rows, then claims them
+        ago = pg_store.now(conn) - timedelta(seconds=30)
+        conn.execute(update(runs).values(fire_at=ago, created_at=ago, updated_at=ago))
     real_claim = loop_mod.claim_outbox_batch
 
     def claim_then_pause(*args: Any, **kwargs: Any) -> Any:

@@ -31,7 +31,7 @@ def _fire_and_dispatch(store: Store) -> None:
     result = Beat(store, owner="t").tick()
     assert result.triggers
     with store.begin() as conn:
-        mark_sent(conn, [t.outbox_id for t in result.triggers], store.now(conn))
+        mark_sent(conn, [t.id for t in result.triggers], store.now(conn))
 
 
 def _backdate(store: Store, seconds: float) -> None:

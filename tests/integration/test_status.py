@@ -51,7 +51,7 @@ def fire(store: Store) -> None:
 
     result = Beat(store, owner="test").tick()
     with store.begin() as conn:
-        mark_sent(conn, [t.outbox_id for t in result.triggers], store.now(conn))
+        mark_sent(conn, [t.id for t in result.triggers], store.now(conn))
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ def main() -> int:
 
     from reliable_beat import outbox as rb_outbox
     from reliable_beat import schedules as sch
+    from reliable_beat import unsent
     from reliable_beat.beat import Beat
     from reliable_beat.db.dialects import Store
     from reliable_beat.db.migrate import upgrade
@@ -86,10 +87,15 @@ def main() -> int:
             conn.execute(entries.insert().values(**values))
             rb_outbox.add(conn, "memory", {"hello": "world"}, key="plain-1")
 
-        # the core beat tick: claims the due slot, commits its run + trigger row (no fast
-        # path here: sweep_delay 0 hands the trigger to the relay at once)
+        # the core beat tick: claims the due slot, commits its run (a due slot's trigger has
+        # no outbox row); no fast path here: the sweep a beat runs for a slot committed and
+        # never published writes its trigger row (sweep delay 0: at once)
         tick = Beat(store, owner="probe:1", trigger_destination="dramatiq",
                     sweep_delay=timedelta(0)).tick()
+        with store.begin() as conn:
+            unsent.materialise_unsent(store, conn, now=store.now(conn),
+                                      sweep_delay=timedelta(0), destination="dramatiq",
+                                      schedule_group=None, limit=10)
 
         delivered: list[tuple[str, object]] = []
 

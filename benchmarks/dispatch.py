@@ -41,7 +41,7 @@ from benchmarks.common import Env, check, median, psycopg_dsn, seed_entries, spr
 TIMEOUT_S = 300.0
 TARGET_CLAIM = 0.5
 TARGET_PUBLISH = 0.7
-#: issue 20: ours against the kombu loop pipelined per batch, the ceiling of a batching publisher
+#: the dispatch target: ours against the kombu loop pipelined per batch, the ceiling of a batching publisher
 TARGET_PIPELINED = 0.5
 
 
@@ -263,7 +263,7 @@ def run(env: Env) -> str:
         "processes. Rates are slots (or messages) per second until N are in Redis. The first "
         "target is against the raw kombu loop (one LPUSH round trip per message); ours "
         "publishes through one Redis pipeline per batch, so the last columns compare it with "
-        "the same kombu loop pipelined the same way (`Producer.batch()`): issue 20's target. "
+        "the same kombu loop pipelined the same way (`Producer.batch()`): the dispatch target. "
         "A target is met when every run meets it.",
         "",
         table(["beats (k)", "ours slots/s", "raw SQL claim+advance /s", "raw kombu publish /s",

@@ -1,4 +1,4 @@
-"""7. The herd: N entries of ``0 * * * *`` all due at one instant (issue 20).
+"""7. The herd: N entries of ``0 * * * *`` all due at one instant.
 
 A large installation where many entries share ``0 * * * *`` (or ``0 2 * * *``): the last one
 fires as late as the dispatch rate allows. N cron entries are inserted with ``COPY``, every
@@ -278,7 +278,7 @@ def run(env: Env) -> str:
             ]))
     cores = os.cpu_count() or 1
     return "\n".join([
-        "### 7. The herd (issue 20)",
+        "### 7. The herd",
         "",
         f"N cron entries (`{CRON}`) due at the same slot; k beat processes looping "
         "`Beat.tick` + `publish_triggers` released together; the clock stops when the "

@@ -180,8 +180,9 @@ def build_trigger_payload(
     (``reliable_beat.traceparent``; the Dramatiq adapter makes it a message option).
     """
     fmt = format_fire_at if slot_text is None else slot_text.fire_at
-    publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
-    expires = options.get("expires")
+    publish = {k: v for k, v in options.items() if k not in ("expires", "headers")} \
+        if options else {}
+    expires = options.get("expires") if options else None
     expires_at = (
         fmt(fire_at + timedelta(seconds=float(expires)))
         if expires and fire_at is not None else None
@@ -208,13 +209,12 @@ def build_trigger_payload(
             "headers": {"reliable_beat_key": key, "reliable_beat_entry": entry,
                         "reliable_beat_fire_at": slot, "reliable_beat_trigger": trigger},
         }
-    headers = dict(options.get("headers") or {})
-    headers.update(
-        reliable_beat_key=key,
-        reliable_beat_entry=entry,
-        reliable_beat_fire_at=slot,
-        reliable_beat_trigger=trigger,
-    )
+    custom = options.get("headers") if options else None
+    headers = dict(custom) if custom else {}
+    headers["reliable_beat_key"] = key
+    headers["reliable_beat_entry"] = entry
+    headers["reliable_beat_fire_at"] = slot
+    headers["reliable_beat_trigger"] = trigger
     if store_id:
         headers["reliable_beat_store"] = store_id
     if traceparent:

@@ -135,6 +135,18 @@ class Trigger:
     fire_at: datetime
     traceparent: str | None = None
 
+    @classmethod
+    def due(cls, run_id: int, key: str, payload: dict[str, Any], fire_at: datetime,
+            traceparent: str | None) -> Trigger:
+        """``cls(None, run_id, key, payload, fire_at, traceparent)`` (a trigger with no
+        outbox row): an equal object, made without the frozen dataclass's per-field
+        ``object.__setattr__`` (one per due slot; checked in
+        ``tests/unit/test_dispatch_memos.py``)."""
+        t = object.__new__(cls)
+        t.__dict__.update(outbox_id=None, run_id=run_id, key=key, payload=payload,
+                          fire_at=fire_at, traceparent=traceparent)
+        return t
+
     @property
     def id(self) -> int:
         """The id its message carries to the publisher and back in the outcomes: the outbox

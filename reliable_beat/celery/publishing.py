@@ -480,7 +480,7 @@ def _custom_headers(raw: Any, message: OutboxMessage) -> dict[str, Any]:
         if protocol:
             dropped.append(str(key))
         else:
-            headers[str(key)] = value
+            headers[key if key.__class__ is str else str(key)] = value
     if dropped:
         log.warning("outbox row %d (%s): Celery protocol header(s) %s ignored (a custom "
                     "header may not override the message's own)", message.id,

@@ -499,9 +499,11 @@ class _MessageBuilder:
         self.captured: tuple[Any, dict[str, Any]] | None = None
         #: (channel, prepared message, batch kwargs) of the last captured publish in a batch
         self.prepared: tuple[Any, dict[str, Any], dict[str, Any]] | None = None
+        from kombu.exceptions import OperationalError
         from kombu.serialization import dumps
 
         self._dumps: Any = dumps
+        self._operational_error: type[Exception] = OperationalError
         self._templates: dict[tuple[Any, ...], Any] = {}
         on_task_call = type(app.backend).on_task_call
         from celery.backends.base import Backend
@@ -607,10 +609,18 @@ class _MessageBuilder:
                 message = {"body": data, "content-encoding": content_encoding,
                            "content-type": content_type, "headers": headers,
                            "properties": props}
-                with producer.connection._reraise_as_library_errors():
+                # kombu's Connection._reraise_as_library_errors(), inline (no context
+                # manager per message): a transport error becomes kombu's OperationalError
+                try:
                     if self._on_task_call is not None and not protocol.get("ignore_result"):
                         self._on_task_call(producer, task_id)
                     state.publish(raw.channel, message, **raw.batch_kwargs)
+                except self._operational_error:
+                    raise
+                except producer.connection.recoverable_connection_errors as exc:
+                    raise self._operational_error(str(exc)) from exc
+                except producer.connection.recoverable_channel_errors as exc:
+                    raise self._operational_error(str(exc)) from exc
                 return True
         publish = dict(publish_kwargs, headers=headers, correlation_id=task_id)
         for name, value in zip(("argsrepr", "kwargsrepr"), shown, strict=True):

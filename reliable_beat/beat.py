@@ -724,7 +724,7 @@ class Beat:
                 )
                 if r["fire_at"] <= now:  # due: no outbox row (see the module docstring)
                     result.triggers.append(
-                        Trigger(None, run_id, key, payload, r["fire_at"], traceparent=tp))
+                        Trigger.due(run_id, key, payload, r["fire_at"], tp))
                     continue
                 outbox_rows.append(
                     self._outbox_row(key, run_id, payload, now, fire_at=r["fire_at"],

@@ -564,7 +564,7 @@ class BeatLoop(BeatProcess):
             per = (built[0] - started) / max(1, len(triggers))
             self._build_seconds_per_message += 0.2 * (per - self._build_seconds_per_message)
         done = time.monotonic()
-        for t in triggers:
+        for t in triggers if self.log.isEnabledFor(logging.INFO) else ():
             ident = trigger_identity(t.payload)
             event(self.log, logging.INFO, "slot.fired", entry=ident["entry"],
                   fire_at=ident["fire_at"], key=t.key, task=t.payload["task"],
@@ -635,7 +635,7 @@ class BeatLoop(BeatProcess):
         published = time.monotonic()  # the messages leave right after this
         if triggers:
             self._publish_triggers(triggers, result.now)
-        for t in triggers:
+        for t in triggers if self.log.isEnabledFor(logging.INFO) else ():
             # true lateness: slot -> publish, on the database clock estimated from the claim
             lateness = (result.now - t.fire_at).total_seconds() + (published - result.monotonic)
             ident = trigger_identity(t.payload)

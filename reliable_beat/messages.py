@@ -49,6 +49,21 @@ class OutboxMessage:
     traceparent: str | None = None
 
     @classmethod
+    def of_trigger(cls, id: int, message_id: str, destination: str, payload: Any,
+                   run_id: int | None, traceparent: str | None) -> OutboxMessage:
+        """``cls(id=..., message_id=..., destination=..., payload=..., run_id=...,
+        traceparent=...)``, the other fields at their defaults: an equal object, made
+        without the frozen dataclass's per-field ``object.__setattr__`` (the beat builds one
+        per due slot; ``tests/unit/test_dispatch_memos.py`` checks it against ``__init__``).
+        """
+        m = object.__new__(cls)
+        m.__dict__.update(id=id, message_id=message_id, destination=destination,
+                          payload=payload, headers={}, ordering_key=None, run_id=run_id,
+                          attempts=0, available_at=None, created_at=None, state="pending",
+                          traceparent=traceparent)
+        return m
+
+    @classmethod
     def from_row(cls, row: Row[Any] | Mapping[str, Any]) -> OutboxMessage:
         """Build from a result row (a SQLAlchemy ``Row``, a driver statement's named tuple,
         or a mapping) of ``reliable_beat_outbox``."""

@@ -100,10 +100,10 @@ class HoldingPublisher(Publisher, Protocol):
 def trigger_messages(triggers: Sequence[Trigger], destination: str) -> list[OutboxMessage]:
     """The outbox messages of committed triggers (as a sweep would read them); a trigger
     with no outbox row carries its run's id negated (:attr:`Trigger.id`)."""
+    of_trigger = OutboxMessage.of_trigger
     return [
-        OutboxMessage(id=t.id, message_id=trigger_message_id(t.key),
-                      destination=destination, payload=t.payload, run_id=t.run_id,
-                      traceparent=t.traceparent)
+        of_trigger(t.id, trigger_message_id(t.key), destination, t.payload, t.run_id,
+                   t.traceparent)
         for t in triggers
     ]
 

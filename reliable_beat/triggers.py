@@ -135,6 +135,18 @@ class Trigger:
     fire_at: datetime
     traceparent: str | None = None
 
+    @classmethod
+    def due(cls, run_id: int, key: str, payload: dict[str, Any], fire_at: datetime,
+            traceparent: str | None) -> Trigger:
+        """``cls(None, run_id, key, payload, fire_at, traceparent)`` (a trigger with no
+        outbox row): an equal object, made without the frozen dataclass's per-field
+        ``object.__setattr__`` (one per due slot; checked in
+        ``tests/unit/test_dispatch_memos.py``)."""
+        t = object.__new__(cls)
+        t.__dict__.update(outbox_id=None, run_id=run_id, key=key, payload=payload,
+                          fire_at=fire_at, traceparent=traceparent)
+        return t
+
     @property
     def id(self) -> int:
         """The id its message carries to the publisher and back in the outcomes: the outbox
@@ -180,8 +192,9 @@ def build_trigger_payload(
     (``reliable_beat.traceparent``; the Dramatiq adapter makes it a message option).
     """
     fmt = format_fire_at if slot_text is None else slot_text.fire_at
-    publish = {k: v for k, v in options.items() if k not in ("expires", "headers")}
-    expires = options.get("expires")
+    publish = {k: v for k, v in options.items() if k not in ("expires", "headers")} \
+        if options else {}
+    expires = options.get("expires") if options else None
     expires_at = (
         fmt(fire_at + timedelta(seconds=float(expires)))
         if expires and fire_at is not None else None
@@ -208,13 +221,12 @@ def build_trigger_payload(
             "headers": {"reliable_beat_key": key, "reliable_beat_entry": entry,
                         "reliable_beat_fire_at": slot, "reliable_beat_trigger": trigger},
         }
-    headers = dict(options.get("headers") or {})
-    headers.update(
-        reliable_beat_key=key,
-        reliable_beat_entry=entry,
-        reliable_beat_fire_at=slot,
-        reliable_beat_trigger=trigger,
-    )
+    custom = options.get("headers") if options else None
+    headers = dict(custom) if custom else {}
+    headers["reliable_beat_key"] = key
+    headers["reliable_beat_entry"] = entry
+    headers["reliable_beat_fire_at"] = slot
+    headers["reliable_beat_trigger"] = trigger
     if store_id:
         headers["reliable_beat_store"] = store_id
     if traceparent:

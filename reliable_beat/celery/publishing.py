@@ -77,7 +77,9 @@ log = get_logger(__name__)
 
 def celery_task_id(message: OutboxMessage) -> str:
     """The Celery task id of a trigger: ``payload["task_id"]`` or ``uuid5(URL, message_id)``."""
-    payload = message.payload if isinstance(message.payload, Mapping) else {}
+    payload = message.payload
+    if payload.__class__ is not dict and not isinstance(payload, Mapping):
+        payload = {}
     task_id = payload.get("task_id")
     if task_id:
         return str(task_id)
@@ -396,21 +398,29 @@ def _publish_one_by_one(
     return results
 
 
+#: the payload options a trigger message is routed with (the others are not Celery's)
+_ROUTING_OPTIONS = frozenset(("queue", "routing_key", "priority", "exchange"))
+
+
 def _send_one(app: Any, producer: Any, message: OutboxMessage, now: datetime,
               builder: _MessageBuilder | None = None, **send_options: Any) -> None:
     payload = message.payload
-    if not isinstance(payload, Mapping) or "task" not in payload:
+    if (payload.__class__ is not dict and not isinstance(payload, Mapping)) \
+            or "task" not in payload:
         raise PermanentDeliveryError(
             f"outbox row {message.id} ({message.message_id}): celery payload needs a 'task' key"
         )
     expires_at = _parse_instant(payload.get("expires_at"))
     if expires_at is not None and expires_at <= now:
         raise MessageExpiredError("expired before publish")
+    raw_options = payload.get("options") or {}
+    if raw_options.__class__ is not dict:
+        raw_options = dict(raw_options)
     options = {
         k: v
-        for k, v in dict(payload.get("options") or {}).items()
-        if k in ("queue", "routing_key", "priority", "exchange") and v is not None
-    }
+        for k, v in raw_options.items()
+        if k in _ROUTING_OPTIONS and v is not None
+    } if raw_options else {}
     headers = _custom_headers(payload.get("headers"), message)
     headers.setdefault("reliable_beat_message_id", message.message_id)
     if message.traceparent:  # the row's trace (reliable_beat.tracing): the worker joins it
@@ -453,7 +463,7 @@ def _custom_headers(raw: Any, message: OutboxMessage) -> dict[str, Any]:
     A custom header with a protocol name would override the message's own (an entry for
     task A sent with ``task=B`` ran B): such keys are dropped and logged at WARNING.
     """
-    if not isinstance(raw, Mapping):
+    if raw.__class__ is not dict and not isinstance(raw, Mapping):
         if raw:
             log.warning("outbox row %d (%s): 'headers' is not an object; ignored",
                         message.id, message.message_id)
@@ -470,7 +480,7 @@ def _custom_headers(raw: Any, message: OutboxMessage) -> dict[str, Any]:
         if protocol:
             dropped.append(str(key))
         else:
-            headers[str(key)] = value
+            headers[key if key.__class__ is str else str(key)] = value
     if dropped:
         log.warning("outbox row %d (%s): Celery protocol header(s) %s ignored (a custom "
                     "header may not override the message's own)", message.id,

@@ -422,7 +422,7 @@ class _RawTemplate:
     """
 
     __slots__ = ("batch_kwargs", "channel", "content_encoding", "content_type", "properties",
-                 "serializer")
+                 "serializer", "shows_reprs")
 
     def __init__(self, channel: Any, properties: dict[str, Any], batch_kwargs: dict[str, Any],
                  serializer: Any, content_type: str, content_encoding: str) -> None:
@@ -432,6 +432,8 @@ class _RawTemplate:
         self.serializer = serializer
         self.content_type = content_type
         self.content_encoding = content_encoding
+        #: the properties carry ``argsrepr`` / ``kwargsrepr`` (replaced per message)
+        self.shows_reprs = "argsrepr" in properties or "kwargsrepr" in properties
 
     @classmethod
     def of(cls, prepared: Any, body: Any, publish_kwargs: Mapping[str, Any],
@@ -497,9 +499,11 @@ class _MessageBuilder:
         self.captured: tuple[Any, dict[str, Any]] | None = None
         #: (channel, prepared message, batch kwargs) of the last captured publish in a batch
         self.prepared: tuple[Any, dict[str, Any], dict[str, Any]] | None = None
+        from kombu.exceptions import OperationalError
         from kombu.serialization import dumps
 
         self._dumps: Any = dumps
+        self._operational_error: type[Exception] = OperationalError
         self._templates: dict[tuple[Any, ...], Any] = {}
         on_task_call = type(app.backend).on_task_call
         from celery.backends.base import Backend
@@ -529,7 +533,7 @@ class _MessageBuilder:
     @staticmethod
     def _shape(name: str, expires_at: datetime | None,
                options: Mapping[str, Any]) -> tuple[Any, ...]:
-        return (name, expires_at is None, tuple(sorted(options.items())))
+        return (name, expires_at is None, tuple(sorted(options.items())) if options else ())
 
     def learn(self, name: str, args: list[Any], kwargs: dict[str, Any], task_id: str,
               custom: Mapping[str, Any], expires_at: datetime | None,
@@ -581,37 +585,49 @@ class _MessageBuilder:
         else:  # as _send_one passes them to send_task: redacted (reliable_beat.celery.reprs)
             shown = shown_reprs(self.app, args, kwargs)
         headers["argsrepr"], headers["kwargsrepr"] = shown
-        publish = dict(publish_kwargs, headers=headers, correlation_id=task_id)
-        for name, value in zip(("argsrepr", "kwargsrepr"), shown, strict=True):
-            if name in publish:  # send_task also passes its options on as properties
-                publish[name] = value
+        expiration = None
         if expires_at is not None:
             headers["expires"] = expires_at.isoformat()
-            seconds = (expires_at - self.app.now()).total_seconds()
-            publish["expiration"] = max(seconds, 0)
-        headers.update(custom)
+            expiration = max((expires_at - self.app.now()).total_seconds(), 0)
+        if custom:
+            headers.update(custom)
         body = (args_, kwargs_, dict(embed))
         state = None if raw is None else _batch_state(producer)
         if state is not None and producer.channel is raw.channel:
             # Producer.publish's own steps for this shape, done once for the template
             content_type, content_encoding, data = self._dumps(body, serializer=raw.serializer)
             if content_type == raw.content_type and content_encoding == raw.content_encoding:
-                props = dict(raw.properties)
+                props = raw.properties.copy()
                 props["correlation_id"] = task_id
                 props["delivery_info"] = {}
-                for name, value in zip(("argsrepr", "kwargsrepr"), shown, strict=True):
-                    if name in props:
-                        props[name] = value
-                if expires_at is not None:
-                    props["expiration"] = str(int(publish["expiration"] * 1000))
+                if raw.shows_reprs:
+                    for name, value in zip(("argsrepr", "kwargsrepr"), shown, strict=True):
+                        if name in props:
+                            props[name] = value
+                if expiration is not None:
+                    props["expiration"] = str(int(expiration * 1000))
                 message = {"body": data, "content-encoding": content_encoding,
                            "content-type": content_type, "headers": headers,
                            "properties": props}
-                with producer.connection._reraise_as_library_errors():
+                # kombu's Connection._reraise_as_library_errors(), inline (no context
+                # manager per message): a transport error becomes kombu's OperationalError
+                try:
                     if self._on_task_call is not None and not protocol.get("ignore_result"):
                         self._on_task_call(producer, task_id)
                     state.publish(raw.channel, message, **raw.batch_kwargs)
+                except self._operational_error:
+                    raise
+                except producer.connection.recoverable_connection_errors as exc:
+                    raise self._operational_error(str(exc)) from exc
+                except producer.connection.recoverable_channel_errors as exc:
+                    raise self._operational_error(str(exc)) from exc
                 return True
+        publish = dict(publish_kwargs, headers=headers, correlation_id=task_id)
+        for name, value in zip(("argsrepr", "kwargsrepr"), shown, strict=True):
+            if name in publish:  # send_task also passes its options on as properties
+                publish[name] = value
+        if expiration is not None:
+            publish["expiration"] = expiration
         with producer.connection._reraise_as_library_errors():
             if self._on_task_call is not None and not protocol.get("ignore_result"):
                 self._on_task_call(producer, task_id)

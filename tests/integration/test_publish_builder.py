@@ -372,3 +372,42 @@ def test_a_custom_header_naming_a_celery_header_means_send_task(
         assert _normalised(built)[0] == _normalised(reference)[0]
     finally:
         app.close()
+
+
+def test_a_transport_error_on_the_template_path_is_kombus_operational_error(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message handed straight to the Redis batch (the template path) raises what
+    ``Producer.publish`` raises for a transport error: kombu's ``OperationalError`` over
+    it (``Connection._reraise_as_library_errors``); the rest of the batch is unavailable."""
+    from kombu.exceptions import OperationalError
+
+    app = _app(redis_url, {})
+    raised: list[BaseException] = []
+    real_publish = _kredis.PublishBatch.publish
+    calls = [0]
+
+    def failing(self: Any, message: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise redis.exceptions.ConnectionError("connection reset (injected)")
+        return real_publish(self, message, **kwargs)
+
+    real_build = publishing._MessageBuilder.publish
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> bool:
+        try:
+            return real_build(self, *args, **kwargs)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    monkeypatch.setattr(_kredis.PublishBatch, "publish", failing)
+    monkeypatch.setattr(publishing._MessageBuilder, "publish", recording)
+    try:
+        results = publish_celery_batch(app, _rows(5))
+    finally:
+        app.close()
+    assert len(raised) == 1 and type(raised[0]) is OperationalError
+    assert isinstance(raised[0].__cause__, redis.exceptions.ConnectionError)
+    assert all(err is not None for _, err in results[2:])

@@ -7,6 +7,7 @@ SlotText`), and the task id is the same ``uuid5`` (:func:`reliable_beat.beat.tas
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
@@ -17,7 +18,9 @@ from hypothesis import strategies as st
 
 from reliable_beat.beat import task_id_for
 from reliable_beat.db.types import INFINITY, NEG_INFINITY, infinity_text
+from reliable_beat.messages import OutboxMessage
 from reliable_beat.slots import SlotText, format_fire_at, idempotency_key
+from reliable_beat.triggers import Trigger
 
 UTC = timezone.utc
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -82,3 +85,22 @@ def test_infinity_text_still_finds_both_ends(value: datetime) -> None:
 ])
 def test_infinity_text_leaves_instants_alone(value: object) -> None:
     assert infinity_text(value) is None
+
+
+def test_fast_trigger_and_message_constructors_equal_init() -> None:
+    """``Trigger.due`` and ``OutboxMessage.of_trigger`` (the beat's per-slot objects, made
+    without the frozen dataclass's ``__init__``) equal what ``__init__`` makes, every field
+    included: a field added to either class with a default must be added to them too."""
+    at = datetime(2026, 12, 7, 5, 0, tzinfo=timezone.utc)
+    payload = {"task": "t", "args": [], "kwargs": {}}
+    for tp in (None, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"):
+        fast = Trigger.due(7, "e@k", payload, at, tp)
+        assert fast == Trigger(None, 7, "e@k", payload, at, traceparent=tp)
+        assert vars(fast) == {f.name: getattr(fast, f.name) for f in dataclasses.fields(Trigger)}
+        assert fast.id == -7
+        msg = OutboxMessage.of_trigger(-7, "trigger:e@k", "celery", payload, 7, tp)
+        assert msg == OutboxMessage(id=-7, message_id="trigger:e@k", destination="celery",
+                                    payload=payload, run_id=7, traceparent=tp)
+        assert vars(msg) == {f.name: getattr(msg, f.name)
+                             for f in dataclasses.fields(OutboxMessage)}
+        assert hash(msg.id) == hash(-7) and msg.headers == {}

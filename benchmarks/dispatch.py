@@ -41,7 +41,8 @@ from benchmarks.common import Env, check, median, psycopg_dsn, seed_entries, spr
 TIMEOUT_S = 300.0
 TARGET_CLAIM = 0.5
 TARGET_PUBLISH = 0.7
-#: the dispatch target: ours against the kombu loop pipelined per batch, the ceiling of a batching publisher
+#: the dispatch target: ours against the kombu loop pipelined per batch (the ceiling of a
+#: batching publisher)
 TARGET_PIPELINED = 0.5
 
 

@@ -289,21 +289,30 @@ def after_commit(store: Store) -> Iterator[None]:
 
 def add(conn: Connection, destination: str, payload: Any, *, key: str,
         group: str | None, schedule_group: str | ColumnElement[Any] | None,
-        wakes: Wake | None = None) -> str:
+        wakes: Wake | None = None,
+        fenced: Callable[[Connection, dict[str, Any] | None], Any] | None = None) -> str:
     """:func:`reliable_beat.outbox.add` of a workflow message of schedule group ``group``
     (:data:`UNKNOWN`: not known to the writer; ``schedule_group``: the group as the row
     stores it, a value or SQL); handed off to this process
     when it publishes for that group inside an :func:`after_commit` block. ``wakes``: the
     row is the wake of that workflow, which the publisher may advance in-process instead
-    (:func:`publishing`)."""
+    (:func:`publishing`).
+
+    ``fenced``: the writer's statement that must run before the insert in its transaction
+    (the fence check of a workflow's record): ``fenced(conn, params)`` runs it together with
+    the hand-off's insert where the insert is the psycopg one (``params``: its parameters,
+    see :func:`reliable_beat.outbox.add`'s ``insert``); ``fenced(conn, None)`` runs it
+    alone, before the insert, on every other path."""
     pending, publisher = _pending.get(), _publisher.get()
     if pending is None or publisher is None or publisher.group != group:
+        if fenced is not None:
+            fenced(conn, None)
         return outbox_mod.add(conn, destination, payload, key=key,
                               schedule_group=schedule_group)
     returned: list[Any] = []
     message_id = outbox_mod.add(conn, destination, payload, key=key, delay=HANDOFF_DELAY,
                                 schedule_group=schedule_group, notify=False,
-                                returned=returned)
+                                returned=returned, insert=fenced)
     if returned:  # inserted (INSERT ... RETURNING): no read back
         row = returned[0]
     else:  # an existing row already sent is not sent again (or no RETURNING here)

@@ -69,10 +69,25 @@ from reliable_beat.messages import OutboxMessage
 from reliable_beat.outbox import now_sql
 from reliable_beat.redaction import get_logger
 
-__all__ = ["HANDOFF_DELAY", "UNKNOWN", "Advance", "Publish", "Wake", "add", "after_commit",
-           "answering",
-           "deferred_marks", "mark", "mark_in", "publishing", "publishing_for", "register",
-           "send"]
+__all__ = [
+    "HANDOFF_DELAY",
+    "UNKNOWN",
+    "Advance",
+    "Publish",
+    "Wake",
+    "add",
+    "added",
+    "after_commit",
+    "answering",
+    "deferred_marks",
+    "handing_off",
+    "mark",
+    "mark_in",
+    "publishing",
+    "publishing_for",
+    "register",
+    "send",
+]
 
 log = get_logger("reliable_beat.workflows")
 
@@ -313,9 +328,15 @@ def add(conn: Connection, destination: str, payload: Any, *, key: str,
     message_id = outbox_mod.add(conn, destination, payload, key=key, delay=HANDOFF_DELAY,
                                 schedule_group=schedule_group, notify=False,
                                 returned=returned, insert=fenced)
-    if returned:  # inserted (INSERT ... RETURNING): no read back
-        row = returned[0]
-    else:  # an existing row already sent is not sent again (or no RETURNING here)
+    _hand_off(conn, pending, message_id, returned[0] if returned else None, wakes)
+    return message_id
+
+
+def _hand_off(conn: Connection, pending: _Pending, message_id: str, row: Any,
+              wakes: Wake | None) -> None:
+    """Publish the row ``message_id`` (``row``: as inserted, or None: the id existed
+    already) after the commit."""
+    if row is None:  # an existing row already sent is not sent again (or no RETURNING here)
         row = conn.execute(select(outbox).where(outbox.c.message_id == message_id,
                                                 outbox.c.state == "pending")).first()
     if row is not None:
@@ -323,7 +344,29 @@ def add(conn: Connection, destination: str, payload: Any, *, key: str,
         pending.messages.append(message)
         if wakes is not None:
             pending.wakes[message.id] = wakes
-    return message_id
+
+
+def handing_off() -> tuple[bool, str | None]:
+    """(True, the publisher's schedule group) when :func:`add` would hand off a row of that
+    group now (inside :func:`after_commit`, a publisher named); else (False, None)."""
+    pending, publisher = _pending.get(), _publisher.get()
+    if pending is None or publisher is None:
+        return False, None
+    return True, publisher.group
+
+
+def added(conn: Connection, message_id: str, row: Any, *, group: str | None,
+          wakes: Wake | None = None) -> bool:
+    """A workflow message of schedule group ``group`` the caller inserted itself (``row``:
+    as ``INSERT ... RETURNING *`` returned it; None: the id existed already), due after
+    :data:`HANDOFF_DELAY` when :func:`handing_off` named that group: handed off as
+    :func:`add` hands off its row. False when not handed off (the row is the relay's: the
+    caller wrote it due at once and notifies the relays)."""
+    pending, publisher = _pending.get(), _publisher.get()
+    if pending is None or publisher is None or publisher.group != group:
+        return False
+    _hand_off(conn, pending, message_id, row, wakes)
+    return True
 
 
 def send(store: Store, messages: list[OutboxMessage]) -> None:

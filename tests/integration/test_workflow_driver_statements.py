@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from reliable_beat import handoff
+from reliable_beat import handoff, workflow_store
 from reliable_beat import outbox as outbox_mod
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
@@ -219,5 +219,58 @@ def test_the_record_merged_with_its_message_insert_is_fenced(pg_store: Store) ->
         assert [r.message_id for r in returned] == [f"act:{wid}#1"]
         assert returned[0].state == "pending" and returned[0].payload["task"] == "wfdrv.double"
         assert written() == (wf.history_len + 1, 1, 1)
+    finally:
+        store.dispose()
+
+
+@pytest.mark.parametrize("publisher_group", [None, "another-group"])
+def test_the_completion_merged_with_its_wake_insert(
+    pg_store: Store, publisher_group: str | None
+) -> None:
+    """The completion of a succeeded activity and its workflow's wake row as one statement
+    (workflow_store._pg_completed_and_wake_statement), inside a hand-off: the wake is
+    written only when the event was completed (a second completion writes none), handed off
+    (due after HANDOFF_DELAY) to a publisher of the workflow's group, and due at once to the
+    relays, not handed off, when the publisher is of another group."""
+    store = Store.from_url(pg_store.url, role="worker")
+    _app(store)
+    wid = f"wfdrv-wake-{publisher_group}"
+    published: list[OutboxMessage] = []
+
+    def publish(messages: Sequence[OutboxMessage]) -> list[tuple[int, BaseException | None]]:
+        published.extend(messages)
+        return [(m.id, None) for m in messages]
+
+    try:
+        engine.start(store, "wfdrv.steps", wid, [1])
+        with handoff.publishing(publish, None), handoff.deferred_marks(store):
+            assert engine.advance(store, wid, owner="t", lease=LEASE) == "waiting"
+        key = workflow_store.activity_key(wid, 1, 1)
+        published.clear()
+
+        def complete() -> bool:
+            with handoff.publishing(publish, publisher_group), \
+                    handoff.after_commit(store), store.begin() as conn:
+                return workflow_store.on_run_finished(conn, key, "succeeded", 2)
+
+        assert complete() is True
+        with store.connect() as conn:
+            wake_seq = conn.execute(sa.select(workflows.c.wake_seq)
+                                    .where(workflows.c.workflow_id == wid)).scalar_one()
+        assert complete() is False  # the event is completed already: no second wake
+        with store.connect() as conn:
+            wakes = conn.execute(
+                sa.select(outbox.c.message_id, outbox.c.state, outbox.c.payload,
+                          (outbox.c.available_at - outbox.c.created_at).label("delay"))
+                .where(outbox.c.message_id.like(f"wake:{wid}:1#%"))).all()
+        assert [w.message_id for w in wakes] == [f"wake:{wid}:1#1.{wake_seq}"]
+        assert wakes[0].payload["args"] == [wid]
+        if publisher_group is None:  # the workflow's group: handed off
+            assert [m.message_id for m in published] == [wakes[0].message_id]
+            assert wakes[0].state == "sent"
+            assert abs(wakes[0].delay - handoff.HANDOFF_DELAY) < timedelta(seconds=1)
+        else:  # another group's publisher: the relay's row, due at once
+            assert published == [] and wakes[0].state == "pending"
+            assert abs(wakes[0].delay) < timedelta(seconds=1)
     finally:
         store.dispose()

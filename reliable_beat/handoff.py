@@ -69,10 +69,25 @@ from reliable_beat.messages import OutboxMessage
 from reliable_beat.outbox import now_sql
 from reliable_beat.redaction import get_logger
 
-__all__ = ["HANDOFF_DELAY", "UNKNOWN", "Advance", "Publish", "Wake", "add", "after_commit",
-           "answering",
-           "deferred_marks", "mark", "mark_in", "publishing", "publishing_for", "register",
-           "send"]
+__all__ = [
+    "HANDOFF_DELAY",
+    "UNKNOWN",
+    "Advance",
+    "Publish",
+    "Wake",
+    "add",
+    "added",
+    "after_commit",
+    "answering",
+    "deferred_marks",
+    "handing_off",
+    "mark",
+    "mark_in",
+    "publishing",
+    "publishing_for",
+    "register",
+    "send",
+]
 
 log = get_logger("reliable_beat.workflows")
 
@@ -289,24 +304,39 @@ def after_commit(store: Store) -> Iterator[None]:
 
 def add(conn: Connection, destination: str, payload: Any, *, key: str,
         group: str | None, schedule_group: str | ColumnElement[Any] | None,
-        wakes: Wake | None = None) -> str:
+        wakes: Wake | None = None,
+        fenced: Callable[[Connection, dict[str, Any] | None], Any] | None = None) -> str:
     """:func:`reliable_beat.outbox.add` of a workflow message of schedule group ``group``
     (:data:`UNKNOWN`: not known to the writer; ``schedule_group``: the group as the row
     stores it, a value or SQL); handed off to this process
     when it publishes for that group inside an :func:`after_commit` block. ``wakes``: the
     row is the wake of that workflow, which the publisher may advance in-process instead
-    (:func:`publishing`)."""
+    (:func:`publishing`).
+
+    ``fenced``: the writer's statement that must run before the insert in its transaction
+    (the fence check of a workflow's record): ``fenced(conn, params)`` runs it together with
+    the hand-off's insert where the insert is the psycopg one (``params``: its parameters,
+    see :func:`reliable_beat.outbox.add`'s ``insert``); ``fenced(conn, None)`` runs it
+    alone, before the insert, on every other path."""
     pending, publisher = _pending.get(), _publisher.get()
     if pending is None or publisher is None or publisher.group != group:
+        if fenced is not None:
+            fenced(conn, None)
         return outbox_mod.add(conn, destination, payload, key=key,
                               schedule_group=schedule_group)
     returned: list[Any] = []
     message_id = outbox_mod.add(conn, destination, payload, key=key, delay=HANDOFF_DELAY,
                                 schedule_group=schedule_group, notify=False,
-                                returned=returned)
-    if returned:  # inserted (INSERT ... RETURNING): no read back
-        row = returned[0]
-    else:  # an existing row already sent is not sent again (or no RETURNING here)
+                                returned=returned, insert=fenced)
+    _hand_off(conn, pending, message_id, returned[0] if returned else None, wakes)
+    return message_id
+
+
+def _hand_off(conn: Connection, pending: _Pending, message_id: str, row: Any,
+              wakes: Wake | None) -> None:
+    """Publish the row ``message_id`` (``row``: as inserted, or None: the id existed
+    already) after the commit."""
+    if row is None:  # an existing row already sent is not sent again (or no RETURNING here)
         row = conn.execute(select(outbox).where(outbox.c.message_id == message_id,
                                                 outbox.c.state == "pending")).first()
     if row is not None:
@@ -314,7 +344,29 @@ def add(conn: Connection, destination: str, payload: Any, *, key: str,
         pending.messages.append(message)
         if wakes is not None:
             pending.wakes[message.id] = wakes
-    return message_id
+
+
+def handing_off() -> tuple[bool, str | None]:
+    """(True, the publisher's schedule group) when :func:`add` would hand off a row of that
+    group now (inside :func:`after_commit`, a publisher named); else (False, None)."""
+    pending, publisher = _pending.get(), _publisher.get()
+    if pending is None or publisher is None:
+        return False, None
+    return True, publisher.group
+
+
+def added(conn: Connection, message_id: str, row: Any, *, group: str | None,
+          wakes: Wake | None = None) -> bool:
+    """A workflow message of schedule group ``group`` the caller inserted itself (``row``:
+    as ``INSERT ... RETURNING *`` returned it; None: the id existed already), due after
+    :data:`HANDOFF_DELAY` when :func:`handing_off` named that group: handed off as
+    :func:`add` hands off its row. False when not handed off (the row is the relay's: the
+    caller wrote it due at once and notifies the relays)."""
+    pending, publisher = _pending.get(), _publisher.get()
+    if pending is None or publisher is None or publisher.group != group:
+        return False
+    _hand_off(conn, pending, message_id, row, wakes)
+    return True
 
 
 def send(store: Store, messages: list[OutboxMessage]) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
 from functools import cache
 from typing import Any
@@ -153,6 +153,7 @@ def add(
     handlers: Mapping[str, Any] | None = None,
     notify: bool = True,
     returned: list[Any] | None = None,
+    insert: Callable[[Connection, dict[str, Any] | None], Any] | None = None,
 ) -> str:
     """Add one message to the outbox inside the caller's transaction.
 
@@ -201,6 +202,13 @@ def add(
         returned: a list to receive the inserted row (all columns, ``INSERT ... RETURNING``
             where the dialect has it; nothing appended when the id already existed). Left
             empty where the dialect cannot return the row: read it back then.
+        insert: the caller's statement merged with the insert, called once: with
+            ``returned`` on psycopg, ``insert(conn, params)`` runs the insert in it
+            (``params``: the psycopg insert's parameters, as :func:`_pg_insert_statement`
+            names them; returns the inserted row, or None when the id existed already); on
+            any other path ``insert(conn, None)`` runs the caller's statement alone, before
+            the insert. The workflow engine merges the insert of an activity's message into
+            its fenced record this way.
 
     Returns:
         The message id (``key`` or the generated one), whether or not a row was inserted.
@@ -238,16 +246,20 @@ def add(
                                                                        ColumnElement):
         # the hand-off's insert (reliable_beat.handoff): fixed SQL on the driver connection
         traceparent = _traceparent_column().get("traceparent")
-        row = _PG_INSERT[traceparent is not None].first(conn, {
+        params = {
             "p_message_id": message_id, "p_destination": destination, "p_payload": payload,
             "p_headers": header_values, "p_ordering_key": ordering_key, "p_run_id": run_id,
             "p_schedule_group": schedule_group, "p_delay": delay or timedelta(0),
-            **({"p_traceparent": traceparent} if traceparent is not None else {})})
+            **({"p_traceparent": traceparent} if traceparent is not None else {})}
+        row = (_PG_INSERT[traceparent is not None].first(conn, params) if insert is None
+               else insert(conn, params))
         if row is not None:  # a named tuple: attributes as a Row's
             returned.append(row)
         if notify:
             _notify_once(conn, destination)
         return message_id
+    if insert is not None:
+        insert(conn, None)
     pg = conn.dialect.name == "postgresql"
     created_at: Any
     available_at: Any

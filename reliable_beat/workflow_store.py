@@ -14,12 +14,26 @@ from datetime import timedelta
 from functools import cache
 from typing import Any, NamedTuple
 
-from sqlalchemy import Select, bindparam, func, literal_column, select, update
+from sqlalchemy import (
+    Interval,
+    Select,
+    String,
+    bindparam,
+    case,
+    cast,
+    func,
+    literal_column,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
-from reliable_beat import handoff, outbox
+from reliable_beat import handoff, outbox, tracing
 from reliable_beat.db.dialects import update_returning
 from reliable_beat.db.driver import DriverStatement, uses_psycopg
+from reliable_beat.db.tables import outbox as outbox_rows
 from reliable_beat.db.tables import workflow_events, workflows
 from reliable_beat.outbox import now_sql
 
@@ -137,8 +151,12 @@ def on_run_finished(
         return False
     workflow_id, run_no, seq = parsed
     if state == "succeeded" and uses_psycopg(conn):  # the hot path: one statement
-        wf = _PG_COMPLETED.first(conn, {"p_workflow_id": workflow_id, "p_run_no": run_no,
-                                        "p_seq": seq, "p_key": key, "p_result": result})
+        params = {"p_workflow_id": workflow_id, "p_run_no": run_no, "p_seq": seq,
+                  "p_key": key, "p_result": result}
+        handing, group = handoff.handing_off()
+        if handing:  # the wake's insert too: see _pg_completed_and_wake_statement
+            return _completed_and_woken(conn, workflow_id, run_no, seq, params, group)
+        wf = _PG_COMPLETED.first(conn, params)
         if wf is None or wf.done != 1:
             return False
         _wake_after(conn, workflow_id, run_no, seq, wf,
@@ -213,6 +231,16 @@ def _pg_completed_statement() -> Select[Any]:
     workflow row is locked before the event row, the lock order of an advance's record.
     No row: no such workflow run.
     """
+    wf, ev = _completed_ctes()
+    done = select(func.count()).select_from(ev).scalar_subquery().label("done")
+    # the completed event as the history's select reads it (the same columns and types)
+    event = [select(ev.c[c]).scalar_subquery().label(f"ev_{c}") for c in HistoryRow._fields]
+    return select(wf.c.id, wf.c.queue, wf.c.wake_seq, wf.c.schedule_group, wf.c.name, done,
+                  *event)
+
+
+def _completed_ctes() -> tuple[Any, Any]:
+    """The ``wf`` and ``ev`` CTEs of :func:`_pg_completed_statement`."""
     # p_ names: a parameter named like a column would become a SET (see runs/complete.py)
     wf = (
         update(workflows)
@@ -242,12 +270,101 @@ def _pg_completed_statement() -> Select[Any]:
         .returning(*(evc[c] for c in HistoryRow._fields))
         .cte("ev")
     )
-    done = select(func.count()).select_from(ev).scalar_subquery().label("done")
-    # the completed event as the history's select reads it (the same columns and types)
-    event = [select(ev.c[c]).scalar_subquery().label(f"ev_{c}") for c in HistoryRow._fields]
-    return select(wf.c.id, wf.c.queue, wf.c.wake_seq, wf.c.schedule_group, wf.c.name, done,
-                  *event)
+    return wf, ev
 
 
 #: :func:`_pg_completed_statement` run on the psycopg connection (reliable_beat.db.driver).
 _PG_COMPLETED = DriverStatement(_pg_completed_statement)
+
+
+@cache
+def _pg_completed_and_wake_statement(traced: bool) -> Select[Any]:
+    """:func:`_pg_completed_statement` and the insert of the wake it hands off (what
+    :func:`_wake_after` writes through :func:`reliable_beat.handoff.add`), one statement::
+
+        WITH wf AS (... as _pg_completed_statement), ev AS (... as _pg_completed_statement),
+        ob AS (INSERT INTO outbox (message_id, destination, payload, headers,
+                                   schedule_group, state, attempts, available_at,
+                                   created_at[, traceparent])
+               SELECT :wake_prefix || wf.wake_seq, :destination,
+                      CASE WHEN coalesce(wf.queue, '') = '' THEN :payload
+                           ELSE :payload || jsonb_build_object('options',
+                                jsonb_build_object('queue', wf.queue)) END,
+                      '{}', wf.schedule_group, 'pending', 0,
+                      clock_timestamp() + CASE WHEN wf.schedule_group IS NOT DISTINCT FROM
+                                               :group THEN :delay ELSE '0' END,
+                      clock_timestamp()[, :traceparent]
+               FROM wf WHERE (SELECT count(*) FROM ev) = 1
+               ON CONFLICT DO NOTHING RETURNING *)
+        SELECT wf.*, done, ev_..., ob.* AS ob_... FROM wf LEFT JOIN ob ON true
+
+    ``ob`` reads ``wf`` and ``ev``: the workflow row and the event are updated first, and
+    nothing is inserted unless the event was completed. Due after the hand-off's delay when
+    the workflow's group is the publisher's (``:group``), else at once (the relay's row).
+    ``traced``: with the ``traceparent`` column (written only while tracing is on)."""
+    wf, ev = _completed_ctes()
+    done = select(func.count()).select_from(ev).scalar_subquery()
+    payload = bindparam("p_payload", type_=outbox_rows.c.payload.type)
+    with_queue = payload.op("||")(func.jsonb_build_object(
+        literal_column("'options'"), func.jsonb_build_object(literal_column("'queue'"),
+                                                             wf.c.queue)))
+    handed = wf.c.schedule_group.is_not_distinct_from(
+        cast(bindparam("p_group", type_=String()), String()))
+    names = ["message_id", "destination", "payload", "headers", "schedule_group", "state",
+             "attempts", "available_at", "created_at"]
+    values: list[Any] = [
+        cast(bindparam("p_wake_prefix", type_=String()), String())
+        .concat(cast(wf.c.wake_seq, String())),
+        cast(bindparam("p_destination", type_=String()), String()),
+        case((func.coalesce(wf.c.queue, literal_column("''")) == literal_column("''"),
+              cast(payload, outbox_rows.c.payload.type)),
+             else_=cast(with_queue, outbox_rows.c.payload.type)),
+        cast(literal_column("'{}'"), outbox_rows.c.headers.type),
+        wf.c.schedule_group, literal_column("'pending'"), literal_column("0"),
+        func.clock_timestamp() + case((handed, bindparam("p_delay", type_=Interval())),
+                                      else_=cast(literal_column("'0'"), Interval())),
+        func.clock_timestamp(),
+    ]
+    if traced:
+        names.append("traceparent")
+        values.append(cast(bindparam("p_traceparent", type_=String()), String()))
+    ob = (postgresql.insert(outbox_rows)
+          .from_select(names, select(*values).select_from(wf).where(done == 1))
+          .on_conflict_do_nothing()
+          .returning(*outbox_rows.c)
+          .cte("ob"))
+    event = [select(ev.c[c]).scalar_subquery().label(f"ev_{c}") for c in HistoryRow._fields]
+    return (select(wf.c.id, wf.c.queue, wf.c.wake_seq, wf.c.schedule_group, wf.c.name,
+                   done.label("done"), *event, *(c.label(f"ob_{c.name}") for c in ob.c))
+            .select_from(wf.outerjoin(ob, true())))
+
+
+#: :func:`_pg_completed_and_wake_statement` (untraced, traced) on the psycopg connection
+_PG_COMPLETED_AND_WAKE = (DriverStatement(lambda: _pg_completed_and_wake_statement(False)),
+                          DriverStatement(lambda: _pg_completed_and_wake_statement(True)))
+
+
+def _completed_and_woken(conn: Connection, workflow_id: str, run_no: int, seq: int,
+                         params: dict[str, Any], group: str | None) -> bool:
+    """psycopg, inside a hand-off (publisher of schedule group ``group``): the succeeded
+    activity's completion and its workflow's wake row as one statement; the wake handed
+    off as :func:`_wake_after` hands it off (the relay's, notified, when the workflow is
+    of another group)."""
+    traceparent = tracing.current_traceparent()
+    prefix = f"wake:{workflow_id}:{run_no}#{seq}."
+    params.update(p_wake_prefix=prefix, p_destination=WAKE_DESTINATION,
+                  p_payload=_wake_payload(workflow_id, None), p_group=group,
+                  p_delay=handoff.HANDOFF_DELAY,
+                  **({"p_traceparent": traceparent} if traceparent else {}))
+    wf = _PG_COMPLETED_AND_WAKE[bool(traceparent)].first(conn, params)
+    if wf is None or wf.done != 1:
+        return False
+    row = (None if wf.ob_id is None
+           else {c.name: getattr(wf, f"ob_{c.name}") for c in outbox_rows.c})
+    wake = handoff.Wake(workflow_id, wf.name, wf.queue, run_no=run_no,
+                        wake_seq=int(wf.wake_seq),
+                        event=HistoryRow(*(getattr(wf, f"ev_{c}") for c in HistoryRow._fields)))
+    if not handoff.added(conn, f"{prefix}{wf.wake_seq}", row, group=wf.schedule_group,
+                         wakes=wake):
+        outbox._notify_once(conn, WAKE_DESTINATION)
+    return True

@@ -78,15 +78,16 @@ def start_activity(rt: Runtime, task: Any, args: tuple[Any, ...], kwargs: dict[s
         # check must not depend on whether tracing is on)
         payload["headers"].update(tracing.carrier())
 
-        def dispatch(conn: Connection) -> None:
+        def dispatch(conn: Connection, fenced: Any = None) -> None:
             # published by this advance right after the commit (reliable_beat.handoff)
             # the row's group: the workflow's (set at its start, never changed), as its
-            # claim read it; not known (a claim that did not read it): read in the insert
+            # claim read it; not known (a claim that did not read it): read in the insert.
+            # ``fenced`` (psycopg): the record's fence check and event, run by the insert
             extra = rt.claimed.extra
             handoff.add(conn, WAKE_DESTINATION, payload, key=f"act:{key}",
                         group=extra.get("schedule_group", handoff.UNKNOWN),
                         schedule_group=extra["schedule_group"] if "schedule_group" in extra
-                        else group_of(rt.claimed.workflow_id))
+                        else group_of(rt.claimed.workflow_id), fenced=fenced)
 
         # stored with its queue (not part of the digest), for the re-dispatch sweep
         rt.record(seq, "activity", task_name, digest, [*call, queue],

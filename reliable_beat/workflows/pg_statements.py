@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    ColumnElement,
     Interval,
     Select,
     String,
@@ -25,16 +26,19 @@ from sqlalchemy import (
     literal_column,
     null,
     select,
+    true,
     update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from reliable_beat.db.driver import DriverStatement
 from reliable_beat.db.tables import outbox, workflow_events, workflows
 
-__all__ = ["EVENT_COLUMNS", "fence_check", "fence_check_and_insert_event", "history_since",
-           "insert_event", "load_history", "release", "release_and_mark"]
+__all__ = ["EVENT_COLUMNS", "fence_check", "fence_check_and_insert_event",
+           "fence_check_event_and_outbox", "history_since", "insert_event", "load_history",
+           "release", "release_and_mark"]
 
 
 def _p(name: str, column: Any) -> Any:
@@ -236,6 +240,46 @@ _FENCED_EVENT_COLUMNS = tuple(c for c in EVENT_COLUMNS
                               if c not in ("created_at", "completed_at"))
 
 
+def _typed(c: Any) -> Any:
+    """The parameter ``p_<name>`` of column ``c`` in a select list, typed as the column: an
+    untyped parameter there would be text; a string is cast to unbounded varchar (a cast to
+    varchar(n) would truncate: the insert refuses a value too long, as the insert of VALUES
+    does)."""
+    kind = String() if isinstance(c.type, String) else c.type
+    return cast(_p(c.name, c), kind)
+
+
+def _fence_and_event_ctes() -> tuple[Any, Any]:
+    """The ``f`` (fence check) and ``ins`` (event insert, from ``f``) CTEs of
+    :func:`_fence_and_event_statement`."""
+    f = (
+        update(workflows)
+        .where(workflows.c.id == _p("pk", workflows.c.id),
+               workflows.c.fence_token == _p("fence", workflows.c.fence_token))
+        .values(history_len=workflows.c.history_len + 1,
+                history_bytes=workflows.c.history_bytes
+                + _p("size", workflows.c.history_bytes),
+                lease_expires_at=func.clock_timestamp()
+                + bindparam("p_lease", type_=Interval()),
+                updated_at=func.clock_timestamp())
+        .returning(workflows.c.updated_at)
+        .cte("f")
+    )
+    col = workflow_events.c
+    values = [_typed(col[c]) for c in _FENCED_EVENT_COLUMNS]
+    state = _typed(col.state)
+    ins = (
+        workflow_events.insert()
+        .from_select([*_FENCED_EVENT_COLUMNS, "created_at", "completed_at"],
+                     select(*values, f.c.updated_at,
+                            case((state != literal_column("'scheduled'"), f.c.updated_at),
+                                 else_=null())).select_from(f))
+        .returning(col.seq)
+        .cte("ins")
+    )
+    return f, ins
+
+
 @cache
 def _fence_and_event_statement() -> Select[Any]:
     """The fence check (:func:`fence_check`, one event) and the event's insert, one
@@ -252,39 +296,7 @@ def _fence_and_event_statement() -> Select[Any]:
 
     ``ins`` reads ``f``: the workflow row is updated (locked) first, and a stale fence
     (no ``f`` row) inserts nothing."""
-    f = (
-        update(workflows)
-        .where(workflows.c.id == _p("pk", workflows.c.id),
-               workflows.c.fence_token == _p("fence", workflows.c.fence_token))
-        .values(history_len=workflows.c.history_len + 1,
-                history_bytes=workflows.c.history_bytes
-                + _p("size", workflows.c.history_bytes),
-                lease_expires_at=func.clock_timestamp()
-                + bindparam("p_lease", type_=Interval()),
-                updated_at=func.clock_timestamp())
-        .returning(workflows.c.updated_at)
-        .cte("f")
-    )
-    col = workflow_events.c
-
-    def typed(c: str) -> Any:
-        # an untyped parameter in a select list would be text, not the column's type; a
-        # string is cast to unbounded varchar (a cast to varchar(n) would truncate: the
-        # insert refuses a value too long, as the insert of VALUES does)
-        kind = String() if isinstance(col[c].type, String) else col[c].type
-        return cast(_p(c, col[c]), kind)
-
-    values = [typed(c) for c in _FENCED_EVENT_COLUMNS]
-    state = typed("state")
-    ins = (
-        workflow_events.insert()
-        .from_select([*_FENCED_EVENT_COLUMNS, "created_at", "completed_at"],
-                     select(*values, f.c.updated_at,
-                            case((state != literal_column("'scheduled'"), f.c.updated_at),
-                                 else_=null())).select_from(f))
-        .returning(col.seq)
-        .cte("ins")
-    )
+    f, ins = _fence_and_event_ctes()
     return select(f.c.updated_at,
                   select(func.count()).select_from(ins).scalar_subquery().label("inserted"))
 
@@ -302,3 +314,59 @@ def fence_check_and_insert_event(conn: Connection, pk: int, fence_token: int, le
     params.update(p_pk=pk, p_fence=fence_token, p_lease=lease, p_size=size)
     row = _FENCE_AND_EVENT.first(conn, params)
     return None if row is None else row.updated_at  # type: ignore[no-any-return]
+
+
+@cache
+def _fence_event_and_outbox_statement(traced: bool) -> Select[Any]:
+    """:func:`_fence_and_event_statement` and the hand-off's outbox insert
+    (:func:`reliable_beat.outbox.add`'s psycopg insert: its parameters, ``p_<column>`` and
+    ``p_delay``), one statement::
+
+        WITH f AS (... as _fence_and_event_statement),
+        ins AS (... as _fence_and_event_statement),
+        ob AS (INSERT INTO outbox (...) SELECT :message_id, ..., clock_timestamp() + :delay,
+                      clock_timestamp() FROM f ON CONFLICT DO NOTHING RETURNING *)
+        SELECT f.updated_at AS fence_clock, (SELECT count(*) FROM ins) AS inserted, ob.*
+        FROM f LEFT JOIN ob ON true
+
+    ``ob`` reads ``f`` as ``ins`` does: the workflow row is locked first, and a stale fence
+    inserts neither row (and selects none). An outbox row whose id exists already: ``ob``'s
+    columns are NULL. ``traced``: with the ``traceparent`` column."""
+    f, ins = _fence_and_event_ctes()
+    names = ["message_id", "destination", "payload", "headers", "ordering_key", "run_id",
+             "schedule_group", *(["traceparent"] if traced else [])]
+    values: list[ColumnElement[Any]] = [_typed(outbox.c[n]) for n in names]
+    values += [literal_column("'pending'"), literal_column("0"),
+               func.clock_timestamp() + bindparam("p_delay", type_=Interval()),
+               func.clock_timestamp()]
+    ob = (postgresql.insert(outbox)
+          .from_select([*names, "state", "attempts", "available_at", "created_at"],
+                       select(*values).select_from(f))
+          .on_conflict_do_nothing()
+          .returning(*outbox.c)
+          .cte("ob"))
+    return (select(f.c.updated_at.label("fence_clock"),
+                   select(func.count()).select_from(ins).scalar_subquery().label("inserted"),
+                   *ob.c)
+            .select_from(f.outerjoin(ob, true())))
+
+
+#: :func:`_fence_event_and_outbox_statement` (untraced, traced)
+_FENCE_EVENT_AND_OUTBOX = (DriverStatement(lambda: _fence_event_and_outbox_statement(False)),
+                           DriverStatement(lambda: _fence_event_and_outbox_statement(True)))
+
+
+def fence_check_event_and_outbox(conn: Connection, pk: int, fence_token: int, lease: Any,
+                                 size: int, values: dict[str, Any],
+                                 outbox_params: dict[str, Any]) -> tuple[datetime, Any] | None:
+    """:func:`fence_check_and_insert_event` and, in the same statement, the outbox insert
+    of ``outbox_params`` (:func:`reliable_beat.outbox.add`'s psycopg parameters). None when
+    the fence moved (nothing inserted); else (the clock written, the inserted outbox row or
+    None when its message id existed already)."""
+    params = {f"p_{c}": values[c] for c in _FENCED_EVENT_COLUMNS}
+    params.update(outbox_params)
+    params.update(p_pk=pk, p_fence=fence_token, p_lease=lease, p_size=size)
+    row = _FENCE_EVENT_AND_OUTBOX["p_traceparent" in outbox_params].first(conn, params)
+    if row is None:
+        return None
+    return row.fence_clock, (row if row.id is not None else None)

@@ -373,7 +373,7 @@ class Replay:
         self, seq: int, kind: str, name: str | None, digest: str, args: Any, *,
         state: str, result: Any = None, error: Any = None,
         fire_at: datetime | None = None, run_key: str | None = None,
-        effect: Callable[[Connection], Any] | None = None,
+        effect: Callable[..., Any] | None = None,
         holder: dict[str, Any] | None = None, dispatch: bool = False,
     ) -> Any:
         """Record position ``seq`` (the frontier) in one fenced transaction with ``effect``
@@ -382,9 +382,10 @@ class Replay:
         ``holder["done"]`` (the event is recorded ``completed`` at once).
 
         ``dispatch``: ``effect`` only sends (its return value is not the result, it sets
-        nothing in ``holder``); on psycopg the fence check and the event's insert are then
-        one statement, run before ``effect``, in the same transaction (the workflow row is
-        locked first either way)."""
+        nothing in ``holder``); on psycopg it is called ``effect(conn, fenced)`` and passes
+        ``fenced`` to :func:`reliable_beat.handoff.add`: the fence check, the event's insert
+        and the message's insert are then one statement (the workflow row is locked first
+        either way)."""
         if self.claimed.history_len + seq - self.last_recorded > self.definition.history_limit:
             raise _HistoryLimit(
                 f"history_limit: run {self.claimed.run_no} would pass "
@@ -441,18 +442,39 @@ class Replay:
             conn.execute(workflow_events.insert().values(**event))
         return result
 
-    def _fenced_event_then(self, conn: Connection, effect: Callable[[Connection], Any] | None,
+    def _fenced_event_then(self, conn: Connection, effect: Callable[..., Any] | None,
                            size: int, event: dict[str, Any]) -> None:
         """psycopg, a record that only dispatches: the fence check and the event's insert
         in one statement (the workflow row locked first, as :func:`fence_check` does),
-        then ``effect`` (its message) in the same transaction."""
-        if pg_statements.fence_check_and_insert_event(
-                conn, self.claimed.pk, self.claimed.fence_token, self.claimed.lease, size,
-                event) is None:
-            raise FencedOut(f"workflow {self.claimed.workflow_id!r}: fence "
-                            f"{self.claimed.fence_token} is stale")
+        then ``effect`` (its message) in the same transaction. ``effect(conn, fenced)``
+        passes ``fenced`` to :func:`reliable_beat.handoff.add`, which runs it with the
+        message's insert (one statement: the fence check, the event and the outbox row), or
+        alone before the insert on any other path."""
+        ran: list[bool] = []
+
+        def fenced(c: Connection, outbox_params: dict[str, Any] | None) -> Any:
+            if ran:
+                raise RuntimeError("a record's fence check ran twice")
+            ran.append(True)
+            if outbox_params is None:
+                done: Any = pg_statements.fence_check_and_insert_event(
+                    c, self.claimed.pk, self.claimed.fence_token, self.claimed.lease, size,
+                    event)
+                row = None
+            else:
+                done = pg_statements.fence_check_event_and_outbox(
+                    c, self.claimed.pk, self.claimed.fence_token, self.claimed.lease, size,
+                    event, outbox_params)
+                row = None if done is None else done[1]
+            if done is None:
+                raise FencedOut(f"workflow {self.claimed.workflow_id!r}: fence "
+                                f"{self.claimed.fence_token} is stale")
+            return row
+
         if effect is not None:
-            effect(conn)
+            effect(conn, fenced)
+        if not ran:  # an effect that wrote no message: the fence check alone
+            fenced(conn, None)
 
     def complete(self, seq: int, state: str, result: Any = None, error: Any = None,
                  effect: Callable[[Connection], Any] | None = None) -> Any:

@@ -19,12 +19,13 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from reliable_beat import handoff
+from reliable_beat import handoff, workflow_store
+from reliable_beat import outbox as outbox_mod
 from reliable_beat.celery.task import IdempotentTask
 from reliable_beat.db.dialects import Store
 from reliable_beat.db.tables import outbox, workflow_events, workflows
 from reliable_beat.messages import OutboxMessage
-from reliable_beat.workflows import WorkflowContext, engine
+from reliable_beat.workflows import WorkflowContext, engine, pg_statements
 
 #: the modules whose psycopg switch selects the driver path of a workflow step
 DRIVER_USERS = ["reliable_beat.workflow_store", "reliable_beat.outbox",
@@ -163,3 +164,113 @@ def test_a_step_on_the_driver_path_writes_what_the_portable_path_writes(
     # the driver path runs fewer statements, and of the workflow's, none through Core
     assert per_step["driver"][1] < per_step["portable"][1], per_step
     assert driver_core < counted["core"], (driver_core, counted["core"])
+
+
+def test_the_record_merged_with_its_message_insert_is_fenced(pg_store: Store) -> None:
+    """The fence check, the event and the activity's outbox row as one statement
+    (pg_statements.fence_check_event_and_outbox, run by outbox.add's psycopg insert): a
+    stale fence token writes none of the three; the live one writes all three."""
+    store = Store.from_url(pg_store.url, role="worker")
+    _app(store)  # registers wfdrv.steps
+    wid = "wfdrv-fenced"
+    engine.start(store, "wfdrv.steps", wid, [1])
+    with store.connect() as conn:
+        wf = conn.execute(sa.select(workflows.c.id, workflows.c.fence_token,
+                                    workflows.c.run_no, workflows.c.history_len)
+                          .where(workflows.c.workflow_id == wid)).one()
+
+    def record(token: int) -> Any:
+        key = f"act:{wid}#1"
+        event = dict(workflow_pk=wf.id, run_no=wf.run_no, seq=1, kind="activity",
+                     name="wfdrv.double", args_digest="d", args=[[1], {}, None],
+                     state="scheduled", result=None, error=None, fire_at=None,
+                     run_key=f"{wid}#1", fence_token=token)
+        answers: list[Any] = []
+
+        def merged(c: Any, params: dict[str, Any] | None) -> Any:
+            assert params is not None  # the psycopg path: merged
+            answers.append(pg_statements.fence_check_event_and_outbox(
+                c, wf.id, token, LEASE, 10, event, params))
+            return None if answers[-1] is None else answers[-1][1]
+
+        returned: list[Any] = []
+        with store.begin() as conn:
+            outbox_mod.add(conn, "celery", {"task": "wfdrv.double", "args": [1],
+                                            "kwargs": {}}, key=key, notify=False,
+                           delay=handoff.HANDOFF_DELAY, returned=returned, insert=merged)
+        return answers[0], returned
+
+    def written() -> tuple[int, int, int]:
+        with store.connect() as conn:
+            return (
+                conn.execute(sa.select(workflows.c.history_len)
+                             .where(workflows.c.id == wf.id)).scalar_one(),
+                conn.execute(sa.select(sa.func.count()).select_from(workflow_events)
+                             .where(workflow_events.c.workflow_pk == wf.id)).scalar_one(),
+                conn.execute(sa.select(sa.func.count()).select_from(outbox)
+                             .where(outbox.c.message_id == f"act:{wid}#1")).scalar_one())
+
+    try:
+        answer, returned = record(wf.fence_token + 1)  # a takeover moved the fence past it
+        assert answer is None and returned == []
+        assert written() == (wf.history_len, 0, 0)
+        answer, returned = record(wf.fence_token)
+        assert answer is not None and answer[1] is not None
+        assert [r.message_id for r in returned] == [f"act:{wid}#1"]
+        assert returned[0].state == "pending" and returned[0].payload["task"] == "wfdrv.double"
+        assert written() == (wf.history_len + 1, 1, 1)
+    finally:
+        store.dispose()
+
+
+@pytest.mark.parametrize("publisher_group", [None, "another-group"])
+def test_the_completion_merged_with_its_wake_insert(
+    pg_store: Store, publisher_group: str | None
+) -> None:
+    """The completion of a succeeded activity and its workflow's wake row as one statement
+    (workflow_store._pg_completed_and_wake_statement), inside a hand-off: the wake is
+    written only when the event was completed (a second completion writes none), handed off
+    (due after HANDOFF_DELAY) to a publisher of the workflow's group, and due at once to the
+    relays, not handed off, when the publisher is of another group."""
+    store = Store.from_url(pg_store.url, role="worker")
+    _app(store)
+    wid = f"wfdrv-wake-{publisher_group}"
+    published: list[OutboxMessage] = []
+
+    def publish(messages: Sequence[OutboxMessage]) -> list[tuple[int, BaseException | None]]:
+        published.extend(messages)
+        return [(m.id, None) for m in messages]
+
+    try:
+        engine.start(store, "wfdrv.steps", wid, [1])
+        with handoff.publishing(publish, None), handoff.deferred_marks(store):
+            assert engine.advance(store, wid, owner="t", lease=LEASE) == "waiting"
+        key = workflow_store.activity_key(wid, 1, 1)
+        published.clear()
+
+        def complete() -> bool:
+            with handoff.publishing(publish, publisher_group), \
+                    handoff.after_commit(store), store.begin() as conn:
+                return workflow_store.on_run_finished(conn, key, "succeeded", 2)
+
+        assert complete() is True
+        with store.connect() as conn:
+            wake_seq = conn.execute(sa.select(workflows.c.wake_seq)
+                                    .where(workflows.c.workflow_id == wid)).scalar_one()
+        assert complete() is False  # the event is completed already: no second wake
+        with store.connect() as conn:
+            wakes = conn.execute(
+                sa.select(outbox.c.message_id, outbox.c.state, outbox.c.payload,
+                          (outbox.c.available_at - outbox.c.created_at).label("delay"))
+                .where(outbox.c.message_id.like(f"wake:{wid}:1#%"))).all()
+        assert [w.message_id for w in wakes] == [f"wake:{wid}:1#1.{wake_seq}"]
+        assert wakes[0].payload["args"] == [wid]
+        if publisher_group is None:  # the workflow's group: handed off
+            assert [m.message_id for m in published] == [wakes[0].message_id]
+            assert wakes[0].state == "sent"
+            assert abs(wakes[0].delay - handoff.HANDOFF_DELAY) < timedelta(seconds=1)
+        else:  # another group's publisher: the relay's row, due at once
+            assert published == [] and wakes[0].state == "pending"
+            assert abs(wakes[0].delay) < timedelta(seconds=1)
+    finally:
+        store.dispose()

@@ -180,7 +180,8 @@ def publish_and_mark(
     if spans is not None:
         spans.end(outcomes)
     sent = [i for i, err in outcomes if err is None]
-    published is not None and published.extend(sent)
+    if published is not None:
+        published.extend(sent)
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
     failed = [i for i, err in outcomes if err is not None and i not in expired]
     if failed:

@@ -112,7 +112,8 @@ def send_batch(publisher: Publisher, messages: Sequence[OutboxMessage], now: dat
 
 
 def beat_publish_timeout(configured: float, sweep_delay: timedelta,
-                         logger: logging.Logger | None = None) -> float:
+                         logger: logging.Logger | None = None, *, default: bool = False
+                         ) -> float:
     """The longest a beat's publish may wait on a broker: ``configured``
     (``reliable_beat_publish_timeout_seconds``), at most half of ``sweep_delay``.
 
@@ -120,12 +121,14 @@ def beat_publish_timeout(configured: float, sweep_delay: timedelta,
     slots; a beat's publish that waited that long on a slow broker would send every slot of
     its batch a second time. Bounded, it gives up first and hands the batch back (rows for
     the relay), like a publish to a broker that is down. A ``configured`` value over the
-    bound is logged once as a WARNING on ``logger`` (the beat calls this at start).
+    bound is logged once on ``logger`` (the beat calls this at start): a WARNING when the
+    user set it, INFO when it is the setting's ``default``.
     """
     bound = sweep_delay.total_seconds() / 2
     if configured <= bound:
         return configured
-    (logger or log).warning(
+    (logger or log).log(
+        logging.INFO if default else logging.WARNING,
         "reliable_beat_publish_timeout_seconds=%g is more than this beat can use: its "
         "publishes wait at most %g s (half the sweep delay of %g s), so that a publish on a "
         "slow broker gives up and hands its slots back before another beat's or relay's sweep "

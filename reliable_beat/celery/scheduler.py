@@ -179,8 +179,10 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         # before any broker connection: a hung or slow broker fails a publish within this
         # bound instead of freezing the loop (claims, heartbeat) for as long as it hangs, and
         # before another process's sweep may publish the same slots (half the sweep delay)
+        configured = self.settings.publish_timeout_seconds
         bound_broker_wait(app, beat_publish_timeout(
-            self.settings.publish_timeout_seconds, self.loop.beat.sweep_delay, log))
+            configured, self.loop.beat.sweep_delay, log,
+            default=configured == Settings.publish_timeout_seconds))
         super().__init__(app, *args, **kwargs)
         self.loop.max_interval = float(self.max_interval)
 

@@ -88,7 +88,7 @@ from reliable_beat.process import (
 )
 from reliable_beat.process import skip_exit_gc as skip_exit_gc
 from reliable_beat.publish import SPIN_SECONDS as SPIN_SECONDS
-from reliable_beat.publish import HoldingPublisher, Outcomes, Publisher, record_unmarked
+from reliable_beat.publish import HoldingPublisher, Publisher, record_unmarked, send_batch
 from reliable_beat.publish import sleep_until as sleep_until
 from reliable_beat.publish import trigger_messages as trigger_messages
 from reliable_beat.redaction import get_logger
@@ -137,21 +137,11 @@ LOCKED_RETRY_SECONDS = 0.005
 BUILD_LEAD_SECONDS = 0.002
 
 
-def _send(publisher: Publisher, messages: Sequence[OutboxMessage], now: datetime,
-          wait: Callable[[], None] | None) -> Outcomes:
-    if wait is None:
-        return publisher.publish(messages, now)
-    if isinstance(publisher, HoldingPublisher):
-        return publisher.publish_at(messages, now, wait)
-    wait()
-    return publisher.publish(messages, now)
-
-
 def publish_and_mark(
     store: Store, publisher: Publisher, messages: list[OutboxMessage], now: datetime, *,
     wait: Callable[[], None] | None = None,
     unmarked: list[tuple[list[int], list[int]]] | None = None,
-    logger: logging.Logger | None = None,
+    logger: logging.Logger | None = None, published: list[int] | None = None,
 ) -> int:
     """Publish trigger rows through ``publisher`` and mark the outcome.
 
@@ -172,6 +162,7 @@ def publish_and_mark(
             ids)`` is appended here so the caller records them first when the database
             returns (:func:`record_unmarked`); None: they are only logged.
         logger: where to log (default ``reliable_beat.loop``).
+        published: when given, the ids of the messages the broker accepted are appended.
 
     Returns:
         How many were published.
@@ -185,10 +176,12 @@ def publish_and_mark(
             spans.start()
         else:
             wait = spans.after(wait)
-    outcomes = _send(publisher, messages, now, wait)
+    outcomes = send_batch(publisher, messages, now, wait)
     if spans is not None:
         spans.end(outcomes)
     sent = [i for i, err in outcomes if err is None]
+    if published is not None:
+        published.extend(sent)
     expired = [i for i, err in outcomes if isinstance(err, MessageExpiredError)]
     failed = [i for i, err in outcomes if err is not None and i not in expired]
     if failed:
@@ -522,10 +515,13 @@ class BeatLoop(BeatProcess):
         self._held.clear()
 
     def _publish_triggers(self, triggers: list[Trigger], now: datetime,
-                          wait: Callable[[], None] | None = None) -> int:
-        return publish_and_mark(
+                          wait: Callable[[], None] | None = None) -> list[Trigger]:
+        """Publish and mark ``triggers``; returns those the broker accepted."""
+        sent: list[int] = []
+        publish_and_mark(
             self.store, self.publisher, trigger_messages(triggers, self.publisher.destination),
-            now, wait=wait, unmarked=self._unmarked, logger=self.log)
+            now, wait=wait, unmarked=self._unmarked, logger=self.log, published=sent)
+        return [t for t in triggers if t.id in set(sent)]
 
     def _publish_group(self, group: _Held) -> None:
         """Publish one held slot: build its messages, flush them at its instant, mark sent.
@@ -550,7 +546,8 @@ class BeatLoop(BeatProcess):
         try:
             if time.monotonic() - group.at > overrun:
                 raise _HoldOverran
-            self._publish_triggers(triggers, self._db_now(group.fire_at), wait=at_instant)
+            triggers = self._publish_triggers(triggers, self._db_now(group.fire_at),
+                                              wait=at_instant)
         except _HoldOverran:
             triggers = self._take_back(triggers)
             self.log.warning("held triggers of %s published %.1f s late (this process was "
@@ -559,7 +556,7 @@ class BeatLoop(BeatProcess):
                              len(triggers), len(group.triggers))
             built.clear()
             if triggers:
-                self._publish_triggers(triggers, self._db_now(group.fire_at))
+                triggers = self._publish_triggers(triggers, self._db_now(group.fire_at))
         if built:
             per = (built[0] - started) / max(1, len(triggers))
             self._build_seconds_per_message += 0.2 * (per - self._build_seconds_per_message)
@@ -634,7 +631,7 @@ class BeatLoop(BeatProcess):
                              len(triggers), len(result.triggers))
         published = time.monotonic()  # the messages leave right after this
         if triggers:
-            self._publish_triggers(triggers, result.now)
+            triggers = self._publish_triggers(triggers, result.now)
         for t in triggers if self.log.isEnabledFor(logging.INFO) else ():
             # true lateness: slot -> publish, on the database clock estimated from the claim
             lateness = (result.now - t.fire_at).total_seconds() + (published - result.monotonic)

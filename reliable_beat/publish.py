@@ -15,7 +15,7 @@ import logging
 import select as _select
 import time
 from collections.abc import Callable, Collection, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
 from sqlalchemy.exc import DBAPIError
@@ -33,7 +33,9 @@ __all__ = [
     "HoldingPublisher",
     "Outcomes",
     "Publisher",
+    "beat_publish_timeout",
     "record_unmarked",
+    "send_batch",
     "sleep_until",
     "trigger_messages",
 ]
@@ -95,6 +97,44 @@ class HoldingPublisher(Publisher, Protocol):
         the slot). ``wait`` may raise a ``BaseException`` to abandon the batch: nothing may
         have been sent then, and the exception must propagate."""
         ...
+
+
+def send_batch(publisher: Publisher, messages: Sequence[OutboxMessage], now: datetime,
+               wait: Callable[[], None] | None) -> Outcomes:
+    """``publisher``'s outcomes for ``messages``; ``wait`` runs right before the first can
+    reach the broker (inside the batch for a :class:`HoldingPublisher`)."""
+    if wait is None:
+        return publisher.publish(messages, now)
+    if isinstance(publisher, HoldingPublisher):
+        return publisher.publish_at(messages, now, wait)
+    wait()
+    return publisher.publish(messages, now)
+
+
+def beat_publish_timeout(configured: float, sweep_delay: timedelta,
+                         logger: logging.Logger | None = None, *, default: bool = False
+                         ) -> float:
+    """The longest a beat's publish may wait on a broker: ``configured``
+    (``reliable_beat_publish_timeout_seconds``), at most half of ``sweep_delay``.
+
+    Past the sweep delay after the claim another process's sweep may publish the same
+    slots; a beat's publish that waited that long on a slow broker would send every slot of
+    its batch a second time. Bounded, it gives up first and hands the batch back (rows for
+    the relay), like a publish to a broker that is down. A ``configured`` value over the
+    bound is logged once on ``logger`` (the beat calls this at start): a WARNING when the
+    user set it, INFO when it is the setting's ``default``.
+    """
+    bound = sweep_delay.total_seconds() / 2
+    if configured <= bound:
+        return configured
+    (logger or log).log(
+        logging.INFO if default else logging.WARNING,
+        "reliable_beat_publish_timeout_seconds=%g is more than this beat can use: its "
+        "publishes wait at most %g s (half the sweep delay of %g s), so that a publish on a "
+        "slow broker gives up and hands its slots back before another beat's or relay's sweep "
+        "may publish them a second time (relays keep %g s)",
+        configured, bound, sweep_delay.total_seconds(), configured)
+    return bound
 
 
 def trigger_messages(triggers: Sequence[Trigger], destination: str) -> list[OutboxMessage]:

@@ -42,6 +42,7 @@ from reliable_beat.groups import schedule_group_of
 from reliable_beat.logs import RepeatedLog
 from reliable_beat.loop import SWEEP_SECONDS, BeatLoop, deferred_stop_signals
 from reliable_beat.outbox import OutboxMessage
+from reliable_beat.publish import beat_publish_timeout
 from reliable_beat.redaction import get_logger
 from reliable_beat.redispatch import tracked_tasks
 from reliable_beat.schedules import validate_timezone
@@ -168,9 +169,6 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
         self.settings = Settings.from_celery(app)
         self.store: Store = Store.from_url(self.settings.database_url, role="beat")
         self.app = app
-        # before any broker connection: a hung broker fails a publish within this bound
-        # instead of freezing the loop (claims, heartbeat) for as long as it hangs
-        bound_broker_wait(app, self.settings.publish_timeout_seconds)
         self.group = schedule_group_of(app, self.settings.schedule_group)
         self.loop = BeatLoop(
             self.store, self.settings, CeleryPublisher(app), self.settings.owner,
@@ -178,6 +176,13 @@ class ReliableScheduler(Scheduler):  # type: ignore[misc]
             definitions=self._definitions, is_registered=lambda task: task in app.tasks,
             logger=log,
         )
+        # before any broker connection: a hung or slow broker fails a publish within this
+        # bound instead of freezing the loop (claims, heartbeat) for as long as it hangs, and
+        # before another process's sweep may publish the same slots (half the sweep delay)
+        configured = self.settings.publish_timeout_seconds
+        bound_broker_wait(app, beat_publish_timeout(
+            configured, self.loop.beat.sweep_delay, log,
+            default=configured == Settings.publish_timeout_seconds))
         super().__init__(app, *args, **kwargs)
         self.loop.max_interval = float(self.max_interval)
 

@@ -59,6 +59,7 @@ __all__ = [
     "entry_options",
     "group_trigger_destination",
     "hand_back",
+    "has_trigger_row",
     "materialise_unsent",
     "run_messages",
     "take_back",
@@ -157,7 +158,7 @@ def run_messages(conn: Connection, rows: Sequence[Any], destination: str, *,
     ]
 
 
-def _has_trigger_row() -> Any:
+def has_trigger_row() -> Any:
     """SQL: the run has a trigger outbox row (``trigger:<key>``, a trigger destination)."""
     return (
         select(outbox.c.id)
@@ -218,7 +219,7 @@ def materialise_unsent(
                runs.c.trigger.in_(SWEPT_TRIGGERS),
                runs.c.fire_at <= cutoff,
                runs.c.updated_at <= cutoff,
-               ~_has_trigger_row(),
+               ~has_trigger_row(),
                true() if schedule_group is None
                else ~entry_outside_group(runs.c.entry_name, schedule_group))
         .order_by(runs.c.id)

@@ -98,14 +98,14 @@ def _entry_options(conn: Connection, names: Iterable[str]
         if not isinstance(name, str):
             continue
         bad = [p for p in problems if rows_mod.column_of(p) == "options"]
-        if not bad and not isinstance(options, dict):
-            bad = [f"options={rows_mod.raw_repr(options)}: expected a mapping"]
         if not bad:
             bad = list(rows_mod.check_options(options))
-        if bad:
-            why[name] = "options malformed: " + "; ".join(str(p) for p in bad[:3])
-        else:
+        if not bad and isinstance(options, dict):
             out[name] = dict(options)
+        else:
+            why[name] = "options malformed: " + "; ".join(
+                str(p) for p in (bad or [f"options={rows_mod.raw_repr(options)}: expected "
+                                         "a JSON object"])[:3])
     for name in wanted:
         if name not in out and name not in why:
             why[name] = "entry deleted"

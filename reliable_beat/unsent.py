@@ -59,6 +59,7 @@ __all__ = [
     "entry_options",
     "group_trigger_destination",
     "hand_back",
+    "has_trigger_row",
     "materialise_unsent",
     "run_messages",
     "take_back",
@@ -78,19 +79,55 @@ def entry_options(conn: Connection, names: Iterable[str]) -> dict[str, dict[str,
     """The ``options`` of the named entries, read without writing anything: an entry whose
     options cannot be read or are malformed (the beat quarantines it at its next claim) is
     absent, like an entry that is gone; its runs are sent with options ``{}``."""
+    return _entry_options(conn, names)[0]
+
+
+def _entry_options(conn: Connection, names: Iterable[str]
+                   ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """``(options by entry, why by entry)``: :func:`entry_options`, and for each named entry
+    whose options are not usable, why (``entry deleted`` / ``options malformed: ...``)."""
     wanted = sorted({n for n in names if isinstance(n, str)})
     if not wanted:
-        return {}
+        return {}, {}
     out: dict[str, dict[str, Any]] = {}
+    why: dict[str, str] = {}
     for raw in conn.execute(select(*rows_mod.raw_columns(entries, conn.dialect))
                             .where(entries.c.name.in_(wanted))).all():
         values, problems = rows_mod.decode_row(entries, dict(raw._mapping), conn.dialect)
-        options = values.get("options")
-        if isinstance(values.get("name"), str) and isinstance(options, dict) and not any(
-                rows_mod.column_of(p) == "options" for p in problems) \
-                and not rows_mod.check_options(options):
-            out[values["name"]] = dict(options)
-    return out
+        options, name = values.get("options"), values.get("name")
+        if not isinstance(name, str):
+            continue
+        bad = [p for p in problems if rows_mod.column_of(p) == "options"]
+        if not bad:
+            bad = list(rows_mod.check_options(options))
+        if not bad and isinstance(options, dict):
+            out[name] = dict(options)
+        else:
+            why[name] = "options malformed: " + "; ".join(
+                str(p) for p in (bad or [f"options={rows_mod.raw_repr(options)}: expected "
+                                         "a JSON object"])[:3])
+    for name in wanted:
+        if name not in out and name not in why:
+            why[name] = "entry deleted"
+    return out, why
+
+
+def _run_options(conn: Connection, rows: Sequence[Any], action: str
+                 ) -> dict[str, dict[str, Any]]:
+    """The entry options of ``rows`` (runs) by entry name; an ERROR per run of an entry that
+    is gone or whose options are malformed: its trigger goes with the task's default routing
+    (queue, priority), not the entry's. ``action``: what is done with the runs (the log's
+    verb)."""
+    options, why = _entry_options(conn, [r.entry_name for r in rows if r.entry_name])
+    for r in rows:
+        reason = why.get(r.entry_name) if r.entry_name else None
+        if reason is not None:
+            log.error("run %s of entry %r is %s with the task's default routing (its default "
+                      "queue, no priority, headers or expires of the entry): %s. Fix: "
+                      "restore the entry (or fix its options: `reliable-beat entries show "
+                      "%s`) so later sends go where its triggers go", r.idempotency_key,
+                      r.entry_name, action, reason, r.entry_name)
+    return options
 
 
 def _payload(row: Any, options: dict[str, Any], destination: str, sid: str | None,
@@ -111,7 +148,7 @@ def run_messages(conn: Connection, rows: Sequence[Any], destination: str, *,
     (an ad-hoc call) or of an entry gone with options ``{}`` (the task's default queue).
     Never stored: each message's ``id`` is its run's id negated (no outbox row has it).
     ``sid``: the store's id for the ``reliable_beat_store`` header (None: left out)."""
-    options = entry_options(conn, [r.entry_name for r in rows if r.entry_name])
+    options = _run_options(conn, rows, "re-sent")
     return [
         OutboxMessage(id=-int(r.id), message_id=trigger_message_id(r.idempotency_key),
                       destination=destination,
@@ -121,7 +158,7 @@ def run_messages(conn: Connection, rows: Sequence[Any], destination: str, *,
     ]
 
 
-def _has_trigger_row() -> Any:
+def has_trigger_row() -> Any:
     """SQL: the run has a trigger outbox row (``trigger:<key>``, a trigger destination)."""
     return (
         select(outbox.c.id)
@@ -182,7 +219,7 @@ def materialise_unsent(
                runs.c.trigger.in_(SWEPT_TRIGGERS),
                runs.c.fire_at <= cutoff,
                runs.c.updated_at <= cutoff,
-               ~_has_trigger_row(),
+               ~has_trigger_row(),
                true() if schedule_group is None
                else ~entry_outside_group(runs.c.entry_name, schedule_group))
         .order_by(runs.c.id)
@@ -192,7 +229,7 @@ def materialise_unsent(
     if not found:
         return 0
     sid = store_id_in(conn, store)
-    options = entry_options(conn, [r.entry_name for r in found])
+    options = _run_options(conn, found, "published by the unsent sweep")
     slot_text = SlotText()
     _insert_rows(store, conn, [
         trigger_outbox_row(r.idempotency_key, int(r.id),

@@ -185,7 +185,8 @@ class CliContext:
             fix = (f"{create}, or set {settings.database_url_key} in the app (or pass "
                    "--database-url) to the store your beats use")
         else:
-            fix = f"{create}, or pass --database-url URL or -A APP (the app's store)"
+            fix = (f"{create}, or give the store's URL or the app, before the command: "
+                   f"{_group_option_form()}")
         return f"no reliable_beat store at {path} (URL from {origin}): {fix}"
 
     @property
@@ -435,3 +436,14 @@ _register_all()
 def main() -> None:
     """Run the ``reliable-beat`` command line (the console script)."""
     reliable_beat(prog_name="reliable-beat")
+
+
+def _group_option_form() -> str:
+    """``--database-url`` and ``-A`` are options of the ``reliable-beat`` group, given before
+    the command: the forms that work for the command being run (``reliable-beat
+    --database-url URL relay`` or ``reliable-beat -A APP relay``)."""
+    ctx = click.get_current_context(silent=True)
+    path = ctx.command_path.split() if ctx is not None else []
+    root, rest = (path[0], " ".join(path[1:])) if path else ("reliable-beat", "COMMAND")
+    rest = rest or "COMMAND"
+    return f"`{root} --database-url URL {rest}` or `{root} -A APP {rest}` (the app's store)"

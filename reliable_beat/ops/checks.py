@@ -5,8 +5,9 @@ Pure functions of the data :func:`reliable_beat.ops.status.collect_status` read 
 it returns, before ``workflows``, ``problems``, ``warnings`` and ``ok`` are added): no I/O.
 The problems, in this order: MISSED SLOTS, QUARANTINED, MALFORMED ENTRY, NEXT FIRE
 INCONSISTENT, NAME CONFLICT,
-UNDELIVERED OUTBOX, UNSERVED OUTBOX, BROKER NOT TAKING TRIGGERS, dead letters, RECENTLY
-DISABLED, NO BEAT, MALFORMED RUN ROWS, NEVER STARTED, STALLED, RETRY OVERDUE, LEASE EXPIRED,
+UNDELIVERED OUTBOX, UNSERVED OUTBOX, BROKER NOT TAKING TRIGGERS, UNPUBLISHED SLOTS, dead
+letters, RECENTLY DISABLED, NO BEAT, MALFORMED RUN ROWS, NEVER STARTED, STALLED, RETRY
+OVERDUE, LEASE EXPIRED,
 UNSTARTED BETWEEN STARTED (the workflow alarms follow, from
 :func:`reliable_beat.workflows.engine.workflow_health`).
 Warnings (no exit code): no recorded start, beats on another config, UNREGISTERED TASKS.
@@ -19,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from reliable_beat.db.types import infinity_text
-from reliable_beat.ops.reads import UNSTARTED_WINDOW_HOURS
+from reliable_beat.ops.reads import UNPUBLISHED_SLOT_SECONDS, UNSTARTED_WINDOW_HOURS
 
 __all__ = ["MAX_SHOWN", "depth_note", "fmt_instant", "problems_of", "shown_name", "warnings_of"]
 
@@ -98,7 +99,7 @@ def _entry_problems(info: Mapping[str, Any], *, margin_seconds: float) -> list[s
 
 def _outbox_problems(info: Mapping[str, Any], *, outbox_stuck_minutes: float,
                      unserved_seconds: float) -> list[str]:
-    """UNDELIVERED OUTBOX, UNSERVED OUTBOX, BROKER NOT TAKING TRIGGERS."""
+    """UNDELIVERED OUTBOX, UNSERVED OUTBOX, BROKER NOT TAKING TRIGGERS, UNPUBLISHED SLOTS."""
     undelivered, unserved = info["undelivered_outbox"], info["unserved_outbox"]
     unpublished = info["unpublished_triggers"]
     problems: list[str] = []
@@ -137,6 +138,17 @@ def _outbox_problems(info: Mapping[str, Any], *, outbox_stuck_minutes: float,
             "broker URL did not answer within N s` or `N triggers not published (celery "
             "broker unavailable: ...)`. Fix the broker; nothing is lost: the triggers go "
             "out, under the same task ids, once it takes them."
+        )
+    slots = info.get("unpublished_slots") or {}
+    if slots.get("count"):
+        problems.append(
+            f"UNPUBLISHED SLOTS: {slots['count']} due slots were committed by a beat but never "
+            f"published, for more than {UNPUBLISHED_SLOT_SECONDS:g} s (oldest "
+            f"{slots['oldest_key']} at {fmt_instant(slots['oldest_fire_at'])}): the beat died "
+            "between its claim and its publish, and no beat or relay of a version that "
+            "publishes them runs. Start a beat of this version (or `reliable-beat -A APP "
+            "relay`): its sweep publishes them, once each, under their idempotency keys "
+            "(`reliable-beat runs --state scheduled` lists them)."
         )
     return problems
 

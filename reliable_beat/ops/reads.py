@@ -40,6 +40,7 @@ from reliable_beat.triggers import TRIGGER_DESTINATION, TRIGGER_DESTINATIONS, tr
 
 __all__ = [
     "MAX_DEPTH_ENTRIES",
+    "UNPUBLISHED_SLOT_SECONDS",
     "UNSTARTED_WINDOW_HOURS",
     "as_utc",
     "dead_letter_totals",
@@ -52,6 +53,7 @@ __all__ = [
     "outbox_backlog",
     "read_entries",
     "undelivered_outbox",
+    "unpublished_slots",
     "unstarted",
     "unstarted_triggers",
     "waiting_retries",
@@ -60,6 +62,11 @@ __all__ = [
 #: Triggers dispatched within this many hours are looked at for "never started by a worker".
 UNSTARTED_WINDOW_HOURS = 24.0
 
+
+#: UNPUBLISHED SLOTS: a due slot committed and not published for this many seconds (its slot
+#: and last update): the sweep delay of the beats and relays that publish them (10 s) and a
+#: minute's margin, so a live sweep of the run's version has had its turn.
+UNPUBLISHED_SLOT_SECONDS = 10.0 + 60.0
 
 #: ``status`` asks the broker about the queues of at most this many unstarted entries.
 MAX_DEPTH_ENTRIES = 50
@@ -467,3 +474,29 @@ def last_started(conn: Connection, names: list[str]) -> dict[str, datetime]:
     return {name: at for name, last in rows if (at := as_utc(last)) is not None}
 
 
+
+
+def unpublished_slots(conn: Connection, now: datetime,
+                      seconds: float = UNPUBLISHED_SLOT_SECONDS) -> dict[str, Any]:
+    """Due slots a beat committed and never published, and no sweep published since: runs
+    ``scheduled`` by the schedule (trigger ``schedule`` / ``catch_up``, an entry named) with no
+    trigger row (``trigger:<key>``) whose slot and last update are more than ``seconds`` old
+    (the runs :func:`reliable_beat.unsent.materialise_unsent` would take). Only a beat or a
+    relay with the app, of a version that writes rows for them, publishes them. Two queries
+    on the runs' state index.
+
+    Returns:
+        ``{"count": int, "oldest_key": str | None, "oldest_fire_at": datetime | None}``.
+    """
+    cutoff = now - timedelta(seconds=seconds)
+    where = (runs.c.state == "scheduled", runs.c.entry_name.is_not(None),
+             runs.c.trigger.in_(unsent.SWEPT_TRIGGERS), runs.c.fire_at <= cutoff,
+             runs.c.updated_at <= cutoff, ~unsent.has_trigger_row())
+    count = int(conn.execute(select(func.count()).select_from(runs).where(*where)).scalar()
+                or 0)
+    if not count:
+        return {"count": 0, "oldest_key": None, "oldest_fire_at": None}
+    oldest = conn.execute(select(runs.c.idempotency_key, runs.c.fire_at).where(*where)
+                          .order_by(runs.c.fire_at, runs.c.id).limit(1)).first()
+    return {"count": count, "oldest_key": oldest.idempotency_key if oldest else None,
+            "oldest_fire_at": as_utc(oldest.fire_at) if oldest else None}

@@ -164,6 +164,8 @@ def collect_status(
         :func:`~reliable_beat.ops.reads.undelivered_outbox`),
         "unserved_outbox": [{"group", "rows", "destinations", "due_since", "last_seen_at",
         "served_groups"}] (see :func:`reliable_beat.groups.unserved_outbox`),
+        "unpublished_slots": {"count", "oldest_key", "oldest_fire_at"} (due slots committed
+        and never published: :func:`reliable_beat.ops.reads.unpublished_slots`),
         "unpublished_triggers": [{"group", "rows", "since", "publishers"}] (live publishers,
         broker not taking them; see :func:`reliable_beat.groups.unpublished_triggers`),
         "entry_counts": {status: number of entries} (every entry, disabled ones too),
@@ -230,6 +232,7 @@ def collect_status(
         "waiting_retries": {"count": found.n_waiting, "runs": found.waiting_runs},
         "queue_depths": depths,
         "expired_leases": {"count": found.n_expired, "runs": found.expired_runs},
+        "unpublished_slots": found.unpublished_slots,
     }
     problems = checks.problems_of(
         info, margin_seconds=margin_seconds, outbox_stuck_minutes=outbox_stuck_minutes,
@@ -276,6 +279,7 @@ class _Found:
     waiting_triggers: list[tuple[str, OutboxMessage]]
     n_expired: int
     expired_runs: list[dict[str, Any]]
+    unpublished_slots: dict[str, Any]
 
 
 def _read(store: Store, *, beat_alive_seconds: float, redispatch_seconds: float,
@@ -313,6 +317,7 @@ def _read(store: Store, *, beat_alive_seconds: float, redispatch_seconds: float,
         n_expired, expired_runs = reads.expired_leases(
             conn, now, grace_seconds=lease_expired_seconds,
             redispatch_seconds=redispatch_seconds)
+        slots = reads.unpublished_slots(conn, now)
     return _Found(
         now=now, rows=rows, malformed=malformed, next_fire=next_fire, conflicts=conflicts,
         failing=failing, dead=dead, dead_total=dead_total, handled_total=handled_total,
@@ -321,7 +326,8 @@ def _read(store: Store, *, beat_alive_seconds: float, redispatch_seconds: float,
         last_started=last_started, quarantined_rows=quarantined_rows, n_bad_runs=n_bad_runs,
         bad_runs=bad_runs, undelivered=undelivered, unserved=unserved,
         unpublished=unpublished, n_waiting=n_waiting, waiting_runs=waiting_runs,
-        waiting_triggers=waiting_triggers, n_expired=n_expired, expired_runs=expired_runs)
+        waiting_triggers=waiting_triggers, n_expired=n_expired, expired_runs=expired_runs,
+        unpublished_slots=slots)
 
 
 def _entry_statuses(rows: list[Any], malformed: list[dict[str, Any]], now: datetime,

@@ -514,4 +514,21 @@ def test_a_missing_sqlite_store_with_an_app_names_the_fixes_that_apply(
     assert "set reliable_beat_database_url in the app (or pass --database-url)" in r.output
     assert not (tmp_path / "reliable_beat.sqlite3").exists()
     r = CliRunner().invoke(reliable_beat, ["schedule", "list"])
-    assert r.exit_code == 1 and "or pass --database-url URL or -A APP" in r.output
+    assert r.exit_code == 1 and "`reliable-beat --database-url URL schedule list`" in r.output
+
+
+def test_a_missing_store_names_the_group_option_form_that_works(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails on the old code: `reliable-beat relay` without a store said "pass --database-url
+    URL", but `reliable-beat relay --database-url URL` is "No such option" (a group option)."""
+    monkeypatch.chdir(tmp_path)  # the embedded default store: ./reliable_beat.sqlite3, absent
+    monkeypatch.delenv("RELIABLE_BEAT_DATABASE_URL", raising=False)
+    r = CliRunner().invoke(reliable_beat, ["relay"], prog_name="reliable-beat")
+    assert r.exit_code == 1, r.output
+    assert "`reliable-beat --database-url URL relay`" in r.output, r.output
+    assert "`reliable-beat -A APP relay`" in r.output, r.output
+    # the form it names parses (it fails on the missing store, not on the option)
+    url = f"sqlite:///{tmp_path / 'other.sqlite3'}"
+    r = CliRunner().invoke(reliable_beat, ["--database-url", url, "relay"],
+                           prog_name="reliable-beat")
+    assert "No such option" not in r.output and "no reliable_beat store at" in r.output, r.output

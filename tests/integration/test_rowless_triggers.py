@@ -15,6 +15,7 @@ record (reliable_beat.unsent), on real PostgreSQL (and MariaDB for the race) and
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -313,3 +314,52 @@ def test_lease_clear_of_a_periodic_run_without_a_row_resends_it(pg_store: Store)
     (row,) = _rows(pg_store)
     assert (row.message_id, row.state) == (f"trigger:{key}", "pending")
     assert row.payload == result.triggers[0].payload
+
+
+def _orphan_and_malformed(store: Store) -> dict[str, str]:
+    """Two committed, unpublished runs: entry "gone" deleted, entry "bad" with options a
+    trigger cannot use (``priority: "high"``, written by SQL). Returns their keys by entry."""
+    _seed(store, ["gone", "bad"], due_in=-1, options={"queue": "special"})
+    result = Beat(store, owner="dead:1").tick()  # committed; the beat died before publish
+    with store.begin() as conn:
+        conn.execute(entries.delete().where(entries.c.name == "gone"))
+        conn.execute(update(entries).where(entries.c.name == "bad")
+                     .values(options={"queue": "special", "priority": "high"}))
+        # the slot and last update a minute ago: due for the sweep
+        ago = store.now(conn) - timedelta(minutes=1)
+        conn.execute(update(runs).values(fire_at=ago, updated_at=ago))
+    assert len(result.triggers) == 2
+    return {n: r.idempotency_key for n, r in _runs(store).items()}
+
+
+def _routing_errors(caplog: pytest.LogCaptureFixture, keys: dict[str, str]) -> dict[str, str]:
+    found = {}
+    for rec in caplog.records:
+        if rec.levelname == "ERROR" and "default routing" in rec.getMessage():
+            for entry, key in keys.items():
+                if key in rec.getMessage():
+                    found[entry] = rec.getMessage()
+    return found
+
+
+def test_sweep_and_resend_of_a_run_whose_entry_is_gone_or_malformed_log_an_error(
+    pg_store: Store, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fails on the old code: the sweep and a re-send sent such runs to the task's default
+    queue without a word."""
+    keys = _orphan_and_malformed(pg_store)
+    caplog.set_level(logging.ERROR, logger="reliable_beat.unsent")
+    with pg_store.begin() as conn:
+        assert _sweep(pg_store, conn) == 2
+    swept = _routing_errors(caplog, keys)
+    assert set(swept) == {"gone", "bad"}, caplog.text
+    assert "entry 'gone'" in swept["gone"] and "entry deleted" in swept["gone"]
+    assert "options malformed" in swept["bad"] and "priority" in swept["bad"]
+    assert "restore the entry" in swept["gone"] and "sweep" in swept["gone"]
+    caplog.clear()
+    with pg_store.engine.connect() as conn:
+        rows = conn.execute(select(runs).order_by(runs.c.id)).all()
+        messages = unsent.run_messages(conn, rows, "celery")
+    assert all("queue" not in m.payload.get("options", {}) for m in messages)
+    resent = _routing_errors(caplog, keys)
+    assert set(resent) == {"gone", "bad"} and "re-sent" in resent["gone"], caplog.text

@@ -11,6 +11,7 @@ trigger would run silently against the wrong store.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
@@ -50,20 +51,11 @@ def store_id(store: Store) -> str | None:
     Raises:
         StoreUnavailableError: the database cannot be reached.
     """
-    with _lock:
-        found = _cache.get(store.url)
-    if found is not None:
-        return found
-    try:
+    def read() -> object:
         with store.connect() as conn:
-            value = conn.execute(select(store_identity.c.store_id).limit(1)).scalar()
-    except DBAPIError:
-        return None
-    if value is None:
-        return None
-    with _lock:
-        _cache[store.url] = str(value)
-    return str(value)
+            return conn.execute(select(store_identity.c.store_id).limit(1)).scalar()
+
+    return _cached(store, read)
 
 
 def store_id_in(conn: Connection, store: Store) -> str | None:
@@ -71,13 +63,22 @@ def store_id_in(conn: Connection, store: Store) -> str | None:
     a schema without the table leaves the transaction usable). For code already inside a
     write transaction: on SQLite a second connection would wait for the write lock it
     holds. Cached per process and URL like :func:`store_id`."""
+    def read() -> object:
+        with conn.begin_nested():
+            return conn.execute(select(store_identity.c.store_id).limit(1)).scalar()
+
+    return _cached(store, read)
+
+
+def _cached(store: Store, read: Callable[[], object]) -> str | None:
+    """The store's cached id, else ``read()``'s value (cached when there is one); None when
+    there is none or it cannot be read."""
     with _lock:
         found = _cache.get(store.url)
     if found is not None:
         return found
     try:
-        with conn.begin_nested():
-            value = conn.execute(select(store_identity.c.store_id).limit(1)).scalar()
+        value = read()
     except DBAPIError:
         return None
     if value is None:
